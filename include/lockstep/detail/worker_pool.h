@@ -1,0 +1,50 @@
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+/// Persistent threads, one per replica. Each keeps its own intra-op thread
+/// count for its whole life, so replicas on the CPU split the cores instead of
+/// fighting over them. See Note [CPU replicas and threads] in data_parallel.cpp.
+class WorkerPool {
+ public:
+  /// Starts one worker per entry; entry i is worker i's intra-op thread count.
+  /// Returns once every worker has set its count, and restores the caller's
+  /// count for threads created later.
+  explicit WorkerPool(const std::vector<int>& intra_op_threads);
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  size_t size() const {
+    return workers_.size();
+  }
+
+  /// Runs `fn(i)` on worker i for each i in `which` and waits for all of them,
+  /// also when some throw. Returns one exception slot per entry of `which`.
+  /// Calls are serialised: one batch of work at a time.
+  std::vector<std::exception_ptr> run(const std::vector<size_t>& which, const std::function<void(size_t)>& fn);
+
+ private:
+  struct Worker;
+  void loop(Worker& worker, int threads);
+
+  std::mutex run_mutex_;
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  size_t pending_ = 0;
+  size_t started_ = 0;
+  std::vector<std::unique_ptr<Worker>> workers_;
+};
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,33 @@
+#include <lockstep/runtime.h>
+
+#include <c10/util/Exception.h>
+
+#include <fstream>
+
+namespace lockstep {
+
+std::string loaded_blas() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    const auto slash = line.find('/');
+    if (slash == std::string::npos) {
+      continue;
+    }
+    const std::string path = line.substr(slash);
+    if (path.find("libblas") != std::string::npos || path.find("libopenblas") != std::string::npos) {
+      return path;
+    }
+  }
+  return "";
+}
+
+void require_fast_blas(const std::string& who) {
+  const std::string blas = loaded_blas();
+  TORCH_CHECK(
+      blas.find("/blas/libblas") == std::string::npos, who, ": this process loaded the reference BLAS (", blas,
+      "), which is about 20x slower than OpenBLAS for matrix products. Run scripts/setup.sh, which installs "
+      "libopenblas0-openmp and selects it with update-alternatives.");
+}
+
+} // namespace lockstep

@@ -1,0 +1,97 @@
+#include <lockstep/detail/worker_pool.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+namespace lockstep {
+namespace detail {
+
+struct WorkerPool::Worker {
+  std::thread thread;
+  std::condition_variable cv;
+  std::function<void()> task; // guarded by WorkerPool::mutex_
+  bool stop = false;
+};
+
+WorkerPool::WorkerPool(const std::vector<int>& intra_op_threads) {
+  const int caller_threads = at::get_num_threads();
+  workers_.reserve(intra_op_threads.size());
+  for (int threads : intra_op_threads) {
+    TORCH_INTERNAL_ASSERT(threads > 0);
+    workers_.push_back(std::make_unique<Worker>());
+    Worker& w = *workers_.back();
+    w.thread = std::thread([this, &w, threads] { loop(w, threads); });
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait(lock, [&] { return started_ == workers_.size(); });
+  lock.unlock();
+  // at::set_num_threads also stores a process-wide count that threads read
+  // on their first parallel op; put back the caller's so that threads created
+  // later (and the caller itself) keep using every core.
+  at::set_num_threads(caller_threads);
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& w : workers_) {
+      w->stop = true;
+      w->cv.notify_one();
+    }
+  }
+  for (auto& w : workers_) {
+    w->thread.join();
+  }
+}
+
+void WorkerPool::loop(Worker& worker, int threads) {
+  // Initialise this thread's OpenMP state from the process-wide count first,
+  // so that the explicit count below is not overwritten by a lazy init later.
+  at::internal::lazy_init_num_threads();
+  at::set_num_threads(threads);
+  std::unique_lock<std::mutex> lock(mutex_);
+  ++started_;
+  done_cv_.notify_all();
+  while (true) {
+    worker.cv.wait(lock, [&] { return worker.stop || worker.task; });
+    if (worker.stop) {
+      return;
+    }
+    auto task = std::move(worker.task);
+    worker.task = nullptr;
+    lock.unlock();
+    task(); // never throws: run() wraps it
+    lock.lock();
+    if (--pending_ == 0) {
+      done_cv_.notify_all();
+    }
+  }
+}
+
+std::vector<std::exception_ptr> WorkerPool::run(
+    const std::vector<size_t>& which,
+    const std::function<void(size_t)>& fn) {
+  std::lock_guard<std::mutex> run_lock(run_mutex_);
+  std::vector<std::exception_ptr> errors(which.size());
+  std::unique_lock<std::mutex> lock(mutex_);
+  pending_ = which.size();
+  for (size_t slot = 0; slot < which.size(); ++slot) {
+    const size_t index = which[slot];
+    TORCH_INTERNAL_ASSERT(index < workers_.size());
+    Worker& w = *workers_[index];
+    TORCH_INTERNAL_ASSERT(!w.task);
+    w.task = [&fn, &errors, slot, index] {
+      try {
+        fn(index);
+      } catch (...) {
+        errors[slot] = std::current_exception();
+      }
+    };
+    w.cv.notify_one();
+  }
+  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  return errors;
+}
+
+} // namespace detail
+} // namespace lockstep
