@@ -248,23 +248,35 @@ class ParallelBackward : public torch::autograd::Node {
 
 } // namespace
 
-DataParallelCore::DataParallelCore(std::vector<std::shared_ptr<torch::nn::Module>> replicas, DataParallelOptions options)
-    : replicas_(std::move(replicas)), options_(std::move(options)) {
-  auto& devices = options_.devices();
-  TORCH_INTERNAL_ASSERT(replicas_.size() == devices.size() && !devices.empty());
+DataParallelOptions resolve_options(DataParallelOptions options) {
+  if (options.devices().empty()) {
+    options.devices(default_devices());
+  }
+  auto devices = options.devices();
   const auto gpus = static_cast<int64_t>(torch::cuda::device_count());
   for (size_t r = 0; r < devices.size(); ++r) {
     if (devices[r].is_cuda()) {
+      if (!devices[r].has_index()) {
+        devices[r] = torch::Device(torch::kCUDA, 0);
+      }
       TORCH_CHECK(
           devices[r].index() < gpus, "lockstep::DataParallel: devices[", r, "] is ", devices[r],
           " but this process sees ", gpus, " CUDA device(s). Pass existing devices, or torch::kCPU for CPU replicas.");
     }
   }
+  options.devices(devices);
   TORCH_CHECK(
-      options_.intra_op_threads() >= 0, "lockstep::DataParallel: intra_op_threads must be >= 0 (0 splits the cores), but got ",
-      options_.intra_op_threads(), ".");
-  chunk_sizes(1, static_cast<int64_t>(devices.size()), options_.weights()); // validates weights
+      options.intra_op_threads() >= 0,
+      "lockstep::DataParallel: intra_op_threads must be >= 0 (0 splits the cores), but got ", options.intra_op_threads(),
+      ".");
+  chunk_sizes(1, static_cast<int64_t>(devices.size()), options.weights()); // checks the weights
+  return options;
+}
 
+DataParallelCore::DataParallelCore(std::vector<std::shared_ptr<torch::nn::Module>> replicas, DataParallelOptions options)
+    : replicas_(std::move(replicas)), options_(std::move(options)) {
+  const auto& devices = options_.devices();
+  TORCH_INTERNAL_ASSERT(replicas_.size() == devices.size() && !devices.empty());
   for (const auto& named : replicas_[0]->named_parameters()) {
     param_names_.push_back(named.key());
   }
@@ -572,7 +584,10 @@ void DataParallelCore::average_buffers(const Plan& plan) {
       auto term = buffers_[r][b].to(target.device()) * (static_cast<double>(plan.sizes[r]) / plan.batch);
       total = total.defined() ? total + term : term;
     }
-    target.copy_(total);
+    // Through .data(): BatchNorm saves its running stats for backward without
+    // reading them in training mode, and a version bump here would make that
+    // backward fail.
+    target.data().copy_(total);
   }
 }
 

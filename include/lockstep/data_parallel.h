@@ -99,6 +99,10 @@ std::vector<torch::Device> default_devices();
 
 namespace detail {
 
+/// Fills in default devices, gives bare CUDA devices an index, and checks
+/// every option, before anything is cloned.
+DataParallelOptions resolve_options(DataParallelOptions options);
+
 /// What a call's chunking decided: rows and replicas that run.
 struct Plan {
   int64_t batch = 0;
@@ -118,7 +122,7 @@ struct StepInputs {
 class DataParallelCore {
  public:
   /// `replicas[0]` is the wrapped module; the others are its clones, in the
-  /// order of `options.devices()` (already filled in).
+  /// order of `options.devices()`; `options` come from resolve_options().
   DataParallelCore(std::vector<std::shared_ptr<torch::nn::Module>> replicas, DataParallelOptions options);
 
   const DataParallelOptions& options() const {
@@ -188,9 +192,7 @@ class DataParallelImpl : public torch::nn::Module {
   explicit DataParallelImpl(M module, DataParallelOptions options = {}) : module_(std::move(module)) {
     TORCH_CHECK(!module_.is_empty(), "lockstep::DataParallel: the module to wrap is empty (a null holder).");
     register_module("module", module_.ptr());
-    if (options.devices().empty()) {
-      options.devices(default_devices());
-    }
+    options = detail::resolve_options(std::move(options));
     std::vector<std::shared_ptr<torch::nn::Module>> all{module_.ptr()};
     replicas_.push_back(module_.ptr());
     const auto& devices = options.devices();
@@ -333,6 +335,14 @@ template <typename M>
 class DataParallel : public torch::nn::ModuleHolder<DataParallelImpl<M>> {
  public:
   using torch::nn::ModuleHolder<DataParallelImpl<M>>::ModuleHolder;
+
+  /// Same as (*this)->forward(args...). ModuleHolder's own operator() cannot
+  /// see a template forward() and would return void.
+  template <typename... Args>
+  auto operator()(Args&&... args)
+      -> decltype(std::declval<DataParallelImpl<M>&>().forward(std::forward<Args>(args)...)) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
 };
 
 } // namespace lockstep
