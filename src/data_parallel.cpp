@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <thread>
 
 namespace lockstep {
 
@@ -22,7 +23,8 @@ std::vector<torch::Device> default_devices() {
   }
   if (devices.empty()) {
     // More replicas than cores would only oversubscribe them.
-    const int64_t n = std::min<int64_t>(kDefaultCpuReplicas, std::max(1, at::get_num_threads()));
+    const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+    const int64_t n = std::min<int64_t>(kDefaultCpuReplicas, cores);
     devices.assign(n, torch::Device(torch::kCPU));
   }
   return devices;
@@ -56,6 +58,12 @@ void run_replicas(
     const char* stage,
     const std::function<void(size_t)>& fn) {
   at::ThreadLocalState state;
+  for (size_t r : which) {
+    if (devices[r].is_cpu()) {
+      yield_caller_cores();
+      break;
+    }
+  }
   auto errors = pool.run(which, [&](size_t r) {
     at::ThreadLocalStateGuard tls(state);
     c10::OptionalDeviceGuard device_guard;
@@ -169,14 +177,14 @@ class ParallelBackward : public torch::autograd::Node {
     if (!keep_graph) {
       release_variables();
     }
-    return combine(results);
+    return combine(results, on_workers);
   }
 
   std::shared_ptr<WorkerPool> pool_;
   std::vector<torch::Device> devices_;
   std::vector<OutputSpec> specs_;
   std::vector<ReplicaGraph> graphs_;
-  std::vector<torch::Device> param_devices_;
+  std::vector<torch::Tensor> params_; // the wrapped module's, needing grad
   std::vector<InputMeta> inputs_;
 
  private:
@@ -199,18 +207,42 @@ class ParallelBackward : public torch::autograd::Node {
   }
 
   // Sums parameter gradients over replicas and puts input gradients back
-  // together, in the order of this node's next edges.
-  variable_list combine(std::vector<variable_list>& results) const {
-    const size_t n_params = param_devices_.size();
+  // together, in the order of this node's next edges. The sums are spread
+  // over the CPU workers: the calling thread has yielded its cores to them.
+  variable_list combine(std::vector<variable_list>& results, const std::vector<size_t>& workers) const {
+    const size_t n_params = params_.size();
     variable_list out(n_params + inputs_.size());
-    for (size_t p = 0; p < n_params; ++p) {
-      for (auto& result : results) {
-        if (result.empty() || !result[p].defined()) {
-          continue;
+    // A gradient that .grad already holds (zero_grad() without set_to_none,
+    // or accumulation over passes) is added to in place here, on the workers:
+    // the engine would otherwise do it on the calling thread, alone, after us.
+    // The engine's AccumulateGrad then gets an undefined gradient and leaves
+    // .grad alone (its post hooks still run). A first gradient goes through
+    // the engine, which takes the tensor without a copy.
+    auto sum_params = [&](size_t first, size_t stride) {
+      for (size_t p = first; p < n_params; p += stride) {
+        torch::Tensor& grad = params_[p].mutable_grad();
+        const bool in_place = grad.defined() && grad.layout() == torch::kStrided && !torch::GradMode::is_enabled();
+        for (auto& result : results) {
+          if (result.empty() || !result[p].defined()) {
+            continue;
+          }
+          auto g = result[p].to(params_[p].device());
+          if (in_place) {
+            grad.add_(g);
+          } else {
+            out[p] = out[p].defined() ? out[p].add(g) : g;
+          }
         }
-        auto g = result[p].to(param_devices_[p]);
-        out[p] = out[p].defined() ? out[p].add(g) : g;
       }
+    };
+    if (workers.size() > 1) {
+      std::vector<size_t> slot(devices_.size(), 0);
+      for (size_t i = 0; i < workers.size(); ++i) {
+        slot[workers[i]] = i;
+      }
+      run_replicas(*pool_, workers, devices_, "backward", [&](size_t r) { sum_params(slot[r], workers.size()); });
+    } else {
+      sum_params(0, 1);
     }
     for (size_t s = 0; s < inputs_.size(); ++s) {
       const InputMeta& meta = inputs_[s];
@@ -321,11 +353,20 @@ DataParallelCore::DataParallelCore(std::vector<std::shared_ptr<torch::nn::Module
 // Note [CPU replicas and threads]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Two replicas that each use every core run slower than one: they evict each
-// other's caches and OpenMP spins. So each CPU replica's worker sets its own
-// intra-op thread count to its share of the caller's count. LibTorch runs
-// intra-op work on OpenMP, whose thread count is per calling thread, and
-// Debian's OpenMP build of OpenBLAS (set up by scripts/setup.sh) reads that
-// same per-thread count, so matrix products follow it too.
+// other's caches and their OpenMP threads fight. So each CPU replica's worker
+// sets its own intra-op thread count to its share of the caller's count.
+// LibTorch runs intra-op work on OpenMP, whose thread count is per calling
+// thread, and Debian's OpenMP build of OpenBLAS (scripts/setup.sh selects it)
+// reads that same per-thread count, so matrix products follow it too.
+//
+// The calling thread is the other half of the story. After each parallel
+// region, libgomp keeps that thread's team spinning for a while (about 14 ms
+// on the machines we measured) waiting for more work; the caller's optimizer
+// step is such a region, and its spinning threads then take cores from the
+// replicas' forward. Halved throughput, measured. So whenever CPU replicas
+// run, the calling thread drops to one intra-op thread (yield_caller_cores):
+// while DataParallel drives training, its replicas own the cores. See
+// docs/design.md.
 
 torch::Device DataParallelCore::output_device() const {
   return options_.output_device().value_or(options_.devices()[0]);
@@ -534,7 +575,7 @@ std::vector<torch::Tensor> DataParallelCore::gather(
     if (params_[0][p].requires_grad()) {
       grad_params.push_back(p);
       edges_of.push_back(params_[0][p]);
-      node->param_devices_.push_back(params_[0][p].device());
+      node->params_.push_back(params_[0][p]);
     }
   }
   for (const auto& source : inputs.sources) {

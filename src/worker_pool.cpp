@@ -3,6 +3,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace lockstep {
 namespace detail {
 
@@ -49,6 +53,7 @@ void WorkerPool::loop(Worker& worker, int threads) {
   // so that the explicit count below is not overwritten by a lazy init later.
   at::internal::lazy_init_num_threads();
   at::set_num_threads(threads);
+
   std::unique_lock<std::mutex> lock(mutex_);
   ++started_;
   done_cv_.notify_all();
@@ -66,6 +71,16 @@ void WorkerPool::loop(Worker& worker, int threads) {
       done_cv_.notify_all();
     }
   }
+}
+
+void yield_caller_cores() {
+#ifdef _OPENMP
+  // Only this thread's OpenMP setting: at::set_num_threads would also change
+  // the process-wide count that new threads start from.
+  if (omp_get_max_threads() > 1) {
+    omp_set_num_threads(1);
+  }
+#endif
 }
 
 std::vector<std::exception_ptr> WorkerPool::run(

@@ -46,5 +46,10 @@ class WorkerPool {
   std::vector<std::unique_ptr<Worker>> workers_;
 };
 
+/// Drops the calling thread's intra-op threads to one, so that the OpenMP
+/// threads it would otherwise keep spinning after each parallel region do not
+/// take cores from CPU replicas. See Note [CPU replicas and threads].
+void yield_caller_cores();
+
 } // namespace detail
 } // namespace lockstep
