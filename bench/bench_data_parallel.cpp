@@ -5,6 +5,8 @@
 //
 // Each round times every contender for about S seconds, in alternating order;
 // the report gives the median samples/s of each and the ratio of medians.
+// "ceiling" is one replica's share of the batch on one thread, counted as if
+// R replicas ran side by side for free: what DataParallel could reach.
 
 #include "../examples/models.h"
 
@@ -27,6 +29,7 @@ struct Contender {
   std::string name;
   std::function<void()> step;
   std::vector<double> rates; // samples/s per round
+  int threads = 0; // intra-op threads of the timing thread; 0: every core
 };
 
 double median(std::vector<double> v) {
@@ -76,13 +79,27 @@ void run_model(const std::string& model, int64_t batch, int rounds, double secon
     contenders.push_back({"dataparallel", training_step(dp, [dp](const torch::Tensor& x) mutable { return dp(x); }, batch, 28), {}});
   }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // The ceiling for R replicas: one replica's share of the batch on one
+  // thread, as if R of them ran side by side with no cost at all.
+  {
+    auto half = batch / replicas;
+    std::function<void()> inner;
+    if (model == "mlp") {
+      auto net = lockstep::examples::make_mlp();
+      inner = training_step(net, [net](const torch::Tensor& x) mutable { return net->forward(x); }, half, 784);
+    } else {
+      lockstep::examples::ConvNet net;
+      inner = training_step(net, [net](const torch::Tensor& x) mutable { return net->forward(x); }, half, 28);
+    }
+    contenders.push_back({"ceiling", inner, {}, 1});
+  }
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < contenders.size(); ++i) {
       auto& c = contenders[(i + r) % contenders.size()];
       // DataParallel drops its calling thread to one intra-op thread (Note
       // [CPU replicas and threads]); give the bare module every core back.
-      at::set_num_threads(cores);
-      c.rates.push_back(time_steps(c.step, batch, seconds));
+      at::set_num_threads(c.threads > 0 ? c.threads : cores);
+      c.rates.push_back(time_steps(c.step, batch, seconds)); // ceiling: batch/R rows x R replicas
     }
   }
   const double base = median(contenders[0].rates);

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -188,6 +189,11 @@ int main(int argc, char** argv) {
 
   try {
     lockstep::require_fast_blas("lockstep-train");
+    // Keep freed memory in the heap instead of returning every large tensor
+    // to the kernel: fresh pages fault and are zeroed on each step otherwise,
+    // which cost 25% of a CNN step on CPU here (docs/performance.md).
+    mallopt(M_MMAP_THRESHOLD, 256 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
     // Every core: libtorch's own default can be lower (it asks cpuinfo for
     // physical cores, which fails on some virtual machines).
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));

@@ -551,6 +551,15 @@ std::vector<torch::Tensor> DataParallelCore::gather(
         }
         gathered[j] = n == 1 ? parts[0] : torch::cat(parts, spec.dim);
       }
+      // With one replica running, the gathered tensor can be that replica's own
+      // output; giving it ParallelBackward's history would make the replica's
+      // graph loop back into the node. detach() keeps storage and version.
+      for (const auto& p : parts) {
+        if (gathered[j].is_same(p) || gathered[j].is_same(flat[0][j])) {
+          gathered[j] = gathered[j].detach();
+          break;
+        }
+      }
     }
     if (needs_grad && is_differentiable(gathered[j])) {
       differentiable.push_back(j);

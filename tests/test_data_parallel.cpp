@@ -475,6 +475,22 @@ TEST(DataParallel, ChunksFollowWeightsAndSmallBatchesUseFewerReplicas) {
   EXPECT_EQ(dp2->map_replicas([](CounterImpl& m) { return m.calls; }), (std::vector<int64_t>{2, 1, 0}));
 }
 
+TEST(DataParallel, OneRowOnTwoReplicasTrainsLikeBareModule) {
+  torch::manual_seed(8);
+  auto x = torch::randn({1, 16});
+  auto y = torch::randn({1, 4});
+  expect_same_training(Mlp(), DataParallelOptions().devices(cpus(2)), 3, [&](int, auto&& run) {
+    return torch::mse_loss(run(x), y);
+  });
+  // Sum of a single running replica's scalar is that scalar itself.
+  LossNet bare;
+  LossNet net = deep_copy(bare);
+  DataParallel<LossNet> dp(net, DataParallelOptions().devices(cpus(3)).scalar_outputs(ScalarGather::Sum));
+  auto loss = dp(torch::randn({1, 3}), torch::randn({1, 1}));
+  loss.backward();
+  EXPECT_TRUE(net->fc->weight.grad().defined());
+}
+
 TEST(DataParallel, MismatchedBatchSizesAreAClearError) {
   TwoInput net;
   DataParallel<TwoInput> dp(net, DataParallelOptions().devices(cpus(2)));
