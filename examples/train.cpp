@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
   int64_t batch_size = 128;
   double lr = 0.02;
   double momentum = 0.9;
-  int replicas = 0;
+  int replicas = 2;
   uint64_t seed = 1;
   int64_t train_size = 12000;
   int64_t test_size = 2000;
@@ -173,7 +173,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", batch_size, "Global batch size, split between replicas")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--momentum", momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str();
-  app.add_option("--replicas", replicas, "CPU replicas (0: lockstep::default_devices(), all GPUs if any)")
+  app.add_option("--replicas", replicas, "CPU replicas (0: lockstep::default_devices(): every GPU, or one CPU replica without one)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--seed", seed, "Seed of the synthetic data, the model and the shuffling")->capture_default_str();
   auto* train_option = app.add_option("--train-samples", train_size, "Training samples: synthetic ones to make, or the first N of --data")

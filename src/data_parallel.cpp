@@ -11,7 +11,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <thread>
 
 namespace lockstep {
 
@@ -22,10 +21,7 @@ std::vector<torch::Device> default_devices() {
     devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
   }
   if (devices.empty()) {
-    // More replicas than cores would only oversubscribe them.
-    const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-    const int64_t n = std::min<int64_t>(kDefaultCpuReplicas, cores);
-    devices.assign(n, torch::Device(torch::kCPU));
+    devices.assign(kDefaultCpuReplicas, torch::Device(torch::kCPU));
   }
   return devices;
 }
