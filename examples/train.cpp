@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
         epochs, seconds, epochs * n / seconds, model->devices().size(), last_loss, 100 * train_accuracy,
         100 * test_accuracy);
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "lockstep-train: %s\n", e.what_without_backtrace());
+    std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lockstep-train: %s\n", e.what());

@@ -4,13 +4,13 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake ninja-build ccache pkg-config
+  build-essential cmake ninja-build ccache
   libtorch-dev libgloo-dev
   # libtorch runs its intra-op threads on OpenMP; OpenBLAS's OpenMP build takes
   # its thread count from the calling thread, so each DataParallel replica's
   # matrix products stay on that replica's share of the cores (docs/design.md).
   libopenblas0-openmp
-  googletest libgtest-dev libbenchmark-dev libcli11-dev
+  googletest libgtest-dev libcli11-dev
 )
 
 missing=()
@@ -27,16 +27,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# Never run on the reference BLAS: it is about 20x slower for matrix products.
-blas=$(readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3 2>/dev/null || true)
-case "$blas" in
-  *openblas-openmp*) ;;
-  *)
-    sudo_cmd=()
-    [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-    for alt in libblas.so.3-x86_64-linux-gnu liblapack.so.3-x86_64-linux-gnu; do
-      target=/usr/lib/x86_64-linux-gnu/openblas-openmp/${alt%%-x86_64-linux-gnu}
-      [ -e "$target" ] && "${sudo_cmd[@]}" update-alternatives --quiet --set "$alt" "$target"
-    done
-    ;;
-esac
+# Never run on the reference BLAS (about 20x slower for matrix products), nor
+# on OpenBLAS's pthread build: libtorch links libopenblas.so.0 itself, besides
+# libblas.so.3, so all three names must point at the OpenMP build.
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+for name in libblas.so.3 liblapack.so.3 libopenblas.so.0; do
+  alt=$name-x86_64-linux-gnu
+  target=/usr/lib/x86_64-linux-gnu/openblas-openmp/$name
+  current=$(update-alternatives --query "$alt" 2>/dev/null | sed -n 's/^Value: //p')
+  if [ -e "$target" ] && [ "$current" != "$target" ]; then
+    "${sudo_cmd[@]}" update-alternatives --quiet --set "$alt" "$target"
+  fi
+done

@@ -2,11 +2,17 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <fstream>
+#include <vector>
 
 namespace lockstep {
 
-std::string loaded_blas() {
+namespace {
+
+// Every mapped library whose name says BLAS, in map order.
+std::vector<std::string> mapped_blas() {
+  std::vector<std::string> found;
   std::ifstream maps("/proc/self/maps");
   std::string line;
   while (std::getline(maps, line)) {
@@ -14,12 +20,23 @@ std::string loaded_blas() {
     if (slash == std::string::npos) {
       continue;
     }
-    const std::string path = line.substr(slash);
-    if (path.find("libblas") != std::string::npos || path.find("libopenblas") != std::string::npos) {
-      return path;
+    std::string path = line.substr(slash);
+    if ((path.find("libblas") != std::string::npos || path.find("libopenblas") != std::string::npos) &&
+        std::find(found.begin(), found.end(), path) == found.end()) {
+      found.push_back(std::move(path));
     }
   }
-  return "";
+  return found;
+}
+
+} // namespace
+
+std::string loaded_blas() {
+  std::string all;
+  for (const auto& path : mapped_blas()) {
+    all += (all.empty() ? "" : ", ") + path;
+  }
+  return all;
 }
 
 void require_fast_blas(const std::string& who) {

@@ -4,8 +4,8 @@
 
 namespace lockstep {
 
-/// The path of the BLAS library this process loaded, or "" if none is mapped
-/// (read from /proc/self/maps).
+/// The paths of the BLAS libraries this process loaded, comma-separated, or ""
+/// if none is mapped (read from /proc/self/maps).
 std::string loaded_blas();
 
 /// Throws a c10::Error if this process runs on Debian's reference BLAS, which
