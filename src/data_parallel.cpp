@@ -75,6 +75,21 @@ void run_replicas(
   }
 }
 
+void check_tensors_on(
+    const char* kind,
+    const std::vector<std::string>& names,
+    const std::vector<torch::Tensor>& tensors,
+    torch::Device first) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto d = tensors[i].device();
+    TORCH_CHECK(
+        d.type() == first.type() && (!first.has_index() || d.index() == first.index()), "lockstep::DataParallel: ",
+        kind, " '", names[i], "' is on ", d, " but devices[0] is ", first,
+        ". The wrapped module must be on devices[0]: call module->to(", first,
+        ") before wrapping it, or list its device first in devices().");
+  }
+}
+
 bool is_differentiable(const torch::Tensor& t) {
   return at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
 }
@@ -301,6 +316,13 @@ DataParallelOptions resolve_options(DataParallelOptions options) {
   return options;
 }
 
+void check_module_on(const torch::nn::Module& module, torch::Device first) {
+  for (const auto& [kind, named] :
+       {std::make_pair("parameter", module.named_parameters()), std::make_pair("buffer", module.named_buffers())}) {
+    check_tensors_on(kind, named.keys(), named.values(), first);
+  }
+}
+
 DataParallelCore::DataParallelCore(std::vector<std::shared_ptr<torch::nn::Module>> replicas, DataParallelOptions options)
     : replicas_(std::move(replicas)), options_(std::move(options)) {
   const auto& devices = options_.devices();
@@ -369,24 +391,8 @@ torch::Device DataParallelCore::output_device() const {
 }
 
 void DataParallelCore::check_on_first_device() const {
-  const auto first = options_.devices()[0];
-  auto same = [&](const torch::Device& d) {
-    return d.type() == first.type() && (!first.has_index() || d.index() == first.index());
-  };
-  for (size_t i = 0; i < param_names_.size(); ++i) {
-    TORCH_CHECK(
-        same(params_[0][i].device()), "lockstep::DataParallel: parameter '", param_names_[i], "' is on ",
-        params_[0][i].device(), " but devices[0] is ", first,
-        ". The wrapped module must be on devices[0]: call module->to(", first,
-        ") before wrapping it, or list its device first in devices().");
-  }
-  for (size_t i = 0; i < buffer_names_.size(); ++i) {
-    TORCH_CHECK(
-        same(buffers_[0][i].device()), "lockstep::DataParallel: buffer '", buffer_names_[i], "' is on ",
-        buffers_[0][i].device(), " but devices[0] is ", first,
-        ". The wrapped module must be on devices[0]: call module->to(", first,
-        ") before wrapping it, or list its device first in devices().");
-  }
+  check_tensors_on("parameter", param_names_, params_[0], options_.devices()[0]);
+  check_tensors_on("buffer", buffer_names_, buffers_[0], options_.devices()[0]);
 }
 
 Plan DataParallelCore::plan(const SplitSites& sites, const std::function<SplitSites()>& names) const {

@@ -3,6 +3,8 @@
 
 #include <lockstep/scatter_gather.h>
 
+#include "test_util.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -117,14 +119,7 @@ TEST(Scatter, BroadcastAndSplitMarkers) {
   EXPECT_TRUE(torch::equal(std::get<2>(part), x.t().narrow(1, 1, 2)));
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(Scatter, MismatchedBatchNamesBothArgumentsAndSizes) {
   auto a = torch::zeros({10, 3});

@@ -3,6 +3,8 @@
 
 #include <lockstep/lockstep.h>
 
+#include "test_util.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -43,14 +45,7 @@ void expect_buffers_close(torch::nn::Module& a, torch::nn::Module& b, double rto
   }
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 // --- models ---------------------------------------------------------------
 
@@ -623,6 +618,14 @@ TEST(DataParallel, BadOptionsAreClearErrors) {
     });
     EXPECT_NE(message.find("devices[1] is cuda:0 but this process sees 0 CUDA device(s)"), std::string::npos) << message;
   }
+}
+
+TEST(DataParallel, ParameterOffFirstDeviceIsAClearError) {
+  Mlp net;
+  net->fc2->to(torch::kMeta); // a device other than devices[0], on any machine
+  auto message = error_of([&] { DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2))); });
+  EXPECT_NE(message.find("parameter 'fc2.weight' is on meta but devices[0] is cpu"), std::string::npos) << message;
+
 }
 
 // --- CUDA ----------------------------------------------------------------------

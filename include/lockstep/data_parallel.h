@@ -106,6 +106,9 @@ namespace detail {
 /// every option, before anything is cloned.
 DataParallelOptions resolve_options(DataParallelOptions options);
 
+/// Throws, naming the first parameter or buffer of `module` not on `first`.
+void check_module_on(const torch::nn::Module& module, torch::Device first);
+
 /// What a call's chunking decided: rows and replicas that run.
 struct Plan {
   int64_t batch = 0;
@@ -196,6 +199,7 @@ class DataParallelImpl : public torch::nn::Module {
     TORCH_CHECK(!module_.is_empty(), "lockstep::DataParallel: the module to wrap is empty (a null holder).");
     register_module("module", module_.ptr());
     options = detail::resolve_options(std::move(options));
+    detail::check_module_on(*module_, options.devices()[0]); // before clone() trips over it
     std::vector<std::shared_ptr<torch::nn::Module>> all{module_.ptr()};
     replicas_.push_back(module_.ptr());
     const auto& devices = options.devices();
