@@ -620,12 +620,27 @@ TEST(DataParallel, BadOptionsAreClearErrors) {
   }
 }
 
-TEST(DataParallel, ParameterOffFirstDeviceIsAClearError) {
-  Mlp net;
-  net->fc2->to(torch::kMeta); // a device other than devices[0], on any machine
-  auto message = error_of([&] { DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2))); });
-  EXPECT_NE(message.find("parameter 'fc2.weight' is on meta but devices[0] is cpu"), std::string::npos) << message;
+// A parameter on a device other than devices[0], on any machine.
+struct OffDeviceImpl : torch::nn::Cloneable<OffDeviceImpl> {
+  OffDeviceImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(4, 4));
+    extra = register_parameter("extra", torch::empty({4}, torch::kMeta));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc(x);
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor extra;
+};
+TORCH_MODULE(OffDevice);
 
+TEST(DataParallel, ParameterOffFirstDeviceIsAClearError) {
+  auto message = error_of([&] { DataParallel<OffDevice> dp(OffDevice(), DataParallelOptions().devices(cpus(2))); });
+  EXPECT_NE(message.find("parameter 'extra' is on meta but devices[0] is cpu"), std::string::npos) << message;
+  EXPECT_NE(message.find("call module->to(cpu)"), std::string::npos) << message;
 }
 
 // --- CUDA ----------------------------------------------------------------------
