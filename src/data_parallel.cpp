@@ -223,26 +223,17 @@ class ParallelBackward : public torch::autograd::Node {
   variable_list combine(std::vector<variable_list>& results, const std::vector<size_t>& workers) const {
     const size_t n_params = params_.size();
     variable_list out(n_params + inputs_.size());
-    // A gradient that .grad already holds (zero_grad() without set_to_none,
-    // or accumulation over passes) is added to in place here, on the workers:
-    // the engine would otherwise do it on the calling thread, alone, after us.
-    // The engine's AccumulateGrad then gets an undefined gradient and leaves
-    // .grad alone (its post hooks still run). A first gradient goes through
-    // the engine, which takes the tensor without a copy.
+    // The sums go to the engine, which adds them into .grad on the calling
+    // thread (or takes them without a copy when .grad is undefined): tensor
+    // hooks on the parameters see every gradient, as without the wrapper.
     auto sum_params = [&](size_t first, size_t stride) {
       for (size_t p = first; p < n_params; p += stride) {
-        torch::Tensor& grad = params_[p].mutable_grad();
-        const bool in_place = grad.defined() && grad.layout() == torch::kStrided && !torch::GradMode::is_enabled();
         for (auto& result : results) {
           if (result.empty() || !result[p].defined()) {
             continue;
           }
           auto g = result[p].to(params_[p].device());
-          if (in_place) {
-            grad.add_(g);
-          } else {
-            out[p] = out[p].defined() ? out[p].add(g) : g;
-          }
+          out[p] = out[p].defined() ? out[p].add(g) : g;
         }
       }
     };

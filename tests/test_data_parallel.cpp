@@ -319,6 +319,25 @@ TEST(DataParallel, GradientAccumulationOverSeveralPasses) {
   }
 }
 
+TEST(DataParallel, ParameterHooksSeeTheBareGradient) {
+  Mlp bare;
+  Mlp net = deep_copy(bare);
+  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
+  std::vector<torch::Tensor> seen_bare, seen_dp;
+  bare->fc1->weight.register_hook([&](torch::Tensor g) { seen_bare.push_back(g.clone()); });
+  net->fc1->weight.register_hook([&](torch::Tensor g) { seen_dp.push_back(g.clone()); });
+  for (int i = 0; i < 2; ++i) { // the second pass adds into a defined .grad
+    auto x = torch::randn({6, 16});
+    bare(x).sum().backward();
+    dp(x).sum().backward();
+  }
+  ASSERT_EQ(seen_dp.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    ASSERT_TRUE(seen_dp[i].defined());
+    EXPECT_TRUE(torch::allclose(seen_bare[i], seen_dp[i], 1e-5, 1e-6));
+  }
+}
+
 TEST(DataParallel, RetainGraphAllowsSecondBackward) {
   Mlp bare;
   Mlp copy = deep_copy(bare);

@@ -1,0 +1,174 @@
+#pragma once
+
+// lockstep::DistributedDataParallel: one process per rank, gradients averaged
+// over ranks while backward runs. See Note [Reducer state] in src/reducer.cpp
+// and docs/design.md.
+
+#include <lockstep/distributed.h>
+#include <lockstep/reducer.h>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/serialize/archive.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+/// Options of lockstep::DistributedDataParallel, with fluent setters.
+struct DistributedOptions {
+  /// Cap of each bucket after the first (1 MiB), in MiB.
+  TORCH_ARG(double, bucket_cap_mb) = kDefaultBucketCapMb;
+  /// Allow parameters that get no gradient in some iterations; they are
+  /// reduced as zeros. Without it such parameters are an error on every rank.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Copy rank 0's buffers (BatchNorm statistics) to every rank before each
+  /// forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Make each .grad a view into its bucket: no copy in or out, and no
+  /// gradient-sized memory besides the buckets.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// How a bucket is reduced: comm_hooks::allreduce, fp16_compress,
+  /// bf16_compress, or your own.
+  TORCH_ARG(CommHook, comm_hook) = comm_hooks::allreduce;
+};
+
+namespace detail {
+
+/// The part of DistributedDataParallel that does not depend on the module's
+/// type: checks, broadcasts and the reducer.
+class DistributedCore {
+ public:
+  DistributedCore(torch::nn::Module& module, ProcessGroup group, const DistributedOptions& options);
+
+  /// Buffers from rank 0 if asked, and the reducer told what the next
+  /// backward must do.
+  void before_forward();
+
+  const ProcessGroup& group() const {
+    return group_;
+  }
+  Reducer& reducer() {
+    return *reducer_;
+  }
+  bool sync = true;
+
+ private:
+  ProcessGroup group_;
+  bool broadcast_buffers_;
+  std::vector<torch::Tensor> buffers_;
+  std::unique_ptr<Reducer> reducer_;
+};
+
+/// Checks that every rank has the same parameters (count, names, shapes,
+/// dtypes, in order); a mismatch throws on every rank, naming the first
+/// differing parameter and what rank 0 has.
+void verify_same_parameters(const ProcessGroup& group, const std::vector<std::string>& names, const std::vector<torch::Tensor>& params);
+
+/// Copies root's `tensors` into every rank's, one collective per dtype.
+void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root, const std::string& what);
+
+} // namespace detail
+
+/// While alive, forward and backward through the DistributedDataParallel do
+/// not communicate: .grad accumulates locally, and the next forward outside
+/// the guard reduces the accumulated sum in its backward.
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(detail::DistributedCore& core) : core_(&core), previous_(core.sync) {
+    core_->sync = false;
+  }
+  NoSyncGuard(NoSyncGuard&& other) noexcept : core_(other.core_), previous_(other.previous_) {
+    other.core_ = nullptr;
+  }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+  ~NoSyncGuard() {
+    if (core_ != nullptr) {
+      core_->sync = previous_;
+    }
+  }
+
+ private:
+  detail::DistributedCore* core_;
+  bool previous_;
+};
+
+/// Data parallelism over processes. Made through the holder
+/// DistributedDataParallel<M>.
+template <typename M>
+class DistributedDataParallelImpl : public torch::nn::Module {
+ public:
+  using Impl = typename M::ContainedType;
+
+  /// Checks that every rank built the same parameters, copies rank 0's
+  /// parameters and buffers to every rank, and installs the gradient hooks.
+  DistributedDataParallelImpl(M module, ProcessGroup group, DistributedOptions options = {})
+      : module_(std::move(module)) {
+    TORCH_CHECK(!module_.is_empty(), "lockstep::DistributedDataParallel: the module to wrap is empty (a null holder).");
+    register_module("module", module_.ptr());
+    core_ = std::make_unique<detail::DistributedCore>(*module_, std::move(group), options);
+  }
+
+  /// Takes exactly M's forward arguments and returns its type.
+  template <typename... Args>
+  auto forward(Args&&... args) -> decltype(std::declval<Impl&>().forward(std::forward<Args>(args)...)) {
+    core_->before_forward();
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
+  /// See NoSyncGuard: `{ auto guard = ddp->no_sync(); ... }`.
+  NoSyncGuard no_sync() {
+    return NoSyncGuard(*core_);
+  }
+
+  /// The wrapped module.
+  M module() const {
+    return module_;
+  }
+  const ProcessGroup& group() const {
+    return core_->group();
+  }
+  /// Parameter indices (in parameters() order) per bucket, in reduction order.
+  std::vector<std::vector<size_t>> buckets() const {
+    return core_->reducer().buckets();
+  }
+
+  /// Saves the wrapped module as if it were bare (no "module." prefix).
+  void save(torch::serialize::OutputArchive& archive) const override {
+    module_->save(archive);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    module_->load(archive);
+  }
+  void pretty_print(std::ostream& stream) const override {
+    stream << "lockstep::DistributedDataParallel(rank=" << core_->group().rank() << ", world_size=" << core_->group().size()
+           << ", backend=" << core_->group().backend() << ")";
+  }
+
+ private:
+  M module_;
+  std::unique_ptr<detail::DistributedCore> core_;
+};
+
+/// `lockstep::DistributedDataParallel<Net> ddp(net, group, DistributedOptions());`
+template <typename M>
+class DistributedDataParallel : public torch::nn::ModuleHolder<DistributedDataParallelImpl<M>> {
+ public:
+  using torch::nn::ModuleHolder<DistributedDataParallelImpl<M>>::ModuleHolder;
+
+  /// Same as (*this)->forward(args...). ModuleHolder's own operator() cannot
+  /// see a template forward() and would return void.
+  template <typename... Args>
+  auto operator()(Args&&... args)
+      -> decltype(std::declval<DistributedDataParallelImpl<M>&>().forward(std::forward<Args>(args)...)) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
+};
+
+} // namespace lockstep

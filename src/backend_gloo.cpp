@@ -1,0 +1,39 @@
+// Compiled when LibTorch has c10d's Gloo process group; src/no_gloo.cpp otherwise.
+
+#include "c10d_group.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/version.h>
+
+#include <cstdlib>
+
+namespace lockstep {
+namespace detail {
+
+bool gloo_available() {
+  return true;
+}
+
+std::shared_ptr<GroupImpl> make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    const std::string& hostname) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  // GLOO_SOCKET_IFNAME picks the interface, as for PyTorch; otherwise bind
+  // to the address the store is reached at, so one machine stays on loopback.
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+  }
+  options->threads = 2;
+  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+  // LibTorch 1.x's ProcessGroupGloo is a c10d::ProcessGroup, 2.x's a c10d::Backend:
+  // C10dGroup takes either.
+  return std::make_shared<C10dGroup<c10d::ProcessGroupGloo>>(std::move(group), "gloo", timeout);
+}
+
+} // namespace detail
+} // namespace lockstep

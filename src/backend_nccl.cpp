@@ -1,0 +1,28 @@
+// Compiled when LibTorch has c10d's NCCL process group (a CUDA build with
+// USE_C10D_NCCL); src/no_nccl.cpp otherwise. Not yet run on a GPU: see the
+// CUDA issue.
+
+#include "c10d_group.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+namespace lockstep {
+namespace detail {
+
+bool nccl_available() {
+  return true;
+}
+
+std::shared_ptr<GroupImpl> make_nccl_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+  return std::make_shared<C10dGroup<c10d::ProcessGroupNCCL>>(std::move(group), "nccl", timeout);
+}
+
+} // namespace detail
+} // namespace lockstep

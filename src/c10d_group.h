@@ -1,0 +1,162 @@
+#pragma once
+
+// Internal: a GroupImpl over any c10d object with c10d's collective methods.
+// LibTorch 1.13's Gloo group is a c10d::ProcessGroup and 2.x's a
+// c10d::Backend; both have the same allreduce/broadcast/allgather/barrier, so
+// one template serves both, and the backends name the type (backend_*.cpp).
+
+#include <lockstep/distributed.h>
+
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <c10/util/Exception.h>
+
+#include <string>
+#include <utility>
+
+namespace lockstep {
+namespace detail {
+
+/// Rethrows a failed collective as a c10::Error naming it, the rank and the
+/// group's timeout (Gloo reports a stopped peer as a timeout or a closed
+/// connection).
+[[noreturn]] void throw_collective_error(
+    const std::string& what,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    const std::string& cause);
+
+class C10dWork : public Work {
+ public:
+  C10dWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int size, std::chrono::milliseconds timeout)
+      : work_(std::move(work)), what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout) {}
+  void wait() override {
+    try {
+      work_->wait();
+    } catch (const c10::Error& e) {
+      throw_collective_error(what_, rank_, size_, timeout_, e.msg());
+    } catch (const std::exception& e) {
+      throw_collective_error(what_, rank_, size_, timeout_, e.what());
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+};
+
+/// A collective with nothing to do.
+struct DoneWork : Work {
+  void wait() override {}
+};
+
+inline c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg: // summed here; ProcessGroup::allreduce divides
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::Max:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::Min:
+      return c10d::ReduceOp::MIN;
+  }
+  TORCH_INTERNAL_ASSERT(false);
+}
+
+template <typename Group>
+class C10dGroup : public GroupImpl {
+ public:
+  C10dGroup(c10::intrusive_ptr<Group> group, std::string backend, std::chrono::milliseconds timeout)
+      : group_(std::move(group)), backend_(std::move(backend)), timeout_(timeout) {}
+
+  int rank() const override {
+    return group_->getRank();
+  }
+  int size() const override {
+    return group_->getSize();
+  }
+  std::string backend() const override {
+    return backend_;
+  }
+  std::chrono::milliseconds timeout() const override {
+    return timeout_;
+  }
+  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
+    if (empty(tensors)) {
+      return std::make_shared<DoneWork>();
+    }
+    c10d::AllreduceOptions options;
+    options.reduceOp = to_c10d(op);
+    return wrap([&] { return group_->allreduce(tensors, options); }, std::move(what));
+  }
+  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
+    if (empty(tensors)) {
+      return std::make_shared<DoneWork>();
+    }
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    return wrap([&] { return group_->broadcast(tensors, options); }, std::move(what));
+  }
+  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
+    if (input.numel() == 0) {
+      return std::make_shared<DoneWork>();
+    }
+    std::vector<std::vector<torch::Tensor>> out{outputs};
+    std::vector<torch::Tensor> in{input};
+    auto work = wrap([&] { return group_->allgather(out, in); }, std::move(what));
+    // c10d fills the tensors of `out`, which share storage with `outputs`.
+    return work;
+  }
+  std::shared_ptr<Work> barrier(std::string what) override {
+    return wrap([&] { return group_->barrier(); }, std::move(what));
+  }
+
+ private:
+  // Gloo divides by the element count: an empty tensor would crash it (SIGFPE
+  // in gloo::allgather). Shapes agree on every rank, so all ranks skip alike.
+  static bool empty(const std::vector<torch::Tensor>& tensors) {
+    for (const auto& t : tensors) {
+      if (t.numel() > 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  template <typename F>
+  std::shared_ptr<Work> wrap(F&& start, std::string what) {
+    try {
+      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_);
+    } catch (const c10::Error& e) {
+      throw_collective_error(what, rank(), size(), timeout_, e.msg());
+    } catch (const std::exception& e) {
+      throw_collective_error(what, rank(), size(), timeout_, e.what());
+    }
+  }
+
+  c10::intrusive_ptr<Group> group_;
+  std::string backend_;
+  std::chrono::milliseconds timeout_;
+};
+
+/// Made by src/backend_gloo.cpp or src/no_gloo.cpp, and the NCCL pair.
+bool gloo_available();
+std::shared_ptr<GroupImpl> make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    const std::string& hostname);
+bool nccl_available();
+std::shared_ptr<GroupImpl> make_nccl_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout);
+
+} // namespace detail
+} // namespace lockstep

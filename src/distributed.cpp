@@ -1,0 +1,241 @@
+#include <lockstep/distributed.h>
+
+#include "c10d_group.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <sstream>
+
+namespace lockstep {
+namespace detail {
+
+[[noreturn]] void throw_collective_error(
+    const std::string& what,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    const std::string& cause) {
+  TORCH_CHECK(
+      false, "lockstep: rank ", rank, " of ", size, ": ", what, " failed or did not complete within the group's timeout of ",
+      timeout.count(), " ms. Another rank may have stopped, crashed or be stuck elsewhere; its own error says why. "
+      "Cause: ", cause);
+}
+
+namespace {
+
+// A group of one: nothing to exchange.
+class LocalGroup : public GroupImpl {
+ public:
+  using Done = DoneWork;
+  int rank() const override {
+    return 0;
+  }
+  int size() const override {
+    return 1;
+  }
+  std::string backend() const override {
+    return "local";
+  }
+  std::chrono::milliseconds timeout() const override {
+    return kDefaultTimeout;
+  }
+  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>&, ReduceOp, std::string) override {
+    return std::make_shared<Done>();
+  }
+  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>&, int, std::string) override {
+    return std::make_shared<Done>();
+  }
+  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string) override {
+    TORCH_INTERNAL_ASSERT(outputs.size() == 1);
+    outputs[0].copy_(input);
+    return std::make_shared<Done>();
+  }
+  std::shared_ptr<Work> barrier(std::string) override {
+    return std::make_shared<Done>();
+  }
+};
+
+std::string available_list() {
+  std::string list;
+  for (const auto& b : available_backends()) {
+    list += (list.empty() ? "" : ", ") + ("\"" + b + "\"");
+  }
+  return list.empty() ? "none" : list;
+}
+
+} // namespace
+
+int64_t parse_int(const std::string& name, const char* value, int64_t low, int64_t high, const char* form) {
+  TORCH_CHECK(value != nullptr, "lockstep: environment variable ", name, " is not set; expected ", form,
+              ". Launch with lockstep-run or torchrun, or pass the value in ProcessGroupOptions.");
+  errno = 0;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  TORCH_CHECK(
+      *value != '\0' && *end == '\0' && errno == 0 && parsed >= low && parsed <= high, "lockstep: environment variable ",
+      name, "=\"", value, "\" is malformed; expected ", form, ".");
+  return parsed;
+}
+
+LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get) {
+  LaunchEnv env;
+  env.world_size = options.world_size() > 0 ? options.world_size()
+                                            : parse_int("WORLD_SIZE", get("WORLD_SIZE"), 1, 1 << 20, "a whole number >= 1");
+  env.rank = options.rank() >= 0
+      ? options.rank()
+      : parse_int("RANK", get("RANK"), 0, env.world_size - 1, ("a whole number in [0, WORLD_SIZE)"));
+  TORCH_CHECK(
+      env.rank >= 0 && env.rank < env.world_size, "lockstep: rank ", env.rank, " is out of range for world size ",
+      env.world_size, "; expected 0 <= rank < world_size.");
+  if (const char* v = get("LOCAL_WORLD_SIZE")) {
+    env.local_world_size = parse_int("LOCAL_WORLD_SIZE", v, 1, 1 << 20, "a whole number >= 1");
+  }
+  if (const char* v = get("LOCAL_RANK")) {
+    env.local_rank = parse_int("LOCAL_RANK", v, 0, env.local_world_size - 1, "a whole number in [0, LOCAL_WORLD_SIZE)");
+  }
+  if (env.world_size == 1) {
+    return env; // no store needed
+  }
+  env.master_addr = options.master_addr();
+  if (env.master_addr.empty()) {
+    const char* addr = get("MASTER_ADDR");
+    TORCH_CHECK(addr != nullptr && *addr != '\0', "lockstep: environment variable MASTER_ADDR is not set; expected the "
+                "host name or IP address of rank 0 (for one machine, 127.0.0.1). Launch with lockstep-run or "
+                "torchrun, or pass master_addr in ProcessGroupOptions.");
+    env.master_addr = addr;
+  }
+  env.master_port = options.master_port() > 0 ? options.master_port()
+                                              : parse_int("MASTER_PORT", get("MASTER_PORT"), 1, 65535, "a port number in [1, 65535]");
+  TORCH_CHECK(
+      env.master_port >= 1 && env.master_port <= 65535, "lockstep: master_port ", env.master_port,
+      " is not a port number; expected 1 to 65535.");
+  return env;
+}
+
+} // namespace detail
+
+ProcessGroup::ProcessGroup() : impl_(std::make_shared<detail::LocalGroup>()) {}
+
+ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) : impl_(std::move(impl)) {
+  TORCH_CHECK(impl_ != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
+}
+
+ProcessGroup ProcessGroup::from_c10d(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  TORCH_CHECK(group, "lockstep::ProcessGroup::from_c10d: the c10d process group is null.");
+  const auto name = group->getBackendName();
+  return ProcessGroup(std::make_shared<detail::C10dGroup<c10d::ProcessGroup>>(std::move(group), name, kDefaultTimeout));
+}
+
+void ProcessGroup::allreduce(torch::Tensor& tensor, ReduceOp op) const {
+  if (size() == 1) {
+    return;
+  }
+  std::vector<torch::Tensor> tensors{tensor};
+  impl_->allreduce(tensors, op, "allreduce")->wait();
+  if (op == ReduceOp::Avg) {
+    tensor.div_(size());
+  }
+}
+
+void ProcessGroup::broadcast(torch::Tensor& tensor, int root) const {
+  TORCH_CHECK(root >= 0 && root < size(), "lockstep::ProcessGroup::broadcast: root ", root, " is not a rank of a group of ",
+              size(), ".");
+  std::vector<torch::Tensor> tensors{tensor};
+  impl_->broadcast(tensors, root, "broadcast")->wait();
+}
+
+std::vector<torch::Tensor> ProcessGroup::all_gather(const torch::Tensor& tensor) const {
+  std::vector<torch::Tensor> outputs;
+  for (int r = 0; r < size(); ++r) {
+    outputs.push_back(torch::empty_like(tensor));
+  }
+  auto input = tensor.contiguous();
+  impl_->all_gather(outputs, input, "all_gather")->wait();
+  return outputs;
+}
+
+void ProcessGroup::barrier() const {
+  impl_->barrier("barrier")->wait();
+}
+
+std::vector<std::string> available_backends() {
+  std::vector<std::string> backends;
+  if (detail::gloo_available()) {
+    backends.push_back("gloo");
+  }
+  if (detail::nccl_available()) {
+    backends.push_back("nccl");
+  }
+  return backends;
+}
+
+namespace {
+
+// "auto" made concrete, or an error listing what this build has.
+std::string resolve_backend(const std::string& backend) {
+  std::string chosen = backend;
+  if (chosen == "auto") {
+    chosen = detail::nccl_available() && torch::cuda::is_available() ? "nccl" : "gloo";
+  }
+  const auto all = available_backends();
+  TORCH_CHECK(std::find(all.begin(), all.end(), chosen) != all.end(), "lockstep: backend \"", backend,
+              "\" is not available in this build; available: ", detail::available_list(), ", or \"auto\".");
+  return chosen;
+}
+
+ProcessGroup make_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    const std::string& backend,
+    std::chrono::milliseconds timeout,
+    const std::string& hostname) {
+  if (backend == "nccl") {
+    return ProcessGroup(detail::make_nccl_group(store, rank, size, timeout));
+  }
+  return ProcessGroup(detail::make_gloo_group(store, rank, size, timeout, hostname));
+}
+
+} // namespace
+
+ProcessGroup new_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    const std::string& backend,
+    std::chrono::milliseconds timeout) {
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "lockstep::new_group: rank ", rank, " is out of range for size ",
+              size, ".");
+  return make_group(store, rank, size, resolve_backend(backend), timeout, "127.0.0.1");
+}
+
+ProcessGroup init_process_group(ProcessGroupOptions options) {
+  const auto env = detail::parse_launch_env(options, [](const char* name) { return std::getenv(name); });
+  const std::string backend = resolve_backend(options.backend());
+  if (env.world_size == 1) {
+    return ProcessGroup();
+  }
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(env.master_port);
+  store_options.isServer = env.rank == 0;
+  store_options.numWorkers = static_cast<size_t>(env.world_size);
+  store_options.waitWorkers = true;
+  store_options.timeout = options.timeout();
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", env.rank == 0 ? "start" : "reach",
+                " the store at ", env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
+                " ms (is the port free, and did every rank start?): ", e.what());
+  }
+  return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, options.timeout(),
+                    env.master_addr);
+}
+
+} // namespace lockstep
