@@ -81,7 +81,13 @@ class Completed : public PendingReduction {
 
 std::shared_ptr<PendingReduction> compressed(const ProcessGroup& group, GradBucket& bucket, torch::Dtype dtype) {
   // Divide first: summing already-averaged values cannot overflow float16.
-  std::vector<torch::Tensor> tensors{bucket.buffer.div(group.size()).to(dtype)};
+  auto values = bucket.buffer.div(group.size()).to(dtype);
+  if (dtype == torch::kBFloat16 && group.backend() == "gloo") {
+    // Gloo cannot sum bfloat16: round to it (the same precision loss), then
+    // sum in the bucket's own type. Nothing is saved on the wire here.
+    values = values.to(bucket.buffer.scalar_type());
+  }
+  std::vector<torch::Tensor> tensors{values};
   auto work = group.impl().allreduce(tensors, ReduceOp::Sum, "allreduce of " + bucket.name);
   auto buffer = bucket.buffer;
   auto reduced = tensors[0];

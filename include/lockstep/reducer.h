@@ -55,7 +55,9 @@ std::shared_ptr<PendingReduction> allreduce(const ProcessGroup& group, GradBucke
 /// Divided by the world size, cast to float16, summed over ranks, cast back.
 /// Halves the bytes sent; values lose float16's precision (about 1e-3 relative).
 std::shared_ptr<PendingReduction> fp16_compress(const ProcessGroup& group, GradBucket& bucket);
-/// As fp16_compress with bfloat16 (wider range, about 1e-2 relative).
+/// As fp16_compress with bfloat16 (wider range, about 1e-2 relative). Gloo
+/// cannot sum bfloat16, so over Gloo the values are rounded to bfloat16 and
+/// summed in the bucket's type: the same precision, no bytes saved.
 std::shared_ptr<PendingReduction> bf16_compress(const ProcessGroup& group, GradBucket& bucket);
 /// A reduction that is already done, for hooks that compute synchronously.
 std::shared_ptr<PendingReduction> completed(torch::Tensor averaged);
