@@ -1,0 +1,109 @@
+// One rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per
+// contender, with torchrun's environment variables).
+//
+//   lockstep-bench-ddp MODE MODEL STEPS
+//
+// MODE: lockstep | views (gradient_as_bucket_view) | naive (one allreduce per
+// gradient after backward) | nocomm (no communication: the limit).
+// MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)); global batch
+// 256, split over the ranks. Rank 0 prints one line:
+//   MODE MODEL steps_per_s=X rss_mb=R0,R1
+
+#include <lockstep/lockstep.h>
+
+#include <torch/torch.h>
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+namespace {
+
+torch::nn::Sequential make_model(const std::string& name) {
+  torch::nn::Sequential net;
+  if (name == "mlp") {
+    net->push_back(torch::nn::Linear(784, 1024));
+    net->push_back(torch::nn::ReLU());
+    net->push_back(torch::nn::Linear(1024, 1024));
+    net->push_back(torch::nn::ReLU());
+    net->push_back(torch::nn::Linear(1024, 10));
+  } else {
+    for (int i = 0; i < 48; ++i) {
+      net->push_back(torch::nn::Linear(256, 256));
+      net->push_back(torch::nn::ReLU());
+    }
+  }
+  return net;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s lockstep|views|naive|nocomm mlp|deep STEPS\n", argv[0]);
+    return 2;
+  }
+  const std::string mode = argv[1];
+  const std::string model = argv[2];
+  const int steps = std::atoi(argv[3]);
+  try {
+    lockstep::require_fast_blas("lockstep-bench-ddp");
+    at::set_num_threads(1); // one core per rank, as the Python contender
+    auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("gloo"));
+    torch::manual_seed(0);
+    auto net = make_model(model);
+    const int64_t batch = 256 / group.size();
+    const int64_t features = model == "mlp" ? 784 : 256;
+    auto x = torch::randn({batch, features});
+    auto y = torch::randint(0, 10, {batch});
+
+    std::function<torch::Tensor(const torch::Tensor&)> forward = [net](const torch::Tensor& in) mutable { return net->forward(in); };
+    std::shared_ptr<lockstep::DistributedDataParallel<torch::nn::Sequential>> ddp;
+    if (mode == "lockstep" || mode == "views") {
+      ddp = std::make_shared<lockstep::DistributedDataParallel<torch::nn::Sequential>>(
+          net, group, lockstep::DistributedOptions().gradient_as_bucket_view(mode == "views"));
+      forward = [ddp](const torch::Tensor& in) { return (*ddp)(in); };
+    } else if (mode == "naive") {
+      for (auto& p : net->parameters()) { // the initial broadcast naive code often forgets
+        group.broadcast(p, 0);
+      }
+    }
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    auto step = [&] {
+      optimizer.zero_grad();
+      torch::cross_entropy_loss(forward(x), y).backward();
+      if (mode == "naive") {
+        for (auto& p : net->parameters()) {
+          group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
+        }
+      }
+      optimizer.step();
+    };
+    for (int i = 0; i < 5; ++i) {
+      step();
+    }
+    group.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) {
+      step();
+    }
+    group.barrier();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    auto rss = group.all_gather(torch::tensor({static_cast<double>(usage.ru_maxrss) / 1024.0}, torch::kDouble));
+    if (group.rank() == 0) {
+      std::printf("%s %s steps_per_s=%.2f rss_mb=", mode.c_str(), model.c_str(), steps / seconds);
+      for (size_t r = 0; r < rss.size(); ++r) {
+        std::printf("%s%.1f", r ? "," : "", rss[r].item<double>());
+      }
+      std::printf("\n");
+    }
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,66 @@
+"""One contender of bench/run_ddp_bench.sh: PyTorch's own DistributedDataParallel
+(Debian's python3-torch), gloo, 2 processes of one thread each, with the same
+model, batch, optimizer and thread count as bench/bench_ddp.cpp.
+
+    python3 bench/ddp_python.py MODEL STEPS PORT
+
+Rank 0 prints: python MODEL steps_per_s=X rss_mb=R0,R1
+"""
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def make_model(name):
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    layers = []
+    for _ in range(48):
+        layers += [nn.Linear(256, 256), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def run(rank, world, model_name, steps, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    net = nn.parallel.DistributedDataParallel(make_model(model_name))
+    batch = 256 // world
+    x = torch.randn(batch, 784 if model_name == "mlp" else 256)
+    y = torch.randint(0, 10, (batch,))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+
+    for _ in range(5):
+        step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    gathered = [torch.zeros_like(rss) for _ in range(world)]
+    dist.all_gather(gathered, rss)
+    if rank == 0:
+        print(f"python {model_name} steps_per_s={steps / seconds:.2f} rss_mb=" + ",".join(f"{t.item():.1f}" for t in gathered),
+              flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    model_name, steps, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    mp.spawn(run, args=(2, model_name, steps, port), nprocs=2)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The DDP benchmark: lockstep DDP, Python DDP, the naive C++ approach and no
+# communication at all, each as 2 processes of one core, in alternating order
+# over several rounds; then medians and ratios.
+#
+#   bench/run_ddp_bench.sh [ROUNDS] [STEPS_MLP] [STEPS_DEEP]
+#
+# Needs a built tree (scripts/build.sh) and Debian's python3-torch, which it
+# installs when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-5}
+steps_mlp=${2:-40}
+steps_deep=${3:-60}
+# Debian's interpreter: the one python3-torch installs into (PATH may name another).
+py=/usr/bin/python3
+if ! "$py" -c "import torch" 2>/dev/null; then
+  echo "run_ddp_bench: installing python3-torch"
+  sudo_cmd=(); [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends python3-torch >/dev/null
+fi
+out=$(mktemp)
+run_pair() { # MODE MODEL STEPS
+  local port=$((20000 + RANDOM % 20000))
+  if [ "$1" = python ]; then
+    "$py" bench/ddp_python.py "$2" "$3" "$port" 2>/dev/null | grep steps_per_s >>"$out"
+    return
+  fi
+  local pids=()
+  for rank in 0 1; do
+    RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
+      build/lockstep-bench-ddp "$1" "$2" "$3" >>"$out" &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+}
+contenders=(lockstep python naive nocomm views)
+for ((round = 0; round < rounds; round++)); do
+  for model in mlp deep; do
+    steps=$steps_mlp; [ "$model" = deep ] && steps=$steps_deep
+    n=${#contenders[@]}
+    for ((i = 0; i < n; i++)); do
+      run_pair "${contenders[$(((i + round) % n))]}" "$model" "$steps"
+    done
+  done
+done
+"$py" - "$out" <<'PY'
+import collections, statistics, sys
+rates = collections.defaultdict(list)
+rss = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    mode, model, sps, mem = line.split()
+    rates[(model, mode)].append(float(sps.split("=")[1]))
+    rss[(model, mode)].append(max(float(v) for v in mem.split("=")[1].split(",")))
+for model in ("mlp", "deep"):
+    med = {mode: statistics.median(rates[(model, mode)]) for (m, mode) in rates if m == model}
+    print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
+    for mode in ("lockstep", "views", "python", "naive", "nocomm"):
+        print(f"  {mode:9s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
+              f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB")
+PY
+rm -f "$out"
