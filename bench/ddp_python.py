@@ -58,7 +58,6 @@ def run(rank, world, model_name, steps, port):
     if rank == 0:
         print(f"python {model_name} steps_per_s={steps / seconds:.2f} rss_mb=" + ",".join(f"{t.item():.1f}" for t in gathered),
               flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

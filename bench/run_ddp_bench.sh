@@ -23,13 +23,14 @@ out=$(mktemp)
 run_pair() { # MODE MODEL STEPS
   local port=$((20000 + RANDOM % 20000))
   if [ "$1" = python ]; then
-    "$py" bench/ddp_python.py "$2" "$3" "$port" 2>/dev/null | grep steps_per_s >>"$out"
+    # A time limit: Debian's torch.multiprocessing has been seen to hang at exit.
+    timeout -k 5 120 "$py" bench/ddp_python.py "$2" "$3" "$port" 2>/dev/null | grep steps_per_s >>"$out" || true
     return
   fi
   local pids=()
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
-      build/lockstep-bench-ddp "$1" "$2" "$3" >>"$out" &
+      timeout -k 5 120 build/lockstep-bench-ddp "$1" "$2" "$3" >>"$out" &
     pids+=($!)
   done
   wait "${pids[@]}"

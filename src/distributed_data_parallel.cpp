@@ -123,7 +123,9 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   reducer_ = std::make_unique<Reducer>(
       std::move(params), std::move(names), group_,
       ReducerOptions()
-          .bucket_bytes(static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024))
+          // A cap below the first bucket's 1 MiB caps the first bucket too.
+          .first_bucket_bytes(std::min(kFirstBucketBytes, std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024))))
+          .bucket_bytes(std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024)))
           .find_unused_parameters(options.find_unused_parameters())
           .gradient_as_bucket_view(options.gradient_as_bucket_view())
           .comm_hook(options.comm_hook()));

@@ -52,8 +52,8 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(
 }
 
 namespace comm_hooks {
-namespace {
 
+// A collective and what turns its result into the averaged bucket.
 class WorkReduction : public PendingReduction {
  public:
   WorkReduction(std::shared_ptr<Work> work, std::function<torch::Tensor()> finish)
@@ -67,6 +67,8 @@ class WorkReduction : public PendingReduction {
   std::shared_ptr<Work> work_;
   std::function<torch::Tensor()> finish_;
 };
+
+namespace {
 
 class Completed : public PendingReduction {
  public:
@@ -204,8 +206,6 @@ Reducer::Reducer(std::vector<torch::Tensor> params, std::vector<std::string> nam
   s.names = std::move(names);
   s.group = std::move(group);
   s.options = std::move(options);
-  TORCH_CHECK(s.options.comm_hook() != nullptr, "lockstep::DistributedDataParallel: comm_hook is empty; pass a function, "
-              "or leave the default lockstep::comm_hooks::allreduce.");
 
   std::vector<int64_t> bytes;
   std::vector<std::string> keys;
@@ -311,10 +311,21 @@ void Reducer::State::autograd_hook(size_t index) {
   auto& view = buckets[slot_of[index].first].views[slot_of[index].second];
   auto& grad = params[index].mutable_grad();
   torch::NoGradGuard no_grad;
+  // The built-in allreduce sums what the ranks put in: put in grad / world,
+  // in the same pass as the copy.
+  const bool built_in = !options.comm_hook();
   if (!grad.defined()) {
     view.zero_();
-  } else if (!(options.gradient_as_bucket_view() && grad.data_ptr() == view.data_ptr())) {
-    view.copy_(grad);
+  } else if (options.gradient_as_bucket_view() && grad.data_ptr() == view.data_ptr()) {
+    if (built_in) {
+      view.div_(group.size());
+    }
+  } else {
+    if (built_in) {
+      at::mul_out(view, grad, at::scalar_tensor(1.0 / group.size(), grad.options()));
+    } else {
+      view.copy_(grad);
+    }
     if (options.gradient_as_bucket_view()) {
       grad = view; // zero_grad(set_to_none) or a stolen gradient replaced the view
     }
@@ -334,8 +345,15 @@ void Reducer::State::mark_ready(size_t index) {
 void Reducer::State::launch_ready_buckets() {
   while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
     auto& bucket = buckets[next_bucket];
-    GradBucket view{next_bucket, bucket.buffer, bucket.params, bucket.name};
-    bucket.result = options.comm_hook()(group, view);
+    if (options.comm_hook()) {
+      GradBucket view{next_bucket, bucket.buffer, bucket.params, bucket.name};
+      bucket.result = options.comm_hook()(group, view);
+    } else {
+      std::vector<torch::Tensor> tensors{bucket.buffer};
+      bucket.result = std::make_shared<comm_hooks::WorkReduction>(
+          group.impl().allreduce(tensors, ReduceOp::Sum, "allreduce of " + bucket.name),
+          [buffer = bucket.buffer] { return buffer; });
+    }
     TORCH_CHECK(bucket.result != nullptr, where(), "the communication hook returned no result for ", bucket.name, ".");
     ++next_bucket;
   }

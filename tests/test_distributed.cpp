@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
 #include <exception>
@@ -259,6 +260,91 @@ TEST(DdpThreads, BucketsFollowReverseRegistrationOrder) {
     EXPECT_EQ(buckets[0].front(), n - 1);
     EXPECT_EQ(buckets[0].back(), 0u);
   });
+}
+
+TEST(DdpThreads, BucketsAreReducedWhileBackwardRuns) {
+  spawn(2, [](ProcessGroup& group) {
+    OddNet net;
+    size_t launched = 0;
+    auto counting = [&launched](const ProcessGroup& g, GradBucket& b) {
+      ++launched;
+      return comm_hooks::allreduce(g, b);
+    };
+    // One bucket per parameter.
+    DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().bucket_cap_mb(1e-6).comm_hook(counting));
+    const size_t buckets = ddp->buckets().size();
+    ASSERT_GT(buckets, 3u);
+    // The input's gradient is among the last things backward computes: by
+    // then the buckets of fc2 and branch (4, reduced first) have gone out.
+    // scale's and empty's come after fc1's in bucket order, so they wait.
+    auto x = torch::randn({4, 7}, torch::requires_grad());
+    size_t launched_before_end = 0;
+    x.register_hook([&](torch::Tensor) { launched_before_end = launched; });
+    ddp(x).sum().backward();
+    EXPECT_GE(launched_before_end, 4u);
+    EXPECT_LT(launched_before_end, buckets);
+    EXPECT_EQ(launched, buckets);
+  });
+}
+
+TEST(DdpThreads, UserHookReturningACompletedResult) {
+  spawn(3, [](ProcessGroup& group) {
+    auto synchronous_mean = [](const ProcessGroup& g, GradBucket& b) {
+      auto averaged = b.buffer.clone();
+      g.allreduce(averaged, ReduceOp::Avg);
+      return comm_hooks::completed(averaged);
+    };
+    torch::manual_seed(2);
+    OddNet net;
+    DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().comm_hook(synchronous_mean));
+    auto x = torch::full({2, 7}, static_cast<float>(group.rank()));
+    ddp(x).sum().backward();
+    auto grads = group.all_gather(net->fc2->weight.grad());
+    EXPECT_TRUE(torch::equal(grads[0], grads[group.size() - 1]));
+    OddNet local = std::dynamic_pointer_cast<testing::OddNetImpl>(net->clone());
+    local->zero_grad();
+    local(x).sum().backward();
+    auto all = group.all_gather(local->fc2->weight.grad());
+    EXPECT_TRUE(torch::allclose(net->fc2->weight.grad(), (all[0] + all[1] + all[2]) / 3, 1e-5, 1e-6));
+  });
+}
+
+TEST(DdpThreads, BuffersFollowRankZeroBeforeEachForward) {
+  for (bool broadcast : {true, false}) {
+    spawn(2, [broadcast](ProcessGroup& group) {
+      torch::nn::Sequential seq(torch::nn::Linear(3, 3), torch::nn::BatchNorm1d(3));
+      DistributedDataParallel<torch::nn::Sequential> ddp(seq, group, DistributedOptions().broadcast_buffers(broadcast));
+      auto mean = seq->named_buffers()["1.running_mean"];
+      {
+        torch::NoGradGuard no_grad;
+        mean.fill_(static_cast<float>(group.rank() + 1));
+      }
+      ddp->eval(); // running stats are read, not updated
+      ddp(torch::randn({4, 3}));
+      EXPECT_EQ(mean[0].item<float>(), broadcast ? 1.0f : static_cast<float>(group.rank() + 1)) << broadcast;
+    });
+  }
+}
+
+TEST(DdpThreads, WrapsACallersOwnC10dGroup) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  std::vector<float> results(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto options = c10d::ProcessGroupGloo::Options::create();
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      auto c10d_group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
+      auto group = ProcessGroup::from_c10d(c10d_group);
+      auto t = torch::full({1}, static_cast<float>(rank + 1));
+      group.allreduce(t, ReduceOp::Avg);
+      results[rank] = t.item<float>();
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  EXPECT_EQ(results, (std::vector<float>{1.5f, 1.5f}));
 }
 
 } // namespace

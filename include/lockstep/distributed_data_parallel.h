@@ -21,7 +21,7 @@ namespace lockstep {
 
 /// Options of lockstep::DistributedDataParallel, with fluent setters.
 struct DistributedOptions {
-  /// Cap of each bucket after the first (1 MiB), in MiB.
+  /// Cap of each bucket after the first (1 MiB, or this cap if smaller), in MiB.
   TORCH_ARG(double, bucket_cap_mb) = kDefaultBucketCapMb;
   /// Allow parameters that get no gradient in some iterations; they are
   /// reduced as zeros. Without it such parameters are an error on every rank.
@@ -33,8 +33,10 @@ struct DistributedOptions {
   /// gradient-sized memory besides the buckets.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// How a bucket is reduced: comm_hooks::allreduce, fp16_compress,
-  /// bf16_compress, or your own.
-  TORCH_ARG(CommHook, comm_hook) = comm_hooks::allreduce;
+  /// bf16_compress, or your own. Empty (the default): the built-in allreduce,
+  /// comm_hooks::allreduce's result with the division fused into the copy of
+  /// each gradient into its bucket.
+  TORCH_ARG(CommHook, comm_hook) = nullptr;
 };
 
 namespace detail {

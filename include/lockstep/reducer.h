@@ -80,7 +80,10 @@ struct ReducerOptions {
   TORCH_ARG(int64_t, bucket_bytes) = static_cast<int64_t>(kDefaultBucketCapMb * 1024 * 1024);
   TORCH_ARG(bool, find_unused_parameters) = false;
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
-  TORCH_ARG(CommHook, comm_hook) = comm_hooks::allreduce;
+  /// Empty: the built-in allreduce, which gives comm_hooks::allreduce's
+  /// result but divides by the world size while copying each gradient into
+  /// its bucket, saving a pass over the gradients.
+  TORCH_ARG(CommHook, comm_hook) = nullptr;
 };
 
 /// Registers a post hook on each parameter's gradient accumulator and reduces
