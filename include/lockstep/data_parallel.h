@@ -33,6 +33,7 @@
 // backward on the caller's thread. See docs/design.md.
 
 #include <lockstep/detail/worker_pool.h>
+#include <lockstep/detail/wrapper.h>
 #include <lockstep/scatter_gather.h>
 
 #include <torch/arg.h>
@@ -185,7 +186,7 @@ class DataParallelCore {
 /// device, each on its own thread. Made through the holder DataParallel<M>.
 /// See Note [DataParallel step].
 template <typename M>
-class DataParallelImpl : public torch::nn::Module {
+class DataParallelImpl : public detail::WrapperModule<M> {
  public:
   using Impl = typename M::ContainedType;
   static_assert(
@@ -195,9 +196,8 @@ class DataParallelImpl : public torch::nn::Module {
       "because replicas are made with clone().");
 
   /// Wraps `module`, which must be on devices[0], and makes the replicas.
-  explicit DataParallelImpl(M module, DataParallelOptions options = {}) : module_(std::move(module)) {
-    TORCH_CHECK(!module_.is_empty(), "lockstep::DataParallel: the module to wrap is empty (a null holder).");
-    register_module("module", module_.ptr());
+  explicit DataParallelImpl(M module, DataParallelOptions options = {})
+      : detail::WrapperModule<M>(std::move(module), "lockstep::DataParallel") {
     options = detail::resolve_options(std::move(options));
     detail::check_module_on(*module_, options.devices()[0]); // before clone() trips over it
     std::vector<std::shared_ptr<torch::nn::Module>> all{module_.ptr()};
@@ -254,11 +254,6 @@ class DataParallelImpl : public torch::nn::Module {
     return result;
   }
 
-  /// The wrapped module (replica 0).
-  M module() const {
-    return module_;
-  }
-
   /// All replicas, replica 0 (the wrapped module) first.
   std::vector<M> replicas() const {
     return std::vector<M>(replicas_.begin(), replicas_.end());
@@ -311,15 +306,6 @@ class DataParallelImpl : public torch::nn::Module {
     torch::nn::Module::to(device, non_blocking);
   }
 
-  /// Saves the wrapped module as if it were bare: no "module." prefix, so the
-  /// file loads into a bare M and a bare M's file loads here.
-  void save(torch::serialize::OutputArchive& archive) const override {
-    module_->save(archive);
-  }
-  void load(torch::serialize::InputArchive& archive) override {
-    module_->load(archive);
-  }
-
   void pretty_print(std::ostream& stream) const override {
     stream << "lockstep::DataParallel(devices=[";
     const auto& devices = core_->options().devices();
@@ -330,26 +316,15 @@ class DataParallelImpl : public torch::nn::Module {
   }
 
  private:
-  M module_;
+  using detail::WrapperModule<M>::module_;
   std::vector<std::shared_ptr<Impl>> replicas_;
   std::unique_ptr<detail::DataParallelCore> core_;
 };
 
 /// `lockstep::DataParallel<Net> dp(net, DataParallelOptions().devices({...}));`
 /// A ModuleHolder: dp(args...), dp->forward(args...), dp->parameters(),
-/// torch::save(dp, path) all work as for Net.
+/// torch::save(dp, path) all work as for Net; dp->module() is net (replica 0).
 template <typename M>
-class DataParallel : public torch::nn::ModuleHolder<DataParallelImpl<M>> {
- public:
-  using torch::nn::ModuleHolder<DataParallelImpl<M>>::ModuleHolder;
-
-  /// Same as (*this)->forward(args...). ModuleHolder's own operator() cannot
-  /// see a template forward() and would return void.
-  template <typename... Args>
-  auto operator()(Args&&... args)
-      -> decltype(std::declval<DataParallelImpl<M>&>().forward(std::forward<Args>(args)...)) {
-    return this->get()->forward(std::forward<Args>(args)...);
-  }
-};
+using DataParallel = detail::ForwardingHolder<DataParallelImpl<M>>;
 
 } // namespace lockstep

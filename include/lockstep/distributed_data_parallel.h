@@ -4,6 +4,7 @@
 // over ranks while backward runs. See Note [Reducer state] in src/reducer.cpp
 // and docs/design.md.
 
+#include <lockstep/detail/wrapper.h>
 #include <lockstep/distributed.h>
 #include <lockstep/reducer.h>
 
@@ -104,16 +105,14 @@ class NoSyncGuard {
 /// Data parallelism over processes. Made through the holder
 /// DistributedDataParallel<M>.
 template <typename M>
-class DistributedDataParallelImpl : public torch::nn::Module {
+class DistributedDataParallelImpl : public detail::WrapperModule<M> {
  public:
   using Impl = typename M::ContainedType;
 
   /// Checks that every rank built the same parameters, copies rank 0's
   /// parameters and buffers to every rank, and installs the gradient hooks.
   DistributedDataParallelImpl(M module, ProcessGroup group, DistributedOptions options = {})
-      : module_(std::move(module)) {
-    TORCH_CHECK(!module_.is_empty(), "lockstep::DistributedDataParallel: the module to wrap is empty (a null holder).");
-    register_module("module", module_.ptr());
+      : detail::WrapperModule<M>(std::move(module), "lockstep::DistributedDataParallel") {
     core_ = std::make_unique<detail::DistributedCore>(*module_, std::move(group), options);
   }
 
@@ -129,10 +128,6 @@ class DistributedDataParallelImpl : public torch::nn::Module {
     return NoSyncGuard(*core_);
   }
 
-  /// The wrapped module.
-  M module() const {
-    return module_;
-  }
   const ProcessGroup& group() const {
     return core_->group();
   }
@@ -141,36 +136,20 @@ class DistributedDataParallelImpl : public torch::nn::Module {
     return core_->reducer().buckets();
   }
 
-  /// Saves the wrapped module as if it were bare (no "module." prefix).
-  void save(torch::serialize::OutputArchive& archive) const override {
-    module_->save(archive);
-  }
-  void load(torch::serialize::InputArchive& archive) override {
-    module_->load(archive);
-  }
   void pretty_print(std::ostream& stream) const override {
     stream << "lockstep::DistributedDataParallel(rank=" << core_->group().rank() << ", world_size=" << core_->group().size()
            << ", backend=" << core_->group().backend() << ")";
   }
 
  private:
-  M module_;
+  using detail::WrapperModule<M>::module_;
   std::unique_ptr<detail::DistributedCore> core_;
 };
 
 /// `lockstep::DistributedDataParallel<Net> ddp(net, group, DistributedOptions());`
+/// A ModuleHolder, like DataParallel; torch::save(ddp, path) writes a bare
+/// Net's file.
 template <typename M>
-class DistributedDataParallel : public torch::nn::ModuleHolder<DistributedDataParallelImpl<M>> {
- public:
-  using torch::nn::ModuleHolder<DistributedDataParallelImpl<M>>::ModuleHolder;
-
-  /// Same as (*this)->forward(args...). ModuleHolder's own operator() cannot
-  /// see a template forward() and would return void.
-  template <typename... Args>
-  auto operator()(Args&&... args)
-      -> decltype(std::declval<DistributedDataParallelImpl<M>&>().forward(std::forward<Args>(args)...)) {
-    return this->get()->forward(std::forward<Args>(args)...);
-  }
-};
+using DistributedDataParallel = detail::ForwardingHolder<DistributedDataParallelImpl<M>>;
 
 } // namespace lockstep
