@@ -5,6 +5,7 @@
 //   lockstep-train --data DIR          # MNIST IDX files, as torch::data::datasets::MNIST reads them
 //   lockstep-train --help
 
+#include "checkpoint.h"
 #include "models.h"
 
 #include <lockstep/lockstep.h>
@@ -18,6 +19,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -102,10 +106,14 @@ std::string clock_time(double seconds) {
 // One line, redrawn in place on a terminal; every 10% as plain lines otherwise.
 class Progress {
  public:
-  Progress(int64_t total, int epoch, int epochs) : total_(total), epoch_(epoch), epochs_(epochs), start_(Clock::now()) {
+  Progress(int64_t total, int epoch, int epochs, bool enabled)
+      : total_(total), epoch_(epoch), epochs_(epochs), start_(Clock::now()), enabled_(enabled) {
     tty_ = isatty(fileno(stderr)) != 0;
   }
   void update(int64_t done, double loss, double accuracy) {
+    if (!enabled_ || total_ == 0) {
+      return;
+    }
     const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
     const double rate = elapsed > 0 ? done / elapsed : 0;
     const double eta = rate > 0 ? (total_ - done) / rate : NAN;
@@ -135,6 +143,7 @@ class Progress {
   int epoch_, epochs_;
   Clock::time_point start_;
   bool tty_;
+  bool enabled_;
   int next_percent_ = 0;
 };
 
@@ -152,6 +161,161 @@ double accuracy_on(Model& model, const Split& data, int64_t batch_size) {
   return static_cast<double>(correct) / data.images.size(0);
 }
 
+struct Config {
+  int epochs;
+  int64_t batch_size;
+  std::string checkpoint_path;
+  int64_t checkpoint_every;
+  uint64_t seed;
+  std::string save_path;
+};
+
+// FNV-1a over the bytes of every parameter and buffer: equal hashes mean
+// bitwise-equal models (the restart tests compare them).
+uint64_t parameter_hash(torch::nn::Module& module) {
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&hash](const torch::Tensor& t) {
+    auto bytes = t.detach().contiguous().to(torch::kCPU);
+    const auto* p = static_cast<const unsigned char*>(bytes.data_ptr());
+    for (size_t i = 0; i < bytes.nbytes(); ++i) {
+      hash = (hash ^ p[i]) * 1099511628211ull;
+    }
+  };
+  for (const auto& p : module.parameters()) {
+    mix(p);
+  }
+  for (const auto& b : module.buffers()) {
+    mix(b);
+  }
+  return hash;
+}
+
+lockstep::examples::TrainingState resume(
+    const Config& config,
+    lockstep::examples::ConvNet& net,
+    torch::optim::Optimizer& optimizer,
+    int world_size,
+    bool report) {
+  lockstep::examples::TrainingState state;
+  state.world_size = world_size;
+  if (config.checkpoint_path.empty() || !lockstep::examples::load_checkpoint(config.checkpoint_path, *net, optimizer, state)) {
+    return state;
+  }
+  if (report) {
+    std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, batch %lld)%s\n",
+                 config.checkpoint_path.c_str(), static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1),
+                 static_cast<long long>(state.batch_in_epoch),
+                 state.world_size != world_size ? "; written with another world size, so the data order differs from here on" : "");
+  }
+  state.world_size = world_size;
+  return state;
+}
+
+// LOCKSTEP_FAULT=RANK:STEP[:CODE]: see --help.
+void maybe_inject_fault(int rank, int64_t step) {
+  static const char* spec = std::getenv("LOCKSTEP_FAULT");
+  if (spec == nullptr) {
+    return;
+  }
+  const char* restarts = std::getenv("LOCKSTEP_RESTART_COUNT");
+  if (restarts != nullptr && std::atoi(restarts) != 0) {
+    return;
+  }
+  int fault_rank = -1;
+  long long fault_step = -1;
+  char code[16] = "3";
+  const int fields = std::sscanf(spec, "%d:%lld:%15s", &fault_rank, &fault_step, code);
+  TORCH_CHECK(fields >= 2, "lockstep-train: LOCKSTEP_FAULT=\"", spec, "\" is malformed; expected RANK:STEP[:CODE], e.g. 1:30 or 1:30:kill.");
+  if (fault_rank != rank || fault_step != step) {
+    return;
+  }
+  std::fprintf(stderr, "lockstep-train: LOCKSTEP_FAULT: rank %d stops at step %lld (%s)\n", rank, fault_step,
+               std::strcmp(code, "kill") == 0 ? "SIGKILL" : code);
+  std::fflush(stderr);
+  if (std::strcmp(code, "kill") == 0) {
+    std::raise(SIGKILL);
+  }
+  std::_Exit(std::atoi(code));
+}
+
+template <typename Model, typename Batches>
+int train_and_report(
+    Model& model,
+    lockstep::examples::ConvNet& net,
+    torch::optim::SGD& optimizer,
+    const Split& train,
+    const Split& test,
+    Batches& batches,
+    const Config& config,
+    lockstep::examples::TrainingState state,
+    int rank,
+    int world_size) {
+  const bool lead = rank == 0;
+  const auto start = Clock::now();
+  int64_t samples = 0;
+  double last_loss = NAN, train_accuracy = NAN;
+  auto checkpoint = [&] {
+    if (lead && !config.checkpoint_path.empty()) {
+      lockstep::examples::save_checkpoint(config.checkpoint_path, *net, optimizer, state);
+    }
+  };
+  for (; state.epoch < config.epochs; ++state.epoch, state.batch_in_epoch = 0) {
+    const auto epoch_batches = batches(state.epoch);
+    int64_t epoch_rows = 0;
+    for (const auto& b : epoch_batches) {
+      epoch_rows += b.size(0);
+    }
+    Progress progress(epoch_rows, static_cast<int>(state.epoch + 1), config.epochs, lead);
+    double loss_sum = 0;
+    int64_t correct = 0, seen = 0;
+    for (int64_t k = 0; k < state.batch_in_epoch; ++k) {
+      seen += epoch_batches[k].size(0); // resumed: these rows were trained on before
+    }
+    for (; state.batch_in_epoch < static_cast<int64_t>(epoch_batches.size()); ++state.batch_in_epoch) {
+      maybe_inject_fault(rank, state.step);
+      const auto& index = epoch_batches[state.batch_in_epoch];
+      auto x = train.images.index_select(0, index);
+      auto y = train.labels.index_select(0, index);
+      optimizer.zero_grad();
+      auto logits = model(x);
+      auto loss = torch::cross_entropy_loss(logits, y);
+      loss.backward();
+      optimizer.step();
+      ++state.step;
+      const int64_t b = index.size(0);
+      loss_sum += loss.template item<double>() * b;
+      correct += logits.argmax(1).eq(y).sum().template item<int64_t>();
+      seen += b;
+      samples += b * world_size;
+      progress.update(seen, loss_sum / std::max<int64_t>(1, seen), static_cast<double>(correct) / std::max<int64_t>(1, seen));
+      if (state.step % config.checkpoint_every == 0) {
+        ++state.batch_in_epoch; // the checkpoint says where to go on
+        checkpoint();
+        --state.batch_in_epoch;
+      }
+    }
+    last_loss = loss_sum / std::max<int64_t>(1, seen);
+    train_accuracy = static_cast<double>(correct) / std::max<int64_t>(1, seen);
+  }
+  checkpoint();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!lead) {
+    return 0;
+  }
+  // The bare module: no collective, so rank 0 can evaluate alone.
+  const double test_accuracy = accuracy_on(net, test, 512);
+  if (!config.save_path.empty()) {
+    torch::save(net, config.save_path);
+  }
+  std::printf(
+      "lockstep-train: %d epoch(s), %lld steps in %.1f s, %.0f samples/s over %d process(es); loss %.4f, train accuracy "
+      "%.1f%%, test accuracy %.1f%%\n",
+      config.epochs, static_cast<long long>(state.step), seconds, samples / std::max(seconds, 1e-9), world_size, last_loss,
+      100 * train_accuracy, 100 * test_accuracy);
+  std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*net)));
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -167,6 +331,8 @@ int main(int argc, char** argv) {
   int64_t test_size = 2000;
   std::string save_path;
   std::string export_dir;
+  std::string checkpoint_path;
+  int64_t checkpoint_every = 50;
   app.add_option("--data", data_dir, "Directory with MNIST's IDX files (train-images-idx3-ubyte, ...). Default: a synthetic dataset")
       ->check(CLI::ExistingDirectory);
   app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
@@ -185,6 +351,17 @@ int main(int argc, char** argv) {
                  "the counts LibTorch's MNIST reader expects) and exit")
       ->check(CLI::ExistingDirectory);
   app.add_option("--save", save_path, "Save the trained model here (torch::save; loads into a bare model)");
+  app.add_option("--checkpoint", checkpoint_path,
+                 "Checkpoint file: resumed from when it exists, written (by rank 0, atomically) every --checkpoint-every "
+                 "steps and at the end");
+  app.add_option("--checkpoint-every", checkpoint_every, "Optimizer steps between checkpoints")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  app.footer(
+      "Under lockstep-run (or torchrun: WORLD_SIZE set), each process is one rank of DistributedDataParallel and reads "
+      "its share of each batch through LibTorch's DistributedRandomSampler; otherwise one process trains with "
+      "DataParallel on --replicas CPU replicas.\n"
+      "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
+      "3; 'kill' for SIGKILL) when it reaches optimizer step STEP, on the first attempt only (restart count 0).");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -194,9 +371,12 @@ int main(int argc, char** argv) {
     // which cost 25% of a CNN step on CPU here (docs/performance.md).
     mallopt(M_MMAP_THRESHOLD, 256 << 20);
     mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    // Every core: libtorch's own default can be lower (it asks cpuinfo for
-    // physical cores, which fails on some virtual machines).
-    at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    // OMP_NUM_THREADS when set (lockstep-run gives each rank its share);
+    // otherwise every core: libtorch's own default can be lower (it asks
+    // cpuinfo for physical cores, which fails on some virtual machines).
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    at::set_num_threads(omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
+                                                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 
     Split train, test;
     std::string source;
@@ -228,58 +408,60 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(seed);
     lockstep::examples::ConvNet net;
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(lr).momentum(momentum));
+    Config config{epochs, batch_size, checkpoint_path, checkpoint_every, seed, save_path};
+    // Under lockstep-run (or torchrun), one process per rank with
+    // DistributedDataParallel; otherwise one process with DataParallel.
+    if (std::getenv("WORLD_SIZE") != nullptr) {
+      auto group = lockstep::init_process_group();
+      auto state = resume(config, net, optimizer, group.size(), group.rank() == 0);
+      lockstep::DistributedDataParallel<lockstep::examples::ConvNet> model(net, group);
+      torch::data::samplers::DistributedRandomSampler sampler(
+          static_cast<size_t>(train.images.size(0)), static_cast<size_t>(group.size()), static_cast<size_t>(group.rank()),
+          /*allow_duplicates=*/false);
+      const int64_t per_rank = std::max<int64_t>(1, batch_size / group.size());
+      auto batches = [&sampler, per_rank](int64_t epoch) {
+        sampler.set_epoch(static_cast<size_t>(epoch));
+        sampler.reset();
+        std::vector<torch::Tensor> out;
+        while (auto indices = sampler.next(static_cast<size_t>(per_rank))) {
+          std::vector<int64_t> as_int(indices->begin(), indices->end());
+          out.push_back(torch::tensor(as_int, torch::kLong));
+        }
+        return out;
+      };
+      if (group.rank() == 0) {
+        std::fprintf(stderr, "lockstep-train: %s data, %lld train / %lld test samples, DistributedDataParallel over %d "
+                     "ranks (%s), batch %lld (%lld per rank)\n", source.c_str(), static_cast<long long>(train.images.size(0)),
+                     static_cast<long long>(test.images.size(0)), group.size(), group.backend().c_str(),
+                     static_cast<long long>(batch_size), static_cast<long long>(per_rank));
+      }
+      return train_and_report(model, net, optimizer, train, test, batches, config, state, group.rank(), group.size());
+    }
+    auto state = resume(config, net, optimizer, 1, true);
     auto options = lockstep::DataParallelOptions();
     if (replicas > 0) {
       options.devices(std::vector<torch::Device>(replicas, torch::Device(torch::kCPU)));
     }
     lockstep::DataParallel<lockstep::examples::ConvNet> model(net, options);
-    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(lr).momentum(momentum));
-
+    const int64_t n = train.images.size(0);
+    auto batches = [n, batch_size, seed](int64_t epoch) {
+      // One shuffle per epoch from (seed, epoch): a resumed run sees the same order.
+      auto order = torch::randperm(n, at::detail::createCPUGenerator(seed * 1000003 + epoch), torch::kLong);
+      std::vector<torch::Tensor> out;
+      for (int64_t i = 0; i < n; i += batch_size) {
+        out.push_back(order.narrow(0, i, std::min(batch_size, n - i)));
+      }
+      return out;
+    };
     std::string devices;
     for (const auto& d : model->devices()) {
       devices += (devices.empty() ? "" : ",") + d.str();
     }
-    std::fprintf(stderr, "lockstep-train: %s data, %lld train / %lld test samples, devices [%s], batch %lld\n",
-                 source.c_str(), static_cast<long long>(train.images.size(0)), static_cast<long long>(test.images.size(0)),
-                 devices.c_str(), static_cast<long long>(batch_size));
-
-    const int64_t n = train.images.size(0);
-    const auto start = Clock::now();
-    double last_loss = NAN, train_accuracy = NAN;
-    auto generator = at::detail::createCPUGenerator(seed);
-    for (int epoch = 1; epoch <= epochs; ++epoch) {
-      auto order = torch::randperm(n, generator, torch::kLong);
-      Progress progress(n, epoch, epochs);
-      double loss_sum = 0;
-      int64_t correct = 0, seen = 0;
-      for (int64_t i = 0; i < n; i += batch_size) {
-        const int64_t b = std::min(batch_size, n - i);
-        auto index = order.narrow(0, i, b);
-        auto x = train.images.index_select(0, index);
-        auto y = train.labels.index_select(0, index);
-        optimizer.zero_grad();
-        auto logits = model(x);
-        auto loss = torch::cross_entropy_loss(logits, y);
-        loss.backward();
-        optimizer.step();
-        loss_sum += loss.item<double>() * b;
-        correct += logits.argmax(1).eq(y).sum().item<int64_t>();
-        seen += b;
-        progress.update(seen, loss_sum / seen, static_cast<double>(correct) / seen);
-      }
-      last_loss = loss_sum / seen;
-      train_accuracy = static_cast<double>(correct) / seen;
-    }
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    const double test_accuracy = accuracy_on(model, test, 512);
-    if (!save_path.empty()) {
-      torch::save(model, save_path);
-    }
-    std::printf(
-        "lockstep-train: %d epoch(s) in %.1f s, %.0f samples/s on %zu replica(s); loss %.4f, train accuracy %.1f%%, "
-        "test accuracy %.1f%%\n",
-        epochs, seconds, epochs * n / seconds, model->devices().size(), last_loss, 100 * train_accuracy,
-        100 * test_accuracy);
+    std::fprintf(stderr, "lockstep-train: %s data, %lld train / %lld test samples, DataParallel on [%s], batch %lld\n",
+                 source.c_str(), static_cast<long long>(n), static_cast<long long>(test.images.size(0)), devices.c_str(),
+                 static_cast<long long>(batch_size));
+    return train_and_report(model, net, optimizer, train, test, batches, config, state, 0, 1);
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
     return 1;

@@ -1,0 +1,240 @@
+// lockstep-run with lockstep-train under it: real processes, failures,
+// restarts, two nodes on one machine, bad command lines; and lockstep-train's
+// checkpoints.
+
+#include <lockstep/lockstep.h>
+
+#include "process_util.h"
+#include "test_util.h"
+
+#include "../examples/models.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <random>
+#include <regex>
+
+namespace lockstep {
+namespace {
+
+using testing::Process;
+
+constexpr auto kDeadline = std::chrono::seconds(180);
+// Bitwise comparisons need the same intra-op thread count per rank in every
+// run: lockstep-run's default (cores / ranks per node) differs between one
+// node of 2 ranks and two nodes of 1.
+const std::string kOneThread = "OMP_NUM_THREADS=1";
+
+std::string temp(const std::string& name) {
+  static const std::string run_id = std::to_string(getpid()) + "_" + std::to_string(std::random_device{}());
+  return ::testing::TempDir() + "lockstep_" + run_id + "_" + name;
+}
+
+// A small job: 1024 samples, batch 64, 2 epochs (32 steps at world size 2).
+std::vector<std::string> trainer(const std::string& marker, const std::string& checkpoint = "") {
+  std::vector<std::string> args{LOCKSTEP_TRAIN, "--train-samples", "1024", "--test-samples", "256", "--batch-size", "64",
+                                "--epochs", "2", "--save", temp(marker + ".pt")};
+  if (!checkpoint.empty()) {
+    args.insert(args.end(), {"--checkpoint", checkpoint, "--checkpoint-every", "4"});
+  }
+  return args;
+}
+
+std::vector<std::string> launcher(std::vector<std::string> flags, const std::vector<std::string>& program) {
+  flags.insert(flags.begin(), LOCKSTEP_RUN);
+  flags.insert(flags.end(), program.begin(), program.end());
+  return flags;
+}
+
+std::string final_hash(const std::string& output) {
+  std::smatch m;
+  return std::regex_search(output, m, std::regex("fnv1a64=([0-9a-f]{16})")) ? m[1].str() : "";
+}
+
+Process launch(const std::vector<std::string>& flags, const std::vector<std::string>& program, const std::string& name,
+               const std::vector<std::string>& env = {}) {
+  return testing::run(launcher(flags, program), env, temp(name + ".log"), kDeadline);
+}
+
+std::string port() {
+  return std::to_string(testing::free_port());
+}
+
+// The uninterrupted reference: 2 ranks on one node.
+const std::string& reference_hash() {
+  static const std::string hash = [] {
+    auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer("reference"), "reference", {kOneThread});
+    EXPECT_EQ(p.exit_code, 0) << p.output;
+    return final_hash(p.output);
+  }();
+  return hash;
+}
+
+TEST(Launcher, RanksGetTorchrunsEnvironmentAndPrefixedOutput) {
+  const std::string logs = temp("logs");
+  ASSERT_EQ(mkdir(logs.c_str(), 0755), 0);
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--log-dir", logs}, {"/bin/sh", "-c",
+      "echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $TORCHELASTIC_RESTART_COUNT "
+      "$OMP_NUM_THREADS\""}, "env");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("[rank 0] env 0 0 2 2 0 127.0.0.1 0 "), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("[rank 1] env 1 1 2 2 0 127.0.0.1 0 "), std::string::npos) << p.output;
+  std::ifstream log(logs + "/rank_1.log");
+  std::string line;
+  std::getline(log, line);
+  EXPECT_EQ(line.rfind("env 1 1 2 2", 0), 0u) << line;
+}
+
+void expect_failure_stops_the_job(const std::string& fault, const std::string& how) {
+  const std::string marker = "fault_" + fault;
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer(marker), marker, {"LOCKSTEP_FAULT=" + fault});
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_LT(p.seconds, 20.0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: rank 1 (local rank 1, pid "), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find(how), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("last lines of rank 1's stderr:\n  lockstep-train: LOCKSTEP_FAULT: rank 1 stops at step 5"),
+            std::string::npos) << p.output;
+  EXPECT_TRUE(testing::processes_with(temp(marker)).empty()) << "a process of the job outlived the launcher";
+}
+
+TEST(Launcher, RankExitingWithCode3StopsTheJob) {
+  expect_failure_stops_the_job("1:5", "failed: exit code 3");
+}
+
+TEST(Launcher, RankKilledWithSigkillStopsTheJob) {
+  expect_failure_stops_the_job("1:5:kill", "failed: killed by signal 9 (SIGKILL)");
+}
+
+TEST(Launcher, RestartResumesFromTheCheckpointBitwise) {
+  const std::string checkpoint = temp("restart.ckpt");
+  const std::string logs = temp("restart_logs");
+  ASSERT_EQ(mkdir(logs.c_str(), 0755), 0);
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--max-restarts", "1", "--log-dir", logs},
+                  trainer("restart", checkpoint), "restart", {"LOCKSTEP_FAULT=1:10", kOneThread});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("restarting every rank (restart 1 of 1)"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("resumed from " + checkpoint + " at step 8"), std::string::npos) << p.output;
+  EXPECT_EQ(final_hash(p.output), reference_hash()) << p.output;
+  EXPECT_FALSE(reference_hash().empty());
+}
+
+TEST(Launcher, TwoNodesOnOneMachineMatchOneNode) {
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int node = 0; node < 2; ++node) {
+    nodes.push_back(testing::start(
+        launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
+                  "127.0.0.1", "--master-port", master_port},
+                 trainer("node" + std::to_string(node))),
+        {kOneThread}, temp("node" + std::to_string(node) + ".log")));
+  }
+  testing::wait_all(nodes, kDeadline);
+  ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;
+  ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
+  EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
+}
+
+TEST(Launcher, SigtermIsForwardedAndNothingRemains) {
+  const std::string marker = "sigterm";
+  auto args = trainer(marker);
+  args[8] = "1000"; // --epochs: long enough to be interrupted
+  auto p = testing::start(launcher({"--nproc-per-node", "2", "--master-port", port()}, args), {}, temp("sigterm.log"));
+  std::this_thread::sleep_for(std::chrono::seconds(4));
+  kill(p.pid, SIGTERM);
+  std::vector<Process> one{p};
+  testing::wait_all(one, std::chrono::seconds(30));
+  EXPECT_EQ(one[0].exit_code, 128 + SIGTERM) << one[0].output;
+  EXPECT_NE(one[0].output.find("stopped by signal 15"), std::string::npos) << one[0].output;
+  EXPECT_TRUE(testing::processes_with(temp(marker)).empty()) << "a rank outlived the launcher";
+}
+
+TEST(Launcher, BadCommandLinesAreOneLineErrors) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases{
+      {{"--bogus", "/bin/true"}, "lockstep-run: "},
+      {{"--nproc-per-node", "0", "/bin/true"}, "--nproc-per-node"},
+      {{"no-such-program-here"}, "program 'no-such-program-here' not found in PATH"},
+      {{"--nnodes", "2", "--node-rank", "1", "/bin/true"}, "needs --master-addr"},
+      {{"--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "/bin/true"}, "--node-rank 2 is out of range"},
+      {{}, "PROGRAM is missing"},
+  };
+  for (const auto& c : cases) {
+    auto p = launch(c.args, {}, "bad");
+    EXPECT_EQ(p.exit_code, 2) << p.output;
+    EXPECT_NE(p.output.find(c.message), std::string::npos) << p.output;
+    EXPECT_NE(p.output.find("Run 'lockstep-run --help' for usage."), std::string::npos) << p.output;
+  }
+  // A port someone else listens on.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string taken = std::to_string(ntohs(addr.sin_port));
+  auto p = launch({"--master-port", taken, "/bin/true"}, {}, "taken");
+  close(fd);
+  EXPECT_EQ(p.exit_code, 2) << p.output;
+  EXPECT_NE(p.output.find("port " + taken + " on 127.0.0.1 is already in use; pick another with --master-port"),
+            std::string::npos) << p.output;
+}
+
+// --- checkpoints -------------------------------------------------------------------
+
+TEST(Checkpoint, CorruptOrForeignFilesAreClearErrors) {
+  const std::string garbage = temp("garbage.ckpt");
+  std::ofstream(garbage) << "not a checkpoint";
+  auto p = testing::run(trainer("garbage", garbage), {}, temp("garbage.log"), kDeadline);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("checkpoint " + garbage + " is unreadable"), std::string::npos) << p.output;
+
+  const std::string foreign = temp("foreign.ckpt");
+  examples::ConvNet net;
+  torch::save(net, foreign);
+  p = testing::run(trainer("foreign", foreign), {}, temp("foreign.log"), kDeadline);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("is not a lockstep-train checkpoint"), std::string::npos) << p.output;
+}
+
+TEST(Checkpoint, ModelFilesMoveBetweenBareDataParallelAndDdp) {
+  const std::string path = temp("model.pt");
+  auto same = [](examples::ConvNet& a, examples::ConvNet& b) {
+    auto pa = a->parameters();
+    auto pb = b->parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      if (!torch::equal(pa[i], pb[i])) {
+        return false;
+      }
+    }
+    return true;
+  };
+  examples::ConvNet bare, dp_net, ddp_net;
+  DataParallel<examples::ConvNet> dp(dp_net, DataParallelOptions().devices({torch::kCPU, torch::kCPU}));
+  DistributedDataParallel<examples::ConvNet> ddp(ddp_net, ProcessGroup());
+
+  torch::save(ddp, path); // DDP -> bare and DataParallel
+  torch::load(bare, path);
+  torch::load(dp, path);
+  EXPECT_TRUE(same(bare, ddp_net));
+  EXPECT_TRUE(same(dp_net, ddp_net));
+
+  examples::ConvNet other;
+  torch::save(other, path); // bare -> DDP
+  torch::load(ddp, path);
+  EXPECT_TRUE(same(ddp_net, other));
+
+  examples::ConvNet third;
+  DataParallel<examples::ConvNet> dp3(third, DataParallelOptions().devices({torch::kCPU, torch::kCPU}));
+  torch::save(dp3, path); // DataParallel -> DDP
+  torch::load(ddp, path);
+  EXPECT_TRUE(same(ddp_net, third));
+}
+
+} // namespace
+} // namespace lockstep

@@ -1,0 +1,473 @@
+// lockstep-run: starts, watches and restarts the ranks of a job, with
+// torchrun's environment variables, so a program written for torchrun runs
+// unchanged.
+//
+//   lockstep-run [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P]
+//                [--max-restarts K] [--log-dir DIR] PROGRAM [ARGS...]
+//
+// Note [Launcher lifecycle]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each attempt forks N ranks into one new process group, with their stdout
+// and stderr on pipes and PR_SET_PDEATHSIG, so that no rank outlives the
+// launcher even if the launcher is killed with SIGKILL. One loop polls the
+// pipes (prefixing every line with its rank, and copying it to --log-dir)
+// and reaps the ranks. The first rank to fail is the root cause: the others
+// get SIGTERM, then SIGKILL after the grace period; the launcher prints which
+// rank failed, how, and the last lines of its stderr, then restarts the whole
+// group (up to --max-restarts times) or exits non-zero. SIGINT and SIGTERM
+// sent to the launcher go to every rank, and end the job the same way.
+
+#include <CLI/CLI.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kUsageError = 2;
+constexpr size_t kStderrTail = 20;
+
+volatile sig_atomic_t g_signal = 0;
+
+void on_signal(int sig) {
+  g_signal = sig;
+}
+
+struct Options {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr;
+  int master_port = 29500;
+  int max_restarts = 0;
+  std::string log_dir;
+  double grace_seconds = 3.0;
+  std::vector<std::string> command;
+};
+
+struct Rank {
+  int local_rank = 0;
+  int global_rank = 0;
+  pid_t pid = -1;
+  int out_fd = -1;
+  int err_fd = -1;
+  std::string out_partial, err_partial;
+  std::deque<std::string> err_tail;
+  std::ofstream log;
+  bool done = false;
+  int status = 0;
+};
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "lockstep-run: %s\nRun 'lockstep-run --help' for usage.\n", message.c_str());
+  std::exit(kUsageError);
+}
+
+// PROGRAM as execvp would find it, or "" if it would not.
+std::string find_program(const std::string& name) {
+  auto executable = [](const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+  };
+  if (name.find('/') != std::string::npos) {
+    return executable(name) ? name : "";
+  }
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    const size_t end = dirs.find(':', start);
+    std::string dir = dirs.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (executable(candidate)) {
+      return candidate;
+    }
+    if (end == std::string::npos) {
+      break;
+    }
+    start = end + 1;
+  }
+  return "";
+}
+
+// Rank 0's node must be able to listen on the store's address and port.
+void check_port_free(const std::string& addr, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) {
+    usage_error("--master-addr " + addr + " does not resolve to an address of this machine.");
+  }
+  const int fd = ::socket(found->ai_family, found->ai_socktype, found->ai_protocol);
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  const int rc = ::bind(fd, found->ai_addr, found->ai_addrlen);
+  const int error = errno;
+  ::close(fd);
+  ::freeaddrinfo(found);
+  if (rc != 0 && error == EADDRINUSE) {
+    usage_error("port " + std::to_string(port) + " on " + addr + " is already in use; pick another with --master-port.");
+  }
+  if (rc != 0) {
+    usage_error("cannot listen on " + addr + ":" + std::to_string(port) + " (" + std::strerror(error) +
+                "); on several nodes, --master-addr must be an address of node 0.");
+  }
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) {
+    return "exit code " + std::to_string(WEXITSTATUS(status));
+  }
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = ::sigabbrev_np(sig);
+    return "killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
+  }
+  return "status " + std::to_string(status);
+}
+
+bool failed(int status) {
+  return !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+class Attempt {
+ public:
+  Attempt(const Options& options, const std::string& program, int restart_count)
+      : options_(options), program_(program), restart_count_(restart_count) {}
+
+  // Runs the ranks to the end. Returns the index of the root-cause rank, or
+  // -1 if every rank succeeded.
+  int run() {
+    start_ranks();
+    int root_cause = -1;
+    Clock::time_point stop_deadline{};
+    bool stopping = false;
+    while (true) {
+      pump(100);
+      reap();
+      if (root_cause < 0) {
+        for (size_t i = 0; i < ranks_.size(); ++i) {
+          if (ranks_[i].done && failed(ranks_[i].status)) {
+            root_cause = static_cast<int>(i);
+            break;
+          }
+        }
+      }
+      const int sig = g_signal;
+      if (!stopping && (root_cause >= 0 || sig != 0)) {
+        stopping = true;
+        signal_all(sig != 0 ? sig : SIGTERM);
+        stop_deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(options_.grace_seconds * 1000));
+      }
+      if (all_done()) {
+        break;
+      }
+      if (stopping && Clock::now() >= stop_deadline) {
+        signal_all(SIGKILL);
+        stop_deadline = Clock::time_point::max();
+      }
+    }
+    pump(0);
+    flush_partials();
+    return root_cause;
+  }
+
+  const Rank& rank(int i) const {
+    return ranks_[i];
+  }
+
+ private:
+  void start_ranks() {
+    const int world = options_.nnodes * options_.nproc_per_node;
+    const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+    const std::string threads = std::to_string(std::max(1L, cores / options_.nproc_per_node));
+    ranks_ = std::vector<Rank>(options_.nproc_per_node);
+    pid_t group = 0;
+    for (int local = 0; local < options_.nproc_per_node; ++local) {
+      Rank& r = ranks_[local];
+      r.local_rank = local;
+      r.global_rank = options_.node_rank * options_.nproc_per_node + local;
+      if (!options_.log_dir.empty()) {
+        r.log.open(options_.log_dir + "/rank_" + std::to_string(r.global_rank) + ".log", std::ios::app);
+      }
+      int out[2], err[2];
+      if (::pipe(out) != 0 || ::pipe(err) != 0) {
+        std::perror("lockstep-run: pipe");
+        std::exit(1);
+      }
+      const pid_t parent = ::getpid();
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        ::setpgid(0, group); // one process group per attempt: signal_all reaches every rank and its children
+        ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (::getppid() != parent) {
+          std::_Exit(1); // the launcher died between fork and prctl
+        }
+        ::dup2(out[1], 1);
+        ::dup2(err[1], 2);
+        ::close(out[0]);
+        ::close(out[1]);
+        ::close(err[0]);
+        ::close(err[1]);
+        ::signal(SIGINT, SIG_DFL);
+        ::signal(SIGTERM, SIG_DFL);
+        auto set = [](const char* key, const std::string& value) { ::setenv(key, value.c_str(), 1); };
+        set("RANK", std::to_string(r.global_rank));
+        set("LOCAL_RANK", std::to_string(local));
+        set("WORLD_SIZE", std::to_string(world));
+        set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
+        set("GROUP_RANK", std::to_string(options_.node_rank));
+        set("ROLE_RANK", std::to_string(r.global_rank));
+        set("MASTER_ADDR", options_.master_addr);
+        set("MASTER_PORT", std::to_string(options_.master_port));
+        set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_));
+        set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+        set("LOCKSTEP_RESTART_COUNT", std::to_string(restart_count_));
+        if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+          set("OMP_NUM_THREADS", threads);
+        }
+        std::vector<char*> argv;
+        for (const auto& a : options_.command) {
+          argv.push_back(const_cast<char*>(a.c_str()));
+        }
+        argv.push_back(nullptr);
+        ::execv(program_.c_str(), argv.data());
+        std::fprintf(stderr, "lockstep-run: cannot run %s: %s\n", program_.c_str(), std::strerror(errno));
+        std::_Exit(127);
+      }
+      if (pid < 0) {
+        std::perror("lockstep-run: fork");
+        std::exit(1);
+      }
+      if (group == 0) {
+        group = pid;
+      }
+      ::setpgid(pid, group); // also from here: no race with the first signal
+      ::close(out[1]);
+      ::close(err[1]);
+      r.pid = pid;
+      r.out_fd = out[0];
+      r.err_fd = err[0];
+    }
+    group_ = group;
+  }
+
+  // Reads what the ranks wrote, for up to `timeout_ms`, and passes whole lines on.
+  void pump(int timeout_ms) {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<size_t, bool>> owners; // rank, is_stderr
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      if (ranks_[i].out_fd >= 0) {
+        fds.push_back({ranks_[i].out_fd, POLLIN, 0});
+        owners.push_back({i, false});
+      }
+      if (ranks_[i].err_fd >= 0) {
+        fds.push_back({ranks_[i].err_fd, POLLIN, 0});
+        owners.push_back({i, true});
+      }
+    }
+    if (fds.empty()) {
+      if (timeout_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(timeout_ms));
+      }
+      return;
+    }
+    if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) {
+      return;
+    }
+    char buffer[65536];
+    for (size_t k = 0; k < fds.size(); ++k) {
+      if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
+        continue;
+      }
+      Rank& r = ranks_[owners[k].first];
+      const bool is_err = owners[k].second;
+      const ssize_t n = ::read(fds[k].fd, buffer, sizeof(buffer));
+      if (n <= 0) {
+        ::close(fds[k].fd);
+        (is_err ? r.err_fd : r.out_fd) = -1;
+        continue;
+      }
+      std::string& partial = is_err ? r.err_partial : r.out_partial;
+      partial.append(buffer, static_cast<size_t>(n));
+      size_t newline;
+      while ((newline = partial.find('\n')) != std::string::npos) {
+        emit(r, partial.substr(0, newline), is_err);
+        partial.erase(0, newline + 1);
+      }
+    }
+  }
+
+  void emit(Rank& r, const std::string& line, bool is_err) {
+    std::FILE* stream = is_err ? stderr : stdout;
+    std::fprintf(stream, "[rank %d] %s\n", r.global_rank, line.c_str());
+    std::fflush(stream);
+    if (r.log.is_open()) {
+      r.log << line << '\n';
+      r.log.flush();
+    }
+    if (is_err) {
+      r.err_tail.push_back(line);
+      if (r.err_tail.size() > kStderrTail) {
+        r.err_tail.pop_front();
+      }
+    }
+  }
+
+  void flush_partials() {
+    for (auto& r : ranks_) {
+      if (!r.out_partial.empty()) {
+        emit(r, r.out_partial, false);
+      }
+      if (!r.err_partial.empty()) {
+        emit(r, r.err_partial, true);
+      }
+      r.out_partial.clear();
+      r.err_partial.clear();
+    }
+  }
+
+  void reap() {
+    for (auto& r : ranks_) {
+      if (!r.done && ::waitpid(r.pid, &r.status, WNOHANG) == r.pid) {
+        r.done = true;
+      }
+    }
+  }
+
+  bool all_done() const {
+    for (const auto& r : ranks_) {
+      if (!r.done) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void signal_all(int sig) {
+    if (group_ > 0) {
+      ::kill(-group_, sig); // every rank, and whatever they started
+    }
+  }
+
+  const Options& options_;
+  std::string program_;
+  int restart_count_;
+  std::vector<Rank> ranks_;
+  pid_t group_ = 0;
+};
+
+void print_root_cause(const Rank& r) {
+  std::fprintf(stderr, "lockstep-run: rank %d (local rank %d, pid %d) failed: %s\n", r.global_rank, r.local_rank, r.pid,
+               describe_status(r.status).c_str());
+  if (!r.err_tail.empty()) {
+    std::fprintf(stderr, "lockstep-run: last lines of rank %d's stderr:\n", r.global_rank);
+    for (const auto& line : r.err_tail) {
+      std::fprintf(stderr, "  %s\n", line.c_str());
+    }
+  } else {
+    std::fprintf(stderr, "lockstep-run: rank %d wrote nothing to stderr.\n", r.global_rank);
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  CLI::App app{"lockstep-run: starts N ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
+               "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
+               "output with their rank, stops the job when one fails, and restarts it up to --max-restarts times."};
+  app.add_option("--nproc-per-node", options.nproc_per_node, "Ranks on this node")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--nnodes", options.nnodes, "Nodes in the job")->check(CLI::Range(1, 65536))->capture_default_str();
+  app.add_option("--node-rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--master-addr", options.master_addr,
+                 "Address of node 0, where rank 0 hosts the store; required with --nnodes > 1 (default 127.0.0.1: loopback only)");
+  app.add_option("--master-port", options.master_port, "Port of the store on node 0")->check(CLI::Range(1, 65535))->capture_default_str();
+  app.add_option("--max-restarts", options.max_restarts, "Restarts of the whole group after a failure")
+      ->check(CLI::Range(0, 1000))->capture_default_str();
+  app.add_option("--log-dir", options.log_dir, "Also write each rank's output to DIR/rank_N.log")->check(CLI::ExistingDirectory);
+  app.add_option("--grace-period", options.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+  app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
+  app.prefix_command(); // everything from PROGRAM on belongs to PROGRAM
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {
+      return app.exit(e);
+    }
+    usage_error(e.what());
+  }
+  options.command = app.remaining(); // prefix_command leaves PROGRAM and its arguments there
+  if (options.command.empty()) {
+    usage_error("PROGRAM is missing.");
+  }
+  if (options.node_rank >= options.nnodes) {
+    usage_error("--node-rank " + std::to_string(options.node_rank) + " is out of range for --nnodes " +
+                std::to_string(options.nnodes) + "; expected 0 to " + std::to_string(options.nnodes - 1) + ".");
+  }
+  if (options.master_addr.empty()) {
+    if (options.nnodes > 1) {
+      usage_error("--nnodes " + std::to_string(options.nnodes) +
+                  " needs --master-addr: the address of node 0 that every node can reach.");
+    }
+    options.master_addr = "127.0.0.1"; // one node: the store stays on loopback
+  }
+  const std::string program = find_program(options.command[0]);
+  if (program.empty()) {
+    usage_error("program '" + options.command[0] + "' not found" +
+                (options.command[0].find('/') == std::string::npos ? " in PATH" : "") + " or not executable.");
+  }
+  if (options.node_rank == 0) {
+    check_port_free(options.master_addr, options.master_port);
+  }
+
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  ::sigemptyset(&action.sa_mask);
+  ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGTERM, &action, nullptr);
+
+  for (int attempt = 0;; ++attempt) {
+    Attempt run(options, program, attempt);
+    const int root_cause = run.run();
+    if (g_signal != 0) {
+      std::fprintf(stderr, "lockstep-run: stopped by signal %d; every rank was stopped.\n", static_cast<int>(g_signal));
+      return 128 + g_signal;
+    }
+    if (root_cause < 0) {
+      return 0;
+    }
+    print_root_cause(run.rank(root_cause));
+    if (attempt >= options.max_restarts) {
+      if (options.max_restarts > 0) {
+        std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options.max_restarts);
+      }
+      return 1;
+    }
+    std::fprintf(stderr, "lockstep-run: restarting every rank (restart %d of %d).\n", attempt + 1, options.max_restarts);
+  }
+}
