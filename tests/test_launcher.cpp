@@ -149,6 +149,22 @@ TEST(Launcher, SigtermIsForwardedAndNothingRemains) {
   EXPECT_TRUE(testing::processes_with(temp(marker)).empty()) << "a rank outlived the launcher";
 }
 
+TEST(Launcher, KillingTheLauncherTakesEveryRankWithIt) {
+  const std::string marker = "orphans";
+  auto args = trainer(marker);
+  args[8] = "1000"; // --epochs: still running when the launcher dies
+  auto p = testing::start(launcher({"--nproc-per-node", "2", "--master-port", port()}, args), {}, temp("orphans.log"));
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  ASSERT_EQ(testing::processes_with(temp(marker)).size(), 3u); // the launcher and its two ranks
+  kill(p.pid, SIGKILL);
+  std::vector<Process> one{p};
+  testing::wait_all(one, std::chrono::seconds(10));
+  for (int i = 0; i < 50 && !testing::processes_with(temp(marker)).empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(testing::processes_with(temp(marker)).empty()) << "a rank outlived a launcher killed with SIGKILL";
+}
+
 TEST(Launcher, BadCommandLinesAreOneLineErrors) {
   struct Case {
     std::vector<std::string> args;
