@@ -2,6 +2,7 @@
 
 #include "c10d_group.h"
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
@@ -219,6 +220,14 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   const std::string backend = resolve_backend(options.backend());
   if (env.world_size == 1) {
     return ProcessGroup();
+  }
+  // lockstep-run on one node names a file for the store: then nothing listens
+  // on the network at all (see docs/design.md on TCPStore's binding).
+  const char* store_file = std::getenv("LOCKSTEP_STORE_FILE");
+  if (store_file != nullptr && *store_file != '\0' && options.master_addr().empty()) {
+    auto store = c10::make_intrusive<c10d::FileStore>(store_file, static_cast<int>(env.world_size));
+    return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, options.timeout(),
+                      env.master_addr);
   }
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(env.master_port);

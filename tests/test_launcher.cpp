@@ -149,13 +149,34 @@ TEST(Launcher, SigtermIsForwardedAndNothingRemains) {
   EXPECT_TRUE(testing::processes_with(temp(marker)).empty()) << "a rank outlived the launcher";
 }
 
+// Whether a TCP socket listens on `port` (any address), from /proc/net/tcp*.
+bool listening_on(const std::string& port) {
+  char hex[8];
+  std::snprintf(hex, sizeof(hex), ":%04X", std::stoi(port));
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      if (state == "0A" && local.size() >= 5 && local.compare(local.size() - 5, 5, hex) == 0) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 TEST(Launcher, KillingTheLauncherTakesEveryRankWithIt) {
   const std::string marker = "orphans";
   auto args = trainer(marker);
   args[8] = "1000"; // --epochs: still running when the launcher dies
-  auto p = testing::start(launcher({"--nproc-per-node", "2", "--master-port", port()}, args), {}, temp("orphans.log"));
+  const std::string master_port = port();
+  auto p = testing::start(launcher({"--nproc-per-node", "2", "--master-port", master_port}, args), {}, temp("orphans.log"));
   std::this_thread::sleep_for(std::chrono::seconds(3));
   ASSERT_EQ(testing::processes_with(temp(marker)).size(), 3u); // the launcher and its two ranks
+  EXPECT_FALSE(listening_on(master_port)) << "one node: the store is a file, nothing listens on --master-port";
   kill(p.pid, SIGKILL);
   std::vector<Process> one{p};
   testing::wait_all(one, std::chrono::seconds(10));

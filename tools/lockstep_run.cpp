@@ -16,6 +16,9 @@
 // rank failed, how, and the last lines of its stderr, then restarts the whole
 // group (up to --max-restarts times) or exits non-zero. SIGINT and SIGTERM
 // sent to the launcher go to every rank, and end the job the same way.
+// On one node, ranks also get LOCKSTEP_STORE_FILE: lockstep's
+// init_process_group then keeps its store in that file instead of a TCPStore,
+// so nothing listens on the network.
 
 #include <CLI/CLI.hpp>
 
@@ -156,7 +159,22 @@ bool failed(int status) {
 class Attempt {
  public:
   Attempt(const Options& options, const std::string& program, int restart_count)
-      : options_(options), program_(program), restart_count_(restart_count) {}
+      : options_(options), program_(program), restart_count_(restart_count) {
+    if (options_.nnodes == 1) {
+      // One node: lockstep's init_process_group keeps its store in this file,
+      // so nothing listens on the network. A new file per attempt: a restart
+      // must not read the keys of the attempt before.
+      const char* tmp = std::getenv("TMPDIR");
+      store_file_ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/lockstep-store-" +
+          std::to_string(::getpid()) + "-" + std::to_string(restart_count);
+      ::unlink(store_file_.c_str());
+    }
+  }
+  ~Attempt() {
+    if (!store_file_.empty()) {
+      ::unlink(store_file_.c_str());
+    }
+  }
 
   // Runs the ranks to the end. Returns the index of the root-cause rank, or
   // -1 if every rank succeeded.
@@ -246,6 +264,9 @@ class Attempt {
         set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_));
         set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
         set("LOCKSTEP_RESTART_COUNT", std::to_string(restart_count_));
+        if (!store_file_.empty()) {
+          set("LOCKSTEP_STORE_FILE", store_file_);
+        }
         if (std::getenv("OMP_NUM_THREADS") == nullptr) {
           set("OMP_NUM_THREADS", threads);
         }
@@ -378,6 +399,7 @@ class Attempt {
   int restart_count_;
   std::vector<Rank> ranks_;
   pid_t group_ = 0;
+  std::string store_file_;
 };
 
 void print_root_cause(const Rank& r) {
