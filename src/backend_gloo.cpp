@@ -21,12 +21,17 @@ std::shared_ptr<GroupImpl> make_gloo_group(
     std::chrono::milliseconds timeout,
     const std::string& hostname) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  // GLOO_SOCKET_IFNAME picks the interface, as for PyTorch; otherwise bind
-  // to the address the store is reached at, so one machine stays on loopback.
+  // GLOO_SOCKET_IFNAME picks the interface, as for PyTorch. Otherwise a job
+  // whose store is on loopback stays on loopback; on several machines, the
+  // store's address is node 0's, so each rank binds to its own machine's
+  // default address instead (its hostname's, as PyTorch does).
+  const bool loopback = hostname == "localhost" || hostname == "::1" || hostname.rfind("127.", 0) == 0;
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (loopback) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
   } else {
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
   options->threads = 2;
   auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
