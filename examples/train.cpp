@@ -1,8 +1,10 @@
 // lockstep-train: trains a small convolutional classifier with
-// lockstep::DataParallel on CPU replicas (or GPUs when there are some).
+// lockstep::DataParallel on CPU replicas (or GPUs when there are some), or,
+// under lockstep-run, with DistributedDataParallel, one process per rank.
 //
 //   lockstep-train                     # synthetic data, deterministic by --seed
 //   lockstep-train --data DIR          # MNIST IDX files, as torch::data::datasets::MNIST reads them
+//   lockstep-run --nproc-per-node 2 lockstep-train --checkpoint run.ckpt
 //   lockstep-train --help
 
 #include "checkpoint.h"
@@ -166,7 +168,6 @@ struct Config {
   int64_t batch_size;
   std::string checkpoint_path;
   int64_t checkpoint_every;
-  uint64_t seed;
   std::string save_path;
 };
 
@@ -319,7 +320,8 @@ int train_and_report(
 } // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"lockstep-train: trains a small CNN classifier with lockstep::DataParallel on CPU replicas"};
+  CLI::App app{"lockstep-train: trains a small CNN classifier with lockstep::DataParallel on CPU replicas, or with "
+               "DistributedDataParallel under lockstep-run"};
   std::string data_dir;
   int epochs = 1;
   int64_t batch_size = 128;
@@ -409,7 +411,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(seed);
     lockstep::examples::ConvNet net;
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(lr).momentum(momentum));
-    Config config{epochs, batch_size, checkpoint_path, checkpoint_every, seed, save_path};
+    Config config{epochs, batch_size, checkpoint_path, checkpoint_every, save_path};
     // Under lockstep-run (or torchrun), one process per rank with
     // DistributedDataParallel; otherwise one process with DataParallel.
     if (std::getenv("WORLD_SIZE") != nullptr) {

@@ -93,8 +93,8 @@ struct DataParallelOptions {
 
 /// CPU replicas used when there is no GPU: one, which is the bare module with
 /// no overhead. On the 2-core machines we measure on, two CPU replicas ran at
-/// 0.84x-0.88x of the bare module using both cores as intra-op threads on an
-/// MLP, and 0.99x-1.30x on a CNN (docs/performance.md): a loss as often as a
+/// 0.81x-0.83x of the bare module using both cores as intra-op threads on an
+/// MLP, and 0.99x-1.33x on a CNN (docs/performance.md): a loss as often as a
 /// gain, so CPU replicas are opt-in, through devices().
 constexpr int64_t kDefaultCpuReplicas = 1;
 
