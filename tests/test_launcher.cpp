@@ -239,6 +239,20 @@ TEST(Checkpoint, CorruptOrForeignFilesAreClearErrors) {
   EXPECT_NE(p.output.find("is not a lockstep-train checkpoint"), std::string::npos) << p.output;
 }
 
+TEST(Checkpoint, DataParallelRunResumesUnderTheLauncher) {
+  const std::string checkpoint = temp("cross.ckpt");
+  auto one_epoch = trainer("cross1", checkpoint);
+  one_epoch[8] = "1"; // --epochs
+  auto p = testing::run(one_epoch, {}, temp("cross1.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("DataParallel on [cpu,cpu]"), std::string::npos) << p.output;
+  auto q = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer("cross2", checkpoint), "cross2");
+  ASSERT_EQ(q.exit_code, 0) << q.output;
+  EXPECT_NE(q.output.find("resumed from " + checkpoint + " at step 16 (epoch 2, batch 0); written with another world size"),
+            std::string::npos) << q.output;
+  EXPECT_NE(q.output.find("DistributedDataParallel over 2 ranks"), std::string::npos) << q.output;
+}
+
 TEST(Checkpoint, ModelFilesMoveBetweenBareDataParallelAndDdp) {
   const std::string path = temp("model.pt");
   auto same = [](examples::ConvNet& a, examples::ConvNet& b) {
