@@ -132,10 +132,10 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
 }
 
 void DistributedCore::before_forward() {
-  if (broadcast_buffers_ && sync) {
+  if (broadcast_buffers_ && sync_) {
     broadcast_coalesced(group_, buffers_, 0, "the broadcast of rank 0's buffers");
   }
-  reducer_->prepare_for_backward(sync && torch::GradMode::is_enabled());
+  reducer_->prepare_for_backward(sync_ && torch::GradMode::is_enabled());
 }
 
 } // namespace detail

@@ -58,9 +58,16 @@ class DistributedCore {
   Reducer& reducer() {
     return *reducer_;
   }
-  bool sync = true;
+  /// False inside no_sync(): forwards then make their backward skip reduction.
+  bool sync() const {
+    return sync_;
+  }
+  void set_sync(bool sync) {
+    sync_ = sync;
+  }
 
  private:
+  bool sync_ = true;
   ProcessGroup group_;
   bool broadcast_buffers_;
   std::vector<torch::Tensor> buffers_;
@@ -82,8 +89,8 @@ void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Ten
 /// the guard reduces the accumulated sum in its backward.
 class NoSyncGuard {
  public:
-  explicit NoSyncGuard(detail::DistributedCore& core) : core_(&core), previous_(core.sync) {
-    core_->sync = false;
+  explicit NoSyncGuard(detail::DistributedCore& core) : core_(&core), previous_(core.sync()) {
+    core_->set_sync(false);
   }
   NoSyncGuard(NoSyncGuard&& other) noexcept : core_(other.core_), previous_(other.previous_) {
     other.core_ = nullptr;
@@ -93,7 +100,7 @@ class NoSyncGuard {
   NoSyncGuard& operator=(NoSyncGuard&&) = delete;
   ~NoSyncGuard() {
     if (core_ != nullptr) {
-      core_->sync = previous_;
+      core_->set_sync(previous_);
     }
   }
 
