@@ -326,6 +326,24 @@ TEST(DdpThreads, BuffersFollowRankZeroBeforeEachForward) {
   }
 }
 
+TEST(DdpThreads, CompressionHooksRoundToTheirType) {
+  spawn(2, [](ProcessGroup& group) {
+    // 1 + 2^-12 is exact in float32 but not in float16 (11-bit significand)
+    // or bfloat16 (8-bit): the averaged result must show the rounding.
+    const float value = 1.0f + 1.0f / 4096;
+    for (auto [hook, type] : {std::make_pair(&comm_hooks::fp16_compress, torch::kHalf),
+                              std::make_pair(&comm_hooks::bf16_compress, torch::kBFloat16)}) {
+      GradBucket bucket{0, torch::full({5}, value), {0}, "bucket 0"};
+      auto averaged = hook(group, bucket)->wait();
+      const auto expected = torch::full({5}, value).div(2).to(type).to(torch::kFloat) * 2;
+      EXPECT_TRUE(torch::equal(averaged, expected)) << averaged << " vs " << expected;
+      EXPECT_NE(averaged[0].item<float>(), value);
+      GradBucket exact{0, torch::full({5}, value), {0}, "bucket 0"};
+      EXPECT_EQ(comm_hooks::allreduce(group, exact)->wait()[0].item<float>(), value);
+    }
+  });
+}
+
 TEST(DdpThreads, WrapsACallersOwnC10dGroup) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
