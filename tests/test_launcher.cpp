@@ -135,6 +135,27 @@ TEST(Launcher, TwoNodesOnOneMachineMatchOneNode) {
   EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
 }
 
+TEST(Launcher, TwoNodesRestartTogetherAfterARankFails) {
+  // Rank 1 (node 1) fails; node 0's rank sees the broken connection and fails
+  // too; each launcher restarts its node and the new attempts meet again at
+  // the store. Same final parameters as the uninterrupted run.
+  const std::string master_port = port();
+  const std::string checkpoint = temp("nodes_restart.ckpt");
+  std::vector<Process> nodes;
+  for (int node = 0; node < 2; ++node) {
+    nodes.push_back(testing::start(
+        launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
+                  "127.0.0.1", "--master-port", master_port, "--max-restarts", "1"},
+                 trainer("nodes_restart" + std::to_string(node), checkpoint)),
+        {kOneThread, "LOCKSTEP_FAULT=1:10"}, temp("nodes_restart" + std::to_string(node) + ".log")));
+  }
+  testing::wait_all(nodes, kDeadline);
+  ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;
+  ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
+  EXPECT_NE(nodes[1].output.find("rank 1 (local rank 0, pid "), std::string::npos) << nodes[1].output;
+  EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
+}
+
 TEST(Launcher, SigtermIsForwardedAndNothingRemains) {
   const std::string marker = "sigterm";
   auto args = trainer(marker);
