@@ -250,7 +250,8 @@ int train_and_report(
     const Config& config,
     lockstep::examples::TrainingState state,
     int rank,
-    int world_size) {
+    int world_size,
+    const std::string& setup) {
   const bool lead = rank == 0;
   const auto start = Clock::now();
   int64_t samples = 0;
@@ -309,10 +310,10 @@ int train_and_report(
     torch::save(net, config.save_path);
   }
   std::printf(
-      "lockstep-train: %d epoch(s), %lld steps in %.1f s, %.0f samples/s over %d process(es); loss %.4f, train accuracy "
+      "lockstep-train: %d epoch(s), %lld steps in %.1f s, %.0f samples/s with %s; loss %.4f, train accuracy "
       "%.1f%%, test accuracy %.1f%%\n",
-      config.epochs, static_cast<long long>(state.step), seconds, samples / std::max(seconds, 1e-9), world_size, last_loss,
-      100 * train_accuracy, 100 * test_accuracy);
+      config.epochs, static_cast<long long>(state.step), seconds, samples / std::max(seconds, 1e-9), setup.c_str(),
+      last_loss, 100 * train_accuracy, 100 * test_accuracy);
   std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*net)));
   return 0;
 }
@@ -438,7 +439,8 @@ int main(int argc, char** argv) {
                      static_cast<long long>(test.images.size(0)), group.size(), group.backend().c_str(),
                      static_cast<long long>(batch_size), static_cast<long long>(per_rank));
       }
-      return train_and_report(model, net, optimizer, train, test, batches, config, state, group.rank(), group.size());
+      return train_and_report(model, net, optimizer, train, test, batches, config, state, group.rank(), group.size(),
+                              "DistributedDataParallel over " + std::to_string(group.size()) + " ranks");
     }
     auto state = resume(config, net, optimizer, 1, true);
     auto options = lockstep::DataParallelOptions();
@@ -463,7 +465,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lockstep-train: %s data, %lld train / %lld test samples, DataParallel on [%s], batch %lld\n",
                  source.c_str(), static_cast<long long>(n), static_cast<long long>(test.images.size(0)), devices.c_str(),
                  static_cast<long long>(batch_size));
-    return train_and_report(model, net, optimizer, train, test, batches, config, state, 0, 1);
+    return train_and_report(model, net, optimizer, train, test, batches, config, state, 0, 1,
+                            "DataParallel on " + std::to_string(model->devices().size()) + " replica(s)");
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
     return 1;
