@@ -51,48 +51,49 @@ double time_steps(const std::function<void()>& step, int64_t batch, double secon
   return static_cast<double>(steps * batch) / elapsed;
 }
 
-template <typename Net>
-std::function<void()> training_step(Net net, std::function<torch::Tensor(const torch::Tensor&)> forward, int64_t batch, int64_t in_features_or_image) {
-  auto optimizer = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  auto x = in_features_or_image == 784 ? torch::randn({batch, 784}) : torch::randn({batch, 1, 28, 28});
-  auto y = torch::randint(0, 10, {batch});
+// One SGD step of `module` through `forward` on fixed inputs `x`.
+std::function<void()> training_step(
+    torch::nn::Module& module,
+    std::function<torch::Tensor(const torch::Tensor&)> forward,
+    torch::Tensor x) {
+  auto optimizer = std::make_shared<torch::optim::SGD>(module.parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto y = torch::randint(0, 10, {x.size(0)});
   return [=] {
     optimizer->zero_grad();
-    auto loss = torch::cross_entropy_loss(forward(x), y);
-    loss.backward();
+    torch::cross_entropy_loss(forward(x), y).backward();
     optimizer->step();
   };
 }
 
-void run_model(const std::string& model, int64_t batch, int rounds, double seconds, int replicas) {
+// The bare module on every core, DataParallel on `replicas` CPU replicas, and
+// the ceiling for R replicas: one replica's share of the batch on one thread,
+// as if R of them ran side by side with no cost at all.
+template <typename Net>
+std::vector<Contender> contenders_for(
+    const std::function<Net()>& make,
+    std::vector<int64_t> sample_shape,
+    int64_t batch,
+    int replicas) {
+  auto inputs = [&](int64_t rows) {
+    auto shape = sample_shape;
+    shape.insert(shape.begin(), rows);
+    return torch::randn(shape);
+  };
   std::vector<Contender> contenders;
-  std::vector<torch::Device> cpus(replicas, torch::Device(torch::kCPU));
-  if (model == "mlp") {
-    auto bare = lockstep::examples::make_mlp();
-    contenders.push_back({"bare", training_step(bare, [bare](const torch::Tensor& x) mutable { return bare->forward(x); }, batch, 784), {}});
-    lockstep::DataParallel<torch::nn::Sequential> dp(lockstep::examples::make_mlp(), lockstep::DataParallelOptions().devices(cpus));
-    contenders.push_back({"dataparallel", training_step(dp, [dp](const torch::Tensor& x) mutable { return dp(x); }, batch, 784), {}});
-  } else {
-    lockstep::examples::ConvNet bare;
-    contenders.push_back({"bare", training_step(bare, [bare](const torch::Tensor& x) mutable { return bare->forward(x); }, batch, 28), {}});
-    lockstep::DataParallel<lockstep::examples::ConvNet> dp(lockstep::examples::ConvNet(), lockstep::DataParallelOptions().devices(cpus));
-    contenders.push_back({"dataparallel", training_step(dp, [dp](const torch::Tensor& x) mutable { return dp(x); }, batch, 28), {}});
-  }
+  Net bare = make();
+  contenders.push_back({"bare", training_step(*bare, [bare](const torch::Tensor& x) mutable { return bare->forward(x); }, inputs(batch)), {}});
+  lockstep::DataParallel<Net> dp(make(), lockstep::DataParallelOptions().devices(std::vector<torch::Device>(replicas, torch::kCPU)));
+  contenders.push_back({"dataparallel", training_step(*dp, [dp](const torch::Tensor& x) mutable { return dp(x); }, inputs(batch)), {}});
+  Net single = make();
+  contenders.push_back({"ceiling", training_step(*single, [single](const torch::Tensor& x) mutable { return single->forward(x); }, inputs(batch / replicas)), {}, 1});
+  return contenders;
+}
+
+void run_model(const std::string& model, int64_t batch, int rounds, double seconds, int replicas) {
+  auto contenders = model == "mlp"
+      ? contenders_for<torch::nn::Sequential>(lockstep::examples::make_mlp, {784}, batch, replicas)
+      : contenders_for<lockstep::examples::ConvNet>([] { return lockstep::examples::ConvNet(); }, {1, 28, 28}, batch, replicas);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  // The ceiling for R replicas: one replica's share of the batch on one
-  // thread, as if R of them ran side by side with no cost at all.
-  {
-    auto half = batch / replicas;
-    std::function<void()> inner;
-    if (model == "mlp") {
-      auto net = lockstep::examples::make_mlp();
-      inner = training_step(net, [net](const torch::Tensor& x) mutable { return net->forward(x); }, half, 784);
-    } else {
-      lockstep::examples::ConvNet net;
-      inner = training_step(net, [net](const torch::Tensor& x) mutable { return net->forward(x); }, half, 28);
-    }
-    contenders.push_back({"ceiling", inner, {}, 1});
-  }
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < contenders.size(); ++i) {
       auto& c = contenders[(i + r) % contenders.size()];

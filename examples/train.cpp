@@ -33,7 +33,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Split {
+struct Samples {
   torch::Tensor images; // [N, 1, 28, 28], float
   torch::Tensor labels; // [N], int64
 };
@@ -42,14 +42,14 @@ struct Split {
 // prototype shifted by up to 3 pixels, scaled, and buried in noise. Learnable
 // by a small CNN in one epoch, far from trivial for a linear model, and the
 // same for a given seed on every run.
-std::pair<Split, Split> synthetic(int64_t train_size, int64_t test_size, uint64_t seed) {
+std::pair<Samples, Samples> synthetic(int64_t train_size, int64_t test_size, uint64_t seed) {
   torch::manual_seed(seed);
   auto prototypes = torch::nn::functional::interpolate(
       torch::randn({10, 1, 7, 7}),
       torch::nn::functional::InterpolateFuncOptions().size(std::vector<int64_t>{28, 28}).mode(torch::kBilinear).align_corners(false));
   prototypes = (prototypes - prototypes.mean()) / prototypes.std();
   auto make = [&](int64_t n) {
-    Split s;
+    Samples s;
     s.labels = torch::randint(0, 10, {n}, torch::kLong);
     auto images = prototypes.index_select(0, s.labels).clone();
     auto shifts = torch::randint(-3, 4, {n, 2}, torch::kLong);
@@ -61,19 +61,19 @@ std::pair<Split, Split> synthetic(int64_t train_size, int64_t test_size, uint64_
     s.images = images * scale + torch::randn({n, 1, 28, 28}) * 1.8;
     return s;
   };
-  Split train = make(train_size);
-  Split test = make(test_size);
+  Samples train = make(train_size);
+  Samples test = make(test_size);
   return {train, test};
 }
 
-Split load_mnist(const std::string& dir, torch::data::datasets::MNIST::Mode mode) {
+Samples load_mnist(const std::string& dir, torch::data::datasets::MNIST::Mode mode) {
   torch::data::datasets::MNIST mnist(dir, mode);
   // MNIST's mean and standard deviation, as in PyTorch's examples.
-  return Split{(mnist.images() - 0.1307) / 0.3081, mnist.targets().to(torch::kLong)};
+  return Samples{(mnist.images() - 0.1307) / 0.3081, mnist.targets().to(torch::kLong)};
 }
 
 // Writes `data` as MNIST's IDX files (big-endian header, bytes 0-255).
-void write_idx(const Split& data, const std::string& dir, const std::string& prefix) {
+void write_idx(const Samples& data, const std::string& dir, const std::string& prefix) {
   auto put32 = [](std::ofstream& out, uint32_t v) {
     const unsigned char b[4] = {static_cast<unsigned char>(v >> 24), static_cast<unsigned char>(v >> 16),
                                 static_cast<unsigned char>(v >> 8), static_cast<unsigned char>(v)};
@@ -150,7 +150,7 @@ class Progress {
 };
 
 template <typename Model>
-double accuracy_on(Model& model, const Split& data, int64_t batch_size) {
+double accuracy_on(Model& model, const Samples& data, int64_t batch_size) {
   torch::NoGradGuard no_grad;
   model->eval();
   int64_t correct = 0;
@@ -244,8 +244,8 @@ int train_and_report(
     Model& model,
     lockstep::examples::ConvNet& net,
     torch::optim::SGD& optimizer,
-    const Split& train,
-    const Split& test,
+    const Samples& train,
+    const Samples& test,
     Batches& batches,
     const Config& config,
     lockstep::examples::TrainingState state,
@@ -381,7 +381,7 @@ int main(int argc, char** argv) {
     at::set_num_threads(omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
                                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 
-    Split train, test;
+    Samples train, test;
     std::string source;
     if (!export_dir.empty()) {
       std::tie(train, test) = synthetic(60000, 10000, seed);
@@ -399,13 +399,15 @@ int main(int argc, char** argv) {
       test = load_mnist(data_dir, torch::data::datasets::MNIST::Mode::kTest);
       source = "MNIST at " + data_dir;
       // Given explicitly, the sample counts take the first N of each split.
+      auto first = [](const Samples& all, int64_t n) {
+        n = std::min(n, all.images.size(0));
+        return Samples{all.images.narrow(0, 0, n), all.labels.narrow(0, 0, n)};
+      };
       if (train_option->count() > 0) {
-        train = Split{train.images.narrow(0, 0, std::min(train_size, train.images.size(0))),
-                      train.labels.narrow(0, 0, std::min(train_size, train.labels.size(0)))};
+        train = first(train, train_size);
       }
       if (test_option->count() > 0) {
-        test = Split{test.images.narrow(0, 0, std::min(test_size, test.images.size(0))),
-                     test.labels.narrow(0, 0, std::min(test_size, test.labels.size(0)))};
+        test = first(test, test_size);
       }
     }
 

@@ -558,7 +558,7 @@ std::vector<torch::Tensor> DataParallelCore::gather(
       // output; giving it ParallelBackward's history would make the replica's
       // graph loop back into the node. detach() keeps storage and version.
       for (const auto& p : parts) {
-        if (gathered[j].is_same(p) || gathered[j].is_same(flat[0][j])) {
+        if (gathered[j].is_same(p)) {
           gathered[j] = gathered[j].detach();
           break;
         }

@@ -32,7 +32,6 @@ namespace {
 // A group of one: nothing to exchange.
 class LocalGroup : public GroupImpl {
  public:
-  using Done = DoneWork;
   int rank() const override {
     return 0;
   }
@@ -46,18 +45,18 @@ class LocalGroup : public GroupImpl {
     return kDefaultTimeout;
   }
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>&, ReduceOp, std::string) override {
-    return std::make_shared<Done>();
+    return std::make_shared<DoneWork>();
   }
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>&, int, std::string) override {
-    return std::make_shared<Done>();
+    return std::make_shared<DoneWork>();
   }
   std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string) override {
     TORCH_INTERNAL_ASSERT(outputs.size() == 1);
     outputs[0].copy_(input);
-    return std::make_shared<Done>();
+    return std::make_shared<DoneWork>();
   }
   std::shared_ptr<Work> barrier(std::string) override {
-    return std::make_shared<Done>();
+    return std::make_shared<DoneWork>();
   }
 };
 

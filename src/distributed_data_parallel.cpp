@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <sstream>
 

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <functional>
 #include <numeric>
+#include <thread>
 
 namespace lockstep {
 namespace {
@@ -610,6 +611,23 @@ TEST(DataParallel, ToDoubleMovesReplicasToo) {
   auto out = dp(x);
   EXPECT_EQ(out.scalar_type(), torch::kFloat64);
   EXPECT_TRUE(torch::allclose(out, net(x)));
+}
+
+TEST(DataParallel, CpuReplicasOwnPersistentThreadsAndShareTheCores) {
+  at::set_num_threads(4); // the caller's count is what the replicas split
+  Mlp net;
+  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(3)));
+  auto threads = dp->map_replicas([](MlpImpl&) { return at::get_num_threads(); });
+  EXPECT_EQ(threads, (std::vector<int>{2, 1, 1})); // 4 cores over 3 replicas
+  auto ids = dp->map_replicas([](MlpImpl&) { return std::this_thread::get_id(); });
+  dp(torch::randn({6, 16}));
+  EXPECT_EQ(dp->map_replicas([](MlpImpl&) { return std::this_thread::get_id(); }), ids); // the same threads again
+  EXPECT_NE(ids[0], ids[1]);
+  EXPECT_NE(ids[1], ids[2]);
+  EXPECT_NE(ids[0], std::this_thread::get_id());
+
+  DataParallel<Mlp> fixed(Mlp(), DataParallelOptions().devices(cpus(2)).intra_op_threads(3));
+  EXPECT_EQ(fixed->map_replicas([](MlpImpl&) { return at::get_num_threads(); }), (std::vector<int>{3, 3}));
 }
 
 TEST(DataParallel, OneDeviceRunsTheModuleDirectly) {

@@ -119,7 +119,7 @@ struct ReplicaScatter {
 };
 
 inline std::string element_path(const std::string& parent, const std::string& index) {
-  return parent.empty() ? parent : parent + "[" + index + "]";
+  return parent + "[" + index + "]";
 }
 
 /// Maps an argument type to what a replica receives and walks its tensors.
