@@ -1,16 +1,21 @@
 // Training-step throughput: the bare module on every core against
 // lockstep::DataParallel with CPU replicas, side by side in one run.
 //
-//   build/lockstep-bench-dp [--rounds N] [--seconds S] [--replicas R]
+//   build/lockstep-bench-dp [--rounds N] [--seconds S] [--replicas R] [--model mlp|cnn] [--device cpu|cuda]
 //
 // Each round times every contender for about S seconds, in alternating order;
 // the report gives the median samples/s of each and the ratio of medians.
 // "ceiling" is one replica's share of the batch on one thread, counted as if
 // R replicas ran side by side for free: what DataParallel could reach.
+// --device cuda (scripts/gpu-check) times instead the bare module on cuda:0,
+// DataParallel over every visible GPU, and DistributedDataParallel with world
+// size 1 over NCCL; bench/gpu_python.py is the Python peer.
 
 #include "../examples/models.h"
 
 #include <lockstep/lockstep.h>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -37,14 +42,21 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-// Runs `step` for about `seconds` and returns samples/s.
-double time_steps(const std::function<void()>& step, int64_t batch, double seconds) {
-  step(); // warm-up
+// Runs `step` for about `seconds` and returns samples/s. On a GPU, each step
+// is waited for, so that the time is the device's and not the queue's.
+double time_steps(const std::function<void()>& step, int64_t batch, double seconds, bool cuda) {
+  auto run = [&] {
+    step();
+    if (cuda) {
+      torch::cuda::synchronize();
+    }
+  };
+  run(); // warm-up
   int64_t steps = 0;
   const auto start = Clock::now();
   double elapsed = 0;
   do {
-    step();
+    run();
     ++steps;
     elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   } while (elapsed < seconds);
@@ -57,7 +69,7 @@ std::function<void()> training_step(
     std::function<torch::Tensor(const torch::Tensor&)> forward,
     torch::Tensor x) {
   auto optimizer = std::make_shared<torch::optim::SGD>(module.parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  auto y = torch::randint(0, 10, {x.size(0)});
+  auto y = torch::randint(0, 10, {x.size(0)}, x.device());
   return [=] {
     optimizer->zero_grad();
     torch::cross_entropy_loss(forward(x), y).backward();
@@ -89,10 +101,37 @@ std::vector<Contender> contenders_for(
   return contenders;
 }
 
-void run_model(const std::string& model, int64_t batch, int rounds, double seconds, int replicas) {
+// On GPUs: the bare module on cuda:0, DataParallel over every visible GPU
+// (with one GPU, the module itself behind the wrapper), and DDP with world
+// size 1 over NCCL (its bucketing and hooks, with a real NCCL allreduce).
+template <typename Net>
+std::vector<Contender> gpu_contenders_for(const std::function<Net()>& make, std::vector<int64_t> sample_shape, int64_t batch) {
+  const torch::Device gpu(torch::kCUDA, 0);
+  sample_shape.insert(sample_shape.begin(), batch);
+  auto x = torch::randn(sample_shape, gpu);
+  auto on_gpu = [&] {
+    Net net = make();
+    net->to(gpu);
+    return net;
+  };
+  std::vector<Contender> contenders;
+  Net bare = on_gpu();
+  contenders.push_back({"bare", training_step(*bare, [bare](const torch::Tensor& x) mutable { return bare->forward(x); }, x), {}});
+  lockstep::DataParallel<Net> dp(on_gpu());
+  contenders.push_back({"dataparallel", training_step(*dp, [dp](const torch::Tensor& x) mutable { return dp(x); }, x), {}});
+  auto group = lockstep::new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "nccl");
+  lockstep::DistributedDataParallel<Net> ddp(on_gpu(), group);
+  contenders.push_back({"ddp-nccl", training_step(*ddp, [ddp](const torch::Tensor& x) mutable { return ddp(x); }, x), {}});
+  return contenders;
+}
+
+void run_model(const std::string& model, int64_t batch, int rounds, double seconds, int replicas, bool cuda) {
+  using lockstep::examples::ConvNet;
   auto contenders = model == "mlp"
-      ? contenders_for<torch::nn::Sequential>(lockstep::examples::make_mlp, {784}, batch, replicas)
-      : contenders_for<lockstep::examples::ConvNet>([] { return lockstep::examples::ConvNet(); }, {1, 28, 28}, batch, replicas);
+      ? (cuda ? gpu_contenders_for<torch::nn::Sequential>(lockstep::examples::make_mlp, {784}, batch)
+              : contenders_for<torch::nn::Sequential>(lockstep::examples::make_mlp, {784}, batch, replicas))
+      : (cuda ? gpu_contenders_for<ConvNet>([] { return ConvNet(); }, {1, 28, 28}, batch)
+              : contenders_for<ConvNet>([] { return ConvNet(); }, {1, 28, 28}, batch, replicas));
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < contenders.size(); ++i) {
@@ -100,7 +139,7 @@ void run_model(const std::string& model, int64_t batch, int rounds, double secon
       // DataParallel drops its calling thread to one intra-op thread (Note
       // [CPU replicas and threads]); give the bare module every core back.
       at::set_num_threads(c.threads > 0 ? c.threads : cores);
-      c.rates.push_back(time_steps(c.step, batch, seconds)); // ceiling: batch/R rows x R replicas
+      c.rates.push_back(time_steps(c.step, batch, seconds, cuda)); // ceiling: batch/R rows x R replicas
     }
   }
   const double base = median(contenders[0].rates);
@@ -122,6 +161,7 @@ int main(int argc, char** argv) {
   double seconds = 2.0;
   int replicas = 2;
   std::string only;
+  std::string device = "cpu";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--rounds")) {
       rounds = std::atoi(argv[i + 1]);
@@ -131,8 +171,11 @@ int main(int argc, char** argv) {
       replicas = std::atoi(argv[i + 1]);
     } else if (!std::strcmp(argv[i], "--model")) {
       only = argv[i + 1];
+    } else if (!std::strcmp(argv[i], "--device") && (!std::strcmp(argv[i + 1], "cpu") || !std::strcmp(argv[i + 1], "cuda"))) {
+      device = argv[i + 1];
     } else {
-      std::fprintf(stderr, "usage: %s [--rounds N] [--seconds S] [--replicas R] [--model mlp|cnn]\n", argv[0]);
+      std::fprintf(
+          stderr, "usage: %s [--rounds N] [--seconds S] [--replicas R] [--model mlp|cnn] [--device cpu|cuda]\n", argv[0]);
       return 2;
     }
   }
@@ -142,12 +185,18 @@ int main(int argc, char** argv) {
     // cpuinfo for physical cores, which fails on some virtual machines).
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
     torch::manual_seed(0);
-    std::printf("threads %d, BLAS %s, %d CPU replicas\n", at::get_num_threads(), lockstep::loaded_blas().c_str(), replicas);
+    const bool cuda = device == "cuda";
+    if (cuda) {
+      TORCH_CHECK(torch::cuda::is_available(), "lockstep-bench-dp --device cuda: this process sees no CUDA device.");
+      std::printf("%d CUDA device(s); DataParallel uses all of them\n", static_cast<int>(torch::cuda::device_count()));
+    } else {
+      std::printf("threads %d, BLAS %s, %d CPU replicas\n", at::get_num_threads(), lockstep::loaded_blas().c_str(), replicas);
+    }
     if (only.empty() || only == "mlp") {
-      run_model("mlp", 256, rounds, seconds, replicas);
+      run_model("mlp", 256, rounds, seconds, replicas, cuda);
     }
     if (only.empty() || only == "cnn") {
-      run_model("cnn", 128, rounds, seconds, replicas);
+      run_model("cnn", 128, rounds, seconds, replicas, cuda);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());

@@ -1,5 +1,5 @@
 """One contender of bench/run_ddp_bench.sh: PyTorch's own DistributedDataParallel
-(Debian's python3-torch), gloo, 2 processes of one thread each, with the same
+(the configuration's PyTorch: .venv/'s or Debian's python3-torch), gloo, 2 processes of one thread each, with the same
 model, batch, optimizer and thread count as bench/bench_ddp.cpp.
 
     python3 bench/ddp_python.py MODEL STEPS PORT

@@ -5,20 +5,27 @@
 #
 #   bench/run_ddp_bench.sh [ROUNDS] [STEPS_MLP] [STEPS_DEEP]
 #
-# Needs a built tree (scripts/build.sh) and Debian's python3-torch, which it
-# installs when missing.
+# Needs a built tree (scripts/build.sh) of the configuration LOCKSTEP_TORCH
+# names (scripts/config.sh). Python DDP, the peer, runs on the same PyTorch:
+# .venv/'s for current, Debian's python3-torch for debian (installed when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/config.sh
 rounds=${1:-5}
 steps_mlp=${2:-40}
 steps_deep=${3:-60}
-# Debian's interpreter: the one python3-torch installs into (PATH may name another).
-py=/usr/bin/python3
-if ! "$py" -c "import torch" 2>/dev/null; then
-  echo "run_ddp_bench: installing python3-torch"
-  sudo_cmd=(); [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends python3-torch >/dev/null
+if [ "$LOCKSTEP_TORCH" = current ]; then
+  py=.venv/bin/python
+else
+  # Debian's interpreter: the one python3-torch installs into (PATH may name another).
+  py=/usr/bin/python3
+  if ! "$py" -c "import torch" 2>/dev/null; then
+    echo "run_ddp_bench: installing python3-torch"
+    sudo_cmd=(); [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends python3-torch >/dev/null
+  fi
 fi
+echo "run_ddp_bench: configuration $LOCKSTEP_TORCH, $("$py" -c 'import torch; print("PyTorch", torch.__version__)' 2>/dev/null)"
 out=$(mktemp)
 run_pair() { # MODE MODEL STEPS
   local port=$((20000 + RANDOM % 20000))
@@ -30,7 +37,7 @@ run_pair() { # MODE MODEL STEPS
   local pids=()
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
-      timeout -k 5 120 build/lockstep-bench-ddp "$1" "$2" "$3" >>"$out" &
+      timeout -k 5 120 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" >>"$out" &
     pids+=($!)
   done
   wait "${pids[@]}"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Configures (once) and builds lockstep into build/. Two cores: -j2.
+# Configures (once) and builds lockstep for LOCKSTEP_TORCH (scripts/config.sh)
+# into its build folder. Two cores: -j2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/config.sh
 jobs=${LOCKSTEP_JOBS:-2}
-if [ ! -f build/CMakeCache.txt ]; then
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+if [ ! -f "$build_dir/CMakeCache.txt" ]; then
+  cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${torch_cmake_args[@]}" >/dev/null
 fi
-cmake --build build -j"$jobs"
+cmake --build "$build_dir" -j"$jobs"

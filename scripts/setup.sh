@@ -1,42 +1,73 @@
 #!/usr/bin/env bash
-# Installs what lockstep needs from Debian 12, and nothing that is already there.
-# Idempotent and quiet: a machine that has everything costs one dpkg query.
+# Installs what lockstep needs for the configuration in LOCKSTEP_TORCH
+# (scripts/config.sh), and nothing that is already there. Idempotent and quiet:
+# a machine that has everything costs one dpkg query and one pip check.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/config.sh
 
-packages=(
-  build-essential cmake ninja-build ccache
-  libtorch-dev libgloo-dev
-  # libtorch runs its intra-op threads on OpenMP; OpenBLAS's OpenMP build takes
-  # its thread count from the calling thread, so each DataParallel replica's
-  # matrix products stay on that replica's share of the cores (docs/design.md).
-  libopenblas0-openmp
-  googletest libgtest-dev libcli11-dev
-)
+packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcli11-dev)
+if [ "$LOCKSTEP_TORCH" = debian ]; then
+  packages+=(
+    libtorch-dev libgloo-dev
+    # libtorch runs its intra-op threads on OpenMP; OpenBLAS's OpenMP build takes
+    # its thread count from the calling thread, so each DataParallel replica's
+    # matrix products stay on that replica's share of the cores (docs/design.md).
+    libopenblas0-openmp
+  )
+else
+  packages+=(python3 python3-venv)
+fi
 
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
-  sudo_cmd=()
-  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
   export DEBIAN_FRONTEND=noninteractive
   "${sudo_cmd[@]}" apt-get update -qq
   "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# Never run on the reference BLAS (about 20x slower for matrix products), nor
-# on OpenBLAS's pthread build: libtorch links libopenblas.so.0 itself, besides
-# libblas.so.3, so all three names must point at the OpenMP build.
-sudo_cmd=()
-[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-for name in libblas.so.3 liblapack.so.3 libopenblas.so.0; do
-  alt=$name-x86_64-linux-gnu
-  target=/usr/lib/x86_64-linux-gnu/openblas-openmp/$name
-  current=$(update-alternatives --query "$alt" 2>/dev/null | sed -n 's/^Value: //p')
-  if [ -e "$target" ] && [ "$current" != "$target" ]; then
-    "${sudo_cmd[@]}" update-alternatives --quiet --set "$alt" "$target"
+if [ "$LOCKSTEP_TORCH" = debian ]; then
+  # Never run on the reference BLAS (about 20x slower for matrix products), nor
+  # on OpenBLAS's pthread build: libtorch links libopenblas.so.0 itself, besides
+  # libblas.so.3, so all three names must point at the OpenMP build.
+  for name in libblas.so.3 liblapack.so.3 libopenblas.so.0; do
+    alt=$name-x86_64-linux-gnu
+    target=/usr/lib/x86_64-linux-gnu/openblas-openmp/$name
+    current=$(update-alternatives --query "$alt" 2>/dev/null | sed -n 's/^Value: //p')
+    if [ -e "$target" ] && [ "$current" != "$target" ]; then
+      "${sudo_cmd[@]}" update-alternatives --quiet --set "$alt" "$target"
+    fi
+  done
+  exit 0
+fi
+
+# The pip wheel is a CUDA build: its CMake config needs the CUDA toolkit (nvcc)
+# even though lockstep has no .cu files.
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "setup: the current configuration builds against PyTorch's CUDA wheel, whose CMake config needs" \
+       "the CUDA toolkit (nvcc), and none is installed. Install the CUDA toolkit (/usr/local/cuda), or" \
+       "use LOCKSTEP_TORCH=debian for Debian's CPU-only libtorch." >&2
+  exit 1
+fi
+
+# PyTorch from PyPI into .venv/, at the version scripts/requirements-current.txt pins.
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+wanted=$(sed -n 's/^torch==//p' scripts/requirements-current.txt)
+have=$(.venv/bin/python -m pip show torch 2>/dev/null | sed -n 's/^Version: //p' || true)
+if [ "$have" != "$wanted" ]; then
+  echo "setup: installing torch==$wanted into .venv/ (about 4 GB with its CUDA libraries)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r scripts/requirements-current.txt
+  have=$(.venv/bin/python -m pip show torch 2>/dev/null | sed -n 's/^Version: //p' || true)
+  if [ "$have" != "$wanted" ]; then
+    echo "setup: pip did not install torch==$wanted into .venv/ (found '${have:-nothing}')." >&2
+    exit 1
   fi
-done
+fi

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Set up, build, and run the whole test suite under ctest.
+# Set up, build, and run the whole test suite under ctest, for LOCKSTEP_TORCH
+# (scripts/config.sh). Arguments go to ctest (for example -L fast).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/config.sh
 bash scripts/setup.sh
 bash scripts/build.sh
-cd build
+cd "$build_dir"
+echo "test: PyTorch configuration '$LOCKSTEP_TORCH' in $build_dir/"
 ctest --output-on-failure -j2 "$@"

@@ -1,6 +1,6 @@
 // Compiled when LibTorch has c10d's Gloo process group; src/no_gloo.cpp otherwise.
 
-#include "c10d_group.h"
+#include "backends.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/version.h>

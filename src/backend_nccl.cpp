@@ -2,7 +2,7 @@
 // USE_C10D_NCCL); src/no_nccl.cpp otherwise. Not yet run on a GPU: see the
 // CUDA issue.
 
-#include "c10d_group.h"
+#include "backends.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 

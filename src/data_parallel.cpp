@@ -1,5 +1,7 @@
 #include <lockstep/data_parallel.h>
 
+#include "torch_compat.h"
+
 #include <ATen/ThreadLocalState.h>
 #include <ATen/WrapDimUtils.h>
 #include <c10/core/DeviceGuard.h>
@@ -94,9 +96,19 @@ bool is_differentiable(const torch::Tensor& t) {
   return at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
 }
 
-bool aliases(const torch::Tensor& a, const torch::Tensor& b) {
-  return a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
-      a.dtype() == b.dtype();
+// Makes `target` share `source`'s storage and version counter, unless it
+// already does: an optimizer step on the wrapped module is then seen with no
+// copy, and an in-place change between forward and backward is caught as it
+// would be without the wrapper. Re-run after the source's storage changed
+// (torch::load, to(kDouble)).
+void alias(torch::Tensor& target, const torch::Tensor& source) {
+  if (target.is_same(source) ||
+      (target.data_ptr() == source.data_ptr() && target.sizes() == source.sizes() &&
+       target.strides() == source.strides() && target.dtype() == source.dtype())) {
+    return;
+  }
+  target.set_data(source.detach());
+  target.unsafeGetTensorImpl()->set_version_counter(source.unsafeGetTensorImpl()->version_counter());
 }
 
 // How one gathered output was made from the replicas' outputs, so that its
@@ -324,15 +336,20 @@ void check_module_on(const torch::nn::Module& module, torch::Device first) {
   }
 }
 
-DataParallelCore::DataParallelCore(std::vector<std::shared_ptr<torch::nn::Module>> replicas, DataParallelOptions options)
-    : replicas_(std::move(replicas)), options_(std::move(options)) {
+DataParallelCore::DataParallelCore(
+    std::shared_ptr<torch::nn::Module> source,
+    std::vector<std::shared_ptr<torch::nn::Module>> replicas,
+    DataParallelOptions options)
+    : source_(std::move(source)), replicas_(std::move(replicas)), options_(std::move(options)) {
   const auto& devices = options_.devices();
   TORCH_INTERNAL_ASSERT(replicas_.size() == devices.size() && !devices.empty());
-  for (const auto& named : replicas_[0]->named_parameters()) {
+  for (const auto& named : source_->named_parameters()) {
     param_names_.push_back(named.key());
+    source_params_.push_back(named.value());
   }
-  for (const auto& named : replicas_[0]->named_buffers()) {
+  for (const auto& named : source_->named_buffers()) {
     buffer_names_.push_back(named.key());
+    source_buffers_.push_back(named.value());
   }
   for (const auto& replica : replicas_) {
     params_.push_back(replica->parameters());
@@ -364,10 +381,29 @@ DataParallelCore::DataParallelCore(std::vector<std::shared_ptr<torch::nn::Module
   if (devices.size() > 1 || output_device() != devices[0]) {
     pool_ = std::make_shared<WorkerPool>(threads);
   }
-  for (size_t r = 1; r < replicas_.size(); ++r) {
-    sync_params(r); // CPU replicas drop their cloned storage at once
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    sync_params(r); // replicas on devices[0] drop their cloned storage at once
   }
+  alias_replica0_buffers();
 }
+
+// Note [Replica 0]
+// ~~~~~~~~~~~~~~~~
+// Replica 0 is a clone of the wrapped module, like the others, not the module
+// itself (unless it runs alone, without threads: then it is the module). Its
+// parameters and buffers are separate tensors that share the module's storage
+// and version counters, so optimizer steps and BatchNorm's running statistics
+// reach the module with no copy. It has to be separate: ParallelBackward asks
+// autograd::grad for each replica's parameter gradients, and since PyTorch 2.0
+// that capture runs the captured leaf's tensor hooks. If replica 0's
+// parameters were the module's, a hook the user put on one would run twice,
+// once on replica 0's share and once on the sum, and a hook that changes the
+// gradient would change it twice. With a separate leaf per replica, the only
+// hooks that run are the module's, once, on the summed gradient, in
+// AccumulateGrad, as without the wrapper, on every PyTorch version. The cost
+// is one clone at construction, whose storage is dropped at once. State a
+// module keeps in C++ members is therefore per replica: read it with
+// map_replicas().
 
 // Note [CPU replicas and threads]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -392,8 +428,8 @@ torch::Device DataParallelCore::output_device() const {
 }
 
 void DataParallelCore::check_on_first_device() const {
-  check_tensors_on("parameter", param_names_, params_[0], options_.devices()[0]);
-  check_tensors_on("buffer", buffer_names_, buffers_[0], options_.devices()[0]);
+  check_tensors_on("parameter", param_names_, source_params_, options_.devices()[0]);
+  check_tensors_on("buffer", buffer_names_, source_buffers_, options_.devices()[0]);
 }
 
 Plan DataParallelCore::plan(const SplitSites& sites, const std::function<SplitSites()>& names) const {
@@ -413,17 +449,11 @@ Plan DataParallelCore::plan(const SplitSites& sites, const std::function<SplitSi
 
 void DataParallelCore::sync_params(size_t r) {
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_[0].size(); ++i) {
-    const auto& source = params_[0][i];
+  for (size_t i = 0; i < source_params_.size(); ++i) {
+    const auto& source = source_params_[i];
     auto& target = params_[r][i];
     if (target.device() == source.device()) {
-      if (!aliases(target, source)) {
-        // Same storage and the same version counter as the wrapped module's
-        // parameter: no copy after optimizer.step(), and an in-place change
-        // between forward and backward is caught as it would be without us.
-        target.set_data(source.detach());
-        target.unsafeGetTensorImpl()->set_version_counter(source.unsafeGetTensorImpl()->version_counter());
-      }
+      alias(target, source);
     } else if (synced_versions_[r][i] != source._version() || target.sizes() != source.sizes() ||
                target.dtype() != source.dtype()) {
       if (target.sizes() == source.sizes() && target.dtype() == source.dtype()) {
@@ -439,10 +469,17 @@ void DataParallelCore::sync_params(size_t r) {
   }
 }
 
+void DataParallelCore::alias_replica0_buffers() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < source_buffers_.size(); ++i) {
+    alias(buffers_[0][i], source_buffers_[i]);
+  }
+}
+
 void DataParallelCore::sync_buffers(size_t r) {
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < buffers_[0].size(); ++i) {
-    const auto& source = buffers_[0][i];
+  for (size_t i = 0; i < source_buffers_.size(); ++i) {
+    const auto& source = source_buffers_[i];
     auto& target = buffers_[r][i];
     if (target.sizes() == source.sizes() && target.dtype() == source.dtype()) {
       target.copy_(source);
@@ -454,16 +491,15 @@ void DataParallelCore::sync_buffers(size_t r) {
 
 void DataParallelCore::prepare_forward(const Plan& plan) {
   check_on_first_device();
-  const bool training = replicas_[0]->is_training();
+  const bool training = source_->is_training();
   for (size_t r : plan.used) {
-    if (r == 0) {
-      continue;
-    }
     if (replicas_[r]->is_training() != training) {
       replicas_[r]->train(training);
     }
     sync_params(r);
-    if (options_.buffers() != BufferSync::Off) {
+    if (r == 0) {
+      alias_replica0_buffers(); // replica 0's buffer updates are the module's
+    } else if (options_.buffers() != BufferSync::Off) {
       sync_buffers(r);
     }
   }
@@ -570,24 +606,24 @@ std::vector<torch::Tensor> DataParallelCore::gather(
     }
   }
 
-  if (options_.buffers() == BufferSync::Average && replicas_[0]->is_training()) {
+  if (options_.buffers() == BufferSync::Average && source_->is_training()) {
     average_buffers(plan);
   }
   if (differentiable.empty()) {
     return gathered;
   }
 
-  auto node = std::make_shared<ParallelBackward>();
+  auto node = make_node<ParallelBackward>();
   node->pool_ = pool_;
   node->devices_ = options_.devices();
   node->specs_ = std::move(specs);
   std::vector<size_t> grad_params;
   variable_list edges_of;
-  for (size_t p = 0; p < params_[0].size(); ++p) {
-    if (params_[0][p].requires_grad()) {
+  for (size_t p = 0; p < source_params_.size(); ++p) {
+    if (source_params_[p].requires_grad()) {
       grad_params.push_back(p);
-      edges_of.push_back(params_[0][p]);
-      node->params_.push_back(params_[0][p]);
+      edges_of.push_back(source_params_[p]);
+      node->params_.push_back(source_params_[p]);
     }
   }
   for (const auto& source : inputs.sources) {
@@ -627,8 +663,8 @@ std::vector<torch::Tensor> DataParallelCore::gather(
 
 void DataParallelCore::average_buffers(const Plan& plan) {
   torch::NoGradGuard no_grad;
-  for (size_t b = 0; b < buffers_[0].size(); ++b) {
-    auto& target = buffers_[0][b];
+  for (size_t b = 0; b < source_buffers_.size(); ++b) {
+    auto& target = source_buffers_[b];
     if (!at::isFloatingType(target.scalar_type())) {
       continue; // counters such as num_batches_tracked move in step on every replica
     }
@@ -657,16 +693,21 @@ void DataParallelCore::run_on_all(const std::function<void(size_t)>& fn) {
 }
 
 void DataParallelCore::train(bool on) {
-  for (size_t r = 1; r < replicas_.size(); ++r) {
-    replicas_[r]->train(on);
+  for (auto& replica : replicas_) {
+    if (replica != source_) {
+      replica->train(on);
+    }
   }
 }
 
 void DataParallelCore::to_dtype(torch::Dtype dtype, bool non_blocking) {
-  for (size_t r = 1; r < replicas_.size(); ++r) {
-    replicas_[r]->to(dtype, non_blocking);
-    sync_params(r);
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    if (replicas_[r] != source_) {
+      replicas_[r]->to(dtype, non_blocking);
+      sync_params(r);
+    }
   }
+  alias_replica0_buffers();
 }
 
 } // namespace detail

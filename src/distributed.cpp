@@ -1,6 +1,7 @@
 #include <lockstep/distributed.h>
 
-#include "c10d_group.h"
+#include "backends.h"
+#include "torch_compat.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -125,12 +126,6 @@ ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) : impl_(std::move(im
   TORCH_CHECK(impl_ != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
 }
 
-ProcessGroup ProcessGroup::from_c10d(c10::intrusive_ptr<c10d::ProcessGroup> group) {
-  TORCH_CHECK(group, "lockstep::ProcessGroup::from_c10d: the c10d process group is null.");
-  const auto name = group->getBackendName();
-  return ProcessGroup(std::make_shared<detail::C10dGroup<c10d::ProcessGroup>>(std::move(group), name, kDefaultTimeout));
-}
-
 void ProcessGroup::allreduce(torch::Tensor& tensor, ReduceOp op) const {
   if (size() == 1) {
     return;
@@ -236,7 +231,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   store_options.timeout = options.timeout();
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+    store = detail::make_tcp_store(env.master_addr, store_options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", env.rank == 0 ? "start" : "reach",
                 " the store at ", env.master_addr, ":", env.master_port, " within ", options.timeout().count(),

@@ -1,5 +1,7 @@
 #include <lockstep/reducer.h>
 
+#include "torch_compat.h"
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -158,7 +160,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   size_t next_bucket = 0;
   Phase phase = Phase::Idle;
   bool finalize_queued = false;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<detail::NodePtr> accumulators;
   std::vector<uintptr_t> hook_keys;
 
   std::string where() const {

@@ -49,9 +49,13 @@ WorkerPool::~WorkerPool() {
 }
 
 void WorkerPool::loop(Worker& worker, int threads) {
-  // Initialise this thread's OpenMP state from the process-wide count first,
-  // so that the explicit count below is not overwritten by a lazy init later.
-  at::internal::lazy_init_num_threads();
+  // LibTorch initialises each thread's OpenMP count lazily, from the
+  // process-wide count, on the thread's first parallel region; done later, that
+  // would overwrite the count set below. So run the lazy init first, inside
+  // libtorch: at::get_num_threads() does. Calling
+  // at::internal::lazy_init_num_threads() here would not do: in 2.x it is
+  // inline, and its once-per-thread flag is our copy, not libtorch's.
+  at::get_num_threads();
   at::set_num_threads(threads);
 
   std::unique_lock<std::mutex> lock(mutex_);

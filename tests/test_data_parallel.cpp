@@ -339,6 +339,24 @@ TEST(DataParallel, ParameterHooksSeeTheBareGradient) {
   }
 }
 
+TEST(DataParallel, ParameterHookThatChangesTheGradientAppliesOnce) {
+  Mlp bare;
+  Mlp net = deep_copy(bare);
+  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
+  int calls = 0;
+  for (auto* m : {&bare, &net}) {
+    (*m)->fc2->bias.register_hook([&calls](torch::Tensor g) {
+      ++calls;
+      return g * 3;
+    });
+  }
+  auto x = torch::randn({6, 16});
+  bare(x).sum().backward();
+  dp(x).sum().backward();
+  EXPECT_EQ(calls, 2); // once for the bare module, once for DataParallel
+  EXPECT_TRUE(torch::allclose(bare->fc2->bias.grad(), net->fc2->bias.grad(), 1e-5, 1e-6));
+}
+
 TEST(DataParallel, RetainGraphAllowsSecondBackward) {
   Mlp bare;
   Mlp copy = deep_copy(bare);
@@ -487,7 +505,9 @@ TEST(DataParallel, ChunksFollowWeightsAndSmallBatchesUseFewerReplicas) {
   auto out = dp2(x);
   EXPECT_EQ(out.size(0), 2);
   EXPECT_TRUE(torch::allclose(out, net2(x)));
-  EXPECT_EQ(dp2->map_replicas([](CounterImpl& m) { return m.calls; }), (std::vector<int64_t>{2, 1, 0}));
+  // net2(x) ran the wrapped module itself, which is not replica 0 (Note [Replica 0]).
+  EXPECT_EQ(dp2->map_replicas([](CounterImpl& m) { return m.calls; }), (std::vector<int64_t>{1, 1, 0}));
+  EXPECT_EQ(net2->calls, 1);
 }
 
 TEST(DataParallel, OneRowOnTwoReplicasTrainsLikeBareModule) {
@@ -548,9 +568,12 @@ TEST(DataParallel, StateKeptOnReplicasSumsToBareCount) {
   auto per_replica = dp->map_replicas([](CounterImpl& m) { return m.rows_seen; });
   EXPECT_EQ(per_replica.size(), 3u);
   EXPECT_EQ(std::accumulate(per_replica.begin(), per_replica.end(), int64_t{0}), bare->rows_seen);
-  EXPECT_EQ(dp->module()->rows_seen, per_replica[0]);
+  // Replica 0 is a clone sharing the module's parameters (Note [Replica 0]):
+  // C++ member state lives on the replicas, not on the wrapped module.
+  EXPECT_EQ(dp->module()->rows_seen, 0);
   EXPECT_EQ(dp->replicas().size(), 3u);
-  EXPECT_EQ(dp->replicas()[0].ptr(), net.ptr());
+  EXPECT_NE(dp->replicas()[0].ptr(), net.ptr());
+  EXPECT_EQ(dp->replicas()[0]->parameters()[0].data_ptr(), net->parameters()[0].data_ptr());
   dp->map_replicas([](CounterImpl& m) { m.rows_seen = 0; });
   EXPECT_EQ(dp->replicas()[2]->rows_seen, 0);
 }
@@ -702,6 +725,20 @@ TEST(DataParallel, MlpMatchesBareModule_CUDA) {
   auto x = torch::randn({10, 16}, gpu);
   auto y = torch::randn({10, 4}, gpu);
   expect_same_training(bare, DataParallelOptions().devices({gpu, gpu}), 4, [&](int, auto&& run) {
+    return torch::mse_loss(run(x), y);
+  });
+}
+
+TEST(DataParallel, MlpMatchesBareModuleOnTwoGpus_MultiCUDA) {
+  if (torch::cuda::device_count() < 2) {
+    GTEST_SKIP() << "fewer than 2 CUDA devices";
+  }
+  const torch::Device gpu0(torch::kCUDA, 0), gpu1(torch::kCUDA, 1);
+  Mlp bare;
+  bare->to(gpu0);
+  auto x = torch::randn({10, 16}, gpu0);
+  auto y = torch::randn({10, 4}, gpu0);
+  expect_same_training(bare, DataParallelOptions().devices({gpu0, gpu1}), 4, [&](int, auto&& run) {
     return torch::mse_loss(run(x), y);
   });
 }

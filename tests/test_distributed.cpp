@@ -12,10 +12,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <exception>
 #include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 namespace lockstep {
 namespace {
@@ -108,6 +110,15 @@ TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
   EXPECT_TRUE(torch::equal(t, torch::ones({3})));
 }
 
+TEST(ProcessGroup, NcclIsAvailableExactlyInCudaBuilds) {
+  // LOCKSTEP_TORCH_HAS_CUDA: whether the LibTorch this was built against is a
+  // CUDA build (tests/CMakeLists.txt); such a build must compile the NCCL backend.
+  auto backends = available_backends();
+  const bool nccl = std::find(backends.begin(), backends.end(), "nccl") != backends.end();
+  EXPECT_EQ(nccl, LOCKSTEP_TORCH_HAS_CUDA != 0);
+  EXPECT_NE(std::find(backends.begin(), backends.end(), "gloo"), backends.end());
+}
+
 TEST(ProcessGroup, UnknownBackendListsTheAvailableOnes) {
   auto message = error_of([] { init_process_group(ProcessGroupOptions().rank(0).world_size(1).backend("mpi")); });
   EXPECT_NE(message.find("backend \"mpi\" is not available in this build; available: \"gloo\""), std::string::npos) << message;
@@ -117,7 +128,11 @@ TEST(ProcessGroup, UnknownBackendListsTheAvailableOnes) {
 
 // Runs fn(group) on `size` threads, one per rank, over one HashStore; rethrows
 // the first failure.
-void spawn(int size, const std::function<void(ProcessGroup&)>& fn, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+void spawn(
+    int size,
+    const std::function<void(ProcessGroup&)>& fn,
+    std::chrono::milliseconds timeout = std::chrono::seconds(30),
+    const std::string& backend = "gloo") {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
   std::exception_ptr error;
@@ -125,7 +140,7 @@ void spawn(int size, const std::function<void(ProcessGroup&)>& fn, std::chrono::
   for (int rank = 0; rank < size; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto group = new_group(store, rank, size, "gloo", timeout);
+        auto group = new_group(store, rank, size, backend, timeout);
         fn(group);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
@@ -363,6 +378,73 @@ TEST(DdpThreads, WrapsACallersOwnC10dGroup) {
     t.join();
   }
   EXPECT_EQ(results, (std::vector<float>{1.5f, 1.5f}));
+}
+
+// --- CUDA ----------------------------------------------------------------------
+
+// A model and a batch on `device`; the same values for every call with the same seed.
+std::tuple<OddNet, torch::Tensor, torch::Tensor> on_device(torch::Device device, int64_t rows, int64_t step) {
+  torch::manual_seed(7);
+  OddNet net;
+  net->to(device);
+  auto [x, y] = testing::global_batch(rows, step);
+  return {net, x.to(device), y.to(device)};
+}
+
+TEST(DdpThreads, NcclWorldSizeOneMatchesTheBareModule_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto [bare, x, y] = on_device(gpu, 6, 0);
+  auto [net, x2, y2] = on_device(gpu, 6, 0);
+  // A real NCCL group of one, not the local group that init_process_group gives.
+  auto group = new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "nccl");
+  EXPECT_EQ(group.backend(), "nccl");
+  DistributedDataParallel<OddNet> ddp(net, group);
+  torch::optim::SGD bare_opt(bare->parameters(), 0.1), ddp_opt(ddp->parameters(), 0.1);
+  for (int step = 0; step < 3; ++step) {
+    bare_opt.zero_grad();
+    ddp_opt.zero_grad();
+    torch::mse_loss(bare(x), y).backward();
+    torch::mse_loss(ddp(x2), y2).backward();
+    bare_opt.step();
+    ddp_opt.step();
+  }
+  auto expected = bare->parameters();
+  auto got = net->parameters();
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(expected[i], got[i], 1e-5, 1e-6));
+  }
+}
+
+TEST(DdpThreads, NcclTwoRanksAverageGradients_MultiCUDA) {
+  if (torch::cuda::device_count() < 2) {
+    GTEST_SKIP() << "fewer than 2 CUDA devices";
+  }
+  std::vector<std::tuple<OddNet, torch::Tensor, torch::Tensor>> ranks; // made here: the seed is global
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(on_device(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(r)), 6, 0));
+  }
+  std::vector<torch::Tensor> grads(2);
+  spawn(
+      2,
+      [&](ProcessGroup& group) {
+        const int r = group.rank();
+        const torch::Device gpu(torch::kCUDA, static_cast<c10::DeviceIndex>(r));
+        auto t = torch::full({3}, static_cast<float>(r + 1), gpu);
+        group.allreduce(t, ReduceOp::Avg);
+        EXPECT_TRUE(torch::equal(t.cpu(), torch::full({3}, 1.5f)));
+        auto& [net, x, y] = ranks[r];
+        DistributedDataParallel<OddNet> ddp(net, group);
+        torch::mse_loss(ddp(x.narrow(0, 3 * r, 3)), y.narrow(0, 3 * r, 3)).backward();
+        grads[r] = net->parameters()[0].grad().cpu();
+      },
+      std::chrono::seconds(60), "nccl");
+  EXPECT_TRUE(torch::equal(grads[0], grads[1]));
+  auto [bare, x, y] = on_device(torch::kCPU, 6, 0);
+  torch::mse_loss(bare(x), y).backward();
+  EXPECT_TRUE(torch::allclose(bare->parameters()[0].grad(), grads[0], 1e-4, 1e-5));
 }
 
 } // namespace

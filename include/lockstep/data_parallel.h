@@ -9,11 +9,12 @@
 //  1. plan: every tensor argument to be split is found (scatter_gather.h), the
 //     batch sizes are checked to agree, and the rows are cut into one chunk per
 //     replica (chunk_sizes).
-//  2. sync: replicas were made once, by clone(), at construction. Replica 0 is
-//     the wrapped module itself. Before each call, the other replicas' params
-//     are made to alias the wrapped module's storage where they share a device
-//     (so optimizer.step() is seen with no copy), or are copied when their
-//     version counter says the source changed. Buffers follow BufferSync.
+//  2. sync: replicas were made once, by clone(), at construction; replica 0 is
+//     a clone too (Note [Replica 0] in data_parallel.cpp). Before each call,
+//     replicas' params are made to alias the wrapped module's storage where
+//     they share a device (so optimizer.step() is seen with no copy), or are
+//     copied when their version counter says the source changed. Replica 0's
+//     buffers alias the module's; the others' follow BufferSync.
 //  3. apply: each replica runs forward on its own persistent worker thread,
 //     with the caller's grad mode and other thread-local state. Inputs that need
 //     a gradient are detached into leaves of the replica's own graph.
@@ -58,15 +59,16 @@ namespace lockstep {
 /// What happens to replicas' buffers (BatchNorm running statistics).
 enum class BufferSync {
   /// Before each forward, every replica takes the wrapped module's buffers;
-  /// replica 0 is the wrapped module, so its updates are the ones kept. This is
-  /// PyTorch's behaviour.
+  /// replica 0's buffers share the wrapped module's storage, so its updates
+  /// are the ones kept. This is PyTorch's behaviour.
   Broadcast,
   /// As Broadcast, and after each forward in training mode the wrapped module's
   /// floating-point buffers become the average of all replicas' buffers,
   /// weighted by their share of the batch. For BatchNorm's running mean this is
   /// exactly the bare module's value.
   Average,
-  /// Replicas keep their own buffers; nothing is copied.
+  /// Replicas keep their own buffers; nothing is copied. Replica 0's are the
+  /// wrapped module's.
   Off,
 };
 
@@ -128,9 +130,18 @@ struct StepInputs {
 /// replica bookkeeping, worker threads, gathering and the backward node.
 class DataParallelCore {
  public:
-  /// `replicas[0]` is the wrapped module; the others are its clones, in the
-  /// order of `options.devices()`; `options` come from resolve_options().
-  DataParallelCore(std::vector<std::shared_ptr<torch::nn::Module>> replicas, DataParallelOptions options);
+  /// `source` is the wrapped module; `replicas` its clones, one per device of
+  /// `options.devices()`, or just `source` when it runs alone (see
+  /// Note [Replica 0]); `options` come from resolve_options().
+  DataParallelCore(
+      std::shared_ptr<torch::nn::Module> source,
+      std::vector<std::shared_ptr<torch::nn::Module>> replicas,
+      DataParallelOptions options);
+
+  /// Whether forward runs the wrapped module itself: one device, outputs on it.
+  static bool runs_alone(const DataParallelOptions& options) {
+    return options.devices().size() == 1 && options.output_device().value_or(options.devices()[0]) == options.devices()[0];
+  }
 
   const DataParallelOptions& options() const {
     return options_;
@@ -168,12 +179,16 @@ class DataParallelCore {
   void check_on_first_device() const;
   void sync_params(size_t replica);
   void sync_buffers(size_t replica);
+  void alias_replica0_buffers();
   void average_buffers(const Plan& plan);
 
+  std::shared_ptr<torch::nn::Module> source_; // the wrapped module
   std::vector<std::shared_ptr<torch::nn::Module>> replicas_;
   DataParallelOptions options_;
   std::vector<std::string> param_names_;
   std::vector<std::string> buffer_names_;
+  std::vector<torch::Tensor> source_params_;
+  std::vector<torch::Tensor> source_buffers_;
   std::vector<std::vector<torch::Tensor>> params_; // [replica][param]
   std::vector<std::vector<torch::Tensor>> buffers_; // [replica][buffer]
   std::vector<std::vector<int64_t>> synced_versions_; // [replica][param], copied params only
@@ -200,16 +215,18 @@ class DataParallelImpl : public detail::WrapperModule<M> {
       : detail::WrapperModule<M>(std::move(module), "lockstep::DataParallel") {
     options = detail::resolve_options(std::move(options));
     detail::check_module_on(*module_, options.devices()[0]); // before clone() trips over it
-    std::vector<std::shared_ptr<torch::nn::Module>> all{module_.ptr()};
-    replicas_.push_back(module_.ptr());
-    const auto& devices = options.devices();
-    for (size_t r = 1; r < devices.size(); ++r) {
-      auto replica = std::dynamic_pointer_cast<Impl>(module_->clone(devices[r]));
-      TORCH_INTERNAL_ASSERT(replica, "clone() returned another module type");
-      replicas_.push_back(replica);
-      all.push_back(replica);
+    std::vector<std::shared_ptr<torch::nn::Module>> all;
+    if (detail::DataParallelCore::runs_alone(options)) {
+      replicas_.push_back(module_.ptr());
+    } else {
+      for (const auto& device : options.devices()) { // replica 0 too: Note [Replica 0]
+        auto replica = std::dynamic_pointer_cast<Impl>(module_->clone(device));
+        TORCH_INTERNAL_ASSERT(replica, "clone() returned another module type");
+        replicas_.push_back(replica);
+      }
     }
-    core_ = std::make_unique<detail::DataParallelCore>(std::move(all), std::move(options));
+    all.assign(replicas_.begin(), replicas_.end());
+    core_ = std::make_unique<detail::DataParallelCore>(module_.ptr(), std::move(all), std::move(options));
   }
 
   /// Takes exactly the arguments of M's forward (plus lockstep::broadcast and
@@ -218,7 +235,7 @@ class DataParallelImpl : public detail::WrapperModule<M> {
   auto forward(Args&&... args) -> decltype(std::declval<Impl&>().forward(std::declval<detail::scatter_t<Args>>()...)) {
     using Output = decltype(std::declval<Impl&>().forward(std::declval<detail::scatter_t<Args>>()...));
     const auto& options = core_->options();
-    if (core_->size() == 1 && core_->output_device() == options.devices()[0]) {
+    if (detail::DataParallelCore::runs_alone(options)) {
       // One device: the module itself, with inputs moved there, and no threads.
       detail::ReplicaScatter identity;
       identity.device = options.devices()[0];
@@ -254,7 +271,9 @@ class DataParallelImpl : public detail::WrapperModule<M> {
     return result;
   }
 
-  /// All replicas, replica 0 (the wrapped module) first.
+  /// All replicas, in device order. Each is a clone sharing the wrapped
+  /// module's parameters and buffers, except that a DataParallel on one device
+  /// runs the wrapped module itself (Note [Replica 0] in data_parallel.cpp).
   std::vector<M> replicas() const {
     return std::vector<M>(replicas_.begin(), replicas_.end());
   }
@@ -323,7 +342,7 @@ class DataParallelImpl : public detail::WrapperModule<M> {
 
 /// `lockstep::DataParallel<Net> dp(net, DataParallelOptions().devices({...}));`
 /// A ModuleHolder: dp(args...), dp->forward(args...), dp->parameters(),
-/// torch::save(dp, path) all work as for Net; dp->module() is net (replica 0).
+/// torch::save(dp, path) all work as for Net; dp->module() is net.
 template <typename M>
 using DataParallel = detail::ForwardingHolder<DataParallelImpl<M>>;
 

@@ -20,7 +20,6 @@
 
 namespace c10d {
 class Store;
-class ProcessGroup;
 } // namespace c10d
 
 namespace lockstep {
@@ -64,9 +63,12 @@ class ProcessGroup {
   ProcessGroup();
   explicit ProcessGroup(std::shared_ptr<GroupImpl> impl);
 
-  /// Wraps a c10d process group the caller made (for example a
-  /// c10d::ProcessGroupGloo over their own store).
-  static ProcessGroup from_c10d(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  /// Wraps a c10d process group the caller made: a c10d::ProcessGroupGloo or
+  /// ProcessGroupNCCL over their own store (a c10d::Backend in PyTorch 2.x, a
+  /// c10d::ProcessGroup in 1.13), or a c10d::ProcessGroup. Any c10d type with
+  /// c10d's allreduce, broadcast, allgather and barrier will do.
+  template <typename C10dType>
+  static ProcessGroup from_c10d(c10::intrusive_ptr<C10dType> group);
 
   int rank() const {
     return impl_->rank();
@@ -154,3 +156,6 @@ int64_t parse_int(const std::string& name, const char* value, int64_t low, int64
 
 } // namespace detail
 } // namespace lockstep
+
+// ProcessGroup::from_c10d's definition: it needs c10d's types.
+#include <lockstep/detail/c10d_group.h>

@@ -3,7 +3,8 @@
 // Internal: a GroupImpl over any c10d object with c10d's collective methods.
 // LibTorch 1.13's Gloo group is a c10d::ProcessGroup and 2.x's a
 // c10d::Backend; both have the same allreduce/broadcast/allgather/barrier, so
-// one template serves both, and the backends name the type (backend_*.cpp).
+// one template serves both: the backends (src/backend_*.cpp) and
+// ProcessGroup::from_c10d name the type.
 
 #include <lockstep/distributed.h>
 
@@ -143,20 +144,13 @@ class C10dGroup : public GroupImpl {
   std::chrono::milliseconds timeout_;
 };
 
-/// Made by src/backend_gloo.cpp or src/no_gloo.cpp, and the NCCL pair.
-bool gloo_available();
-std::shared_ptr<GroupImpl> make_gloo_group(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    std::chrono::milliseconds timeout,
-    const std::string& hostname);
-bool nccl_available();
-std::shared_ptr<GroupImpl> make_nccl_group(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    std::chrono::milliseconds timeout);
-
 } // namespace detail
+
+template <typename C10dType>
+ProcessGroup ProcessGroup::from_c10d(c10::intrusive_ptr<C10dType> group) {
+  TORCH_CHECK(group, "lockstep::ProcessGroup::from_c10d: the c10d process group is null.");
+  const auto name = group->getBackendName();
+  return ProcessGroup(std::make_shared<detail::C10dGroup<C10dType>>(std::move(group), name, kDefaultTimeout));
+}
+
 } // namespace lockstep

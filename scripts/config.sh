@@ -1,0 +1,21 @@
+# Sourced by the other scripts: which PyTorch to build against, and where.
+#   LOCKSTEP_TORCH=current (default): PyTorch 2.x from PyPI, CUDA build, in .venv/
+#                                     (scripts/requirements-current.txt); build/
+#   LOCKSTEP_TORCH=debian:            Debian 12's libtorch-dev 1.13, CPU only; build-debian/
+LOCKSTEP_TORCH=${LOCKSTEP_TORCH:-current}
+case "$LOCKSTEP_TORCH" in
+  current)
+    build_dir=build
+    # torch.utils.cmake_prefix_path, without the 2 s it takes to import torch
+    torch_cmake_args=(-DCMAKE_PREFIX_PATH="$(echo "$PWD"/.venv/lib/python3*/site-packages/torch/share/cmake)")
+    ;;
+  debian)
+    build_dir=build-debian
+    torch_cmake_args=()
+    ;;
+  *)
+    echo "LOCKSTEP_TORCH=$LOCKSTEP_TORCH is not a configuration; expected current or debian." >&2
+    exit 2
+    ;;
+esac
+export LOCKSTEP_TORCH

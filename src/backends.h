@@ -1,0 +1,31 @@
+#pragma once
+
+// Internal: the backends this build has. CMake compiles one file of each pair,
+// src/backend_<name>.cpp or src/no_<name>.cpp, by what LibTorch offers.
+
+#include <lockstep/detail/c10d_group.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace lockstep {
+namespace detail {
+
+/// Made by src/backend_gloo.cpp or src/no_gloo.cpp, and the NCCL pair.
+bool gloo_available();
+std::shared_ptr<GroupImpl> make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    const std::string& hostname);
+bool nccl_available();
+std::shared_ptr<GroupImpl> make_nccl_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout);
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,55 @@
+#pragma once
+
+// Internal: the LibTorch API differences between the oldest supported release
+// (Debian 12's 1.13) and PyTorch 2.x, in one place. Build-level differences
+// (where LibTorch comes from, its OpenMP) are in cmake/LockstepTorch.cmake.
+// Where a difference shows in a type, it is detected from that type; only what
+// a type cannot tell is decided by the version number.
+
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
+
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace lockstep {
+namespace detail {
+
+/// How autograd holds a node: std::shared_ptr in 1.x, c10::intrusive_ptr in 2.x.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+/// Makes an autograd node of type T, held the way this LibTorch holds nodes.
+template <typename T, typename... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+/// A c10d TCPStore. PyTorch 2.x serves it from its libuv backend by default;
+/// a LibTorch built without libuv (Debian 13's, for one) refuses that, so the
+/// classic backend is taken instead. Both speak the same protocol, so ranks
+/// whose LibTorch differ here still meet.
+inline c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c10d::TCPStoreOptions options) {
+#if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 204 // libuv became the default in 2.4
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, options);
+  } catch (const std::exception& e) {
+    const std::string message = e.what();
+    if (!options.useLibUV || message.find("ibuv") == std::string::npos) {
+      throw;
+    }
+  }
+  options.useLibUV = false;
+#endif
+  return c10::make_intrusive<c10d::TCPStore>(host, options);
+}
+
+} // namespace detail
+} // namespace lockstep
