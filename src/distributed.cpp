@@ -8,9 +8,15 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <sstream>
 
 namespace lockstep {
@@ -196,6 +202,41 @@ ProcessGroup make_group(
   return ProcessGroup(detail::make_gloo_group(store, rank, size, timeout, hostname));
 }
 
+// Note [Store address]
+// ~~~~~~~~~~~~~~~~~~~~
+// Rank 0's TCPStore hands out every rank's connection details, so it should
+// listen only where the ranks reach it: MASTER_ADDR. c10d's TCPStore binds
+// every interface by itself; PyTorch 2.x lets it take a socket we bound
+// instead (TCPStoreOptions::masterListenFd), and so we do. LibTorch 1.13
+// cannot, and listens on every interface at MASTER_PORT.
+
+// A TCP socket bound to host:port and listening, or an error naming both.
+int listen_on(const std::string& host, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  TORCH_CHECK(rc == 0, "cannot resolve MASTER_ADDR ", host, ": ", ::gai_strerror(rc));
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, ::freeaddrinfo);
+  std::string error = "no address";
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      error = std::strerror(errno);
+      continue;
+    }
+    const int on = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0) {
+      return fd;
+    }
+    error = std::strerror(errno);
+    ::close(fd);
+  }
+  TORCH_CHECK(false, "cannot listen on ", host, ":", port, ": ", error);
+}
+
 } // namespace
 
 ProcessGroup new_group(
@@ -231,6 +272,10 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   store_options.timeout = options.timeout();
   c10::intrusive_ptr<c10d::Store> store;
   try {
+    if (store_options.isServer && detail::kStoreTakesListenSocket) {
+      // Listen on MASTER_ADDR only, not on every interface (Note [Store address]).
+      detail::set_listen_socket(store_options, listen_on(env.master_addr, store_options.port));
+    }
     store = detail::make_tcp_store(env.master_addr, store_options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", env.rank == 0 ? "start" : "reach",

@@ -32,6 +32,19 @@ auto make_node(Args&&... args) {
   }
 }
 
+/// Whether TCPStoreOptions can take a socket the caller bound and listens on
+/// (masterListenFd, 2.x): then the store listens on one address. 1.13's
+/// listens on every interface.
+#if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 204
+constexpr bool kStoreTakesListenSocket = true;
+inline void set_listen_socket(c10d::TCPStoreOptions& options, int fd) {
+  options.masterListenFd = fd;
+}
+#else
+constexpr bool kStoreTakesListenSocket = false;
+inline void set_listen_socket(c10d::TCPStoreOptions&, int) {}
+#endif
+
 /// A c10d TCPStore. PyTorch 2.x serves it from its libuv backend by default;
 /// a LibTorch built without libuv (Debian 13's, for one) refuses that, so the
 /// classic backend is taken instead. Both speak the same protocol, so ranks

@@ -4,6 +4,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "../src/torch_compat.h"
 #include "ddp_models.h"
 #include "test_util.h"
 
@@ -11,6 +12,11 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <exception>
@@ -122,6 +128,41 @@ TEST(ProcessGroup, NcclIsAvailableExactlyInCudaBuilds) {
 TEST(ProcessGroup, UnknownBackendListsTheAvailableOnes) {
   auto message = error_of([] { init_process_group(ProcessGroupOptions().rank(0).world_size(1).backend("mpi")); });
   EXPECT_NE(message.find("backend \"mpi\" is not available in this build; available: \"gloo\""), std::string::npos) << message;
+}
+
+// Whether something on this machine accepts a TCP connection at host:port.
+bool accepts(const char* host, int port) {
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host, &address.sin_addr);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  ::close(fd);
+  return connected;
+}
+
+TEST(ProcessGroup, StoreListensOnMasterAddrOnly) {
+  const int port = 21000 + static_cast<int>(::getpid() % 20000);
+  std::vector<ProcessGroup> groups(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      errors[r] = error_of([&] {
+        groups[r] = init_process_group(
+            ProcessGroupOptions().rank(r).world_size(2).master_addr("127.0.0.1").master_port(port).backend("gloo"));
+      });
+    });
+  }
+  for (auto& t : ranks) {
+    t.join();
+  }
+  ASSERT_EQ(errors, std::vector<std::string>(2)) << errors[0] << errors[1];
+  EXPECT_TRUE(accepts("127.0.0.1", port));
+  // 127.0.0.2 is this machine too, but not MASTER_ADDR: PyTorch 2.x's store
+  // listens where we bound it; 1.13's on every interface (Note [Store address]).
+  EXPECT_EQ(accepts("127.0.0.2", port), !detail::kStoreTakesListenSocket);
 }
 
 // --- ranks as threads ---------------------------------------------------------------
