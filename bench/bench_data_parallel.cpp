@@ -69,7 +69,7 @@ std::function<void()> training_step(
     std::function<torch::Tensor(const torch::Tensor&)> forward,
     torch::Tensor x) {
   auto optimizer = std::make_shared<torch::optim::SGD>(module.parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  auto y = torch::randint(0, 10, {x.size(0)}, x.device());
+  auto y = torch::randint(0, 10, {x.size(0)}, torch::TensorOptions().dtype(torch::kLong).device(x.device()));
   return [=] {
     optimizer->zero_grad();
     torch::cross_entropy_loss(forward(x), y).backward();

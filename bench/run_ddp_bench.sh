@@ -5,6 +5,9 @@
 #
 #   bench/run_ddp_bench.sh [ROUNDS] [STEPS_MLP] [STEPS_DEEP]
 #
+# CONTENDERS="lockstep python" runs only those (lockstep must be among them:
+# the ratios are against it).
+#
 # Needs a built tree (scripts/build.sh) of the configuration LOCKSTEP_TORCH
 # names (scripts/config.sh). Python DDP, the peer, runs on the same PyTorch:
 # .venv/'s for current, Debian's python3-torch for debian (installed when missing).
@@ -42,7 +45,7 @@ run_pair() { # MODE MODEL STEPS
   done
   wait "${pids[@]}"
 }
-contenders=(lockstep python naive nocomm views)
+read -r -a contenders <<<"${CONTENDERS:-lockstep python naive nocomm views}"
 for ((round = 0; round < rounds; round++)); do
   for model in mlp deep; do
     steps=$steps_mlp; [ "$model" = deep ] && steps=$steps_deep
@@ -63,7 +66,7 @@ for line in open(sys.argv[1]):
 for model in ("mlp", "deep"):
     med = {mode: statistics.median(rates[(model, mode)]) for (m, mode) in rates if m == model}
     print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
-    for mode in ("lockstep", "views", "python", "naive", "nocomm"):
+    for mode in [m for m in ("lockstep", "views", "python", "naive", "nocomm") if m in med]:
         print(f"  {mode:9s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
               f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB")
 PY

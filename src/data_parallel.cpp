@@ -411,8 +411,10 @@ DataParallelCore::DataParallelCore(
 // other's caches and their OpenMP threads fight. So each CPU replica's worker
 // sets its own intra-op thread count to its share of the caller's count.
 // LibTorch runs intra-op work on OpenMP, whose thread count is per calling
-// thread, and Debian's OpenMP build of OpenBLAS (scripts/setup.sh selects it)
-// reads that same per-thread count, so matrix products follow it too.
+// thread, and the BLAS follows the same per-thread count: Debian's OpenMP
+// build of OpenBLAS (scripts/setup.sh selects it) reads it, and the pip
+// wheel's MKL is given it by at::set_num_threads (mkl_set_num_threads_local).
+// Measured with the wheel: the workers start no OpenMP teams of their own.
 //
 // The calling thread is the other half of the story. After each parallel
 // region, libgomp keeps that thread's team spinning for a while (about 14 ms
