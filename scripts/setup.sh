@@ -10,6 +10,8 @@ packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcl
 if [ "$LOCKSTEP_TORCH" = debian ]; then
   packages+=(
     libtorch-dev libgloo-dev
+    # torchrun of the same PyTorch, for the tests that run lockstep under it
+    python3-torch
     # libtorch runs its intra-op threads on OpenMP; OpenBLAS's OpenMP build takes
     # its thread count from the calling thread, so each DataParallel replica's
     # matrix products stay on that replica's share of the cores (docs/design.md).

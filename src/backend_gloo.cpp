@@ -3,7 +3,6 @@
 #include "backends.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/version.h>
 
 #include <cstdlib>
 

@@ -4,7 +4,7 @@
 #include "torch_compat.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
@@ -105,9 +105,14 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
   if (const char* v = get("LOCAL_RANK")) {
     env.local_rank = parse_int("LOCAL_RANK", v, 0, env.local_world_size - 1, "a whole number in [0, LOCAL_WORLD_SIZE)");
   }
+  if (const char* v = get("TORCHELASTIC_RESTART_COUNT")) {
+    env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", v, 0, INT32_MAX, "a whole number >= 0");
+  }
   if (env.world_size == 1) {
     return env; // no store needed
   }
+  const char* agent_store = get("TORCHELASTIC_USE_AGENT_STORE");
+  env.agent_store = agent_store != nullptr && std::string(agent_store) == "True";
   env.master_addr = options.master_addr();
   if (env.master_addr.empty()) {
     const char* addr = get("MASTER_ADDR");
@@ -264,9 +269,13 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
     return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, options.timeout(),
                       env.master_addr);
   }
+  // Under torchrun's static rendezvous (and its c10d rendezvous in 2.x), the
+  // agent already hosts a TCPStore on MASTER_PORT and says so: then every
+  // rank is its client, as PyTorch's env:// is, and keys live under a prefix
+  // per restart attempt, because the agent's store outlives the attempts.
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(env.master_port);
-  store_options.isServer = env.rank == 0;
+  store_options.isServer = env.rank == 0 && !env.agent_store;
   store_options.numWorkers = static_cast<size_t>(env.world_size);
   store_options.waitWorkers = true;
   store_options.timeout = options.timeout();
@@ -278,9 +287,12 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
     }
     store = detail::make_tcp_store(env.master_addr, store_options);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", env.rank == 0 ? "start" : "reach",
-                " the store at ", env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
-                " ms (is the port free, and did every rank start?): ", e.what());
+    TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", store_options.isServer ? "start" : "reach",
+                env.agent_store ? " torchrun's agent store" : " the store", " at ", env.master_addr, ":", env.master_port,
+                " within ", options.timeout().count(), " ms (is the port free, and did every rank start?): ", e.what());
+  }
+  if (env.agent_store) {
+    store = c10::make_intrusive<c10d::PrefixStore>("lockstep/attempt_" + std::to_string(env.restart_count), store);
   }
   return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, options.timeout(),
                     env.master_addr);

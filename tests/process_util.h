@@ -71,10 +71,17 @@ inline Process start(const std::vector<std::string>& argv, const std::vector<std
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  // A process group of its own, so that a program killed at the deadline
+  // takes its children with it (torchrun's ranks would outlive it).
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attributes, 0);
   p.start = std::chrono::steady_clock::now();
-  if (posix_spawn(&p.pid, args[0], &actions, nullptr, args.data(), env.data()) != 0) {
+  if (posix_spawn(&p.pid, args[0], &actions, &attributes, args.data(), env.data()) != 0) {
     p.pid = -1;
   }
+  posix_spawnattr_destroy(&attributes);
   posix_spawn_file_actions_destroy(&actions);
   return p;
 }
@@ -100,7 +107,7 @@ inline void wait_all(std::vector<Process>& processes, std::chrono::seconds deadl
   }
   for (auto& p : processes) {
     if (p.pid > 0) {
-      kill(p.pid, SIGKILL);
+      kill(-p.pid, SIGKILL);
       waitpid(p.pid, nullptr, 0);
       p.pid = 0;
     }

@@ -92,6 +92,18 @@ TEST(LaunchEnv, ReadsTorchrunVariables) {
   EXPECT_EQ(env.master_port, 29500);
 }
 
+TEST(LaunchEnv, TorchrunsAgentStoreMakesEveryRankAClient) {
+  std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  vars["TORCHELASTIC_RESTART_COUNT"] = "2";
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of(vars));
+  EXPECT_TRUE(env.agent_store);
+  EXPECT_EQ(env.restart_count, 2);
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);
+}
+
 TEST(LaunchEnv, MissingOrMalformedVariablesNameThemselves) {
   auto message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}})); });
   EXPECT_NE(message.find("WORLD_SIZE is not set"), std::string::npos) << message;

@@ -106,6 +106,42 @@ TEST(Launcher, RankKilledWithSigkillStopsTheJob) {
   expect_failure_stops_the_job("1:5:kill", "failed: killed by signal 9 (SIGKILL)");
 }
 
+// --- under torchrun ---------------------------------------------------------
+
+// PyTorch's own launcher (python -m torch.distributed.run) of the Python that
+// owns this LibTorch, 2 ranks of lockstep-train, with the given rendezvous.
+// --redirects/--tee: Debian's 1.13 torchrun needs them on Python 3.11.
+Process torchrun(const std::vector<std::string>& rendezvous, const std::string& name) {
+  std::vector<std::string> args{LOCKSTEP_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--redirects", "1", "--tee", "1", "--log_dir", temp(name + "_torchrun_logs")};
+  args.insert(args.end(), rendezvous.begin(), rendezvous.end());
+  args.push_back("--no_python");
+  auto program = trainer(name);
+  args.insert(args.end(), program.begin(), program.end());
+  return testing::run(args, {kOneThread}, temp(name + ".log"), kDeadline);
+}
+
+TEST(Torchrun, StaticRendezvousMatchesLockstepRun) {
+  // torchrun's agent hosts the store on MASTER_PORT and says so
+  // (TORCHELASTIC_USE_AGENT_STORE=True): rank 0 must not start another.
+  auto p = torchrun({"--master_addr", "127.0.0.1", "--master_port", port()}, "torchrun_static");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_EQ(final_hash(p.output), reference_hash()) << p.output;
+}
+
+TEST(Torchrun, StandaloneMatchesLockstepRun) {
+  auto p = torchrun({"--standalone"}, "torchrun_standalone");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_EQ(final_hash(p.output), reference_hash()) << p.output;
+}
+
+TEST(Torchrun, C10dRendezvousMatchesLockstepRun) {
+  auto p = torchrun({"--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:" + port()},
+                    "torchrun_c10d");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_EQ(final_hash(p.output), reference_hash()) << p.output;
+}
+
 TEST(Launcher, RestartResumesFromTheCheckpointBitwise) {
   const std::string checkpoint = temp("restart.ckpt");
   const std::string logs = temp("restart_logs");

@@ -145,6 +145,11 @@ struct LaunchEnv {
   int64_t local_world_size = 1;
   std::string master_addr;
   int64_t master_port = 0;
+  /// torchrun's agent already hosts the store on MASTER_PORT
+  /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects as a client.
+  bool agent_store = false;
+  /// TORCHELASTIC_RESTART_COUNT: which attempt of the job this is.
+  int64_t restart_count = 0;
 };
 
 /// `get` looks a variable up (nullptr: unset). Only what `options` leaves
