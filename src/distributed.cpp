@@ -12,8 +12,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <torch/version.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <iostream>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -93,9 +97,13 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
   LaunchEnv env;
   env.world_size = options.world_size() > 0 ? options.world_size()
                                             : parse_int("WORLD_SIZE", get("WORLD_SIZE"), 1, 1 << 20, "a whole number >= 1");
-  env.rank = options.rank() >= 0
-      ? options.rank()
-      : parse_int("RANK", get("RANK"), 0, env.world_size - 1, ("a whole number in [0, WORLD_SIZE)"));
+  if (options.rank() >= 0) {
+    env.rank = options.rank();
+  } else {
+    env.rank = parse_int("RANK", get("RANK"), 0, 1 << 20, "a whole number in [0, WORLD_SIZE)");
+    TORCH_CHECK(env.rank < env.world_size, "lockstep: environment variable RANK=", env.rank,
+                " is out of range for WORLD_SIZE=", env.world_size, "; expected 0 <= RANK < WORLD_SIZE.");
+  }
   TORCH_CHECK(
       env.rank >= 0 && env.rank < env.world_size, "lockstep: rank ", env.rank, " is out of range for world size ",
       env.world_size, "; expected 0 <= rank < world_size.");
@@ -103,7 +111,10 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
     env.local_world_size = parse_int("LOCAL_WORLD_SIZE", v, 1, 1 << 20, "a whole number >= 1");
   }
   if (const char* v = get("LOCAL_RANK")) {
-    env.local_rank = parse_int("LOCAL_RANK", v, 0, env.local_world_size - 1, "a whole number in [0, LOCAL_WORLD_SIZE)");
+    env.local_rank = parse_int("LOCAL_RANK", v, 0, 1 << 20, "a whole number in [0, LOCAL_WORLD_SIZE)");
+    TORCH_CHECK(env.local_rank < env.local_world_size, "lockstep: environment variable LOCAL_RANK=", env.local_rank,
+                " is out of range for LOCAL_WORLD_SIZE=", env.local_world_size,
+                "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
   }
   if (const char* v = get("TORCHELASTIC_RESTART_COUNT")) {
     env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", v, 0, INT32_MAX, "a whole number >= 0");
@@ -215,17 +226,26 @@ ProcessGroup make_group(
 // instead (TCPStoreOptions::masterListenFd), and so we do. LibTorch 1.13
 // cannot, and listens on every interface at MASTER_PORT.
 
-// A TCP socket bound to host:port and listening, or an error naming both.
-int listen_on(const std::string& host, uint16_t port) {
+using Addresses = std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)>;
+
+// host's TCP addresses, or an error at once: a name that does not resolve
+// would otherwise have the store retry it for the whole timeout.
+Addresses resolve(const std::string& host, uint16_t port, int64_t rank) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
-  TORCH_CHECK(rc == 0, "cannot resolve MASTER_ADDR ", host, ": ", ::gai_strerror(rc));
-  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, ::freeaddrinfo);
+  TORCH_CHECK(rc == 0, "lockstep: rank ", rank, ": MASTER_ADDR ", host, " does not resolve (", ::gai_strerror(rc),
+              "); expected the host name or IP address of rank 0's machine, reachable from every rank.");
+  return Addresses(found, ::freeaddrinfo);
+}
+
+// A TCP socket bound to host:port and listening, or an error naming both.
+int listen_on(const std::string& host, uint16_t port) {
+  auto addresses = resolve(host, port, 0);
   std::string error = "no address";
-  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+  for (const addrinfo* a = addresses.get(); a != nullptr; a = a->ai_next) {
     const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) {
       error = std::strerror(errno);
@@ -279,7 +299,15 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   store_options.numWorkers = static_cast<size_t>(env.world_size);
   store_options.waitWorkers = true;
   store_options.timeout = options.timeout();
+  resolve(env.master_addr, store_options.port, env.rank);
+  if (store_options.isServer && !detail::kStoreTakesListenSocket) {
+    std::cerr << "lockstep: warning: rank 0's store listens on every interface at port " << env.master_port
+              << ", not only on MASTER_ADDR " << env.master_addr << ": LibTorch " << TORCH_VERSION
+              << "'s TCPStore cannot be bound to one address (PyTorch 2.x's can). On a shared network, keep the port "
+              << "closed to other machines.\n";
+  }
   c10::intrusive_ptr<c10d::Store> store;
+  const auto start = std::chrono::steady_clock::now();
   try {
     if (store_options.isServer && detail::kStoreTakesListenSocket) {
       // Listen on MASTER_ADDR only, not on every interface (Note [Store address]).
@@ -287,9 +315,13 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
     }
     store = detail::make_tcp_store(env.master_addr, store_options);
   } catch (const std::exception& e) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    const bool timed_out = waited >= options.timeout();
     TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", store_options.isServer ? "start" : "reach",
                 env.agent_store ? " torchrun's agent store" : " the store", " at ", env.master_addr, ":", env.master_port,
-                " within ", options.timeout().count(), " ms (is the port free, and did every rank start?): ", e.what());
+                timed_out ? " within " : " (failed after ", timed_out ? options.timeout().count() : waited.count(),
+                timed_out ? " ms: did every rank start, and can it reach MASTER_ADDR?): " : " ms: is the port free?): ",
+                e.what());
   }
   if (env.agent_store) {
     store = c10::make_intrusive<c10d::PrefixStore>("lockstep/attempt_" + std::to_string(env.restart_count), store);

@@ -116,6 +116,13 @@ TEST(LaunchEnv, MissingOrMalformedVariablesNameThemselves) {
   EXPECT_NE(message.find("MASTER_PORT=\"70000\" is malformed; expected a port number"), std::string::npos) << message;
   message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}})); });
   EXPECT_NE(message.find("MASTER_ADDR is not set"), std::string::npos) << message;
+  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "5"}, {"WORLD_SIZE", "2"}})); });
+  EXPECT_NE(message.find("RANK=5 is out of range for WORLD_SIZE=2"), std::string::npos) << message;
+  message = error_of([] {
+    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"},
+                                                            {"LOCAL_RANK", "2"}}));
+  });
+  EXPECT_NE(message.find("LOCAL_RANK=2 is out of range for LOCAL_WORLD_SIZE=2"), std::string::npos) << message;
 }
 
 TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
@@ -159,6 +166,7 @@ TEST(ProcessGroup, StoreListensOnMasterAddrOnly) {
   std::vector<ProcessGroup> groups(2);
   std::vector<std::string> errors(2);
   std::vector<std::thread> ranks;
+  ::testing::internal::CaptureStderr();
   for (int r = 0; r < 2; ++r) {
     ranks.emplace_back([&, r] {
       errors[r] = error_of([&] {
@@ -170,11 +178,26 @@ TEST(ProcessGroup, StoreListensOnMasterAddrOnly) {
   for (auto& t : ranks) {
     t.join();
   }
+  const std::string warnings = ::testing::internal::GetCapturedStderr();
   ASSERT_EQ(errors, std::vector<std::string>(2)) << errors[0] << errors[1];
+  // Where the store cannot be bound to MASTER_ADDR, rank 0 says so, once.
+  EXPECT_EQ(warnings.find("listens on every interface at port " + std::to_string(port)) != std::string::npos,
+            !detail::kStoreTakesListenSocket) << warnings;
   EXPECT_TRUE(accepts("127.0.0.1", port));
   // 127.0.0.2 is this machine too, but not MASTER_ADDR: PyTorch 2.x's store
   // listens where we bound it; 1.13's on every interface (Note [Store address]).
   EXPECT_EQ(accepts("127.0.0.2", port), !detail::kStoreTakesListenSocket);
+}
+
+TEST(ProcessGroup, UnresolvableMasterAddrFailsAtOnce) {
+  const auto start = std::chrono::steady_clock::now();
+  auto message = error_of([] {
+    init_process_group(ProcessGroupOptions().rank(1).world_size(2).master_addr("no-such-host.invalid").master_port(29999)
+                           .timeout(std::chrono::seconds(20)));
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(message.find("rank 1: MASTER_ADDR no-such-host.invalid does not resolve"), std::string::npos) << message;
+  EXPECT_LT(seconds, 10.0) << "waited for the store's timeout instead of failing at once";
 }
 
 // --- ranks as threads ---------------------------------------------------------------
