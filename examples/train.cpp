@@ -218,9 +218,12 @@ void maybe_inject_fault(int rank, int64_t step) {
   if (spec == nullptr) {
     return;
   }
-  const char* restarts = std::getenv("LOCKSTEP_RESTART_COUNT");
-  if (restarts != nullptr && std::atoi(restarts) != 0) {
-    return;
+  // The first attempt only, under lockstep-run or torchrun.
+  for (const char* name : {"LOCKSTEP_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}) {
+    const char* restarts = std::getenv(name);
+    if (restarts != nullptr && std::atoi(restarts) != 0) {
+      return;
+    }
   }
   int fault_rank = -1;
   long long fault_step = -1;
@@ -364,7 +367,8 @@ int main(int argc, char** argv) {
       "its share of each batch through LibTorch's DistributedRandomSampler; otherwise one process trains with "
       "DataParallel on --replicas CPU replicas.\n"
       "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
-      "3; 'kill' for SIGKILL) when it reaches optimizer step STEP, on the first attempt only (restart count 0).");
+      "3; 'kill' for SIGKILL) when it reaches optimizer step STEP, on the first attempt only (LOCKSTEP_RESTART_COUNT and "
+      "TORCHELASTIC_RESTART_COUNT 0 or unset).");
   CLI11_PARSE(app, argc, argv);
 
   try {

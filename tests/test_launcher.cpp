@@ -192,18 +192,42 @@ TEST(Launcher, TwoNodesRestartTogetherAfterARankFails) {
   EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
 }
 
-TEST(Launcher, SigtermIsForwardedAndNothingRemains) {
-  const std::string marker = "sigterm";
+// SIGHUP (a closed terminal) stops the job as gracefully as SIGTERM.
+void expect_signal_stops_everything(int sig) {
+  const std::string marker = "signal" + std::to_string(sig);
   auto args = trainer(marker);
   args[8] = "1000"; // --epochs: long enough to be interrupted
-  auto p = testing::start(launcher({"--nproc-per-node", "2", "--master-port", port()}, args), {}, temp("sigterm.log"));
+  auto p = testing::start(launcher({"--nproc-per-node", "2", "--master-port", port()}, args), {}, temp(marker + ".log"));
   std::this_thread::sleep_for(std::chrono::seconds(4));
-  kill(p.pid, SIGTERM);
+  kill(p.pid, sig);
   std::vector<Process> one{p};
   testing::wait_all(one, std::chrono::seconds(30));
-  EXPECT_EQ(one[0].exit_code, 128 + SIGTERM) << one[0].output;
-  EXPECT_NE(one[0].output.find("stopped by signal 15"), std::string::npos) << one[0].output;
+  EXPECT_EQ(one[0].exit_code, 128 + sig) << one[0].output;
+  EXPECT_NE(one[0].output.find("stopped by signal " + std::to_string(sig)), std::string::npos) << one[0].output;
   EXPECT_TRUE(testing::processes_with(temp(marker)).empty()) << "a rank outlived the launcher";
+}
+
+TEST(Launcher, SigtermIsForwardedAndNothingRemains) {
+  expect_signal_stops_everything(SIGTERM);
+}
+
+TEST(Launcher, SighupStopsTheJobLikeSigterm) {
+  expect_signal_stops_everything(SIGHUP);
+}
+
+TEST(Launcher, AcceptsTorchrunsSpellingsAndDoubleDash) {
+  auto p = launch({"--nproc_per_node", "2", "--master_port", port(), "--"}, {"/bin/sh", "-c", "echo rank=$RANK"},
+                  "spellings");
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("rank=1"), std::string::npos) << p.output;
+}
+
+TEST(Launcher, FaultInjectionFiresOnTheFirstTorchrunAttemptOnly) {
+  auto args = trainer("fault_once");
+  auto first = testing::run(args, {"LOCKSTEP_FAULT=0:2", "TORCHELASTIC_RESTART_COUNT=0"}, temp("fault0.log"), kDeadline);
+  EXPECT_EQ(first.exit_code, 3) << first.output;
+  auto later = testing::run(args, {"LOCKSTEP_FAULT=0:2", "TORCHELASTIC_RESTART_COUNT=1"}, temp("fault1.log"), kDeadline);
+  EXPECT_EQ(later.exit_code, 0) << later.output;
 }
 
 // Whether a TCP socket listens on `port` (any address), from /proc/net/tcp*.
@@ -249,7 +273,7 @@ TEST(Launcher, BadCommandLinesAreOneLineErrors) {
     std::string message;
   };
   const std::vector<Case> cases{
-      {{"--bogus", "/bin/true"}, "lockstep-run: "},
+      {{"--bogus", "/bin/true"}, "lockstep-run: unknown option --bogus"},
       {{"--nproc-per-node", "0", "/bin/true"}, "--nproc-per-node"},
       {{"no-such-program-here"}, "program 'no-such-program-here' not found in PATH"},
       {{"--nnodes", "2", "--node-rank", "1", "/bin/true"}, "needs --master-addr"},

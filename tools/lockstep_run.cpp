@@ -14,8 +14,8 @@
 // and reaps the ranks. The first rank to fail is the root cause: the others
 // get SIGTERM, then SIGKILL after the grace period; the launcher prints which
 // rank failed, how, and the last lines of its stderr, then restarts the whole
-// group (up to --max-restarts times) or exits non-zero. SIGINT and SIGTERM
-// sent to the launcher go to every rank, and end the job the same way.
+// group (up to --max-restarts times) or exits non-zero. SIGINT, SIGTERM and
+// SIGHUP sent to the launcher go to every rank, and end the job the same way.
 // On one node, ranks also get LOCKSTEP_STORE_FILE: lockstep's
 // init_process_group then keeps its store in that file instead of a TCPStore,
 // so nothing listens on the network.
@@ -252,6 +252,7 @@ class Attempt {
         ::close(err[1]);
         ::signal(SIGINT, SIG_DFL);
         ::signal(SIGTERM, SIG_DFL);
+        ::signal(SIGHUP, SIG_DFL);
         auto set = [](const char* key, const std::string& value) { ::setenv(key, value.c_str(), 1); };
         set("RANK", std::to_string(r.global_rank));
         set("LOCAL_RANK", std::to_string(local));
@@ -422,15 +423,16 @@ int main(int argc, char** argv) {
   CLI::App app{"lockstep-run: starts N ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
                "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
                "output with their rank, stops the job when one fails, and restarts it up to --max-restarts times."};
-  app.add_option("--nproc-per-node", options.nproc_per_node, "Ranks on this node")->check(CLI::Range(1, 1024))->capture_default_str();
+  // torchrun's underscore spellings are aliases, so that its command lines work.
+  app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "Ranks on this node")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--nnodes", options.nnodes, "Nodes in the job")->check(CLI::Range(1, 65536))->capture_default_str();
-  app.add_option("--node-rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--master-addr", options.master_addr,
+  app.add_option("--node-rank,--node_rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--master-addr,--master_addr", options.master_addr,
                  "Address of node 0, where rank 0 hosts the store; required with --nnodes > 1 (default 127.0.0.1: loopback only)");
-  app.add_option("--master-port", options.master_port, "Port of the store on node 0")->check(CLI::Range(1, 65535))->capture_default_str();
-  app.add_option("--max-restarts", options.max_restarts, "Restarts of the whole group after a failure")
+  app.add_option("--master-port,--master_port", options.master_port, "Port of the store on node 0")->check(CLI::Range(1, 65535))->capture_default_str();
+  app.add_option("--max-restarts,--max_restarts", options.max_restarts, "Restarts of the whole group after a failure")
       ->check(CLI::Range(0, 1000))->capture_default_str();
-  app.add_option("--log-dir", options.log_dir, "Also write each rank's output to DIR/rank_N.log")->check(CLI::ExistingDirectory);
+  app.add_option("--log-dir,--log_dir", options.log_dir, "Also write each rank's output to DIR/rank_N.log")->check(CLI::ExistingDirectory);
   app.add_option("--grace-period", options.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
   app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
@@ -444,6 +446,12 @@ int main(int argc, char** argv) {
     usage_error(e.what());
   }
   options.command = app.remaining(); // prefix_command leaves PROGRAM and its arguments there
+  if (!options.command.empty() && options.command[0] == "--") {
+    options.command.erase(options.command.begin()); // "--" ends the options, as for torchrun
+  } else if (!options.command.empty() && options.command[0].rfind("-", 0) == 0) {
+    // prefix_command takes the first unknown argument for PROGRAM
+    usage_error("unknown option " + options.command[0] + " (options come before PROGRAM).");
+  }
   if (options.command.empty()) {
     usage_error("PROGRAM is missing.");
   }
@@ -472,6 +480,7 @@ int main(int argc, char** argv) {
   ::sigemptyset(&action.sa_mask);
   ::sigaction(SIGINT, &action, nullptr);
   ::sigaction(SIGTERM, &action, nullptr);
+  ::sigaction(SIGHUP, &action, nullptr); // a closed terminal: stop as gracefully as for SIGTERM
 
   for (int attempt = 0;; ++attempt) {
     Attempt run(options, program, attempt);
