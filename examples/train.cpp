@@ -3,11 +3,12 @@
 // under lockstep-run, with DistributedDataParallel, one process per rank.
 //
 //   lockstep-train                     # synthetic data, deterministic by --seed
-//   lockstep-train --data DIR          # MNIST IDX files, as torch::data::datasets::MNIST reads them
+//   lockstep-train --data DIR          # MNIST-format IDX files (MNIST, Fashion-MNIST, KMNIST), gzipped or not
 //   lockstep-run --nproc-per-node 2 lockstep-train --checkpoint run.ckpt
 //   lockstep-train --help
 
 #include "checkpoint.h"
+#include "idx.h"
 #include "models.h"
 
 #include <lockstep/lockstep.h>
@@ -66,10 +67,9 @@ std::pair<Samples, Samples> synthetic(int64_t train_size, int64_t test_size, uin
   return {train, test};
 }
 
-Samples load_mnist(const std::string& dir, torch::data::datasets::MNIST::Mode mode) {
-  torch::data::datasets::MNIST mnist(dir, mode);
-  // MNIST's mean and standard deviation, as in PyTorch's examples.
-  return Samples{(mnist.images() - 0.1307) / 0.3081, mnist.targets().to(torch::kLong)};
+Samples load_mnist(const std::string& dir, const std::string& prefix) {
+  auto [images, labels] = lockstep::examples::read_mnist_split(dir, prefix);
+  return Samples{images, labels};
 }
 
 // Writes `data` as MNIST's IDX files (big-endian header, bytes 0-255).
@@ -339,7 +339,7 @@ int main(int argc, char** argv) {
   std::string export_dir;
   std::string checkpoint_path;
   int64_t checkpoint_every = 50;
-  app.add_option("--data", data_dir, "Directory with MNIST's IDX files (train-images-idx3-ubyte, ...). Default: a synthetic dataset")
+  app.add_option("--data", data_dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: a synthetic dataset")
       ->check(CLI::ExistingDirectory);
   app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--batch-size", batch_size, "Global batch size, split between replicas")->check(CLI::PositiveNumber)->capture_default_str();
@@ -354,7 +354,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--export-mnist", export_dir,
                  "Write the synthetic dataset as MNIST IDX files into this existing directory (60000/10000 samples, "
-                 "the counts LibTorch's MNIST reader expects) and exit")
+                 "MNIST's own counts) and exit")
       ->check(CLI::ExistingDirectory);
   app.add_option("--save", save_path, "Save the trained model here (torch::save; loads into a bare model)");
   app.add_option("--checkpoint", checkpoint_path,
@@ -399,8 +399,8 @@ int main(int argc, char** argv) {
       std::tie(train, test) = synthetic(train_size, test_size, seed);
       source = "synthetic";
     } else {
-      train = load_mnist(data_dir, torch::data::datasets::MNIST::Mode::kTrain);
-      test = load_mnist(data_dir, torch::data::datasets::MNIST::Mode::kTest);
+      train = load_mnist(data_dir, "train");
+      test = load_mnist(data_dir, "t10k");
       source = "MNIST at " + data_dir;
       // Given explicitly, the sample counts take the first N of each split.
       auto first = [](const Samples& all, int64_t n) {

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/config.sh
 
-packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcli11-dev)
+packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcli11-dev zlib1g-dev)
 if [ "$LOCKSTEP_TORCH" = debian ]; then
   packages+=(
     libtorch-dev libgloo-dev

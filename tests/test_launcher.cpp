@@ -12,6 +12,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <zlib.h>
+
 #include <random>
 #include <regex>
 
@@ -301,6 +303,92 @@ TEST(Launcher, BadCommandLinesAreOneLineErrors) {
   EXPECT_EQ(p.exit_code, 2) << p.output;
   EXPECT_NE(p.output.find("port " + taken + " on 127.0.0.1 is already in use; pick another with --master-port"),
             std::string::npos) << p.output;
+}
+
+// --- IDX data files ---------------------------------------------------------------
+
+// Writes an MNIST-format split of n rows into dir, gzipped or not; the images'
+// header may declare more rows than are written (a truncated file).
+void write_split(const std::string& dir, const std::string& prefix, uint32_t n, bool gz, uint32_t declared = 0) {
+  auto be32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                       static_cast<char>(v)};
+  };
+  std::mt19937 random(n);
+  std::string images = be32(0x803) + be32(declared > 0 ? declared : n) + be32(28) + be32(28);
+  std::string labels = be32(0x801) + be32(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    const int label = static_cast<int>(i % 10);
+    labels += static_cast<char>(label);
+    for (int p = 0; p < 28 * 28; ++p) { // a learnable pattern: a bright band whose row is the label
+      images += static_cast<char>(p / 28 / 3 == label ? 200 + random() % 50 : random() % 40);
+    }
+  }
+  for (const auto& [name, bytes] : {std::make_pair(prefix + "-images-idx3-ubyte", images),
+                                    std::make_pair(prefix + "-labels-idx1-ubyte", labels)}) {
+    if (gz) {
+      gzFile file = gzopen((dir + "/" + name + ".gz").c_str(), "wb");
+      gzwrite(file, bytes.data(), static_cast<unsigned>(bytes.size()));
+      gzclose(file);
+    } else {
+      std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
+    }
+  }
+}
+
+Process train_on(const std::string& dir, const std::string& name) {
+  return testing::run({LOCKSTEP_TRAIN, "--data", dir, "--batch-size", "50", "--epochs", "1"}, {}, temp(name + ".log"),
+                      kDeadline);
+}
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = temp(name);
+  EXPECT_EQ(mkdir(dir.c_str(), 0755), 0);
+  return dir;
+}
+
+TEST(TrainerData, SmallerAndGzippedIdxFilesAreAccepted) {
+  // 600/200 rows, not MNIST's 60000/10000; the test split gzipped.
+  const std::string dir = fresh_dir("idx_subset");
+  write_split(dir, "train", 600, false);
+  write_split(dir, "t10k", 200, true);
+  auto p = train_on(dir, "idx_subset");
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("600 train / 200 test samples"), std::string::npos) << p.output;
+}
+
+TEST(TrainerData, TruncatedIdxFilesAreOneLineErrorsNamingTheFile) {
+  struct Case {
+    std::string name;
+    bool gz;
+    uint32_t declared;
+  };
+  for (const auto& c : {Case{"idx_cut_plain", false, 400}, Case{"idx_cut_gz", true, 400}, Case{"idx_header_only", false, 1}}) {
+    const std::string dir = fresh_dir(c.name);
+    write_split(dir, "train", c.name == "idx_header_only" ? 0 : 200, c.gz, c.declared);
+    write_split(dir, "t10k", 100, false);
+    auto p = train_on(dir, c.name);
+    const std::string file = dir + "/train-images-idx3-ubyte" + (c.gz ? ".gz" : "");
+    EXPECT_EQ(p.exit_code, 1) << p.output;
+    EXPECT_NE(p.output.find("lockstep-train: " + file + ": truncated: the header declares " + std::to_string(c.declared) +
+                            " rows"),
+              std::string::npos)
+        << p.output;
+  }
+}
+
+TEST(TrainerData, ForeignOrMissingFilesAreOneLineErrors) {
+  const std::string dir = fresh_dir("idx_foreign");
+  write_split(dir, "train", 100, false);
+  std::ofstream(dir + "/t10k-images-idx3-ubyte") << "this is not an IDX file at all";
+  std::ofstream(dir + "/t10k-labels-idx1-ubyte") << "neither is this one";
+  auto p = train_on(dir, "idx_foreign");
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find(dir + "/t10k-images-idx3-ubyte: not an IDX file"), std::string::npos) << p.output;
+  auto missing = train_on(fresh_dir("idx_nowhere"), "idx_nowhere"); // an empty directory
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("idx_nowhere/train-images-idx3-ubyte(.gz): no such file"), std::string::npos)
+      << missing.output;
 }
 
 // --- checkpoints -------------------------------------------------------------------
