@@ -4,6 +4,9 @@
 // checkpoint from DistributedDataParallel, DataParallel or a bare model loads
 // into any of them), the optimizer state, and where training stands.
 // Written atomically: a temporary file, fsync, rename, fsync of the folder.
+// Loading checks every tensor's shape against this model and optimizer, and
+// the content against hashes stored at save time: a foreign or damaged file is
+// an error, never a silently different model.
 
 #include <torch/torch.h>
 
@@ -11,12 +14,73 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <string>
+#include <vector>
 
 namespace lockstep {
 namespace examples {
 
-constexpr int64_t kCheckpointFormat = 1;
+constexpr int64_t kCheckpointFormat = 2;
+
+/// FNV-1a over the bytes of `tensors`, in order: equal hashes mean bitwise
+/// equal contents (the restart tests compare models by it).
+inline uint64_t content_hash(const std::vector<torch::Tensor>& tensors) {
+  uint64_t hash = 1469598103934665603ull;
+  for (const auto& t : tensors) {
+    auto bytes = t.detach().contiguous().to(torch::kCPU);
+    const auto* p = static_cast<const unsigned char*>(bytes.data_ptr());
+    for (size_t i = 0; i < bytes.nbytes(); ++i) {
+      hash = (hash ^ p[i]) * 1099511628211ull;
+    }
+  }
+  return hash;
+}
+
+/// Every parameter and buffer of `module`, in registration order.
+inline std::vector<torch::Tensor> model_tensors(torch::nn::Module& module) {
+  auto all = module.parameters();
+  for (const auto& b : module.buffers()) {
+    all.push_back(b);
+  }
+  return all;
+}
+
+/// The optimizer's per-parameter state tensors (SGD's momentum, Adam's
+/// moments), in parameter order, each with the parameter it belongs to.
+inline std::vector<std::pair<torch::Tensor, torch::Tensor>> optimizer_tensors(torch::optim::Optimizer& optimizer) {
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> all;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& param : group.params()) {
+      auto found = optimizer.state().find(param.unsafeGetTensorImpl());
+      if (found == optimizer.state().end()) {
+        continue;
+      }
+      if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(found->second.get())) {
+        all.emplace_back(param, sgd->momentum_buffer());
+      } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(found->second.get())) {
+        all.emplace_back(param, adam->exp_avg());
+        all.emplace_back(param, adam->exp_avg_sq());
+      }
+    }
+  }
+  return all;
+}
+
+inline uint64_t optimizer_hash(torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> tensors;
+  for (const auto& [param, state] : optimizer_tensors(optimizer)) {
+    tensors.push_back(state);
+  }
+  return content_hash(tensors);
+}
+
+// A uint64 in an int64 tensor, bit for bit.
+inline torch::Tensor hash_tensor(uint64_t hash) {
+  int64_t bits = 0;
+  std::memcpy(&bits, &hash, sizeof(bits));
+  return torch::tensor(bits);
+}
 
 /// Where training stands: `step` optimizer steps done, the next batch being
 /// batch `batch_in_epoch` of epoch `epoch` (both from 0).
@@ -50,6 +114,8 @@ inline void save_checkpoint(
   archive.write("batch_in_epoch", torch::tensor(state.batch_in_epoch));
   archive.write("step", torch::tensor(state.step));
   archive.write("world_size", torch::tensor(state.world_size));
+  archive.write("model_hash", hash_tensor(content_hash(model_tensors(model))));
+  archive.write("optimizer_hash", hash_tensor(optimizer_hash(optimizer)));
   const std::string temporary = path + ".tmp." + std::to_string(::getpid());
   archive.save_to(temporary);
   fsync_path(temporary, O_RDONLY);
@@ -80,6 +146,15 @@ inline bool load_checkpoint(
   TORCH_CHECK(archive.try_read("format", format) && format.item<int64_t>() == kCheckpointFormat, "lockstep-train: ", path,
               " is not a lockstep-train checkpoint (format ", kCheckpointFormat,
               "); a model saved with torch::save has no training state. Delete it, or point --checkpoint elsewhere.");
+  const auto named = model.named_parameters();
+  const auto named_buffers = model.named_buffers();
+  std::vector<std::pair<std::string, torch::Tensor>> expected; // name, a tensor of the model's shape and dtype
+  for (const auto& group : {named, named_buffers}) {
+    for (const auto& item : group) {
+      expected.emplace_back(item.key(), torch::empty(item.value().sizes(), item.value().options()));
+    }
+  }
+  torch::Tensor model_hash, stored_optimizer_hash;
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);
@@ -91,12 +166,34 @@ inline bool load_checkpoint(
     archive.read("batch_in_epoch", batch);
     archive.read("step", step);
     archive.read("world_size", world);
+    archive.read("model_hash", model_hash);
+    archive.read("optimizer_hash", stored_optimizer_hash);
     state = TrainingState{epoch.item<int64_t>(), batch.item<int64_t>(), step.item<int64_t>(), world.item<int64_t>()};
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " does not match this model or optimizer: ",
                 e.what_without_backtrace(), " It was written by another model configuration; delete it, or point "
                 "--checkpoint elsewhere.");
   }
+  // LibTorch's load replaces a tensor whatever its shape: compare with the model's.
+  const auto loaded = model_tensors(model);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const auto& [name, want] = expected[i];
+    TORCH_CHECK(loaded[i].sizes() == want.sizes() && loaded[i].dtype() == want.dtype(), "lockstep-train: checkpoint ",
+                path, " does not match this model: '", name, "' is ", loaded[i].sizes(), " ", loaded[i].dtype(),
+                " there but ", want.sizes(), " ", want.dtype(), " here. It was written by another model "
+                "configuration; delete it, or point --checkpoint elsewhere.");
+  }
+  for (const auto& [param, state_tensor] : optimizer_tensors(optimizer)) {
+    TORCH_CHECK(!state_tensor.defined() || state_tensor.sizes() == param.sizes(), "lockstep-train: checkpoint ", path,
+                " does not match this optimizer: a state tensor is ", state_tensor.sizes(), " for a parameter of ",
+                param.sizes(), ". Delete it, or point --checkpoint elsewhere.");
+  }
+  TORCH_CHECK(content_hash(loaded) == static_cast<uint64_t>(model_hash.item<int64_t>()) &&
+                  optimizer_hash(optimizer) == static_cast<uint64_t>(stored_optimizer_hash.item<int64_t>()),
+              "lockstep-train: checkpoint ", path, " is damaged: its ",
+              content_hash(loaded) == static_cast<uint64_t>(model_hash.item<int64_t>()) ? "optimizer state" : "model",
+              " differs from the content hash stored when it was written. Delete it to start from scratch, or "
+              "restore it from a copy.");
   return true;
 }
 

@@ -171,24 +171,9 @@ struct Config {
   std::string save_path;
 };
 
-// FNV-1a over the bytes of every parameter and buffer: equal hashes mean
-// bitwise-equal models (the restart tests compare them).
+// Equal hashes mean bitwise-equal models (the restart tests compare them).
 uint64_t parameter_hash(torch::nn::Module& module) {
-  uint64_t hash = 1469598103934665603ull;
-  auto mix = [&hash](const torch::Tensor& t) {
-    auto bytes = t.detach().contiguous().to(torch::kCPU);
-    const auto* p = static_cast<const unsigned char*>(bytes.data_ptr());
-    for (size_t i = 0; i < bytes.nbytes(); ++i) {
-      hash = (hash ^ p[i]) * 1099511628211ull;
-    }
-  };
-  for (const auto& p : module.parameters()) {
-    mix(p);
-  }
-  for (const auto& b : module.buffers()) {
-    mix(b);
-  }
-  return hash;
+  return lockstep::examples::content_hash(lockstep::examples::model_tensors(module));
 }
 
 lockstep::examples::TrainingState resume(

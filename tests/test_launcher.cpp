@@ -7,6 +7,7 @@
 #include "process_util.h"
 #include "test_util.h"
 
+#include "../examples/checkpoint.h"
 #include "../examples/models.h"
 
 #include <gtest/gtest.h>
@@ -406,6 +407,43 @@ TEST(Checkpoint, CorruptOrForeignFilesAreClearErrors) {
   p = testing::run(trainer("foreign", foreign), {}, temp("foreign.log"), kDeadline);
   EXPECT_EQ(p.exit_code, 1) << p.output;
   EXPECT_NE(p.output.find("is not a lockstep-train checkpoint"), std::string::npos) << p.output;
+}
+
+TEST(Checkpoint, AnotherModelsShapesAreAClearError) {
+  // Names match the trainer's model, one shape does not: LibTorch's load alone
+  // would take it silently.
+  const std::string path = temp("other_shapes.ckpt");
+  examples::ConvNet net;
+  net->fc2->weight.set_data(torch::zeros({5, 128}));
+  torch::optim::SGD optimizer(net->parameters(), 0.1);
+  examples::save_checkpoint(path, *net, optimizer, examples::TrainingState{});
+  auto p = testing::run(trainer("other_shapes", path), {}, temp("other_shapes.log"), kDeadline);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("does not match this model: 'fc2.weight' is [5, 128] float there but [10, 128] float here"),
+            std::string::npos) << p.output;
+}
+
+TEST(Checkpoint, DamagedContentIsAClearError) {
+  const std::string path = temp("damaged.ckpt");
+  examples::ConvNet net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  examples::save_checkpoint(path, *net, optimizer, examples::TrainingState{});
+  // Flip bytes in the middle of the file: inside fc1.weight, most of its bytes.
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  file.seekg(0, std::ios::end);
+  const auto size = static_cast<std::streamoff>(file.tellg());
+  for (std::streamoff at = size / 2; at < size / 2 + 64; ++at) {
+    file.seekg(at);
+    const char c = static_cast<char>(file.get() ^ 0x5a);
+    file.seekp(at);
+    file.put(c);
+  }
+  file.close();
+  auto p = testing::run(trainer("damaged", path), {}, temp("damaged.log"), kDeadline);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_TRUE(p.output.find("checkpoint " + path + " is damaged") != std::string::npos ||
+              p.output.find("checkpoint " + path + " is unreadable") != std::string::npos)
+      << p.output;
 }
 
 TEST(Checkpoint, DataParallelRunResumesUnderTheLauncher) {
