@@ -197,6 +197,45 @@ lockstep::examples::TrainingState resume(
   return state;
 }
 
+// Every rank must resume from the same state, or the ranks would train on
+// different data positions (DDP broadcasts rank 0's parameters, which hides a
+// different model but not a different position). Each rank shares what it
+// resumed from; all fail together, naming the ranks, if they differ.
+void check_ranks_resumed_alike(
+    const lockstep::ProcessGroup& group,
+    const Config& config,
+    const lockstep::examples::TrainingState& state,
+    bool resumed,
+    torch::nn::Module& net,
+    torch::optim::Optimizer& optimizer) {
+  auto bits = [](uint64_t h) {
+    int64_t v = 0;
+    std::memcpy(&v, &h, sizeof(v));
+    return v;
+  };
+  auto mine = torch::tensor(
+      {static_cast<int64_t>(resumed), state.step, state.epoch, state.batch_in_epoch,
+       bits(lockstep::examples::content_hash(lockstep::examples::model_tensors(net))),
+       bits(lockstep::examples::optimizer_hash(optimizer))},
+      torch::kLong);
+  auto all = group.all_gather(mine);
+  auto describe = [&](int r) {
+    auto v = all[r].accessor<int64_t, 1>();
+    return v[0] == 0 ? std::string("started from scratch (no checkpoint found)")
+                     : "resumed at step " + std::to_string(v[1]) + " (epoch " + std::to_string(v[2] + 1) + ", batch " +
+                         std::to_string(v[3]) + ")";
+  };
+  for (int r = 1; r < group.size(); ++r) {
+    const bool same_position = torch::equal(all[r].narrow(0, 0, 4), all[0].narrow(0, 0, 4));
+    const bool same_state = all[0][0].item<int64_t>() == 0 || torch::equal(all[r], all[0]);
+    TORCH_CHECK(same_position && same_state, "lockstep-train: rank ", r, " ", describe(r),
+                same_position ? " with a different model or optimizer state" : "", " but rank 0 ", describe(0),
+                ". Every rank must read the same checkpoint: on several machines, put --checkpoint on storage every "
+                "node shares, or copy rank 0's file to each node (this rank's --checkpoint is ", config.checkpoint_path,
+                ").");
+  }
+}
+
 // LOCKSTEP_FAULT=RANK:STEP[:CODE]: see --help.
 void maybe_inject_fault(int rank, int64_t step) {
   static const char* spec = std::getenv("LOCKSTEP_FAULT");
@@ -409,6 +448,7 @@ int main(int argc, char** argv) {
     if (std::getenv("WORLD_SIZE") != nullptr) {
       auto group = lockstep::init_process_group();
       auto state = resume(config, net, optimizer, group.size(), group.rank() == 0);
+      check_ranks_resumed_alike(group, config, state, state.step > 0 || state.epoch > 0, *net, optimizer);
       lockstep::DistributedDataParallel<lockstep::examples::ConvNet> model(net, group);
       torch::data::samplers::DistributedRandomSampler sampler(
           static_cast<size_t>(train.images.size(0)), static_cast<size_t>(group.size()), static_cast<size_t>(group.rank()),

@@ -174,6 +174,29 @@ TEST(Launcher, TwoNodesOnOneMachineMatchOneNode) {
   EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
 }
 
+TEST(Launcher, NodesResumingFromDifferentCheckpointsFailTogether) {
+  // Two machines without a shared disk: node 0 finds rank 0's checkpoint,
+  // node 1 has none at its own path.
+  const std::string checkpoint = temp("node0_only.ckpt");
+  auto first = testing::run(trainer("node0_only_first", checkpoint), {kOneThread}, temp("node0_only_first.log"), kDeadline);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int node = 0; node < 2; ++node) {
+    nodes.push_back(testing::start(
+        launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
+                  "127.0.0.1", "--master-port", master_port},
+                 trainer("node_ckpt" + std::to_string(node), node == 0 ? checkpoint : temp("nowhere.ckpt"))),
+        {kOneThread}, temp("node_ckpt" + std::to_string(node) + ".log")));
+  }
+  testing::wait_all(nodes, kDeadline);
+  for (const auto& node : nodes) {
+    EXPECT_NE(node.exit_code, 0) << node.output;
+    EXPECT_NE(node.output.find("rank 1 started from scratch (no checkpoint found) but rank 0 resumed at step"), std::string::npos) << node.output;
+    EXPECT_NE(node.output.find("but rank 0 resumed at step"), std::string::npos) << node.output;
+  }
+}
+
 TEST(Launcher, TwoNodesRestartTogetherAfterARankFails) {
   // Rank 1 (node 1) fails; node 0's rank sees the broken connection and fails
   // too; each launcher restarts its node and the new attempts meet again at
