@@ -15,7 +15,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace lockstep {
@@ -46,13 +48,27 @@ inline std::vector<torch::Tensor> model_tensors(torch::nn::Module& module) {
   return all;
 }
 
+/// `param`'s entry in an optimizer's state map. LibTorch 1.x keys the map by
+/// the parameter's address as text, 2.x by the address itself; the map's key
+/// type says which.
+template <typename Map>
+auto find_state(Map& state, const torch::Tensor& param) {
+  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
+    std::ostringstream key;
+    key << param.unsafeGetTensorImpl();
+    return state.find(key.str());
+  } else {
+    return state.find(param.unsafeGetTensorImpl());
+  }
+}
+
 /// The optimizer's per-parameter state tensors (SGD's momentum, Adam's
 /// moments), in parameter order, each with the parameter it belongs to.
 inline std::vector<std::pair<torch::Tensor, torch::Tensor>> optimizer_tensors(torch::optim::Optimizer& optimizer) {
   std::vector<std::pair<torch::Tensor, torch::Tensor>> all;
   for (auto& group : optimizer.param_groups()) {
     for (auto& param : group.params()) {
-      auto found = optimizer.state().find(param.unsafeGetTensorImpl());
+      auto found = find_state(optimizer.state(), param);
       if (found == optimizer.state().end()) {
         continue;
       }

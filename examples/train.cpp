@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -409,6 +410,17 @@ int main(int argc, char** argv) {
     at::set_num_threads(omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
                                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 
+    // Checked now, not at the first write: a missing folder would cost the run.
+    for (const auto& [flag, path] : {std::make_pair("--save", save_path), std::make_pair("--checkpoint", checkpoint_path)}) {
+      if (path.empty()) {
+        continue;
+      }
+      const auto slash = path.find_last_of('/');
+      const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+      TORCH_CHECK(::access(dir.c_str(), W_OK) == 0, "lockstep-train: ", flag, " ", path, ": cannot write into ", dir,
+                  " (", std::strerror(errno), "); create the folder first, or pick another path.");
+    }
+
     Samples train, test;
     std::string source;
     if (!export_dir.empty()) {
@@ -447,13 +459,15 @@ int main(int argc, char** argv) {
     // DistributedDataParallel; otherwise one process with DataParallel.
     if (std::getenv("WORLD_SIZE") != nullptr) {
       auto group = lockstep::init_process_group();
+      TORCH_CHECK(batch_size % group.size() == 0, "lockstep-train: --batch-size ", batch_size, " does not split evenly over ",
+                  group.size(), " ranks; pick a multiple of ", group.size(), " (each rank takes batch-size / ranks rows).");
       auto state = resume(config, net, optimizer, group.size(), group.rank() == 0);
       check_ranks_resumed_alike(group, config, state, state.step > 0 || state.epoch > 0, *net, optimizer);
       lockstep::DistributedDataParallel<lockstep::examples::ConvNet> model(net, group);
       torch::data::samplers::DistributedRandomSampler sampler(
           static_cast<size_t>(train.images.size(0)), static_cast<size_t>(group.size()), static_cast<size_t>(group.rank()),
           /*allow_duplicates=*/false);
-      const int64_t per_rank = std::max<int64_t>(1, batch_size / group.size());
+      const int64_t per_rank = batch_size / group.size();
       auto batches = [&sampler, per_rank](int64_t epoch) {
         sampler.set_epoch(static_cast<size_t>(epoch));
         sampler.reset();

@@ -415,6 +415,22 @@ TEST(TrainerData, ForeignOrMissingFilesAreOneLineErrors) {
       << missing.output;
 }
 
+TEST(TrainerData, BadOutputPathsAndUnevenBatchesAreRefusedUpFront) {
+  auto args = trainer("bad_paths");
+  args.insert(args.end(), {"--checkpoint", temp("no_such_folder") + "/run.ckpt"});
+  auto p = testing::run(args, {}, temp("bad_paths.log"), kDeadline);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("--checkpoint " + temp("no_such_folder") + "/run.ckpt: cannot write into"), std::string::npos)
+      << p.output;
+  EXPECT_EQ(p.output.find("epoch 1/"), std::string::npos) << "trained before refusing: " << p.output;
+
+  auto uneven = trainer("uneven");
+  uneven[6] = "65"; // --batch-size over 2 ranks
+  auto q = launch({"--nproc-per-node", "2", "--master-port", port()}, uneven, "uneven", {kOneThread});
+  EXPECT_NE(q.exit_code, 0) << q.output;
+  EXPECT_NE(q.output.find("--batch-size 65 does not split evenly over 2 ranks"), std::string::npos) << q.output;
+}
+
 // --- checkpoints -------------------------------------------------------------------
 
 TEST(Checkpoint, CorruptOrForeignFilesAreClearErrors) {
