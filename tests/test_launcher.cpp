@@ -15,6 +15,7 @@
 
 #include <zlib.h>
 
+#include <functional>
 #include <random>
 #include <regex>
 
@@ -158,17 +159,23 @@ TEST(Launcher, RestartResumesFromTheCheckpointBitwise) {
   EXPECT_FALSE(reference_hash().empty());
 }
 
-TEST(Launcher, TwoNodesOnOneMachineMatchOneNode) {
+// Two nodes of one rank each on this machine, node N running program(N); waits for both.
+std::vector<Process> run_two_nodes(const std::string& name, const std::function<std::vector<std::string>(int)>& program) {
   const std::string master_port = port();
   std::vector<Process> nodes;
   for (int node = 0; node < 2; ++node) {
     nodes.push_back(testing::start(
         launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
                   "127.0.0.1", "--master-port", master_port},
-                 trainer("node" + std::to_string(node))),
-        {kOneThread}, temp("node" + std::to_string(node) + ".log")));
+                 program(node)),
+        {kOneThread}, temp(name + std::to_string(node) + ".log")));
   }
   testing::wait_all(nodes, kDeadline);
+  return nodes;
+}
+
+TEST(Launcher, TwoNodesOnOneMachineMatchOneNode) {
+  auto nodes = run_two_nodes("node", [](int node) { return trainer("node" + std::to_string(node)); });
   ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;
   ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
   EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
@@ -180,20 +187,13 @@ TEST(Launcher, NodesResumingFromDifferentCheckpointsFailTogether) {
   const std::string checkpoint = temp("node0_only.ckpt");
   auto first = testing::run(trainer("node0_only_first", checkpoint), {kOneThread}, temp("node0_only_first.log"), kDeadline);
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  const std::string master_port = port();
-  std::vector<Process> nodes;
-  for (int node = 0; node < 2; ++node) {
-    nodes.push_back(testing::start(
-        launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
-                  "127.0.0.1", "--master-port", master_port},
-                 trainer("node_ckpt" + std::to_string(node), node == 0 ? checkpoint : temp("nowhere.ckpt"))),
-        {kOneThread}, temp("node_ckpt" + std::to_string(node) + ".log")));
-  }
-  testing::wait_all(nodes, kDeadline);
+  auto nodes = run_two_nodes("node_ckpt", [&](int node) {
+    return trainer("node_ckpt" + std::to_string(node), node == 0 ? checkpoint : temp("nowhere.ckpt"));
+  });
   for (const auto& node : nodes) {
     EXPECT_NE(node.exit_code, 0) << node.output;
-    EXPECT_NE(node.output.find("rank 1 started from scratch (no checkpoint found) but rank 0 resumed at step"), std::string::npos) << node.output;
-    EXPECT_NE(node.output.find("but rank 0 resumed at step"), std::string::npos) << node.output;
+    EXPECT_NE(node.output.find("rank 1 started from scratch (no checkpoint found) but rank 0 resumed at step"),
+              std::string::npos) << node.output;
   }
 }
 
