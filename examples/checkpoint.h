@@ -164,10 +164,15 @@ inline bool load_checkpoint(
               "); a model saved with torch::save has no training state. Delete it, or point --checkpoint elsewhere.");
   const auto named = model.named_parameters();
   const auto named_buffers = model.named_buffers();
-  std::vector<std::pair<std::string, torch::Tensor>> expected; // name, a tensor of the model's shape and dtype
+  struct Expected {
+    std::string name;
+    std::vector<int64_t> sizes;
+    caffe2::TypeMeta dtype;
+  };
+  std::vector<Expected> expected; // the model's, before loading replaces them
   for (const auto& group : {named, named_buffers}) {
     for (const auto& item : group) {
-      expected.emplace_back(item.key(), torch::empty(item.value().sizes(), item.value().options()));
+      expected.push_back({item.key(), item.value().sizes().vec(), item.value().dtype()});
     }
   }
   torch::Tensor model_hash, stored_optimizer_hash;
@@ -193,10 +198,10 @@ inline bool load_checkpoint(
   // LibTorch's load replaces a tensor whatever its shape: compare with the model's.
   const auto loaded = model_tensors(model);
   for (size_t i = 0; i < expected.size(); ++i) {
-    const auto& [name, want] = expected[i];
-    TORCH_CHECK(loaded[i].sizes() == want.sizes() && loaded[i].dtype() == want.dtype(), "lockstep-train: checkpoint ",
-                path, " does not match this model: '", name, "' is ", loaded[i].sizes(), " ", loaded[i].dtype(),
-                " there but ", want.sizes(), " ", want.dtype(), " here. It was written by another model "
+    const auto& want = expected[i];
+    TORCH_CHECK(loaded[i].sizes() == want.sizes && loaded[i].dtype() == want.dtype, "lockstep-train: checkpoint ",
+                path, " does not match this model: '", want.name, "' is ", loaded[i].sizes(), " ", loaded[i].dtype(),
+                " there but ", c10::IntArrayRef(want.sizes), " ", want.dtype, " here. It was written by another model "
                 "configuration; delete it, or point --checkpoint elsewhere.");
   }
   for (const auto& [param, state_tensor] : optimizer_tensors(optimizer)) {
@@ -204,10 +209,9 @@ inline bool load_checkpoint(
                 " does not match this optimizer: a state tensor is ", state_tensor.sizes(), " for a parameter of ",
                 param.sizes(), ". Delete it, or point --checkpoint elsewhere.");
   }
-  TORCH_CHECK(content_hash(loaded) == static_cast<uint64_t>(model_hash.item<int64_t>()) &&
-                  optimizer_hash(optimizer) == static_cast<uint64_t>(stored_optimizer_hash.item<int64_t>()),
-              "lockstep-train: checkpoint ", path, " is damaged: its ",
-              content_hash(loaded) == static_cast<uint64_t>(model_hash.item<int64_t>()) ? "optimizer state" : "model",
+  const bool model_intact = hash_tensor(content_hash(loaded)).equal(model_hash);
+  TORCH_CHECK(model_intact && hash_tensor(optimizer_hash(optimizer)).equal(stored_optimizer_hash),
+              "lockstep-train: checkpoint ", path, " is damaged: its ", model_intact ? "optimizer state" : "model",
               " differs from the content hash stored when it was written. Delete it to start from scratch, or "
               "restore it from a copy.");
   return true;

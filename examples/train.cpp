@@ -209,16 +209,10 @@ void check_ranks_resumed_alike(
     bool resumed,
     torch::nn::Module& net,
     torch::optim::Optimizer& optimizer) {
-  auto bits = [](uint64_t h) {
-    int64_t v = 0;
-    std::memcpy(&v, &h, sizeof(v));
-    return v;
-  };
-  auto mine = torch::tensor(
-      {static_cast<int64_t>(resumed), state.step, state.epoch, state.batch_in_epoch,
-       bits(lockstep::examples::content_hash(lockstep::examples::model_tensors(net))),
-       bits(lockstep::examples::optimizer_hash(optimizer))},
-      torch::kLong);
+  using namespace lockstep::examples;
+  auto mine = torch::cat({torch::tensor({static_cast<int64_t>(resumed), state.step, state.epoch, state.batch_in_epoch}),
+                          hash_tensor(content_hash(model_tensors(net))).reshape({1}),
+                          hash_tensor(optimizer_hash(optimizer)).reshape({1})});
   auto all = group.all_gather(mine);
   auto describe = [&](int r) {
     auto v = all[r].accessor<int64_t, 1>();
