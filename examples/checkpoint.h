@@ -10,10 +10,14 @@
 
 #include <torch/torch.h>
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -98,13 +102,29 @@ inline torch::Tensor hash_tensor(uint64_t hash) {
   return torch::tensor(bits);
 }
 
+/// Sums over training rows: the loss (times rows), the right answers, the rows.
+struct Tally {
+  double loss_sum = 0;
+  int64_t correct = 0;
+  int64_t rows = 0;
+  Tally& operator+=(const Tally& other) {
+    loss_sum += other.loss_sum;
+    correct += other.correct;
+    rows += other.rows;
+    return *this;
+  }
+};
+
 /// Where training stands: `step` optimizer steps done, the next batch being
-/// batch `batch_in_epoch` of epoch `epoch` (both from 0).
+/// batch `batch_in_epoch` of epoch `epoch` (both from 0), and the tally of
+/// the epoch's batches so far over every rank, so that a resumed epoch
+/// reports what an uninterrupted one would.
 struct TrainingState {
   int64_t epoch = 0;
   int64_t batch_in_epoch = 0;
   int64_t step = 0;
   int64_t world_size = 1;
+  Tally epoch_tally;
 };
 
 inline void fsync_path(const std::string& path, int flags) {
@@ -130,6 +150,8 @@ inline void save_checkpoint(
   archive.write("batch_in_epoch", torch::tensor(state.batch_in_epoch));
   archive.write("step", torch::tensor(state.step));
   archive.write("world_size", torch::tensor(state.world_size));
+  archive.write("epoch_tally", torch::tensor({state.epoch_tally.loss_sum, static_cast<double>(state.epoch_tally.correct),
+                                             static_cast<double>(state.epoch_tally.rows)}, torch::kFloat64));
   archive.write("model_hash", hash_tensor(content_hash(model_tensors(model))));
   archive.write("optimizer_hash", hash_tensor(optimizer_hash(optimizer)));
   const std::string temporary = path + ".tmp." + std::to_string(::getpid());
@@ -138,6 +160,30 @@ inline void save_checkpoint(
   TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "lockstep-train: cannot rename ", temporary, " to ", path, ".");
   const auto slash = path.find_last_of('/');
   fsync_path(slash == std::string::npos ? "." : path.substr(0, slash + 1), O_RDONLY | O_DIRECTORY);
+}
+
+/// Removes `path`'s temporary files left by saves that were killed (their
+/// writer no longer runs); a save in progress elsewhere keeps its own.
+inline void remove_stale_temporaries(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
+  const std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".tmp.";
+  DIR* folder = ::opendir(dir.c_str());
+  if (folder == nullptr) {
+    return;
+  }
+  while (const dirent* entry = ::readdir(folder)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(prefix, 0) != 0) {
+      continue;
+    }
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
+    if (pid > 0 && *end == '\0' && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      ::unlink((dir + "/" + name).c_str());
+    }
+  }
+  ::closedir(folder);
 }
 
 /// Loads `path` into `model`, `optimizer` and `state`; false if there is no
@@ -189,7 +235,12 @@ inline bool load_checkpoint(
     archive.read("world_size", world);
     archive.read("model_hash", model_hash);
     archive.read("optimizer_hash", stored_optimizer_hash);
-    state = TrainingState{epoch.item<int64_t>(), batch.item<int64_t>(), step.item<int64_t>(), world.item<int64_t>()};
+    state = TrainingState{epoch.item<int64_t>(), batch.item<int64_t>(), step.item<int64_t>(), world.item<int64_t>(), {}};
+    torch::Tensor tally;
+    if (archive.try_read("epoch_tally", tally)) { // absent from older checkpoints: the epoch's figures then start here
+      auto t = tally.accessor<double, 1>();
+      state.epoch_tally = Tally{t[0], static_cast<int64_t>(t[1]), static_cast<int64_t>(t[2])};
+    }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " does not match this model or optimizer: ",
                 e.what_without_backtrace(), " It was written by another model configuration; delete it, or point "

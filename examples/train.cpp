@@ -28,6 +28,7 @@
 #include <cstring>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -107,10 +108,12 @@ std::string clock_time(double seconds) {
 }
 
 // One line, redrawn in place on a terminal; every 10% as plain lines otherwise.
+// Rows are every rank's; a resumed epoch starts at `resumed` rows, which
+// count towards the bar but not towards the speed.
 class Progress {
  public:
-  Progress(int64_t total, int epoch, int epochs, bool enabled)
-      : total_(total), epoch_(epoch), epochs_(epochs), start_(Clock::now()), enabled_(enabled) {
+  Progress(int64_t total, int64_t resumed, int epoch, int epochs, bool enabled)
+      : total_(total), resumed_(resumed), epoch_(epoch), epochs_(epochs), start_(Clock::now()), enabled_(enabled) {
     tty_ = isatty(fileno(stderr)) != 0;
   }
   void update(int64_t done, double loss, double accuracy) {
@@ -118,7 +121,7 @@ class Progress {
       return;
     }
     const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
-    const double rate = elapsed > 0 ? done / elapsed : 0;
+    const double rate = elapsed > 0 ? (done - resumed_) / elapsed : 0;
     const double eta = rate > 0 ? (total_ - done) / rate : NAN;
     const int percent = static_cast<int>(100 * done / total_);
     if (!tty_ && percent < next_percent_ && done < total_) {
@@ -142,7 +145,7 @@ class Progress {
   }
 
  private:
-  int64_t total_;
+  int64_t total_, resumed_;
   int epoch_, epochs_;
   Clock::time_point start_;
   bool tty_;
@@ -258,8 +261,18 @@ void maybe_inject_fault(int rank, int64_t step) {
   if (std::strcmp(code, "kill") == 0) {
     std::raise(SIGKILL);
   }
+  if (std::strcmp(code, "hang") == 0) {
+    // A stalled rank: deaf to SIGTERM, only SIGKILL ends it.
+    std::signal(SIGTERM, SIG_IGN);
+    while (true) {
+      ::pause();
+    }
+  }
   std::_Exit(std::atoi(code));
 }
+
+// Sums the ranks' tallies (a tiny allreduce under DDP; as is with one process).
+using Combine = std::function<lockstep::examples::Tally(const lockstep::examples::Tally&)>;
 
 template <typename Model, typename Batches>
 int train_and_report(
@@ -269,33 +282,56 @@ int train_and_report(
     const Samples& train,
     const Samples& test,
     Batches& batches,
+    const Combine& combine,
     const Config& config,
     lockstep::examples::TrainingState state,
     int rank,
     int world_size,
     const std::string& setup) {
+  using lockstep::examples::Tally;
   const bool lead = rank == 0;
+  if (state.epoch >= config.epochs) {
+    if (lead) {
+      std::printf("lockstep-train: nothing to train: the checkpoint %s is of a finished run (%lld of %d epoch(s), %lld "
+                  "steps); raise --epochs to train on, or point --checkpoint elsewhere to start afresh.\n",
+                  config.checkpoint_path.c_str(), static_cast<long long>(state.epoch), config.epochs,
+                  static_cast<long long>(state.step));
+      std::printf("lockstep-train: test accuracy %.1f%% of the checkpoint's model\n",
+                  100 * accuracy_on(net, test, 512));
+      std::printf("lockstep-train: final parameters fnv1a64=%016llx\n",
+                  static_cast<unsigned long long>(parameter_hash(*net)));
+    }
+    return 0;
+  }
   const auto start = Clock::now();
-  int64_t samples = 0;
-  double last_loss = NAN, train_accuracy = NAN;
+  int64_t samples = 0; // trained in this process's run, over every rank
+  Tally last_epoch;
   auto checkpoint = [&] {
     if (lead && !config.checkpoint_path.empty()) {
       lockstep::examples::save_checkpoint(config.checkpoint_path, *net, optimizer, state);
     }
   };
-  for (; state.epoch < config.epochs; ++state.epoch, state.batch_in_epoch = 0) {
+  for (; state.epoch < config.epochs; ++state.epoch, state.batch_in_epoch = 0, state.epoch_tally = Tally{}) {
     const auto epoch_batches = batches(state.epoch);
-    int64_t epoch_rows = 0;
+    const auto batch_count = static_cast<int64_t>(epoch_batches.size());
+    Tally rows_of_epoch;
     for (const auto& b : epoch_batches) {
-      epoch_rows += b.size(0);
+      rows_of_epoch.rows += b.size(0);
     }
-    Progress progress(epoch_rows, static_cast<int>(state.epoch + 1), config.epochs, lead);
-    double loss_sum = 0;
-    int64_t correct = 0, seen = 0;
-    for (int64_t k = 0; k < state.batch_in_epoch; ++k) {
-      seen += epoch_batches[k].size(0); // resumed: these rows were trained on before
-    }
-    for (; state.batch_in_epoch < static_cast<int64_t>(epoch_batches.size()); ++state.batch_in_epoch) {
+    // Every rank folds its batches into the epoch's tally at the same steps:
+    // about 50 times an epoch, at checkpoints, and at the epoch's end.
+    const int64_t report_every = std::max<int64_t>(1, batch_count / 50);
+    Tally& done = state.epoch_tally; // every rank's rows up to the last fold (restored when resumed)
+    Tally pending;                   // this rank's rows since
+    const int64_t resumed_rows = done.rows;
+    Progress progress(combine(rows_of_epoch).rows, resumed_rows, static_cast<int>(state.epoch + 1), config.epochs, lead);
+    auto fold = [&] {
+      done += combine(pending);
+      pending = Tally{};
+      progress.update(done.rows, done.loss_sum / std::max<int64_t>(1, done.rows),
+                      static_cast<double>(done.correct) / std::max<int64_t>(1, done.rows));
+    };
+    for (; state.batch_in_epoch < batch_count; ++state.batch_in_epoch) {
       maybe_inject_fault(rank, state.step);
       const auto& index = epoch_batches[state.batch_in_epoch];
       auto x = train.images.index_select(0, index);
@@ -307,19 +343,21 @@ int train_and_report(
       optimizer.step();
       ++state.step;
       const int64_t b = index.size(0);
-      loss_sum += loss.template item<double>() * b;
-      correct += logits.argmax(1).eq(y).sum().template item<int64_t>();
-      seen += b;
-      samples += b * world_size;
-      progress.update(seen, loss_sum / std::max<int64_t>(1, seen), static_cast<double>(correct) / std::max<int64_t>(1, seen));
-      if (state.step % config.checkpoint_every == 0) {
+      pending += Tally{loss.template item<double>() * b, logits.argmax(1).eq(y).sum().template item<int64_t>(), b};
+      const bool save = state.step % config.checkpoint_every == 0;
+      if (save || (state.batch_in_epoch + 1) % report_every == 0 || state.batch_in_epoch + 1 == batch_count) {
+        fold();
+      }
+      if (save) {
         ++state.batch_in_epoch; // the checkpoint says where to go on
         checkpoint();
         --state.batch_in_epoch;
       }
     }
-    last_loss = loss_sum / std::max<int64_t>(1, seen);
-    train_accuracy = static_cast<double>(correct) / std::max<int64_t>(1, seen);
+    TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (", train.images.size(0),
+                " training samples); give more samples.");
+    samples += done.rows - resumed_rows;
+    last_epoch = done;
   }
   checkpoint();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -332,10 +370,11 @@ int train_and_report(
     torch::save(net, config.save_path);
   }
   std::printf(
-      "lockstep-train: %d epoch(s), %lld steps in %.1f s, %.0f samples/s with %s; loss %.4f, train accuracy "
-      "%.1f%%, test accuracy %.1f%%\n",
-      config.epochs, static_cast<long long>(state.step), seconds, samples / std::max(seconds, 1e-9), setup.c_str(),
-      last_loss, 100 * train_accuracy, 100 * test_accuracy);
+      "lockstep-train: %d epoch(s), %lld steps in %.1f s, %.0f samples/s over all %d rank(s) (%.0f per rank) with %s; "
+      "last epoch's loss %.4f, train accuracy %.1f%%; test accuracy %.1f%%\n",
+      config.epochs, static_cast<long long>(state.step), seconds, samples / std::max(seconds, 1e-9), world_size,
+      samples / std::max(seconds, 1e-9) / world_size, setup.c_str(), last_epoch.loss_sum / last_epoch.rows,
+      100.0 * last_epoch.correct / last_epoch.rows, 100 * test_accuracy);
   std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*net)));
   return 0;
 }
@@ -381,12 +420,17 @@ int main(int argc, char** argv) {
                  "steps and at the end");
   app.add_option("--checkpoint-every", checkpoint_every, "Optimizer steps between checkpoints")
       ->check(CLI::PositiveNumber)->capture_default_str();
+  int timeout_seconds = 0;
+  app.add_option("--timeout", timeout_seconds,
+                 "Under DDP: seconds to wait for the other ranks (store, connections, each collective) before failing. "
+                 "Default: LOCKSTEP_TIMEOUT, else 300")
+      ->check(CLI::Range(1, 7 * 24 * 3600));
   app.footer(
       "Under lockstep-run (or torchrun: WORLD_SIZE set), each process is one rank of DistributedDataParallel and reads "
       "its share of each batch through LibTorch's DistributedRandomSampler; otherwise one process trains with "
       "DataParallel on --replicas CPU replicas.\n"
       "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
-      "3; 'kill' for SIGKILL) when it reaches optimizer step STEP, on the first attempt only (LOCKSTEP_RESTART_COUNT and "
+      "3; 'kill' for SIGKILL; 'hang' to stall, ignoring SIGTERM) when it reaches optimizer step STEP, on the first attempt only (LOCKSTEP_RESTART_COUNT and "
       "TORCHELASTIC_RESTART_COUNT 0 or unset).");
   CLI11_PARSE(app, argc, argv);
 
@@ -413,6 +457,10 @@ int main(int argc, char** argv) {
       const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
       TORCH_CHECK(::access(dir.c_str(), W_OK) == 0, "lockstep-train: ", flag, " ", path, ": cannot write into ", dir,
                   " (", std::strerror(errno), "); create the folder first, or pick another path.");
+    }
+
+    if (!checkpoint_path.empty()) {
+      lockstep::examples::remove_stale_temporaries(checkpoint_path);
     }
 
     Samples train, test;
@@ -452,7 +500,8 @@ int main(int argc, char** argv) {
     // Under lockstep-run (or torchrun), one process per rank with
     // DistributedDataParallel; otherwise one process with DataParallel.
     if (std::getenv("WORLD_SIZE") != nullptr) {
-      auto group = lockstep::init_process_group();
+      auto group = lockstep::init_process_group(
+          lockstep::ProcessGroupOptions().timeout(std::chrono::seconds(timeout_seconds))); // 0: LOCKSTEP_TIMEOUT
       TORCH_CHECK(batch_size % group.size() == 0, "lockstep-train: --batch-size ", batch_size, " does not split evenly over ",
                   group.size(), " ranks; pick a multiple of ", group.size(), " (each rank takes batch-size / ranks rows).");
       auto state = resume(config, net, optimizer, group.size(), group.rank() == 0);
@@ -478,7 +527,15 @@ int main(int argc, char** argv) {
                      static_cast<long long>(test.images.size(0)), group.size(), group.backend().c_str(),
                      static_cast<long long>(batch_size), static_cast<long long>(per_rank));
       }
-      return train_and_report(model, net, optimizer, train, test, batches, config, state, group.rank(), group.size(),
+      // Loss and accuracy sums as doubles: exact for any count below 2^53.
+      auto combine = [&group](const lockstep::examples::Tally& mine) {
+        auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
+                                  torch::kFloat64);
+        group.allreduce(sums);
+        auto s = sums.accessor<double, 1>();
+        return lockstep::examples::Tally{s[0], static_cast<int64_t>(s[1]), static_cast<int64_t>(s[2])};
+      };
+      return train_and_report(model, net, optimizer, train, test, batches, combine, config, state, group.rank(), group.size(),
                               "DistributedDataParallel over " + std::to_string(group.size()) + " ranks");
     }
     auto state = resume(config, net, optimizer, 1, true);
@@ -504,7 +561,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lockstep-train: %s data, %lld train / %lld test samples, DataParallel on [%s], batch %lld\n",
                  source.c_str(), static_cast<long long>(n), static_cast<long long>(test.images.size(0)), devices.c_str(),
                  static_cast<long long>(batch_size));
-    return train_and_report(model, net, optimizer, train, test, batches, config, state, 0, 1,
+    auto alone = [](const lockstep::examples::Tally& mine) { return mine; };
+    return train_and_report(model, net, optimizer, train, test, batches, alone, config, state, 0, 1,
                             "DataParallel on " + std::to_string(model->devices().size()) + " replica(s)");
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it

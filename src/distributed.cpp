@@ -17,11 +17,15 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <iostream>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <memory>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace lockstep {
 namespace detail {
@@ -115,6 +119,13 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
     TORCH_CHECK(env.local_rank < env.local_world_size, "lockstep: environment variable LOCAL_RANK=", env.local_rank,
                 " is out of range for LOCAL_WORLD_SIZE=", env.local_world_size,
                 "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
+  }
+  TORCH_CHECK(options.timeout().count() >= 0, "lockstep: ProcessGroupOptions::timeout is ", options.timeout().count(),
+              " ms; expected a positive duration, or 0 for $LOCKSTEP_TIMEOUT (else ", kDefaultTimeout.count(), " ms).");
+  if (options.timeout().count() > 0) {
+    env.timeout = options.timeout();
+  } else if (const char* v = get("LOCKSTEP_TIMEOUT")) {
+    env.timeout = std::chrono::seconds(parse_int("LOCKSTEP_TIMEOUT", v, 1, 7 * 24 * 3600, "whole seconds, 1 or more"));
   }
   if (const char* v = get("TORCHELASTIC_RESTART_COUNT")) {
     env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", v, 0, INT32_MAX, "a whole number >= 0");
@@ -211,11 +222,11 @@ ProcessGroup make_group(
     int size,
     const std::string& backend,
     std::chrono::milliseconds timeout,
-    const std::string& hostname) {
+    const std::string& master_addr) {
   if (backend == "nccl") {
     return ProcessGroup(detail::make_nccl_group(store, rank, size, timeout));
   }
-  return ProcessGroup(detail::make_gloo_group(store, rank, size, timeout, hostname));
+  return ProcessGroup(detail::make_gloo_group(store, rank, size, timeout, master_addr));
 }
 
 // Note [Store address]
@@ -262,6 +273,49 @@ int listen_on(const std::string& host, uint16_t port) {
   TORCH_CHECK(false, "cannot listen on ", host, ":", port, ": ", error);
 }
 
+// Note [Initialisation deadline]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Joining a group is several waits, each with the group's timeout: the
+// store's connection, the backend's rendezvous keys, its connections. When
+// the rank it waits for died partway through, the waits add up, and some
+// versions of the store client and of Gloo do not give up at all. A rank
+// must never outlive the timeout, so a watchdog thread bounds the whole of
+// init_process_group: past the timeout (plus a moment for the waits' own,
+// more precise errors), it says so and ends the process, as NCCL's watchdog
+// does; a thread blocked inside c10d cannot be interrupted any other way.
+class InitDeadline {
+ public:
+  InitDeadline(int64_t rank, std::chrono::milliseconds timeout)
+      : thread_([this, rank, timeout] {
+          std::unique_lock<std::mutex> lock(mutex_);
+          if (!done_changed_.wait_for(lock, timeout + kMargin, [this] { return done_; })) {
+            std::fprintf(stderr,
+                         "lockstep: rank %lld: init_process_group did not complete within the timeout of %lld ms "
+                         "(+%lld ms); ending this process so that it does not hang. Another rank failed or never "
+                         "started: its own error says why. Set LOCKSTEP_TIMEOUT (seconds) for a longer wait.\n",
+                         static_cast<long long>(rank), static_cast<long long>(timeout.count()),
+                         static_cast<long long>(kMargin.count()));
+            std::fflush(stderr);
+            std::_Exit(1);
+          }
+        }) {}
+  ~InitDeadline() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    done_changed_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  static constexpr std::chrono::milliseconds kMargin{2000};
+  std::mutex mutex_;
+  std::condition_variable done_changed_;
+  bool done_ = false;
+  std::thread thread_; // last: started once the rest exists
+};
+
 } // namespace
 
 ProcessGroup new_group(
@@ -281,12 +335,13 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   if (env.world_size == 1) {
     return ProcessGroup();
   }
+  InitDeadline deadline(env.rank, env.timeout); // Note [Initialisation deadline]
   // lockstep-run on one node names a file for the store: then nothing listens
   // on the network at all (see docs/design.md on TCPStore's binding).
   const char* store_file = std::getenv("LOCKSTEP_STORE_FILE");
   if (store_file != nullptr && *store_file != '\0' && options.master_addr().empty()) {
     auto store = c10::make_intrusive<c10d::FileStore>(store_file, static_cast<int>(env.world_size));
-    return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, options.timeout(),
+    return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, env.timeout,
                       env.master_addr);
   }
   // Under torchrun's static rendezvous (and its c10d rendezvous in 2.x), the
@@ -298,7 +353,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   store_options.isServer = env.rank == 0 && !env.agent_store;
   store_options.numWorkers = static_cast<size_t>(env.world_size);
   store_options.waitWorkers = true;
-  store_options.timeout = options.timeout();
+  store_options.timeout = env.timeout;
   resolve(env.master_addr, store_options.port, env.rank);
   if (store_options.isServer && !detail::kStoreTakesListenSocket) {
     std::cerr << "lockstep: warning: rank 0's store listens on every interface at port " << env.master_port
@@ -316,17 +371,17 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
     store = detail::make_tcp_store(env.master_addr, store_options);
   } catch (const std::exception& e) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-    const bool timed_out = waited >= options.timeout();
+    const bool timed_out = waited >= env.timeout;
     TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", store_options.isServer ? "start" : "reach",
                 env.agent_store ? " torchrun's agent store" : " the store", " at ", env.master_addr, ":", env.master_port,
-                timed_out ? " within " : " (failed after ", timed_out ? options.timeout().count() : waited.count(),
+                timed_out ? " within " : " (failed after ", timed_out ? env.timeout.count() : waited.count(),
                 timed_out ? " ms: did every rank start, and can it reach MASTER_ADDR?): " : " ms: is the port free?): ",
                 e.what());
   }
   if (env.agent_store) {
     store = c10::make_intrusive<c10d::PrefixStore>("lockstep/attempt_" + std::to_string(env.restart_count), store);
   }
-  return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, options.timeout(),
+  return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, env.timeout,
                     env.master_addr);
 }
 

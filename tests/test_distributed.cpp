@@ -125,6 +125,23 @@ TEST(LaunchEnv, MissingOrMalformedVariablesNameThemselves) {
   EXPECT_NE(message.find("LOCAL_RANK=2 is out of range for LOCAL_WORLD_SIZE=2"), std::string::npos) << message;
 }
 
+TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
+  std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, kDefaultTimeout);
+  vars["LOCKSTEP_TIMEOUT"] = "7";
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, std::chrono::seconds(7));
+  const auto explicit_timeout = std::chrono::milliseconds(1500);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions().timeout(explicit_timeout), env_of(vars)).timeout,
+            explicit_timeout);
+  vars["LOCKSTEP_TIMEOUT"] = "5m";
+  auto message = error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)); });
+  EXPECT_NE(message.find("LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds"), std::string::npos) << message;
+  message = error_of([&] {
+    detail::parse_launch_env(ProcessGroupOptions().timeout(std::chrono::milliseconds(-1)), env_of(vars));
+  });
+  EXPECT_NE(message.find("ProcessGroupOptions::timeout is -1 ms"), std::string::npos) << message;
+}
+
 TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
   auto env = detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), env_of({}));
   EXPECT_EQ(env.world_size, 1);

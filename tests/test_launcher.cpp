@@ -65,14 +65,35 @@ std::string port() {
   return std::to_string(testing::free_port());
 }
 
+// The last epoch's loss and train accuracy, as the summary prints them.
+std::string epoch_figures(const std::string& output) {
+  std::smatch m;
+  return std::regex_search(output, m, std::regex("last epoch's loss [0-9.]+, train accuracy [0-9.]+%")) ? m[0].str() : "";
+}
+
 // The uninterrupted reference: 2 ranks on one node.
-const std::string& reference_hash() {
-  static const std::string hash = [] {
+const Process& reference_run() {
+  static const Process p = [] {
     auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer("reference"), "reference", {kOneThread});
     EXPECT_EQ(p.exit_code, 0) << p.output;
-    return final_hash(p.output);
+    return p;
   }();
+  return p;
+}
+
+const std::string& reference_hash() {
+  static const std::string hash = final_hash(reference_run().output);
   return hash;
+}
+
+// A pid that no process has now: a child that has exited and been reaped.
+pid_t dead_pid() {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    _exit(0);
+  }
+  waitpid(pid, nullptr, 0);
+  return pid;
 }
 
 TEST(Launcher, RanksGetTorchrunsEnvironmentAndPrefixedOutput) {
@@ -85,8 +106,10 @@ TEST(Launcher, RanksGetTorchrunsEnvironmentAndPrefixedOutput) {
   EXPECT_NE(p.output.find("[rank 0] env 0 0 2 2 0 127.0.0.1 0 "), std::string::npos) << p.output;
   EXPECT_NE(p.output.find("[rank 1] env 1 1 2 2 0 127.0.0.1 0 "), std::string::npos) << p.output;
   std::ifstream log(logs + "/rank_1.log");
-  std::string line;
+  std::string header, line;
+  std::getline(log, header);
   std::getline(log, line);
+  EXPECT_EQ(header.rfind("==== lockstep-run ", 0), 0u) << header;
   EXPECT_EQ(line.rfind("env 1 1 2 2", 0), 0u) << line;
 }
 
@@ -150,13 +173,49 @@ TEST(Launcher, RestartResumesFromTheCheckpointBitwise) {
   const std::string checkpoint = temp("restart.ckpt");
   const std::string logs = temp("restart_logs");
   ASSERT_EQ(mkdir(logs.c_str(), 0755), 0);
+  // Rank 1 fails in the last epoch (steps 16 to 31), after the checkpoint at step 24.
   auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--max-restarts", "1", "--log-dir", logs},
-                  trainer("restart", checkpoint), "restart", {"LOCKSTEP_FAULT=1:10", kOneThread});
+                  trainer("restart", checkpoint), "restart", {"LOCKSTEP_FAULT=1:26", kOneThread});
   ASSERT_EQ(p.exit_code, 0) << p.output;
-  EXPECT_NE(p.output.find("restarting every rank (restart 1 of 1)"), std::string::npos) << p.output;
-  EXPECT_NE(p.output.find("resumed from " + checkpoint + " at step 8"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("restarting every rank in 1.0 s (restart 1 of 1)"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("resumed from " + checkpoint + " at step 24 (epoch 2, batch 8)"), std::string::npos) << p.output;
   EXPECT_EQ(final_hash(p.output), reference_hash()) << p.output;
   EXPECT_FALSE(reference_hash().empty());
+  // The resumed epoch's figures count the rows before the failure too.
+  EXPECT_EQ(epoch_figures(p.output), epoch_figures(reference_run().output)) << p.output;
+  EXPECT_FALSE(epoch_figures(p.output).empty()) << p.output;
+  // Each attempt starts with a header in the logs.
+  std::ifstream log(logs + "/rank_1.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find(": attempt 1 of at most 2, rank 1 of 2: " LOCKSTEP_TRAIN), std::string::npos) << text;
+  EXPECT_LT(text.find(": attempt 1 of"), text.find(": attempt 2 of at most 2")) << text;
+}
+
+TEST(Launcher, StalledRankIsNamedNotTheRankThatTimedOut) {
+  // Rank 1 stalls, deaf to SIGTERM; rank 0 times out waiting for it and fails first.
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--timeout", "3", "--grace-period", "1"},
+                  trainer("stall"), "stall", {"LOCKSTEP_FAULT=1:5:hang"});
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_LT(p.seconds, 30.0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: rank 0 (local rank 0, pid "), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("within the group's timeout of 3000 ms"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("had stopped responding: it ignored SIGTERM and was killed with SIGKILL after the 1.0 s grace "
+                          "period. Rank 0 failed first only because it gave up waiting for it"),
+            std::string::npos) << p.output;
+  EXPECT_TRUE(testing::processes_with(temp("stall")).empty()) << "a rank outlived the launcher";
+}
+
+TEST(Launcher, StoreFilesOfDeadLaunchersAreRemoved) {
+  const std::string tmp = temp("store_tmp");
+  ASSERT_EQ(mkdir(tmp.c_str(), 0755), 0);
+  const std::string stale = tmp + "/lockstep-store-" + std::to_string(dead_pid()) + "-0";
+  const std::string live = tmp + "/lockstep-store-" + std::to_string(getpid()) + "-0";
+  std::ofstream(stale) << "x";
+  std::ofstream(live) << "x";
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, {"/bin/true"}, "store_tmp", {"TMPDIR=" + tmp});
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(access(stale.c_str(), F_OK), 0) << "a dead launcher's store file is left";
+  EXPECT_EQ(access(live.c_str(), F_OK), 0) << "a running launcher's store file was removed";
 }
 
 // Two nodes of one rank each on this machine, node N running program(N); waits for both.
@@ -216,6 +275,115 @@ TEST(Launcher, TwoNodesRestartTogetherAfterARankFails) {
   ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
   EXPECT_NE(nodes[1].output.find("rank 1 (local rank 0, pid "), std::string::npos) << nodes[1].output;
   EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
+}
+
+// Two machines on this one: two network namespaces joined by a veth pair
+// whose ends are both called lsnet0 (10.77.0.1 and .2). Each has its own
+// loopback, and the host name resolves to a loopback address in both, as
+// Debian's /etc/hosts makes it. Needs root and iproute2.
+class TwoHosts {
+ public:
+  TwoHosts() : prefix_("lst" + std::to_string(getpid() % 1000000)) {
+    const std::string a = prefix_ + "a", b = prefix_ + "b";
+    const std::string setup = "ip netns add " + a + " && ip netns add " + b + " && ip link add " + a +
+        " type veth peer name " + b + " && ip link set " + a + " netns " + a + " && ip link set " + b + " netns " + b;
+    std::string per_host;
+    for (int host = 0; host < 2; ++host) {
+      const std::string ns = host == 0 ? a : b;
+      per_host += " && ip -n " + ns + " link set " + ns + " name lsnet0 && ip -n " + ns + " addr add " + address(host) +
+          "/24 dev lsnet0 && ip -n " + ns + " link set lsnet0 up && ip -n " + ns + " link set lo up";
+    }
+    ready_ = std::system(("(" + setup + per_host + ") >/dev/null 2>&1").c_str()) == 0;
+  }
+  ~TwoHosts() {
+    const std::string teardown = "(ip netns del " + prefix_ + "a; ip netns del " + prefix_ + "b) >/dev/null 2>&1";
+    std::system(teardown.c_str()); // deleting a namespace deletes its end of the veth pair, and so the pair
+  }
+  bool ready() const {
+    return ready_;
+  }
+  static std::string ip() {
+    for (const char* path : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"}) {
+      if (access(path, X_OK) == 0) {
+        return path;
+      }
+    }
+    return "ip";
+  }
+  static std::string address(int host) {
+    return "10.77.0." + std::to_string(host + 1);
+  }
+  // Node `host` of a two-node job of one rank per node, on its own machine.
+  std::vector<std::string> node(int host, const std::vector<std::string>& program, const std::string& master_port) const {
+    auto args = launcher({"--nnodes", "2", "--node-rank", std::to_string(host), "--nproc-per-node", "1", "--master-addr",
+                          address(0), "--master-port", master_port},
+                         program);
+    args.insert(args.begin(), {ip(), "netns", "exec", prefix_ + (host == 0 ? "a" : "b")});
+    return args;
+  }
+
+ private:
+  std::string prefix_;
+  bool ready_ = false;
+};
+
+std::vector<Process> run_on_two_hosts(const TwoHosts& hosts, const std::string& name, const std::vector<std::string>& env) {
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int host = 0; host < 2; ++host) {
+    nodes.push_back(testing::start(hosts.node(host, trainer(name + std::to_string(host)), master_port), env,
+                                   temp(name + std::to_string(host) + ".log")));
+  }
+  testing::wait_all(nodes, std::chrono::seconds(90));
+  return nodes;
+}
+
+TEST(TwoHosts, LoopbackGlooAddressFailsOnEveryRankNamingGlooSocketIfname) {
+  TwoHosts hosts;
+  if (!hosts.ready()) {
+    GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
+  }
+  // Without GLOO_SOCKET_IFNAME each rank's Gloo listens on its host name's
+  // loopback address, which the other machine cannot reach.
+  auto nodes = run_on_two_hosts(hosts, "loopback_hosts", {kOneThread, "LOCKSTEP_TIMEOUT=30"});
+  for (const auto& node : nodes) {
+    EXPECT_EQ(node.exit_code, 1) << node.output;
+    EXPECT_LT(node.seconds, 20.0) << node.output;
+    EXPECT_NE(node.output.find("'s Gloo would listen on the loopback address"), std::string::npos) << node.output;
+    EXPECT_NE(node.output.find("Set GLOO_SOCKET_IFNAME to the network interface"), std::string::npos) << node.output;
+  }
+}
+
+TEST(TwoHosts, GlooSocketIfnameTrainsAcrossThemLikeOneNode) {
+  TwoHosts hosts;
+  if (!hosts.ready()) {
+    GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
+  }
+  auto nodes = run_on_two_hosts(hosts, "ifname_hosts", {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0"});
+  ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;
+  ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
+  EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
+}
+
+TEST(InitProcessGroup, StoreThatNeverAnswersEndsTheRankWithinTheTimeout) {
+  // A port that accepts connections (the kernel's backlog) but never answers:
+  // the store client would wait on it forever.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(listen(fd, 16), 0);
+  socklen_t length = sizeof(address);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  auto p = testing::run(trainer("silent_store"),
+                        {"WORLD_SIZE=2", "RANK=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(ntohs(address.sin_port)),
+                         "LOCKSTEP_TIMEOUT=2"},
+                        temp("silent_store.log"), std::chrono::seconds(60));
+  close(fd);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_LT(p.seconds, 10.0) << p.output;
+  EXPECT_NE(p.output.find("2000 ms"), std::string::npos) << p.output; // the store's error, or the deadline's
 }
 
 // SIGHUP (a closed terminal) stops the job as gracefully as SIGTERM.
@@ -432,6 +600,35 @@ TEST(TrainerData, BadOutputPathsAndUnevenBatchesAreRefusedUpFront) {
 }
 
 // --- checkpoints -------------------------------------------------------------------
+
+TEST(Checkpoint, KilledSavesTemporariesAreRemovedAndAFinishedRunSaysSo) {
+  const std::string checkpoint = temp("finished.ckpt");
+  const std::string stale = checkpoint + ".tmp." + std::to_string(dead_pid());
+  const std::string live = checkpoint + ".tmp." + std::to_string(getpid());
+  std::ofstream(stale) << "x";
+  std::ofstream(live) << "x";
+  auto args = trainer("finished", checkpoint);
+  auto p = testing::run(args, {}, temp("finished1.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(access(stale.c_str(), F_OK), 0) << "a killed save's temporary file is left";
+  EXPECT_EQ(access(live.c_str(), F_OK), 0) << "a running save's temporary file was removed";
+  // Run again: nothing is left to train, and it says so instead of "loss nan".
+  auto again = testing::run(args, {}, temp("finished2.log"), kDeadline);
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("nothing to train: the checkpoint " + checkpoint + " is of a finished run (2 of 2 epoch(s), "
+                              "32 steps); raise --epochs"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("nan"), std::string::npos) << again.output;
+  EXPECT_EQ(final_hash(again.output), final_hash(p.output)) << again.output;
+}
+
+TEST(TrainerData, NoTrainingBatchIsAnError) {
+  auto args = trainer("no_batch");
+  args[2] = "1"; // --train-samples: one row for two ranks
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "no_batch");
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("epoch 1 has no training batch (1 training samples)"), std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("nan"), std::string::npos) << p.output;
+}
 
 TEST(Checkpoint, CorruptOrForeignFilesAreClearErrors) {
   const std::string garbage = temp("garbage.ckpt");

@@ -3,7 +3,7 @@
 // unchanged.
 //
 //   lockstep-run [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P]
-//                [--max-restarts K] [--log-dir DIR] PROGRAM [ARGS...]
+//                [--max-restarts K] [--log-dir DIR] [--timeout S] PROGRAM [ARGS...]
 //
 // Note [Launcher lifecycle]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -13,8 +13,10 @@
 // pipes (prefixing every line with its rank, and copying it to --log-dir)
 // and reaps the ranks. The first rank to fail is the root cause: the others
 // get SIGTERM, then SIGKILL after the grace period; the launcher prints which
-// rank failed, how, and the last lines of its stderr, then restarts the whole
-// group (up to --max-restarts times) or exits non-zero. SIGINT, SIGTERM and
+// rank failed, how, and the last lines of its stderr, and names the ranks
+// that had stopped responding (a stalled rank makes the others time out and
+// fail first). Then it restarts the whole group after a doubling delay (up to
+// --max-restarts times) or exits non-zero. SIGINT, SIGTERM and
 // SIGHUP sent to the launcher go to every rank, and end the job the same way.
 // On one node, ranks also get LOCKSTEP_STORE_FILE: lockstep's
 // init_process_group then keeps its store in that file instead of a TCPStore,
@@ -23,6 +25,7 @@
 #include <CLI/CLI.hpp>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -34,11 +37,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <deque>
 #include <fstream>
 #include <string>
@@ -51,6 +57,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kUsageError = 2;
 constexpr size_t kStderrTail = 20;
+constexpr double kMaxRestartDelay = 30.0;
 
 volatile sig_atomic_t g_signal = 0;
 
@@ -67,6 +74,8 @@ struct Options {
   int max_restarts = 0;
   std::string log_dir;
   double grace_seconds = 3.0;
+  double restart_delay = 1.0;
+  int timeout_seconds = 0; // 0: the ranks' own (LOCKSTEP_TIMEOUT, else lockstep's default)
   std::vector<std::string> command;
 };
 
@@ -81,6 +90,8 @@ struct Rank {
   std::ofstream log;
   bool done = false;
   int status = 0;
+  bool running_at_stop = false; // still running when the job was stopped
+  bool killed_after_grace = false; // ignored SIGTERM: got SIGKILL
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -140,6 +151,41 @@ void check_port_free(const std::string& addr, int port) {
   }
 }
 
+std::string now_text() {
+  const std::time_t now = std::time(nullptr);
+  char text[64];
+  std::strftime(text, sizeof(text), "%Y-%m-%d %H:%M:%S %z", std::localtime(&now));
+  return text;
+}
+
+std::string store_file_prefix() {
+  const char* tmp = std::getenv("TMPDIR");
+  return std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/lockstep-store-";
+}
+
+// A launcher killed with SIGKILL cannot remove its store files: the next one
+// removes those of launchers that no longer run.
+void remove_stale_store_files() {
+  const std::string prefix = store_file_prefix();
+  const auto slash = prefix.find_last_of('/');
+  const std::string dir = prefix.substr(0, slash), name_prefix = prefix.substr(slash + 1);
+  DIR* folder = ::opendir(dir.c_str());
+  if (folder == nullptr) {
+    return;
+  }
+  while (const dirent* entry = ::readdir(folder)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(name_prefix, 0) != 0) {
+      continue;
+    }
+    const long pid = std::strtol(name.c_str() + name_prefix.size(), nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      ::unlink((dir + "/" + name).c_str());
+    }
+  }
+  ::closedir(folder);
+}
+
 std::string describe_status(int status) {
   if (WIFEXITED(status)) {
     return "exit code " + std::to_string(WEXITSTATUS(status));
@@ -164,9 +210,7 @@ class Attempt {
       // One node: lockstep's init_process_group keeps its store in this file,
       // so nothing listens on the network. A new file per attempt: a restart
       // must not read the keys of the attempt before.
-      const char* tmp = std::getenv("TMPDIR");
-      store_file_ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/lockstep-store-" +
-          std::to_string(::getpid()) + "-" + std::to_string(restart_count);
+      store_file_ = store_file_prefix() + std::to_string(::getpid()) + "-" + std::to_string(restart_count);
       ::unlink(store_file_.c_str());
     }
   }
@@ -197,6 +241,9 @@ class Attempt {
       const int sig = g_signal;
       if (!stopping && (root_cause >= 0 || sig != 0)) {
         stopping = true;
+        for (auto& r : ranks_) {
+          r.running_at_stop = !r.done;
+        }
         signal_all(sig != 0 ? sig : SIGTERM);
         stop_deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(options_.grace_seconds * 1000));
       }
@@ -204,6 +251,9 @@ class Attempt {
         break;
       }
       if (stopping && Clock::now() >= stop_deadline) {
+        for (auto& r : ranks_) {
+          r.killed_after_grace = !r.done;
+        }
         signal_all(SIGKILL);
         stop_deadline = Clock::time_point::max();
       }
@@ -230,6 +280,13 @@ class Attempt {
       r.global_rank = options_.node_rank * options_.nproc_per_node + local;
       if (!options_.log_dir.empty()) {
         r.log.open(options_.log_dir + "/rank_" + std::to_string(r.global_rank) + ".log", std::ios::app);
+        // Attempts and jobs append to the same file: a header tells them apart.
+        r.log << "==== lockstep-run " << now_text() << ": attempt " << restart_count_ + 1 << " of at most "
+              << options_.max_restarts + 1 << ", rank " << r.global_rank << " of " << world << ":";
+        for (const auto& a : options_.command) {
+          r.log << ' ' << a;
+        }
+        r.log << " ====" << std::endl;
       }
       int out[2], err[2];
       if (::pipe(out) != 0 || ::pipe(err) != 0) {
@@ -267,6 +324,9 @@ class Attempt {
         set("LOCKSTEP_RESTART_COUNT", std::to_string(restart_count_));
         if (!store_file_.empty()) {
           set("LOCKSTEP_STORE_FILE", store_file_);
+        }
+        if (options_.timeout_seconds > 0) {
+          set("LOCKSTEP_TIMEOUT", std::to_string(options_.timeout_seconds));
         }
         if (std::getenv("OMP_NUM_THREADS") == nullptr) {
           set("OMP_NUM_THREADS", threads);
@@ -403,6 +463,19 @@ class Attempt {
   std::string store_file_;
 };
 
+// Whether the rank's last words say it gave up waiting for the others.
+bool gave_up_waiting(const Rank& r) {
+  for (const auto& line : r.err_tail) {
+    std::string lower = line;
+    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (lower.find("timeout") != std::string::npos || lower.find("timed out") != std::string::npos ||
+        lower.find("did not complete within") != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
 void print_root_cause(const Rank& r) {
   std::fprintf(stderr, "lockstep-run: rank %d (local rank %d, pid %d) failed: %s\n", r.global_rank, r.local_rank, r.pid,
                describe_status(r.status).c_str());
@@ -413,6 +486,33 @@ void print_root_cause(const Rank& r) {
     }
   } else {
     std::fprintf(stderr, "lockstep-run: rank %d wrote nothing to stderr.\n", r.global_rank);
+  }
+}
+
+// The first rank to fail is not always the culprit: a rank that stalls makes
+// the others time out and fail first. Name the ranks that were still running.
+void print_stalled_ranks(const Attempt& run, int root_cause, int world_on_node, double grace_seconds) {
+  const Rank& first = run.rank(root_cause);
+  const bool waited = gave_up_waiting(first);
+  for (int i = 0; i < world_on_node; ++i) {
+    const Rank& r = run.rank(i);
+    if (i == root_cause || !r.running_at_stop) {
+      continue;
+    }
+    if (r.killed_after_grace) {
+      std::fprintf(stderr,
+                   "lockstep-run: rank %d (pid %d) had stopped responding: it ignored SIGTERM and was killed with "
+                   "SIGKILL after the %.1f s grace period.%s\n",
+                   r.global_rank, r.pid, grace_seconds,
+                   waited ? (" Rank " + std::to_string(first.global_rank) +
+                             " failed first only because it gave up waiting for it: look at this rank first.").c_str()
+                          : "");
+    } else if (waited) {
+      std::fprintf(stderr,
+                   "lockstep-run: rank %d was still running when rank %d gave up waiting in a collective: it may be "
+                   "the rank that stalled (it stopped on SIGTERM).\n",
+                   r.global_rank, first.global_rank);
+    }
   }
 }
 
@@ -435,6 +535,13 @@ int main(int argc, char** argv) {
   app.add_option("--log-dir,--log_dir", options.log_dir, "Also write each rank's output to DIR/rank_N.log")->check(CLI::ExistingDirectory);
   app.add_option("--grace-period", options.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+  app.add_option("--restart-delay", options.restart_delay,
+                 "Seconds before the first restart, doubled for each one after (at most 30)")
+      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+  app.add_option("--timeout", options.timeout_seconds,
+                 "Seconds a rank waits for the others (store, connections, each collective) before failing; sets "
+                 "LOCKSTEP_TIMEOUT for the ranks. Default: theirs, else 300")
+      ->check(CLI::Range(1, 7 * 24 * 3600));
   app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
   app.prefix_command(); // everything from PROGRAM on belongs to PROGRAM
   try {
@@ -482,6 +589,7 @@ int main(int argc, char** argv) {
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGHUP, &action, nullptr); // a closed terminal: stop as gracefully as for SIGTERM
 
+  remove_stale_store_files();
   for (int attempt = 0;; ++attempt) {
     Attempt run(options, program, attempt);
     const int root_cause = run.run();
@@ -493,12 +601,25 @@ int main(int argc, char** argv) {
       return 0;
     }
     print_root_cause(run.rank(root_cause));
+    print_stalled_ranks(run, root_cause, options.nproc_per_node, options.grace_seconds);
     if (attempt >= options.max_restarts) {
       if (options.max_restarts > 0) {
         std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options.max_restarts);
       }
       return 1;
     }
-    std::fprintf(stderr, "lockstep-run: restarting every rank (restart %d of %d).\n", attempt + 1, options.max_restarts);
+    // Back off, doubling up to a limit: a failure that repeats at once (a busy
+    // port, a node still starting) should not burn the restarts in a second.
+    const double delay = std::min(options.restart_delay * std::pow(2.0, attempt), kMaxRestartDelay);
+    std::fprintf(stderr, "lockstep-run: restarting every rank in %.1f s (restart %d of %d).\n", delay, attempt + 1,
+                 options.max_restarts);
+    const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(delay * 1000));
+    while (g_signal == 0 && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (g_signal != 0) {
+      std::fprintf(stderr, "lockstep-run: stopped by signal %d before restarting.\n", static_cast<int>(g_signal));
+      return 128 + g_signal;
+    }
   }
 }

@@ -111,8 +111,9 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::string, master_addr) = "";
   /// Port of rank 0's store; 0: $MASTER_PORT.
   TORCH_ARG(int64_t, master_port) = 0;
-  /// Timeout of the store and of every collective.
-  TORCH_ARG(std::chrono::milliseconds, timeout) = kDefaultTimeout;
+  /// Timeout of the store, of connecting, and of every collective; 0:
+  /// $LOCKSTEP_TIMEOUT (seconds) when set, else kDefaultTimeout.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::milliseconds(0);
   /// "gloo", "nccl", or "auto": NCCL when the build has it and a GPU is
   /// visible, else Gloo.
   TORCH_ARG(std::string, backend) = "auto";
@@ -150,6 +151,8 @@ struct LaunchEnv {
   bool agent_store = false;
   /// TORCHELASTIC_RESTART_COUNT: which attempt of the job this is.
   int64_t restart_count = 0;
+  /// The options' timeout, else LOCKSTEP_TIMEOUT's, else kDefaultTimeout.
+  std::chrono::milliseconds timeout = kDefaultTimeout;
 };
 
 /// `get` looks a variable up (nullptr: unset). Only what `options` leaves
