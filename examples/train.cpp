@@ -1,14 +1,18 @@
-// lockstep-train: trains a small convolutional classifier with
-// lockstep::DataParallel on CPU replicas (or GPUs when there are some), or,
-// under lockstep-run, with DistributedDataParallel, one process per rank.
+// lockstep-train: trains a small convolutional classifier on Fashion-MNIST
+// (or any MNIST-format data) with DistributedDataParallel under lockstep-run
+// or torchrun, one process per rank, or else with lockstep::DataParallel on
+// CPU replicas (or GPUs when there are some). It evaluates on the whole test
+// set, split over the ranks, after every epoch, and leaves its metrics, model,
+// checkpoint and curves in one output folder.
 //
-//   lockstep-train                     # synthetic data, deterministic by --seed
-//   lockstep-train --data DIR          # MNIST-format IDX files (MNIST, Fashion-MNIST, KMNIST), gzipped or not
-//   lockstep-run --nproc-per-node 2 lockstep-train --checkpoint run.ckpt
+//   lockstep-run --nproc-per-node 2 lockstep-train   # Debian's Fashion-MNIST, 2 ranks
+//   lockstep-train --data DIR                        # MNIST-format IDX files, gzipped or not, DataParallel
+//   lockstep-train --synthetic                       # generated data, deterministic by --seed
 //   lockstep-train --help
 
 #include "checkpoint.h"
 #include "idx.h"
+#include "metrics.h"
 #include "models.h"
 
 #include <lockstep/lockstep.h>
@@ -27,6 +31,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
+#include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -153,27 +159,42 @@ class Progress {
   int next_percent_ = 0;
 };
 
-template <typename Model>
-double accuracy_on(Model& model, const Samples& data, int64_t batch_size) {
-  torch::NoGradGuard no_grad;
-  model->eval();
-  int64_t correct = 0;
-  for (int64_t i = 0; i < data.images.size(0); i += batch_size) {
-    const int64_t n = std::min(batch_size, data.images.size(0) - i);
-    auto logits = model(data.images.narrow(0, i, n));
-    correct += logits.argmax(1).eq(data.labels.narrow(0, i, n)).sum().template item<int64_t>();
-  }
-  model->train();
-  return static_cast<double>(correct) / data.images.size(0);
-}
+// Sums the ranks' tallies (a tiny allreduce under DDP; as is with one process).
+using Combine = std::function<lockstep::examples::Tally(const lockstep::examples::Tally&)>;
 
 struct Config {
   int epochs;
   int64_t batch_size;
+  double lr;
+  std::string schedule; // constant, step or cosine
+  int64_t warmup_steps;
+  int step_epochs;
+  double gamma;
+  std::string out_dir;
   std::string checkpoint_path;
   int64_t checkpoint_every;
   std::string save_path;
+  int64_t eval_every;
+  int64_t log_every;
 };
+
+// The learning rate of optimizer step `step` (from 0) of `total`: a linear
+// warmup, then constant, divided by `gamma` every `step_epochs` epochs, or a
+// cosine down to 0. A function of the step alone, so a resumed run follows
+// the same schedule.
+double lr_at(const Config& c, int64_t step, int64_t steps_per_epoch, int64_t total) {
+  if (step < c.warmup_steps) {
+    return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
+  }
+  if (c.schedule == "step") {
+    return c.lr * std::pow(c.gamma, static_cast<double>(step / std::max<int64_t>(1, steps_per_epoch) / c.step_epochs));
+  }
+  if (c.schedule == "cosine") {
+    const double progress = static_cast<double>(step - c.warmup_steps) / std::max<int64_t>(1, total - c.warmup_steps);
+    return c.lr * 0.5 * (1 + std::cos(M_PI * std::min(1.0, progress)));
+  }
+  return c.lr;
+}
 
 // Equal hashes mean bitwise-equal models (the restart tests compare them).
 uint64_t parameter_hash(torch::nn::Module& module) {
@@ -271,71 +292,129 @@ void maybe_inject_fault(int rank, int64_t step) {
   std::_Exit(std::atoi(code));
 }
 
-// Sums the ranks' tallies (a tiny allreduce under DDP; as is with one process).
-using Combine = std::function<lockstep::examples::Tally(const lockstep::examples::Tally&)>;
+// What the rest of the run needs from DDP or DataParallel.
+struct Parallel {
+  int rank = 0;
+  int world_size = 1;
+  std::string setup;      // "DistributedDataParallel over 2 ranks (gloo)"
+  Combine combine;        // sums every rank's tally
+  std::function<void()> sync_buffers; // gives every rank rank 0's buffers (BatchNorm's running statistics)
+};
+
+double rate(double rows, double seconds) {
+  return seconds > 0 ? rows / seconds : 0;
+}
+
+std::string percent(const lockstep::examples::Tally& t) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f%%", 100.0 * t.correct / std::max<int64_t>(1, t.rows));
+  return text;
+}
+
+double mean_loss(const lockstep::examples::Tally& t) {
+  return t.loss_sum / std::max<int64_t>(1, t.rows);
+}
+
+double accuracy(const lockstep::examples::Tally& t) {
+  return static_cast<double>(t.correct) / std::max<int64_t>(1, t.rows);
+}
+
+// Test loss (summed) and right answers over the whole test set: each rank
+// takes its share of the rows, and the shares are added up. Rank 0's buffers
+// are given to every rank first, so that every share is judged by the model
+// rank 0 saves.
+lockstep::examples::Tally evaluate(lockstep::examples::ConvNet& net, const Samples& test, const Parallel& parallel) {
+  parallel.sync_buffers();
+  torch::NoGradGuard no_grad;
+  net->eval();
+  const int64_t n = test.images.size(0);
+  const int64_t begin = n * parallel.rank / parallel.world_size, end = n * (parallel.rank + 1) / parallel.world_size;
+  lockstep::examples::Tally mine;
+  constexpr int64_t kBatch = 500;
+  for (int64_t i = begin; i < end; i += kBatch) {
+    const int64_t rows = std::min(kBatch, end - i);
+    auto logits = net(test.images.narrow(0, i, rows));
+    auto labels = test.labels.narrow(0, i, rows);
+    mine += lockstep::examples::Tally{
+        torch::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum).item<double>(),
+        logits.argmax(1).eq(labels).sum().item<int64_t>(), rows};
+  }
+  net->train();
+  return parallel.combine(mine);
+}
 
 template <typename Model, typename Batches>
-int train_and_report(
+int train(
     Model& model,
     lockstep::examples::ConvNet& net,
     torch::optim::SGD& optimizer,
-    const Samples& train,
+    const Samples& train_set,
     const Samples& test,
     Batches& batches,
-    const Combine& combine,
+    const Parallel& parallel,
     const Config& config,
-    lockstep::examples::TrainingState state,
-    int rank,
-    int world_size,
-    const std::string& setup) {
+    lockstep::examples::TrainingState state) {
   using lockstep::examples::Tally;
-  const bool lead = rank == 0;
+  const bool lead = parallel.rank == 0;
+  lockstep::examples::MetricsLog metrics;
+  if (lead) {
+    metrics = lockstep::examples::MetricsLog(config.out_dir + "/metrics.jsonl", state.step);
+  }
   if (state.epoch >= config.epochs) {
+    const Tally tested = evaluate(net, test, parallel);
     if (lead) {
       std::printf("lockstep-train: nothing to train: the checkpoint %s is of a finished run (%lld of %d epoch(s), %lld "
                   "steps); raise --epochs to train on, or point --checkpoint elsewhere to start afresh.\n",
                   config.checkpoint_path.c_str(), static_cast<long long>(state.epoch), config.epochs,
                   static_cast<long long>(state.step));
-      std::printf("lockstep-train: test accuracy %.1f%% of the checkpoint's model\n",
-                  100 * accuracy_on(net, test, 512));
-      std::printf("lockstep-train: final parameters fnv1a64=%016llx\n",
-                  static_cast<unsigned long long>(parameter_hash(*net)));
+      std::printf("lockstep-train: test accuracy %s of the checkpoint's model\n", percent(tested).c_str());
+      std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*net)));
     }
     return 0;
   }
   const auto start = Clock::now();
-  int64_t samples = 0; // trained in this process's run, over every rank
-  Tally last_epoch;
+  double train_seconds = 0;
+  int64_t samples = 0; // trained in this attempt, over every rank
+  Tally last_epoch, tested;
   auto checkpoint = [&] {
     if (lead && !config.checkpoint_path.empty()) {
       lockstep::examples::save_checkpoint(config.checkpoint_path, *net, optimizer, state);
     }
   };
-  for (; state.epoch < config.epochs; ++state.epoch, state.batch_in_epoch = 0, state.epoch_tally = Tally{}) {
+  auto record_test = [&](const Tally& t, double epochs_done) {
+    metrics.write({{"kind", "eval"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", epochs_done},
+                   {"test_loss", mean_loss(t)}, {"test_accuracy", accuracy(t)}});
+  };
+  while (state.epoch < config.epochs) {
+    const auto epoch_start = Clock::now();
     const auto epoch_batches = batches(state.epoch);
     const auto batch_count = static_cast<int64_t>(epoch_batches.size());
+    const int64_t total_steps = batch_count * config.epochs;
     Tally rows_of_epoch;
     for (const auto& b : epoch_batches) {
       rows_of_epoch.rows += b.size(0);
     }
     // Every rank folds its batches into the epoch's tally at the same steps:
-    // about 50 times an epoch, at checkpoints, and at the epoch's end.
-    const int64_t report_every = std::max<int64_t>(1, batch_count / 50);
+    // about 50 times an epoch, every --log-every steps, at checkpoints, and
+    // at the epoch's end.
+    const int64_t fold_every = std::max<int64_t>(1, batch_count / 50);
     Tally& done = state.epoch_tally; // every rank's rows up to the last fold (restored when resumed)
     Tally pending;                   // this rank's rows since
     const int64_t resumed_rows = done.rows;
-    Progress progress(combine(rows_of_epoch).rows, resumed_rows, static_cast<int>(state.epoch + 1), config.epochs, lead);
-    auto fold = [&] {
-      done += combine(pending);
-      pending = Tally{};
-      progress.update(done.rows, done.loss_sum / std::max<int64_t>(1, done.rows),
-                      static_cast<double>(done.correct) / std::max<int64_t>(1, done.rows));
-    };
+    Progress progress(parallel.combine(rows_of_epoch).rows, resumed_rows, static_cast<int>(state.epoch + 1),
+                      config.epochs, lead);
+    double eval_seconds = 0;
+    Tally logged = done; // the tally at the last training record
+    auto logged_at = Clock::now();
     for (; state.batch_in_epoch < batch_count; ++state.batch_in_epoch) {
-      maybe_inject_fault(rank, state.step);
+      maybe_inject_fault(parallel.rank, state.step);
       const auto& index = epoch_batches[state.batch_in_epoch];
-      auto x = train.images.index_select(0, index);
-      auto y = train.labels.index_select(0, index);
+      auto x = train_set.images.index_select(0, index);
+      auto y = train_set.labels.index_select(0, index);
+      const double lr = lr_at(config, state.step, batch_count, total_steps);
+      for (auto& group : optimizer.param_groups()) {
+        static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
+      }
       optimizer.zero_grad();
       auto logits = model(x);
       auto loss = torch::cross_entropy_loss(logits, y);
@@ -344,9 +423,36 @@ int train_and_report(
       ++state.step;
       const int64_t b = index.size(0);
       pending += Tally{loss.template item<double>() * b, logits.argmax(1).eq(y).sum().template item<int64_t>(), b};
-      const bool save = state.step % config.checkpoint_every == 0;
-      if (save || (state.batch_in_epoch + 1) % report_every == 0 || state.batch_in_epoch + 1 == batch_count) {
-        fold();
+      const bool last = state.batch_in_epoch + 1 == batch_count;
+      const bool save = state.step % config.checkpoint_every == 0 && !last; // the epoch's end saves anyway
+      const bool log = state.step % config.log_every == 0;
+      if (save || log || last || state.step % fold_every == 0) {
+        done += parallel.combine(pending);
+        pending = Tally{};
+        progress.update(done.rows, mean_loss(done), accuracy(done));
+      }
+      if (log) {
+        // The steps since the last record: loss, accuracy and speed over every rank.
+        const Tally recent{done.loss_sum - logged.loss_sum, done.correct - logged.correct, done.rows - logged.rows};
+        metrics.write({{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step},
+                       {"epochs_done", state.epoch + static_cast<double>(state.batch_in_epoch + 1) / batch_count},
+                       {"lr", lr}, {"loss", mean_loss(recent)}, {"accuracy", accuracy(recent)},
+                       {"samples_per_second",
+                        rate(recent.rows, std::chrono::duration<double>(Clock::now() - logged_at).count())}});
+        logged = done;
+        logged_at = Clock::now();
+      }
+      if (config.eval_every > 0 && state.step % config.eval_every == 0 && !last) {
+        const auto eval_start = Clock::now();
+        const Tally t = evaluate(net, test, parallel);
+        eval_seconds += std::chrono::duration<double>(Clock::now() - eval_start).count();
+        record_test(t, state.epoch + static_cast<double>(state.batch_in_epoch + 1) / batch_count);
+        logged_at = Clock::now(); // not a training step's time
+        if (lead) {
+          std::fprintf(stderr, "%slockstep-train: step %lld: test loss %.4f, test accuracy %s\n",
+                       isatty(fileno(stderr)) ? "\n" : "", static_cast<long long>(state.step), mean_loss(t),
+                       percent(t).c_str()); // below the progress bar's line on a terminal
+        }
       }
       if (save) {
         ++state.batch_in_epoch; // the checkpoint says where to go on
@@ -354,84 +460,216 @@ int train_and_report(
         --state.batch_in_epoch;
       }
     }
-    TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (", train.images.size(0),
-                " training samples); give more samples.");
+    TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (",
+                train_set.images.size(0), " training samples); give more samples.");
+    const double epoch_train_seconds =
+        std::chrono::duration<double>(Clock::now() - epoch_start).count() - eval_seconds;
+    train_seconds += epoch_train_seconds;
     samples += done.rows - resumed_rows;
     last_epoch = done;
+    tested = evaluate(net, test, parallel);
+    const double epoch_seconds = std::chrono::duration<double>(Clock::now() - epoch_start).count();
+    if (lead) {
+      std::printf("lockstep-train: epoch %lld/%d: train loss %.4f, train accuracy %s, test loss %.4f, test accuracy "
+                  "%s, %.1f s\n",
+                  static_cast<long long>(state.epoch + 1), config.epochs, mean_loss(done), percent(done).c_str(),
+                  mean_loss(tested), percent(tested).c_str(), epoch_seconds);
+      std::fflush(stdout);
+    }
+    metrics.write({{"kind", "epoch"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", state.epoch + 1},
+                   {"lr", lr_at(config, state.step - 1, batch_count, total_steps)}, {"train_loss", mean_loss(done)},
+                   {"train_accuracy", accuracy(done)}, {"test_loss", mean_loss(tested)},
+                   {"test_accuracy", accuracy(tested)}, {"seconds", epoch_seconds},
+                   {"samples_per_second", rate(done.rows - resumed_rows, epoch_train_seconds)}});
+    ++state.epoch;
+    state.batch_in_epoch = 0;
+    state.epoch_tally = Tally{};
+    checkpoint(); // every epoch, besides every --checkpoint-every steps
   }
-  checkpoint();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (!lead) {
     return 0;
   }
-  // The bare module: no collective, so rank 0 can evaluate alone.
-  const double test_accuracy = accuracy_on(net, test, 512);
+  std::vector<std::string> outputs{"metrics.jsonl"};
   if (!config.save_path.empty()) {
     torch::save(net, config.save_path);
+    outputs.push_back(config.save_path);
   }
-  std::printf(
-      "lockstep-train: %d epoch(s), %lld steps in %.1f s, %.0f samples/s over all %d rank(s) (%.0f per rank) with %s; "
-      "last epoch's loss %.4f, train accuracy %.1f%%; test accuracy %.1f%%\n",
-      config.epochs, static_cast<long long>(state.step), seconds, samples / std::max(seconds, 1e-9), world_size,
-      samples / std::max(seconds, 1e-9) / world_size, setup.c_str(), last_epoch.loss_sum / last_epoch.rows,
-      100.0 * last_epoch.correct / last_epoch.rows, 100 * test_accuracy);
+  if (!config.checkpoint_path.empty()) {
+    outputs.push_back(config.checkpoint_path);
+  }
+  const std::string plot = lockstep::examples::plot_curves(config.out_dir);
+  const bool plotted = plot == config.out_dir + "/curves.png";
+  if (plotted) {
+    outputs.push_back("curves.png");
+  }
+  std::printf("lockstep-train: %d epoch(s), %lld steps in %.1f s (%.1f s training) with %s; %.0f samples/s over all "
+              "%d rank(s), %.0f per rank\n",
+              config.epochs, static_cast<long long>(state.step), seconds, train_seconds, parallel.setup.c_str(),
+              rate(samples, train_seconds), parallel.world_size, rate(samples, train_seconds) / parallel.world_size);
+  std::printf("lockstep-train: last epoch: train loss %.4f, train accuracy %s; test loss %.4f, test accuracy %s "
+              "(%lld of %lld test images, over %d rank(s))\n",
+              mean_loss(last_epoch), percent(last_epoch).c_str(), mean_loss(tested), percent(tested).c_str(),
+              static_cast<long long>(tested.correct), static_cast<long long>(tested.rows), parallel.world_size);
   std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*net)));
+  std::string listed;
+  for (const auto& o : outputs) {
+    const bool inside = o.rfind(config.out_dir + "/", 0) == 0;
+    listed += (listed.empty() ? "" : ", ") + (inside ? o.substr(config.out_dir.size() + 1) : o);
+  }
+  std::printf("lockstep-train: outputs in %s/: %s\n", config.out_dir.c_str(), listed.c_str());
+  if (!plotted) {
+    std::printf("lockstep-train: %s\n", plot.c_str());
+  }
   return 0;
+}
+
+// runs/<id>: the launcher's run id, the same for every attempt of a job, so
+// that a restarted job finds its checkpoint; else the time.
+std::string default_out_dir() {
+  for (const char* name : {"LOCKSTEP_RUN_ID", "TORCHELASTIC_RUN_ID"}) {
+    const char* id = std::getenv(name);
+    if (id != nullptr && *id != '\0' && std::string(id) != "none") {
+      return std::string("runs/") + id;
+    }
+  }
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
+  return std::string("runs/") + text;
+}
+
+// Creates `dir` (and its parents); "" if that worked, else why not.
+std::string make_dir(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error || ::access(dir.c_str(), W_OK) != 0) {
+    return "lockstep-train: cannot create or write the output folder " + dir + " (" +
+           (error ? error.message() : std::string(std::strerror(errno))) + "); pick another with --out.";
+  }
+  return "";
+}
+
+// Rank 0's output folder, created by rank 0, for every rank: the ranks must
+// read the same checkpoint. Every rank fails if rank 0 could not create it.
+std::string agree_on_out_dir(const lockstep::ProcessGroup& group, const std::string& mine) {
+  constexpr int64_t kMaxLength = 4096;
+  std::string error = group.rank() == 0 ? make_dir(mine) : "";
+  auto message = torch::zeros({kMaxLength + 1}, torch::kInt64);
+  if (group.rank() == 0) {
+    const std::string& sent = error.empty() ? mine : error;
+    TORCH_CHECK(static_cast<int64_t>(sent.size()) <= kMaxLength, "lockstep-train: --out ", mine, " is too long.");
+    message[0] = error.empty() ? 1 : -1;
+    for (size_t i = 0; i < sent.size(); ++i) {
+      message[static_cast<int64_t>(i) + 1] = static_cast<int64_t>(static_cast<unsigned char>(sent[i]));
+    }
+  }
+  group.broadcast(message, 0);
+  std::string text;
+  auto m = message.accessor<int64_t, 1>();
+  for (int64_t i = 1; i <= kMaxLength && m[i] != 0; ++i) {
+    text += static_cast<char>(m[i]);
+  }
+  TORCH_CHECK(m[0] == 1, group.rank() == 0 ? text : "lockstep-train: rank 0 could not create the output folder: " + text);
+  return text;
 }
 
 } // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"lockstep-train: trains a small CNN classifier with lockstep::DataParallel on CPU replicas, or with "
-               "DistributedDataParallel under lockstep-run"};
+  CLI::App app{"lockstep-train: trains a small CNN classifier on Fashion-MNIST (or any MNIST-format data): with "
+               "DistributedDataParallel under lockstep-run or torchrun, else with DataParallel on CPU replicas. "
+               "Evaluates on the whole test set after each epoch, and writes metrics.jsonl, the model, a checkpoint "
+               "and curves.png into --out."};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
+  const std::string kFashionMnist = "/usr/share/datasets/fashion-mnist";
   std::string data_dir;
-  int epochs = 1;
-  int64_t batch_size = 128;
-  double lr = 0.02;
-  double momentum = 0.9;
-  int replicas = 2;
-  uint64_t seed = 1;
+  bool use_synthetic = false;
   int64_t train_size = 12000;
   int64_t test_size = 2000;
-  std::string save_path;
   std::string export_dir;
+  app.add_option("--data", data_dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or "
+                 "not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: " + kFashionMnist +
+                 " (Debian's dataset-fashion-mnist)")
+      ->check(CLI::ExistingDirectory)->group("Data");
+  app.add_flag("--synthetic", use_synthetic, "Generated data instead, deterministic by --seed (for tests)")
+      ->group("Data");
+  auto* train_option = app.add_option("--train-samples", train_size, "Training samples: the first N of the data, or "
+                                      "synthetic ones to make (default 12000)")
+      ->check(CLI::PositiveNumber)->group("Data");
+  auto* test_option = app.add_option("--test-samples", test_size, "Test samples: the first N of the data, or synthetic "
+                                     "ones to make (default 2000)")
+      ->check(CLI::PositiveNumber)->group("Data");
+  app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
+                 "directory (60000/10000 samples, MNIST's own counts) and exit")
+      ->check(CLI::ExistingDirectory)->group("Data");
+
+  int epochs = 3;
+  int64_t batch_size = 128;
+  double lr = 0.1;
+  double momentum = 0.9;
+  std::string schedule = "cosine";
+  int64_t warmup_steps = 100;
+  int step_epochs = 1;
+  double gamma = 0.5;
+  uint64_t seed = 1;
+  int threads = 0;
+  int replicas = 2;
+  app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::PositiveNumber)->capture_default_str()
+      ->group("Training");
+  app.add_option("--batch-size", batch_size, "Global batch size, split evenly over the ranks or replicas")
+      ->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
+  app.add_option("--lr", lr, "Peak SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
+  app.add_option("--momentum", momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
+      ->group("Training");
+  app.add_option("--schedule", schedule, "Learning-rate schedule after the warmup: constant, step (times --gamma every "
+                 "--step-epochs epochs) or cosine (down to 0 at the end)")
+      ->check(CLI::IsMember({"constant", "step", "cosine"}))->capture_default_str()->group("Training");
+  app.add_option("--warmup-steps", warmup_steps, "Steps of linear warmup from 0 to --lr")
+      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Training");
+  app.add_option("--step-epochs", step_epochs, "Epochs between learning-rate steps (--schedule step)")
+      ->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
+  app.add_option("--gamma", gamma, "Learning-rate factor at each step (--schedule step)")
+      ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group("Training");
+  app.add_option("--seed", seed, "Seed of the model, the shuffling and the synthetic data")->capture_default_str()
+      ->group("Training");
+  app.add_option("--threads", threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which lockstep-run "
+                 "sets to each rank's share of the cores, else every core)")
+      ->check(CLI::NonNegativeNumber)->group("Training");
+  app.add_option("--replicas", replicas, "Without a launcher: DataParallel CPU replicas (0: lockstep::default_devices(): "
+                 "every GPU, or one CPU replica without one)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Training");
+
+  std::string out_dir;
+  std::string save_path;
   std::string checkpoint_path;
-  int64_t checkpoint_every = 50;
-  app.add_option("--data", data_dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: a synthetic dataset")
-      ->check(CLI::ExistingDirectory);
-  app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--batch-size", batch_size, "Global batch size, split between replicas")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--momentum", momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str();
-  app.add_option("--replicas", replicas, "CPU replicas (0: lockstep::default_devices(): every GPU, or one CPU replica without one)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--seed", seed, "Seed of the synthetic data, the model and the shuffling")->capture_default_str();
-  auto* train_option = app.add_option("--train-samples", train_size, "Training samples: synthetic ones to make, or the first N of --data")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  auto* test_option = app.add_option("--test-samples", test_size, "Test samples: synthetic ones to make, or the first N of --data")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--export-mnist", export_dir,
-                 "Write the synthetic dataset as MNIST IDX files into this existing directory (60000/10000 samples, "
-                 "MNIST's own counts) and exit")
-      ->check(CLI::ExistingDirectory);
-  app.add_option("--save", save_path, "Save the trained model here (torch::save; loads into a bare model)");
-  app.add_option("--checkpoint", checkpoint_path,
-                 "Checkpoint file: resumed from when it exists, written (by rank 0, atomically) every --checkpoint-every "
-                 "steps and at the end");
-  app.add_option("--checkpoint-every", checkpoint_every, "Optimizer steps between checkpoints")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+  int64_t checkpoint_every = 500;
+  int64_t eval_every = 0;
+  int64_t log_every = 50;
   int timeout_seconds = 0;
-  app.add_option("--timeout", timeout_seconds,
-                 "Under DDP: seconds to wait for the other ranks (store, connections, each collective) before failing. "
-                 "Default: LOCKSTEP_TIMEOUT, else 300")
-      ->check(CLI::Range(1, 7 * 24 * 3600));
+  app.add_option("--out", out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. Default: "
+                 "runs/<the launcher's run id, else the time>")->group("Outputs");
+  app.add_option("--save", save_path, "Save the trained model here instead of OUT/model.pt (torch::save; loads into a "
+                 "bare model)")->group("Outputs");
+  app.add_option("--checkpoint", checkpoint_path, "Checkpoint file instead of OUT/checkpoint.ckpt: resumed from when "
+                 "it exists, written (by rank 0, atomically) every --checkpoint-every steps and every epoch")
+      ->group("Outputs");
+  app.add_option("--checkpoint-every", checkpoint_every, "Optimizer steps between checkpoints, besides every epoch")
+      ->check(CLI::PositiveNumber)->capture_default_str()->group("Outputs");
+  app.add_option("--eval-every", eval_every, "Also evaluate on the test set every N steps (0: after each epoch only)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Outputs");
+  app.add_option("--log-every", log_every, "Steps between training records in metrics.jsonl")
+      ->check(CLI::PositiveNumber)->capture_default_str()->group("Outputs");
+  app.add_option("--timeout", timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, connections, "
+                 "each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
+      ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
   app.footer(
       "Under lockstep-run (or torchrun: WORLD_SIZE set), each process is one rank of DistributedDataParallel and reads "
       "its share of each batch through LibTorch's DistributedRandomSampler; otherwise one process trains with "
       "DataParallel on --replicas CPU replicas.\n"
       "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
-      "3; 'kill' for SIGKILL; 'hang' to stall, ignoring SIGTERM) when it reaches optimizer step STEP, on the first attempt only (LOCKSTEP_RESTART_COUNT and "
-      "TORCHELASTIC_RESTART_COUNT 0 or unset).");
+      "3; 'kill' for SIGKILL; 'hang' to stall, ignoring SIGTERM) when it reaches optimizer step STEP, on the first "
+      "attempt only (LOCKSTEP_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT 0 or unset).");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -441,12 +679,13 @@ int main(int argc, char** argv) {
     // which cost 25% of a CNN step on CPU here (docs/performance.md).
     mallopt(M_MMAP_THRESHOLD, 256 << 20);
     mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    // OMP_NUM_THREADS when set (lockstep-run gives each rank its share);
-    // otherwise every core: libtorch's own default can be lower (it asks
+    // --threads, else OMP_NUM_THREADS (lockstep-run gives each rank its
+    // share), else every core: libtorch's own default can be lower (it asks
     // cpuinfo for physical cores, which fails on some virtual machines).
     const char* omp = std::getenv("OMP_NUM_THREADS");
-    at::set_num_threads(omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
-                                                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    at::set_num_threads(threads > 0                            ? threads
+                        : omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
+                                                               : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 
     // Checked now, not at the first write: a missing folder would cost the run.
     for (const auto& [flag, path] : {std::make_pair("--save", save_path), std::make_pair("--checkpoint", checkpoint_path)}) {
@@ -459,34 +698,38 @@ int main(int argc, char** argv) {
                   " (", std::strerror(errno), "); create the folder first, or pick another path.");
     }
 
-    if (!checkpoint_path.empty()) {
-      lockstep::examples::remove_stale_temporaries(checkpoint_path);
-    }
-
-    Samples train, test;
+    Samples train_set, test;
     std::string source;
     if (!export_dir.empty()) {
-      std::tie(train, test) = synthetic(60000, 10000, seed);
-      write_idx(train, export_dir, "train");
+      std::tie(train_set, test) = synthetic(60000, 10000, seed);
+      write_idx(train_set, export_dir, "train");
       write_idx(test, export_dir, "t10k");
       std::printf("lockstep-train: wrote the synthetic dataset (seed %llu) as MNIST IDX files in %s\n",
                   static_cast<unsigned long long>(seed), export_dir.c_str());
       return 0;
     }
-    if (data_dir.empty()) {
-      std::tie(train, test) = synthetic(train_size, test_size, seed);
+    TORCH_CHECK(!(use_synthetic && !data_dir.empty()), "lockstep-train: --synthetic and --data ", data_dir,
+                " exclude each other; pick one.");
+    if (use_synthetic) {
+      std::tie(train_set, test) = synthetic(train_size, test_size, seed);
       source = "synthetic";
     } else {
-      train = load_mnist(data_dir, "train");
+      if (data_dir.empty()) {
+        TORCH_CHECK(::access(kFashionMnist.c_str(), R_OK) == 0, "lockstep-train: no --data given, and Debian's "
+                    "Fashion-MNIST is not in ", kFashionMnist, "; install it (apt install dataset-fashion-mnist, as "
+                    "scripts/setup.sh does), give --data DIR, or --synthetic.");
+        data_dir = kFashionMnist;
+      }
+      train_set = load_mnist(data_dir, "train");
       test = load_mnist(data_dir, "t10k");
-      source = "MNIST at " + data_dir;
+      source = "MNIST-format data at " + data_dir;
       // Given explicitly, the sample counts take the first N of each split.
       auto first = [](const Samples& all, int64_t n) {
         n = std::min(n, all.images.size(0));
         return Samples{all.images.narrow(0, 0, n), all.labels.narrow(0, 0, n)};
       };
       if (train_option->count() > 0) {
-        train = first(train, train_size);
+        train_set = first(train_set, train_size);
       }
       if (test_option->count() > 0) {
         test = first(test, test_size);
@@ -496,7 +739,21 @@ int main(int argc, char** argv) {
     torch::manual_seed(seed);
     lockstep::examples::ConvNet net;
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(lr).momentum(momentum));
-    Config config{epochs, batch_size, checkpoint_path, checkpoint_every, save_path};
+    Config config{epochs, batch_size, lr, schedule, warmup_steps, step_epochs, gamma,
+                  out_dir.empty() ? default_out_dir() : out_dir, checkpoint_path, checkpoint_every, save_path,
+                  eval_every, log_every};
+    auto complete_paths = [&config] {
+      if (config.checkpoint_path.empty()) {
+        config.checkpoint_path = config.out_dir + "/checkpoint.ckpt";
+        lockstep::examples::remove_stale_temporaries(config.checkpoint_path);
+      }
+      if (config.save_path.empty()) {
+        config.save_path = config.out_dir + "/model.pt";
+      }
+    };
+    if (!checkpoint_path.empty()) {
+      lockstep::examples::remove_stale_temporaries(checkpoint_path);
+    }
     // Under lockstep-run (or torchrun), one process per rank with
     // DistributedDataParallel; otherwise one process with DataParallel.
     if (std::getenv("WORLD_SIZE") != nullptr) {
@@ -504,12 +761,14 @@ int main(int argc, char** argv) {
           lockstep::ProcessGroupOptions().timeout(std::chrono::seconds(timeout_seconds))); // 0: LOCKSTEP_TIMEOUT
       TORCH_CHECK(batch_size % group.size() == 0, "lockstep-train: --batch-size ", batch_size, " does not split evenly over ",
                   group.size(), " ranks; pick a multiple of ", group.size(), " (each rank takes batch-size / ranks rows).");
+      config.out_dir = agree_on_out_dir(group, config.out_dir);
+      complete_paths();
       auto state = resume(config, net, optimizer, group.size(), group.rank() == 0);
       check_ranks_resumed_alike(group, config, state, state.step > 0 || state.epoch > 0, *net, optimizer);
       lockstep::DistributedDataParallel<lockstep::examples::ConvNet> model(net, group);
       torch::data::samplers::DistributedRandomSampler sampler(
-          static_cast<size_t>(train.images.size(0)), static_cast<size_t>(group.size()), static_cast<size_t>(group.rank()),
-          /*allow_duplicates=*/false);
+          static_cast<size_t>(train_set.images.size(0)), static_cast<size_t>(group.size()),
+          static_cast<size_t>(group.rank()), /*allow_duplicates=*/false);
       const int64_t per_rank = batch_size / group.size();
       auto batches = [&sampler, per_rank](int64_t epoch) {
         sampler.set_epoch(static_cast<size_t>(epoch));
@@ -521,30 +780,41 @@ int main(int argc, char** argv) {
         }
         return out;
       };
-      if (group.rank() == 0) {
-        std::fprintf(stderr, "lockstep-train: %s data, %lld train / %lld test samples, DistributedDataParallel over %d "
-                     "ranks (%s), batch %lld (%lld per rank)\n", source.c_str(), static_cast<long long>(train.images.size(0)),
-                     static_cast<long long>(test.images.size(0)), group.size(), group.backend().c_str(),
-                     static_cast<long long>(batch_size), static_cast<long long>(per_rank));
-      }
+      Parallel parallel;
+      parallel.rank = group.rank();
+      parallel.world_size = group.size();
+      parallel.setup = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() + ")";
       // Loss and accuracy sums as doubles: exact for any count below 2^53.
-      auto combine = [&group](const lockstep::examples::Tally& mine) {
+      parallel.combine = [&group](const lockstep::examples::Tally& mine) {
         auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
                                   torch::kFloat64);
         group.allreduce(sums);
         auto s = sums.accessor<double, 1>();
         return lockstep::examples::Tally{s[0], static_cast<int64_t>(s[1]), static_cast<int64_t>(s[2])};
       };
-      return train_and_report(model, net, optimizer, train, test, batches, combine, config, state, group.rank(), group.size(),
-                              "DistributedDataParallel over " + std::to_string(group.size()) + " ranks");
+      parallel.sync_buffers = [&group, &net] {
+        for (auto& buffer : net->buffers()) {
+          group.broadcast(buffer, 0);
+        }
+      };
+      if (group.rank() == 0) {
+        std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld (%lld per rank), "
+                     "outputs in %s/\n", source.c_str(), static_cast<long long>(train_set.images.size(0)),
+                     static_cast<long long>(test.images.size(0)), parallel.setup.c_str(),
+                     static_cast<long long>(batch_size), static_cast<long long>(per_rank), config.out_dir.c_str());
+      }
+      return train(model, net, optimizer, train_set, test, batches, parallel, config, state);
     }
+    const std::string error = make_dir(config.out_dir);
+    TORCH_CHECK(error.empty(), error);
+    complete_paths();
     auto state = resume(config, net, optimizer, 1, true);
     auto options = lockstep::DataParallelOptions();
     if (replicas > 0) {
       options.devices(std::vector<torch::Device>(replicas, torch::Device(torch::kCPU)));
     }
     lockstep::DataParallel<lockstep::examples::ConvNet> model(net, options);
-    const int64_t n = train.images.size(0);
+    const int64_t n = train_set.images.size(0);
     auto batches = [n, batch_size, seed](int64_t epoch) {
       // One shuffle per epoch from (seed, epoch): a resumed run sees the same order.
       auto order = torch::randperm(n, at::detail::createCPUGenerator(seed * 1000003 + epoch), torch::kLong);
@@ -558,12 +828,14 @@ int main(int argc, char** argv) {
     for (const auto& d : model->devices()) {
       devices += (devices.empty() ? "" : ",") + d.str();
     }
-    std::fprintf(stderr, "lockstep-train: %s data, %lld train / %lld test samples, DataParallel on [%s], batch %lld\n",
-                 source.c_str(), static_cast<long long>(n), static_cast<long long>(test.images.size(0)), devices.c_str(),
-                 static_cast<long long>(batch_size));
-    auto alone = [](const lockstep::examples::Tally& mine) { return mine; };
-    return train_and_report(model, net, optimizer, train, test, batches, alone, config, state, 0, 1,
-                            "DataParallel on " + std::to_string(model->devices().size()) + " replica(s)");
+    Parallel parallel;
+    parallel.setup = "DataParallel on [" + devices + "]";
+    parallel.combine = [](const lockstep::examples::Tally& mine) { return mine; };
+    parallel.sync_buffers = [] {};
+    std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld, outputs in %s/\n",
+                 source.c_str(), static_cast<long long>(n), static_cast<long long>(test.images.size(0)),
+                 parallel.setup.c_str(), static_cast<long long>(batch_size), config.out_dir.c_str());
+    return train(model, net, optimizer, train_set, test, batches, parallel, config, state);
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
     return 1;

@@ -6,7 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/config.sh
 
-packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcli11-dev zlib1g-dev)
+packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcli11-dev zlib1g-dev nlohmann-json3-dev
+  # the main job's data (/usr/share/datasets/fashion-mnist) and its curves.png
+  dataset-fashion-mnist gnuplot-nox
+  # the two-machine tests run ranks in network namespaces
+  iproute2)
 if [ "$LOCKSTEP_TORCH" = debian ]; then
   packages+=(
     libtorch-dev libgloo-dev

@@ -52,9 +52,20 @@ struct Process {
 inline Process start(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env, const std::string& log) {
   Process p;
   p.log = log;
+  // `extra_env` replaces variables of the same name: getenv finds the first.
+  auto overridden = [&extra_env](const std::string& entry) {
+    for (const auto& extra : extra_env) {
+      if (entry.compare(0, extra.find('=') + 1, extra, 0, extra.find('=') + 1) == 0) {
+        return true;
+      }
+    }
+    return false;
+  };
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
-    env_strings.emplace_back(*e);
+    if (!overridden(*e)) {
+      env_strings.emplace_back(*e);
+    }
   }
   env_strings.insert(env_strings.end(), extra_env.begin(), extra_env.end());
   std::vector<char*> env, args;

@@ -353,7 +353,11 @@ TEST(DdpThreads, GradientsAreAveragedBeforeBackwardReturns) {
     local(x).sum().backward();
     auto mine = local->fc1->weight.grad();
     auto both = group.all_gather(mine);
-    EXPECT_TRUE(torch::allclose(net->fc1->weight.grad(), (both[0] + both[1]) / 2, 1e-5, 1e-6));
+    // The local and DDP forwards run on two threads at once; with 2.x's CPU
+    // kernels their results differ by up to 4e-5 in about 3% of runs (1.13:
+    // never), against about 0.14 between the ranks' own gradients.
+    EXPECT_TRUE(torch::allclose(net->fc1->weight.grad(), (both[0] + both[1]) / 2, 1e-4, 1e-4))
+        << (net->fc1->weight.grad() - (both[0] + both[1]) / 2).abs().max().item<double>();
   });
 }
 

@@ -8,14 +8,18 @@
 #include "test_util.h"
 
 #include "../examples/checkpoint.h"
+#include "../examples/idx.h"
 #include "../examples/models.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <functional>
+#include <map>
 #include <random>
 #include <regex>
 
@@ -38,7 +42,7 @@ std::string temp(const std::string& name) {
 // A small job: 1024 samples, batch 64, 2 epochs (32 steps at world size 2).
 std::vector<std::string> trainer(const std::string& marker, const std::string& checkpoint = "") {
   std::vector<std::string> args{LOCKSTEP_TRAIN, "--train-samples", "1024", "--test-samples", "256", "--batch-size", "64",
-                                "--epochs", "2", "--save", temp(marker + ".pt")};
+                                "--epochs", "2", "--save", temp(marker + ".pt"), "--synthetic", "--out", temp(marker + "_out")};
   if (!checkpoint.empty()) {
     args.insert(args.end(), {"--checkpoint", checkpoint, "--checkpoint-every", "4"});
   }
@@ -65,10 +69,11 @@ std::string port() {
   return std::to_string(testing::free_port());
 }
 
-// The last epoch's loss and train accuracy, as the summary prints them.
+// The last epoch's line: train loss and accuracy, test loss and accuracy.
 std::string epoch_figures(const std::string& output) {
   std::smatch m;
-  return std::regex_search(output, m, std::regex("last epoch's loss [0-9.]+, train accuracy [0-9.]+%")) ? m[0].str() : "";
+  return std::regex_search(output, m, std::regex("epoch 2/2: train loss [0-9.]+, train accuracy [0-9.]+%, test loss "
+                                                 "[0-9.]+, test accuracy [0-9.]+%")) ? m[0].str() : "";
 }
 
 // The uninterrupted reference: 2 ranks on one node.
@@ -529,7 +534,8 @@ void write_split(const std::string& dir, const std::string& prefix, uint32_t n, 
 }
 
 Process train_on(const std::string& dir, const std::string& name) {
-  return testing::run({LOCKSTEP_TRAIN, "--data", dir, "--batch-size", "50", "--epochs", "1"}, {}, temp(name + ".log"),
+  return testing::run({LOCKSTEP_TRAIN, "--data", dir, "--batch-size", "50", "--epochs", "1", "--out", dir + "/out"}, {},
+                      temp(name + ".log"),
                       kDeadline);
 }
 
@@ -600,6 +606,112 @@ TEST(TrainerData, BadOutputPathsAndUnevenBatchesAreRefusedUpFront) {
 }
 
 // --- checkpoints -------------------------------------------------------------------
+
+// --- the main job's data: Debian's Fashion-MNIST ------------------------------
+
+const std::string kFashionMnist = "/usr/share/datasets/fashion-mnist";
+
+// The first `n` rows of Fashion-MNIST's `prefix` split, written into `dir` as
+// IDX files of n rows, gzipped or not; the images file cut in half if `cut`.
+void slice_fashion_mnist(const std::string& dir, const std::string& prefix, uint32_t n, bool gz, bool cut = false) {
+  for (const auto& [kind, header, row] : {std::make_tuple("images-idx3-ubyte", 16, 28 * 28),
+                                          std::make_tuple("labels-idx1-ubyte", 8, 1)}) {
+    const std::string name = prefix + "-" + kind;
+    gzFile in = gzopen((kFashionMnist + "/" + name + ".gz").c_str(), "rb");
+    ASSERT_NE(in, nullptr) << kFashionMnist << " is missing: scripts/setup.sh installs dataset-fashion-mnist";
+    std::string bytes(static_cast<size_t>(header + n * row), '\0');
+    ASSERT_EQ(gzread(in, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+    gzclose(in);
+    for (int i = 0; i < 4; ++i) { // the row count, big-endian, after the magic number
+      bytes[4 + i] = static_cast<char>(n >> (24 - 8 * i));
+    }
+    if (cut && row > 1) {
+      bytes.resize(bytes.size() / 2);
+    }
+    if (gz) {
+      gzFile out = gzopen((dir + "/" + name + ".gz").c_str(), "wb");
+      gzwrite(out, bytes.data(), static_cast<unsigned>(bytes.size()));
+      gzclose(out);
+    } else {
+      std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
+    }
+  }
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+TEST(FashionMnist, PlainAndGzippedSlicesTrainAndACutFileIsNamed) {
+  const std::string dir = fresh_dir("fashion_slices");
+  slice_fashion_mnist(dir, "train", 300, false);
+  slice_fashion_mnist(dir, "t10k", 100, true);
+  auto p = train_on(dir, "fashion_slices");
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("300 train / 100 test samples"), std::string::npos) << p.output;
+  slice_fashion_mnist(dir, "train", 300, false, /*cut=*/true);
+  auto cut = train_on(dir, "fashion_cut");
+  EXPECT_EQ(cut.exit_code, 1) << cut.output;
+  EXPECT_NE(cut.output.find(dir + "/train-images-idx3-ubyte: truncated"), std::string::npos) << cut.output;
+}
+
+TEST(FashionMnist, TwoRankEvaluationEqualsOneProcessOnTheSavedModel) {
+  const std::string out = temp("fashion_out");
+  // 301 test images: the ranks' shares differ by one.
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()},
+                  {LOCKSTEP_TRAIN, "--train-samples", "640", "--test-samples", "301", "--batch-size", "64", "--epochs",
+                   "2", "--log-every", "4", "--eval-every", "6", "--out", out},
+                  "fashion");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("MNIST-format data at " + kFashionMnist), std::string::npos) << p.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.output, m, std::regex("test accuracy [0-9.]+% \\(([0-9]+) of 301 test images, over 2 "
+                                                        "rank\\(s\\)\\)"))) << p.output;
+  const int64_t correct = std::stoll(m[1].str());
+
+  // One process, the saved model, the same 301 images.
+  examples::ConvNet net;
+  torch::load(net, out + "/model.pt");
+  net->eval();
+  auto [images, labels] = examples::read_mnist_split(kFashionMnist, "t10k");
+  torch::NoGradGuard no_grad;
+  auto predicted = net(images.narrow(0, 0, 301)).argmax(1);
+  EXPECT_EQ(predicted.eq(labels.narrow(0, 0, 301)).sum().item<int64_t>(), correct);
+
+  // metrics.jsonl: 20 steps, a training record every 4, an evaluation at
+  // steps 6, 12 and 18, and one record per epoch.
+  std::map<std::string, std::vector<nlohmann::json>> records;
+  std::istringstream lines(read_text(out + "/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    auto record = nlohmann::json::parse(line); // throws, failing the test, if malformed
+    records[record.at("kind").get<std::string>()].push_back(record);
+  }
+  ASSERT_EQ(records["train"].size(), 5u);
+  ASSERT_EQ(records["eval"].size(), 3u);
+  ASSERT_EQ(records["epoch"].size(), 2u);
+  EXPECT_EQ(records["eval"][1].at("step").get<int64_t>(), 12);
+  EXPECT_NEAR(records["train"][0].at("lr").get<double>(), 0.1 * 4 / 100, 1e-12); // warmup: step 4 of 100
+  EXPECT_DOUBLE_EQ(records["epoch"][1].at("test_accuracy").get<double>(), correct / 301.0);
+  EXPECT_GT(records["epoch"][1].at("samples_per_second").get<double>(), 0);
+  struct stat info {};
+  ASSERT_EQ(stat((out + "/curves.png").c_str(), &info), 0) << p.output;
+  EXPECT_GT(info.st_size, 1000);
+  EXPECT_NE(p.output.find("outputs in " + out + "/: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png"),
+            std::string::npos) << p.output;
+}
+
+TEST(FashionMnist, WithoutGnuplotTheMetricsStayAndOneLineSaysWhy) {
+  const std::string out = temp("no_gnuplot_out");
+  auto p = testing::run({LOCKSTEP_TRAIN, "--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--out", out},
+                        {"PATH=/nonexistent"}, temp("no_gnuplot.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-train: gnuplot is not installed, so no curves.png (install gnuplot-nox"),
+            std::string::npos) << p.output;
+  EXPECT_NE(access((out + "/curves.png").c_str(), F_OK), 0);
+  EXPECT_NE(read_text(out + "/metrics.jsonl").find("\"kind\":\"epoch\""), std::string::npos);
+  EXPECT_NE(read_text(out + "/curves.gp").find("plot $test"), std::string::npos);
+}
 
 TEST(Checkpoint, KilledSavesTemporariesAreRemovedAndAFinishedRunSaysSo) {
   const std::string checkpoint = temp("finished.ckpt");

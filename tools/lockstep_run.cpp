@@ -18,7 +18,9 @@
 // fail first). Then it restarts the whole group after a doubling delay (up to
 // --max-restarts times) or exits non-zero. SIGINT, SIGTERM and
 // SIGHUP sent to the launcher go to every rank, and end the job the same way.
-// On one node, ranks also get LOCKSTEP_STORE_FILE: lockstep's
+// Every rank gets LOCKSTEP_RUN_ID, the same for all attempts of the job (the
+// launcher's start time unless it is set). On one node, ranks also get
+// LOCKSTEP_STORE_FILE: lockstep's
 // init_process_group then keeps its store in that file instead of a TCPStore,
 // so nothing listens on the network.
 
@@ -76,6 +78,7 @@ struct Options {
   double grace_seconds = 3.0;
   double restart_delay = 1.0;
   int timeout_seconds = 0; // 0: the ranks' own (LOCKSTEP_TIMEOUT, else lockstep's default)
+  std::string run_id;      // LOCKSTEP_RUN_ID: the same for every attempt
   std::vector<std::string> command;
 };
 
@@ -325,6 +328,7 @@ class Attempt {
         if (!store_file_.empty()) {
           set("LOCKSTEP_STORE_FILE", store_file_);
         }
+        set("LOCKSTEP_RUN_ID", options_.run_id);
         if (options_.timeout_seconds > 0) {
           set("LOCKSTEP_TIMEOUT", std::to_string(options_.timeout_seconds));
         }
@@ -589,6 +593,17 @@ int main(int argc, char** argv) {
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGHUP, &action, nullptr); // a closed terminal: stop as gracefully as for SIGTERM
 
+  // One id for the whole job, so that a restarted program finds what the
+  // attempt before wrote (lockstep-train's default output folder).
+  const char* run_id = std::getenv("LOCKSTEP_RUN_ID");
+  if (run_id != nullptr && *run_id != '\0') {
+    options.run_id = run_id;
+  } else {
+    const std::time_t now = std::time(nullptr);
+    char text[32];
+    std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
+    options.run_id = text;
+  }
   remove_stale_store_files();
   for (int attempt = 0;; ++attempt) {
     Attempt run(options, program, attempt);

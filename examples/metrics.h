@@ -1,0 +1,137 @@
+#pragma once
+
+// lockstep-train's outputs besides the model: metrics.jsonl, one JSON record
+// per line (nlohmann-json), and curves.png, drawn by gnuplot from a script
+// the trainer writes next to it (curves.gp, data included), so the picture
+// can be redrawn or restyled by hand.
+
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace examples {
+
+/// Appends records to `path`. A resumed run first drops the records past the
+/// step it resumes from: the failed attempt trained those steps, and this one
+/// trains them again.
+class MetricsLog {
+ public:
+  MetricsLog() = default;
+  MetricsLog(const std::string& path, int64_t resumed_step) : path_(path) {
+    std::vector<std::string> kept;
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (!record.is_discarded() && record.value("step", int64_t{0}) <= resumed_step) {
+        kept.push_back(line);
+      }
+    }
+    out_.open(path, std::ios::trunc);
+    TORCH_CHECK(out_.good(), "lockstep-train: cannot write ", path, ".");
+    for (const auto& line : kept) {
+      out_ << line << '\n';
+    }
+    out_.flush();
+  }
+  bool enabled() const {
+    return out_.is_open();
+  }
+  void write(const nlohmann::json& record) {
+    if (enabled()) {
+      out_ << record.dump() << '\n';
+      out_.flush();
+    }
+  }
+  const std::string& path() const {
+    return path_;
+  }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+/// Whether `program` is an executable in PATH.
+inline bool in_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path != nullptr ? path : "/usr/bin:/bin");
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    if (::access(((dir.empty() ? "." : dir) + "/" + program).c_str(), X_OK) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+/// Draws `dir`/curves.png from `dir`/metrics.jsonl: the training loss
+/// (every --log-every steps) and the test loss, the test accuracy, and the
+/// training speed, against epochs. Returns the picture's path, or a one-line
+/// note on why there is none.
+inline std::string plot_curves(const std::string& dir) {
+  std::ostringstream train, test, epochs;
+  std::ifstream in(dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto r = nlohmann::json::parse(line, nullptr, false);
+    if (r.is_discarded()) {
+      continue;
+    }
+    const std::string kind = r.value("kind", "");
+    const double x = r.value("epochs_done", 0.0);
+    if (kind == "train") {
+      train << x << ' ' << r.value("loss", 0.0) << ' ' << r.value("samples_per_second", 0.0) << '\n';
+    } else if (kind == "epoch" || kind == "eval") {
+      test << x << ' ' << r.value("test_loss", 0.0) << ' ' << 100 * r.value("test_accuracy", 0.0) << '\n';
+    }
+    if (kind == "epoch") {
+      epochs << x << ' ' << r.value("train_loss", 0.0) << ' ' << r.value("samples_per_second", 0.0) << '\n';
+    }
+  }
+  if (test.str().empty()) {
+    return "no evaluation finished, so no curves";
+  }
+  const std::string train_data = train.str().empty() ? epochs.str() : train.str(); // fewer steps than --log-every
+  const std::string script = dir + "/curves.gp";
+  std::ofstream gp(script);
+  gp << "# Written by lockstep-train; redraw with: gnuplot " << script << "\n"
+     << "$train << EOD\n" << train_data << "EOD\n"
+     << "$test << EOD\n" << test.str() << "EOD\n"
+     << "set terminal pngcairo size 1200,400 font 'sans,10'\n"
+     << "set output '" << dir << "/curves.png'\n"
+     << "set multiplot layout 1,3\n"
+     << "set grid\nset xlabel 'epoch'\nset xrange [0:*]\nset key top right\n"
+     << "set title 'loss'\n"
+     << "plot $train using 1:2 with lines lw 1.5 title 'train', $test using 1:2 with linespoints lw 2 pt 7 title 'test'\n"
+     << "set title 'test accuracy (%)'\nset key off\n"
+     << "plot $test using 1:3 with linespoints lw 2 pt 7 lc 3\n"
+     << "set title 'training samples/s, all ranks'\nset yrange [0:*]\n"
+     << "plot $train using 1:3 with lines lw 1.5 lc 4\n"
+     << "unset multiplot\n";
+  gp.close();
+  if (!in_path("gnuplot")) {
+    return "gnuplot is not installed, so no curves.png (install gnuplot-nox, as scripts/setup.sh does, then run: "
+           "gnuplot " + script + ")";
+  }
+  const std::string command = "gnuplot '" + script + "' 2>&1";
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  std::string output;
+  char buffer[512];
+  while (pipe != nullptr && std::fgets(buffer, sizeof(buffer), pipe) != nullptr) {
+    output += buffer;
+  }
+  const int status = pipe != nullptr ? ::pclose(pipe) : -1;
+  if (status != 0) {
+    return "gnuplot failed on " + script + ": " + output;
+  }
+  return dir + "/curves.png";
+}
+
+} // namespace examples
+} // namespace lockstep
