@@ -73,8 +73,8 @@ inline bool in_path(const std::string& program) {
 
 /// Draws `dir`/curves.png from `dir`/metrics.jsonl: the training loss
 /// (every --log-every steps) and the test loss, the test accuracy, and the
-/// training speed, against epochs. Returns the picture's path, or a one-line
-/// note on why there is none.
+/// training speed, against epochs. Returns "" when drawn, else a one-line
+/// note on why there is no picture.
 inline std::string plot_curves(const std::string& dir) {
   std::ostringstream train, test, epochs;
   std::ifstream in(dir + "/metrics.jsonl");
@@ -130,7 +130,7 @@ inline std::string plot_curves(const std::string& dir) {
   if (status != 0) {
     return "gnuplot failed on " + script + ": " + output;
   }
-  return dir + "/curves.png";
+  return "";
 }
 
 } // namespace examples

@@ -358,6 +358,10 @@ int train(
   const bool lead = parallel.rank == 0;
   lockstep::examples::MetricsLog metrics;
   if (lead) {
+    // Only rank 0 writes checkpoints, and only its machine can tell whether
+    // a temporary file's writer (a pid) is gone: on a disk shared by several
+    // nodes, another node's rank would remove a save in progress.
+    lockstep::examples::remove_stale_temporaries(config.checkpoint_path);
     metrics = lockstep::examples::MetricsLog(config.out_dir + "/metrics.jsonl", state.step);
   }
   if (state.epoch >= config.epochs) {
@@ -498,9 +502,8 @@ int train(
   if (!config.checkpoint_path.empty()) {
     outputs.push_back(config.checkpoint_path);
   }
-  const std::string plot = lockstep::examples::plot_curves(config.out_dir);
-  const bool plotted = plot == config.out_dir + "/curves.png";
-  if (plotted) {
+  const std::string no_curves = lockstep::examples::plot_curves(config.out_dir);
+  if (no_curves.empty()) {
     outputs.push_back("curves.png");
   }
   std::printf("lockstep-train: %d epoch(s), %lld steps in %.1f s (%.1f s training) with %s; %.0f samples/s over all "
@@ -518,8 +521,8 @@ int train(
     listed += (listed.empty() ? "" : ", ") + (inside ? o.substr(config.out_dir.size() + 1) : o);
   }
   std::printf("lockstep-train: outputs in %s/: %s\n", config.out_dir.c_str(), listed.c_str());
-  if (!plotted) {
-    std::printf("lockstep-train: %s\n", plot.c_str());
+  if (!no_curves.empty()) {
+    std::printf("lockstep-train: %s\n", no_curves.c_str());
   }
   return 0;
 }
@@ -745,15 +748,11 @@ int main(int argc, char** argv) {
     auto complete_paths = [&config] {
       if (config.checkpoint_path.empty()) {
         config.checkpoint_path = config.out_dir + "/checkpoint.ckpt";
-        lockstep::examples::remove_stale_temporaries(config.checkpoint_path);
       }
       if (config.save_path.empty()) {
         config.save_path = config.out_dir + "/model.pt";
       }
     };
-    if (!checkpoint_path.empty()) {
-      lockstep::examples::remove_stale_temporaries(checkpoint_path);
-    }
     // Under lockstep-run (or torchrun), one process per rank with
     // DistributedDataParallel; otherwise one process with DataParallel.
     if (std::getenv("WORLD_SIZE") != nullptr) {

@@ -553,7 +553,9 @@ TEST(DataParallel, ReplicaErrorNamesReplicaAndDeviceAndStaysUsable) {
   EXPECT_NE(message.find("bad input row"), std::string::npos) << message;
   auto good = torch::randn({4, 4});
   auto out = dp(good);
-  EXPECT_TRUE(torch::allclose(out, net(good)));
+  // Two rows per replica against four in the bare module: 2.x's GEMM may
+  // round differently by batch size, so values near 0 need an absolute slack.
+  EXPECT_TRUE(torch::allclose(out, net(good), 1e-5, 1e-6));
 }
 
 TEST(DataParallel, StateKeptOnReplicasSumsToBareCount) {

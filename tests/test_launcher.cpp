@@ -55,6 +55,11 @@ std::vector<std::string> launcher(std::vector<std::string> flags, const std::vec
   return flags;
 }
 
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
 std::string final_hash(const std::string& output) {
   std::smatch m;
   return std::regex_search(output, m, std::regex("fnv1a64=([0-9a-f]{16})")) ? m[1].str() : "";
@@ -190,8 +195,7 @@ TEST(Launcher, RestartResumesFromTheCheckpointBitwise) {
   EXPECT_EQ(epoch_figures(p.output), epoch_figures(reference_run().output)) << p.output;
   EXPECT_FALSE(epoch_figures(p.output).empty()) << p.output;
   // Each attempt starts with a header in the logs.
-  std::ifstream log(logs + "/rank_1.log");
-  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  const std::string text = read_text(logs + "/rank_1.log");
   EXPECT_NE(text.find(": attempt 1 of at most 2, rank 1 of 2: " LOCKSTEP_TRAIN), std::string::npos) << text;
   EXPECT_LT(text.find(": attempt 1 of"), text.find(": attempt 2 of at most 2")) << text;
 }
@@ -636,11 +640,6 @@ void slice_fashion_mnist(const std::string& dir, const std::string& prefix, uint
       std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
     }
   }
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 TEST(FashionMnist, PlainAndGzippedSlicesTrainAndACutFileIsNamed) {
