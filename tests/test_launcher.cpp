@@ -7,9 +7,9 @@
 #include "process_util.h"
 #include "test_util.h"
 
-#include "../examples/checkpoint.h"
-#include "../examples/idx.h"
-#include "../examples/models.h"
+#include <examples/checkpoint.h>
+#include <examples/idx.h>
+#include <examples/models.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
