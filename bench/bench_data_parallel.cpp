@@ -11,7 +11,8 @@
 // DataParallel over every visible GPU, and DistributedDataParallel with world
 // size 1 over NCCL; bench/gpu_python.py is the Python peer.
 
-#include "../examples/models.h"
+#include <examples/blas_check.h>
+#include <examples/models.h>
 
 #include <lockstep/lockstep.h>
 
@@ -180,7 +181,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    lockstep::require_fast_blas("lockstep-bench-dp");
+    lockstep::examples::require_fast_blas("lockstep-bench-dp");
     // "All cores" explicitly: libtorch's own default can be lower (it asks
     // cpuinfo for physical cores, which fails on some virtual machines).
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
@@ -190,7 +191,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(torch::cuda::is_available(), "lockstep-bench-dp --device cuda: this process sees no CUDA device.");
       std::printf("%d CUDA device(s); DataParallel uses all of them\n", static_cast<int>(torch::cuda::device_count()));
     } else {
-      std::printf("threads %d, BLAS %s, %d CPU replicas\n", at::get_num_threads(), lockstep::loaded_blas().c_str(), replicas);
+      std::printf("threads %d, BLAS %s, %d CPU replicas\n", at::get_num_threads(), lockstep::examples::loaded_blas().c_str(), replicas);
     }
     if (only.empty() || only == "mlp") {
       run_model("mlp", 256, rounds, seconds, replicas, cuda);

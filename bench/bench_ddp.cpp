@@ -9,6 +9,8 @@
 // 256, split over the ranks. Rank 0 prints one line:
 //   MODE MODEL steps_per_s=X rss_mb=R0,R1
 
+#include <examples/blas_check.h>
+
 #include <lockstep/lockstep.h>
 
 #include <torch/torch.h>
@@ -49,7 +51,7 @@ int main(int argc, char** argv) {
   const std::string model = argv[2];
   const int steps = std::atoi(argv[3]);
   try {
-    lockstep::require_fast_blas("lockstep-bench-ddp");
+    lockstep::examples::require_fast_blas("lockstep-bench-ddp");
     at::set_num_threads(1); // one core per rank, as the Python contender
     auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("gloo"));
     torch::manual_seed(0);

@@ -10,6 +10,7 @@
 //   lockstep-train --synthetic                       # generated data, deterministic by --seed
 //   lockstep-train --help
 
+#include "blas_check.h"
 #include "checkpoint.h"
 #include "idx.h"
 #include "metrics.h"
@@ -676,7 +677,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    lockstep::require_fast_blas("lockstep-train");
+    lockstep::examples::require_fast_blas("lockstep-train");
     // Keep freed memory in the heap instead of returning every large tensor
     // to the kernel: fresh pages fault and are zeroed on each step otherwise,
     // which cost 25% of a CNN step on CPU here (docs/performance.md).

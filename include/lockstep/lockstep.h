@@ -5,5 +5,4 @@
 #include <lockstep/distributed.h>
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/reducer.h>
-#include <lockstep/runtime.h>
 #include <lockstep/scatter_gather.h>

@@ -1,17 +1,25 @@
-#include <lockstep/runtime.h>
+#pragma once
+
+// Which BLAS this process runs on. Debian's LibTorch calls whatever
+// libblas.so.3 update-alternatives selects, and the reference BLAS is about
+// 20x slower than OpenBLAS for matrix products: a trainer or a benchmark on
+// it measures the BLAS, not data parallelism. The trainer and both
+// benchmarks call require_fast_blas() first. It is no part of the library:
+// which BLAS a program loads is its own business.
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <fstream>
+#include <string>
 #include <vector>
 
 namespace lockstep {
+namespace examples {
 
-namespace {
-
-// Every mapped library whose name says BLAS, in map order.
-std::vector<std::string> mapped_blas() {
+/// Every mapped library whose name says BLAS, in the order of
+/// /proc/self/maps, each once.
+inline std::vector<std::string> mapped_blas() {
   std::vector<std::string> found;
   std::ifstream maps("/proc/self/maps");
   std::string line;
@@ -29,9 +37,9 @@ std::vector<std::string> mapped_blas() {
   return found;
 }
 
-} // namespace
-
-std::string loaded_blas() {
+/// The paths of the BLAS libraries this process loaded, comma-separated, or
+/// "" if none is mapped (a LibTorch with MKL linked in, as the pip wheel).
+inline std::string loaded_blas() {
   std::string all;
   for (const auto& path : mapped_blas()) {
     all += (all.empty() ? "" : ", ") + path;
@@ -39,7 +47,9 @@ std::string loaded_blas() {
   return all;
 }
 
-void require_fast_blas(const std::string& who) {
+/// Throws a c10::Error if this process runs on Debian's reference BLAS.
+/// `who` names the caller in the message.
+inline void require_fast_blas(const std::string& who) {
   const std::string blas = loaded_blas();
   TORCH_CHECK(
       blas.find("/blas/libblas") == std::string::npos, who, ": this process loaded the reference BLAS (", blas,
@@ -47,4 +57,5 @@ void require_fast_blas(const std::string& who) {
       "libopenblas0-openmp and selects it with update-alternatives.");
 }
 
+} // namespace examples
 } // namespace lockstep
