@@ -8,16 +8,14 @@
 // the content against hashes stored at save time: a foreign or damaged file is
 // an error, never a silently different model.
 
+#include <tools/process_files.h>
+
 #include <torch/torch.h>
 
-#include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -165,25 +163,7 @@ inline void save_checkpoint(
 /// Removes `path`'s temporary files left by saves that were killed (their
 /// writer no longer runs); a save in progress elsewhere keeps its own.
 inline void remove_stale_temporaries(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
-  const std::string prefix = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".tmp.";
-  DIR* folder = ::opendir(dir.c_str());
-  if (folder == nullptr) {
-    return;
-  }
-  while (const dirent* entry = ::readdir(folder)) {
-    const std::string name = entry->d_name;
-    if (name.rfind(prefix, 0) != 0) {
-      continue;
-    }
-    char* end = nullptr;
-    const long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
-    if (pid > 0 && *end == '\0' && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-      ::unlink((dir + "/" + name).c_str());
-    }
-  }
-  ::closedir(folder);
+  tools::remove_files_of_dead_processes(path + ".tmp.");
 }
 
 /// Loads `path` into `model`, `optimizer` and `state`; false if there is no
@@ -237,7 +217,7 @@ inline bool load_checkpoint(
     archive.read("optimizer_hash", stored_optimizer_hash);
     state = TrainingState{epoch.item<int64_t>(), batch.item<int64_t>(), step.item<int64_t>(), world.item<int64_t>(), {}};
     torch::Tensor tally;
-    if (archive.try_read("epoch_tally", tally)) { // absent from older checkpoints: the epoch's figures then start here
+    if (archive.try_read("epoch_tally", tally)) { // optional: without it, the epoch's figures start at the resumed batch
       auto t = tally.accessor<double, 1>();
       state.epoch_tally = Tally{t[0], static_cast<int64_t>(t[1]), static_cast<int64_t>(t[2])};
     }

@@ -5,12 +5,12 @@
 // the trainer writes next to it (curves.gp, data included), so the picture
 // can be redrawn or restyled by hand.
 
+#include <tools/process_files.h>
+
+#include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include <unistd.h>
-
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -59,18 +59,6 @@ class MetricsLog {
   std::ofstream out_;
 };
 
-/// Whether `program` is an executable in PATH.
-inline bool in_path(const std::string& program) {
-  const char* path = std::getenv("PATH");
-  std::stringstream dirs(path != nullptr ? path : "/usr/bin:/bin");
-  for (std::string dir; std::getline(dirs, dir, ':');) {
-    if (::access(((dir.empty() ? "." : dir) + "/" + program).c_str(), X_OK) == 0) {
-      return true;
-    }
-  }
-  return false;
-}
-
 /// Draws `dir`/curves.png from `dir`/metrics.jsonl: the training loss
 /// (every --log-every steps) and the test loss, the test accuracy, and the
 /// training speed, against epochs. Returns "" when drawn, else a one-line
@@ -115,7 +103,7 @@ inline std::string plot_curves(const std::string& dir) {
      << "plot $train using 1:3 with lines lw 1.5 lc 4\n"
      << "unset multiplot\n";
   gp.close();
-  if (!in_path("gnuplot")) {
+  if (tools::find_program("gnuplot").empty()) {
     return "gnuplot is not installed, so no curves.png (install gnuplot-nox, as scripts/setup.sh does, then run: "
            "gnuplot " + script + ")";
   }

@@ -24,10 +24,11 @@
 // init_process_group then keeps its store in that file instead of a TCPStore,
 // so nothing listens on the network.
 
+#include "process_files.h"
+
 #include <CLI/CLI.hpp>
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -35,7 +36,6 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -102,33 +102,6 @@ struct Rank {
   std::exit(kUsageError);
 }
 
-// PROGRAM as execvp would find it, or "" if it would not.
-std::string find_program(const std::string& name) {
-  auto executable = [](const std::string& path) {
-    struct stat st {};
-    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
-  };
-  if (name.find('/') != std::string::npos) {
-    return executable(name) ? name : "";
-  }
-  const char* path = std::getenv("PATH");
-  std::string dirs = path ? path : "/usr/bin:/bin";
-  size_t start = 0;
-  while (start <= dirs.size()) {
-    const size_t end = dirs.find(':', start);
-    std::string dir = dirs.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
-    if (executable(candidate)) {
-      return candidate;
-    }
-    if (end == std::string::npos) {
-      break;
-    }
-    start = end + 1;
-  }
-  return "";
-}
-
 // Rank 0's node must be able to listen on the store's address and port.
 void check_port_free(const std::string& addr, int port) {
   addrinfo hints{};
@@ -169,24 +142,7 @@ std::string store_file_prefix() {
 // A launcher killed with SIGKILL cannot remove its store files: the next one
 // removes those of launchers that no longer run.
 void remove_stale_store_files() {
-  const std::string prefix = store_file_prefix();
-  const auto slash = prefix.find_last_of('/');
-  const std::string dir = prefix.substr(0, slash), name_prefix = prefix.substr(slash + 1);
-  DIR* folder = ::opendir(dir.c_str());
-  if (folder == nullptr) {
-    return;
-  }
-  while (const dirent* entry = ::readdir(folder)) {
-    const std::string name = entry->d_name;
-    if (name.rfind(name_prefix, 0) != 0) {
-      continue;
-    }
-    const long pid = std::strtol(name.c_str() + name_prefix.size(), nullptr, 10);
-    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-      ::unlink((dir + "/" + name).c_str());
-    }
-  }
-  ::closedir(folder);
+  lockstep::tools::remove_files_of_dead_processes(store_file_prefix());
 }
 
 std::string describe_status(int status) {
@@ -577,7 +533,7 @@ int main(int argc, char** argv) {
     }
     options.master_addr = "127.0.0.1"; // one node: the store stays on loopback
   }
-  const std::string program = find_program(options.command[0]);
+  const std::string program = lockstep::tools::find_program(options.command[0]);
   if (program.empty()) {
     usage_error("program '" + options.command[0] + "' not found" +
                 (options.command[0].find('/') == std::string::npos ? " in PATH" : "") + " or not executable.");

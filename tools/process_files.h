@@ -1,0 +1,90 @@
+#pragma once
+
+// Small POSIX helpers that lockstep-run and lockstep-train share: finding a
+// program as execvp would, and removing the files that a process names after
+// its pid once that process has gone.
+//
+// This header lives beside the launcher, and includes nothing of LibTorch,
+// because lockstep-run links no LibTorch: it only starts and watches
+// processes. The trainer's headers (examples/checkpoint.h, examples/metrics.h)
+// include it as <tools/process_files.h>, through the lockstep_examples_support
+// target (CMakeLists.txt).
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+namespace lockstep {
+namespace tools {
+
+/// `name` as execvp would find it: itself when it contains a '/', else the
+/// first executable regular file `name` in a directory of PATH (an empty
+/// entry is the current directory). "" when there is none.
+inline std::string find_program(const std::string& name) {
+  auto executable = [](const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+  };
+  if (name.find('/') != std::string::npos) {
+    return executable(name) ? name : "";
+  }
+  const char* path = std::getenv("PATH");
+  const std::string dirs = path != nullptr ? path : "/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    const size_t end = dirs.find(':', start);
+    const std::string dir = dirs.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (executable(candidate)) {
+      return candidate;
+    }
+    if (end == std::string::npos) {
+      break;
+    }
+    start = end + 1;
+  }
+  return "";
+}
+
+/// Whether no process `pid` runs on this machine. A process of another user
+/// still counts as running: kill() then fails with EPERM, not ESRCH.
+inline bool process_gone(long pid) {
+  return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+/// Removes the files named `path_prefix` + PID, or `path_prefix` + PID + "-"
+/// + anything, whose process PID no longer runs on this machine: what a
+/// writer killed with SIGKILL leaves behind. The files of running processes
+/// stay, and so does every other name. `path_prefix` is a folder and the
+/// start of a file name ("/tmp/lockstep-store-"); without a '/', the folder
+/// is the current one. Only the machine that wrote such files can judge
+/// their pids: on a folder that several machines share, call this from one.
+inline void remove_files_of_dead_processes(const std::string& path_prefix) {
+  const auto slash = path_prefix.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : path_prefix.substr(0, slash);
+  const std::string name_prefix = slash == std::string::npos ? path_prefix : path_prefix.substr(slash + 1);
+  DIR* folder = ::opendir(dir.c_str());
+  if (folder == nullptr) {
+    return;
+  }
+  while (const dirent* entry = ::readdir(folder)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(name_prefix, 0) != 0) {
+      continue;
+    }
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + name_prefix.size(), &end, 10);
+    if ((*end == '\0' || *end == '-') && process_gone(pid)) {
+      ::unlink((dir + "/" + name).c_str());
+    }
+  }
+  ::closedir(folder);
+}
+
+} // namespace tools
+} // namespace lockstep
