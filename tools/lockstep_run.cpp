@@ -7,22 +7,30 @@
 //
 // Note [Launcher lifecycle]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
-// Each attempt forks N ranks into one new process group, with their stdout
-// and stderr on pipes and PR_SET_PDEATHSIG, so that no rank outlives the
-// launcher even if the launcher is killed with SIGKILL. One loop polls the
-// pipes (prefixing every line with its rank, and copying it to --log-dir)
-// and reaps the ranks. The first rank to fail is the root cause: the others
-// get SIGTERM, then SIGKILL after the grace period; the launcher prints which
-// rank failed, how, and the last lines of its stderr, and names the ranks
-// that had stopped responding (a stalled rank makes the others time out and
-// fail first). Then it restarts the whole group after a doubling delay (up to
-// --max-restarts times) or exits non-zero. SIGINT, SIGTERM and
-// SIGHUP sent to the launcher go to every rank, and end the job the same way.
-// Every rank gets LOCKSTEP_RUN_ID, the same for all attempts of the job (the
-// launcher's start time unless it is set). On one node, ranks also get
-// LOCKSTEP_STORE_FILE: lockstep's
-// init_process_group then keeps its store in that file instead of a TCPStore,
-// so nothing listens on the network.
+// A job is a series of attempts (class Attempt), each of four stages:
+//
+// Start (start_ranks). The launcher forks N ranks into one new process group,
+// with their stdout and stderr on pipes and PR_SET_PDEATHSIG, so that no rank
+// outlives the launcher even if the launcher is killed with SIGKILL. Each
+// rank gets torchrun's variables (child_environment) and LOCKSTEP_RUN_ID, the
+// same for all attempts of the job (the launcher's start time unless it is
+// set). On one node, ranks also get LOCKSTEP_STORE_FILE: lockstep's
+// init_process_group then keeps its store in that file instead of a
+// TCPStore, so nothing listens on the network; each attempt has its own file.
+//
+// Watch (Attempt::run). One loop polls the pipes, prefixing every line with
+// its rank and copying it to --log-dir, and reaps the ranks.
+//
+// Stop (the same loop). The first rank to fail is the root cause: the
+// others get SIGTERM, then SIGKILL after the grace period. The launcher
+// prints which rank failed, how, and the last lines of its stderr, and names
+// the ranks that had stopped responding (a stalled rank makes the others time
+// out and fail first). SIGINT, SIGTERM and SIGHUP sent to the launcher go to
+// every rank, and end the job the same way, without a restart.
+//
+// Restart (main). After a failure, the launcher starts a new attempt of the
+// whole group after a doubling delay, up to --max-restarts times, or exits
+// non-zero.
 
 #include "process_files.h"
 
@@ -227,94 +235,121 @@ class Attempt {
   }
 
  private:
+  // Starts every rank of this node. See Note [Launcher lifecycle].
   void start_ranks() {
-    const int world = options_.nnodes * options_.nproc_per_node;
-    const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
-    const std::string threads = std::to_string(std::max(1L, cores / options_.nproc_per_node));
     ranks_ = std::vector<Rank>(options_.nproc_per_node);
-    pid_t group = 0;
     for (int local = 0; local < options_.nproc_per_node; ++local) {
       Rank& r = ranks_[local];
       r.local_rank = local;
       r.global_rank = options_.node_rank * options_.nproc_per_node + local;
-      if (!options_.log_dir.empty()) {
-        r.log.open(options_.log_dir + "/rank_" + std::to_string(r.global_rank) + ".log", std::ios::app);
-        // Attempts and jobs append to the same file: a header tells them apart.
-        r.log << "==== lockstep-run " << now_text() << ": attempt " << restart_count_ + 1 << " of at most "
-              << options_.max_restarts + 1 << ", rank " << r.global_rank << " of " << world << ":";
-        for (const auto& a : options_.command) {
-          r.log << ' ' << a;
-        }
-        r.log << " ====" << std::endl;
-      }
-      int out[2], err[2];
-      if (::pipe(out) != 0 || ::pipe(err) != 0) {
-        std::perror("lockstep-run: pipe");
-        std::exit(1);
-      }
-      const pid_t parent = ::getpid();
-      const pid_t pid = ::fork();
-      if (pid == 0) {
-        ::setpgid(0, group); // one process group per attempt: signal_all reaches every rank and its children
-        ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (::getppid() != parent) {
-          std::_Exit(1); // the launcher died between fork and prctl
-        }
-        ::dup2(out[1], 1);
-        ::dup2(err[1], 2);
-        ::close(out[0]);
-        ::close(out[1]);
-        ::close(err[0]);
-        ::close(err[1]);
-        ::signal(SIGINT, SIG_DFL);
-        ::signal(SIGTERM, SIG_DFL);
-        ::signal(SIGHUP, SIG_DFL);
-        auto set = [](const char* key, const std::string& value) { ::setenv(key, value.c_str(), 1); };
-        set("RANK", std::to_string(r.global_rank));
-        set("LOCAL_RANK", std::to_string(local));
-        set("WORLD_SIZE", std::to_string(world));
-        set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
-        set("GROUP_RANK", std::to_string(options_.node_rank));
-        set("ROLE_RANK", std::to_string(r.global_rank));
-        set("MASTER_ADDR", options_.master_addr);
-        set("MASTER_PORT", std::to_string(options_.master_port));
-        set("TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_));
-        set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
-        set("LOCKSTEP_RESTART_COUNT", std::to_string(restart_count_));
-        if (!store_file_.empty()) {
-          set("LOCKSTEP_STORE_FILE", store_file_);
-        }
-        set("LOCKSTEP_RUN_ID", options_.run_id);
-        if (options_.timeout_seconds > 0) {
-          set("LOCKSTEP_TIMEOUT", std::to_string(options_.timeout_seconds));
-        }
-        if (std::getenv("OMP_NUM_THREADS") == nullptr) {
-          set("OMP_NUM_THREADS", threads);
-        }
-        std::vector<char*> argv;
-        for (const auto& a : options_.command) {
-          argv.push_back(const_cast<char*>(a.c_str()));
-        }
-        argv.push_back(nullptr);
-        ::execv(program_.c_str(), argv.data());
-        std::fprintf(stderr, "lockstep-run: cannot run %s: %s\n", program_.c_str(), std::strerror(errno));
-        std::_Exit(127);
-      }
-      if (pid < 0) {
-        std::perror("lockstep-run: fork");
-        std::exit(1);
-      }
-      if (group == 0) {
-        group = pid;
-      }
-      ::setpgid(pid, group); // also from here: no race with the first signal
-      ::close(out[1]);
-      ::close(err[1]);
-      r.pid = pid;
-      r.out_fd = out[0];
-      r.err_fd = err[0];
+      open_log(r);
+      spawn_rank(r, child_environment(r));
     }
-    group_ = group;
+  }
+
+  int world_size() const {
+    return options_.nnodes * options_.nproc_per_node;
+  }
+
+  // DIR/rank_N.log, when --log-dir is given. Attempts and jobs append to the
+  // same file: a header tells them apart.
+  void open_log(Rank& r) {
+    if (options_.log_dir.empty()) {
+      return;
+    }
+    r.log.open(options_.log_dir + "/rank_" + std::to_string(r.global_rank) + ".log", std::ios::app);
+    r.log << "==== lockstep-run " << now_text() << ": attempt " << restart_count_ + 1 << " of at most "
+          << options_.max_restarts + 1 << ", rank " << r.global_rank << " of " << world_size() << ":";
+    for (const auto& a : options_.command) {
+      r.log << ' ' << a;
+    }
+    r.log << " ====" << std::endl;
+  }
+
+  // What rank `r` gets on top of the launcher's own environment: torchrun's
+  // variables, so that a program written for torchrun runs unchanged, and
+  // lockstep's (restart count, store file, run id, timeout). Each rank gets
+  // its share of the cores as OMP_NUM_THREADS unless the launcher's
+  // environment sets it.
+  std::vector<std::pair<std::string, std::string>> child_environment(const Rank& r) const {
+    std::vector<std::pair<std::string, std::string>> env{
+        {"RANK", std::to_string(r.global_rank)},
+        {"LOCAL_RANK", std::to_string(r.local_rank)},
+        {"WORLD_SIZE", std::to_string(world_size())},
+        {"LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node)},
+        {"GROUP_RANK", std::to_string(options_.node_rank)},
+        {"ROLE_RANK", std::to_string(r.global_rank)},
+        {"MASTER_ADDR", options_.master_addr},
+        {"MASTER_PORT", std::to_string(options_.master_port)},
+        {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_)},
+        {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts)},
+        {"LOCKSTEP_RESTART_COUNT", std::to_string(restart_count_)},
+    };
+    if (!store_file_.empty()) {
+      env.emplace_back("LOCKSTEP_STORE_FILE", store_file_);
+    }
+    env.emplace_back("LOCKSTEP_RUN_ID", options_.run_id);
+    if (options_.timeout_seconds > 0) {
+      env.emplace_back("LOCKSTEP_TIMEOUT", std::to_string(options_.timeout_seconds));
+    }
+    if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+      const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+      env.emplace_back("OMP_NUM_THREADS", std::to_string(std::max(1L, cores / options_.nproc_per_node)));
+    }
+    return env;
+  }
+
+  // Forks rank `r` into the attempt's process group (the first rank's pid),
+  // with its stdout and stderr on pipes that pump() reads, and executes
+  // PROGRAM there with `env` added to the environment.
+  void spawn_rank(Rank& r, const std::vector<std::pair<std::string, std::string>>& env) {
+    int out[2], err[2];
+    if (::pipe(out) != 0 || ::pipe(err) != 0) {
+      std::perror("lockstep-run: pipe");
+      std::exit(1);
+    }
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setpgid(0, group_); // one process group per attempt: signal_all reaches every rank and its children
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) {
+        std::_Exit(1); // the launcher died between fork and prctl
+      }
+      ::dup2(out[1], 1);
+      ::dup2(err[1], 2);
+      ::close(out[0]);
+      ::close(out[1]);
+      ::close(err[0]);
+      ::close(err[1]);
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::signal(SIGHUP, SIG_DFL);
+      for (const auto& [key, value] : env) {
+        ::setenv(key.c_str(), value.c_str(), 1);
+      }
+      std::vector<char*> argv;
+      for (const auto& a : options_.command) {
+        argv.push_back(const_cast<char*>(a.c_str()));
+      }
+      argv.push_back(nullptr);
+      ::execv(program_.c_str(), argv.data());
+      std::fprintf(stderr, "lockstep-run: cannot run %s: %s\n", program_.c_str(), std::strerror(errno));
+      std::_Exit(127);
+    }
+    if (pid < 0) {
+      std::perror("lockstep-run: fork");
+      std::exit(1);
+    }
+    if (group_ == 0) {
+      group_ = pid;
+    }
+    ::setpgid(pid, group_); // also from here: no race with the first signal
+    ::close(out[1]);
+    ::close(err[1]);
+    r.pid = pid;
+    r.out_fd = out[0];
+    r.err_fd = err[0];
   }
 
   // Reads what the ranks wrote, for up to `timeout_ms`, and passes whole lines on.
