@@ -16,12 +16,12 @@
 
 #include <lockstep/lockstep.h>
 
+#include <CLI/CLI.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
@@ -163,22 +163,26 @@ int main(int argc, char** argv) {
   int replicas = 2;
   std::string only;
   std::string device = "cpu";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--rounds")) {
-      rounds = std::atoi(argv[i + 1]);
-    } else if (!std::strcmp(argv[i], "--seconds")) {
-      seconds = std::atof(argv[i + 1]);
-    } else if (!std::strcmp(argv[i], "--replicas")) {
-      replicas = std::atoi(argv[i + 1]);
-    } else if (!std::strcmp(argv[i], "--model")) {
-      only = argv[i + 1];
-    } else if (!std::strcmp(argv[i], "--device") && (!std::strcmp(argv[i + 1], "cpu") || !std::strcmp(argv[i + 1], "cuda"))) {
-      device = argv[i + 1];
-    } else {
-      std::fprintf(
-          stderr, "usage: %s [--rounds N] [--seconds S] [--replicas R] [--model mlp|cnn] [--device cpu|cuda]\n", argv[0]);
-      return 2;
+  CLI::App app{"lockstep-bench-dp: training-step throughput of the bare module against lockstep::DataParallel, "
+               "side by side in one run (median samples/s and ratio of medians)."};
+  app.add_option("--rounds", rounds, "Rounds; each times every contender once")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seconds", seconds, "Seconds per contender and round")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--replicas", replicas, "DataParallel's CPU replicas")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--model", only, "Only this model (default: both)")->check(CLI::IsMember({"mlp", "cnn"}));
+  app.add_option("--device", device, "cpu: CPU replicas; cuda: every visible GPU, and DDP over NCCL")
+      ->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {
+      return app.exit(e); // --help
     }
+    std::fprintf(stderr, "lockstep-bench-dp: %s\nusage: %s [--rounds N] [--seconds S] [--replicas R] [--model mlp|cnn] "
+                 "[--device cpu|cuda]\n", e.what(), argv[0]);
+    return 2;
   }
   try {
     lockstep::examples::require_fast_blas("lockstep-bench-dp");

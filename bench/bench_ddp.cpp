@@ -10,32 +10,33 @@
 //   MODE MODEL steps_per_s=X rss_mb=R0,R1
 
 #include <examples/blas_check.h>
+#include <examples/models.h>
 
 #include <lockstep/lockstep.h>
 
+#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <memory>
 #include <string>
 
 namespace {
 
+// "mlp" is the MLP that lockstep-bench-dp times too; "deep" has many small
+// gradients, so that bucketing matters.
 torch::nn::Sequential make_model(const std::string& name) {
-  torch::nn::Sequential net;
   if (name == "mlp") {
-    net->push_back(torch::nn::Linear(784, 1024));
+    return lockstep::examples::make_mlp();
+  }
+  torch::nn::Sequential net;
+  for (int i = 0; i < 48; ++i) {
+    net->push_back(torch::nn::Linear(256, 256));
     net->push_back(torch::nn::ReLU());
-    net->push_back(torch::nn::Linear(1024, 1024));
-    net->push_back(torch::nn::ReLU());
-    net->push_back(torch::nn::Linear(1024, 10));
-  } else {
-    for (int i = 0; i < 48; ++i) {
-      net->push_back(torch::nn::Linear(256, 256));
-      net->push_back(torch::nn::ReLU());
-    }
   }
   return net;
 }
@@ -43,13 +44,27 @@ torch::nn::Sequential make_model(const std::string& name) {
 } // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: %s lockstep|views|naive|nocomm mlp|deep STEPS\n", argv[0]);
+  std::string mode;
+  std::string model;
+  int steps = 0;
+  CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
+               "contender, with torchrun's environment variables)."};
+  app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), naive (one allreduce per gradient after "
+                 "backward) or nocomm (no communication)")
+      ->required()->check(CLI::IsMember({"lockstep", "views", "naive", "nocomm"}));
+  app.add_option("MODEL", model, "mlp (784-1024-1024-10) or deep (48 x Linear(256, 256))")
+      ->required()->check(CLI::IsMember({"mlp", "deep"}));
+  app.add_option("STEPS", steps, "Timed optimizer steps, after 5 untimed ones")->required()->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {
+      return app.exit(e); // --help
+    }
+    std::fprintf(stderr, "lockstep-bench-ddp: %s\nusage: %s lockstep|views|naive|nocomm mlp|deep STEPS\n", e.what(),
+                 argv[0]);
     return 2;
   }
-  const std::string mode = argv[1];
-  const std::string model = argv[2];
-  const int steps = std::atoi(argv[3]);
   try {
     lockstep::examples::require_fast_blas("lockstep-bench-ddp");
     at::set_num_threads(1); // one core per rank, as the Python contender
