@@ -9,12 +9,18 @@
 //   lockstep-train --data DIR                        # MNIST-format IDX files, gzipped or not, DataParallel
 //   lockstep-train --synthetic                       # generated data, deterministic by --seed
 //   lockstep-train --help
+//
+// main() reads top to bottom: options, process settings, data, the setup
+// (distributed_setup or data_parallel_setup: the wrapped model, this rank's
+// batches, and the checkpoint it resumes from), then train(), which runs the
+// epochs (train_epoch, train_step, evaluate) and reports.
 
 #include "blas_check.h"
 #include "checkpoint.h"
-#include "idx.h"
+#include "data.h"
 #include "metrics.h"
 #include "models.h"
+#include "progress.h"
 
 #include <lockstep/lockstep.h>
 
@@ -34,498 +40,155 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using lockstep::examples::ConvNet;
+using lockstep::examples::Dataset;
+using lockstep::examples::DataOptions;
+using lockstep::examples::Samples;
+using lockstep::examples::Tally;
+using lockstep::examples::TrainingState;
 
-struct Samples {
-  torch::Tensor images; // [N, 1, 28, 28], float
-  torch::Tensor labels; // [N], int64
-};
-
-// Ten classes, each a random smooth 28x28 prototype; a sample is its class's
-// prototype shifted by up to 3 pixels, scaled, and buried in noise. Learnable
-// by a small CNN in one epoch, far from trivial for a linear model, and the
-// same for a given seed on every run.
-std::pair<Samples, Samples> synthetic(int64_t train_size, int64_t test_size, uint64_t seed) {
-  torch::manual_seed(seed);
-  auto prototypes = torch::nn::functional::interpolate(
-      torch::randn({10, 1, 7, 7}),
-      torch::nn::functional::InterpolateFuncOptions().size(std::vector<int64_t>{28, 28}).mode(torch::kBilinear).align_corners(false));
-  prototypes = (prototypes - prototypes.mean()) / prototypes.std();
-  auto make = [&](int64_t n) {
-    Samples s;
-    s.labels = torch::randint(0, 10, {n}, torch::kLong);
-    auto images = prototypes.index_select(0, s.labels).clone();
-    auto shifts = torch::randint(-3, 4, {n, 2}, torch::kLong);
-    auto accessor = shifts.accessor<int64_t, 2>();
-    for (int64_t i = 0; i < n; ++i) {
-      images[i] = torch::roll(images[i], {accessor[i][0], accessor[i][1]}, {1, 2});
-    }
-    auto scale = torch::rand({n, 1, 1, 1}) * 0.8 + 0.6;
-    s.images = images * scale + torch::randn({n, 1, 28, 28}) * 1.8;
-    return s;
-  };
-  Samples train = make(train_size);
-  Samples test = make(test_size);
-  return {train, test};
-}
-
-Samples load_mnist(const std::string& dir, const std::string& prefix) {
-  auto [images, labels] = lockstep::examples::read_mnist_split(dir, prefix);
-  return Samples{images, labels};
-}
-
-// Writes `data` as MNIST's IDX files (big-endian header, bytes 0-255).
-void write_idx(const Samples& data, const std::string& dir, const std::string& prefix) {
-  auto put32 = [](std::ofstream& out, uint32_t v) {
-    const unsigned char b[4] = {static_cast<unsigned char>(v >> 24), static_cast<unsigned char>(v >> 16),
-                                static_cast<unsigned char>(v >> 8), static_cast<unsigned char>(v)};
-    out.write(reinterpret_cast<const char*>(b), 4);
-  };
-  const auto n = static_cast<uint32_t>(data.images.size(0));
-  auto pixels = ((data.images.clamp(-3, 3) + 3) * (255.0 / 6)).round().to(torch::kUInt8).contiguous();
-  std::ofstream images(dir + "/" + prefix + "-images-idx3-ubyte", std::ios::binary);
-  put32(images, 0x803);
-  put32(images, n);
-  put32(images, 28);
-  put32(images, 28);
-  images.write(reinterpret_cast<const char*>(pixels.data_ptr<uint8_t>()), pixels.numel());
-  auto labels = data.labels.to(torch::kUInt8).contiguous();
-  std::ofstream label_file(dir + "/" + prefix + "-labels-idx1-ubyte", std::ios::binary);
-  put32(label_file, 0x801);
-  put32(label_file, n);
-  label_file.write(reinterpret_cast<const char*>(labels.data_ptr<uint8_t>()), labels.numel());
-  TORCH_CHECK(images && label_file, "lockstep-train: could not write the IDX files in ", dir);
-}
-
-std::string clock_time(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) {
-    return "--:--";
-  }
-  const auto s = static_cast<long>(seconds + 0.5);
-  char buffer[32];
-  std::snprintf(buffer, sizeof(buffer), "%ld:%02ld", s / 60, s % 60);
-  return buffer;
-}
-
-// One line, redrawn in place on a terminal; every 10% as plain lines otherwise.
-// Rows are every rank's; a resumed epoch starts at `resumed` rows, which
-// count towards the bar but not towards the speed.
-class Progress {
- public:
-  Progress(int64_t total, int64_t resumed, int epoch, int epochs, bool enabled)
-      : total_(total), resumed_(resumed), epoch_(epoch), epochs_(epochs), start_(Clock::now()), enabled_(enabled) {
-    tty_ = isatty(fileno(stderr)) != 0;
-  }
-  void update(int64_t done, double loss, double accuracy) {
-    if (!enabled_ || total_ == 0) {
-      return;
-    }
-    const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
-    const double rate = elapsed > 0 ? (done - resumed_) / elapsed : 0;
-    const double eta = rate > 0 ? (total_ - done) / rate : NAN;
-    const int percent = static_cast<int>(100 * done / total_);
-    if (!tty_ && percent < next_percent_ && done < total_) {
-      return;
-    }
-    next_percent_ = (percent / 10 + 1) * 10;
-    constexpr int kWidth = 24;
-    const int filled = static_cast<int>(kWidth * done / total_);
-    std::string bar(filled, '=');
-    if (filled < kWidth) {
-      bar += '>';
-      bar += std::string(kWidth - filled - 1, ' ');
-    }
-    std::fprintf(stderr, "%sepoch %d/%d [%s] %3d%% loss %.4f acc %5.1f%% %7.0f samples/s ETA %s%s",
-                 tty_ ? "\r" : "", epoch_, epochs_, bar.c_str(), percent, loss, 100 * accuracy, rate,
-                 clock_time(eta).c_str(), tty_ ? "" : "\n");
-    if (tty_ && done == total_) {
-      std::fprintf(stderr, "\n");
-    }
-    std::fflush(stderr);
-  }
-
- private:
-  int64_t total_, resumed_;
-  int epoch_, epochs_;
-  Clock::time_point start_;
-  bool tty_;
-  bool enabled_;
-  int next_percent_ = 0;
-};
-
-// Sums the ranks' tallies (a tiny allreduce under DDP; as is with one process).
-using Combine = std::function<lockstep::examples::Tally(const lockstep::examples::Tally&)>;
-
+// What the command line sets besides the data, with its defaults.
 struct Config {
-  int epochs;
-  int64_t batch_size;
-  double lr;
-  std::string schedule; // constant, step or cosine
-  int64_t warmup_steps;
-  int step_epochs;
-  double gamma;
+  int epochs = 3;
+  int64_t batch_size = 128;
+  double lr = 0.1;
+  double momentum = 0.9;
+  std::string schedule = "cosine"; // constant, step or cosine
+  int64_t warmup_steps = 100;
+  int step_epochs = 1;
+  double gamma = 0.5;
+  uint64_t seed = 1;
+  int threads = 0;
+  int replicas = 2;
   std::string out_dir;
-  std::string checkpoint_path;
-  int64_t checkpoint_every;
   std::string save_path;
-  int64_t eval_every;
-  int64_t log_every;
+  std::string checkpoint_path;
+  int64_t checkpoint_every = 500;
+  int64_t eval_every = 0;
+  int64_t log_every = 50;
+  int timeout_seconds = 0;
 };
 
-// The learning rate of optimizer step `step` (from 0) of `total`: a linear
-// warmup, then constant, divided by `gamma` every `step_epochs` epochs, or a
-// cosine down to 0. A function of the step alone, so a resumed run follows
-// the same schedule.
-double lr_at(const Config& c, int64_t step, int64_t steps_per_epoch, int64_t total) {
-  if (step < c.warmup_steps) {
-    return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
-  }
-  if (c.schedule == "step") {
-    return c.lr * std::pow(c.gamma, static_cast<double>(step / std::max<int64_t>(1, steps_per_epoch) / c.step_epochs));
-  }
-  if (c.schedule == "cosine") {
-    const double progress = static_cast<double>(step - c.warmup_steps) / std::max<int64_t>(1, total - c.warmup_steps);
-    return c.lr * 0.5 * (1 + std::cos(M_PI * std::min(1.0, progress)));
-  }
-  return c.lr;
+// ---------------------------------------------------------------------------
+// Command line and process settings
+// ---------------------------------------------------------------------------
+
+void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
+  using lockstep::examples::kFashionMnist;
+  app.add_option("--data", data.dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or "
+                 "not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: " + std::string(kFashionMnist) +
+                 " (Debian's dataset-fashion-mnist)")
+      ->check(CLI::ExistingDirectory)->group("Data");
+  app.add_flag("--synthetic", data.synthetic, "Generated data instead, deterministic by --seed (for tests)")
+      ->group("Data");
+  app.add_option("--train-samples", data.train_size, "Training samples: the first N of the data, or synthetic ones to "
+                 "make (default 12000)")
+      ->check(CLI::PositiveNumber)->group("Data");
+  app.add_option("--test-samples", data.test_size, "Test samples: the first N of the data, or synthetic ones to make "
+                 "(default 2000)")
+      ->check(CLI::PositiveNumber)->group("Data");
+  app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
+                 "directory (60000/10000 samples, MNIST's own counts) and exit")
+      ->check(CLI::ExistingDirectory)->group("Data");
+
+  app.add_option("--epochs", config.epochs, "Passes over the training set")->check(CLI::PositiveNumber)
+      ->capture_default_str()->group("Training");
+  app.add_option("--batch-size", config.batch_size, "Global batch size, split evenly over the ranks or replicas")
+      ->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
+  app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str()
+      ->group("Training");
+  app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
+      ->group("Training");
+  app.add_option("--schedule", config.schedule, "Learning-rate schedule after the warmup: constant, step (times "
+                 "--gamma every --step-epochs epochs) or cosine (down to 0 at the end)")
+      ->check(CLI::IsMember({"constant", "step", "cosine"}))->capture_default_str()->group("Training");
+  app.add_option("--warmup-steps", config.warmup_steps, "Steps of linear warmup from 0 to --lr")
+      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Training");
+  app.add_option("--step-epochs", config.step_epochs, "Epochs between learning-rate steps (--schedule step)")
+      ->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
+  app.add_option("--gamma", config.gamma, "Learning-rate factor at each step (--schedule step)")
+      ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group("Training");
+  app.add_option("--seed", config.seed, "Seed of the model, the shuffling and the synthetic data")->capture_default_str()
+      ->group("Training");
+  app.add_option("--threads", config.threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which "
+                 "lockstep-run sets to each rank's share of the cores, else every core)")
+      ->check(CLI::NonNegativeNumber)->group("Training");
+  app.add_option("--replicas", config.replicas, "Without a launcher: DataParallel CPU replicas (0: "
+                 "lockstep::default_devices(): every GPU, or one CPU replica without one)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Training");
+
+  app.add_option("--out", config.out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. "
+                 "Default: runs/<the launcher's run id, else the time>")->group("Outputs");
+  app.add_option("--save", config.save_path, "Save the trained model here instead of OUT/model.pt (torch::save; "
+                 "loads into a bare model)")->group("Outputs");
+  app.add_option("--checkpoint", config.checkpoint_path, "Checkpoint file instead of OUT/checkpoint.ckpt: resumed "
+                 "from when it exists, written (by rank 0, atomically) every --checkpoint-every steps and every epoch")
+      ->group("Outputs");
+  app.add_option("--checkpoint-every", config.checkpoint_every, "Optimizer steps between checkpoints, besides every "
+                 "epoch")
+      ->check(CLI::PositiveNumber)->capture_default_str()->group("Outputs");
+  app.add_option("--eval-every", config.eval_every, "Also evaluate on the test set every N steps (0: after each epoch "
+                 "only)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Outputs");
+  app.add_option("--log-every", config.log_every, "Steps between training records in metrics.jsonl")
+      ->check(CLI::PositiveNumber)->capture_default_str()->group("Outputs");
+  app.add_option("--timeout", config.timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, "
+                 "connections, each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
+      ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
+  app.footer(
+      "Under lockstep-run (or torchrun: WORLD_SIZE set), each process is one rank of DistributedDataParallel and reads "
+      "its share of each batch through LibTorch's DistributedRandomSampler; otherwise one process trains with "
+      "DataParallel on --replicas CPU replicas.\n"
+      "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
+      "3; 'kill' for SIGKILL; 'hang' to stall, ignoring SIGTERM) when it reaches optimizer step STEP, on the first "
+      "attempt only (LOCKSTEP_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT 0 or unset).");
 }
 
-// Equal hashes mean bitwise-equal models (the restart tests compare them).
-uint64_t parameter_hash(torch::nn::Module& module) {
-  return lockstep::examples::content_hash(lockstep::examples::model_tensors(module));
+// Settings of the whole process, made before any tensor: a fast BLAS, a heap
+// that keeps freed memory, and the intra-op thread count.
+void prepare_process(int threads) {
+  lockstep::examples::require_fast_blas("lockstep-train");
+  // Keep freed memory in the heap instead of returning every large tensor
+  // to the kernel: fresh pages fault and are zeroed on each step otherwise,
+  // which cost 25% of a CNN step on CPU here (docs/performance.md).
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  // --threads, else OMP_NUM_THREADS (lockstep-run gives each rank its
+  // share), else every core: libtorch's own default can be lower (it asks
+  // cpuinfo for physical cores, which fails on some virtual machines).
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  at::set_num_threads(threads > 0                            ? threads
+                      : omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
+                                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 }
 
-lockstep::examples::TrainingState resume(
-    const Config& config,
-    lockstep::examples::ConvNet& net,
-    torch::optim::Optimizer& optimizer,
-    int world_size,
-    bool report) {
-  lockstep::examples::TrainingState state;
-  state.world_size = world_size;
-  if (config.checkpoint_path.empty() || !lockstep::examples::load_checkpoint(config.checkpoint_path, *net, optimizer, state)) {
-    return state;
-  }
-  if (report) {
-    std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, batch %lld)%s\n",
-                 config.checkpoint_path.c_str(), static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1),
-                 static_cast<long long>(state.batch_in_epoch),
-                 state.world_size != world_size ? "; written with another world size, so the data order differs from here on" : "");
-  }
-  state.world_size = world_size;
-  return state;
-}
+// ---------------------------------------------------------------------------
+// Output folder and checkpoint paths
+// ---------------------------------------------------------------------------
 
-// Every rank must resume from the same state, or the ranks would train on
-// different data positions (DDP broadcasts rank 0's parameters, which hides a
-// different model but not a different position). Each rank shares what it
-// resumed from; all fail together, naming the ranks, if they differ.
-void check_ranks_resumed_alike(
-    const lockstep::ProcessGroup& group,
-    const Config& config,
-    const lockstep::examples::TrainingState& state,
-    bool resumed,
-    torch::nn::Module& net,
-    torch::optim::Optimizer& optimizer) {
-  using namespace lockstep::examples;
-  auto mine = torch::cat({torch::tensor({static_cast<int64_t>(resumed), state.step, state.epoch, state.batch_in_epoch}),
-                          hash_tensor(content_hash(model_tensors(net))).reshape({1}),
-                          hash_tensor(optimizer_hash(optimizer)).reshape({1})});
-  auto all = group.all_gather(mine);
-  auto describe = [&](int r) {
-    auto v = all[r].accessor<int64_t, 1>();
-    return v[0] == 0 ? std::string("started from scratch (no checkpoint found)")
-                     : "resumed at step " + std::to_string(v[1]) + " (epoch " + std::to_string(v[2] + 1) + ", batch " +
-                         std::to_string(v[3]) + ")";
-  };
-  for (int r = 1; r < group.size(); ++r) {
-    const bool same_position = torch::equal(all[r].narrow(0, 0, 4), all[0].narrow(0, 0, 4));
-    const bool same_state = all[0][0].item<int64_t>() == 0 || torch::equal(all[r], all[0]);
-    TORCH_CHECK(same_position && same_state, "lockstep-train: rank ", r, " ", describe(r),
-                same_position ? " with a different model or optimizer state" : "", " but rank 0 ", describe(0),
-                ". Every rank must read the same checkpoint: on several machines, put --checkpoint on storage every "
-                "node shares, or copy rank 0's file to each node (this rank's --checkpoint is ", config.checkpoint_path,
-                ").");
-  }
-}
-
-// LOCKSTEP_FAULT=RANK:STEP[:CODE]: see --help.
-void maybe_inject_fault(int rank, int64_t step) {
-  static const char* spec = std::getenv("LOCKSTEP_FAULT");
-  if (spec == nullptr) {
-    return;
-  }
-  // The first attempt only, under lockstep-run or torchrun.
-  for (const char* name : {"LOCKSTEP_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}) {
-    const char* restarts = std::getenv(name);
-    if (restarts != nullptr && std::atoi(restarts) != 0) {
-      return;
+// Checked before training, not at the first write: a missing folder would
+// cost the run.
+void check_output_paths(const Config& config) {
+  for (const auto& [flag, path] : {std::make_pair("--save", config.save_path),
+                                   std::make_pair("--checkpoint", config.checkpoint_path)}) {
+    if (path.empty()) {
+      continue;
     }
+    const auto slash = path.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+    TORCH_CHECK(::access(dir.c_str(), W_OK) == 0, "lockstep-train: ", flag, " ", path, ": cannot write into ", dir,
+                " (", std::strerror(errno), "); create the folder first, or pick another path.");
   }
-  int fault_rank = -1;
-  long long fault_step = -1;
-  char code[16] = "3";
-  const int fields = std::sscanf(spec, "%d:%lld:%15s", &fault_rank, &fault_step, code);
-  TORCH_CHECK(fields >= 2, "lockstep-train: LOCKSTEP_FAULT=\"", spec, "\" is malformed; expected RANK:STEP[:CODE], e.g. 1:30 or 1:30:kill.");
-  if (fault_rank != rank || fault_step != step) {
-    return;
-  }
-  std::fprintf(stderr, "lockstep-train: LOCKSTEP_FAULT: rank %d stops at step %lld (%s)\n", rank, fault_step,
-               std::strcmp(code, "kill") == 0 ? "SIGKILL" : code);
-  std::fflush(stderr);
-  if (std::strcmp(code, "kill") == 0) {
-    std::raise(SIGKILL);
-  }
-  if (std::strcmp(code, "hang") == 0) {
-    // A stalled rank: deaf to SIGTERM, only SIGKILL ends it.
-    std::signal(SIGTERM, SIG_IGN);
-    while (true) {
-      ::pause();
-    }
-  }
-  std::_Exit(std::atoi(code));
-}
-
-// What the rest of the run needs from DDP or DataParallel.
-struct Parallel {
-  int rank = 0;
-  int world_size = 1;
-  std::string setup;      // "DistributedDataParallel over 2 ranks (gloo)"
-  Combine combine;        // sums every rank's tally
-  std::function<void()> sync_buffers; // gives every rank rank 0's buffers (BatchNorm's running statistics)
-};
-
-double rate(double rows, double seconds) {
-  return seconds > 0 ? rows / seconds : 0;
-}
-
-std::string percent(const lockstep::examples::Tally& t) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f%%", 100.0 * t.correct / std::max<int64_t>(1, t.rows));
-  return text;
-}
-
-double mean_loss(const lockstep::examples::Tally& t) {
-  return t.loss_sum / std::max<int64_t>(1, t.rows);
-}
-
-double accuracy(const lockstep::examples::Tally& t) {
-  return static_cast<double>(t.correct) / std::max<int64_t>(1, t.rows);
-}
-
-// Test loss (summed) and right answers over the whole test set: each rank
-// takes its share of the rows, and the shares are added up. Rank 0's buffers
-// are given to every rank first, so that every share is judged by the model
-// rank 0 saves.
-lockstep::examples::Tally evaluate(lockstep::examples::ConvNet& net, const Samples& test, const Parallel& parallel) {
-  parallel.sync_buffers();
-  torch::NoGradGuard no_grad;
-  net->eval();
-  const int64_t n = test.images.size(0);
-  const int64_t begin = n * parallel.rank / parallel.world_size, end = n * (parallel.rank + 1) / parallel.world_size;
-  lockstep::examples::Tally mine;
-  constexpr int64_t kBatch = 500;
-  for (int64_t i = begin; i < end; i += kBatch) {
-    const int64_t rows = std::min(kBatch, end - i);
-    auto logits = net(test.images.narrow(0, i, rows));
-    auto labels = test.labels.narrow(0, i, rows);
-    mine += lockstep::examples::Tally{
-        torch::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum).item<double>(),
-        logits.argmax(1).eq(labels).sum().item<int64_t>(), rows};
-  }
-  net->train();
-  return parallel.combine(mine);
-}
-
-template <typename Model, typename Batches>
-int train(
-    Model& model,
-    lockstep::examples::ConvNet& net,
-    torch::optim::SGD& optimizer,
-    const Samples& train_set,
-    const Samples& test,
-    Batches& batches,
-    const Parallel& parallel,
-    const Config& config,
-    lockstep::examples::TrainingState state) {
-  using lockstep::examples::Tally;
-  const bool lead = parallel.rank == 0;
-  lockstep::examples::MetricsLog metrics;
-  if (lead) {
-    // Only rank 0 writes checkpoints, and only its machine can tell whether
-    // a temporary file's writer (a pid) is gone: on a disk shared by several
-    // nodes, another node's rank would remove a save in progress.
-    lockstep::examples::remove_stale_temporaries(config.checkpoint_path);
-    metrics = lockstep::examples::MetricsLog(config.out_dir + "/metrics.jsonl", state.step);
-  }
-  if (state.epoch >= config.epochs) {
-    const Tally tested = evaluate(net, test, parallel);
-    if (lead) {
-      std::printf("lockstep-train: nothing to train: the checkpoint %s is of a finished run (%lld of %d epoch(s), %lld "
-                  "steps); raise --epochs to train on, or point --checkpoint elsewhere to start afresh.\n",
-                  config.checkpoint_path.c_str(), static_cast<long long>(state.epoch), config.epochs,
-                  static_cast<long long>(state.step));
-      std::printf("lockstep-train: test accuracy %s of the checkpoint's model\n", percent(tested).c_str());
-      std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*net)));
-    }
-    return 0;
-  }
-  const auto start = Clock::now();
-  double train_seconds = 0;
-  int64_t samples = 0; // trained in this attempt, over every rank
-  Tally last_epoch, tested;
-  auto checkpoint = [&] {
-    if (lead && !config.checkpoint_path.empty()) {
-      lockstep::examples::save_checkpoint(config.checkpoint_path, *net, optimizer, state);
-    }
-  };
-  auto record_test = [&](const Tally& t, double epochs_done) {
-    metrics.write({{"kind", "eval"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", epochs_done},
-                   {"test_loss", mean_loss(t)}, {"test_accuracy", accuracy(t)}});
-  };
-  while (state.epoch < config.epochs) {
-    const auto epoch_start = Clock::now();
-    const auto epoch_batches = batches(state.epoch);
-    const auto batch_count = static_cast<int64_t>(epoch_batches.size());
-    const int64_t total_steps = batch_count * config.epochs;
-    Tally rows_of_epoch;
-    for (const auto& b : epoch_batches) {
-      rows_of_epoch.rows += b.size(0);
-    }
-    // Every rank folds its batches into the epoch's tally at the same steps:
-    // about 50 times an epoch, every --log-every steps, at checkpoints, and
-    // at the epoch's end.
-    const int64_t fold_every = std::max<int64_t>(1, batch_count / 50);
-    Tally& done = state.epoch_tally; // every rank's rows up to the last fold (restored when resumed)
-    Tally pending;                   // this rank's rows since
-    const int64_t resumed_rows = done.rows;
-    Progress progress(parallel.combine(rows_of_epoch).rows, resumed_rows, static_cast<int>(state.epoch + 1),
-                      config.epochs, lead);
-    double eval_seconds = 0;
-    Tally logged = done; // the tally at the last training record
-    auto logged_at = Clock::now();
-    for (; state.batch_in_epoch < batch_count; ++state.batch_in_epoch) {
-      maybe_inject_fault(parallel.rank, state.step);
-      const auto& index = epoch_batches[state.batch_in_epoch];
-      auto x = train_set.images.index_select(0, index);
-      auto y = train_set.labels.index_select(0, index);
-      const double lr = lr_at(config, state.step, batch_count, total_steps);
-      for (auto& group : optimizer.param_groups()) {
-        static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
-      }
-      optimizer.zero_grad();
-      auto logits = model(x);
-      auto loss = torch::cross_entropy_loss(logits, y);
-      loss.backward();
-      optimizer.step();
-      ++state.step;
-      const int64_t b = index.size(0);
-      pending += Tally{loss.template item<double>() * b, logits.argmax(1).eq(y).sum().template item<int64_t>(), b};
-      const bool last = state.batch_in_epoch + 1 == batch_count;
-      const bool save = state.step % config.checkpoint_every == 0 && !last; // the epoch's end saves anyway
-      const bool log = state.step % config.log_every == 0;
-      if (save || log || last || state.step % fold_every == 0) {
-        done += parallel.combine(pending);
-        pending = Tally{};
-        progress.update(done.rows, mean_loss(done), accuracy(done));
-      }
-      if (log) {
-        // The steps since the last record: loss, accuracy and speed over every rank.
-        const Tally recent{done.loss_sum - logged.loss_sum, done.correct - logged.correct, done.rows - logged.rows};
-        metrics.write({{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step},
-                       {"epochs_done", state.epoch + static_cast<double>(state.batch_in_epoch + 1) / batch_count},
-                       {"lr", lr}, {"loss", mean_loss(recent)}, {"accuracy", accuracy(recent)},
-                       {"samples_per_second",
-                        rate(recent.rows, std::chrono::duration<double>(Clock::now() - logged_at).count())}});
-        logged = done;
-        logged_at = Clock::now();
-      }
-      if (config.eval_every > 0 && state.step % config.eval_every == 0 && !last) {
-        const auto eval_start = Clock::now();
-        const Tally t = evaluate(net, test, parallel);
-        eval_seconds += std::chrono::duration<double>(Clock::now() - eval_start).count();
-        record_test(t, state.epoch + static_cast<double>(state.batch_in_epoch + 1) / batch_count);
-        logged_at = Clock::now(); // not a training step's time
-        if (lead) {
-          std::fprintf(stderr, "%slockstep-train: step %lld: test loss %.4f, test accuracy %s\n",
-                       isatty(fileno(stderr)) ? "\n" : "", static_cast<long long>(state.step), mean_loss(t),
-                       percent(t).c_str()); // below the progress bar's line on a terminal
-        }
-      }
-      if (save) {
-        ++state.batch_in_epoch; // the checkpoint says where to go on
-        checkpoint();
-        --state.batch_in_epoch;
-      }
-    }
-    TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (",
-                train_set.images.size(0), " training samples); give more samples.");
-    const double epoch_train_seconds =
-        std::chrono::duration<double>(Clock::now() - epoch_start).count() - eval_seconds;
-    train_seconds += epoch_train_seconds;
-    samples += done.rows - resumed_rows;
-    last_epoch = done;
-    tested = evaluate(net, test, parallel);
-    const double epoch_seconds = std::chrono::duration<double>(Clock::now() - epoch_start).count();
-    if (lead) {
-      std::printf("lockstep-train: epoch %lld/%d: train loss %.4f, train accuracy %s, test loss %.4f, test accuracy "
-                  "%s, %.1f s\n",
-                  static_cast<long long>(state.epoch + 1), config.epochs, mean_loss(done), percent(done).c_str(),
-                  mean_loss(tested), percent(tested).c_str(), epoch_seconds);
-      std::fflush(stdout);
-    }
-    metrics.write({{"kind", "epoch"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", state.epoch + 1},
-                   {"lr", lr_at(config, state.step - 1, batch_count, total_steps)}, {"train_loss", mean_loss(done)},
-                   {"train_accuracy", accuracy(done)}, {"test_loss", mean_loss(tested)},
-                   {"test_accuracy", accuracy(tested)}, {"seconds", epoch_seconds},
-                   {"samples_per_second", rate(done.rows - resumed_rows, epoch_train_seconds)}});
-    ++state.epoch;
-    state.batch_in_epoch = 0;
-    state.epoch_tally = Tally{};
-    checkpoint(); // every epoch, besides every --checkpoint-every steps
-  }
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  if (!lead) {
-    return 0;
-  }
-  std::vector<std::string> outputs{"metrics.jsonl"};
-  if (!config.save_path.empty()) {
-    torch::save(net, config.save_path);
-    outputs.push_back(config.save_path);
-  }
-  if (!config.checkpoint_path.empty()) {
-    outputs.push_back(config.checkpoint_path);
-  }
-  const std::string no_curves = lockstep::examples::plot_curves(config.out_dir);
-  if (no_curves.empty()) {
-    outputs.push_back("curves.png");
-  }
-  std::printf("lockstep-train: %d epoch(s), %lld steps in %.1f s (%.1f s training) with %s; %.0f samples/s over all "
-              "%d rank(s), %.0f per rank\n",
-              config.epochs, static_cast<long long>(state.step), seconds, train_seconds, parallel.setup.c_str(),
-              rate(samples, train_seconds), parallel.world_size, rate(samples, train_seconds) / parallel.world_size);
-  std::printf("lockstep-train: last epoch: train loss %.4f, train accuracy %s; test loss %.4f, test accuracy %s "
-              "(%lld of %lld test images, over %d rank(s))\n",
-              mean_loss(last_epoch), percent(last_epoch).c_str(), mean_loss(tested), percent(tested).c_str(),
-              static_cast<long long>(tested.correct), static_cast<long long>(tested.rows), parallel.world_size);
-  std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*net)));
-  std::string listed;
-  for (const auto& o : outputs) {
-    const bool inside = o.rfind(config.out_dir + "/", 0) == 0;
-    listed += (listed.empty() ? "" : ", ") + (inside ? o.substr(config.out_dir.size() + 1) : o);
-  }
-  std::printf("lockstep-train: outputs in %s/: %s\n", config.out_dir.c_str(), listed.c_str());
-  if (!no_curves.empty()) {
-    std::printf("lockstep-train: %s\n", no_curves.c_str());
-  }
-  return 0;
 }
 
 // runs/<id>: the launcher's run id, the same for every attempt of a job, so
@@ -578,6 +241,520 @@ std::string agree_on_out_dir(const lockstep::ProcessGroup& group, const std::str
   return text;
 }
 
+// The checkpoint and the saved model go into the output folder unless
+// --checkpoint and --save name other files.
+void complete_paths(Config& config) {
+  if (config.checkpoint_path.empty()) {
+    config.checkpoint_path = config.out_dir + "/checkpoint.ckpt";
+  }
+  if (config.save_path.empty()) {
+    config.save_path = config.out_dir + "/model.pt";
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Resuming
+// ---------------------------------------------------------------------------
+
+// Where training starts: the checkpoint's position when there is one (loaded
+// into `net` and `optimizer`), else the beginning.
+TrainingState resume(
+    const Config& config,
+    ConvNet& net,
+    torch::optim::Optimizer& optimizer,
+    int world_size,
+    bool report) {
+  TrainingState state;
+  state.world_size = world_size;
+  if (config.checkpoint_path.empty() || !lockstep::examples::load_checkpoint(config.checkpoint_path, *net, optimizer, state)) {
+    return state;
+  }
+  if (report) {
+    std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, batch %lld)%s\n",
+                 config.checkpoint_path.c_str(), static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1),
+                 static_cast<long long>(state.batch_in_epoch),
+                 state.world_size != world_size ? "; written with another world size, so the data order differs from here on" : "");
+  }
+  state.world_size = world_size;
+  return state;
+}
+
+// Every rank must resume from the same state, or the ranks would train on
+// different data positions (DDP broadcasts rank 0's parameters, which hides a
+// different model but not a different position). Each rank shares what it
+// resumed from; all fail together, naming the ranks, if they differ.
+void check_ranks_resumed_alike(
+    const lockstep::ProcessGroup& group,
+    const Config& config,
+    const TrainingState& state,
+    bool resumed,
+    torch::nn::Module& net,
+    torch::optim::Optimizer& optimizer) {
+  using namespace lockstep::examples;
+  auto mine = torch::cat({torch::tensor({static_cast<int64_t>(resumed), state.step, state.epoch, state.batch_in_epoch}),
+                          hash_tensor(content_hash(model_tensors(net))).reshape({1}),
+                          hash_tensor(optimizer_hash(optimizer)).reshape({1})});
+  auto all = group.all_gather(mine);
+  auto describe = [&](int r) {
+    auto v = all[r].accessor<int64_t, 1>();
+    return v[0] == 0 ? std::string("started from scratch (no checkpoint found)")
+                     : "resumed at step " + std::to_string(v[1]) + " (epoch " + std::to_string(v[2] + 1) + ", batch " +
+                         std::to_string(v[3]) + ")";
+  };
+  for (int r = 1; r < group.size(); ++r) {
+    const bool same_position = torch::equal(all[r].narrow(0, 0, 4), all[0].narrow(0, 0, 4));
+    const bool same_state = all[0][0].item<int64_t>() == 0 || torch::equal(all[r], all[0]);
+    TORCH_CHECK(same_position && same_state, "lockstep-train: rank ", r, " ", describe(r),
+                same_position ? " with a different model or optimizer state" : "", " but rank 0 ", describe(0),
+                ". Every rank must read the same checkpoint: on several machines, put --checkpoint on storage every "
+                "node shares, or copy rank 0's file to each node (this rank's --checkpoint is ", config.checkpoint_path,
+                ").");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The setup: DistributedDataParallel or DataParallel
+// ---------------------------------------------------------------------------
+
+// How this process trains, as the training loop needs it: one rank of
+// DistributedDataParallel, or DataParallel in one process.
+struct Setup {
+  int rank = 0;
+  int world_size = 1;
+  std::string description; // "DistributedDataParallel over 2 ranks (gloo)"
+  // The wrapped model's forward.
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  // This rank's row indices of each batch of epoch `epoch` (from 0).
+  std::function<std::vector<torch::Tensor>(int64_t epoch)> batches;
+  // Sums every rank's tally (a tiny allreduce under DDP; as is with one process).
+  std::function<Tally(const Tally&)> combine;
+  // Gives every rank rank 0's buffers (BatchNorm's running statistics).
+  std::function<void()> sync_buffers;
+  // Where training starts: the checkpoint's position, or the beginning.
+  TrainingState state;
+};
+
+// One rank of DistributedDataParallel, under lockstep-run or torchrun: the
+// ranks agree on rank 0's output folder and resume alike, then each reads
+// its share of each batch through LibTorch's DistributedRandomSampler.
+Setup distributed_setup(ConvNet& net, torch::optim::Optimizer& optimizer, const Dataset& data, Config& config) {
+  auto group = lockstep::init_process_group(
+      lockstep::ProcessGroupOptions().timeout(std::chrono::seconds(config.timeout_seconds))); // 0: LOCKSTEP_TIMEOUT
+  TORCH_CHECK(config.batch_size % group.size() == 0, "lockstep-train: --batch-size ", config.batch_size,
+              " does not split evenly over ", group.size(), " ranks; pick a multiple of ", group.size(),
+              " (each rank takes batch-size / ranks rows).");
+  config.out_dir = agree_on_out_dir(group, config.out_dir);
+  complete_paths(config);
+  Setup setup;
+  setup.rank = group.rank();
+  setup.world_size = group.size();
+  setup.state = resume(config, net, optimizer, group.size(), group.rank() == 0);
+  check_ranks_resumed_alike(group, config, setup.state, setup.state.step > 0 || setup.state.epoch > 0, *net, optimizer);
+  lockstep::DistributedDataParallel<ConvNet> model(net, group);
+  setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
+  auto sampler = std::make_shared<torch::data::samplers::DistributedRandomSampler>(
+      static_cast<size_t>(data.train.images.size(0)), static_cast<size_t>(group.size()),
+      static_cast<size_t>(group.rank()), /*allow_duplicates=*/false);
+  const int64_t per_rank = config.batch_size / group.size();
+  setup.batches = [sampler, per_rank](int64_t epoch) {
+    sampler->set_epoch(static_cast<size_t>(epoch));
+    sampler->reset();
+    std::vector<torch::Tensor> out;
+    while (auto indices = sampler->next(static_cast<size_t>(per_rank))) {
+      std::vector<int64_t> as_int(indices->begin(), indices->end());
+      out.push_back(torch::tensor(as_int, torch::kLong));
+    }
+    return out;
+  };
+  setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() + ")";
+  // Loss and accuracy sums as doubles: exact for any count below 2^53.
+  setup.combine = [group](const Tally& mine) {
+    auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
+                              torch::kFloat64);
+    group.allreduce(sums);
+    auto s = sums.accessor<double, 1>();
+    return Tally{s[0], static_cast<int64_t>(s[1]), static_cast<int64_t>(s[2])};
+  };
+  setup.sync_buffers = [group, net] {
+    for (auto& buffer : net->buffers()) {
+      group.broadcast(buffer, 0);
+    }
+  };
+  if (group.rank() == 0) {
+    std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld (%lld per rank), "
+                 "outputs in %s/\n", data.source.c_str(), static_cast<long long>(data.train.images.size(0)),
+                 static_cast<long long>(data.test.images.size(0)), setup.description.c_str(),
+                 static_cast<long long>(config.batch_size), static_cast<long long>(per_rank), config.out_dir.c_str());
+  }
+  return setup;
+}
+
+// One process with DataParallel on --replicas CPU replicas (0: lockstep's
+// default devices), reading the batches of one shuffle per epoch.
+Setup data_parallel_setup(ConvNet& net, torch::optim::Optimizer& optimizer, const Dataset& data, Config& config) {
+  const std::string error = make_dir(config.out_dir);
+  TORCH_CHECK(error.empty(), error);
+  complete_paths(config);
+  Setup setup;
+  setup.state = resume(config, net, optimizer, 1, true);
+  auto options = lockstep::DataParallelOptions();
+  if (config.replicas > 0) {
+    options.devices(std::vector<torch::Device>(config.replicas, torch::Device(torch::kCPU)));
+  }
+  lockstep::DataParallel<ConvNet> model(net, options);
+  setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
+  const int64_t n = data.train.images.size(0);
+  setup.batches = [n, batch_size = config.batch_size, seed = config.seed](int64_t epoch) {
+    // One shuffle per epoch from (seed, epoch): a resumed run sees the same order.
+    auto order = torch::randperm(n, at::detail::createCPUGenerator(seed * 1000003 + epoch), torch::kLong);
+    std::vector<torch::Tensor> out;
+    for (int64_t i = 0; i < n; i += batch_size) {
+      out.push_back(order.narrow(0, i, std::min(batch_size, n - i)));
+    }
+    return out;
+  };
+  std::string devices;
+  for (const auto& d : model->devices()) {
+    devices += (devices.empty() ? "" : ",") + d.str();
+  }
+  setup.description = "DataParallel on [" + devices + "]";
+  setup.combine = [](const Tally& mine) { return mine; };
+  setup.sync_buffers = [] {};
+  std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld, outputs in %s/\n",
+               data.source.c_str(), static_cast<long long>(n), static_cast<long long>(data.test.images.size(0)),
+               setup.description.c_str(), static_cast<long long>(config.batch_size), config.out_dir.c_str());
+  return setup;
+}
+
+// ---------------------------------------------------------------------------
+// Training
+// ---------------------------------------------------------------------------
+
+// What the training loop works on.
+struct Run {
+  ConvNet& net; // the bare model: evaluated, checkpointed and saved
+  torch::optim::SGD& optimizer;
+  const Dataset& data;
+  const Setup& setup;
+  const Config& config;
+};
+
+// What the summary reports of this attempt.
+struct Totals {
+  double train_seconds = 0; // without the evaluations
+  int64_t samples = 0;      // trained in this attempt, over every rank
+  Tally last_epoch;         // the last epoch's training figures
+  Tally tested;             // the last evaluation
+};
+
+double rate(double rows, double seconds) {
+  return seconds > 0 ? rows / seconds : 0;
+}
+
+std::string percent(const Tally& t) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f%%", 100.0 * t.correct / std::max<int64_t>(1, t.rows));
+  return text;
+}
+
+double mean_loss(const Tally& t) {
+  return t.loss_sum / std::max<int64_t>(1, t.rows);
+}
+
+double accuracy(const Tally& t) {
+  return static_cast<double>(t.correct) / std::max<int64_t>(1, t.rows);
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Equal hashes mean bitwise-equal models (the restart tests compare them).
+uint64_t parameter_hash(torch::nn::Module& module) {
+  return lockstep::examples::content_hash(lockstep::examples::model_tensors(module));
+}
+
+// The learning rate of optimizer step `step` (from 0) of `total`: a linear
+// warmup, then constant, divided by `gamma` every `step_epochs` epochs, or a
+// cosine down to 0. A function of the step alone, so a resumed run follows
+// the same schedule.
+double lr_at(const Config& c, int64_t step, int64_t steps_per_epoch, int64_t total) {
+  if (step < c.warmup_steps) {
+    return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
+  }
+  if (c.schedule == "step") {
+    return c.lr * std::pow(c.gamma, static_cast<double>(step / std::max<int64_t>(1, steps_per_epoch) / c.step_epochs));
+  }
+  if (c.schedule == "cosine") {
+    const double progress = static_cast<double>(step - c.warmup_steps) / std::max<int64_t>(1, total - c.warmup_steps);
+    return c.lr * 0.5 * (1 + std::cos(M_PI * std::min(1.0, progress)));
+  }
+  return c.lr;
+}
+
+// LOCKSTEP_FAULT=RANK:STEP[:CODE]: see --help.
+void maybe_inject_fault(int rank, int64_t step) {
+  static const char* spec = std::getenv("LOCKSTEP_FAULT");
+  if (spec == nullptr) {
+    return;
+  }
+  // The first attempt only, under lockstep-run or torchrun.
+  for (const char* name : {"LOCKSTEP_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}) {
+    const char* restarts = std::getenv(name);
+    if (restarts != nullptr && std::atoi(restarts) != 0) {
+      return;
+    }
+  }
+  int fault_rank = -1;
+  long long fault_step = -1;
+  char code[16] = "3";
+  const int fields = std::sscanf(spec, "%d:%lld:%15s", &fault_rank, &fault_step, code);
+  TORCH_CHECK(fields >= 2, "lockstep-train: LOCKSTEP_FAULT=\"", spec, "\" is malformed; expected RANK:STEP[:CODE], e.g. 1:30 or 1:30:kill.");
+  if (fault_rank != rank || fault_step != step) {
+    return;
+  }
+  std::fprintf(stderr, "lockstep-train: LOCKSTEP_FAULT: rank %d stops at step %lld (%s)\n", rank, fault_step,
+               std::strcmp(code, "kill") == 0 ? "SIGKILL" : code);
+  std::fflush(stderr);
+  if (std::strcmp(code, "kill") == 0) {
+    std::raise(SIGKILL);
+  }
+  if (std::strcmp(code, "hang") == 0) {
+    // A stalled rank: deaf to SIGTERM, only SIGKILL ends it.
+    std::signal(SIGTERM, SIG_IGN);
+    while (true) {
+      ::pause();
+    }
+  }
+  std::_Exit(std::atoi(code));
+}
+
+// Test loss (summed) and right answers over the whole test set: each rank
+// takes its share of the rows, and the shares are added up. Rank 0's buffers
+// are given to every rank first, so that every share is judged by the model
+// rank 0 saves.
+Tally evaluate(const Run& run) {
+  run.setup.sync_buffers();
+  torch::NoGradGuard no_grad;
+  run.net->eval();
+  const Samples& test = run.data.test;
+  const int64_t n = test.images.size(0);
+  const int64_t begin = n * run.setup.rank / run.setup.world_size;
+  const int64_t end = n * (run.setup.rank + 1) / run.setup.world_size;
+  Tally mine;
+  constexpr int64_t kBatch = 500;
+  for (int64_t i = begin; i < end; i += kBatch) {
+    const int64_t rows = std::min(kBatch, end - i);
+    auto logits = run.net(test.images.narrow(0, i, rows));
+    auto labels = test.labels.narrow(0, i, rows);
+    mine += Tally{torch::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum).item<double>(),
+                  logits.argmax(1).eq(labels).sum().item<int64_t>(), rows};
+  }
+  run.net->train();
+  return run.setup.combine(mine);
+}
+
+// One optimizer step on the training rows `index` at learning rate `lr`;
+// returns this rank's tally of the batch.
+Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
+  auto x = run.data.train.images.index_select(0, index);
+  auto y = run.data.train.labels.index_select(0, index);
+  for (auto& group : run.optimizer.param_groups()) {
+    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
+  }
+  run.optimizer.zero_grad();
+  auto logits = run.setup.forward(x);
+  auto loss = torch::cross_entropy_loss(logits, y);
+  loss.backward();
+  run.optimizer.step();
+  const int64_t b = index.size(0);
+  return Tally{loss.item<double>() * b, logits.argmax(1).eq(y).sum().item<int64_t>(), b};
+}
+
+// Rank 0 writes where training stands; every rank has the same state.
+void checkpoint(const Run& run, const TrainingState& state) {
+  if (run.setup.rank == 0 && !run.config.checkpoint_path.empty()) {
+    lockstep::examples::save_checkpoint(run.config.checkpoint_path, *run.net, run.optimizer, state);
+  }
+}
+
+// Trains the rest of epoch `state.epoch` (all of it unless resumed mid-epoch),
+// evaluates, reports the epoch and checkpoints; `state` then stands at the
+// next epoch.
+void train_epoch(const Run& run, TrainingState& state, lockstep::examples::MetricsLog& metrics, Totals& totals) {
+  const Config& config = run.config;
+  const bool lead = run.setup.rank == 0;
+  const auto epoch_start = Clock::now();
+  const auto epoch_batches = run.setup.batches(state.epoch);
+  const auto batch_count = static_cast<int64_t>(epoch_batches.size());
+  const int64_t total_steps = batch_count * config.epochs;
+  Tally rows_of_epoch;
+  for (const auto& b : epoch_batches) {
+    rows_of_epoch.rows += b.size(0);
+  }
+  // Every rank folds its batches into the epoch's tally at the same steps:
+  // about 50 times an epoch, every --log-every steps, at checkpoints, and
+  // at the epoch's end.
+  const int64_t fold_every = std::max<int64_t>(1, batch_count / 50);
+  Tally& done = state.epoch_tally; // every rank's rows up to the last fold (restored when resumed)
+  Tally pending;                   // this rank's rows since
+  const int64_t resumed_rows = done.rows;
+  lockstep::examples::Progress progress(run.setup.combine(rows_of_epoch).rows, resumed_rows,
+                                        static_cast<int>(state.epoch + 1), config.epochs, lead);
+  double eval_seconds = 0;
+  Tally logged = done; // the tally at the last training record
+  auto logged_at = Clock::now();
+  for (; state.batch_in_epoch < batch_count; ++state.batch_in_epoch) {
+    maybe_inject_fault(run.setup.rank, state.step);
+    const double lr = lr_at(config, state.step, batch_count, total_steps);
+    pending += train_step(run, epoch_batches[state.batch_in_epoch], lr);
+    ++state.step;
+    const double epochs_done = state.epoch + static_cast<double>(state.batch_in_epoch + 1) / batch_count;
+    const bool last = state.batch_in_epoch + 1 == batch_count;
+    const bool save = state.step % config.checkpoint_every == 0 && !last; // the epoch's end saves anyway
+    const bool log = state.step % config.log_every == 0;
+    if (save || log || last || state.step % fold_every == 0) {
+      done += run.setup.combine(pending);
+      pending = Tally{};
+      progress.update(done.rows, mean_loss(done), accuracy(done));
+    }
+    if (log) {
+      // The steps since the last record: loss, accuracy and speed over every rank.
+      const Tally recent{done.loss_sum - logged.loss_sum, done.correct - logged.correct, done.rows - logged.rows};
+      metrics.write({{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", epochs_done},
+                     {"lr", lr}, {"loss", mean_loss(recent)}, {"accuracy", accuracy(recent)},
+                     {"samples_per_second", rate(recent.rows, seconds_since(logged_at))}});
+      logged = done;
+      logged_at = Clock::now();
+    }
+    if (config.eval_every > 0 && state.step % config.eval_every == 0 && !last) {
+      const auto eval_start = Clock::now();
+      const Tally t = evaluate(run);
+      eval_seconds += seconds_since(eval_start);
+      metrics.write({{"kind", "eval"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", epochs_done},
+                     {"test_loss", mean_loss(t)}, {"test_accuracy", accuracy(t)}});
+      logged_at = Clock::now(); // not a training step's time
+      if (lead) {
+        std::fprintf(stderr, "%slockstep-train: step %lld: test loss %.4f, test accuracy %s\n",
+                     isatty(fileno(stderr)) ? "\n" : "", static_cast<long long>(state.step), mean_loss(t),
+                     percent(t).c_str()); // below the progress bar's line on a terminal
+      }
+    }
+    if (save) {
+      ++state.batch_in_epoch; // the checkpoint says where to go on
+      checkpoint(run, state);
+      --state.batch_in_epoch;
+    }
+  }
+  TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (",
+              run.data.train.images.size(0), " training samples); give more samples.");
+  const double epoch_train_seconds = seconds_since(epoch_start) - eval_seconds;
+  totals.train_seconds += epoch_train_seconds;
+  totals.samples += done.rows - resumed_rows;
+  totals.last_epoch = done;
+  totals.tested = evaluate(run);
+  const Tally& tested = totals.tested;
+  const double epoch_seconds = seconds_since(epoch_start);
+  if (lead) {
+    std::printf("lockstep-train: epoch %lld/%d: train loss %.4f, train accuracy %s, test loss %.4f, test accuracy "
+                "%s, %.1f s\n",
+                static_cast<long long>(state.epoch + 1), config.epochs, mean_loss(done), percent(done).c_str(),
+                mean_loss(tested), percent(tested).c_str(), epoch_seconds);
+    std::fflush(stdout);
+  }
+  metrics.write({{"kind", "epoch"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", state.epoch + 1},
+                 {"lr", lr_at(config, state.step - 1, batch_count, total_steps)}, {"train_loss", mean_loss(done)},
+                 {"train_accuracy", accuracy(done)}, {"test_loss", mean_loss(tested)},
+                 {"test_accuracy", accuracy(tested)}, {"seconds", epoch_seconds},
+                 {"samples_per_second", rate(done.rows - resumed_rows, epoch_train_seconds)}});
+  ++state.epoch;
+  state.batch_in_epoch = 0;
+  state.epoch_tally = Tally{};
+  checkpoint(run, state); // every epoch, besides every --checkpoint-every steps
+}
+
+// A checkpoint of a run that trained every epoch: evaluated again (on every
+// rank), and said so by rank 0.
+void report_finished_run(const Run& run, const TrainingState& state) {
+  const Tally tested = evaluate(run);
+  if (run.setup.rank != 0) {
+    return;
+  }
+  std::printf("lockstep-train: nothing to train: the checkpoint %s is of a finished run (%lld of %d epoch(s), %lld "
+              "steps); raise --epochs to train on, or point --checkpoint elsewhere to start afresh.\n",
+              run.config.checkpoint_path.c_str(), static_cast<long long>(state.epoch), run.config.epochs,
+              static_cast<long long>(state.step));
+  std::printf("lockstep-train: test accuracy %s of the checkpoint's model\n", percent(tested).c_str());
+  std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*run.net)));
+}
+
+// Rank 0's last words: saves the model, draws the curves, and prints the
+// summary and the list of outputs.
+void report_summary(const Run& run, const TrainingState& state, const Totals& totals, double seconds) {
+  const Config& config = run.config;
+  const int world_size = run.setup.world_size;
+  std::vector<std::string> outputs{"metrics.jsonl"};
+  if (!config.save_path.empty()) {
+    torch::save(run.net, config.save_path);
+    outputs.push_back(config.save_path);
+  }
+  if (!config.checkpoint_path.empty()) {
+    outputs.push_back(config.checkpoint_path);
+  }
+  const std::string no_curves = lockstep::examples::plot_curves(config.out_dir);
+  if (no_curves.empty()) {
+    outputs.push_back("curves.png");
+  }
+  const double samples_per_second = rate(totals.samples, totals.train_seconds);
+  std::printf("lockstep-train: %d epoch(s), %lld steps in %.1f s (%.1f s training) with %s; %.0f samples/s over all "
+              "%d rank(s), %.0f per rank\n",
+              config.epochs, static_cast<long long>(state.step), seconds, totals.train_seconds,
+              run.setup.description.c_str(), samples_per_second, world_size, samples_per_second / world_size);
+  const Tally& last = totals.last_epoch;
+  const Tally& tested = totals.tested;
+  std::printf("lockstep-train: last epoch: train loss %.4f, train accuracy %s; test loss %.4f, test accuracy %s "
+              "(%lld of %lld test images, over %d rank(s))\n",
+              mean_loss(last), percent(last).c_str(), mean_loss(tested), percent(tested).c_str(),
+              static_cast<long long>(tested.correct), static_cast<long long>(tested.rows), world_size);
+  std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*run.net)));
+  std::string listed;
+  for (const auto& o : outputs) {
+    const bool inside = o.rfind(config.out_dir + "/", 0) == 0;
+    listed += (listed.empty() ? "" : ", ") + (inside ? o.substr(config.out_dir.size() + 1) : o);
+  }
+  std::printf("lockstep-train: outputs in %s/: %s\n", config.out_dir.c_str(), listed.c_str());
+  if (!no_curves.empty()) {
+    std::printf("lockstep-train: %s\n", no_curves.c_str());
+  }
+}
+
+// Trains from where the setup starts to the last epoch, then reports.
+void train(const Run& run) {
+  const bool lead = run.setup.rank == 0;
+  TrainingState state = run.setup.state;
+  lockstep::examples::MetricsLog metrics;
+  if (lead) {
+    // Only rank 0 writes checkpoints, and only its machine can tell whether
+    // a temporary file's writer (a pid) is gone: on a disk shared by several
+    // nodes, another node's rank would remove a save in progress.
+    lockstep::examples::remove_stale_temporaries(run.config.checkpoint_path);
+    metrics = lockstep::examples::MetricsLog(run.config.out_dir + "/metrics.jsonl", state.step);
+  }
+  if (state.epoch >= run.config.epochs) {
+    report_finished_run(run, state);
+    return;
+  }
+  const auto start = Clock::now();
+  Totals totals;
+  while (state.epoch < run.config.epochs) {
+    train_epoch(run, state, metrics, totals);
+  }
+  const double seconds = seconds_since(start);
+  if (lead) {
+    report_summary(run, state, totals, seconds);
+  }
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -585,257 +762,37 @@ int main(int argc, char** argv) {
                "DistributedDataParallel under lockstep-run or torchrun, else with DataParallel on CPU replicas. "
                "Evaluates on the whole test set after each epoch, and writes metrics.jsonl, the model, a checkpoint "
                "and curves.png into --out."};
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
-  const std::string kFashionMnist = "/usr/share/datasets/fashion-mnist";
-  std::string data_dir;
-  bool use_synthetic = false;
-  int64_t train_size = 12000;
-  int64_t test_size = 2000;
+  DataOptions data_options;
+  Config config;
   std::string export_dir;
-  app.add_option("--data", data_dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or "
-                 "not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: " + kFashionMnist +
-                 " (Debian's dataset-fashion-mnist)")
-      ->check(CLI::ExistingDirectory)->group("Data");
-  app.add_flag("--synthetic", use_synthetic, "Generated data instead, deterministic by --seed (for tests)")
-      ->group("Data");
-  auto* train_option = app.add_option("--train-samples", train_size, "Training samples: the first N of the data, or "
-                                      "synthetic ones to make (default 12000)")
-      ->check(CLI::PositiveNumber)->group("Data");
-  auto* test_option = app.add_option("--test-samples", test_size, "Test samples: the first N of the data, or synthetic "
-                                     "ones to make (default 2000)")
-      ->check(CLI::PositiveNumber)->group("Data");
-  app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
-                 "directory (60000/10000 samples, MNIST's own counts) and exit")
-      ->check(CLI::ExistingDirectory)->group("Data");
-
-  int epochs = 3;
-  int64_t batch_size = 128;
-  double lr = 0.1;
-  double momentum = 0.9;
-  std::string schedule = "cosine";
-  int64_t warmup_steps = 100;
-  int step_epochs = 1;
-  double gamma = 0.5;
-  uint64_t seed = 1;
-  int threads = 0;
-  int replicas = 2;
-  app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::PositiveNumber)->capture_default_str()
-      ->group("Training");
-  app.add_option("--batch-size", batch_size, "Global batch size, split evenly over the ranks or replicas")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
-  app.add_option("--lr", lr, "Peak SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
-  app.add_option("--momentum", momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
-      ->group("Training");
-  app.add_option("--schedule", schedule, "Learning-rate schedule after the warmup: constant, step (times --gamma every "
-                 "--step-epochs epochs) or cosine (down to 0 at the end)")
-      ->check(CLI::IsMember({"constant", "step", "cosine"}))->capture_default_str()->group("Training");
-  app.add_option("--warmup-steps", warmup_steps, "Steps of linear warmup from 0 to --lr")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Training");
-  app.add_option("--step-epochs", step_epochs, "Epochs between learning-rate steps (--schedule step)")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
-  app.add_option("--gamma", gamma, "Learning-rate factor at each step (--schedule step)")
-      ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group("Training");
-  app.add_option("--seed", seed, "Seed of the model, the shuffling and the synthetic data")->capture_default_str()
-      ->group("Training");
-  app.add_option("--threads", threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which lockstep-run "
-                 "sets to each rank's share of the cores, else every core)")
-      ->check(CLI::NonNegativeNumber)->group("Training");
-  app.add_option("--replicas", replicas, "Without a launcher: DataParallel CPU replicas (0: lockstep::default_devices(): "
-                 "every GPU, or one CPU replica without one)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Training");
-
-  std::string out_dir;
-  std::string save_path;
-  std::string checkpoint_path;
-  int64_t checkpoint_every = 500;
-  int64_t eval_every = 0;
-  int64_t log_every = 50;
-  int timeout_seconds = 0;
-  app.add_option("--out", out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. Default: "
-                 "runs/<the launcher's run id, else the time>")->group("Outputs");
-  app.add_option("--save", save_path, "Save the trained model here instead of OUT/model.pt (torch::save; loads into a "
-                 "bare model)")->group("Outputs");
-  app.add_option("--checkpoint", checkpoint_path, "Checkpoint file instead of OUT/checkpoint.ckpt: resumed from when "
-                 "it exists, written (by rank 0, atomically) every --checkpoint-every steps and every epoch")
-      ->group("Outputs");
-  app.add_option("--checkpoint-every", checkpoint_every, "Optimizer steps between checkpoints, besides every epoch")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group("Outputs");
-  app.add_option("--eval-every", eval_every, "Also evaluate on the test set every N steps (0: after each epoch only)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Outputs");
-  app.add_option("--log-every", log_every, "Steps between training records in metrics.jsonl")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group("Outputs");
-  app.add_option("--timeout", timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, connections, "
-                 "each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
-      ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
-  app.footer(
-      "Under lockstep-run (or torchrun: WORLD_SIZE set), each process is one rank of DistributedDataParallel and reads "
-      "its share of each batch through LibTorch's DistributedRandomSampler; otherwise one process trains with "
-      "DataParallel on --replicas CPU replicas.\n"
-      "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
-      "3; 'kill' for SIGKILL; 'hang' to stall, ignoring SIGTERM) when it reaches optimizer step STEP, on the first "
-      "attempt only (LOCKSTEP_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT 0 or unset).");
+  add_options(app, data_options, config, export_dir);
   CLI11_PARSE(app, argc, argv);
+  // Given explicitly, the sample counts take the first N of each split of the files.
+  data_options.first_train = app.count("--train-samples") > 0;
+  data_options.first_test = app.count("--test-samples") > 0;
 
   try {
-    lockstep::examples::require_fast_blas("lockstep-train");
-    // Keep freed memory in the heap instead of returning every large tensor
-    // to the kernel: fresh pages fault and are zeroed on each step otherwise,
-    // which cost 25% of a CNN step on CPU here (docs/performance.md).
-    mallopt(M_MMAP_THRESHOLD, 256 << 20);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    // --threads, else OMP_NUM_THREADS (lockstep-run gives each rank its
-    // share), else every core: libtorch's own default can be lower (it asks
-    // cpuinfo for physical cores, which fails on some virtual machines).
-    const char* omp = std::getenv("OMP_NUM_THREADS");
-    at::set_num_threads(threads > 0                            ? threads
-                        : omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
-                                                               : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-
-    // Checked now, not at the first write: a missing folder would cost the run.
-    for (const auto& [flag, path] : {std::make_pair("--save", save_path), std::make_pair("--checkpoint", checkpoint_path)}) {
-      if (path.empty()) {
-        continue;
-      }
-      const auto slash = path.find_last_of('/');
-      const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-      TORCH_CHECK(::access(dir.c_str(), W_OK) == 0, "lockstep-train: ", flag, " ", path, ": cannot write into ", dir,
-                  " (", std::strerror(errno), "); create the folder first, or pick another path.");
-    }
-
-    Samples train_set, test;
-    std::string source;
+    prepare_process(config.threads);
+    check_output_paths(config);
     if (!export_dir.empty()) {
-      std::tie(train_set, test) = synthetic(60000, 10000, seed);
-      write_idx(train_set, export_dir, "train");
-      write_idx(test, export_dir, "t10k");
+      lockstep::examples::export_synthetic(export_dir, config.seed);
       std::printf("lockstep-train: wrote the synthetic dataset (seed %llu) as MNIST IDX files in %s\n",
-                  static_cast<unsigned long long>(seed), export_dir.c_str());
+                  static_cast<unsigned long long>(config.seed), export_dir.c_str());
       return 0;
     }
-    TORCH_CHECK(!(use_synthetic && !data_dir.empty()), "lockstep-train: --synthetic and --data ", data_dir,
-                " exclude each other; pick one.");
-    if (use_synthetic) {
-      std::tie(train_set, test) = synthetic(train_size, test_size, seed);
-      source = "synthetic";
-    } else {
-      if (data_dir.empty()) {
-        TORCH_CHECK(::access(kFashionMnist.c_str(), R_OK) == 0, "lockstep-train: no --data given, and Debian's "
-                    "Fashion-MNIST is not in ", kFashionMnist, "; install it (apt install dataset-fashion-mnist, as "
-                    "scripts/setup.sh does), give --data DIR, or --synthetic.");
-        data_dir = kFashionMnist;
-      }
-      train_set = load_mnist(data_dir, "train");
-      test = load_mnist(data_dir, "t10k");
-      source = "MNIST-format data at " + data_dir;
-      // Given explicitly, the sample counts take the first N of each split.
-      auto first = [](const Samples& all, int64_t n) {
-        n = std::min(n, all.images.size(0));
-        return Samples{all.images.narrow(0, 0, n), all.labels.narrow(0, 0, n)};
-      };
-      if (train_option->count() > 0) {
-        train_set = first(train_set, train_size);
-      }
-      if (test_option->count() > 0) {
-        test = first(test, test_size);
-      }
-    }
+    const Dataset data = lockstep::examples::load_dataset(data_options, config.seed);
 
-    torch::manual_seed(seed);
-    lockstep::examples::ConvNet net;
-    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(lr).momentum(momentum));
-    Config config{epochs, batch_size, lr, schedule, warmup_steps, step_epochs, gamma,
-                  out_dir.empty() ? default_out_dir() : out_dir, checkpoint_path, checkpoint_every, save_path,
-                  eval_every, log_every};
-    auto complete_paths = [&config] {
-      if (config.checkpoint_path.empty()) {
-        config.checkpoint_path = config.out_dir + "/checkpoint.ckpt";
-      }
-      if (config.save_path.empty()) {
-        config.save_path = config.out_dir + "/model.pt";
-      }
-    };
+    torch::manual_seed(config.seed);
+    ConvNet net;
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(config.lr).momentum(config.momentum));
+    if (config.out_dir.empty()) {
+      config.out_dir = default_out_dir();
+    }
     // Under lockstep-run (or torchrun), one process per rank with
     // DistributedDataParallel; otherwise one process with DataParallel.
-    if (std::getenv("WORLD_SIZE") != nullptr) {
-      auto group = lockstep::init_process_group(
-          lockstep::ProcessGroupOptions().timeout(std::chrono::seconds(timeout_seconds))); // 0: LOCKSTEP_TIMEOUT
-      TORCH_CHECK(batch_size % group.size() == 0, "lockstep-train: --batch-size ", batch_size, " does not split evenly over ",
-                  group.size(), " ranks; pick a multiple of ", group.size(), " (each rank takes batch-size / ranks rows).");
-      config.out_dir = agree_on_out_dir(group, config.out_dir);
-      complete_paths();
-      auto state = resume(config, net, optimizer, group.size(), group.rank() == 0);
-      check_ranks_resumed_alike(group, config, state, state.step > 0 || state.epoch > 0, *net, optimizer);
-      lockstep::DistributedDataParallel<lockstep::examples::ConvNet> model(net, group);
-      torch::data::samplers::DistributedRandomSampler sampler(
-          static_cast<size_t>(train_set.images.size(0)), static_cast<size_t>(group.size()),
-          static_cast<size_t>(group.rank()), /*allow_duplicates=*/false);
-      const int64_t per_rank = batch_size / group.size();
-      auto batches = [&sampler, per_rank](int64_t epoch) {
-        sampler.set_epoch(static_cast<size_t>(epoch));
-        sampler.reset();
-        std::vector<torch::Tensor> out;
-        while (auto indices = sampler.next(static_cast<size_t>(per_rank))) {
-          std::vector<int64_t> as_int(indices->begin(), indices->end());
-          out.push_back(torch::tensor(as_int, torch::kLong));
-        }
-        return out;
-      };
-      Parallel parallel;
-      parallel.rank = group.rank();
-      parallel.world_size = group.size();
-      parallel.setup = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() + ")";
-      // Loss and accuracy sums as doubles: exact for any count below 2^53.
-      parallel.combine = [&group](const lockstep::examples::Tally& mine) {
-        auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
-                                  torch::kFloat64);
-        group.allreduce(sums);
-        auto s = sums.accessor<double, 1>();
-        return lockstep::examples::Tally{s[0], static_cast<int64_t>(s[1]), static_cast<int64_t>(s[2])};
-      };
-      parallel.sync_buffers = [&group, &net] {
-        for (auto& buffer : net->buffers()) {
-          group.broadcast(buffer, 0);
-        }
-      };
-      if (group.rank() == 0) {
-        std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld (%lld per rank), "
-                     "outputs in %s/\n", source.c_str(), static_cast<long long>(train_set.images.size(0)),
-                     static_cast<long long>(test.images.size(0)), parallel.setup.c_str(),
-                     static_cast<long long>(batch_size), static_cast<long long>(per_rank), config.out_dir.c_str());
-      }
-      return train(model, net, optimizer, train_set, test, batches, parallel, config, state);
-    }
-    const std::string error = make_dir(config.out_dir);
-    TORCH_CHECK(error.empty(), error);
-    complete_paths();
-    auto state = resume(config, net, optimizer, 1, true);
-    auto options = lockstep::DataParallelOptions();
-    if (replicas > 0) {
-      options.devices(std::vector<torch::Device>(replicas, torch::Device(torch::kCPU)));
-    }
-    lockstep::DataParallel<lockstep::examples::ConvNet> model(net, options);
-    const int64_t n = train_set.images.size(0);
-    auto batches = [n, batch_size, seed](int64_t epoch) {
-      // One shuffle per epoch from (seed, epoch): a resumed run sees the same order.
-      auto order = torch::randperm(n, at::detail::createCPUGenerator(seed * 1000003 + epoch), torch::kLong);
-      std::vector<torch::Tensor> out;
-      for (int64_t i = 0; i < n; i += batch_size) {
-        out.push_back(order.narrow(0, i, std::min(batch_size, n - i)));
-      }
-      return out;
-    };
-    std::string devices;
-    for (const auto& d : model->devices()) {
-      devices += (devices.empty() ? "" : ",") + d.str();
-    }
-    Parallel parallel;
-    parallel.setup = "DataParallel on [" + devices + "]";
-    parallel.combine = [](const lockstep::examples::Tally& mine) { return mine; };
-    parallel.sync_buffers = [] {};
-    std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld, outputs in %s/\n",
-                 source.c_str(), static_cast<long long>(n), static_cast<long long>(test.images.size(0)),
-                 parallel.setup.c_str(), static_cast<long long>(batch_size), config.out_dir.c_str());
-    return train(model, net, optimizer, train_set, test, batches, parallel, config, state);
+    const Setup setup = std::getenv("WORLD_SIZE") != nullptr ? distributed_setup(net, optimizer, data, config)
+                                                             : data_parallel_setup(net, optimizer, data, config);
+    train(Run{net, optimizer, data, setup, config});
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
     return 1;
