@@ -33,7 +33,7 @@ out=$(mktemp)
 run_pair() { # MODE MODEL STEPS
   local port=$((20000 + RANDOM % 20000))
   if [ "$1" = python ]; then
-    # A time limit: Debian's torch.multiprocessing has been seen to hang at exit.
+    # A time limit: Debian's torch.multiprocessing can hang at exit.
     timeout -k 5 120 "$py" bench/ddp_python.py "$2" "$3" "$port" 2>/dev/null | grep steps_per_s >>"$out" || true
     return
   fi
