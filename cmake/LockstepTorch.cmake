@@ -20,13 +20,14 @@ endif()
 find_package(Torch REQUIRED CONFIG)
 set(CMAKE_PREFIX_PATH "${_lockstep_saved_prefix_path}")
 
-# ATen's intra-op threads are OpenMP in both; lockstep's worker pool sets
-# per-thread OpenMP counts (Note [CPU replicas and threads]).
-find_package(OpenMP REQUIRED)
+# ATen's intra-op threads are OpenMP in both; while CPU replicas run, the
+# caller's OpenMP threads yield to them (Note [CPU replicas and threads],
+# src/cpu_threads.cpp). A LibTorch without OpenMP gets src/no_openmp.cpp.
+find_package(OpenMP)
 # The pip wheel carries its own libgomp.so.1 beside libtorch, and that is the
 # one its libtorch loads. Link that same file: one OpenMP runtime per process,
 # and no second libgomp.so.1 on the run path for CMake to warn about.
-if(EXISTS "${TORCH_INSTALL_PREFIX}/lib/libgomp.so.1")
+if(OpenMP_CXX_FOUND AND EXISTS "${TORCH_INSTALL_PREFIX}/lib/libgomp.so.1")
   get_target_property(_lockstep_omp_libs OpenMP::OpenMP_CXX INTERFACE_LINK_LIBRARIES)
   list(TRANSFORM _lockstep_omp_libs REPLACE ".*/libgomp\\.so$" "${TORCH_INSTALL_PREFIX}/lib/libgomp.so.1")
   set_target_properties(OpenMP::OpenMP_CXX PROPERTIES INTERFACE_LINK_LIBRARIES "${_lockstep_omp_libs}")

@@ -1,14 +1,14 @@
+// Stages 1 to 4 of Note [DataParallel step], and what stage 5 is built
+// from; the node itself is in parallel_backward.cpp.
+
 #include <lockstep/data_parallel.h>
 
+#include "parallel_backward.h"
 #include "torch_compat.h"
+#include "worker_pool.h"
 
-#include <ATen/ThreadLocalState.h>
 #include <ATen/WrapDimUtils.h>
-#include <c10/core/DeviceGuard.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -32,50 +32,6 @@ namespace detail {
 namespace {
 
 using torch::autograd::variable_list;
-
-[[noreturn]] void throw_replica_error(size_t replica, torch::Device device, const char* stage, std::exception_ptr error) {
-  std::string message;
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    message = e.msg();
-  } catch (const std::exception& e) {
-    message = e.what();
-  } catch (...) {
-    message = "an exception that is not a std::exception";
-  }
-  TORCH_CHECK(false, "lockstep::DataParallel: replica ", replica, " on ", device, " failed in ", stage, ": ", message);
-}
-
-// Runs fn on the given replicas' workers with the caller's thread-local state
-// (grad mode, inference mode, autocast, profiler), rethrowing the first error.
-void run_replicas(
-    WorkerPool& pool,
-    const std::vector<size_t>& which,
-    const std::vector<torch::Device>& devices,
-    const char* stage,
-    const std::function<void(size_t)>& fn) {
-  at::ThreadLocalState state;
-  for (size_t r : which) {
-    if (devices[r].is_cpu()) {
-      yield_caller_cores();
-      break;
-    }
-  }
-  auto errors = pool.run(which, [&](size_t r) {
-    at::ThreadLocalStateGuard tls(state);
-    c10::OptionalDeviceGuard device_guard;
-    if (!devices[r].is_cpu()) {
-      device_guard.reset_device(devices[r]);
-    }
-    fn(r);
-  });
-  for (size_t i = 0; i < which.size(); ++i) {
-    if (errors[i]) {
-      throw_replica_error(which[i], devices[which[i]], stage, errors[i]);
-    }
-  }
-}
 
 void check_tensors_on(
     const char* kind,
@@ -110,197 +66,6 @@ void alias(torch::Tensor& target, const torch::Tensor& source) {
   target.set_data(source.detach());
   target.unsafeGetTensorImpl()->set_version_counter(source.unsafeGetTensorImpl()->version_counter());
 }
-
-// How one gathered output was made from the replicas' outputs, so that its
-// gradient can be cut back into the replicas' pieces.
-struct OutputSpec {
-  enum class Kind { Cat, Stack, Weighted } kind = Kind::Cat;
-  int64_t dim = 0;
-  std::vector<int64_t> sizes; // Cat: per running replica, along dim
-  std::vector<double> weights; // Weighted: per running replica
-};
-
-// What a replica's backward needs: its differentiable outputs (aligned with
-// ParallelBackward's inputs, undefined where that replica's output needs no
-// gradient), its parameters that need one, and its input leaves.
-struct ReplicaGraph {
-  size_t replica = 0;
-  torch::Device device{torch::kCPU};
-  std::vector<torch::Tensor> outputs;
-  std::vector<torch::Tensor> params;
-  std::vector<torch::Tensor> leaves;
-};
-
-struct InputMeta {
-  bool split = true;
-  int64_t dim = 0;
-  std::vector<int64_t> sizes; // per running replica: rows of its chunk
-  torch::TensorOptions options;
-  std::vector<int64_t> shape;
-};
-
-// See Note [DataParallel step], stage 5.
-class ParallelBackward : public torch::autograd::Node {
- public:
-  std::string name() const override {
-    return "lockstep::ParallelBackward";
-  }
-
-  void release_variables() override {
-    graphs_.clear();
-    released_ = true;
-  }
-
-  variable_list apply(variable_list&& grads) override {
-    TORCH_CHECK(
-        !released_,
-        "lockstep::DataParallel: backward through the same DataParallel output a second time. "
-        "Pass retain_graph=true to the first backward() if you need to go through it again.");
-    TORCH_CHECK(
-        !torch::GradMode::is_enabled(),
-        "lockstep::DataParallel: backward with create_graph=true (double backward) is not supported.");
-    TORCH_INTERNAL_ASSERT(grads.size() == specs_.size());
-    const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
-
-    std::vector<variable_list> results(graphs_.size());
-    auto backward_one = [&](size_t g) {
-      ReplicaGraph& graph = graphs_[g];
-      variable_list outputs, grad_outputs;
-      for (size_t j = 0; j < specs_.size(); ++j) {
-        if (!grads[j].defined() || !graph.outputs[j].defined()) {
-          continue;
-        }
-        outputs.push_back(graph.outputs[j]);
-        grad_outputs.push_back(piece(grads[j], specs_[j], g).to(graph.device));
-      }
-      variable_list inputs = graph.params;
-      inputs.insert(inputs.end(), graph.leaves.begin(), graph.leaves.end());
-      if (outputs.empty() || inputs.empty()) {
-        return;
-      }
-      results[g] = torch::autograd::grad(outputs, inputs, grad_outputs, keep_graph, false, /*allow_unused=*/true);
-    };
-
-    // CPU replicas run their backward on their own workers, in parallel. The
-    // engine runs a device's work on that device's engine thread, which is
-    // the thread we are on when the output is on a GPU; so GPU replicas run
-    // here, as reentrant backward, and cannot wait on themselves.
-    std::vector<size_t> on_workers, worker_graph(devices_.size(), 0);
-    for (size_t g = 0; g < graphs_.size(); ++g) {
-      if (graphs_[g].device.is_cpu()) {
-        on_workers.push_back(graphs_[g].replica);
-        worker_graph[graphs_[g].replica] = g;
-      } else {
-        backward_one(g);
-      }
-    }
-    if (!on_workers.empty()) {
-      run_replicas(*pool_, on_workers, devices_, "backward", [&](size_t r) { backward_one(worker_graph[r]); });
-    }
-    if (!keep_graph) {
-      release_variables();
-    }
-    return combine(results, on_workers);
-  }
-
-  std::shared_ptr<WorkerPool> pool_;
-  std::vector<torch::Device> devices_;
-  std::vector<OutputSpec> specs_;
-  std::vector<ReplicaGraph> graphs_;
-  std::vector<torch::Tensor> params_; // the wrapped module's, needing grad
-  std::vector<InputMeta> inputs_;
-
- private:
-  // Replica g's share of a gathered output's gradient.
-  torch::Tensor piece(const torch::Tensor& grad, const OutputSpec& spec, size_t g) const {
-    switch (spec.kind) {
-      case OutputSpec::Kind::Cat: {
-        int64_t offset = 0;
-        for (size_t i = 0; i < g; ++i) {
-          offset += spec.sizes[i];
-        }
-        return grad.narrow(spec.dim, offset, spec.sizes[g]);
-      }
-      case OutputSpec::Kind::Stack:
-        return grad.select(0, static_cast<int64_t>(g));
-      case OutputSpec::Kind::Weighted:
-        return grad * spec.weights[g];
-    }
-    TORCH_INTERNAL_ASSERT(false);
-  }
-
-  // Sums parameter gradients over replicas and puts input gradients back
-  // together, in the order of this node's next edges. The sums are spread
-  // over the CPU workers: the calling thread has yielded its cores to them.
-  variable_list combine(std::vector<variable_list>& results, const std::vector<size_t>& workers) const {
-    const size_t n_params = params_.size();
-    variable_list out(n_params + inputs_.size());
-    // The sums go to the engine, so that tensor hooks on the parameters see
-    // every gradient and AccumulateGrad runs as without the wrapper. The
-    // engine adds into a defined .grad on the calling thread, alone (it gave
-    // its cores to the replicas): a pass over every gradient that cost 15% of
-    // an MLP step. So when .grad holds only zeros (zero_grad() without
-    // set_to_none), the workers undefine it and the engine takes the sum
-    // as the new .grad: the same values, no add. Reading for zeros is split
-    // over the workers.
-    auto sum_params = [&](size_t first, size_t stride) {
-      for (size_t p = first; p < n_params; p += stride) {
-        for (auto& result : results) {
-          if (result.empty() || !result[p].defined()) {
-            continue;
-          }
-          auto g = result[p].to(params_[p].device());
-          out[p] = out[p].defined() ? out[p].add(g) : g;
-        }
-        auto& grad = params_[p].mutable_grad();
-        if (out[p].defined() && grad.defined() && grad.layout() == torch::kStrided && !grad.requires_grad() &&
-            !grad.any().item<bool>()) {
-          grad.reset();
-        }
-      }
-    };
-    if (workers.size() > 1) {
-      std::vector<size_t> slot(devices_.size(), 0);
-      for (size_t i = 0; i < workers.size(); ++i) {
-        slot[workers[i]] = i;
-      }
-      run_replicas(*pool_, workers, devices_, "backward", [&](size_t r) { sum_params(slot[r], workers.size()); });
-    } else {
-      sum_params(0, 1);
-    }
-    for (size_t s = 0; s < inputs_.size(); ++s) {
-      const InputMeta& meta = inputs_[s];
-      const auto device = meta.options.device();
-      if (!meta.split) {
-        for (auto& result : results) {
-          if (!result.empty() && result[n_params + s].defined()) {
-            auto g = result[n_params + s].to(device);
-            out[n_params + s] = out[n_params + s].defined() ? out[n_params + s].add(g) : g;
-          }
-        }
-        continue;
-      }
-      std::vector<torch::Tensor> pieces;
-      bool any = false;
-      for (size_t g = 0; g < results.size(); ++g) {
-        if (!results[g].empty() && results[g][n_params + s].defined()) {
-          pieces.push_back(results[g][n_params + s].to(device));
-          any = true;
-        } else {
-          auto shape = meta.shape;
-          shape[meta.dim] = meta.sizes[g];
-          pieces.push_back(torch::zeros(shape, meta.options));
-        }
-      }
-      if (any) {
-        out[n_params + s] = torch::cat(pieces, meta.dim);
-      }
-    }
-    return out;
-  }
-
-  bool released_ = false;
-};
 
 } // namespace
 
@@ -420,10 +185,11 @@ DataParallelCore::DataParallelCore(
 // region, libgomp keeps that thread's team spinning for a while (about 14 ms
 // on the machines we measured) waiting for more work; the caller's optimizer
 // step is such a region, and its spinning threads then take cores from the
-// replicas' forward. Halved throughput, measured. So whenever CPU replicas
-// run, the calling thread drops to one intra-op thread (yield_caller_cores):
-// while DataParallel drives training, its replicas own the cores. See
-// docs/design.md.
+// replicas' forward. Halved throughput, measured. So while CPU replicas run,
+// the calling thread drops to one intra-op thread (CallerCoresYielded in
+// src/cpu_threads.h), and takes its own count back when they are done, so
+// that what it runs between steps (the optimizer, a bare module) keeps every
+// core. See docs/design.md.
 
 torch::Device DataParallelCore::output_device() const {
   return options_.output_device().value_or(options_.devices()[0]);
@@ -434,9 +200,9 @@ void DataParallelCore::check_on_first_device() const {
   check_tensors_on("buffer", buffer_names_, source_buffers_, options_.devices()[0]);
 }
 
-Plan DataParallelCore::plan(const SplitSites& sites, const std::function<SplitSites()>& names) const {
+Plan DataParallelCore::plan(const SplitSites& sites) const {
   Plan plan;
-  plan.batch = batch_size_of(sites, names);
+  plan.batch = batch_size_of(sites);
   plan.sizes = chunk_sizes(plan.batch, static_cast<int64_t>(size()), options_.weights());
   int64_t offset = 0;
   for (size_t r = 0; r < plan.sizes.size(); ++r) {
@@ -507,8 +273,9 @@ void DataParallelCore::prepare_forward(const Plan& plan) {
   }
 }
 
-void DataParallelCore::apply(const Plan& plan, StepInputs& inputs, const std::function<void(size_t, ReplicaScatter&)>& fn) {
+StepInputs DataParallelCore::apply(const Plan& plan, const std::function<void(size_t, ReplicaScatter&)>& fn) {
   TORCH_INTERNAL_ASSERT(pool_);
+  StepInputs inputs;
   inputs.leaves.assign(size(), {});
   std::vector<ReplicaScatter> scatters(size());
   for (size_t r : plan.used) {
@@ -522,12 +289,55 @@ void DataParallelCore::apply(const Plan& plan, StepInputs& inputs, const std::fu
     s.sources = r == plan.used.front() ? &inputs.sources : nullptr;
   }
   run_replicas(*pool_, plan.used, options_.devices(), "forward", [&](size_t r) { fn(r, scatters[r]); });
+  return inputs;
 }
 
-std::vector<torch::Tensor> DataParallelCore::gather(
-    const Plan& plan,
-    std::vector<std::vector<torch::Tensor>>& flat,
-    StepInputs&& inputs) {
+namespace {
+
+// Replica outputs of one flat position, moved to `device` and made one.
+torch::Tensor gather_one(
+    std::vector<torch::Tensor>& parts,
+    torch::Device device,
+    int64_t dim,
+    ScalarGather scalars,
+    const std::vector<double>& shares,
+    OutputSpec& spec) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : parts) {
+    p = p.to(device);
+  }
+  torch::Tensor gathered;
+  if (parts[0].dim() > 0) {
+    spec.dim = c10::maybe_wrap_dim(dim, parts[0].dim());
+    for (const auto& p : parts) {
+      spec.sizes.push_back(p.size(spec.dim));
+    }
+    gathered = parts.size() == 1 ? parts[0] : torch::cat(parts, spec.dim);
+  } else if (scalars == ScalarGather::Stack) {
+    spec.kind = OutputSpec::Kind::Stack;
+    gathered = torch::stack(parts);
+  } else {
+    spec.kind = OutputSpec::Kind::Weighted;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      spec.weights.push_back(scalars == ScalarGather::Mean ? shares[i] : 1.0);
+      auto term = parts[i] * spec.weights.back();
+      gathered = gathered.defined() ? gathered + term : term;
+    }
+  }
+  // With one replica running, the gathered tensor can be that replica's own
+  // output; giving it ParallelBackward's history would make the replica's
+  // graph loop back into the node. detach() keeps storage and version.
+  for (const auto& p : parts) {
+    if (gathered.is_same(p)) {
+      return gathered.detach();
+    }
+  }
+  return gathered;
+}
+
+} // namespace
+
+Gathered DataParallelCore::gather(const Plan& plan, const std::vector<std::vector<torch::Tensor>>& flat) const {
   const size_t n = plan.used.size();
   TORCH_INTERNAL_ASSERT(flat.size() == n && n > 0);
   for (size_t i = 1; i < n; ++i) {
@@ -536,16 +346,13 @@ std::vector<torch::Tensor> DataParallelCore::gather(
         flat[i].size(), " tensors but replica ", plan.used[0], " returned ", flat[0].size(),
         "; every replica must return the same structure.");
   }
-  const auto out_device = output_device();
   std::vector<double> shares(n);
   for (size_t i = 0; i < n; ++i) {
     shares[i] = static_cast<double>(plan.sizes[plan.used[i]]) / static_cast<double>(plan.batch);
   }
-
-  std::vector<torch::Tensor> gathered(flat[0].size());
-  std::vector<size_t> differentiable;
-  std::vector<OutputSpec> specs;
-  for (size_t j = 0; j < gathered.size(); ++j) {
+  Gathered gathered;
+  gathered.tensors.resize(flat[0].size());
+  for (size_t j = 0; j < flat[0].size(); ++j) {
     std::vector<torch::Tensor> parts(n);
     bool needs_grad = false;
     for (size_t i = 0; i < n; ++i) {
@@ -560,110 +367,20 @@ std::vector<torch::Tensor> DataParallelCore::gather(
       continue;
     }
     OutputSpec spec;
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& p : parts) {
-        p = p.to(out_device);
-      }
-      if (parts[0].dim() == 0) {
-        switch (options_.scalar_outputs()) {
-          case ScalarGather::Stack:
-            spec.kind = OutputSpec::Kind::Stack;
-            gathered[j] = torch::stack(parts);
-            break;
-          case ScalarGather::Mean:
-          case ScalarGather::Sum: {
-            spec.kind = OutputSpec::Kind::Weighted;
-            const bool mean = options_.scalar_outputs() == ScalarGather::Mean;
-            torch::Tensor total;
-            for (size_t i = 0; i < n; ++i) {
-              spec.weights.push_back(mean ? shares[i] : 1.0);
-              auto term = mean ? parts[i] * shares[i] : parts[i];
-              total = total.defined() ? total + term : term;
-            }
-            gathered[j] = total;
-            break;
-          }
-        }
-      } else {
-        spec.dim = c10::maybe_wrap_dim(options_.dim(), parts[0].dim());
-        for (const auto& p : parts) {
-          spec.sizes.push_back(p.size(spec.dim));
-        }
-        gathered[j] = n == 1 ? parts[0] : torch::cat(parts, spec.dim);
-      }
-      // With one replica running, the gathered tensor can be that replica's own
-      // output; giving it ParallelBackward's history would make the replica's
-      // graph loop back into the node. detach() keeps storage and version.
-      for (const auto& p : parts) {
-        if (gathered[j].is_same(p)) {
-          gathered[j] = gathered[j].detach();
-          break;
-        }
-      }
+    auto& out = gathered.tensors[j];
+    out = gather_one(parts, output_device(), options_.dim(), options_.scalar_outputs(), shares, spec);
+    if (needs_grad && is_differentiable(out)) {
+      gathered.differentiable.push_back(j);
+      gathered.specs.push_back(std::move(spec));
     }
-    if (needs_grad && is_differentiable(gathered[j])) {
-      differentiable.push_back(j);
-      specs.push_back(std::move(spec));
-    }
-  }
-
-  if (options_.buffers() == BufferSync::Average && source_->is_training()) {
-    average_buffers(plan);
-  }
-  if (differentiable.empty()) {
-    return gathered;
-  }
-
-  auto node = make_node<ParallelBackward>();
-  node->pool_ = pool_;
-  node->devices_ = options_.devices();
-  node->specs_ = std::move(specs);
-  std::vector<size_t> grad_params;
-  variable_list edges_of;
-  for (size_t p = 0; p < source_params_.size(); ++p) {
-    if (source_params_[p].requires_grad()) {
-      grad_params.push_back(p);
-      edges_of.push_back(source_params_[p]);
-      node->params_.push_back(source_params_[p]);
-    }
-  }
-  for (const auto& source : inputs.sources) {
-    InputMeta meta;
-    meta.split = source.split;
-    meta.dim = source.dim;
-    meta.options = source.tensor.options();
-    meta.shape = source.tensor.sizes().vec();
-    for (size_t r : plan.used) {
-      meta.sizes.push_back(plan.sizes[r]);
-    }
-    node->inputs_.push_back(std::move(meta));
-    edges_of.push_back(source.tensor);
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const size_t r = plan.used[i];
-    ReplicaGraph graph;
-    graph.replica = r;
-    graph.device = options_.devices()[r];
-    for (size_t j : differentiable) {
-      const auto& t = flat[i][j];
-      graph.outputs.push_back(t.requires_grad() ? t : torch::Tensor());
-    }
-    for (size_t p : grad_params) {
-      graph.params.push_back(params_[r][p]);
-    }
-    graph.leaves = std::move(inputs.leaves[r]);
-    TORCH_INTERNAL_ASSERT(graph.leaves.size() == inputs.sources.size());
-    node->graphs_.push_back(std::move(graph));
-  }
-  node->set_next_edges(torch::autograd::collect_next_edges(edges_of));
-  for (size_t j : differentiable) {
-    torch::autograd::set_history(gathered[j], node);
   }
   return gathered;
 }
 
 void DataParallelCore::average_buffers(const Plan& plan) {
+  if (options_.buffers() != BufferSync::Average || !source_->is_training()) {
+    return;
+  }
   torch::NoGradGuard no_grad;
   for (size_t b = 0; b < source_buffers_.size(); ++b) {
     auto& target = source_buffers_[b];
@@ -679,6 +396,62 @@ void DataParallelCore::average_buffers(const Plan& plan) {
     // reading them in training mode, and a version bump here would make that
     // backward fail.
     target.data().copy_(total);
+  }
+}
+
+void DataParallelCore::attach_backward(
+    const Plan& plan,
+    const std::vector<std::vector<torch::Tensor>>& flat,
+    Gathered& gathered,
+    StepInputs&& inputs) {
+  if (gathered.differentiable.empty()) {
+    return;
+  }
+  BackwardPlan backward;
+  backward.pool = pool_;
+  backward.devices = options_.devices();
+  backward.outputs = std::move(gathered.specs);
+  std::vector<size_t> grad_params;
+  variable_list next_edges; // the node's outputs, in order: parameters, then inputs
+  for (size_t p = 0; p < source_params_.size(); ++p) {
+    if (source_params_[p].requires_grad()) {
+      grad_params.push_back(p);
+      next_edges.push_back(source_params_[p]);
+      backward.params.push_back(source_params_[p]);
+    }
+  }
+  for (const auto& source : inputs.sources) {
+    InputMeta meta;
+    meta.split = source.split;
+    meta.dim = source.dim;
+    meta.options = source.tensor.options();
+    meta.shape = source.tensor.sizes().vec();
+    for (size_t r : plan.used) {
+      meta.sizes.push_back(plan.sizes[r]);
+    }
+    backward.inputs.push_back(std::move(meta));
+    next_edges.push_back(source.tensor);
+  }
+  for (size_t i = 0; i < plan.used.size(); ++i) {
+    const size_t r = plan.used[i];
+    ReplicaGraph graph;
+    graph.replica = r;
+    graph.device = options_.devices()[r];
+    for (size_t j : gathered.differentiable) {
+      const auto& t = flat[i][j];
+      graph.outputs.push_back(t.requires_grad() ? t : torch::Tensor());
+    }
+    for (size_t p : grad_params) {
+      graph.params.push_back(params_[r][p]);
+    }
+    graph.leaves = std::move(inputs.leaves[r]);
+    TORCH_INTERNAL_ASSERT(graph.leaves.size() == inputs.sources.size());
+    backward.replicas.push_back(std::move(graph));
+  }
+  auto node = make_node<ParallelBackward>(std::move(backward));
+  node->set_next_edges(torch::autograd::collect_next_edges(next_edges));
+  for (size_t j : gathered.differentiable) {
+    torch::autograd::set_history(gathered.tensors[j], node);
   }
 }
 

@@ -29,9 +29,6 @@ std::vector<std::string> split_lines(const std::string& text) {
 } // namespace
 
 void verify_same_parameters(const ProcessGroup& group, const std::vector<std::string>& names, const std::vector<torch::Tensor>& params) {
-  if (group.size() == 1) {
-    return;
-  }
   std::vector<std::string> mine;
   std::string text;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -80,7 +77,7 @@ void verify_same_parameters(const ProcessGroup& group, const std::vector<std::st
 }
 
 void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root, const std::string& what) {
-  if (group.size() == 1 || tensors.empty()) {
+  if (tensors.empty()) {
     return;
   }
   torch::NoGradGuard no_grad;
@@ -93,11 +90,11 @@ void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Ten
     for (const auto& t : group_tensors) {
       flat_parts.push_back(t.reshape({-1}));
     }
-    std::vector<torch::Tensor> flat{torch::cat(flat_parts)};
-    group.impl().broadcast(flat, root, what)->wait();
+    auto flat = torch::cat(flat_parts);
+    group.broadcast_async({flat}, root, what)->wait();
     int64_t offset = 0;
     for (auto& t : group_tensors) {
-      t.copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
       offset += t.numel();
     }
   }
@@ -105,8 +102,9 @@ void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Ten
 
 DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, const DistributedOptions& options)
     : group_(std::move(group)), broadcast_buffers_(options.broadcast_buffers()) {
-  TORCH_CHECK(options.bucket_cap_mb() > 0, "lockstep::DistributedDataParallel: bucket_cap_mb must be > 0, but got ",
-              options.bucket_cap_mb(), ".");
+  TORCH_CHECK(options.bucket_bytes() > 0 && options.first_bucket_bytes() > 0,
+              "lockstep::DistributedDataParallel: bucket_bytes and first_bucket_bytes must be > 0, but got ",
+              options.bucket_bytes(), " and ", options.first_bucket_bytes(), ".");
   std::vector<std::string> names;
   std::vector<torch::Tensor> params;
   for (const auto& named : module.named_parameters()) {
@@ -122,15 +120,7 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   auto everything = module.parameters();
   everything.insert(everything.end(), buffers_.begin(), buffers_.end());
   broadcast_coalesced(group_, everything, 0, "the broadcast of rank 0's parameters and buffers");
-  reducer_ = std::make_unique<Reducer>(
-      std::move(params), std::move(names), group_,
-      ReducerOptions()
-          // A cap below the first bucket's 1 MiB caps the first bucket too.
-          .first_bucket_bytes(std::min(kFirstBucketBytes, std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024))))
-          .bucket_bytes(std::max<int64_t>(1, static_cast<int64_t>(options.bucket_cap_mb() * 1024 * 1024)))
-          .find_unused_parameters(options.find_unused_parameters())
-          .gradient_as_bucket_view(options.gradient_as_bucket_view())
-          .comm_hook(options.comm_hook()));
+  reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
 }
 
 void DistributedCore::before_forward() {

@@ -1,4 +1,6 @@
-#include <lockstep/reducer.h>
+#include <lockstep/detail/reducer.h>
+
+#include <lockstep/distributed_data_parallel.h>
 
 #include "torch_compat.h"
 
@@ -14,6 +16,7 @@
 #include <map>
 
 namespace lockstep {
+namespace detail {
 
 std::vector<std::vector<size_t>> compute_bucket_assignment(
     const std::vector<int64_t>& bytes,
@@ -53,75 +56,6 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(
   return buckets;
 }
 
-namespace comm_hooks {
-
-// A collective and what turns its result into the averaged bucket.
-class WorkReduction : public PendingReduction {
- public:
-  WorkReduction(std::shared_ptr<Work> work, std::function<torch::Tensor()> finish)
-      : work_(std::move(work)), finish_(std::move(finish)) {}
-  torch::Tensor wait() override {
-    work_->wait();
-    return finish_();
-  }
-
- private:
-  std::shared_ptr<Work> work_;
-  std::function<torch::Tensor()> finish_;
-};
-
-namespace {
-
-class Completed : public PendingReduction {
- public:
-  explicit Completed(torch::Tensor t) : t_(std::move(t)) {}
-  torch::Tensor wait() override {
-    return t_;
-  }
-
- private:
-  torch::Tensor t_;
-};
-
-std::shared_ptr<PendingReduction> compressed(const ProcessGroup& group, GradBucket& bucket, torch::Dtype dtype) {
-  // Divide first: summing already-averaged values cannot overflow float16.
-  auto values = bucket.buffer.div(group.size()).to(dtype);
-  if (dtype == torch::kBFloat16 && group.backend() == "gloo") {
-    // Gloo cannot sum bfloat16: round to it (the same precision loss), then
-    // sum in the bucket's own type. Nothing is saved on the wire here.
-    values = values.to(bucket.buffer.scalar_type());
-  }
-  std::vector<torch::Tensor> tensors{values};
-  auto work = group.impl().allreduce(tensors, ReduceOp::Sum, "allreduce of " + bucket.name);
-  auto buffer = bucket.buffer;
-  auto reduced = tensors[0];
-  return std::make_shared<WorkReduction>(std::move(work), [buffer, reduced]() mutable { return buffer.copy_(reduced); });
-}
-
-} // namespace
-
-std::shared_ptr<PendingReduction> allreduce(const ProcessGroup& group, GradBucket& bucket) {
-  std::vector<torch::Tensor> tensors{bucket.buffer};
-  auto work = group.impl().allreduce(tensors, ReduceOp::Sum, "allreduce of " + bucket.name);
-  auto buffer = bucket.buffer;
-  const int size = group.size();
-  return std::make_shared<WorkReduction>(std::move(work), [buffer, size]() mutable { return buffer.div_(size); });
-}
-
-std::shared_ptr<PendingReduction> fp16_compress(const ProcessGroup& group, GradBucket& bucket) {
-  return compressed(group, bucket, torch::kHalf);
-}
-
-std::shared_ptr<PendingReduction> bf16_compress(const ProcessGroup& group, GradBucket& bucket) {
-  return compressed(group, bucket, torch::kBFloat16);
-}
-
-std::shared_ptr<PendingReduction> completed(torch::Tensor averaged) {
-  return std::make_shared<Completed>(std::move(averaged));
-}
-
-} // namespace comm_hooks
-
 // Note [Reducer state]
 // ~~~~~~~~~~~~~~~~~~~~
 // A forward through DistributedDataParallel calls prepare_for_backward, which
@@ -139,6 +73,24 @@ std::shared_ptr<PendingReduction> completed(torch::Tensor averaged) {
 // raise the error instead of one raising and the others hanging.
 
 struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
+  // Runs autograd_hook once the parameter's gradient is accumulated.
+  class ReadyHook : public torch::autograd::FunctionPostHook {
+   public:
+    ReadyHook(std::weak_ptr<State> state, size_t index) : state_(std::move(state)), index_(index) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list& outputs,
+        const torch::autograd::variable_list& /*inputs*/) override {
+      if (auto state = state_.lock()) {
+        state->autograd_hook(index_);
+      }
+      return outputs;
+    }
+
+   private:
+    std::weak_ptr<State> state_;
+    size_t index_;
+  };
+
   enum class Phase { Idle, Expecting, Unsynced };
 
   struct Bucket {
@@ -153,7 +105,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
   ProcessGroup group;
-  ReducerOptions options;
+  DistributedOptions options;
   std::vector<Bucket> buckets;
   std::vector<std::pair<size_t, size_t>> slot_of; // param -> (bucket, position)
   std::vector<char> ready;
@@ -175,23 +127,6 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
 
 namespace {
 
-class ReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  ReadyHook(std::weak_ptr<Reducer::State> state, size_t index) : state_(std::move(state)), index_(index) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto state = state_.lock()) {
-      state->autograd_hook(index_);
-    }
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<Reducer::State> state_;
-  size_t index_;
-};
-
 std::string mib(int64_t bytes) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1024 * 1024));
@@ -200,14 +135,18 @@ std::string mib(int64_t bytes) {
 
 } // namespace
 
-Reducer::Reducer(std::vector<torch::Tensor> params, std::vector<std::string> names, ProcessGroup group, ReducerOptions options)
+Reducer::Reducer(
+    std::vector<torch::Tensor> params,
+    std::vector<std::string> names,
+    ProcessGroup group,
+    const DistributedOptions& options)
     : state_(std::make_shared<State>()) {
   TORCH_INTERNAL_ASSERT(params.size() == names.size());
   State& s = *state_;
   s.params = std::move(params);
   s.names = std::move(names);
   s.group = std::move(group);
-  s.options = std::move(options);
+  s.options = options;
 
   std::vector<int64_t> bytes;
   std::vector<std::string> keys;
@@ -215,7 +154,8 @@ Reducer::Reducer(std::vector<torch::Tensor> params, std::vector<std::string> nam
     bytes.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
     keys.push_back(std::string(c10::toString(p.scalar_type())) + "@" + p.device().str());
   }
-  auto assignment = compute_bucket_assignment(bytes, keys, s.options.first_bucket_bytes(), s.options.bucket_bytes());
+  auto assignment = compute_bucket_assignment(
+      bytes, keys, std::min(s.options.first_bucket_bytes(), s.options.bucket_bytes()), s.options.bucket_bytes());
   s.slot_of.resize(s.params.size());
   torch::NoGradGuard no_grad;
   for (size_t b = 0; b < assignment.size(); ++b) {
@@ -258,7 +198,7 @@ Reducer::Reducer(std::vector<torch::Tensor> params, std::vector<std::string> nam
   for (size_t i = 0; i < s.params.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
     TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
-    s.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, i)));
+    s.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<State::ReadyHook>(state_, i)));
     s.accumulators.push_back(std::move(accumulator)); // the hook lives only as long as the node
   }
 }
@@ -351,10 +291,9 @@ void Reducer::State::launch_ready_buckets() {
       GradBucket view{next_bucket, bucket.buffer, bucket.params, bucket.name};
       bucket.result = options.comm_hook()(group, view);
     } else {
-      std::vector<torch::Tensor> tensors{bucket.buffer};
-      bucket.result = std::make_shared<comm_hooks::WorkReduction>(
-          group.impl().allreduce(tensors, ReduceOp::Sum, "allreduce of " + bucket.name),
-          [buffer = bucket.buffer] { return buffer; });
+      // The gradients were divided by the world size on their way in.
+      bucket.result = comm_hooks::pending(
+          group.allreduce_async({bucket.buffer}, ReduceOp::Sum, "allreduce of " + bucket.name), bucket.buffer);
     }
     TORCH_CHECK(bucket.result != nullptr, where(), "the communication hook returned no result for ", bucket.name, ".");
     ++next_bucket;
@@ -384,8 +323,7 @@ void Reducer::State::finalize_backward() {
   std::shared_ptr<Work> check;
   if (!options.find_unused_parameters()) {
     unused_ranks = torch::full({1}, unused.empty() ? 0.0f : 1.0f, torch::TensorOptions().device(params[0].device()));
-    std::vector<torch::Tensor> tensors{unused_ranks};
-    check = group.impl().allreduce(tensors, ReduceOp::Sum, "the check for parameters without gradients");
+    check = group.allreduce_async({unused_ranks}, ReduceOp::Sum, "the check for parameters without gradients");
   }
 
   for (auto& bucket : buckets) {
@@ -430,4 +368,5 @@ void Reducer::State::finalize_backward() {
   }
 }
 
+} // namespace detail
 } // namespace lockstep

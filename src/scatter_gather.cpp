@@ -47,7 +47,16 @@ std::vector<int64_t> chunk_sizes(int64_t batch, int64_t replicas, const std::vec
 
 namespace detail {
 
-void SplitSites::add(const torch::Tensor& tensor, c10::optional<int64_t> dim, const std::string& where) {
+std::string format_path(const Path& path) {
+  TORCH_INTERNAL_ASSERT(!path.empty());
+  std::string text = "argument " + std::to_string(path[0].index);
+  for (size_t i = 1; i < path.size(); ++i) {
+    text += path[i].key != nullptr ? "[\"" + *path[i].key + "\"]" : "[" + std::to_string(path[i].index) + "]";
+  }
+  return text;
+}
+
+void SplitSites::add(const torch::Tensor& tensor, c10::optional<int64_t> dim, const Path& path) {
   if (!tensor.defined()) {
     return; // an absent optional input: passed through as is
   }
@@ -59,11 +68,11 @@ void SplitSites::add(const torch::Tensor& tensor, c10::optional<int64_t> dim, co
     site.size = tensor.size(site.dim);
     site.valid = true;
   }
-  site.where = where;
+  site.path = path;
   sites.push_back(std::move(site));
 }
 
-int64_t batch_size_of(const SplitSites& sites, const std::function<SplitSites()>& names) {
+int64_t batch_size_of(const SplitSites& sites) {
   const auto& s = sites.sites;
   TORCH_CHECK(
       !s.empty(),
@@ -71,22 +80,17 @@ int64_t batch_size_of(const SplitSites& sites, const std::function<SplitSites()>
       ", so there is no batch to divide between replicas. Pass the batch as a tensor (not wrapped in "
       "lockstep::broadcast), or call the module directly.");
   for (size_t i = 0; i < s.size(); ++i) {
-    if (!s[i].valid) {
-      const auto named = names();
-      TORCH_INTERNAL_ASSERT(named.sites.size() == s.size());
-      TORCH_CHECK(
-          false, "lockstep::DataParallel: ", named.sites[i].where, " is a ", s[i].ndim,
-          "-dim tensor and cannot be split along dim ", s[i].dim,
-          ". Wrap it in lockstep::broadcast(...) to give every replica the whole tensor, or in "
-          "lockstep::split(t, dim) to split it along another dimension.");
-    }
+    TORCH_CHECK(
+        s[i].valid, "lockstep::DataParallel: ", format_path(s[i].path), " is a ", s[i].ndim,
+        "-dim tensor and cannot be split along dim ", s[i].dim,
+        ". Wrap it in lockstep::broadcast(...) to give every replica the whole tensor, or in "
+        "lockstep::split(t, dim) to split it along another dimension.");
     if (s[i].size != s[0].size) {
-      const auto named = names();
-      TORCH_INTERNAL_ASSERT(named.sites.size() == s.size());
+      const auto where = format_path(s[i].path);
       TORCH_CHECK(
-          false, "lockstep::DataParallel: ", named.sites[0].where, " has size ", s[0].size, " along dim ",
-          s[0].dim, " but ", named.sites[i].where, " has size ", s[i].size, " along dim ", s[i].dim,
-          "; every split tensor must have the same batch size. If ", named.sites[i].where,
+          false, "lockstep::DataParallel: ", format_path(s[0].path), " has size ", s[0].size, " along dim ", s[0].dim,
+          " but ", where, " has size ", s[i].size, " along dim ", s[i].dim,
+          "; every split tensor must have the same batch size. If ", where,
           " is meant for every replica whole (a shared batch-1 input, for example), pass it as "
           "lockstep::broadcast(tensor).");
     }
@@ -122,14 +126,17 @@ torch::Tensor ReplicaScatter::take(const torch::Tensor& tensor, c10::optional<in
   return piece;
 }
 
-torch::Tensor Scatter<Broadcast>::apply(const Broadcast& b, ReplicaScatter& replica) {
-  return replica.take(b.tensor, c10::nullopt, /*whole=*/true);
-}
-
 void check_same_length(size_t expected, size_t got, size_t replica, const char* what) {
   TORCH_CHECK(
       expected == got, "lockstep::DataParallel: replica ", replica, " returned a ", what, " of ", got,
       " elements but replica 0 returned ", expected,
+      "; every replica must return the same structure so outputs can be gathered element by element.");
+}
+
+void check_same_presence(bool expected, bool got, size_t replica) {
+  TORCH_CHECK(
+      expected == got, "lockstep::DataParallel: replica ", replica, " returned an optional that is ",
+      got ? "set" : "empty", " but replica 0's is ", expected ? "set" : "empty",
       "; every replica must return the same structure so outputs can be gathered element by element.");
 }
 

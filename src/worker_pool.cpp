@@ -1,11 +1,13 @@
-#include <lockstep/detail/worker_pool.h>
+#include "worker_pool.h"
+
+#include "cpu_threads.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <optional>
 
 namespace lockstep {
 namespace detail {
@@ -77,16 +79,6 @@ void WorkerPool::loop(Worker& worker, int threads) {
   }
 }
 
-void yield_caller_cores() {
-#ifdef _OPENMP
-  // Only this thread's OpenMP setting: at::set_num_threads would also change
-  // the process-wide count that new threads start from.
-  if (omp_get_max_threads() > 1) {
-    omp_set_num_threads(1);
-  }
-#endif
-}
-
 std::vector<std::exception_ptr> WorkerPool::run(
     const std::vector<size_t>& which,
     const std::function<void(size_t)>& fn) {
@@ -110,6 +102,54 @@ std::vector<std::exception_ptr> WorkerPool::run(
   }
   done_cv_.wait(lock, [&] { return pending_ == 0; });
   return errors;
+}
+
+namespace {
+
+[[noreturn]] void throw_replica_error(size_t replica, torch::Device device, const char* stage, std::exception_ptr error) {
+  std::string message;
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    message = e.msg();
+  } catch (const std::exception& e) {
+    message = e.what();
+  } catch (...) {
+    message = "an exception that is not a std::exception";
+  }
+  TORCH_CHECK(false, "lockstep::DataParallel: replica ", replica, " on ", device, " failed in ", stage, ": ", message);
+}
+
+} // namespace
+
+void run_replicas(
+    WorkerPool& pool,
+    const std::vector<size_t>& which,
+    const std::vector<torch::Device>& devices,
+    const char* stage,
+    const std::function<void(size_t)>& fn) {
+  at::ThreadLocalState state;
+  std::optional<CallerCoresYielded> yielded;
+  for (size_t r : which) {
+    if (devices[r].is_cpu()) {
+      yielded.emplace();
+      break;
+    }
+  }
+  auto errors = pool.run(which, [&](size_t r) {
+    at::ThreadLocalStateGuard tls(state);
+    c10::OptionalDeviceGuard device_guard;
+    if (!devices[r].is_cpu()) {
+      device_guard.reset_device(devices[r]);
+    }
+    fn(r);
+  });
+  yielded.reset();
+  for (size_t i = 0; i < which.size(); ++i) {
+    if (errors[i]) {
+      throw_replica_error(which[i], devices[which[i]], stage, errors[i]);
+    }
+  }
 }
 
 } // namespace detail

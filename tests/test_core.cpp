@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
+#include <deque>
 #include <numeric>
+#include <optional>
 
 namespace lockstep {
 namespace {
@@ -88,9 +91,9 @@ TEST(Scatter, NestedValuesAreSplitAndOthersCopied) {
   Args args{x, {x * 10, x * 100}, {{"a", x + 1}}, 7, "tag"};
   static_assert(std::is_same<detail::scatter_t<Args>, Args>::value, "containers of tensors keep their type");
 
-  auto sites = detail::find_split_sites(0, false, args);
+  auto sites = detail::find_split_sites(0, args);
   EXPECT_EQ(sites.sites.size(), 4u);
-  EXPECT_EQ(detail::batch_size_of(sites, [] { return detail::SplitSites(0); }), 5);
+  EXPECT_EQ(detail::batch_size_of(sites), 5);
 
   auto r1 = replica_rows(3, 2);
   auto part = detail::Scatter<Args>::apply(args, r1);
@@ -101,6 +104,57 @@ TEST(Scatter, NestedValuesAreSplitAndOthersCopied) {
   EXPECT_EQ(std::get<4>(part), "tag");
 }
 
+// Note [One list of walkable types]: every container is split on the way in
+// and gathered on the way out, and anything else that might hold a tensor is
+// refused at compile time (tests/compile_fail/ checks the message).
+TEST(Scatter, PairOptionalAndArrayAreSplitNotCopied) {
+  auto x = torch::arange(12).reshape({6, 2});
+  using Args = std::tuple<std::pair<torch::Tensor, torch::Tensor>, c10::optional<torch::Tensor>,
+                          std::optional<torch::Tensor>, std::array<torch::Tensor, 2>, c10::optional<torch::Tensor>>;
+  Args args{{x, x + 1}, x + 2, x + 3, {x + 4, x + 5}, c10::nullopt};
+  static_assert(std::is_same<detail::scatter_t<Args>, Args>::value, "containers of tensors keep their type");
+  static_assert(
+      std::is_same<detail::scatter_t<std::pair<Broadcast, int>>, std::pair<torch::Tensor, int>>::value,
+      "markers inside containers become tensors");
+
+  auto sites = detail::find_split_sites(0, args);
+  ASSERT_EQ(sites.sites.size(), 6u); // the empty optional has nothing to split
+  EXPECT_EQ(detail::format_path(sites.sites[5].path), "argument 0[3][1]");
+  EXPECT_EQ(detail::batch_size_of(sites), 6);
+
+  auto r = replica_rows(4, 2);
+  auto part = detail::Scatter<Args>::apply(args, r);
+  EXPECT_TRUE(torch::equal(std::get<0>(part).first, x.narrow(0, 4, 2)));
+  EXPECT_TRUE(torch::equal(std::get<0>(part).second, (x + 1).narrow(0, 4, 2)));
+  EXPECT_TRUE(torch::equal(*std::get<1>(part), (x + 2).narrow(0, 4, 2)));
+  EXPECT_TRUE(torch::equal(*std::get<2>(part), (x + 3).narrow(0, 4, 2)));
+  EXPECT_TRUE(torch::equal(std::get<3>(part)[1], (x + 5).narrow(0, 4, 2)));
+  EXPECT_FALSE(std::get<4>(part).has_value());
+}
+
+TEST(Scatter, OnlyKnownContainersAndPlainValuesAreWalkable) {
+  static_assert(detail::Structure<std::vector<torch::Tensor>>::is_container, "");
+  static_assert(detail::Structure<std::array<torch::Tensor, 3>>::is_container, "");
+  static_assert(detail::Structure<std::pair<torch::Tensor, int>>::is_container, "");
+  static_assert(detail::Structure<c10::optional<torch::Tensor>>::is_container, "");
+  static_assert(detail::Structure<std::optional<torch::Tensor>>::is_container, "");
+  static_assert(detail::Structure<std::map<std::string, torch::Tensor>>::is_container, "");
+  static_assert(detail::is_plain_value<double>::value && detail::is_plain_value<std::string>::value, "");
+  static_assert(detail::is_plain_value<torch::Device>::value && detail::is_plain_value<torch::Dtype>::value, "");
+  // Neither a container nor a plain value: refused, not copied.
+  static_assert(!detail::Structure<std::deque<torch::Tensor>>::is_container, "");
+  static_assert(!detail::is_plain_value<std::deque<torch::Tensor>>::value, "");
+  static_assert(!detail::Structure<std::map<int, torch::Tensor>>::is_container, "");
+  static_assert(!detail::is_plain_value<std::map<int, torch::Tensor>>::value, "");
+  // lockstep::broadcast(value) is the explicit way to copy such a value whole.
+  struct Config {
+    int layers;
+  };
+  static_assert(std::is_same<detail::scatter_t<BroadcastValue<Config>>, Config>::value, "");
+  auto r = replica_rows(0, 1);
+  EXPECT_EQ(detail::Scatter<BroadcastValue<Config>>::apply(broadcast(Config{3}), r).layers, 3);
+}
+
 TEST(Scatter, BroadcastAndSplitMarkers) {
   auto x = torch::arange(12).reshape({4, 3});
   auto shared = torch::ones({1, 3});
@@ -108,10 +162,10 @@ TEST(Scatter, BroadcastAndSplitMarkers) {
   static_assert(
       std::is_same<detail::scatter_t<decltype(args)>, std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>>::value,
       "markers become tensors");
-  auto sites = detail::find_split_sites(0, false, args);
+  auto sites = detail::find_split_sites(0, args);
   ASSERT_EQ(sites.sites.size(), 2u); // the broadcast tensor is not split
   EXPECT_EQ(sites.sites[1].dim, 1);
-  EXPECT_EQ(detail::batch_size_of(sites, [] { return detail::SplitSites(0); }), 4);
+  EXPECT_EQ(detail::batch_size_of(sites), 4);
   auto r = replica_rows(1, 2);
   auto part = detail::Scatter<decltype(args)>::apply(args, r);
   EXPECT_TRUE(torch::equal(std::get<0>(part), x.narrow(0, 1, 2)));
@@ -126,8 +180,8 @@ TEST(Scatter, MismatchedBatchNamesBothArgumentsAndSizes) {
   auto b = torch::zeros({1, 100});
   std::vector<torch::Tensor> list{a, b};
   auto message = error_of([&] {
-    auto sites = detail::find_split_sites(0, false, a, list);
-    detail::batch_size_of(sites, [&] { return detail::find_split_sites(0, true, a, list); });
+    auto sites = detail::find_split_sites(0, a, list);
+    detail::batch_size_of(sites);
   });
   EXPECT_NE(message.find("argument 0 has size 10 along dim 0"), std::string::npos) << message;
   EXPECT_NE(message.find("argument 1[1] has size 1 along dim 0"), std::string::npos) << message;
@@ -138,20 +192,20 @@ TEST(Scatter, ZeroDimTensorAndEmptyBatchAreErrors) {
   auto scalar = torch::tensor(3.0);
   std::map<std::string, torch::Tensor> m{{"k", scalar}};
   auto message = error_of([&] {
-    auto sites = detail::find_split_sites(0, false, torch::zeros({4}), m);
-    detail::batch_size_of(sites, [&] { return detail::find_split_sites(0, true, torch::zeros({4}), m); });
+    auto sites = detail::find_split_sites(0, torch::zeros({4}), m);
+    detail::batch_size_of(sites);
   });
   EXPECT_NE(message.find("argument 1[\"k\"] is a 0-dim tensor"), std::string::npos) << message;
 
   message = error_of([&] {
-    auto sites = detail::find_split_sites(0, false, torch::zeros({0, 4}));
-    detail::batch_size_of(sites, [] { return detail::SplitSites(0); });
+    auto sites = detail::find_split_sites(0, torch::zeros({0, 4}));
+    detail::batch_size_of(sites);
   });
   EXPECT_NE(message.find("the batch is empty"), std::string::npos) << message;
 
   message = error_of([&] {
-    auto sites = detail::find_split_sites(0, false, broadcast(torch::zeros({4})), 3);
-    detail::batch_size_of(sites, [] { return detail::SplitSites(0); });
+    auto sites = detail::find_split_sites(0, broadcast(torch::zeros({4})), 3);
+    detail::batch_size_of(sites);
   });
   EXPECT_NE(message.find("no argument has a tensor to split"), std::string::npos) << message;
 }
@@ -192,6 +246,35 @@ TEST(Gather, NestedOutputsRoundTrip) {
   EXPECT_EQ(std::get<1>(out)[0].size(0), 3);
   EXPECT_TRUE(torch::equal(std::get<2>(out).at("x"), torch::tensor({5.0f, 6.0f, 6.0f})));
   EXPECT_EQ(std::get<3>(out), 3);
+}
+
+TEST(Gather, PairOptionalAndArrayRoundTrip) {
+  using Out = std::tuple<std::pair<torch::Tensor, int64_t>, c10::optional<torch::Tensor>, std::array<torch::Tensor, 2>,
+                         std::optional<torch::Tensor>>;
+  Out a{{torch::ones({2}), 7}, torch::zeros({2}), {torch::full({2}, 1.0), torch::full({2}, 2.0)}, std::nullopt};
+  Out b{{torch::ones({1}) * 3, 7}, torch::zeros({1}) + 1, {torch::full({1}, 3.0), torch::full({1}, 4.0)}, std::nullopt};
+  std::vector<torch::Tensor> flat_a, flat_b;
+  detail::Gather<Out>::collect(a, flat_a);
+  detail::Gather<Out>::collect(b, flat_b);
+  ASSERT_EQ(flat_a.size(), 4u);
+  std::vector<torch::Tensor> gathered;
+  for (size_t i = 0; i < flat_a.size(); ++i) {
+    gathered.push_back(torch::cat({flat_a[i], flat_b[i]}));
+  }
+  size_t next = 0;
+  Out out = detail::Gather<Out>::rebuild({&a, &b}, gathered, next);
+  EXPECT_EQ(next, 4u);
+  EXPECT_TRUE(torch::equal(std::get<0>(out).first, torch::tensor({1.0f, 1.0f, 3.0f})));
+  EXPECT_EQ(std::get<0>(out).second, 7);
+  EXPECT_TRUE(torch::equal(*std::get<1>(out), torch::tensor({0.0f, 0.0f, 1.0f})));
+  EXPECT_TRUE(torch::equal(std::get<2>(out)[1], torch::tensor({2.0f, 2.0f, 4.0f})));
+  EXPECT_FALSE(std::get<3>(out).has_value());
+
+  c10::optional<torch::Tensor> set = torch::ones({1}), unset;
+  next = 0;
+  auto message = error_of([&] { detail::Gather<c10::optional<torch::Tensor>>::rebuild({&set, &unset}, {}, next); });
+  EXPECT_NE(message.find("replica 1 returned an optional that is empty but replica 0's is set"), std::string::npos)
+      << message;
 }
 
 TEST(Gather, DifferingStructureOrValuesAreErrors) {

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 namespace lockstep {
@@ -126,6 +127,29 @@ struct ContainerInImpl : torch::nn::Cloneable<ContainerInImpl> {
   torch::nn::Linear fc{nullptr};
 };
 TORCH_MODULE(ContainerIn);
+
+// Every walkable container, in and out (Note [One list of walkable types]).
+struct AllContainersImpl : torch::nn::Cloneable<AllContainersImpl> {
+  AllContainersImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(4, 3));
+  }
+  std::pair<torch::Tensor, std::array<torch::Tensor, 2>> forward(
+      std::pair<torch::Tensor, torch::Tensor> xy,
+      c10::optional<torch::Tensor> mask,
+      std::array<torch::Tensor, 2> ab,
+      std::optional<torch::Tensor> absent) {
+    auto h = fc(xy.first * xy.second + ab[0] - ab[1]);
+    if (absent.has_value()) {
+      h = h + *absent;
+    }
+    return {h, {mask.has_value() ? h * *mask : h, h.sum(1, /*keepdim=*/true)}};
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(AllContainers);
 
 // Keeps C++ member state that forward changes (seed 000's trap).
 struct CounterImpl : torch::nn::Cloneable<CounterImpl> {
@@ -268,6 +292,46 @@ TEST(DataParallel, VectorAndMapInputsMatchBareModule) {
   expect_same_training(ContainerIn(), DataParallelOptions().devices(cpus(3)), 4, [&](int, auto&& run) {
     return torch::mse_loss(run(xs, extra, 0.5), y);
   });
+}
+
+TEST(DataParallel, PairOptionalAndArrayAreSplitGatheredAndGetGradients) {
+  torch::manual_seed(6);
+  AllContainers bare;
+  AllContainers copy = deep_copy(bare);
+  DataParallel<AllContainers> dp(copy, DataParallelOptions().devices(cpus(3)));
+  // Inputs needing a gradient, one set per side, inside each kind of container.
+  auto make = [] {
+    torch::manual_seed(7);
+    return std::make_tuple(torch::randn({7, 4}, torch::requires_grad()), torch::randn({7, 4}),
+                           torch::randn({7, 3}, torch::requires_grad()), torch::randn({7, 4}),
+                           torch::randn({7, 4}, torch::requires_grad()));
+  };
+  auto [x1, y1, m1, a1, b1] = make();
+  auto [x2, y2, m2, a2, b2] = make();
+  auto run = [](auto& net, auto x, auto y, auto m, auto a, auto b) {
+    return net(std::make_pair(x, y), c10::optional<torch::Tensor>(m), std::array<torch::Tensor, 2>{a, b},
+               std::optional<torch::Tensor>());
+  };
+  auto out_bare = run(bare, x1, y1, m1, a1, b1);
+  auto out_dp = run(dp, x2, y2, m2, a2, b2);
+  // Gathered: all 7 rows, not 3 whole copies of them.
+  ASSERT_EQ(out_dp.first.sizes(), out_bare.first.sizes());
+  EXPECT_TRUE(torch::allclose(out_dp.first, out_bare.first, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(out_dp.second[0], out_bare.second[0], 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(out_dp.second[1], out_bare.second[1], 1e-5, 1e-6));
+  (out_bare.second[0].pow(2).sum() + out_bare.second[1].sum()).backward();
+  (out_dp.second[0].pow(2).sum() + out_dp.second[1].sum()).backward();
+  // The gradient reaches each input through its container.
+  for (const auto& [bare_input, dp_input] : {std::make_pair(x1, x2), std::make_pair(m1, m2), std::make_pair(b1, b2)}) {
+    ASSERT_TRUE(dp_input.grad().defined());
+    EXPECT_TRUE(torch::allclose(dp_input.grad(), bare_input.grad(), 1e-5, 1e-6));
+  }
+  auto bare_params = bare->parameters();
+  auto dp_params = copy->parameters();
+  for (size_t i = 0; i < bare_params.size(); ++i) {
+    ASSERT_TRUE(dp_params[i].grad().defined());
+    EXPECT_TRUE(torch::allclose(dp_params[i].grad(), bare_params[i].grad(), 1e-5, 1e-6));
+  }
 }
 
 // Elementwise, so that splitting along dim 1 is meaningful.
@@ -653,6 +717,21 @@ TEST(DataParallel, CpuReplicasOwnPersistentThreadsAndShareTheCores) {
 
   DataParallel<Mlp> fixed(Mlp(), DataParallelOptions().devices(cpus(2)).intra_op_threads(3));
   EXPECT_EQ(fixed->map_replicas([](MlpImpl&) { return at::get_num_threads(); }), (std::vector<int>{3, 3}));
+}
+
+// While CPU replicas run, the caller gives its OpenMP threads up to them
+// (Note [CPU replicas and threads]); a bare module stepped on the caller's
+// thread afterwards must find its own count again.
+TEST(DataParallel, CallersThreadCountComesBackAfterForwardAndBackward) {
+  at::set_num_threads(2);
+  Mlp net;
+  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
+  auto out = dp(torch::randn({6, 16}));
+  EXPECT_EQ(at::get_num_threads(), 2) << "after forward";
+  out.sum().backward();
+  EXPECT_EQ(at::get_num_threads(), 2) << "after backward";
+  dp->map_replicas([](MlpImpl&) {});
+  EXPECT_EQ(at::get_num_threads(), 2) << "after map_replicas";
 }
 
 TEST(DataParallel, OneDeviceRunsTheModuleDirectly) {

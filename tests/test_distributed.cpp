@@ -2,6 +2,7 @@
 // assignment, environment parsing), then ranks as threads in one process over
 // an in-memory c10d::HashStore, as Gloo's own tests do.
 
+#include <lockstep/detail/launch_env.h>
 #include <lockstep/lockstep.h>
 
 #include "../src/torch_compat.h"
@@ -36,18 +37,18 @@ using testing::OddNet;
 TEST(BucketAssignment, ReverseOrderFirstBucketSmall) {
   const std::vector<std::string> keys(6, "float");
   // 4 bytes each; first cap 8 bytes, later caps 12 bytes.
-  auto buckets = compute_bucket_assignment({4, 4, 4, 4, 4, 4}, keys, 8, 12);
+  auto buckets = detail::compute_bucket_assignment({4, 4, 4, 4, 4, 4}, keys, 8, 12);
   EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{5, 4}, {3, 2, 1}, {0}}));
 }
 
 TEST(BucketAssignment, LargeParameterGetsItsOwnBucketAndEmptyOnesFit) {
   const std::vector<std::string> keys(4, "float");
-  auto buckets = compute_bucket_assignment({0, 100, 0, 3}, keys, 8, 12);
+  auto buckets = detail::compute_bucket_assignment({0, 100, 0, 3}, keys, 8, 12);
   EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{3, 2, 1}, {0}}));
 }
 
 TEST(BucketAssignment, DtypesNeverShareABucket) {
-  auto buckets = compute_bucket_assignment({4, 4, 4, 4}, {"float", "double", "float", "double"}, 100, 100);
+  auto buckets = detail::compute_bucket_assignment({4, 4, 4, 4}, {"float", "double", "float", "double"}, 100, 100);
   EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{3, 1}, {2, 0}}));
 }
 
@@ -56,7 +57,7 @@ TEST(BucketAssignment, EveryParameterExactlyOnce) {
   for (int i = 0; i < 37; ++i) {
     bytes.push_back((i * 7919) % 1000);
   }
-  auto buckets = compute_bucket_assignment(bytes, std::vector<std::string>(37, "k"), 1000, 3000);
+  auto buckets = detail::compute_bucket_assignment(bytes, std::vector<std::string>(37, "k"), 1000, 3000);
   std::vector<int> seen(37, 0);
   for (const auto& b : buckets) {
     for (size_t i : b) {
@@ -68,7 +69,7 @@ TEST(BucketAssignment, EveryParameterExactlyOnce) {
 
 TEST(BucketAssignment, DefaultsAreOneAndTwentyFiveMiB) {
   EXPECT_EQ(kFirstBucketBytes, 1 << 20);
-  EXPECT_EQ(ReducerOptions().bucket_bytes(), 25 << 20);
+  EXPECT_EQ(DistributedOptions().bucket_bytes(), 25 << 20);
 }
 
 // --- environment ------------------------------------------------------------------
@@ -465,7 +466,7 @@ TEST(DdpThreads, WrapsACallersOwnC10dGroup) {
       auto options = c10d::ProcessGroupGloo::Options::create();
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
       auto c10d_group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
-      auto group = ProcessGroup::from_c10d(c10d_group);
+      auto group = from_c10d(c10d_group);
       auto t = torch::full({1}, static_cast<float>(rank + 1));
       group.allreduce(t, ReduceOp::Avg);
       results[rank] = t.item<float>();

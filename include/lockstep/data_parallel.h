@@ -5,35 +5,41 @@
 //
 // Note [DataParallel step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
-// A call dp(args...) goes through five stages:
-//  1. plan: every tensor argument to be split is found (scatter_gather.h), the
-//     batch sizes are checked to agree, and the rows are cut into one chunk per
-//     replica (chunk_sizes).
-//  2. sync: replicas were made once, by clone(), at construction; replica 0 is
-//     a clone too (Note [Replica 0] in data_parallel.cpp). Before each call,
-//     replicas' params are made to alias the wrapped module's storage where
-//     they share a device (so optimizer.step() is seen with no copy), or are
-//     copied when their version counter says the source changed. Replica 0's
-//     buffers alias the module's; the others' follow BufferSync.
-//  3. apply: each replica runs forward on its own persistent worker thread,
-//     with the caller's grad mode and other thread-local state. Inputs that need
-//     a gradient are detached into leaves of the replica's own graph.
+// A call dp(args...) goes through five stages, each a method of
+// detail::DataParallelCore, called in order by DataParallelImpl::forward:
+//  1. plan (src/data_parallel.cpp): every tensor argument to be split is found
+//     (detail/scatter_gather.h), the batch sizes are checked to agree, and the
+//     rows are cut into one chunk per replica (chunk_sizes).
+//  2. prepare_forward: replicas were made once, by clone(), at construction;
+//     replica 0 is a clone too (Note [Replica 0] in src/data_parallel.cpp).
+//     Before each call, replicas' params are made to alias the wrapped
+//     module's storage where they share a device (so optimizer.step() is seen
+//     with no copy), or are copied when their version counter says the source
+//     changed. Replica 0's buffers alias the module's; the others' follow
+//     BufferSync.
+//  3. apply: each replica runs forward on its own persistent worker thread
+//     (src/worker_pool.h), with the caller's grad mode and other thread-local
+//     state. Inputs that need a gradient are detached into leaves of the
+//     replica's own graph.
 //  4. gather: outputs are flattened, concatenated along `dim` (0-dim outputs
-//     follow ScalarGather) on the output device, and the structure is rebuilt.
-//     The gathered tensors get one autograd node, ParallelBackward, whose next
-//     edges are the wrapped module's parameters and the caller's input tensors.
-//  5. backward: when the caller's backward reaches ParallelBackward, it splits
-//     the incoming gradient, runs every replica's backward on its own worker in
-//     parallel (torch::autograd::grad, so replicas never hold .grad), sums the
-//     parameter gradients and hands them to the engine, which accumulates them
-//     into the wrapped module's .grad exactly as for a bare module. Hooks on
-//     those parameters therefore fire once per backward, as without the wrapper.
+//     follow ScalarGather) on the output device; average_buffers follows.
+//  5. attach_backward (src/parallel_backward.cpp): the gathered tensors get
+//     one autograd node, ParallelBackward, whose next edges are the wrapped
+//     module's parameters and the caller's input tensors; then the output
+//     structure is rebuilt around them. When the caller's backward reaches the
+//     node, it splits the incoming gradient, runs every replica's backward on
+//     its own worker in parallel (torch::autograd::grad, so replicas never
+//     hold .grad), sums the parameter gradients and hands them to the engine,
+//     which accumulates them into the wrapped module's .grad exactly as for a
+//     bare module. Hooks on those parameters therefore fire once per backward,
+//     as without the wrapper.
 //
 // Why not LibTorch's replicate(): it clones on every call and wires replica
 // parameters to the originals with ReduceAdd, which runs every replica's
 // backward on the caller's thread. See docs/design.md.
 
-#include <lockstep/detail/worker_pool.h>
+#include <lockstep/data_parallel_options.h>
+#include <lockstep/detail/data_parallel_core.h>
 #include <lockstep/detail/wrapper.h>
 #include <lockstep/scatter_gather.h>
 
@@ -55,147 +61,6 @@
 #include <vector>
 
 namespace lockstep {
-
-/// What happens to replicas' buffers (BatchNorm running statistics).
-enum class BufferSync {
-  /// Before each forward, every replica takes the wrapped module's buffers;
-  /// replica 0's buffers share the wrapped module's storage, so its updates
-  /// are the ones kept. This is PyTorch's behaviour.
-  Broadcast,
-  /// As Broadcast, and after each forward in training mode the wrapped module's
-  /// floating-point buffers become the average of all replicas' buffers,
-  /// weighted by their share of the batch. For BatchNorm's running mean this is
-  /// exactly the bare module's value.
-  Average,
-  /// Replicas keep their own buffers; nothing is copied. Replica 0's are the
-  /// wrapped module's.
-  Off,
-};
-
-/// Options of lockstep::DataParallel, with fluent setters.
-struct DataParallelOptions {
-  /// Devices, one replica each; replica 0 runs on devices[0], where the
-  /// wrapped module must be. The same device may repeat. Empty: every visible
-  /// GPU, or without one default_devices() (kDefaultCpuReplicas CPU replicas).
-  TORCH_ARG(std::vector<torch::Device>, devices) = {};
-  /// Where gathered outputs go. Default: devices[0].
-  TORCH_ARG(c10::optional<torch::Device>, output_device) = c10::nullopt;
-  /// The dimension inputs are split along and outputs concatenated along.
-  TORCH_ARG(int64_t, dim) = 0;
-  /// Share of the batch per device, one positive weight each. Empty: even.
-  TORCH_ARG(std::vector<double>, weights) = {};
-  /// How 0-dim outputs are combined.
-  TORCH_ARG(ScalarGather, scalar_outputs) = ScalarGather::Stack;
-  /// What happens to buffers.
-  TORCH_ARG(BufferSync, buffers) = BufferSync::Broadcast;
-  /// Intra-op threads of each CPU replica. 0: the caller's thread count split
-  /// evenly between the CPU replicas (at least one each).
-  TORCH_ARG(int64_t, intra_op_threads) = 0;
-};
-
-/// CPU replicas used when there is no GPU: one, which is the bare module with
-/// no overhead. On the 2-core machines we measure on, two CPU replicas ran at
-/// 0.81x-0.83x of the bare module using both cores as intra-op threads on an
-/// MLP, and 0.99x-1.33x on a CNN (docs/performance.md): a loss as often as a
-/// gain, so CPU replicas are opt-in, through devices().
-constexpr int64_t kDefaultCpuReplicas = 1;
-
-/// Every visible CUDA device, or kDefaultCpuReplicas CPU devices without one.
-std::vector<torch::Device> default_devices();
-
-namespace detail {
-
-/// Fills in default devices, gives bare CUDA devices an index, and checks
-/// every option, before anything is cloned.
-DataParallelOptions resolve_options(DataParallelOptions options);
-
-/// Throws, naming the first parameter or buffer of `module` not on `first`.
-void check_module_on(const torch::nn::Module& module, torch::Device first);
-
-/// What a call's chunking decided: rows and replicas that run.
-struct Plan {
-  int64_t batch = 0;
-  std::vector<size_t> used; // replicas with at least one row, ascending
-  std::vector<int64_t> sizes; // per replica, 0 for unused ones
-  std::vector<int64_t> offsets; // per replica
-};
-
-/// Per-call record of the inputs that need a gradient.
-struct StepInputs {
-  std::vector<std::vector<torch::Tensor>> leaves; // per replica
-  std::vector<InputSource> sources;
-};
-
-/// Everything of DataParallel that does not depend on the module's type:
-/// replica bookkeeping, worker threads, gathering and the backward node.
-class DataParallelCore {
- public:
-  /// `source` is the wrapped module; `replicas` its clones, one per device of
-  /// `options.devices()`, or just `source` when it runs alone (see
-  /// Note [Replica 0]); `options` come from resolve_options().
-  DataParallelCore(
-      std::shared_ptr<torch::nn::Module> source,
-      std::vector<std::shared_ptr<torch::nn::Module>> replicas,
-      DataParallelOptions options);
-
-  /// Whether forward runs the wrapped module itself: one device, outputs on it.
-  static bool runs_alone(const DataParallelOptions& options) {
-    return options.devices().size() == 1 && options.output_device().value_or(options.devices()[0]) == options.devices()[0];
-  }
-
-  const DataParallelOptions& options() const {
-    return options_;
-  }
-  size_t size() const {
-    return replicas_.size();
-  }
-  torch::Device output_device() const;
-
-  /// Stage 1. `names` re-walks the arguments with paths, for errors only.
-  Plan plan(const SplitSites& sites, const std::function<SplitSites()>& names) const;
-
-  /// Stage 2: device checks, params and buffers onto the replicas that run.
-  void prepare_forward(const Plan& plan);
-
-  /// Stage 3: fn(replica, scatter) on each running replica's worker. Throws a
-  /// c10::Error naming the replica and device if any of them threw.
-  void apply(const Plan& plan, StepInputs& inputs, const std::function<void(size_t, ReplicaScatter&)>& fn);
-
-  /// Stage 4: gathers one flat tensor list per running replica into one list,
-  /// and attaches ParallelBackward. Also averages buffers (BufferSync::Average).
-  std::vector<torch::Tensor> gather(
-      const Plan& plan,
-      std::vector<std::vector<torch::Tensor>>& flat,
-      StepInputs&& inputs);
-
-  /// fn(replica) on every replica's worker, or on the caller with one replica.
-  void run_on_all(const std::function<void(size_t)>& fn);
-
-  /// Mirrors train()/eval() and dtype changes of the wrapped module.
-  void train(bool on);
-  void to_dtype(torch::Dtype dtype, bool non_blocking);
-
- private:
-  void check_on_first_device() const;
-  void sync_params(size_t replica);
-  void sync_buffers(size_t replica);
-  void alias_replica0_buffers();
-  void average_buffers(const Plan& plan);
-
-  std::shared_ptr<torch::nn::Module> source_; // the wrapped module
-  std::vector<std::shared_ptr<torch::nn::Module>> replicas_;
-  DataParallelOptions options_;
-  std::vector<std::string> param_names_;
-  std::vector<std::string> buffer_names_;
-  std::vector<torch::Tensor> source_params_;
-  std::vector<torch::Tensor> source_buffers_;
-  std::vector<std::vector<torch::Tensor>> params_; // [replica][param]
-  std::vector<std::vector<torch::Tensor>> buffers_; // [replica][buffer]
-  std::vector<std::vector<int64_t>> synced_versions_; // [replica][param], copied params only
-  std::shared_ptr<WorkerPool> pool_; // shared with pending backward nodes
-};
-
-} // namespace detail
 
 /// Runs a module on several devices at once: one process, one replica per
 /// device, each on its own thread. Made through the holder DataParallel<M>.
@@ -242,13 +107,11 @@ class DataParallelImpl : public detail::WrapperModule<M> {
       identity.identity = true;
       return module_->forward(detail::Scatter<std::decay_t<Args>>::apply(args, identity)...);
     }
-    auto sites = detail::find_split_sites(options.dim(), /*naming=*/false, args...);
-    auto plan = core_->plan(sites, [&] { return detail::find_split_sites(options.dim(), /*naming=*/true, args...); });
+    // Note [DataParallel step], one line per stage.
+    const detail::Plan plan = core_->plan(detail::find_split_sites(options.dim(), args...));
     core_->prepare_forward(plan);
-
     std::vector<c10::optional<Output>> outputs(core_->size());
-    detail::StepInputs inputs;
-    core_->apply(plan, inputs, [&](size_t r, detail::ReplicaScatter& scatter) {
+    detail::StepInputs inputs = core_->apply(plan, [&](size_t r, detail::ReplicaScatter& scatter) {
       // Braced initialisation: arguments are scattered left to right.
       std::tuple<detail::scatter_t<Args>...> replica_args{detail::Scatter<std::decay_t<Args>>::apply(args, scatter)...};
       Impl& replica = *replicas_[r];
@@ -256,24 +119,25 @@ class DataParallelImpl : public detail::WrapperModule<M> {
           [&replica](auto&&... a) { return replica.forward(std::forward<decltype(a)>(a)...); },
           std::move(replica_args)));
     });
-
     std::vector<std::vector<torch::Tensor>> flat(plan.used.size());
     std::vector<const Output*> ordered;
     for (size_t i = 0; i < plan.used.size(); ++i) {
-      const Output& out = *outputs[plan.used[i]];
-      detail::Gather<Output>::collect(out, flat[i]);
-      ordered.push_back(&out);
+      ordered.push_back(&*outputs[plan.used[i]]);
+      detail::Gather<Output>::collect(*ordered.back(), flat[i]);
     }
-    auto gathered = core_->gather(plan, flat, std::move(inputs));
+    detail::Gathered gathered = core_->gather(plan, flat);
+    core_->average_buffers(plan);
+    core_->attach_backward(plan, flat, gathered, std::move(inputs));
+
     size_t next = 0;
-    Output result = detail::Gather<Output>::rebuild(ordered, gathered, next);
-    TORCH_INTERNAL_ASSERT(next == gathered.size());
+    Output result = detail::Gather<Output>::rebuild(ordered, gathered.tensors, next);
+    TORCH_INTERNAL_ASSERT(next == gathered.tensors.size());
     return result;
   }
 
   /// All replicas, in device order. Each is a clone sharing the wrapped
   /// module's parameters and buffers, except that a DataParallel on one device
-  /// runs the wrapped module itself (Note [Replica 0] in data_parallel.cpp).
+  /// runs the wrapped module itself (Note [Replica 0] in src/data_parallel.cpp).
   std::vector<M> replicas() const {
     return std::vector<M>(replicas_.begin(), replicas_.end());
   }

@@ -4,15 +4,18 @@
 // over ranks while backward runs. See Note [Reducer state] in src/reducer.cpp
 // and docs/design.md.
 
+#include <lockstep/comm_hooks.h>
+#include <lockstep/detail/distributed_core.h>
 #include <lockstep/detail/wrapper.h>
-#include <lockstep/distributed.h>
-#include <lockstep/reducer.h>
+#include <lockstep/process_group.h>
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -20,10 +23,17 @@
 
 namespace lockstep {
 
+/// Cap of the first bucket: small, so that its allreduce starts early in backward.
+constexpr int64_t kFirstBucketBytes = 1024 * 1024;
+/// Cap of the other buckets: PyTorch's default bucket_cap_mb, 25 MiB.
+constexpr int64_t kDefaultBucketBytes = 25 * 1024 * 1024;
+
 /// Options of lockstep::DistributedDataParallel, with fluent setters.
 struct DistributedOptions {
-  /// Cap of each bucket after the first (1 MiB, or this cap if smaller), in MiB.
-  TORCH_ARG(double, bucket_cap_mb) = kDefaultBucketCapMb;
+  /// Cap of each bucket after the first, in bytes.
+  TORCH_ARG(int64_t, bucket_bytes) = kDefaultBucketBytes;
+  /// Cap of the first bucket, in bytes. A smaller bucket_bytes caps it too.
+  TORCH_ARG(int64_t, first_bucket_bytes) = kFirstBucketBytes;
   /// Allow parameters that get no gradient in some iterations; they are
   /// reduced as zeros. Without it such parameters are an error on every rank.
   TORCH_ARG(bool, find_unused_parameters) = false;
@@ -35,54 +45,18 @@ struct DistributedOptions {
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// How a bucket is reduced: comm_hooks::allreduce, fp16_compress,
   /// bf16_compress, or your own. Empty (the default): the built-in allreduce,
-  /// comm_hooks::allreduce's result with the division fused into the copy of
-  /// each gradient into its bucket.
+  /// comm_hooks::allreduce's result with the division by the world size
+  /// fused into the copy of each gradient into its bucket.
   TORCH_ARG(CommHook, comm_hook) = nullptr;
+
+ public: // TORCH_ARG leaves the rest private
+  /// bucket_bytes in MiB, as PyTorch's bucket_cap_mb; at least one byte.
+  DistributedOptions& bucket_cap_mb(double mib) {
+    TORCH_CHECK(mib > 0, "lockstep::DistributedOptions: bucket_cap_mb must be > 0, but got ", mib, ".");
+    bucket_bytes_ = std::max<int64_t>(1, static_cast<int64_t>(mib * 1024 * 1024));
+    return *this;
+  }
 };
-
-namespace detail {
-
-/// The part of DistributedDataParallel that does not depend on the module's
-/// type: checks, broadcasts and the reducer.
-class DistributedCore {
- public:
-  DistributedCore(torch::nn::Module& module, ProcessGroup group, const DistributedOptions& options);
-
-  /// Buffers from rank 0 if asked, and the reducer told what the next
-  /// backward must do.
-  void before_forward();
-
-  const ProcessGroup& group() const {
-    return group_;
-  }
-  Reducer& reducer() {
-    return *reducer_;
-  }
-  /// False inside no_sync(): forwards then make their backward skip reduction.
-  bool sync() const {
-    return sync_;
-  }
-  void set_sync(bool sync) {
-    sync_ = sync;
-  }
-
- private:
-  bool sync_ = true;
-  ProcessGroup group_;
-  bool broadcast_buffers_;
-  std::vector<torch::Tensor> buffers_;
-  std::unique_ptr<Reducer> reducer_;
-};
-
-/// Checks that every rank has the same parameters (count, names, shapes,
-/// dtypes, in order); a mismatch throws on every rank, naming the first
-/// differing parameter and what rank 0 has.
-void verify_same_parameters(const ProcessGroup& group, const std::vector<std::string>& names, const std::vector<torch::Tensor>& params);
-
-/// Copies root's `tensors` into every rank's, one collective per dtype.
-void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root, const std::string& what);
-
-} // namespace detail
 
 /// While alive, forward and backward through the DistributedDataParallel do
 /// not communicate: .grad accumulates locally, and the next forward outside

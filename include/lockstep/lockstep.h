@@ -1,8 +1,10 @@
 #pragma once
 
 /// Every public name of lockstep.
+#include <lockstep/c10d.h>
+#include <lockstep/comm_hooks.h>
 #include <lockstep/data_parallel.h>
-#include <lockstep/distributed.h>
+#include <lockstep/data_parallel_options.h>
 #include <lockstep/distributed_data_parallel.h>
-#include <lockstep/reducer.h>
+#include <lockstep/process_group.h>
 #include <lockstep/scatter_gather.h>

@@ -3,10 +3,10 @@
 // Internal: a GroupImpl over any c10d object with c10d's collective methods.
 // LibTorch 1.13's Gloo group is a c10d::ProcessGroup and 2.x's a
 // c10d::Backend; both have the same allreduce/broadcast/allgather/barrier, so
-// one template serves both: the backends (src/backend_*.cpp) and
-// ProcessGroup::from_c10d name the type.
+// one template serves both: the backends (src/backends/<name>.cpp) and
+// lockstep::from_c10d (c10d.h) name the type.
 
-#include <lockstep/distributed.h>
+#include <lockstep/process_group.h>
 
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -31,8 +31,20 @@ namespace detail {
 
 class C10dWork : public Work {
  public:
-  C10dWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int size, std::chrono::milliseconds timeout)
-      : work_(std::move(work)), what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout) {}
+  /// `average`: divide `tensors` by the group's size once the sum is done.
+  C10dWork(
+      c10::intrusive_ptr<c10d::Work> work,
+      std::string what,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout,
+      std::vector<torch::Tensor> average = {})
+      : work_(std::move(work)),
+        what_(std::move(what)),
+        rank_(rank),
+        size_(size),
+        timeout_(timeout),
+        average_(std::move(average)) {}
   void wait() override {
     try {
       work_->wait();
@@ -41,6 +53,10 @@ class C10dWork : public Work {
     } catch (const std::exception& e) {
       throw_collective_error(what_, rank_, size_, timeout_, e.what());
     }
+    for (auto& t : average_) {
+      t.div_(size_);
+    }
+    average_.clear();
   }
 
  private:
@@ -48,6 +64,7 @@ class C10dWork : public Work {
   std::string what_;
   int rank_, size_;
   std::chrono::milliseconds timeout_;
+  std::vector<torch::Tensor> average_;
 };
 
 /// A collective with nothing to do.
@@ -55,10 +72,12 @@ struct DoneWork : Work {
   void wait() override {}
 };
 
+// Avg is a sum here, divided by C10dWork::wait: Gloo has no AVG, and one
+// way for every backend gives every backend the same rounding.
 inline c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: // summed here; ProcessGroup::allreduce divides
+    case ReduceOp::Avg:
       return c10d::ReduceOp::SUM;
     case ReduceOp::Max:
       return c10d::ReduceOp::MAX;
@@ -92,7 +111,8 @@ class C10dGroup : public GroupImpl {
     }
     c10d::AllreduceOptions options;
     options.reduceOp = to_c10d(op);
-    return wrap([&] { return group_->allreduce(tensors, options); }, std::move(what));
+    return wrap([&] { return group_->allreduce(tensors, options); }, std::move(what),
+                op == ReduceOp::Avg ? tensors : std::vector<torch::Tensor>());
   }
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
     if (empty(tensors)) {
@@ -129,9 +149,9 @@ class C10dGroup : public GroupImpl {
   }
 
   template <typename F>
-  std::shared_ptr<Work> wrap(F&& start, std::string what) {
+  std::shared_ptr<Work> wrap(F&& start, std::string what, std::vector<torch::Tensor> average = {}) {
     try {
-      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_);
+      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_, std::move(average));
     } catch (const c10::Error& e) {
       throw_collective_error(what, rank(), size(), timeout_, e.msg());
     } catch (const std::exception& e) {
@@ -145,12 +165,5 @@ class C10dGroup : public GroupImpl {
 };
 
 } // namespace detail
-
-template <typename C10dType>
-ProcessGroup ProcessGroup::from_c10d(c10::intrusive_ptr<C10dType> group) {
-  TORCH_CHECK(group, "lockstep::ProcessGroup::from_c10d: the c10d process group is null.");
-  const auto name = group->getBackendName();
-  return ProcessGroup(std::make_shared<detail::C10dGroup<C10dType>>(std::move(group), name, kDefaultTimeout));
-}
 
 } // namespace lockstep

@@ -1,4 +1,4 @@
-// Compiled when LibTorch has c10d's Gloo process group; src/no_gloo.cpp otherwise.
+// Compiled when LibTorch has c10d's Gloo process group; no_gloo.cpp otherwise.
 
 #include "backends.h"
 

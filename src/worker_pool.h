@@ -1,5 +1,9 @@
 #pragma once
 
+// Internal: the threads that run DataParallel's replicas.
+
+#include <torch/types.h>
+
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
@@ -14,7 +18,7 @@ namespace detail {
 
 /// Persistent threads, one per replica. Each keeps its own intra-op thread
 /// count for its whole life, so replicas on the CPU split the cores instead of
-/// fighting over them. See Note [CPU replicas and threads] in data_parallel.cpp.
+/// fighting over them. See Note [CPU replicas and threads] in src/data_parallel.cpp.
 class WorkerPool {
  public:
   /// Starts one worker per entry; entry i is worker i's intra-op thread count.
@@ -46,10 +50,17 @@ class WorkerPool {
   std::vector<std::unique_ptr<Worker>> workers_;
 };
 
-/// Drops the calling thread's intra-op threads to one, so that the OpenMP
-/// threads it would otherwise keep spinning after each parallel region do not
-/// take cores from CPU replicas. See Note [CPU replicas and threads].
-void yield_caller_cores();
+/// Runs fn(r) for each replica r in `which` on its worker, with the caller's
+/// thread-local state (grad mode, inference mode, autocast, profiler) and
+/// device. While CPU replicas run, the caller yields its cores
+/// (CallerCoresYielded). Throws a c10::Error naming the first replica that
+/// threw, its device and `stage`.
+void run_replicas(
+    WorkerPool& pool,
+    const std::vector<size_t>& which,
+    const std::vector<torch::Device>& devices,
+    const char* stage,
+    const std::function<void(size_t)>& fn);
 
 } // namespace detail
 } // namespace lockstep

@@ -1,7 +1,9 @@
-#include <lockstep/distributed.h>
+#include <lockstep/process_group.h>
 
-#include "backends.h"
+#include "backends/backends.h"
 #include "torch_compat.h"
+
+#include <lockstep/detail/launch_env.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -15,7 +17,6 @@
 #include <torch/version.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -24,7 +25,6 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 namespace lockstep {
@@ -84,73 +84,6 @@ std::string available_list() {
 }
 
 } // namespace
-
-int64_t parse_int(const std::string& name, const char* value, int64_t low, int64_t high, const char* form) {
-  TORCH_CHECK(value != nullptr, "lockstep: environment variable ", name, " is not set; expected ", form,
-              ". Launch with lockstep-run or torchrun, or pass the value in ProcessGroupOptions.");
-  errno = 0;
-  char* end = nullptr;
-  const long long parsed = std::strtoll(value, &end, 10);
-  TORCH_CHECK(
-      *value != '\0' && *end == '\0' && errno == 0 && parsed >= low && parsed <= high, "lockstep: environment variable ",
-      name, "=\"", value, "\" is malformed; expected ", form, ".");
-  return parsed;
-}
-
-LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get) {
-  LaunchEnv env;
-  env.world_size = options.world_size() > 0 ? options.world_size()
-                                            : parse_int("WORLD_SIZE", get("WORLD_SIZE"), 1, 1 << 20, "a whole number >= 1");
-  if (options.rank() >= 0) {
-    env.rank = options.rank();
-  } else {
-    env.rank = parse_int("RANK", get("RANK"), 0, 1 << 20, "a whole number in [0, WORLD_SIZE)");
-    TORCH_CHECK(env.rank < env.world_size, "lockstep: environment variable RANK=", env.rank,
-                " is out of range for WORLD_SIZE=", env.world_size, "; expected 0 <= RANK < WORLD_SIZE.");
-  }
-  TORCH_CHECK(
-      env.rank >= 0 && env.rank < env.world_size, "lockstep: rank ", env.rank, " is out of range for world size ",
-      env.world_size, "; expected 0 <= rank < world_size.");
-  if (const char* v = get("LOCAL_WORLD_SIZE")) {
-    env.local_world_size = parse_int("LOCAL_WORLD_SIZE", v, 1, 1 << 20, "a whole number >= 1");
-  }
-  if (const char* v = get("LOCAL_RANK")) {
-    env.local_rank = parse_int("LOCAL_RANK", v, 0, 1 << 20, "a whole number in [0, LOCAL_WORLD_SIZE)");
-    TORCH_CHECK(env.local_rank < env.local_world_size, "lockstep: environment variable LOCAL_RANK=", env.local_rank,
-                " is out of range for LOCAL_WORLD_SIZE=", env.local_world_size,
-                "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
-  }
-  TORCH_CHECK(options.timeout().count() >= 0, "lockstep: ProcessGroupOptions::timeout is ", options.timeout().count(),
-              " ms; expected a positive duration, or 0 for $LOCKSTEP_TIMEOUT (else ", kDefaultTimeout.count(), " ms).");
-  if (options.timeout().count() > 0) {
-    env.timeout = options.timeout();
-  } else if (const char* v = get("LOCKSTEP_TIMEOUT")) {
-    env.timeout = std::chrono::seconds(parse_int("LOCKSTEP_TIMEOUT", v, 1, 7 * 24 * 3600, "whole seconds, 1 or more"));
-  }
-  if (const char* v = get("TORCHELASTIC_RESTART_COUNT")) {
-    env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", v, 0, INT32_MAX, "a whole number >= 0");
-  }
-  if (env.world_size == 1) {
-    return env; // no store needed
-  }
-  const char* agent_store = get("TORCHELASTIC_USE_AGENT_STORE");
-  env.agent_store = agent_store != nullptr && std::string(agent_store) == "True";
-  env.master_addr = options.master_addr();
-  if (env.master_addr.empty()) {
-    const char* addr = get("MASTER_ADDR");
-    TORCH_CHECK(addr != nullptr && *addr != '\0', "lockstep: environment variable MASTER_ADDR is not set; expected the "
-                "host name or IP address of rank 0 (for one machine, 127.0.0.1). Launch with lockstep-run or "
-                "torchrun, or pass master_addr in ProcessGroupOptions.");
-    env.master_addr = addr;
-  }
-  env.master_port = options.master_port() > 0 ? options.master_port()
-                                              : parse_int("MASTER_PORT", get("MASTER_PORT"), 1, 65535, "a port number in [1, 65535]");
-  TORCH_CHECK(
-      env.master_port >= 1 && env.master_port <= 65535, "lockstep: master_port ", env.master_port,
-      " is not a port number; expected 1 to 65535.");
-  return env;
-}
-
 } // namespace detail
 
 ProcessGroup::ProcessGroup() : impl_(std::make_shared<detail::LocalGroup>()) {}
@@ -159,22 +92,22 @@ ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) : impl_(std::move(im
   TORCH_CHECK(impl_ != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
 }
 
+std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> tensors, ReduceOp op, std::string what) const {
+  return impl_->allreduce(tensors, op, std::move(what));
+}
+
+std::shared_ptr<Work> ProcessGroup::broadcast_async(std::vector<torch::Tensor> tensors, int root, std::string what) const {
+  TORCH_CHECK(root >= 0 && root < size(), "lockstep::ProcessGroup::broadcast: root ", root, " is not a rank of a group of ",
+              size(), ".");
+  return impl_->broadcast(tensors, root, std::move(what));
+}
+
 void ProcessGroup::allreduce(torch::Tensor& tensor, ReduceOp op) const {
-  if (size() == 1) {
-    return;
-  }
-  std::vector<torch::Tensor> tensors{tensor};
-  impl_->allreduce(tensors, op, "allreduce")->wait();
-  if (op == ReduceOp::Avg) {
-    tensor.div_(size());
-  }
+  allreduce_async({tensor}, op)->wait();
 }
 
 void ProcessGroup::broadcast(torch::Tensor& tensor, int root) const {
-  TORCH_CHECK(root >= 0 && root < size(), "lockstep::ProcessGroup::broadcast: root ", root, " is not a rank of a group of ",
-              size(), ".");
-  std::vector<torch::Tensor> tensors{tensor};
-  impl_->broadcast(tensors, root, "broadcast")->wait();
+  broadcast_async({tensor}, root)->wait();
 }
 
 std::vector<torch::Tensor> ProcessGroup::all_gather(const torch::Tensor& tensor) const {

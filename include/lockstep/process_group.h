@@ -3,8 +3,9 @@
 // Process groups for lockstep: a small interface (GroupImpl) behind a
 // copyable handle (ProcessGroup), with c10d's Gloo and NCCL process groups as
 // backends and a size-1 local group that makes world size 1 free.
-// Which backends exist is decided by the build (src/backend_*.cpp or
-// src/no_*.cpp), never by #ifdefs here.
+// Which backends exist is decided by the build (src/backends/<name>.cpp or
+// src/backends/no_<name>.cpp), never by #ifdefs here. To wrap a c10d process
+// group of your own, see c10d.h.
 
 #include <torch/arg.h>
 #include <torch/types.h>
@@ -13,7 +14,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,36 +39,41 @@ class Work {
   virtual void wait() = 0;
 };
 
-/// What a backend implements. Tensors are reduced or broadcast in place.
+/// What a backend implements: the few calls MLX calls a GroupImpl. Tensors
+/// are reduced or broadcast in place; `what` names the collective in errors
+/// ("allreduce of bucket 2 (5 parameters, 1.0 MiB)"). Every rank calls the
+/// same collectives in the same order with tensors of the same shapes.
 class GroupImpl {
  public:
   virtual ~GroupImpl() = default;
+  /// This process's rank, in [0, size()).
   virtual int rank() const = 0;
+  /// Number of ranks.
   virtual int size() const = 0;
+  /// "gloo", "nccl", "local".
   virtual std::string backend() const = 0;
+  /// How long a collective may take before it is an error.
   virtual std::chrono::milliseconds timeout() const = 0;
-  /// Sum of every rank's `tensors`, in place. `what` names it in errors.
+  /// Every rank's `tensors` reduced by `op`, in place on every rank.
   virtual std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) = 0;
+  /// Rank `root`'s `tensors` copied into every rank's.
   virtual std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) = 0;
   /// outputs[r] receives rank r's `input`.
   virtual std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) = 0;
+  /// Done once every rank has called it.
   virtual std::shared_ptr<Work> barrier(std::string what) = 0;
 };
 
 /// A process group: which rank this process is among how many, and the
-/// collectives between them. Cheap to copy; copies share the group.
+/// collectives between them. Cheap to copy; copies share the group. The
+/// default one is a group of one, whose collectives return at once, so code
+/// written for many ranks runs unchanged on one.
 class ProcessGroup {
  public:
   /// A group of one: every collective returns at once.
   ProcessGroup();
+  /// A group over a backend of your own.
   explicit ProcessGroup(std::shared_ptr<GroupImpl> impl);
-
-  /// Wraps a c10d process group the caller made: a c10d::ProcessGroupGloo or
-  /// ProcessGroupNCCL over their own store (a c10d::Backend in PyTorch 2.x, a
-  /// c10d::ProcessGroup in 1.13), or a c10d::ProcessGroup. Any c10d type with
-  /// c10d's allreduce, broadcast, allgather and barrier will do.
-  template <typename C10dType>
-  static ProcessGroup from_c10d(c10::intrusive_ptr<C10dType> group);
 
   int rank() const {
     return impl_->rank();
@@ -82,14 +87,21 @@ class ProcessGroup {
   std::chrono::milliseconds timeout() const {
     return impl_->timeout();
   }
-  GroupImpl& impl() const {
-    return *impl_;
-  }
 
-  /// Reduces `tensor` over all ranks, in place. Avg is a sum then a division
-  /// (Gloo has no AVG).
+  /// Starts reducing `tensors` over all ranks, in place; the result is there
+  /// once wait() returns. Avg is the sum divided by size(). `what` names the
+  /// collective in errors.
+  std::shared_ptr<Work> allreduce_async(
+      std::vector<torch::Tensor> tensors,
+      ReduceOp op = ReduceOp::Sum,
+      std::string what = "allreduce") const;
+  /// Starts copying root's `tensors` into every rank's.
+  std::shared_ptr<Work> broadcast_async(std::vector<torch::Tensor> tensors, int root = 0, std::string what = "broadcast")
+      const;
+
+  /// Reduces `tensor` over all ranks, in place, and waits.
   void allreduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::Sum) const;
-  /// Copies root's `tensor` into every rank's.
+  /// Copies root's `tensor` into every rank's, and waits.
   void broadcast(torch::Tensor& tensor, int root = 0) const;
   /// Every rank's `tensor`, in rank order. Shapes must match on all ranks.
   std::vector<torch::Tensor> all_gather(const torch::Tensor& tensor) const;
@@ -119,8 +131,19 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::string, backend) = "auto";
 };
 
-/// Creates the group: a c10d TCPStore (rank 0 hosts it) and the backend's
-/// process group. World size 1 needs no store and no environment beyond it.
+/// Creates the group: a store, then the backend's process group. World size 1
+/// needs no store and no environment beyond it: it is the group of one.
+/// The store is, in this order of precedence:
+///  - a c10d FileStore at $LOCKSTEP_STORE_FILE, when that is set and
+///    options.master_addr() is empty (lockstep-run sets it on one node, so
+///    that nothing listens on the network);
+///  - torchrun's agent store on MASTER_PORT, when
+///    $TORCHELASTIC_USE_AGENT_STORE is "True" (every rank its client, keys
+///    under a prefix per restart attempt, $TORCHELASTIC_RESTART_COUNT);
+///  - a c10d TCPStore that rank 0 hosts at MASTER_ADDR:MASTER_PORT.
+/// The whole call is bounded by the timeout (Note [Initialisation deadline]
+/// in src/process_group.cpp): past it, the process ends with an error rather
+/// than hang.
 ProcessGroup init_process_group(ProcessGroupOptions options = {});
 
 /// A group over a store the caller made (c10d::HashStore for ranks as threads
@@ -135,35 +158,4 @@ ProcessGroup new_group(
 /// The backends this build has, e.g. {"gloo"}.
 std::vector<std::string> available_backends();
 
-namespace detail {
-
-/// torchrun's variables, parsed. A variable that is unset or malformed is a
-/// c10::Error naming it and the expected form.
-struct LaunchEnv {
-  int64_t rank = 0;
-  int64_t world_size = 1;
-  int64_t local_rank = 0;
-  int64_t local_world_size = 1;
-  std::string master_addr;
-  int64_t master_port = 0;
-  /// torchrun's agent already hosts the store on MASTER_PORT
-  /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects as a client.
-  bool agent_store = false;
-  /// TORCHELASTIC_RESTART_COUNT: which attempt of the job this is.
-  int64_t restart_count = 0;
-  /// The options' timeout, else LOCKSTEP_TIMEOUT's, else kDefaultTimeout.
-  std::chrono::milliseconds timeout = kDefaultTimeout;
-};
-
-/// `get` looks a variable up (nullptr: unset). Only what `options` leaves
-/// unset is read; world size 1 needs neither address nor port.
-LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get);
-
-/// Parses a whole decimal number in [low, high]; `name` and `form` word the error.
-int64_t parse_int(const std::string& name, const char* value, int64_t low, int64_t high, const char* form);
-
-} // namespace detail
 } // namespace lockstep
-
-// ProcessGroup::from_c10d's definition: it needs c10d's types.
-#include <lockstep/detail/c10d_group.h>

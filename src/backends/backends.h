@@ -1,7 +1,8 @@
 #pragma once
 
 // Internal: the backends this build has. CMake compiles one file of each pair,
-// src/backend_<name>.cpp or src/no_<name>.cpp, by what LibTorch offers.
+// src/backends/<name>.cpp or src/backends/no_<name>.cpp, by what LibTorch
+// offers.
 
 #include <lockstep/detail/c10d_group.h>
 
@@ -12,7 +13,7 @@
 namespace lockstep {
 namespace detail {
 
-/// Made by src/backend_gloo.cpp or src/no_gloo.cpp, and the NCCL pair.
+/// Made by gloo.cpp or no_gloo.cpp, and the NCCL pair.
 bool gloo_available();
 std::shared_ptr<GroupImpl> make_gloo_group(
     const c10::intrusive_ptr<c10d::Store>& store,

@@ -1,0 +1,63 @@
+#pragma once
+
+// Communication hooks: how DistributedDataParallel reduces one bucket of
+// gradients, as PyTorch's register_comm_hook. A hook starts the reduction
+// while backward goes on and returns something to wait on; the reducer waits
+// at the end of backward, in bucket order.
+
+#include <lockstep/process_group.h>
+
+#include <torch/types.h>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+
+/// One bucket's gradients, flattened in one tensor, as a communication hook
+/// sees them.
+struct GradBucket {
+  size_t index = 0;
+  /// The bucket's gradients, concatenated; the hook may modify it in place.
+  torch::Tensor buffer;
+  /// Indices of the bucket's parameters among the module's parameters.
+  std::vector<size_t> parameters;
+  /// "bucket 2 (5 parameters, 1.0 MiB)": names the bucket in errors.
+  std::string name;
+};
+
+/// What a communication hook returns: the bucket averaged over ranks, now or
+/// after wait().
+class PendingReduction {
+ public:
+  virtual ~PendingReduction() = default;
+  /// The averaged gradients: `buffer` itself or a tensor of its size.
+  virtual torch::Tensor wait() = 0;
+};
+
+/// Starts the reduction of one bucket. Called in bucket order, the same on
+/// every rank, while backward runs.
+using CommHook = std::function<std::shared_ptr<PendingReduction>(const ProcessGroup&, GradBucket&)>;
+
+namespace comm_hooks {
+/// ReduceOp::Avg over ranks: the built-in reduction's result, as a hook to
+/// build on.
+std::shared_ptr<PendingReduction> allreduce(const ProcessGroup& group, GradBucket& bucket);
+/// Divided by the world size, cast to float16, summed over ranks, cast back.
+/// Halves the bytes sent; values lose float16's precision (about 1e-3 relative).
+std::shared_ptr<PendingReduction> fp16_compress(const ProcessGroup& group, GradBucket& bucket);
+/// As fp16_compress with bfloat16 (wider range, about 1e-2 relative). Gloo
+/// cannot sum bfloat16, so over Gloo the values are rounded to bfloat16 and
+/// summed in the bucket's type: the same precision, no bytes saved.
+std::shared_ptr<PendingReduction> bf16_compress(const ProcessGroup& group, GradBucket& bucket);
+/// A reduction that is done once `work` is, with `result` as the averaged
+/// bucket: for hooks built on ProcessGroup::allreduce_async.
+std::shared_ptr<PendingReduction> pending(std::shared_ptr<Work> work, torch::Tensor result);
+/// A reduction that is already done, for hooks that compute synchronously.
+std::shared_ptr<PendingReduction> completed(torch::Tensor averaged);
+} // namespace comm_hooks
+
+} // namespace lockstep

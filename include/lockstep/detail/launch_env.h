@@ -1,0 +1,43 @@
+#pragma once
+
+// Internal: the launcher's environment (torchrun's variables and lockstep's
+// own), parsed without touching the process's environment, so that it can be
+// tested as a pure function.
+
+#include <lockstep/process_group.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace lockstep {
+namespace detail {
+
+/// torchrun's variables, parsed. A variable that is unset or malformed is a
+/// c10::Error naming it and the expected form.
+struct LaunchEnv {
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  int64_t local_rank = 0;
+  int64_t local_world_size = 1;
+  std::string master_addr;
+  int64_t master_port = 0;
+  /// torchrun's agent already hosts the store on MASTER_PORT
+  /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects as a client.
+  bool agent_store = false;
+  /// TORCHELASTIC_RESTART_COUNT: which attempt of the job this is.
+  int64_t restart_count = 0;
+  /// The options' timeout, else LOCKSTEP_TIMEOUT's, else kDefaultTimeout.
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+};
+
+/// `get` looks a variable up (nullptr: unset). Only what `options` leaves
+/// unset is read; world size 1 needs neither address nor port.
+LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get);
+
+/// Parses a whole decimal number in [low, high]; `name` and `form` word the error.
+int64_t parse_int(const std::string& name, const char* value, int64_t low, int64_t high, const char* form);
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,63 @@
+#pragma once
+
+// Internal: gradient reduction for DistributedDataParallel. Parameters are
+// grouped into buckets, and each bucket is all-reduced as soon as its last
+// gradient is ready, while backward goes on. The API follows the training
+// step, as c10d's reducer does: prepare_for_backward at forward,
+// autograd_hook per gradient, finalize_backward at the end of backward (see
+// Note [Reducer state] in src/reducer.cpp).
+
+#include <lockstep/process_group.h>
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+
+struct DistributedOptions;
+
+namespace detail {
+
+/// Groups parameters into buckets: in reverse order of `bytes` (reverse
+/// registration order, roughly the order backward produces gradients), one
+/// open bucket per `keys` value (dtype and device), closed once it reaches
+/// its cap: `first_cap` for the first bucket of each key, `cap` after.
+/// Returns parameter indices per bucket, in the order buckets are reduced.
+std::vector<std::vector<size_t>> compute_bucket_assignment(
+    const std::vector<int64_t>& bytes,
+    const std::vector<std::string>& keys,
+    int64_t first_cap,
+    int64_t cap);
+
+/// Registers a post hook on each parameter's gradient accumulator and reduces
+/// the buckets as gradients arrive. Before backward() returns, every
+/// parameter's .grad holds the average over ranks.
+class Reducer {
+ public:
+  Reducer(
+      std::vector<torch::Tensor> params,
+      std::vector<std::string> names,
+      ProcessGroup group,
+      const DistributedOptions& options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  /// Called at each forward: the next backward reduces if `sync`, and
+  /// leaves .grad to accumulate locally otherwise (no_sync).
+  void prepare_for_backward(bool sync);
+
+  /// Parameter indices per bucket.
+  std::vector<std::vector<size_t>> buckets() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+} // namespace detail
+} // namespace lockstep

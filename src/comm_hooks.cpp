@@ -1,0 +1,72 @@
+#include <lockstep/comm_hooks.h>
+
+#include <torch/torch.h>
+
+namespace lockstep {
+namespace comm_hooks {
+
+namespace {
+
+// A collective and what turns its result into the averaged bucket.
+class WorkReduction : public PendingReduction {
+ public:
+  WorkReduction(std::shared_ptr<Work> work, std::function<torch::Tensor()> finish)
+      : work_(std::move(work)), finish_(std::move(finish)) {}
+  torch::Tensor wait() override {
+    work_->wait();
+    return finish_();
+  }
+
+ private:
+  std::shared_ptr<Work> work_;
+  std::function<torch::Tensor()> finish_;
+};
+
+class Completed : public PendingReduction {
+ public:
+  explicit Completed(torch::Tensor t) : t_(std::move(t)) {}
+  torch::Tensor wait() override {
+    return t_;
+  }
+
+ private:
+  torch::Tensor t_;
+};
+
+std::shared_ptr<PendingReduction> compressed(const ProcessGroup& group, GradBucket& bucket, torch::Dtype dtype) {
+  // Divide first: summing already-averaged values cannot overflow float16.
+  auto values = bucket.buffer.div(group.size()).to(dtype);
+  if (dtype == torch::kBFloat16 && group.backend() == "gloo") {
+    // Gloo cannot sum bfloat16: round to it (the same precision loss), then
+    // sum in the bucket's own type. Nothing is saved on the wire here.
+    values = values.to(bucket.buffer.scalar_type());
+  }
+  auto work = group.allreduce_async({values}, ReduceOp::Sum, "allreduce of " + bucket.name);
+  auto buffer = bucket.buffer;
+  return std::make_shared<WorkReduction>(std::move(work), [buffer, values]() mutable { return buffer.copy_(values); });
+}
+
+} // namespace
+
+std::shared_ptr<PendingReduction> allreduce(const ProcessGroup& group, GradBucket& bucket) {
+  return pending(group.allreduce_async({bucket.buffer}, ReduceOp::Avg, "allreduce of " + bucket.name), bucket.buffer);
+}
+
+std::shared_ptr<PendingReduction> pending(std::shared_ptr<Work> work, torch::Tensor result) {
+  return std::make_shared<WorkReduction>(std::move(work), [result] { return result; });
+}
+
+std::shared_ptr<PendingReduction> fp16_compress(const ProcessGroup& group, GradBucket& bucket) {
+  return compressed(group, bucket, torch::kHalf);
+}
+
+std::shared_ptr<PendingReduction> bf16_compress(const ProcessGroup& group, GradBucket& bucket) {
+  return compressed(group, bucket, torch::kBFloat16);
+}
+
+std::shared_ptr<PendingReduction> completed(torch::Tensor averaged) {
+  return std::make_shared<Completed>(std::move(averaged));
+}
+
+} // namespace comm_hooks
+} // namespace lockstep

@@ -1,0 +1,158 @@
+#include "parallel_backward.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/torch.h>
+
+namespace lockstep {
+namespace detail {
+
+using torch::autograd::variable_list;
+
+void ParallelBackward::release_variables() {
+  plan_.replicas.clear();
+  released_ = true;
+}
+
+variable_list ParallelBackward::apply(variable_list&& grads) {
+  TORCH_CHECK(
+      !released_,
+      "lockstep::DataParallel: backward through the same DataParallel output a second time. "
+      "Pass retain_graph=true to the first backward() if you need to go through it again.");
+  TORCH_CHECK(
+      !torch::GradMode::is_enabled(),
+      "lockstep::DataParallel: backward with create_graph=true (double backward) is not supported.");
+  TORCH_INTERNAL_ASSERT(grads.size() == plan_.outputs.size());
+  const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+
+  std::vector<variable_list> results(plan_.replicas.size());
+  auto backward_one = [&](size_t g) {
+    ReplicaGraph& graph = plan_.replicas[g];
+    variable_list outputs, grad_outputs;
+    for (size_t j = 0; j < plan_.outputs.size(); ++j) {
+      if (!grads[j].defined() || !graph.outputs[j].defined()) {
+        continue;
+      }
+      outputs.push_back(graph.outputs[j]);
+      grad_outputs.push_back(piece(grads[j], plan_.outputs[j], g).to(graph.device));
+    }
+    variable_list inputs = graph.params;
+    inputs.insert(inputs.end(), graph.leaves.begin(), graph.leaves.end());
+    if (outputs.empty() || inputs.empty()) {
+      return;
+    }
+    results[g] = torch::autograd::grad(outputs, inputs, grad_outputs, keep_graph, false, /*allow_unused=*/true);
+  };
+
+  // CPU replicas run their backward on their own workers, in parallel. The
+  // engine runs a device's work on that device's engine thread, which is
+  // the thread we are on when the output is on a GPU; so GPU replicas run
+  // here, as reentrant backward, and cannot wait on themselves.
+  std::vector<size_t> on_workers, worker_graph(plan_.devices.size(), 0);
+  for (size_t g = 0; g < plan_.replicas.size(); ++g) {
+    if (plan_.replicas[g].device.is_cpu()) {
+      on_workers.push_back(plan_.replicas[g].replica);
+      worker_graph[plan_.replicas[g].replica] = g;
+    } else {
+      backward_one(g);
+    }
+  }
+  if (!on_workers.empty()) {
+    run_replicas(*plan_.pool, on_workers, plan_.devices, "backward", [&](size_t r) { backward_one(worker_graph[r]); });
+  }
+  if (!keep_graph) {
+    release_variables();
+  }
+  return combine(results, on_workers);
+}
+
+// Replica g's share of a gathered output's gradient.
+torch::Tensor ParallelBackward::piece(const torch::Tensor& grad, const OutputSpec& spec, size_t g) const {
+  switch (spec.kind) {
+    case OutputSpec::Kind::Cat: {
+      int64_t offset = 0;
+      for (size_t i = 0; i < g; ++i) {
+        offset += spec.sizes[i];
+      }
+      return grad.narrow(spec.dim, offset, spec.sizes[g]);
+    }
+    case OutputSpec::Kind::Stack:
+      return grad.select(0, static_cast<int64_t>(g));
+    case OutputSpec::Kind::Weighted:
+      return grad * spec.weights[g];
+  }
+  TORCH_INTERNAL_ASSERT(false);
+}
+
+// Sums parameter gradients over replicas and puts input gradients back
+// together, in the order of this node's next edges. The sums are spread
+// over the CPU workers: the calling thread has yielded its cores to them.
+variable_list ParallelBackward::combine(std::vector<variable_list>& results, const std::vector<size_t>& workers) const {
+  const size_t n_params = plan_.params.size();
+  variable_list out(n_params + plan_.inputs.size());
+  // The sums go to the engine, so that tensor hooks on the parameters see
+  // every gradient and AccumulateGrad runs as without the wrapper. The
+  // engine adds into a defined .grad on the calling thread, alone (it gave
+  // its cores to the replicas): a pass over every gradient that cost 15% of
+  // an MLP step. So when .grad holds only zeros (zero_grad() without
+  // set_to_none), the workers undefine it and the engine takes the sum
+  // as the new .grad: the same values, no add. Reading for zeros is split
+  // over the workers.
+  auto sum_params = [&](size_t first, size_t stride) {
+    for (size_t p = first; p < n_params; p += stride) {
+      for (auto& result : results) {
+        if (result.empty() || !result[p].defined()) {
+          continue;
+        }
+        auto g = result[p].to(plan_.params[p].device());
+        out[p] = out[p].defined() ? out[p].add(g) : g;
+      }
+      auto& grad = plan_.params[p].mutable_grad();
+      if (out[p].defined() && grad.defined() && grad.layout() == torch::kStrided && !grad.requires_grad() &&
+          !grad.any().item<bool>()) {
+        grad.reset();
+      }
+    }
+  };
+  if (workers.size() > 1) {
+    std::vector<size_t> slot(plan_.devices.size(), 0);
+    for (size_t i = 0; i < workers.size(); ++i) {
+      slot[workers[i]] = i;
+    }
+    run_replicas(*plan_.pool, workers, plan_.devices, "backward", [&](size_t r) { sum_params(slot[r], workers.size()); });
+  } else {
+    sum_params(0, 1);
+  }
+  for (size_t s = 0; s < plan_.inputs.size(); ++s) {
+    const InputMeta& meta = plan_.inputs[s];
+    const auto device = meta.options.device();
+    if (!meta.split) {
+      for (auto& result : results) {
+        if (!result.empty() && result[n_params + s].defined()) {
+          auto g = result[n_params + s].to(device);
+          out[n_params + s] = out[n_params + s].defined() ? out[n_params + s].add(g) : g;
+        }
+      }
+      continue;
+    }
+    std::vector<torch::Tensor> pieces;
+    bool any = false;
+    for (size_t g = 0; g < results.size(); ++g) {
+      if (!results[g].empty() && results[g][n_params + s].defined()) {
+        pieces.push_back(results[g][n_params + s].to(device));
+        any = true;
+      } else {
+        auto shape = meta.shape;
+        shape[meta.dim] = meta.sizes[g];
+        pieces.push_back(torch::zeros(shape, meta.options));
+      }
+    }
+    if (any) {
+      out[n_params + s] = torch::cat(pieces, meta.dim);
+    }
+  }
+  return out;
+}
+
+} // namespace detail
+} // namespace lockstep
