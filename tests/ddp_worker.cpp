@@ -8,7 +8,7 @@
 
 #include <lockstep/lockstep.h>
 
-#include "ddp_models.h"
+#include "support/ddp_models.h"
 
 #include <torch/torch.h>
 

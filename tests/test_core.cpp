@@ -1,20 +1,29 @@
-// The pure core: chunk sizes and the walk over nested arguments and outputs.
-// No threads, no replicas.
+// Every pure test: chunk sizes, the walk over nested arguments and outputs,
+// bucket assignment and the launch environment. No threads, no process
+// groups; they run in a second.
 
+#include <lockstep/detail/launch_env.h>
+#include <lockstep/detail/reducer.h>
+#include <lockstep/distributed_data_parallel.h>
 #include <lockstep/scatter_gather.h>
 
-#include "test_util.h"
+#include "support/errors.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <array>
 #include <deque>
+#include <functional>
+#include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 
 namespace lockstep {
 namespace {
+
+using testing::error_of;
 
 int64_t sum(const std::vector<int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), int64_t{0});
@@ -173,8 +182,6 @@ TEST(Scatter, BroadcastAndSplitMarkers) {
   EXPECT_TRUE(torch::equal(std::get<2>(part), x.t().narrow(1, 1, 2)));
 }
 
-using testing::error_of;
-
 TEST(Scatter, MismatchedBatchNamesBothArgumentsAndSizes) {
   auto a = torch::zeros({10, 3});
   auto b = torch::zeros({1, 100});
@@ -287,6 +294,127 @@ TEST(Gather, DifferingStructureOrValuesAreErrors) {
   next = 0;
   message = error_of([&] { detail::Gather<int64_t>::rebuild({&x, &y}, {}, next); });
   EXPECT_NE(message.find("different values for a non-tensor output"), std::string::npos) << message;
+}
+
+// --- bucket assignment ---------------------------------------------------------
+
+TEST(BucketAssignment, ReverseOrderFirstBucketSmall) {
+  const std::vector<std::string> keys(6, "float");
+  // 4 bytes each; first cap 8 bytes, later caps 12 bytes.
+  auto buckets = detail::compute_bucket_assignment({4, 4, 4, 4, 4, 4}, keys, 8, 12);
+  EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{5, 4}, {3, 2, 1}, {0}}));
+}
+
+TEST(BucketAssignment, LargeParameterGetsItsOwnBucketAndEmptyOnesFit) {
+  const std::vector<std::string> keys(4, "float");
+  auto buckets = detail::compute_bucket_assignment({0, 100, 0, 3}, keys, 8, 12);
+  EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{3, 2, 1}, {0}}));
+}
+
+TEST(BucketAssignment, DtypesNeverShareABucket) {
+  auto buckets = detail::compute_bucket_assignment({4, 4, 4, 4}, {"float", "double", "float", "double"}, 100, 100);
+  EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{3, 1}, {2, 0}}));
+}
+
+TEST(BucketAssignment, EveryParameterExactlyOnce) {
+  std::vector<int64_t> bytes;
+  for (int i = 0; i < 37; ++i) {
+    bytes.push_back((i * 7919) % 1000);
+  }
+  auto buckets = detail::compute_bucket_assignment(bytes, std::vector<std::string>(37, "k"), 1000, 3000);
+  std::vector<int> seen(37, 0);
+  for (const auto& b : buckets) {
+    for (size_t i : b) {
+      ++seen[i];
+    }
+  }
+  EXPECT_EQ(seen, std::vector<int>(37, 1));
+}
+
+TEST(BucketAssignment, DefaultsAreOneAndTwentyFiveMiB) {
+  EXPECT_EQ(kFirstBucketBytes, 1 << 20);
+  EXPECT_EQ(DistributedOptions().bucket_bytes(), 25 << 20);
+}
+
+// --- environment ------------------------------------------------------------------
+
+std::function<const char*(const char*)> env_of(std::map<std::string, std::string> vars) {
+  auto shared = std::make_shared<std::map<std::string, std::string>>(std::move(vars));
+  return [shared](const char* name) -> const char* {
+    auto it = shared->find(name);
+    return it == shared->end() ? nullptr : it->second.c_str();
+  };
+}
+
+TEST(LaunchEnv, ReadsTorchrunVariables) {
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                                                                     {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+                                                                     {"MASTER_PORT", "29500"}}));
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.master_addr, "10.0.0.1");
+  EXPECT_EQ(env.master_port, 29500);
+}
+
+TEST(LaunchEnv, TorchrunsAgentStoreMakesEveryRankAClient) {
+  std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  vars["TORCHELASTIC_RESTART_COUNT"] = "2";
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of(vars));
+  EXPECT_TRUE(env.agent_store);
+  EXPECT_EQ(env.restart_count, 2);
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);
+}
+
+TEST(LaunchEnv, MissingOrMalformedVariablesNameThemselves) {
+  auto message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}})); });
+  EXPECT_NE(message.find("WORLD_SIZE is not set"), std::string::npos) << message;
+  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}})); });
+  EXPECT_NE(message.find("RANK=\"x1\" is malformed; expected a whole number in [0, WORLD_SIZE)"), std::string::npos) << message;
+  message = error_of([] {
+    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
+                                                            {"MASTER_PORT", "70000"}}));
+  });
+  EXPECT_NE(message.find("MASTER_PORT=\"70000\" is malformed; expected a port number"), std::string::npos) << message;
+  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}})); });
+  EXPECT_NE(message.find("MASTER_ADDR is not set"), std::string::npos) << message;
+  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "5"}, {"WORLD_SIZE", "2"}})); });
+  EXPECT_NE(message.find("RANK=5 is out of range for WORLD_SIZE=2"), std::string::npos) << message;
+  message = error_of([] {
+    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"},
+                                                            {"LOCAL_RANK", "2"}}));
+  });
+  EXPECT_NE(message.find("LOCAL_RANK=2 is out of range for LOCAL_WORLD_SIZE=2"), std::string::npos) << message;
+}
+
+TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
+  std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, kDefaultTimeout);
+  vars["LOCKSTEP_TIMEOUT"] = "7";
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, std::chrono::seconds(7));
+  const auto explicit_timeout = std::chrono::milliseconds(1500);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions().timeout(explicit_timeout), env_of(vars)).timeout,
+            explicit_timeout);
+  vars["LOCKSTEP_TIMEOUT"] = "5m";
+  auto message = error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)); });
+  EXPECT_NE(message.find("LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds"), std::string::npos) << message;
+  message = error_of([&] {
+    detail::parse_launch_env(ProcessGroupOptions().timeout(std::chrono::milliseconds(-1)), env_of(vars));
+  });
+  EXPECT_NE(message.find("ProcessGroupOptions::timeout is -1 ms"), std::string::npos) << message;
+}
+
+TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
+  auto env = detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), env_of({}));
+  EXPECT_EQ(env.world_size, 1);
+  auto group = init_process_group(ProcessGroupOptions().rank(0).world_size(1));
+  EXPECT_EQ(group.size(), 1);
+  auto t = torch::ones({3});
+  group.allreduce(t, ReduceOp::Avg);
+  EXPECT_TRUE(torch::equal(t, torch::ones({3})));
 }
 
 } // namespace

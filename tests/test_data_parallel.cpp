@@ -3,7 +3,8 @@
 
 #include <lockstep/lockstep.h>
 
-#include "test_util.h"
+#include "support/errors.h"
+#include "support/modules.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -22,31 +23,9 @@ std::vector<torch::Device> cpus(int n) {
   return std::vector<torch::Device>(n, torch::Device(torch::kCPU));
 }
 
-template <typename Net>
-Net deep_copy(const Net& net) {
-  return Net(std::dynamic_pointer_cast<typename Net::ContainedType>(net->clone()));
-}
-
-void expect_params_close(torch::nn::Module& a, torch::nn::Module& b, double rtol = 1e-5, double atol = 1e-6) {
-  auto pa = a.named_parameters();
-  auto pb = b.named_parameters();
-  ASSERT_EQ(pa.size(), pb.size());
-  for (size_t i = 0; i < pa.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(pa[i].value(), pb[i].value(), rtol, atol))
-        << pa[i].key() << " differs by " << (pa[i].value() - pb[i].value()).abs().max().item<double>();
-  }
-}
-
-void expect_buffers_close(torch::nn::Module& a, torch::nn::Module& b, double rtol = 1e-5, double atol = 1e-6) {
-  auto ba = a.named_buffers();
-  auto bb = b.named_buffers();
-  ASSERT_EQ(ba.size(), bb.size());
-  for (size_t i = 0; i < ba.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(ba[i].value().to(torch::kDouble), bb[i].value().to(torch::kDouble), rtol, atol))
-        << ba[i].key();
-  }
-}
-
+using testing::deep_copy;
+using testing::expect_buffers_close;
+using testing::expect_params_close;
 using testing::error_of;
 
 // --- models ---------------------------------------------------------------
@@ -151,7 +130,7 @@ struct AllContainersImpl : torch::nn::Cloneable<AllContainersImpl> {
 };
 TORCH_MODULE(AllContainers);
 
-// Keeps C++ member state that forward changes (seed 000's trap).
+// Keeps C++ member state that forward changes: each replica has its own.
 struct CounterImpl : torch::nn::Cloneable<CounterImpl> {
   CounterImpl() {
     reset();
@@ -596,7 +575,7 @@ TEST(DataParallel, MismatchedBatchSizesAreAClearError) {
   auto message = error_of([&] { dp(torch::randn({10, 8}), torch::randn({1, 8})); });
   EXPECT_NE(message.find("argument 0 has size 10 along dim 0 but argument 1 has size 1"), std::string::npos) << message;
   EXPECT_NE(message.find("lockstep::broadcast"), std::string::npos) << message;
-  // The seed 004 situation, fixed by the hint: the output keeps all 10 rows.
+  // With the hint, the batch-1 tensor goes whole to every replica and the output keeps all 10 rows.
   EXPECT_EQ(dp(torch::randn({10, 8}), broadcast(torch::randn({1, 8}))).size(0), 10);
 }
 

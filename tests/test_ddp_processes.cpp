@@ -2,7 +2,7 @@
 // lockstep_ddp_worker on localhost over a TCPStore, started the way
 // torchrun starts them (environment variables).
 
-#include "process_util.h"
+#include "support/processes.h"
 
 #include <gtest/gtest.h>
 

@@ -1,13 +1,14 @@
-// Process groups and DistributedDataParallel: the pure parts (bucket
-// assignment, environment parsing), then ranks as threads in one process over
-// an in-memory c10d::HashStore, as Gloo's own tests do.
+// Process groups and DistributedDataParallel with ranks as threads in one
+// process over an in-memory c10d::HashStore, as Gloo's own tests do. The pure
+// parts (bucket assignment, environment parsing) are in test_core.cpp.
 
-#include <lockstep/detail/launch_env.h>
 #include <lockstep/lockstep.h>
 
 #include "../src/torch_compat.h"
-#include "ddp_models.h"
-#include "test_util.h"
+#include "support/ddp_models.h"
+#include "support/errors.h"
+#include "support/modules.h"
+#include "support/threads.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -32,126 +33,7 @@ namespace {
 using testing::error_of;
 using testing::OddNet;
 
-// --- bucket assignment ---------------------------------------------------------
-
-TEST(BucketAssignment, ReverseOrderFirstBucketSmall) {
-  const std::vector<std::string> keys(6, "float");
-  // 4 bytes each; first cap 8 bytes, later caps 12 bytes.
-  auto buckets = detail::compute_bucket_assignment({4, 4, 4, 4, 4, 4}, keys, 8, 12);
-  EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{5, 4}, {3, 2, 1}, {0}}));
-}
-
-TEST(BucketAssignment, LargeParameterGetsItsOwnBucketAndEmptyOnesFit) {
-  const std::vector<std::string> keys(4, "float");
-  auto buckets = detail::compute_bucket_assignment({0, 100, 0, 3}, keys, 8, 12);
-  EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{3, 2, 1}, {0}}));
-}
-
-TEST(BucketAssignment, DtypesNeverShareABucket) {
-  auto buckets = detail::compute_bucket_assignment({4, 4, 4, 4}, {"float", "double", "float", "double"}, 100, 100);
-  EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{3, 1}, {2, 0}}));
-}
-
-TEST(BucketAssignment, EveryParameterExactlyOnce) {
-  std::vector<int64_t> bytes;
-  for (int i = 0; i < 37; ++i) {
-    bytes.push_back((i * 7919) % 1000);
-  }
-  auto buckets = detail::compute_bucket_assignment(bytes, std::vector<std::string>(37, "k"), 1000, 3000);
-  std::vector<int> seen(37, 0);
-  for (const auto& b : buckets) {
-    for (size_t i : b) {
-      ++seen[i];
-    }
-  }
-  EXPECT_EQ(seen, std::vector<int>(37, 1));
-}
-
-TEST(BucketAssignment, DefaultsAreOneAndTwentyFiveMiB) {
-  EXPECT_EQ(kFirstBucketBytes, 1 << 20);
-  EXPECT_EQ(DistributedOptions().bucket_bytes(), 25 << 20);
-}
-
-// --- environment ------------------------------------------------------------------
-
-std::function<const char*(const char*)> env_of(std::map<std::string, std::string> vars) {
-  auto shared = std::make_shared<std::map<std::string, std::string>>(std::move(vars));
-  return [shared](const char* name) -> const char* {
-    auto it = shared->find(name);
-    return it == shared->end() ? nullptr : it->second.c_str();
-  };
-}
-
-TEST(LaunchEnv, ReadsTorchrunVariables) {
-  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
-                                                                     {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
-                                                                     {"MASTER_PORT", "29500"}}));
-  EXPECT_EQ(env.rank, 3);
-  EXPECT_EQ(env.world_size, 4);
-  EXPECT_EQ(env.local_rank, 1);
-  EXPECT_EQ(env.master_addr, "10.0.0.1");
-  EXPECT_EQ(env.master_port, 29500);
-}
-
-TEST(LaunchEnv, TorchrunsAgentStoreMakesEveryRankAClient) {
-  std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
-  EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);
-  vars["TORCHELASTIC_USE_AGENT_STORE"] = "True";
-  vars["TORCHELASTIC_RESTART_COUNT"] = "2";
-  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of(vars));
-  EXPECT_TRUE(env.agent_store);
-  EXPECT_EQ(env.restart_count, 2);
-  vars["TORCHELASTIC_USE_AGENT_STORE"] = "False";
-  EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);
-}
-
-TEST(LaunchEnv, MissingOrMalformedVariablesNameThemselves) {
-  auto message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}})); });
-  EXPECT_NE(message.find("WORLD_SIZE is not set"), std::string::npos) << message;
-  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}})); });
-  EXPECT_NE(message.find("RANK=\"x1\" is malformed; expected a whole number in [0, WORLD_SIZE)"), std::string::npos) << message;
-  message = error_of([] {
-    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
-                                                            {"MASTER_PORT", "70000"}}));
-  });
-  EXPECT_NE(message.find("MASTER_PORT=\"70000\" is malformed; expected a port number"), std::string::npos) << message;
-  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}})); });
-  EXPECT_NE(message.find("MASTER_ADDR is not set"), std::string::npos) << message;
-  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "5"}, {"WORLD_SIZE", "2"}})); });
-  EXPECT_NE(message.find("RANK=5 is out of range for WORLD_SIZE=2"), std::string::npos) << message;
-  message = error_of([] {
-    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"},
-                                                            {"LOCAL_RANK", "2"}}));
-  });
-  EXPECT_NE(message.find("LOCAL_RANK=2 is out of range for LOCAL_WORLD_SIZE=2"), std::string::npos) << message;
-}
-
-TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
-  std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "1"}};
-  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, kDefaultTimeout);
-  vars["LOCKSTEP_TIMEOUT"] = "7";
-  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, std::chrono::seconds(7));
-  const auto explicit_timeout = std::chrono::milliseconds(1500);
-  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions().timeout(explicit_timeout), env_of(vars)).timeout,
-            explicit_timeout);
-  vars["LOCKSTEP_TIMEOUT"] = "5m";
-  auto message = error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)); });
-  EXPECT_NE(message.find("LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds"), std::string::npos) << message;
-  message = error_of([&] {
-    detail::parse_launch_env(ProcessGroupOptions().timeout(std::chrono::milliseconds(-1)), env_of(vars));
-  });
-  EXPECT_NE(message.find("ProcessGroupOptions::timeout is -1 ms"), std::string::npos) << message;
-}
-
-TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
-  auto env = detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), env_of({}));
-  EXPECT_EQ(env.world_size, 1);
-  auto group = init_process_group(ProcessGroupOptions().rank(0).world_size(1));
-  EXPECT_EQ(group.size(), 1);
-  auto t = torch::ones({3});
-  group.allreduce(t, ReduceOp::Avg);
-  EXPECT_TRUE(torch::equal(t, torch::ones({3})));
-}
+// --- process groups -------------------------------------------------------------
 
 TEST(ProcessGroup, NcclIsAvailableExactlyInCudaBuilds) {
   // LOCKSTEP_TORCH_HAS_CUDA: whether the LibTorch this was built against is a
@@ -220,43 +102,11 @@ TEST(ProcessGroup, UnresolvableMasterAddrFailsAtOnce) {
 
 // --- ranks as threads ---------------------------------------------------------------
 
-// Runs fn(group) on `size` threads, one per rank, over one HashStore; rethrows
-// the first failure.
-void spawn(
-    int size,
-    const std::function<void(ProcessGroup&)>& fn,
-    std::chrono::milliseconds timeout = std::chrono::seconds(30),
-    const std::string& backend = "gloo") {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::thread> threads;
-  std::exception_ptr error;
-  std::mutex mutex;
-  for (int rank = 0; rank < size; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        auto group = new_group(store, rank, size, backend, timeout);
-        fn(group);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!error) {
-          error = std::current_exception();
-        }
-      }
-    });
-  }
-  for (auto& t : threads) {
-    t.join();
-  }
-  if (error) {
-    std::rethrow_exception(error);
-  }
-}
-
 class Threads : public ::testing::TestWithParam<int> {};
 
 TEST_P(Threads, Collectives) {
   const int size = GetParam();
-  spawn(size, [size](ProcessGroup& group) {
+  testing::spawn(size, [size](ProcessGroup& group) {
     const int r = group.rank();
     // Distinct values per rank, odd element count, and an empty tensor.
     auto t = torch::arange(5, torch::kFloat) + 10 * r;
@@ -287,16 +137,9 @@ void expect_ddp_equivalence(int size, DistributedOptions options, double rtol, d
     torch::manual_seed(100 + r); // different initial values: DDP must broadcast rank 0's
     models.emplace_back();
   }
-  {
-    torch::NoGradGuard no_grad;
-    auto src = reference->parameters();
-    auto dst = models[0]->parameters();
-    for (size_t i = 0; i < src.size(); ++i) {
-      dst[i].copy_(src[i]);
-    }
-  }
+  testing::copy_parameters(*reference, *models[0]);
   const int steps = 4;
-  spawn(size, [&](ProcessGroup& group) {
+  testing::spawn(size, [&](ProcessGroup& group) {
     const int r = group.rank();
     DistributedDataParallel<OddNet> ddp(models[r], group, options);
     torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -320,12 +163,7 @@ void expect_ddp_equivalence(int size, DistributedOptions options, double rtol, d
     torch::mse_loss(reference(x), y).backward();
     opt.step();
   }
-  auto expected = reference->named_parameters();
-  auto got = models[0]->named_parameters();
-  for (size_t i = 0; i < expected.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(expected[i].value(), got[i].value(), rtol, atol))
-        << expected[i].key() << " differs by " << (expected[i].value() - got[i].value()).abs().max().item<double>();
-  }
+  testing::expect_params_close(*reference, *models[0], rtol, atol);
 }
 
 TEST_P(Threads, DdpMatchesOneProcessOnTheWholeBatch) {
@@ -341,7 +179,7 @@ TEST_P(Threads, DdpWithTinyBucketsAndGradientViews) {
 INSTANTIATE_TEST_SUITE_P(WorldSize, Threads, ::testing::Values(1, 2, 3, 4));
 
 TEST(DdpThreads, GradientsAreAveragedBeforeBackwardReturns) {
-  spawn(2, [](ProcessGroup& group) {
+  testing::spawn(2, [](ProcessGroup& group) {
     torch::manual_seed(1);
     OddNet net;
     DistributedDataParallel<OddNet> ddp(net, group);
@@ -363,7 +201,7 @@ TEST(DdpThreads, GradientsAreAveragedBeforeBackwardReturns) {
 }
 
 TEST(DdpThreads, BucketsFollowReverseRegistrationOrder) {
-  spawn(1, [](ProcessGroup& group) {
+  testing::spawn(1, [](ProcessGroup& group) {
     OddNet net;
     DistributedDataParallel<OddNet> ddp(net, group);
     auto buckets = ddp->buckets();
@@ -376,7 +214,7 @@ TEST(DdpThreads, BucketsFollowReverseRegistrationOrder) {
 }
 
 TEST(DdpThreads, BucketsAreReducedWhileBackwardRuns) {
-  spawn(2, [](ProcessGroup& group) {
+  testing::spawn(2, [](ProcessGroup& group) {
     OddNet net;
     size_t launched = 0;
     auto counting = [&launched](const ProcessGroup& g, GradBucket& b) {
@@ -401,7 +239,7 @@ TEST(DdpThreads, BucketsAreReducedWhileBackwardRuns) {
 }
 
 TEST(DdpThreads, UserHookReturningACompletedResult) {
-  spawn(3, [](ProcessGroup& group) {
+  testing::spawn(3, [](ProcessGroup& group) {
     auto synchronous_mean = [](const ProcessGroup& g, GradBucket& b) {
       auto averaged = b.buffer.clone();
       g.allreduce(averaged, ReduceOp::Avg);
@@ -424,7 +262,7 @@ TEST(DdpThreads, UserHookReturningACompletedResult) {
 
 TEST(DdpThreads, BuffersFollowRankZeroBeforeEachForward) {
   for (bool broadcast : {true, false}) {
-    spawn(2, [broadcast](ProcessGroup& group) {
+    testing::spawn(2, [broadcast](ProcessGroup& group) {
       torch::nn::Sequential seq(torch::nn::Linear(3, 3), torch::nn::BatchNorm1d(3));
       DistributedDataParallel<torch::nn::Sequential> ddp(seq, group, DistributedOptions().broadcast_buffers(broadcast));
       auto mean = seq->named_buffers()["1.running_mean"];
@@ -440,7 +278,7 @@ TEST(DdpThreads, BuffersFollowRankZeroBeforeEachForward) {
 }
 
 TEST(DdpThreads, CompressionHooksRoundToTheirType) {
-  spawn(2, [](ProcessGroup& group) {
+  testing::spawn(2, [](ProcessGroup& group) {
     // 1 + 2^-12 is exact in float32 but not in float16 (11-bit significand)
     // or bfloat16 (8-bit): the averaged result must show the rounding.
     const float value = 1.0f + 1.0f / 4096;
@@ -525,7 +363,7 @@ TEST(DdpThreads, NcclTwoRanksAverageGradients_MultiCUDA) {
     ranks.push_back(on_device(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(r)), 6, 0));
   }
   std::vector<torch::Tensor> grads(2);
-  spawn(
+  testing::spawn(
       2,
       [&](ProcessGroup& group) {
         const int r = group.rank();

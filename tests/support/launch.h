@@ -1,0 +1,118 @@
+#pragma once
+
+// Running lockstep-run and lockstep-train from tests: their command lines, a
+// temporary folder per test process, and what their output says.
+
+#include "processes.h"
+
+#include <gtest/gtest.h>
+
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <regex>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace testing {
+namespace jobs {
+
+constexpr auto kDeadline = std::chrono::seconds(180);
+// Bitwise comparisons need the same intra-op thread count per rank in every
+// run: lockstep-run's default (cores / ranks per node) differs between one
+// node of 2 ranks and two nodes of 1.
+inline const std::string kOneThread = "OMP_NUM_THREADS=1";
+
+inline std::string temp(const std::string& name) {
+  static const std::string run_id = std::to_string(getpid()) + "_" + std::to_string(std::random_device{}());
+  return ::testing::TempDir() + "lockstep_" + run_id + "_" + name;
+}
+
+// A small job: 1024 samples, batch 64, 2 epochs (32 steps at world size 2).
+inline std::vector<std::string> trainer(const std::string& marker, const std::string& checkpoint = "") {
+  std::vector<std::string> args{LOCKSTEP_TRAIN, "--train-samples", "1024", "--test-samples", "256", "--batch-size", "64",
+                                "--epochs", "2", "--save", temp(marker + ".pt"), "--synthetic", "--out", temp(marker + "_out")};
+  if (!checkpoint.empty()) {
+    args.insert(args.end(), {"--checkpoint", checkpoint, "--checkpoint-every", "4"});
+  }
+  return args;
+}
+
+/// `args` with the value after `flag` replaced, so that a test changes one
+/// flag of trainer()'s command line by name.
+inline std::vector<std::string> with_flag(std::vector<std::string> args, const std::string& flag, const std::string& value) {
+  auto it = std::find(args.begin(), args.end(), flag);
+  EXPECT_TRUE(it != args.end() && it + 1 != args.end()) << flag << " is not in the command line";
+  if (it != args.end() && it + 1 != args.end()) {
+    *(it + 1) = value;
+  }
+  return args;
+}
+
+inline std::vector<std::string> launcher(std::vector<std::string> flags, const std::vector<std::string>& program) {
+  flags.insert(flags.begin(), LOCKSTEP_RUN);
+  flags.insert(flags.end(), program.begin(), program.end());
+  return flags;
+}
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+inline std::string final_hash(const std::string& output) {
+  std::smatch m;
+  return std::regex_search(output, m, std::regex("fnv1a64=([0-9a-f]{16})")) ? m[1].str() : "";
+}
+
+inline Process launch(const std::vector<std::string>& flags, const std::vector<std::string>& program, const std::string& name,
+               const std::vector<std::string>& env = {}) {
+  return testing::run(launcher(flags, program), env, temp(name + ".log"), kDeadline);
+}
+
+inline std::string port() {
+  return std::to_string(testing::free_port());
+}
+
+// The last epoch's line: train loss and accuracy, test loss and accuracy.
+inline std::string epoch_figures(const std::string& output) {
+  std::smatch m;
+  return std::regex_search(output, m, std::regex("epoch 2/2: train loss [0-9.]+, train accuracy [0-9.]+%, test loss "
+                                                 "[0-9.]+, test accuracy [0-9.]+%")) ? m[0].str() : "";
+}
+
+// The uninterrupted reference: 2 ranks on one node.
+inline const Process& reference_run() {
+  static const Process p = [] {
+    auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer("reference"), "reference", {kOneThread});
+    EXPECT_EQ(p.exit_code, 0) << p.output;
+    return p;
+  }();
+  return p;
+}
+
+inline const std::string& reference_hash() {
+  static const std::string hash = final_hash(reference_run().output);
+  return hash;
+}
+
+// A pid that no process has now: a child that has exited and been reaped.
+inline pid_t dead_pid() {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    _exit(0);
+  }
+  waitpid(pid, nullptr, 0);
+  return pid;
+}
+
+} // namespace jobs
+} // namespace testing
+} // namespace lockstep

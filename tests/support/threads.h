@@ -1,0 +1,54 @@
+#pragma once
+
+// Ranks as threads of one process over an in-memory store, as Gloo's tests
+// run them: fast, and a failure on any rank fails the test.
+
+#include <lockstep/process_group.h>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lockstep {
+namespace testing {
+
+// Runs fn(group) on `size` threads, one per rank, over one HashStore; rethrows
+// the first failure.
+inline void spawn(
+    int size,
+    const std::function<void(ProcessGroup&)>& fn,
+    std::chrono::milliseconds timeout = std::chrono::seconds(30),
+    const std::string& backend = "gloo") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  std::exception_ptr error;
+  std::mutex mutex;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        auto group = new_group(store, rank, size, backend, timeout);
+        fn(group);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!error) {
+          error = std::current_exception();
+        }
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  if (error) {
+    std::rethrow_exception(error);
+  }
+}
+
+} // namespace testing
+} // namespace lockstep

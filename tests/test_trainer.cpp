@@ -1,0 +1,244 @@
+// lockstep-train's data: IDX files of any size, gzipped or not, damaged
+// ones named in one line, and the main job's Fashion-MNIST.
+
+#include <lockstep/lockstep.h>
+
+#include "support/errors.h"
+#include "support/launch.h"
+#include "support/processes.h"
+
+#include <examples/checkpoint.h>
+#include <examples/idx.h>
+#include <examples/models.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <zlib.h>
+
+#include <functional>
+#include <map>
+#include <random>
+#include <regex>
+
+namespace lockstep {
+namespace {
+
+using namespace testing::jobs;
+using testing::Process;
+
+// --- IDX data files ---------------------------------------------------------------
+
+// Writes an MNIST-format split of n rows into dir, gzipped or not; the images'
+// header may declare more rows than are written (a truncated file).
+void write_split(const std::string& dir, const std::string& prefix, uint32_t n, bool gz, uint32_t declared = 0) {
+  auto be32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                       static_cast<char>(v)};
+  };
+  std::mt19937 random(n);
+  std::string images = be32(0x803) + be32(declared > 0 ? declared : n) + be32(28) + be32(28);
+  std::string labels = be32(0x801) + be32(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    const int label = static_cast<int>(i % 10);
+    labels += static_cast<char>(label);
+    for (int p = 0; p < 28 * 28; ++p) { // a learnable pattern: a bright band whose row is the label
+      images += static_cast<char>(p / 28 / 3 == label ? 200 + random() % 50 : random() % 40);
+    }
+  }
+  for (const auto& [name, bytes] : {std::make_pair(prefix + "-images-idx3-ubyte", images),
+                                    std::make_pair(prefix + "-labels-idx1-ubyte", labels)}) {
+    if (gz) {
+      gzFile file = gzopen((dir + "/" + name + ".gz").c_str(), "wb");
+      gzwrite(file, bytes.data(), static_cast<unsigned>(bytes.size()));
+      gzclose(file);
+    } else {
+      std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
+    }
+  }
+}
+
+Process train_on(const std::string& dir, const std::string& name) {
+  return testing::run({LOCKSTEP_TRAIN, "--data", dir, "--batch-size", "50", "--epochs", "1", "--out", dir + "/out"}, {},
+                      temp(name + ".log"),
+                      kDeadline);
+}
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = temp(name);
+  EXPECT_EQ(mkdir(dir.c_str(), 0755), 0);
+  return dir;
+}
+
+TEST(TrainerData, SmallerAndGzippedIdxFilesAreAccepted) {
+  // 600/200 rows, not MNIST's 60000/10000; the test split gzipped.
+  const std::string dir = fresh_dir("idx_subset");
+  write_split(dir, "train", 600, false);
+  write_split(dir, "t10k", 200, true);
+  auto p = train_on(dir, "idx_subset");
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("600 train / 200 test samples"), std::string::npos) << p.output;
+}
+
+TEST(TrainerData, TruncatedIdxFilesAreOneLineErrorsNamingTheFile) {
+  struct Case {
+    std::string name;
+    bool gz;
+    uint32_t declared;
+  };
+  for (const auto& c : {Case{"idx_cut_plain", false, 400}, Case{"idx_cut_gz", true, 400}, Case{"idx_header_only", false, 1}}) {
+    const std::string dir = fresh_dir(c.name);
+    write_split(dir, "train", c.name == "idx_header_only" ? 0 : 200, c.gz, c.declared);
+    write_split(dir, "t10k", 100, false);
+    auto p = train_on(dir, c.name);
+    const std::string file = dir + "/train-images-idx3-ubyte" + (c.gz ? ".gz" : "");
+    EXPECT_EQ(p.exit_code, 1) << p.output;
+    EXPECT_NE(p.output.find("lockstep-train: " + file + ": truncated: the header declares " + std::to_string(c.declared) +
+                            " rows"),
+              std::string::npos)
+        << p.output;
+  }
+}
+
+TEST(TrainerData, ForeignOrMissingFilesAreOneLineErrors) {
+  const std::string dir = fresh_dir("idx_foreign");
+  write_split(dir, "train", 100, false);
+  std::ofstream(dir + "/t10k-images-idx3-ubyte") << "this is not an IDX file at all";
+  std::ofstream(dir + "/t10k-labels-idx1-ubyte") << "neither is this one";
+  auto p = train_on(dir, "idx_foreign");
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find(dir + "/t10k-images-idx3-ubyte: not an IDX file"), std::string::npos) << p.output;
+  auto missing = train_on(fresh_dir("idx_nowhere"), "idx_nowhere"); // an empty directory
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("idx_nowhere/train-images-idx3-ubyte(.gz): no such file"), std::string::npos)
+      << missing.output;
+}
+
+TEST(TrainerData, BadOutputPathsAndUnevenBatchesAreRefusedUpFront) {
+  auto args = trainer("bad_paths");
+  args.insert(args.end(), {"--checkpoint", temp("no_such_folder") + "/run.ckpt"});
+  auto p = testing::run(args, {}, temp("bad_paths.log"), kDeadline);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("--checkpoint " + temp("no_such_folder") + "/run.ckpt: cannot write into"), std::string::npos)
+      << p.output;
+  EXPECT_EQ(p.output.find("epoch 1/"), std::string::npos) << "trained before refusing: " << p.output;
+
+  auto uneven = with_flag(trainer("uneven"), "--batch-size", "65"); // over 2 ranks
+  auto q = launch({"--nproc-per-node", "2", "--master-port", port()}, uneven, "uneven", {kOneThread});
+  EXPECT_NE(q.exit_code, 0) << q.output;
+  EXPECT_NE(q.output.find("--batch-size 65 does not split evenly over 2 ranks"), std::string::npos) << q.output;
+}
+
+// --- the main job's data: Debian's Fashion-MNIST ------------------------------
+
+const std::string kFashionMnist = "/usr/share/datasets/fashion-mnist";
+
+// The first `n` rows of Fashion-MNIST's `prefix` split, written into `dir` as
+// IDX files of n rows, gzipped or not; the images file cut in half if `cut`.
+void slice_fashion_mnist(const std::string& dir, const std::string& prefix, uint32_t n, bool gz, bool cut = false) {
+  for (const auto& [kind, header, row] : {std::make_tuple("images-idx3-ubyte", 16, 28 * 28),
+                                          std::make_tuple("labels-idx1-ubyte", 8, 1)}) {
+    const std::string name = prefix + "-" + kind;
+    gzFile in = gzopen((kFashionMnist + "/" + name + ".gz").c_str(), "rb");
+    ASSERT_NE(in, nullptr) << kFashionMnist << " is missing: scripts/setup.sh installs dataset-fashion-mnist";
+    std::string bytes(static_cast<size_t>(header + n * row), '\0');
+    ASSERT_EQ(gzread(in, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+    gzclose(in);
+    for (int i = 0; i < 4; ++i) { // the row count, big-endian, after the magic number
+      bytes[4 + i] = static_cast<char>(n >> (24 - 8 * i));
+    }
+    if (cut && row > 1) {
+      bytes.resize(bytes.size() / 2);
+    }
+    if (gz) {
+      gzFile out = gzopen((dir + "/" + name + ".gz").c_str(), "wb");
+      gzwrite(out, bytes.data(), static_cast<unsigned>(bytes.size()));
+      gzclose(out);
+    } else {
+      std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
+    }
+  }
+}
+
+TEST(FashionMnist, PlainAndGzippedSlicesTrainAndACutFileIsNamed) {
+  const std::string dir = fresh_dir("fashion_slices");
+  slice_fashion_mnist(dir, "train", 300, false);
+  slice_fashion_mnist(dir, "t10k", 100, true);
+  auto p = train_on(dir, "fashion_slices");
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("300 train / 100 test samples"), std::string::npos) << p.output;
+  slice_fashion_mnist(dir, "train", 300, false, /*cut=*/true);
+  auto cut = train_on(dir, "fashion_cut");
+  EXPECT_EQ(cut.exit_code, 1) << cut.output;
+  EXPECT_NE(cut.output.find(dir + "/train-images-idx3-ubyte: truncated"), std::string::npos) << cut.output;
+}
+
+TEST(FashionMnist, TwoRankEvaluationEqualsOneProcessOnTheSavedModel) {
+  const std::string out = temp("fashion_out");
+  // 301 test images: the ranks' shares differ by one.
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()},
+                  {LOCKSTEP_TRAIN, "--train-samples", "640", "--test-samples", "301", "--batch-size", "64", "--epochs",
+                   "2", "--log-every", "4", "--eval-every", "6", "--out", out},
+                  "fashion");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("MNIST-format data at " + kFashionMnist), std::string::npos) << p.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.output, m, std::regex("test accuracy [0-9.]+% \\(([0-9]+) of 301 test images, over 2 "
+                                                        "rank\\(s\\)\\)"))) << p.output;
+  const int64_t correct = std::stoll(m[1].str());
+
+  // One process, the saved model, the same 301 images.
+  examples::ConvNet net;
+  torch::load(net, out + "/model.pt");
+  net->eval();
+  auto [images, labels] = examples::read_mnist_split(kFashionMnist, "t10k");
+  torch::NoGradGuard no_grad;
+  auto predicted = net(images.narrow(0, 0, 301)).argmax(1);
+  EXPECT_EQ(predicted.eq(labels.narrow(0, 0, 301)).sum().item<int64_t>(), correct);
+
+  // metrics.jsonl: 20 steps, a training record every 4, an evaluation at
+  // steps 6, 12 and 18, and one record per epoch.
+  std::map<std::string, std::vector<nlohmann::json>> records;
+  std::istringstream lines(read_text(out + "/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    auto record = nlohmann::json::parse(line); // throws, failing the test, if malformed
+    records[record.at("kind").get<std::string>()].push_back(record);
+  }
+  ASSERT_EQ(records["train"].size(), 5u);
+  ASSERT_EQ(records["eval"].size(), 3u);
+  ASSERT_EQ(records["epoch"].size(), 2u);
+  EXPECT_EQ(records["eval"][1].at("step").get<int64_t>(), 12);
+  EXPECT_NEAR(records["train"][0].at("lr").get<double>(), 0.1 * 4 / 100, 1e-12); // warmup: step 4 of 100
+  EXPECT_DOUBLE_EQ(records["epoch"][1].at("test_accuracy").get<double>(), correct / 301.0);
+  EXPECT_GT(records["epoch"][1].at("samples_per_second").get<double>(), 0);
+  struct stat info {};
+  ASSERT_EQ(stat((out + "/curves.png").c_str(), &info), 0) << p.output;
+  EXPECT_GT(info.st_size, 1000);
+  EXPECT_NE(p.output.find("outputs in " + out + "/: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png"),
+            std::string::npos) << p.output;
+}
+
+TEST(FashionMnist, WithoutGnuplotTheMetricsStayAndOneLineSaysWhy) {
+  const std::string out = temp("no_gnuplot_out");
+  auto p = testing::run({LOCKSTEP_TRAIN, "--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--out", out},
+                        {"PATH=/nonexistent"}, temp("no_gnuplot.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-train: gnuplot is not installed, so no curves.png (install gnuplot-nox"),
+            std::string::npos) << p.output;
+  EXPECT_NE(access((out + "/curves.png").c_str(), F_OK), 0);
+  EXPECT_NE(read_text(out + "/metrics.jsonl").find("\"kind\":\"epoch\""), std::string::npos);
+  EXPECT_NE(read_text(out + "/curves.gp").find("plot $test"), std::string::npos);
+}
+
+TEST(TrainerData, NoTrainingBatchIsAnError) {
+  auto args = with_flag(trainer("no_batch"), "--train-samples", "1"); // one row for two ranks
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "no_batch");
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("epoch 1 has no training batch (1 training samples)"), std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("nan"), std::string::npos) << p.output;
+}
+
+} // namespace
+} // namespace lockstep
