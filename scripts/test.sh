@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, build, and run the whole test suite under ctest, for LOCKSTEP_TORCH
-# (scripts/config.sh). Arguments go to ctest (for example -L fast).
+# (scripts/config.sh). Arguments go to ctest (for example -L unit, or -L threads; see tests/CMakeLists.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/config.sh

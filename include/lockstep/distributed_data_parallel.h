@@ -63,6 +63,7 @@ struct DistributedOptions {
 /// the guard reduces the accumulated sum in its backward.
 class NoSyncGuard {
  public:
+  /// Made by DistributedDataParallelImpl::no_sync().
   explicit NoSyncGuard(detail::DistributedCore& core) : core_(&core), previous_(core.sync()) {
     core_->set_sync(false);
   }
@@ -109,6 +110,7 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
     return NoSyncGuard(*core_);
   }
 
+  /// The group the gradients are averaged over.
   const ProcessGroup& group() const {
     return core_->group();
   }

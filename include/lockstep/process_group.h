@@ -75,15 +75,19 @@ class ProcessGroup {
   /// A group over a backend of your own.
   explicit ProcessGroup(std::shared_ptr<GroupImpl> impl);
 
+  /// This process's rank, in [0, size()).
   int rank() const {
     return impl_->rank();
   }
+  /// Number of ranks.
   int size() const {
     return impl_->size();
   }
+  /// "gloo", "nccl", or "local" for the group of one.
   std::string backend() const {
     return impl_->backend();
   }
+  /// How long a collective may take before it is an error on this rank.
   std::chrono::milliseconds timeout() const {
     return impl_->timeout();
   }
