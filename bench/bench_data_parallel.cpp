@@ -35,7 +35,9 @@ struct Contender {
   std::string name;
   std::function<void()> step;
   std::vector<double> rates; // samples/s per round
-  int threads = 0; // intra-op threads of the timing thread; 0: every core
+  int threads = 0; // intra-op threads of the timing thread for this contender; 0: as the process has them
+  std::function<void()> before = nullptr; // untimed, right before each timing
+  int seen_threads = 0; // the timing thread's intra-op threads when it was last timed
 };
 
 double median(std::vector<double> v) {
@@ -99,6 +101,13 @@ std::vector<Contender> contenders_for(
   contenders.push_back({"dataparallel", training_step(*dp, [dp](const torch::Tensor& x) mutable { return dp(x); }, inputs(batch)), {}});
   Net single = make();
   contenders.push_back({"ceiling", training_step(*single, [single](const torch::Tensor& x) mutable { return single->forward(x); }, inputs(batch / replicas)), {}, 1});
+  // The bare module again, timed right after DataParallel steps on the same
+  // thread: what a program that mixes the two gets (Note [CPU replicas and
+  // threads]: the caller's threads must come back after each call).
+  Net after = make();
+  auto dp_step = contenders[1].step;
+  contenders.push_back({"bare-after-dp", training_step(*after, [after](const torch::Tensor& x) mutable { return after->forward(x); }, inputs(batch)), {}, 0,
+                        [dp_step] { dp_step(); dp_step(); }});
   return contenders;
 }
 
@@ -137,10 +146,19 @@ void run_model(const std::string& model, int64_t batch, int rounds, double secon
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < contenders.size(); ++i) {
       auto& c = contenders[(i + r) % contenders.size()];
-      // DataParallel drops its calling thread to one intra-op thread (Note
-      // [CPU replicas and threads]); give the bare module every core back.
-      at::set_num_threads(c.threads > 0 ? c.threads : cores);
+      // Only the ceiling changes the timing thread's count, and puts it back:
+      // every other contender runs with what the process has, as a program would.
+      if (c.threads > 0) {
+        at::set_num_threads(c.threads);
+      }
+      if (c.before) {
+        c.before();
+      }
+      c.seen_threads = at::get_num_threads();
       c.rates.push_back(time_steps(c.step, batch, seconds, cuda)); // ceiling: batch/R rows x R replicas
+      if (c.threads > 0) {
+        at::set_num_threads(cores);
+      }
     }
   }
   const double base = median(contenders[0].rates);
@@ -151,7 +169,7 @@ void run_model(const std::string& model, int64_t batch, int rounds, double secon
     for (double v : c.rates) {
       std::printf(" %.0f", v);
     }
-    std::printf(")\n");
+    std::printf(")   threads %d\n", c.seen_threads);
   }
 }
 
