@@ -49,9 +49,18 @@ namespace detail {
 
 std::string format_path(const Path& path) {
   TORCH_INTERNAL_ASSERT(!path.empty());
-  std::string text = "argument " + std::to_string(path[0].index);
+  std::string text = "argument ";
+  text += std::to_string(path[0].index);
   for (size_t i = 1; i < path.size(); ++i) {
-    text += path[i].key != nullptr ? "[\"" + *path[i].key + "\"]" : "[" + std::to_string(path[i].index) + "]";
+    text += '[';
+    if (path[i].key != nullptr) {
+      text += '"';
+      text += *path[i].key;
+      text += '"';
+    } else {
+      text += std::to_string(path[i].index);
+    }
+    text += ']';
   }
   return text;
 }
