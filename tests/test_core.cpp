@@ -233,22 +233,30 @@ TEST(Scatter, InputsNeedingGradBecomeLeaves) {
   EXPECT_TRUE(sources[0].tensor.is_same(x));
 }
 
-TEST(Gather, NestedOutputsRoundTrip) {
-  using Out = std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::map<std::string, torch::Tensor>, int64_t>;
-  Out a{torch::ones({2}), {torch::zeros({1}), torch::ones({3})}, {{"x", torch::full({1}, 5.0)}}, 3};
-  Out b{torch::ones({1}), {torch::zeros({2}), torch::ones({1})}, {{"x", torch::full({2}, 6.0)}}, 3};
+// Two replicas' outputs gathered as DataParallel does: flattened, each leaf
+// concatenated, the structure rebuilt; `leaves` tensors are expected.
+template <typename Out>
+Out gather_two(const Out& a, const Out& b, size_t leaves) {
   std::vector<torch::Tensor> flat_a, flat_b;
   detail::Gather<Out>::collect(a, flat_a);
   detail::Gather<Out>::collect(b, flat_b);
-  ASSERT_EQ(flat_a.size(), 4u);
-  ASSERT_EQ(flat_b.size(), 4u);
+  EXPECT_EQ(flat_a.size(), leaves);
+  EXPECT_EQ(flat_b.size(), leaves);
   std::vector<torch::Tensor> gathered;
   for (size_t i = 0; i < flat_a.size(); ++i) {
     gathered.push_back(torch::cat({flat_a[i], flat_b[i]}));
   }
   size_t next = 0;
   Out out = detail::Gather<Out>::rebuild({&a, &b}, gathered, next);
-  EXPECT_EQ(next, 4u);
+  EXPECT_EQ(next, leaves);
+  return out;
+}
+
+TEST(Gather, NestedOutputsRoundTrip) {
+  using Out = std::tuple<torch::Tensor, std::vector<torch::Tensor>, std::map<std::string, torch::Tensor>, int64_t>;
+  Out a{torch::ones({2}), {torch::zeros({1}), torch::ones({3})}, {{"x", torch::full({1}, 5.0)}}, 3};
+  Out b{torch::ones({1}), {torch::zeros({2}), torch::ones({1})}, {{"x", torch::full({2}, 6.0)}}, 3};
+  Out out = gather_two(a, b, 4);
   EXPECT_EQ(std::get<0>(out).size(0), 3);
   EXPECT_EQ(std::get<1>(out)[0].size(0), 3);
   EXPECT_TRUE(torch::equal(std::get<2>(out).at("x"), torch::tensor({5.0f, 6.0f, 6.0f})));
@@ -260,17 +268,7 @@ TEST(Gather, PairOptionalAndArrayRoundTrip) {
                          std::optional<torch::Tensor>>;
   Out a{{torch::ones({2}), 7}, torch::zeros({2}), {torch::full({2}, 1.0), torch::full({2}, 2.0)}, std::nullopt};
   Out b{{torch::ones({1}) * 3, 7}, torch::zeros({1}) + 1, {torch::full({1}, 3.0), torch::full({1}, 4.0)}, std::nullopt};
-  std::vector<torch::Tensor> flat_a, flat_b;
-  detail::Gather<Out>::collect(a, flat_a);
-  detail::Gather<Out>::collect(b, flat_b);
-  ASSERT_EQ(flat_a.size(), 4u);
-  std::vector<torch::Tensor> gathered;
-  for (size_t i = 0; i < flat_a.size(); ++i) {
-    gathered.push_back(torch::cat({flat_a[i], flat_b[i]}));
-  }
-  size_t next = 0;
-  Out out = detail::Gather<Out>::rebuild({&a, &b}, gathered, next);
-  EXPECT_EQ(next, 4u);
+  Out out = gather_two(a, b, 4);
   EXPECT_TRUE(torch::equal(std::get<0>(out).first, torch::tensor({1.0f, 1.0f, 3.0f})));
   EXPECT_EQ(std::get<0>(out).second, 7);
   EXPECT_TRUE(torch::equal(*std::get<1>(out), torch::tensor({0.0f, 0.0f, 1.0f})));
@@ -278,7 +276,7 @@ TEST(Gather, PairOptionalAndArrayRoundTrip) {
   EXPECT_FALSE(std::get<3>(out).has_value());
 
   c10::optional<torch::Tensor> set = torch::ones({1}), unset;
-  next = 0;
+  size_t next = 0;
   auto message = error_of([&] { detail::Gather<c10::optional<torch::Tensor>>::rebuild({&set, &unset}, {}, next); });
   EXPECT_NE(message.find("replica 1 returned an optional that is empty but replica 0's is set"), std::string::npos)
       << message;

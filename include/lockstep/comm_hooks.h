@@ -20,6 +20,7 @@ namespace lockstep {
 /// One bucket's gradients, flattened in one tensor, as a communication hook
 /// sees them.
 struct GradBucket {
+  /// Position in reduction order: 0 is the first bucket backward fills.
   size_t index = 0;
   /// The bucket's gradients, concatenated; the hook may modify it in place.
   torch::Tensor buffer;
