@@ -23,10 +23,10 @@
 //     replica's own graph.
 //  4. gather: outputs are flattened, concatenated along `dim` (0-dim outputs
 //     follow ScalarGather) on the output device; average_buffers follows.
-//  5. attach_backward (src/parallel_backward.cpp): the gathered tensors get
-//     one autograd node, ParallelBackward, whose next edges are the wrapped
-//     module's parameters and the caller's input tensors; then the output
-//     structure is rebuilt around them. When the caller's backward reaches the
+//  5. attach_backward: the gathered tensors get one autograd node,
+//     ParallelBackward (src/parallel_backward.cpp), whose next edges are the
+//     wrapped module's parameters and the caller's input tensors; then the
+//     output structure is rebuilt around them. When the caller's backward reaches the
 //     node, it splits the incoming gradient, runs every replica's backward on
 //     its own worker in parallel (torch::autograd::grad, so replicas never
 //     hold .grad), sums the parameter gradients and hands them to the engine,

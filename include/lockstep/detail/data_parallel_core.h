@@ -1,9 +1,9 @@
 #pragma once
 
 // Internal: everything of DataParallel that does not depend on the module's
-// type, one method per stage of Note [DataParallel step] (data_parallel.h).
-// Implemented in src/data_parallel.cpp (stages 1 to 4) and
-// src/parallel_backward.cpp (stage 5).
+// type, one method per stage of Note [DataParallel step] (data_parallel.h),
+// implemented in src/data_parallel.cpp in that order. The autograd node that
+// stage 5 attaches is src/parallel_backward.{h,cpp}.
 
 #include <lockstep/data_parallel_options.h>
 #include <lockstep/detail/scatter_gather.h>
