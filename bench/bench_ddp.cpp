@@ -3,8 +3,9 @@
 //
 //   lockstep-bench-ddp MODE MODEL STEPS
 //
-// MODE: lockstep | views (gradient_as_bucket_view) | naive (one allreduce per
-// gradient after backward) | nocomm (no communication: the limit).
+// MODE: lockstep | views (gradient_as_bucket_view) | mpi (lockstep over the mpi
+// backend, under mpirun) | naive (one allreduce per gradient after backward) |
+// nocomm (no communication: the limit).
 // MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)); global batch
 // 256, split over the ranks. Rank 0 prints one line:
 //   MODE MODEL steps_per_s=X rss_mb=R0,R1
@@ -49,9 +50,9 @@ int main(int argc, char** argv) {
   int steps = 0;
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
-  app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), naive (one allreduce per gradient after "
-                 "backward) or nocomm (no communication)")
-      ->required()->check(CLI::IsMember({"lockstep", "views", "naive", "nocomm"}));
+  app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), mpi (lockstep over MPI, under mpirun), "
+                 "naive (one allreduce per gradient after backward) or nocomm (no communication)")
+      ->required()->check(CLI::IsMember({"lockstep", "views", "mpi", "naive", "nocomm"}));
   app.add_option("MODEL", model, "mlp (784-1024-1024-10) or deep (48 x Linear(256, 256))")
       ->required()->check(CLI::IsMember({"mlp", "deep"}));
   app.add_option("STEPS", steps, "Timed optimizer steps, after 5 untimed ones")->required()->check(CLI::PositiveNumber);
@@ -61,14 +62,14 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == 0) {
       return app.exit(e); // --help
     }
-    std::fprintf(stderr, "lockstep-bench-ddp: %s\nusage: %s lockstep|views|naive|nocomm mlp|deep STEPS\n", e.what(),
+    std::fprintf(stderr, "lockstep-bench-ddp: %s\nusage: %s lockstep|views|mpi|naive|nocomm mlp|deep STEPS\n", e.what(),
                  argv[0]);
     return 2;
   }
   try {
     lockstep::examples::require_fast_blas("lockstep-bench-ddp");
     at::set_num_threads(1); // one core per rank, as the Python contender
-    auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("gloo"));
+    auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(mode == "mpi" ? "mpi" : "gloo"));
     torch::manual_seed(0);
     auto net = make_model(model);
     const int64_t batch = 256 / group.size();
@@ -78,7 +79,7 @@ int main(int argc, char** argv) {
 
     std::function<torch::Tensor(const torch::Tensor&)> forward = [net](const torch::Tensor& in) mutable { return net->forward(in); };
     std::shared_ptr<lockstep::DistributedDataParallel<torch::nn::Sequential>> ddp;
-    if (mode == "lockstep" || mode == "views") {
+    if (mode == "lockstep" || mode == "views" || mode == "mpi") {
       ddp = std::make_shared<lockstep::DistributedDataParallel<torch::nn::Sequential>>(
           net, group, lockstep::DistributedOptions().gradient_as_bucket_view(mode == "views"));
       forward = [ddp](const torch::Tensor& in) { return (*ddp)(in); };

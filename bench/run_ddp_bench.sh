@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The DDP benchmark: lockstep DDP, Python DDP, the naive C++ approach and no
-# communication at all, each as 2 processes of one core, in alternating order
-# over several rounds; then medians and ratios.
+# The DDP benchmark: lockstep DDP over Gloo and over MPI, Python DDP, the
+# naive C++ approach and no communication at all, each as 2 processes of one
+# core, in alternating order over several rounds; then medians and ratios.
 #
 #   bench/run_ddp_bench.sh [ROUNDS] [STEPS_MLP] [STEPS_DEEP]
 #
@@ -37,6 +37,11 @@ run_pair() { # MODE MODEL STEPS
     timeout -k 5 120 "$py" bench/ddp_python.py "$2" "$3" "$port" 2>/dev/null | grep steps_per_s >>"$out" || true
     return
   fi
+  if [ "$1" = mpi ]; then
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 120 \
+      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$build_dir/lockstep-bench-ddp" mpi "$2" "$3" >>"$out"
+    return
+  fi
   local pids=()
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
@@ -45,7 +50,9 @@ run_pair() { # MODE MODEL STEPS
   done
   wait "${pids[@]}"
 }
-read -r -a contenders <<<"${CONTENDERS:-lockstep python naive nocomm views}"
+default_contenders="lockstep python naive nocomm views"
+command -v mpirun >/dev/null && default_contenders+=" mpi"
+read -r -a contenders <<<"${CONTENDERS:-$default_contenders}"
 for ((round = 0; round < rounds; round++)); do
   for model in mlp deep; do
     steps=$steps_mlp; [ "$model" = deep ] && steps=$steps_deep
@@ -66,8 +73,10 @@ for line in open(sys.argv[1]):
 for model in ("mlp", "deep"):
     med = {mode: statistics.median(rates[(model, mode)]) for (m, mode) in rates if m == model}
     print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
-    for mode in [m for m in ("lockstep", "views", "python", "naive", "nocomm") if m in med]:
+    for mode in [m for m in ("lockstep", "views", "mpi", "python", "naive", "nocomm") if m in med]:
         print(f"  {mode:9s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
               f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB")
+    for peer in [m for m in ("python", "nocomm") if "mpi" in med and m in med]:
+        print(f"  mpi/{peer} = {med['mpi'] / med[peer]:.3f}")
 PY
 rm -f "$out"

@@ -146,7 +146,7 @@ void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& 
                  "connections, each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
       ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
   app.footer(
-      "Under lockstep-run (or torchrun: WORLD_SIZE set), each process is one rank of DistributedDataParallel and reads "
+      "Under lockstep-run, torchrun, mpirun or srun, each process is one rank of DistributedDataParallel and reads "
       "its share of each batch through LibTorch's DistributedRandomSampler; otherwise one process trains with "
       "DataParallel on --replicas CPU replicas.\n"
       "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
@@ -788,10 +788,10 @@ int main(int argc, char** argv) {
     if (config.out_dir.empty()) {
       config.out_dir = default_out_dir();
     }
-    // Under lockstep-run (or torchrun), one process per rank with
+    // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel; otherwise one process with DataParallel.
-    const Setup setup = std::getenv("WORLD_SIZE") != nullptr ? distributed_setup(net, optimizer, data, config)
-                                                             : data_parallel_setup(net, optimizer, data, config);
+    const Setup setup = lockstep::launched_by_launcher() ? distributed_setup(net, optimizer, data, config)
+                                                         : data_parallel_setup(net, optimizer, data, config);
     train(Run{net, optimizer, data, setup, config});
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it

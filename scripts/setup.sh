@@ -10,7 +10,9 @@ packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcl
   # the main job's data (/usr/share/datasets/fashion-mnist) and its curves.png
   dataset-fashion-mnist gnuplot-nox
   # the two-machine tests run ranks in network namespaces
-  iproute2)
+  iproute2
+  # the mpi backend, and mpirun for its tests
+  libopenmpi-dev openmpi-bin)
 if [ "$LOCKSTEP_TORCH" = debian ]; then
   packages+=(
     libtorch-dev libgloo-dev

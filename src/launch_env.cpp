@@ -21,29 +21,87 @@ int64_t parse_int(const std::string& name, const char* value, int64_t low, int64
   return parsed;
 }
 
+namespace {
+
+// Note [MPI launchers]
+// ~~~~~~~~~~~~~~~~~~~~
+// mpirun, srun and MPICH's launcher start every rank themselves and tell each
+// process where it stands in variables of their own. When torchrun's RANK and
+// WORLD_SIZE are absent, these are read instead, and the job is an MPI job:
+// "auto" then picks the mpi backend for CPU tensors, and no store is needed.
+struct MpiLauncher {
+  const char* name;
+  const char* rank;
+  const char* size;
+  const char* local_rank;
+  const char* local_size; // may be unset even under this launcher
+};
+constexpr MpiLauncher kMpiLaunchers[] = {
+    {"Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"Slurm's srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
+    {"MPICH's mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+};
+
+// Rank, size and local rank from an MPI launcher's variables; false if none set them.
+bool read_mpi_launcher(LaunchEnv& env, const std::function<const char*(const char*)>& get) {
+  for (const auto& l : kMpiLaunchers) {
+    if (get(l.size) == nullptr || get(l.rank) == nullptr) {
+      continue;
+    }
+    env.world_size = parse_int(l.size, get(l.size), 1, 1 << 20, "a whole number >= 1");
+    env.rank = parse_int(l.rank, get(l.rank), 0, env.world_size - 1, "a whole number in [0, the world size)");
+    env.local_world_size = get(l.local_size) != nullptr
+        ? parse_int(l.local_size, get(l.local_size), 1, 1 << 20, "a whole number >= 1")
+        : env.world_size;
+    if (const char* v = get(l.local_rank)) {
+      env.local_rank = parse_int(l.local_rank, v, 0, env.local_world_size - 1, "a whole number below the local size");
+    }
+    env.mpi_launcher = l.name;
+    return true;
+  }
+  return false;
+}
+
+} // namespace
+
+const char* find_mpi_launcher(const std::function<const char*(const char*)>& get) {
+  for (const auto& l : kMpiLaunchers) {
+    if (get(l.size) != nullptr && get(l.rank) != nullptr) {
+      return l.name;
+    }
+  }
+  return nullptr;
+}
+
 LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get) {
   LaunchEnv env;
-  env.world_size = options.world_size() > 0 ? options.world_size()
-                                            : parse_int("WORLD_SIZE", get("WORLD_SIZE"), 1, 1 << 20, "a whole number >= 1");
-  if (options.rank() >= 0) {
-    env.rank = options.rank();
-  } else {
-    env.rank = parse_int("RANK", get("RANK"), 0, 1 << 20, "a whole number in [0, WORLD_SIZE)");
-    TORCH_CHECK(env.rank < env.world_size, "lockstep: environment variable RANK=", env.rank,
-                " is out of range for WORLD_SIZE=", env.world_size, "; expected 0 <= RANK < WORLD_SIZE.");
+  const bool from_mpi = options.world_size() <= 0 && options.rank() < 0 && get("WORLD_SIZE") == nullptr &&
+      get("RANK") == nullptr && read_mpi_launcher(env, get);
+  if (!from_mpi) {
+    env.world_size = options.world_size() > 0
+        ? options.world_size()
+        : parse_int("WORLD_SIZE", get("WORLD_SIZE"), 1, 1 << 20, "a whole number >= 1");
+    if (options.rank() >= 0) {
+      env.rank = options.rank();
+    } else {
+      env.rank = parse_int("RANK", get("RANK"), 0, 1 << 20, "a whole number in [0, WORLD_SIZE)");
+      TORCH_CHECK(env.rank < env.world_size, "lockstep: environment variable RANK=", env.rank,
+                  " is out of range for WORLD_SIZE=", env.world_size, "; expected 0 <= RANK < WORLD_SIZE.");
+    }
+    if (const char* v = get("LOCAL_WORLD_SIZE")) {
+      env.local_world_size = parse_int("LOCAL_WORLD_SIZE", v, 1, 1 << 20, "a whole number >= 1");
+    }
+    if (const char* v = get("LOCAL_RANK")) {
+      env.local_rank = parse_int("LOCAL_RANK", v, 0, 1 << 20, "a whole number in [0, LOCAL_WORLD_SIZE)");
+      TORCH_CHECK(env.local_rank < env.local_world_size, "lockstep: environment variable LOCAL_RANK=", env.local_rank,
+                  " is out of range for LOCAL_WORLD_SIZE=", env.local_world_size,
+                  "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
+    }
   }
   TORCH_CHECK(
       env.rank >= 0 && env.rank < env.world_size, "lockstep: rank ", env.rank, " is out of range for world size ",
       env.world_size, "; expected 0 <= rank < world_size.");
-  if (const char* v = get("LOCAL_WORLD_SIZE")) {
-    env.local_world_size = parse_int("LOCAL_WORLD_SIZE", v, 1, 1 << 20, "a whole number >= 1");
-  }
-  if (const char* v = get("LOCAL_RANK")) {
-    env.local_rank = parse_int("LOCAL_RANK", v, 0, 1 << 20, "a whole number in [0, LOCAL_WORLD_SIZE)");
-    TORCH_CHECK(env.local_rank < env.local_world_size, "lockstep: environment variable LOCAL_RANK=", env.local_rank,
-                " is out of range for LOCAL_WORLD_SIZE=", env.local_world_size,
-                "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
-  }
   TORCH_CHECK(options.timeout().count() >= 0, "lockstep: ProcessGroupOptions::timeout is ", options.timeout().count(),
               " ms; expected a positive duration, or 0 for $LOCKSTEP_TIMEOUT (else ", kDefaultTimeout.count(), " ms).");
   if (options.timeout().count() > 0) {
@@ -54,8 +112,8 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
   if (const char* v = get("TORCHELASTIC_RESTART_COUNT")) {
     env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", v, 0, INT32_MAX, "a whole number >= 0");
   }
-  if (env.world_size == 1) {
-    return env; // no store needed
+  if (env.world_size == 1 || (from_mpi && get("MASTER_ADDR") == nullptr && options.master_addr().empty())) {
+    return env; // no store needed: one rank, or an MPI job without one
   }
   const char* agent_store = get("TORCHELASTIC_USE_AGENT_STORE");
   env.agent_store = agent_store != nullptr && std::string(agent_store) == "True";

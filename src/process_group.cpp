@@ -124,6 +124,11 @@ void ProcessGroup::barrier() const {
   impl_->barrier("barrier")->wait();
 }
 
+bool launched_by_launcher() {
+  auto get = [](const char* name) { return std::getenv(name); };
+  return get("WORLD_SIZE") != nullptr || detail::find_mpi_launcher(get) != nullptr;
+}
+
 std::vector<std::string> available_backends() {
   std::vector<std::string> backends;
   if (detail::gloo_available()) {
@@ -132,16 +137,26 @@ std::vector<std::string> available_backends() {
   if (detail::nccl_available()) {
     backends.push_back("nccl");
   }
+  if (detail::mpi_available()) {
+    backends.push_back("mpi");
+  }
   return backends;
 }
 
 namespace {
 
-// "auto" made concrete, or an error listing what this build has.
-std::string resolve_backend(const std::string& backend) {
+// "auto" made concrete, or an error listing what this build has: NCCL for a
+// process with a GPU, MPI for one an MPI launcher started, Gloo otherwise.
+std::string resolve_backend(const std::string& backend, bool mpi_launched) {
   std::string chosen = backend;
   if (chosen == "auto") {
-    chosen = detail::nccl_available() && torch::cuda::is_available() ? "nccl" : "gloo";
+    if (detail::nccl_available() && torch::cuda::is_available()) {
+      chosen = "nccl";
+    } else if (mpi_launched && detail::mpi_available()) {
+      chosen = "mpi";
+    } else {
+      chosen = "gloo";
+    }
   }
   const auto all = available_backends();
   TORCH_CHECK(std::find(all.begin(), all.end(), chosen) != all.end(), "lockstep: backend \"", backend,
@@ -158,6 +173,9 @@ ProcessGroup make_group(
     const std::string& master_addr) {
   if (backend == "nccl") {
     return ProcessGroup(detail::make_nccl_group(store, rank, size, timeout));
+  }
+  if (backend == "mpi") {
+    return ProcessGroup(detail::make_mpi_group(rank, size, timeout)); // MPI's launcher connected the ranks
   }
   return ProcessGroup(detail::make_gloo_group(store, rank, size, timeout, master_addr));
 }
@@ -259,16 +277,22 @@ ProcessGroup new_group(
     std::chrono::milliseconds timeout) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "lockstep::new_group: rank ", rank, " is out of range for size ",
               size, ".");
-  return make_group(store, rank, size, resolve_backend(backend), timeout, "127.0.0.1");
+  return make_group(store, rank, size, resolve_backend(backend, false), timeout, "127.0.0.1");
 }
 
 ProcessGroup init_process_group(ProcessGroupOptions options) {
   const auto env = detail::parse_launch_env(options, [](const char* name) { return std::getenv(name); });
-  const std::string backend = resolve_backend(options.backend());
+  const std::string backend = resolve_backend(options.backend(), env.mpi_launcher != nullptr);
   if (env.world_size == 1) {
     return ProcessGroup();
   }
   InitDeadline deadline(env.rank, env.timeout); // Note [Initialisation deadline]
+  if (backend == "mpi") {
+    return make_group(c10::intrusive_ptr<c10d::Store>(), static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, env.timeout, "");
+  }
+  TORCH_CHECK(env.mpi_launcher == nullptr || !env.master_addr.empty(), "lockstep: rank ", env.rank, ": started by ",
+              env.mpi_launcher, ", the ", backend, " backend needs a store: set MASTER_ADDR and MASTER_PORT for every "
+              "rank (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port), or use the mpi backend (\"auto\" picks it).");
   // lockstep-run on one node names a file for the store: then nothing listens
   // on the network at all (see docs/design.md on TCPStore's binding).
   const char* store_file = std::getenv("LOCKSTEP_STORE_FILE");

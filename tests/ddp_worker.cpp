@@ -1,5 +1,6 @@
 // One rank of a multi-process DDP test. Reads torchrun's environment (RANK,
-// WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and runs one scenario:
+// WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or mpirun's with
+// LOCKSTEP_TEST_BACKEND=mpi, and runs one scenario:
 //
 //   lockstep_ddp_worker SCENARIO
 //
@@ -14,6 +15,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -142,6 +144,45 @@ void mismatch(const ProcessGroup& group) {
   DistributedDataParallel<OddNet> ddp(net, group);
 }
 
+// Every collective and reduction on distinct per-rank values, for any world size.
+void collectives(const ProcessGroup& group) {
+  const int r = group.rank();
+  const int n = group.size();
+  for (auto dtype : {torch::kFloat, torch::kDouble, torch::kLong}) {
+    const auto mine = (torch::arange(5) + 10 * r).to(dtype);
+    auto sum = mine.clone(), avg = mine.to(torch::kDouble), max = mine.clone(), min = mine.clone();
+    group.allreduce(sum, lockstep::ReduceOp::Sum);
+    group.allreduce(avg, lockstep::ReduceOp::Avg);
+    group.allreduce(max, lockstep::ReduceOp::Max);
+    group.allreduce(min, lockstep::ReduceOp::Min);
+    const auto base = torch::arange(5).to(dtype);
+    const std::string type = c10::toString(dtype);
+    check(torch::equal(sum, base * n + 10 * n * (n - 1) / 2), "sum of " + type, r);
+    check(torch::allclose(avg, base.to(torch::kDouble) + 5.0 * (n - 1)), "avg of " + type, r);
+    check(torch::equal(max, base + 10 * (n - 1)), "max of " + type, r);
+    check(torch::equal(min, base), "min of " + type, r);
+  }
+  auto b = torch::full({3}, static_cast<float>(r));
+  group.broadcast(b, n - 1);
+  check(torch::equal(b, torch::full({3}, static_cast<float>(n - 1))), "broadcast from the last rank", r);
+  auto all = group.all_gather(torch::full({2, 2}, static_cast<float>(r)));
+  check(static_cast<int>(all.size()) == n, "all_gather gives one tensor per rank", r);
+  for (int k = 0; k < n && k < static_cast<int>(all.size()); ++k) {
+    check(torch::equal(all[k], torch::full({2, 2}, static_cast<float>(k))), "all_gather slot " + std::to_string(k), r);
+  }
+  group.barrier();
+}
+
+// Rank 1 leaves at once; the others' next collective must end in an error.
+void early_exit(const ProcessGroup& group) {
+  if (group.rank() == 1) {
+    std::fflush(stdout);
+    std::_Exit(3);
+  }
+  auto t = torch::ones({4});
+  group.allreduce(t);
+}
+
 void stall(const ProcessGroup& group) {
   OddNet net;
   DistributedDataParallel<OddNet> ddp(net, group);
@@ -156,15 +197,17 @@ void stall(const ProcessGroup& group) {
 } // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16\n", argv[0]);
+  if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
+    std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|early_exit [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
   int rank = -1;
   try {
-    auto options = lockstep::ProcessGroupOptions().backend("gloo");
-    if (scenario == "stall") {
+    // gloo under lockstep-run's variables; LOCKSTEP_TEST_BACKEND=mpi under mpirun.
+    const char* backend = std::getenv("LOCKSTEP_TEST_BACKEND");
+    auto options = lockstep::ProcessGroupOptions().backend(backend != nullptr ? backend : "gloo");
+    if (scenario == "stall" || scenario == "early_exit") {
       options.timeout(std::chrono::seconds(3));
     }
     auto group = lockstep::init_process_group(options);
@@ -187,6 +230,10 @@ int main(int argc, char** argv) {
       mismatch(group);
     } else if (scenario == "stall") {
       stall(group);
+    } else if (scenario == "collectives") {
+      collectives(group);
+    } else if (scenario == "early_exit") {
+      early_exit(group);
     } else {
       std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
       return 2;

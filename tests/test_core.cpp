@@ -405,6 +405,30 @@ TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
   EXPECT_NE(message.find("ProcessGroupOptions::timeout is -1 ms"), std::string::npos) << message;
 }
 
+TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"OMPI_COMM_WORLD_RANK", "2"},
+      {"OMPI_COMM_WORLD_SIZE", "3"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}}));
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.world_size, 3);
+  EXPECT_EQ(env.local_rank, 0);
+  ASSERT_NE(env.mpi_launcher, nullptr);
+  EXPECT_STREQ(env.mpi_launcher, "Open MPI's mpirun");
+  EXPECT_TRUE(env.master_addr.empty()); // no store, no MASTER_ADDR needed
+  env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"},
+                                                                  {"SLURM_LOCALID", "1"}}));
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.local_rank, 1);
+  // torchrun's variables win over a launcher's.
+  env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"},
+                                                                  {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
+  EXPECT_EQ(env.mpi_launcher, nullptr);
+  EXPECT_EQ(env.world_size, 1);
+  auto message = error_of([] {
+    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
+  });
+  EXPECT_NE(message.find("OMPI_COMM_WORLD_RANK=\"4\" is malformed"), std::string::npos) << message;
+}
+
 TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
   auto env = detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), env_of({}));
   EXPECT_EQ(env.world_size, 1);

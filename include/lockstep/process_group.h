@@ -130,8 +130,8 @@ struct ProcessGroupOptions {
   /// Timeout of the store, of connecting, and of every collective; 0:
   /// $LOCKSTEP_TIMEOUT (seconds) when set, else kDefaultTimeout.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::milliseconds(0);
-  /// "gloo", "nccl", or "auto": NCCL when the build has it and a GPU is
-  /// visible, else Gloo.
+  /// "gloo", "nccl", "mpi", or "auto": NCCL when the build has it and a GPU
+  /// is visible, else MPI when an MPI launcher started the process, else Gloo.
   TORCH_ARG(std::string, backend) = "auto";
 };
 
@@ -159,7 +159,12 @@ ProcessGroup new_group(
     const std::string& backend = "gloo",
     std::chrono::milliseconds timeout = kDefaultTimeout);
 
-/// The backends this build has, e.g. {"gloo"}.
+/// Whether a launcher started this process as one rank of a job: lockstep-run
+/// or torchrun (WORLD_SIZE is set), or mpirun, srun or mpiexec (their own
+/// variables; see Note [MPI launchers] in src/launch_env.cpp).
+bool launched_by_launcher();
+
+/// The backends this build has, e.g. {"gloo", "mpi"}.
 std::vector<std::string> available_backends();
 
 } // namespace lockstep

@@ -27,6 +27,10 @@ std::shared_ptr<GroupImpl> make_nccl_group(
     int rank,
     int size,
     std::chrono::milliseconds timeout);
+/// Made by mpi.cpp or no_mpi.cpp. No store: MPI's launcher connected the
+/// ranks; `rank` and `size` are checked against MPI's own.
+bool mpi_available();
+std::shared_ptr<GroupImpl> make_mpi_group(int rank, int size, std::chrono::milliseconds timeout);
 
 } // namespace detail
 } // namespace lockstep

@@ -14,7 +14,7 @@
 namespace lockstep {
 namespace detail {
 
-/// torchrun's variables, parsed. A variable that is unset or malformed is a
+/// torchrun's variables, or an MPI launcher's, parsed. A variable that is unset or malformed is a
 /// c10::Error naming it and the expected form.
 struct LaunchEnv {
   int64_t rank = 0;
@@ -26,6 +26,9 @@ struct LaunchEnv {
   /// torchrun's agent already hosts the store on MASTER_PORT
   /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects as a client.
   bool agent_store = false;
+  /// The MPI launcher whose variables gave rank and size ("Open MPI's
+  /// mpirun"), or nullptr under torchrun's variables. See Note [MPI launchers].
+  const char* mpi_launcher = nullptr;
   /// TORCHELASTIC_RESTART_COUNT: which attempt of the job this is.
   int64_t restart_count = 0;
   /// The options' timeout, else LOCKSTEP_TIMEOUT's, else kDefaultTimeout.
@@ -35,6 +38,10 @@ struct LaunchEnv {
 /// `get` looks a variable up (nullptr: unset). Only what `options` leaves
 /// unset is read; world size 1 needs neither address nor port.
 LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get);
+
+/// The MPI launcher whose variables name this process's rank ("Open MPI's
+/// mpirun"), or nullptr.
+const char* find_mpi_launcher(const std::function<const char*(const char*)>& get);
 
 /// Parses a whole decimal number in [low, high]; `name` and `form` word the error.
 int64_t parse_int(const std::string& name, const char* value, int64_t low, int64_t high, const char* form);

@@ -1,0 +1,334 @@
+// Compiled when the build found an MPI library (Open MPI from Debian's
+// libopenmpi-dev); no_mpi.cpp otherwise.
+
+#include "backends.h"
+
+#include <c10/util/Exception.h>
+#include <torch/types.h>
+
+#include <mpi.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace lockstep {
+namespace detail {
+namespace {
+
+// Note [MPI's thread and timeouts]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every MPI call of a group runs on that group's one communication thread, in
+// the order the collectives were started, which is the same on every rank.
+// The caller only queues them, so buckets are reduced while backward goes on,
+// as over Gloo. MPI is initialised with MPI_THREAD_SERIALIZED, the level this
+// needs: calls come from more than one thread (initialisation and the
+// communication thread), never at once.
+//
+// MPI has no timeout. A rank waiting on a collective that another rank never
+// starts would wait for good. So Work::wait() waits at most the group's
+// timeout; past it, it prints why (rank, collective, timeout) and brings the
+// whole job down with MPI_Abort, so that no rank hangs. It cannot throw and
+// let the program go on: its communication thread is still inside MPI, and
+// the next collective, or MPI_Finalize at exit, would hang. A rank that exits
+// without MPI_Finalize makes mpirun end the others.
+
+std::atomic<bool> g_aborting{false};
+
+void finalize_at_exit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && !g_aborting.load()) {
+    MPI_Finalize();
+  }
+}
+
+// Initialises MPI once per process, or checks the level a caller already got.
+void init_mpi() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    int provided = MPI_THREAD_SINGLE;
+    if (initialized) {
+      MPI_Query_thread(&provided);
+    } else {
+      TORCH_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided) == MPI_SUCCESS,
+                  "lockstep: MPI_Init_thread failed; is this process started by mpirun or srun?");
+      std::atexit(finalize_at_exit);
+    }
+    TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED, "lockstep: this MPI library grants thread level ", provided,
+                " but the mpi backend needs MPI_THREAD_SERIALIZED (", MPI_THREAD_SERIALIZED,
+                "): its collectives run on a communication thread. If your program calls MPI_Init itself, call "
+                "MPI_Init_thread with MPI_THREAD_SERIALIZED or higher instead.");
+  });
+}
+
+MPI_Datatype mpi_type(const torch::Tensor& t, const std::string& what, int rank) {
+  switch (t.scalar_type()) {
+    case torch::kFloat:
+      return MPI_FLOAT;
+    case torch::kDouble:
+      return MPI_DOUBLE;
+    case torch::kInt:
+      return MPI_INT32_T;
+    case torch::kLong:
+      return MPI_INT64_T;
+    case torch::kShort:
+      return MPI_INT16_T;
+    case torch::kChar:
+      return MPI_INT8_T;
+    case torch::kByte:
+      return MPI_UINT8_T;
+    case torch::kBool:
+      return MPI_C_BOOL;
+    default:
+      TORCH_CHECK(false, "lockstep: rank ", rank, ": ", what, ": the mpi backend cannot send ", t.scalar_type(),
+                  " tensors (MPI has no 16-bit float types). Cast to float32 first; the fp16_compress and "
+                  "bf16_compress hooks do so by themselves over MPI.");
+  }
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg: // summed here, divided by MpiWork::wait
+      return MPI_SUM;
+    case ReduceOp::Max:
+      return MPI_MAX;
+    case ReduceOp::Min:
+      return MPI_MIN;
+  }
+  TORCH_INTERNAL_ASSERT(false);
+}
+
+// One queued collective: done (or failed) once the communication thread ran it.
+struct Pending {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool done = false;
+  std::string error; // non-empty: MPI reported one
+};
+
+class MpiWork : public Work {
+ public:
+  MpiWork(std::shared_ptr<Pending> pending, std::string what, int rank, int size, std::chrono::milliseconds timeout,
+          std::function<void()> finish)
+      : pending_(std::move(pending)),
+        what_(std::move(what)),
+        rank_(rank),
+        size_(size),
+        timeout_(timeout),
+        finish_(std::move(finish)) {}
+
+  void wait() override {
+    std::unique_lock<std::mutex> lock(pending_->mutex);
+    if (!pending_->changed.wait_for(lock, timeout_, [&] { return pending_->done; })) {
+      // See Note [MPI's thread and timeouts].
+      g_aborting = true;
+      std::fprintf(stderr,
+                   "lockstep: rank %d of %d: %s did not complete within the group's timeout of %lld ms. Another "
+                   "rank may have stopped, crashed or be stuck elsewhere; its own error says why. Ending the whole "
+                   "MPI job (MPI_Abort) so that no rank hangs.\n",
+                   rank_, size_, what_.c_str(), static_cast<long long>(timeout_.count()));
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+      std::_Exit(1);
+    }
+    if (!pending_->error.empty()) {
+      throw_collective_error(what_, rank_, size_, timeout_, pending_->error);
+    }
+    if (finish_) {
+      finish_();
+      finish_ = nullptr;
+    }
+  }
+
+ private:
+  std::shared_ptr<Pending> pending_;
+  std::string what_;
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+  std::function<void()> finish_;
+};
+
+class MpiGroup : public GroupImpl {
+ public:
+  explicit MpiGroup(std::chrono::milliseconds timeout) : timeout_(timeout) {
+    init_mpi();
+    MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  ~MpiGroup() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    queued_.notify_all();
+    thread_.join();
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && !g_aborting.load()) {
+      MPI_Comm_free(&comm_);
+    }
+  }
+
+  int rank() const override {
+    return rank_;
+  }
+  int size() const override {
+    return size_;
+  }
+  std::string backend() const override {
+    return "mpi";
+  }
+  std::chrono::milliseconds timeout() const override {
+    return timeout_;
+  }
+
+  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
+    auto flat = on_cpu(tensors, what);
+    const MPI_Datatype type = mpi_type(flat, what, rank_);
+    const MPI_Op mpi = mpi_op(op);
+    std::function<void()> finish = [tensors, flat, op, size = size_]() mutable {
+      if (op == ReduceOp::Avg) {
+        flat.div_(size);
+      }
+      copy_back(flat, tensors);
+    };
+    return start(what, std::move(finish), [this, flat, type, mpi] {
+      return MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), static_cast<int>(flat.numel()), type, mpi, comm_);
+    });
+  }
+
+  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
+    auto flat = on_cpu(tensors, what);
+    const MPI_Datatype type = mpi_type(flat, what, rank_);
+    std::function<void()> finish = [tensors, flat]() mutable { copy_back(flat, tensors); };
+    return start(what, std::move(finish), [this, flat, type, root] {
+      return MPI_Bcast(flat.data_ptr(), static_cast<int>(flat.numel()), type, root, comm_);
+    });
+  }
+
+  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
+    std::vector<torch::Tensor> inputs{input};
+    auto in = on_cpu(inputs, what);
+    auto out = torch::empty({static_cast<int64_t>(size_) * in.numel()}, in.options());
+    const MPI_Datatype type = mpi_type(in, what, rank_);
+    std::function<void()> finish = [outputs, out, n = in.numel()]() mutable {
+      for (size_t r = 0; r < outputs.size(); ++r) {
+        outputs[r].copy_(out.narrow(0, static_cast<int64_t>(r) * n, n).view(outputs[r].sizes()));
+      }
+    };
+    return start(what, std::move(finish), [this, in, out, type] {
+      const int n = static_cast<int>(in.numel());
+      return MPI_Allgather(in.data_ptr(), n, type, out.data_ptr(), n, type, comm_);
+    });
+  }
+
+  std::shared_ptr<Work> barrier(std::string what) override {
+    return start(what, nullptr, [this] { return MPI_Barrier(comm_); });
+  }
+
+ private:
+  // The tensors as one contiguous CPU tensor that MPI can read and write.
+  torch::Tensor on_cpu(const std::vector<torch::Tensor>& tensors, const std::string& what) const {
+    for (const auto& t : tensors) {
+      TORCH_CHECK(t.device().is_cpu(), "lockstep: rank ", rank_, ": ", what, ": the mpi backend takes CPU tensors, but "
+                  "this one is on ", t.device(), ". Use the nccl backend for CUDA tensors (\"auto\" picks it).");
+    }
+    if (tensors.size() == 1 && tensors[0].is_contiguous()) {
+      return tensors[0];
+    }
+    std::vector<torch::Tensor> flat;
+    for (const auto& t : tensors) {
+      flat.push_back(t.reshape({-1}));
+    }
+    return torch::cat(flat);
+  }
+
+  static void copy_back(const torch::Tensor& flat, std::vector<torch::Tensor>& tensors) {
+    if (tensors.size() == 1 && tensors[0].data_ptr() == flat.data_ptr()) {
+      return;
+    }
+    int64_t offset = 0;
+    for (auto& t : tensors) {
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+
+  std::shared_ptr<Work> start(std::string what, std::function<void()> finish, std::function<int()> call) {
+    auto pending = std::make_shared<Pending>();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.emplace_back([pending, call = std::move(call)] {
+        const int rc = call();
+        std::string error;
+        if (rc != MPI_SUCCESS) {
+          char text[MPI_MAX_ERROR_STRING];
+          int length = 0;
+          MPI_Error_string(rc, text, &length);
+          error.assign(text, length);
+        }
+        std::lock_guard<std::mutex> done_lock(pending->mutex);
+        pending->error = std::move(error);
+        pending->done = true;
+        pending->changed.notify_all();
+      });
+    }
+    queued_.notify_one();
+    return std::make_shared<MpiWork>(std::move(pending), std::move(what), rank_, size_, timeout_, std::move(finish));
+  }
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      queued_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) {
+        return; // stop_, with nothing left to run
+      }
+      auto task = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+
+  std::chrono::milliseconds timeout_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  std::mutex mutex_;
+  std::condition_variable queued_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_; // last: started once the rest exists
+};
+
+} // namespace
+
+bool mpi_available() {
+  return true;
+}
+
+std::shared_ptr<GroupImpl> make_mpi_group(int rank, int size, std::chrono::milliseconds timeout) {
+  auto group = std::make_shared<MpiGroup>(timeout);
+  TORCH_CHECK(group->rank() == rank && group->size() == size, "lockstep: the launcher says rank ", rank, " of ", size,
+              " but MPI says rank ", group->rank(), " of ", group->size(),
+              ". Start every rank with one mpirun (or srun) and do not mix it with torchrun's RANK/WORLD_SIZE.");
+  return group;
+}
+
+} // namespace detail
+} // namespace lockstep
