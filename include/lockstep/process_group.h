@@ -137,7 +137,9 @@ struct ProcessGroupOptions {
 
 /// Creates the group: a store, then the backend's process group. World size 1
 /// needs no store and no environment beyond it: it is the group of one.
-/// The store is, in this order of precedence:
+/// Under mpirun, srun or mpiexec (their own variables, and no RANK), rank and
+/// size come from the launcher, and the mpi backend needs no store at all.
+/// Otherwise the store is, in this order of precedence:
 ///  - a c10d FileStore at $LOCKSTEP_STORE_FILE, when that is set and
 ///    options.master_addr() is empty (lockstep-run sets it on one node, so
 ///    that nothing listens on the network);
