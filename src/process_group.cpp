@@ -288,7 +288,8 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   }
   InitDeadline deadline(env.rank, env.timeout); // Note [Initialisation deadline]
   if (backend == "mpi") {
-    return make_group(c10::intrusive_ptr<c10d::Store>(), static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, env.timeout, "");
+    return make_group(c10::intrusive_ptr<c10d::Store>(), static_cast<int>(env.rank), static_cast<int>(env.world_size),
+                      backend, env.timeout, "");
   }
   TORCH_CHECK(env.mpi_launcher == nullptr || !env.master_addr.empty(), "lockstep: rank ", env.rank, ": started by ",
               env.mpi_launcher, ", the ", backend, " backend needs a store: set MASTER_ADDR and MASTER_PORT for every "
