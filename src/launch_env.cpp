@@ -43,35 +43,39 @@ constexpr MpiLauncher kMpiLaunchers[] = {
     {"MPICH's mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
 };
 
+// The launcher whose rank and size variables are both set, or nullptr.
+const MpiLauncher* mpi_launcher_of(const std::function<const char*(const char*)>& get) {
+  for (const auto& l : kMpiLaunchers) {
+    if (get(l.size) != nullptr && get(l.rank) != nullptr) {
+      return &l;
+    }
+  }
+  return nullptr;
+}
+
 // Rank, size and local rank from an MPI launcher's variables; false if none set them.
 bool read_mpi_launcher(LaunchEnv& env, const std::function<const char*(const char*)>& get) {
-  for (const auto& l : kMpiLaunchers) {
-    if (get(l.size) == nullptr || get(l.rank) == nullptr) {
-      continue;
-    }
-    env.world_size = parse_int(l.size, get(l.size), 1, 1 << 20, "a whole number >= 1");
-    env.rank = parse_int(l.rank, get(l.rank), 0, env.world_size - 1, "a whole number in [0, the world size)");
-    env.local_world_size = get(l.local_size) != nullptr
-        ? parse_int(l.local_size, get(l.local_size), 1, 1 << 20, "a whole number >= 1")
-        : env.world_size;
-    if (const char* v = get(l.local_rank)) {
-      env.local_rank = parse_int(l.local_rank, v, 0, env.local_world_size - 1, "a whole number below the local size");
-    }
-    env.mpi_launcher = l.name;
-    return true;
+  const MpiLauncher* l = mpi_launcher_of(get);
+  if (l == nullptr) {
+    return false;
   }
-  return false;
+  env.world_size = parse_int(l->size, get(l->size), 1, 1 << 20, "a whole number >= 1");
+  env.rank = parse_int(l->rank, get(l->rank), 0, env.world_size - 1, "a whole number in [0, the world size)");
+  env.local_world_size = get(l->local_size) != nullptr
+      ? parse_int(l->local_size, get(l->local_size), 1, 1 << 20, "a whole number >= 1")
+      : env.world_size;
+  if (const char* v = get(l->local_rank)) {
+    env.local_rank = parse_int(l->local_rank, v, 0, env.local_world_size - 1, "a whole number below the local size");
+  }
+  env.mpi_launcher = l->name;
+  return true;
 }
 
 } // namespace
 
 const char* find_mpi_launcher(const std::function<const char*(const char*)>& get) {
-  for (const auto& l : kMpiLaunchers) {
-    if (get(l.size) != nullptr && get(l.rank) != nullptr) {
-      return l.name;
-    }
-  }
-  return nullptr;
+  const MpiLauncher* l = mpi_launcher_of(get);
+  return l != nullptr ? l->name : nullptr;
 }
 
 LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get) {

@@ -92,8 +92,39 @@ ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) : impl_(std::move(im
   TORCH_CHECK(impl_ != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
 }
 
+namespace {
+
+// Note [Average]
+// ~~~~~~~~~~~~~~
+// ReduceOp::Avg is a sum, then a division by the group's size once the sum is
+// done, here and nowhere else: Gloo has no AVG, MPI has none, and one way for
+// every backend gives every backend the same rounding.
+class AveragedWork : public Work {
+ public:
+  AveragedWork(std::shared_ptr<Work> sum, std::vector<torch::Tensor> tensors, int size)
+      : sum_(std::move(sum)), tensors_(std::move(tensors)), size_(size) {}
+  void wait() override {
+    sum_->wait();
+    for (auto& t : tensors_) {
+      t.div_(size_);
+    }
+    tensors_.clear(); // a second wait() must not divide again
+  }
+
+ private:
+  std::shared_ptr<Work> sum_;
+  std::vector<torch::Tensor> tensors_;
+  int size_;
+};
+
+} // namespace
+
 std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> tensors, ReduceOp op, std::string what) const {
-  return impl_->allreduce(tensors, op, std::move(what));
+  if (op != ReduceOp::Avg) {
+    return impl_->allreduce(tensors, op, std::move(what));
+  }
+  auto sum = impl_->allreduce(tensors, ReduceOp::Sum, std::move(what));
+  return std::make_shared<AveragedWork>(std::move(sum), std::move(tensors), size());
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast_async(std::vector<torch::Tensor> tensors, int root, std::string what) const {

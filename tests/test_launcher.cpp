@@ -300,19 +300,12 @@ TEST(TwoHosts, GlooSocketIfnameTrainsAcrossThemLikeOneNode) {
 TEST(InitProcessGroup, StoreThatNeverAnswersEndsTheRankWithinTheTimeout) {
   // A port that accepts connections (the kernel's backlog) but never answers:
   // the store client would wait on it forever.
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(listen(fd, 16), 0);
-  socklen_t length = sizeof(address);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  testing::ListeningSocket silent;
+  ASSERT_TRUE(silent.ok);
   auto p = testing::run(trainer("silent_store"),
-                        {"WORLD_SIZE=2", "RANK=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(ntohs(address.sin_port)),
+                        {"WORLD_SIZE=2", "RANK=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(silent.port),
                          "LOCKSTEP_TIMEOUT=2"},
                         temp("silent_store.log"), std::chrono::seconds(60));
-  close(fd);
   EXPECT_EQ(p.exit_code, 1) << p.output;
   EXPECT_LT(p.seconds, 10.0) << p.output;
   EXPECT_NE(p.output.find("2000 ms"), std::string::npos) << p.output; // the store's error, or the deadline's
@@ -411,17 +404,10 @@ TEST(Launcher, BadCommandLinesAreOneLineErrors) {
     EXPECT_NE(p.output.find("Run 'lockstep-run --help' for usage."), std::string::npos) << p.output;
   }
   // A port someone else listens on.
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(fd, 1), 0);
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string taken = std::to_string(ntohs(addr.sin_port));
+  testing::ListeningSocket someone;
+  ASSERT_TRUE(someone.ok);
+  const std::string taken = std::to_string(someone.port);
   auto p = launch({"--master-port", taken, "/bin/true"}, {}, "taken");
-  close(fd);
   EXPECT_EQ(p.exit_code, 2) << p.output;
   EXPECT_NE(p.output.find("port " + taken + " on 127.0.0.1 is already in use; pick another with --master-port"),
             std::string::npos) << p.output;

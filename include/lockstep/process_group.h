@@ -54,7 +54,8 @@ class GroupImpl {
   virtual std::string backend() const = 0;
   /// How long a collective may take before it is an error.
   virtual std::chrono::milliseconds timeout() const = 0;
-  /// Every rank's `tensors` reduced by `op`, in place on every rank.
+  /// Every rank's `tensors` reduced by `op` (Sum, Max or Min: ProcessGroup
+  /// does Avg itself), in place on every rank.
   virtual std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) = 0;
   /// Rank `root`'s `tensors` copied into every rank's.
   virtual std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) = 0;

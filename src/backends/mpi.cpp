@@ -97,14 +97,15 @@ MPI_Datatype mpi_type(const torch::Tensor& t, const std::string& what, int rank)
 MPI_Op mpi_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: // summed here, divided by MpiWork::wait
       return MPI_SUM;
     case ReduceOp::Max:
       return MPI_MAX;
     case ReduceOp::Min:
       return MPI_MIN;
+    case ReduceOp::Avg:
+      break; // ProcessGroup turns it into a sum (Note [Average])
   }
-  TORCH_INTERNAL_ASSERT(false);
+  TORCH_INTERNAL_ASSERT(false, "ReduceOp::Avg reached the mpi backend");
 }
 
 // One queued collective: done (or failed) once the communication thread ran it.
@@ -199,12 +200,7 @@ class MpiGroup : public GroupImpl {
     auto flat = on_cpu(tensors, what);
     const MPI_Datatype type = mpi_type(flat, what, rank_);
     const MPI_Op mpi = mpi_op(op);
-    std::function<void()> finish = [tensors, flat, op, size = size_]() mutable {
-      if (op == ReduceOp::Avg) {
-        flat.div_(size);
-      }
-      copy_back(flat, tensors);
-    };
+    std::function<void()> finish = [tensors, flat]() mutable { copy_back(flat, tensors); };
     return start(what, std::move(finish), [this, flat, type, mpi] {
       return MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), static_cast<int>(flat.numel()), type, mpi, comm_);
     });

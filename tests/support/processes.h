@@ -39,6 +39,29 @@ inline int free_port() {
   return ntohs(addr.sin_port);
 }
 
+/// A socket listening on 127.0.0.1 at a port the kernel picked: connections
+/// are accepted (into the backlog) but never answered. Closes on destruction.
+struct ListeningSocket {
+  ListeningSocket() {
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 && listen(fd, 16) == 0;
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+  }
+  ~ListeningSocket() {
+    close(fd);
+  }
+  ListeningSocket(const ListeningSocket&) = delete;
+  ListeningSocket& operator=(const ListeningSocket&) = delete;
+  int fd = -1;
+  int port = 0;
+  bool ok = false;
+};
+
 /// A running program whose stdout and stderr go to `log`.
 struct Process {
   pid_t pid = -1;

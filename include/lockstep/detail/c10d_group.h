@@ -31,20 +31,8 @@ namespace detail {
 
 class C10dWork : public Work {
  public:
-  /// `average`: divide `tensors` by the group's size once the sum is done.
-  C10dWork(
-      c10::intrusive_ptr<c10d::Work> work,
-      std::string what,
-      int rank,
-      int size,
-      std::chrono::milliseconds timeout,
-      std::vector<torch::Tensor> average = {})
-      : work_(std::move(work)),
-        what_(std::move(what)),
-        rank_(rank),
-        size_(size),
-        timeout_(timeout),
-        average_(std::move(average)) {}
+  C10dWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int size, std::chrono::milliseconds timeout)
+      : work_(std::move(work)), what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout) {}
   void wait() override {
     try {
       work_->wait();
@@ -53,10 +41,6 @@ class C10dWork : public Work {
     } catch (const std::exception& e) {
       throw_collective_error(what_, rank_, size_, timeout_, e.what());
     }
-    for (auto& t : average_) {
-      t.div_(size_);
-    }
-    average_.clear();
   }
 
  private:
@@ -64,7 +48,6 @@ class C10dWork : public Work {
   std::string what_;
   int rank_, size_;
   std::chrono::milliseconds timeout_;
-  std::vector<torch::Tensor> average_;
 };
 
 /// A collective with nothing to do.
@@ -72,19 +55,20 @@ struct DoneWork : Work {
   void wait() override {}
 };
 
-// Avg is a sum here, divided by C10dWork::wait: Gloo has no AVG, and one
-// way for every backend gives every backend the same rounding.
+// ProcessGroup turns Avg into a sum and a division (Note [Average]), so
+// backends never see it.
 inline c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg:
       return c10d::ReduceOp::SUM;
     case ReduceOp::Max:
       return c10d::ReduceOp::MAX;
     case ReduceOp::Min:
       return c10d::ReduceOp::MIN;
+    case ReduceOp::Avg:
+      break; // ProcessGroup turns it into a sum (Note [Average])
   }
-  TORCH_INTERNAL_ASSERT(false);
+  TORCH_INTERNAL_ASSERT(false, "ReduceOp::Avg reached a c10d backend");
 }
 
 template <typename Group>
@@ -111,8 +95,7 @@ class C10dGroup : public GroupImpl {
     }
     c10d::AllreduceOptions options;
     options.reduceOp = to_c10d(op);
-    return wrap([&] { return group_->allreduce(tensors, options); }, std::move(what),
-                op == ReduceOp::Avg ? tensors : std::vector<torch::Tensor>());
+    return wrap([&] { return group_->allreduce(tensors, options); }, std::move(what));
   }
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
     if (empty(tensors)) {
@@ -149,9 +132,9 @@ class C10dGroup : public GroupImpl {
   }
 
   template <typename F>
-  std::shared_ptr<Work> wrap(F&& start, std::string what, std::vector<torch::Tensor> average = {}) {
+  std::shared_ptr<Work> wrap(F&& start, std::string what) {
     try {
-      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_, std::move(average));
+      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_);
     } catch (const c10::Error& e) {
       throw_collective_error(what, rank(), size(), timeout_, e.msg());
     } catch (const std::exception& e) {
