@@ -13,6 +13,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -43,11 +44,11 @@ OddNet copy_of(const OddNet& net) {
   return OddNet(std::dynamic_pointer_cast<OddNetImpl>(net->clone()));
 }
 
-void check_identical_across_ranks(const ProcessGroup& group, torch::nn::Module& module) {
+void check_identical_across_ranks(const ProcessGroup& group, torch::nn::Module& module, const std::string& when = "") {
   for (const auto& p : module.named_parameters()) {
     auto all = group.all_gather(p.value().detach());
     for (size_t k = 1; k < all.size(); ++k) {
-      check(torch::equal(all[0], all[k]), "'" + p.key() + "' bitwise equal on rank " + std::to_string(k), group.rank());
+      check(torch::equal(all[0], all[k]), "'" + p.key() + "' bitwise equal on rank " + std::to_string(k) + when, group.rank());
     }
   }
 }
@@ -194,11 +195,402 @@ void stall(const ProcessGroup& group) {
   torch::mse_loss(ddp(x), y).backward();
 }
 
+
+// Expects `body` to throw a c10::Error on this rank whose message holds every
+// one of `needles`.
+template <typename F>
+void expect_error(const ProcessGroup& group, F body, const std::vector<std::string>& needles) {
+  try {
+    body();
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    for (const auto& needle : needles) {
+      check(message.find(needle) != std::string::npos, "the error names '" + needle + "': " + message, group.rank());
+    }
+    return;
+  }
+  check(false, "an error was expected", group.rank());
+}
+
+// SyncBatchNorm on uneven batches (0 included) against one BatchNorm on the
+// concatenated batch: output, input gradient, summed parameter gradients and
+// running statistics, over two steps, for 2-, 3- and 4-D input.
+void sync_batch_norm(const ProcessGroup& group) {
+  const int r = group.rank();
+  const int world = group.size();
+  struct Case {
+    std::vector<int64_t> trailing; // dimensions after (N, C)
+    std::vector<int64_t> rows; // per rank, for up to 3 ranks
+  };
+  const std::vector<Case> cases = {{{}, {3, 0, 4}}, {{5}, {0, 3, 2}}, {{3, 2}, {2, 5, 0}}};
+  const int64_t channels = 3;
+  for (const auto& c : cases) {
+    std::vector<int64_t> offsets{0};
+    for (int k = 0; k < world; ++k) {
+      offsets.push_back(offsets.back() + c.rows[k % 3]);
+    }
+    const int64_t mine = c.rows[r % 3];
+    const std::string what = std::to_string(2 + c.trailing.size()) + "-D input, " + std::to_string(mine) + " rows on this rank";
+    torch::nn::AnyModule reference;
+    if (c.trailing.size() <= 1) {
+      reference = torch::nn::AnyModule(torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(channels).momentum(0.3)));
+    } else {
+      reference = torch::nn::AnyModule(torch::nn::BatchNorm2d(torch::nn::BatchNormOptions(channels).momentum(0.3)));
+    }
+    lockstep::SyncBatchNorm sync(torch::nn::BatchNormOptions(channels).momentum(0.3), group);
+    for (int step = 0; step < 2; ++step) {
+      torch::manual_seed(40 + step);
+      std::vector<int64_t> shape{offsets.back(), channels};
+      shape.insert(shape.end(), c.trailing.begin(), c.trailing.end());
+      // Far from zero mean: a plain sum of squares would lose the variance.
+      auto x = torch::randn(shape) * 2 + 50;
+      auto g = torch::randn(shape);
+      {
+        torch::NoGradGuard no_grad; // different parameters than 1 and 0, the same on every rank
+        sync->weight.copy_(torch::linspace(0.5, 1.5, channels) + step);
+        sync->bias.copy_(torch::linspace(-1, 1, channels));
+        reference.ptr()->named_parameters()["weight"].copy_(sync->weight);
+        reference.ptr()->named_parameters()["bias"].copy_(sync->bias);
+      }
+      auto x_all = x.clone().requires_grad_(true);
+      auto y_all = reference.forward(x_all);
+      (y_all * g).sum().backward();
+      auto x_mine = x.narrow(0, offsets[r], mine).clone().requires_grad_(true);
+      auto y_mine = sync(x_mine);
+      (y_mine * g.narrow(0, offsets[r], mine)).sum().backward();
+      check(torch::allclose(y_mine, y_all.narrow(0, offsets[r], mine), 1e-5, 1e-5), "output, " + what, r);
+      check(torch::allclose(x_mine.grad(), x_all.grad().narrow(0, offsets[r], mine), 1e-5, 1e-5), "input gradient, " + what, r);
+      for (const char* name : {"weight", "bias"}) {
+        auto summed = sync->named_parameters()[name].grad().clone();
+        group.allreduce(summed);
+        const auto& expected = reference.ptr()->named_parameters()[name].grad();
+        check(torch::allclose(summed, expected, 1e-5, 1e-4), std::string(name) + " gradient summed over ranks, " + what, r);
+        sync->named_parameters()[name].mutable_grad().reset();
+        reference.ptr()->named_parameters()[name].mutable_grad().reset();
+      }
+      for (const char* name : {"running_mean", "running_var", "num_batches_tracked"}) {
+        check(torch::allclose(sync->named_buffers()[name].to(torch::kDouble),
+                              reference.ptr()->named_buffers()[name].to(torch::kDouble), 1e-5, 1e-5),
+              std::string(name) + ", " + what, r);
+      }
+    }
+  }
+}
+
+// DDP over a model holding a SyncBatchNorm: the collectives of both meet in
+// one backward, in the same order on every rank. Two SGD steps equal one
+// process on the concatenated batch, its loss divided by the world size.
+void sync_batch_norm_ddp(const ProcessGroup& group) {
+  const int r = group.rank();
+  const int world = group.size();
+  torch::manual_seed(5);
+  torch::nn::Sequential bare(torch::nn::Linear(7, 6), torch::nn::BatchNorm1d(6), torch::nn::Tanh(), torch::nn::Linear(6, 3));
+  torch::nn::Sequential net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(bare->clone());
+  check(lockstep::convert_sync_batchnorm(net, group) == 1, "one BatchNorm converted", r);
+  DistributedDataParallel<torch::nn::Sequential> ddp(net, group);
+  torch::optim::SGD opt(ddp->parameters(), 0.1);
+  torch::optim::SGD ref_opt(bare->parameters(), 0.1);
+  const std::vector<int64_t> rows{3, 1, 4};
+  for (int step = 0; step < 2; ++step) {
+    int64_t total = 0, offset = 0;
+    for (int k = 0; k < world; ++k) {
+      offset += k < r ? rows[k] : 0;
+      total += rows[k];
+    }
+    auto [x, y] = lockstep::testing::global_batch(total, step);
+    opt.zero_grad();
+    // DDP averages: (1/world) * the sum of every rank's loss, as the reference.
+    torch::mse_loss(ddp->forward(x.narrow(0, offset, rows[r])), y.narrow(0, offset, rows[r]), torch::Reduction::Sum).backward();
+    opt.step();
+    ref_opt.zero_grad();
+    (torch::mse_loss(bare->forward(x), y, torch::Reduction::Sum) / world).backward();
+    ref_opt.step();
+  }
+  check_close(*bare, *net, 1e-5, 1e-5, r, "DDP with SyncBatchNorm after 2 steps");
+  check_identical_across_ranks(group, *net);
+}
+
+// A small model with a buffer (BatchNorm's running statistics).
+struct JoinNetImpl : torch::nn::Cloneable<JoinNetImpl> {
+  JoinNetImpl() {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(7, 9));
+    bn = register_module("bn", torch::nn::BatchNorm1d(9));
+    fc2 = register_module("fc2", torch::nn::Linear(9, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc2(torch::tanh(bn(fc1(x))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(JoinNet);
+
+std::pair<torch::Tensor, torch::Tensor> join_batch(int rank, int index) {
+  auto [x, y] = lockstep::testing::global_batch(kPerRank * 8, index);
+  return {x.narrow(0, rank * kPerRank, kPerRank), y.narrow(0, rank * kPerRank, kPerRank)};
+}
+
+// Ranks given `counts` batches train under join; the result must equal the
+// same schedule computed by hand in one process: at each iteration, the sum
+// of the gradients of the ranks that still have a batch, divided by the world
+// size or by their number.
+void join(const ProcessGroup& group, std::vector<int> counts, bool divide_by_initial_world_size) {
+  const int r = group.rank();
+  const int world = group.size();
+  counts.resize(world);
+  torch::manual_seed(11 + r); // DDP must broadcast rank 0's
+  JoinNet net;
+  DistributedDataParallel<JoinNet> ddp(net, group, DistributedOptions().bucket_cap_mb(1e-4));
+  JoinNet reference(std::dynamic_pointer_cast<JoinNetImpl>(net->clone()));
+  torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
+  {
+    auto guard = ddp->join(lockstep::JoinOptions().divide_by_initial_world_size(divide_by_initial_world_size));
+    for (int b = 0; b < counts[r]; ++b) {
+      auto [x, y] = join_batch(r, b);
+      opt.zero_grad();
+      torch::mse_loss(ddp(x), y).backward();
+      opt.step();
+    }
+    guard.finish();
+  }
+  const int iterations = *std::max_element(counts.begin(), counts.end());
+  for (int b = 0; b < iterations; ++b) {
+    std::vector<int> training;
+    for (int k = 0; k < world; ++k) {
+      if (counts[k] > b) {
+        training.push_back(k);
+      }
+    }
+    const double divisor = divide_by_initial_world_size ? world : static_cast<double>(training.size());
+    ref_opt.zero_grad();
+    for (int k : training) {
+      auto [x, y] = join_batch(k, b);
+      (torch::mse_loss(reference(x), y) / divisor).backward();
+    }
+    ref_opt.step();
+  }
+  check_close(*reference, *net, 1e-5, 1e-6, r, "after join");
+  check_identical_across_ranks(group, *net, " after join");
+  for (const auto& b : net->named_buffers()) {
+    auto all = group.all_gather(b.value());
+    for (size_t k = 1; k < all.size(); ++k) {
+      check(torch::equal(all[0], all[k]), "buffer '" + b.key() + "' bitwise equal on rank " + std::to_string(k), r);
+    }
+  }
+  // Out of join, nothing changes: one more step on every rank. A fresh
+  // optimizer: the ranks that joined early skipped steps, so their momentum
+  // differs (JoinGuard's documentation says so).
+  torch::optim::SGD after(ddp->parameters(), 0.1);
+  auto [x, y] = join_batch(r, 0);
+  after.zero_grad();
+  torch::mse_loss(ddp(x), y).backward();
+  after.step();
+  check_identical_across_ranks(group, *net, " after a step out of join");
+}
+
+void join_throw(const ProcessGroup& group, std::vector<int> counts) {
+  const int r = group.rank();
+  counts.resize(group.size());
+  JoinNet net;
+  DistributedDataParallel<JoinNet> ddp(net, group);
+  torch::optim::SGD opt(ddp->parameters(), 0.1);
+  const int shortest = *std::min_element(counts.begin(), counts.end());
+  expect_error(group, [&] {
+    auto guard = ddp->join(lockstep::JoinOptions().throw_on_early_termination(true));
+    for (int b = 0; b < counts[r]; ++b) {
+      auto [x, y] = join_batch(r, b);
+      opt.zero_grad();
+      torch::mse_loss(ddp(x), y).backward();
+      opt.step();
+    }
+    guard.finish();
+  }, {"throw_on_early_termination(true)", counts[r] == shortest ? "this rank ran out of inputs" : "still have inputs"});
+}
+
+// Layers registered in the reverse of the order forward uses them: backward
+// makes l3's gradients first, and registration order puts l1's first.
+struct ReversedNetImpl : torch::nn::Cloneable<ReversedNetImpl> {
+  ReversedNetImpl() {
+    reset();
+  }
+  void reset() override {
+    l3 = register_module("l3", torch::nn::Linear(16, 3));
+    l2 = register_module("l2", torch::nn::Linear(16, 16));
+    l1 = register_module("l1", torch::nn::Linear(7, 16));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return l3(torch::tanh(l2(torch::tanh(l1(x)))));
+  }
+  torch::nn::Linear l1{nullptr}, l2{nullptr}, l3{nullptr};
+};
+TORCH_MODULE(ReversedNet);
+
+// The first step's gradient order rebuilds the buckets at the second
+// reducing forward, the same on every rank; a no_sync step in between
+// carries its accumulated gradients into the new buckets.
+void rebuild(const ProcessGroup& group, bool views) {
+  const int r = group.rank();
+  const int world = group.size();
+  torch::manual_seed(21);
+  ReversedNet net;
+  // One bucket per parameter or so: the order is then visible.
+  DistributedDataParallel<ReversedNet> ddp(net, group, DistributedOptions().bucket_bytes(256).first_bucket_bytes(64).gradient_as_bucket_view(views));
+  ReversedNet reference(std::dynamic_pointer_cast<ReversedNetImpl>(net->clone()));
+  torch::optim::SGD opt(ddp->parameters(), 0.1);
+  torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+  const auto names = net->named_parameters().keys();
+  auto first_bucket_names = [&] {
+    std::string text;
+    const auto buckets = ddp->buckets();
+    for (size_t i : buckets.front()) {
+      text += names[i] + " ";
+    }
+    return text;
+  };
+  check(first_bucket_names().find("l1.") != std::string::npos, "before the rebuild, bucket 0 follows registration: " + first_bucket_names(), r);
+  auto [x, y] = lockstep::testing::global_batch(kPerRank * world * 3, 0);
+  auto rows = [&](int micro, int rank) {
+    const int64_t start = (micro * world + rank) * kPerRank;
+    return std::make_pair(x.narrow(0, start, kPerRank), y.narrow(0, start, kPerRank));
+  };
+  // Step 1: reduced; records the order.
+  opt.zero_grad();
+  auto [x0, y0] = rows(0, r);
+  torch::mse_loss(ddp(x0), y0).backward();
+  opt.step();
+  // Step 2: micro-batch 1 under no_sync, micro-batch 2 reduced (the rebuild happens at its forward).
+  opt.zero_grad();
+  {
+    auto guard = ddp->no_sync();
+    auto [x1, y1] = rows(1, r);
+    torch::mse_loss(ddp(x1), y1).backward();
+  }
+  auto [x2, y2] = rows(2, r);
+  torch::mse_loss(ddp(x2), y2).backward();
+  opt.step();
+  const auto after = first_bucket_names();
+  check(after.find("l3.") != std::string::npos && after.find("l1.") == std::string::npos,
+        "after the rebuild, bucket 0 holds l3, whose gradients come first: " + after, r);
+  std::vector<int64_t> flat;
+  for (const auto& bucket : ddp->buckets()) {
+    flat.push_back(-1);
+    flat.insert(flat.end(), bucket.begin(), bucket.end());
+  }
+  auto layouts = group.all_gather(torch::tensor(flat));
+  for (size_t k = 1; k < layouts.size(); ++k) {
+    check(torch::equal(layouts[0], layouts[k]), "rank " + std::to_string(k) + " has rank 0's buckets", r);
+  }
+  // Reference: step 1 on micro-batch 0; step 2 on micro-batches 1 and 2, averaged over ranks.
+  for (int micro = 0; micro < 3; ++micro) {
+    if (micro != 2) {
+      ref_opt.zero_grad();
+    }
+    for (int k = 0; k < world; ++k) {
+      auto [xr, yr] = rows(micro, k);
+      (torch::mse_loss(reference(xr), yr) / world).backward();
+    }
+    if (micro != 1) {
+      ref_opt.step();
+    }
+  }
+  check_close(*reference, *net, 1e-5, 1e-6, r, "after the rebuild");
+  check_identical_across_ranks(group, *net);
+}
+
+struct DoneWork : lockstep::Work {
+  void wait() override {}
+};
+
+// Forwards a group's calls and counts the allreduces.
+class CountingGroup : public lockstep::GroupImpl {
+ public:
+  explicit CountingGroup(ProcessGroup inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string backend() const override { return inner_.backend(); }
+  std::chrono::milliseconds timeout() const override { return inner_.timeout(); }
+  std::shared_ptr<lockstep::Work> allreduce(std::vector<torch::Tensor>& tensors, lockstep::ReduceOp op, std::string what) override {
+    ++allreduces;
+    return inner_.allreduce_async(tensors, op, std::move(what));
+  }
+  std::shared_ptr<lockstep::Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
+    return inner_.broadcast_async(tensors, root, std::move(what));
+  }
+  std::shared_ptr<lockstep::Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string) override {
+    outputs = inner_.all_gather(input);
+    return std::make_shared<DoneWork>();
+  }
+  std::shared_ptr<lockstep::Work> barrier(std::string) override {
+    inner_.barrier();
+    return std::make_shared<DoneWork>();
+  }
+  int allreduces = 0;
+
+ private:
+  ProcessGroup inner_;
+};
+
+// static_graph on a model that never uses its branch: equal to one process,
+// and after the first step one allreduce per bucket, nothing more.
+void static_graph(const ProcessGroup& group) {
+  const int r = group.rank();
+  const int world = group.size();
+  auto counting = std::make_shared<CountingGroup>(group);
+  torch::manual_seed(100 + r);
+  OddNet net(13, /*use_branch=*/false);
+  DistributedDataParallel<OddNet> ddp(net, ProcessGroup(counting), DistributedOptions().static_graph(true).bucket_cap_mb(1e-4));
+  OddNet reference = copy_of(net);
+  torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 5; ++step) {
+    auto [x, y] = lockstep::testing::global_batch(kPerRank * world, step);
+    const int before = counting->allreduces;
+    opt.zero_grad();
+    torch::mse_loss(ddp(x.narrow(0, r * kPerRank, kPerRank)), y.narrow(0, r * kPerRank, kPerRank)).backward();
+    opt.step();
+    if (step >= 1) {
+      check(counting->allreduces - before == static_cast<int>(ddp->buckets().size()),
+            "one allreduce per bucket and nothing more at step " + std::to_string(step) + ": " +
+                std::to_string(counting->allreduces - before) + " for " + std::to_string(ddp->buckets().size()) + " buckets",
+            r);
+    }
+    ref_opt.zero_grad();
+    torch::mse_loss(reference(x), y).backward();
+    ref_opt.step();
+  }
+  check_close(*reference, *net, 1e-5, 1e-6, r, "static_graph after 5 steps");
+  check_identical_across_ranks(group, *net);
+}
+
+// static_graph, then rank 1 changes which parameters it uses at step 2:
+// every rank throws, naming rank 1 and the branch.
+void static_graph_broken(const ProcessGroup& group, bool starts_with_branch) {
+  const int r = group.rank();
+  OddNet net(13, starts_with_branch);
+  DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().static_graph(true));
+  auto [x, y] = lockstep::testing::global_batch(kPerRank, 0);
+  for (int step = 0; step < 2; ++step) {
+    torch::mse_loss(ddp(x), y).backward();
+  }
+  if (r == 1) {
+    net->use_branch = !starts_with_branch;
+  }
+  expect_error(group, [&] { torch::mse_loss(ddp(x), y).backward(); },
+               {"static_graph(true)", "rank 1's 'branch.weight' received ",
+                starts_with_branch ? "no gradient, but got one in the first iteration" : "a gradient, but got none in the first iteration"});
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
-    std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|early_exit [TAG]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
+                 "early_exit|syncbn|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
+                 "static_graph|static_graph_missing|static_graph_extra [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
@@ -234,6 +626,28 @@ int main(int argc, char** argv) {
       collectives(group);
     } else if (scenario == "early_exit") {
       early_exit(group);
+    } else if (scenario == "syncbn") {
+      sync_batch_norm(group);
+    } else if (scenario == "syncbn_ddp") {
+      sync_batch_norm_ddp(group);
+    } else if (scenario == "join") {
+      join(group, {5, 7, 3}, true);
+    } else if (scenario == "join_by_training") {
+      join(group, {5, 7, 3}, false);
+    } else if (scenario == "join_empty") { // rank 0 has nothing: another rank roots the broadcasts
+      join(group, {0, 3, 2}, true);
+    } else if (scenario == "join_throw") {
+      join_throw(group, {5, 7, 3});
+    } else if (scenario == "rebuild") {
+      rebuild(group, false);
+    } else if (scenario == "rebuild_views") {
+      rebuild(group, true);
+    } else if (scenario == "static_graph") {
+      static_graph(group);
+    } else if (scenario == "static_graph_missing") {
+      static_graph_broken(group, true);
+    } else if (scenario == "static_graph_extra") {
+      static_graph_broken(group, false);
     } else {
       std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
       return 2;

@@ -1,11 +1,13 @@
 // Every pure test: chunk sizes, the walk over nested arguments and outputs,
-// bucket assignment and the launch environment. No threads, no process
-// groups; they run in a second.
+// bucket assignment, the launch environment, and SyncBatchNorm and join's
+// checks with the group of one. No threads, no process groups between
+// ranks; they run in seconds.
 
 #include <lockstep/detail/launch_env.h>
 #include <lockstep/detail/reducer.h>
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/scatter_gather.h>
+#include <lockstep/sync_batch_norm.h>
 
 #include "support/errors.h"
 
@@ -314,6 +316,14 @@ TEST(BucketAssignment, DtypesNeverShareABucket) {
   EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{3, 1}, {2, 0}}));
 }
 
+TEST(BucketAssignment, FollowsAGivenOrder) {
+  const std::vector<std::string> keys(6, "float");
+  // The order gradients became ready in: the same caps as above.
+  auto buckets = detail::compute_bucket_assignment({4, 4, 4, 4, 4, 4}, keys, 8, 12, {0, 1, 2, 3, 4, 5});
+  EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{0, 1}, {2, 3, 4}, {5}}));
+  EXPECT_ERROR_SAYS(detail::compute_bucket_assignment({4, 4}, {"f", "f"}, 8, 12, {1, 1}), "not a permutation");
+}
+
 TEST(BucketAssignment, EveryParameterExactlyOnce) {
   std::vector<int64_t> bytes;
   for (int i = 0; i < 37; ++i) {
@@ -437,6 +447,147 @@ TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
   auto t = torch::ones({3});
   group.allreduce(t, ReduceOp::Avg);
   EXPECT_TRUE(torch::equal(t, torch::ones({3})));
+}
+
+// --- SyncBatchNorm with the group of one ----------------------------------------
+
+TEST(SyncBatchNorm, GroupOfOneIsBatchNormExactly) {
+  torch::manual_seed(1);
+  torch::nn::BatchNorm2d bn(torch::nn::BatchNormOptions(3).momentum(0.2));
+  SyncBatchNorm sync(torch::nn::BatchNormOptions(3).momentum(0.2));
+  for (int step = 0; step < 3; ++step) {
+    auto x = torch::randn({4, 3, 2, 5}) * 3 + 1;
+    auto a = x.clone().requires_grad_(true);
+    auto b = x.clone().requires_grad_(true);
+    auto ya = bn(a);
+    auto yb = sync(b);
+    EXPECT_TRUE(torch::equal(ya, yb));
+    (ya * ya).sum().backward();
+    (yb * yb).sum().backward();
+    EXPECT_TRUE(torch::equal(a.grad(), b.grad()));
+    EXPECT_TRUE(torch::equal(bn->weight.grad(), sync->weight.grad()));
+  }
+  EXPECT_TRUE(torch::equal(bn->running_mean, sync->running_mean));
+  EXPECT_TRUE(torch::equal(bn->running_var, sync->running_var));
+  bn->eval();
+  sync->eval();
+  auto x = torch::randn({2, 3, 4, 4});
+  EXPECT_TRUE(torch::equal(bn(x), sync(x)));
+}
+
+TEST(SyncBatchNorm, CheckpointsMoveToAndFromBatchNorm2d) {
+  torch::manual_seed(2);
+  SyncBatchNorm sync(torch::nn::BatchNormOptions(4));
+  sync(torch::randn({6, 4, 3, 3}) + 2); // running statistics away from 0 and 1
+  {
+    torch::NoGradGuard no_grad;
+    sync->weight.uniform_();
+  }
+  std::stringstream file;
+  torch::save(sync, file);
+  torch::nn::BatchNorm2d bn(4);
+  torch::load(bn, file);
+  for (const auto& name : {"weight", "bias"}) {
+    EXPECT_TRUE(torch::equal(bn->named_parameters()[name], sync->named_parameters()[name])) << name;
+  }
+  for (const auto& name : {"running_mean", "running_var", "num_batches_tracked"}) {
+    EXPECT_TRUE(torch::equal(bn->named_buffers()[name], sync->named_buffers()[name])) << name;
+  }
+  std::stringstream back;
+  torch::save(bn, back);
+  SyncBatchNorm again(torch::nn::BatchNormOptions(4));
+  torch::load(again, back);
+  EXPECT_TRUE(torch::equal(again->running_mean, sync->running_mean));
+}
+
+TEST(SyncBatchNorm, WrongInputShapeIsAClearError) {
+  SyncBatchNorm sync(torch::nn::BatchNormOptions(4));
+  EXPECT_ERROR_SAYS(sync(torch::randn({2, 3, 5})), "expected input of shape (N, 4, *), but got [2, 3, 5]");
+  EXPECT_ERROR_SAYS(sync(torch::randn({4})), "expected input of shape (N, 4, *)");
+}
+
+struct MemberNetImpl : torch::nn::Module {
+  MemberNetImpl() {
+    body = register_module("body", torch::nn::Sequential(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4)));
+    norm = register_module("norm", torch::nn::BatchNorm1d(4));
+  }
+  torch::nn::Sequential body{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+};
+TORCH_MODULE(MemberNet);
+
+struct ContainersNetImpl : torch::nn::Module {
+  ContainersNetImpl() {
+    seq = register_module("seq", torch::nn::Sequential(torch::nn::Linear(3, 2), torch::nn::BatchNorm1d(2)));
+    list = register_module("list", torch::nn::ModuleList(torch::nn::BatchNorm2d(2), torch::nn::Linear(2, 2)));
+    dict = register_module("dict", torch::nn::ModuleDict(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
+                                       {"bn", torch::nn::BatchNorm3d(2).ptr()}}));
+  }
+  torch::nn::Sequential seq{nullptr};
+  torch::nn::ModuleList list{nullptr};
+  torch::nn::ModuleDict dict{nullptr};
+};
+TORCH_MODULE(ContainersNet);
+
+TEST(SyncBatchNorm, ConvertReplacesContainerEntriesSharingTheirTensors) {
+  ContainersNet net;
+  auto old_weight = net->seq[1]->as<torch::nn::BatchNorm1dImpl>()->weight;
+  torch::optim::SGD opt(net->parameters(), 1.0); // made before: must keep working
+  EXPECT_EQ(convert_sync_batchnorm(net, ProcessGroup()), 3u);
+  auto* sync = net->seq[1]->as<SyncBatchNormImpl>();
+  ASSERT_NE(sync, nullptr);
+  EXPECT_TRUE(sync->weight.is_same(old_weight));
+  EXPECT_NE(net->list[0]->as<SyncBatchNormImpl>(), nullptr);
+  EXPECT_NE(net->dict["bn"]->as<SyncBatchNormImpl>(), nullptr);
+  size_t sync_children = 0;
+  for (const auto& m : net->modules()) {
+    sync_children += m->as<SyncBatchNormImpl>() != nullptr ? 1 : 0;
+    EXPECT_EQ(m->as<torch::nn::BatchNorm1dImpl>(), nullptr);
+  }
+  EXPECT_EQ(sync_children, 3u);
+  EXPECT_EQ(net->named_parameters().size(), 2u + 2u + 2u + 2u + 2u); // linear, bn, bn, linear, bn
+  // The Sequential's forward runs the new layer, and the optimizer reaches it.
+  auto y = net->seq->forward(torch::randn({5, 3}));
+  (y * y).sum().backward();
+  ASSERT_TRUE(sync->weight.grad().defined());
+  const auto before = sync->weight.clone();
+  opt.step();
+  EXPECT_FALSE(torch::equal(before, sync->weight));
+}
+
+struct OuterNetImpl : torch::nn::Module {
+  OuterNetImpl() {
+    inner = register_module("inner", MemberNet());
+  }
+  MemberNet inner{nullptr};
+};
+TORCH_MODULE(OuterNet);
+
+TEST(SyncBatchNorm, ConvertRefusesMemberFieldsNamingThePathAndChangesNothing) {
+  MemberNet net;
+  EXPECT_ERROR_SAYS(convert_sync_batchnorm(net, ProcessGroup()),
+                    "cannot replace 'norm' (torch::nn::BatchNorm1dImpl), a member of the model",
+                    "Declare this one as lockstep::SyncBatchNorm", "Nothing was converted");
+  EXPECT_NE(net->body[1]->as<torch::nn::BatchNorm1dImpl>(), nullptr); // the convertible one is untouched too
+  OuterNet outer;
+  EXPECT_ERROR_SAYS(convert_sync_batchnorm(outer, ProcessGroup()), "cannot replace 'inner.norm'", "a member of 'inner'");
+  torch::nn::BatchNorm2d alone(3);
+  EXPECT_ERROR_SAYS(convert_sync_batchnorm(alone, ProcessGroup()), "the model itself is a torch::nn::BatchNorm2dImpl");
+}
+
+// --- join's checks ---------------------------------------------------------------
+
+TEST(Join, RefusedWithSyncBatchNormAndWithAHookDividingByTheTrainingRanks) {
+  torch::nn::Sequential net(torch::nn::Linear(3, 2), SyncBatchNorm(torch::nn::BatchNormOptions(2)));
+  DistributedDataParallel<torch::nn::Sequential> ddp(net, ProcessGroup());
+  EXPECT_ERROR_SAYS(ddp->join(), "'1' is a lockstep::SyncBatchNorm", "cannot take part in them");
+  torch::nn::Sequential plain(torch::nn::Linear(3, 2));
+  DistributedDataParallel<torch::nn::Sequential> hooked(plain, ProcessGroup(), DistributedOptions().comm_hook(comm_hooks::allreduce));
+  EXPECT_ERROR_SAYS(hooked->join(JoinOptions().divide_by_initial_world_size(false)), "a comm hook is set");
+  auto guard = hooked->join(); // the default divisor is fine with a hook
+  EXPECT_ERROR_SAYS(hooked->join(), "already joined");
+  guard.finish();
+  EXPECT_ERROR_SAYS(guard.finish(), "already finished");
 }
 
 } // namespace

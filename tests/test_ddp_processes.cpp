@@ -39,8 +39,8 @@ std::string describe(const std::vector<Process>& results) {
   return text;
 }
 
-void expect_all_ok(const std::string& scenario) {
-  auto results = run_ranks(scenario, 2, std::chrono::seconds(120));
+void expect_all_ok(const std::string& scenario, int world = 2) {
+  auto results = run_ranks(scenario, world, std::chrono::seconds(120));
   for (size_t r = 0; r < results.size(); ++r) {
     EXPECT_EQ(results[r].exit_code, 0) << describe(results);
     EXPECT_NE(results[r].output.find("rank " + std::to_string(r) + ": OK"), std::string::npos) << describe(results);
@@ -91,6 +91,47 @@ TEST(DdpProcesses, ShapeMismatchFailsOnEveryRankNamingTheParameter) {
               std::string::npos) << all;
   }
   EXPECT_NE(results[1].output.find("rank 1 has 'fc1.weight' [12, 7] Float"), std::string::npos) << all;
+}
+
+TEST(DdpProcesses, SyncBatchNormMatchesOneBatchNormOnUnevenBatches) {
+  expect_all_ok("syncbn", 2);
+  expect_all_ok("syncbn", 3);
+}
+
+TEST(DdpProcesses, SyncBatchNormInsideDdpMatchesOneProcess) {
+  expect_all_ok("syncbn_ddp", 2);
+}
+
+TEST(DdpProcesses, JoinWithUnevenBatchesMatchesTheHandComputedSchedule) {
+  expect_all_ok("join", 2); // 5 and 7 batches
+  expect_all_ok("join", 3); // 5, 7 and 3
+}
+
+TEST(DdpProcesses, JoinDividingByTheRanksStillTraining) {
+  expect_all_ok("join_by_training", 3);
+}
+
+TEST(DdpProcesses, JoinWhenRankZeroHasNoBatchAtAll) {
+  expect_all_ok("join_empty", 3);
+}
+
+TEST(DdpProcesses, JoinThrowOnEarlyTerminationThrowsOnEveryRank) {
+  expect_all_ok("join_throw", 2);
+  expect_all_ok("join_throw", 3);
+}
+
+TEST(DdpProcesses, BucketsRebuiltInGradientOrderAndAgreed) {
+  expect_all_ok("rebuild");
+  expect_all_ok("rebuild_views");
+}
+
+TEST(DdpProcesses, StaticGraphSkipsTheCheckAndMatchesOneProcess) {
+  expect_all_ok("static_graph");
+}
+
+TEST(DdpProcesses, StaticGraphBrokenIsAnErrorOnEveryRank) {
+  expect_all_ok("static_graph_missing");
+  expect_all_ok("static_graph_extra");
 }
 
 TEST(DdpProcesses, StalledRankGivesATimeoutErrorNotAHang) {

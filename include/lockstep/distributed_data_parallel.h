@@ -48,6 +48,16 @@ struct DistributedOptions {
   /// comm_hooks::allreduce's result with the division by the world size
   /// fused into the copy of each gradient into its bucket.
   TORCH_ARG(CommHook, comm_hook) = nullptr;
+  /// Promise that every iteration gives gradients to the same parameters:
+  /// the first reducing backward records which ones get none, and later
+  /// ones skip the search for them and plain mode's check collective. A
+  /// broken promise is an error on every rank naming the parameter (Note
+  /// [Static graph] in src/reducer.cpp).
+  TORCH_ARG(bool, static_graph) = false;
+  /// After the first reducing backward, rebuild the buckets in the order its
+  /// gradients became ready, as c10d does; false keeps reverse registration
+  /// order (Note [Rebuilding buckets] in src/reducer.cpp).
+  TORCH_ARG(bool, rebuild_buckets) = true;
 
  public: // TORCH_ARG leaves the rest private
   /// bucket_bytes in MiB, as PyTorch's bucket_cap_mb; at least one byte.
@@ -84,6 +94,64 @@ class NoSyncGuard {
   bool previous_;
 };
 
+/// Options of DistributedDataParallelImpl::join, as PyTorch's Join.
+struct JoinOptions {
+  /// Divide the summed gradients by the world size even when some ranks have
+  /// joined and contribute zeros (PyTorch's default); false: by the number of
+  /// ranks still training. Needs the built-in allreduce: a comm hook chooses
+  /// its own divisor.
+  TORCH_ARG(bool, divide_by_initial_world_size) = true;
+  /// Make every rank throw as soon as any rank runs out of inputs, instead
+  /// of shadowing it.
+  TORCH_ARG(bool, throw_on_early_termination) = false;
+};
+
+/// Uneven inputs: made by DistributedDataParallelImpl::join().
+///
+///   auto join = ddp->join();   // ranks may now run out of batches at different times
+///   for (auto& batch : my_batches) { /* forward, backward, step */ }
+///   join.finish();             // shadows the others' collectives until every rank is done
+///
+/// While joined, every forward costs one small extra collective. In grad
+/// mode, each forward must be followed by its backward, as without join.
+/// When finish() returns, every rank holds bitwise the same parameters and
+/// buffers: those of the rank that trained last. Optimizer state stays each
+/// rank's own: a rank that ran out early skipped steps, so its momentum or
+/// Adam moments differ; to train on after finish(), make the optimizer anew
+/// (or copy its state from the rank that trained last). Destroying the guard
+/// without finish() (an exception unwinding) only leaves join mode; it never
+/// communicates. See Note [Join] in src/distributed_data_parallel.cpp.
+class JoinGuard {
+ public:
+  JoinGuard(detail::DistributedCore& core, const JoinOptions& options) : core_(&core) {
+    core_->begin_join(options.divide_by_initial_world_size(), options.throw_on_early_termination());
+  }
+  JoinGuard(JoinGuard&& other) noexcept : core_(other.core_) {
+    other.core_ = nullptr;
+  }
+  JoinGuard(const JoinGuard&) = delete;
+  JoinGuard& operator=(const JoinGuard&) = delete;
+  JoinGuard& operator=(JoinGuard&&) = delete;
+  ~JoinGuard() {
+    if (core_ != nullptr) {
+      core_->end_join();
+    }
+  }
+
+  /// Takes part in the other ranks' collectives, as zeros, until every rank
+  /// has called finish(); then copies the last rank to train's parameters
+  /// and buffers to every rank. Under throw_on_early_termination, throws on
+  /// every rank if some still had inputs.
+  void finish() {
+    TORCH_CHECK(core_ != nullptr, "lockstep::JoinGuard::finish: this guard has already finished (or was moved from).");
+    core_->finish_join();
+    core_ = nullptr;
+  }
+
+ private:
+  detail::DistributedCore* core_;
+};
+
 /// Data parallelism over processes. Made through the holder
 /// DistributedDataParallel<M>.
 template <typename M>
@@ -110,11 +178,18 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
     return NoSyncGuard(*core_);
   }
 
+  /// See JoinGuard: `auto join = ddp->join(); ...; join.finish();`.
+  JoinGuard join(JoinOptions options = {}) {
+    return JoinGuard(*core_, options);
+  }
+
   /// The group the gradients are averaged over.
   const ProcessGroup& group() const {
     return core_->group();
   }
-  /// Parameter indices (in parameters() order) per bucket, in reduction order.
+  /// Parameter indices (in parameters() order) per bucket, in reduction
+  /// order; after the first reducing backward, rebuilt in the order its
+  /// gradients became ready (DistributedOptions::rebuild_buckets).
   std::vector<std::vector<size_t>> buckets() const {
     return core_->reducer().buckets();
   }

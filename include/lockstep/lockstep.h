@@ -8,3 +8,4 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/process_group.h>
 #include <lockstep/scatter_gather.h>
+#include <lockstep/sync_batch_norm.h>

@@ -43,10 +43,29 @@ class DistributedCore {
     sync_ = sync;
   }
 
+  /// JoinGuard's: see Note [Join] in src/distributed_data_parallel.cpp.
+  void begin_join(bool divide_by_initial_world_size, bool throw_on_early_termination);
+  void finish_join();
+  void end_join();
+
  private:
+  // One round of join's collective: who still trains, and what their step does.
+  struct JoinRound {
+    std::vector<int> training; // ranks, ascending
+    bool sync = false; // their forward broadcasts buffers
+    bool reduce = false; // their backward reduces gradients
+    bool rebuild = false; // their forward rebuilds the buckets
+  };
+  JoinRound join_round(bool training, bool reduce);
+
+  torch::nn::Module& module_;
   bool sync_ = true;
   ProcessGroup group_;
   bool broadcast_buffers_;
+  bool has_comm_hook_;
+  bool joining_ = false;
+  bool join_divide_by_initial_world_size_ = true;
+  bool join_throw_on_early_termination_ = false;
   std::vector<torch::Tensor> buffers_;
   std::unique_ptr<Reducer> reducer_;
 };

@@ -22,16 +22,18 @@ struct DistributedOptions;
 
 namespace detail {
 
-/// Groups parameters into buckets: in reverse order of `bytes` (reverse
-/// registration order, roughly the order backward produces gradients), one
-/// open bucket per `keys` value (dtype and device), closed once it reaches
-/// its cap: `first_cap` for the first bucket of each key, `cap` after.
-/// Returns parameter indices per bucket, in the order buckets are reduced.
+/// Groups parameters into buckets: in `order`, the order their gradients are
+/// expected to become ready (empty: reverse registration order, roughly the
+/// order backward produces them before anything was measured), one open
+/// bucket per `keys` value (dtype and device), closed once it reaches its
+/// cap: `first_cap` for the first bucket of each key, `cap` after. Returns
+/// parameter indices per bucket, in the order buckets are reduced.
 std::vector<std::vector<size_t>> compute_bucket_assignment(
     const std::vector<int64_t>& bytes,
     const std::vector<std::string>& keys,
     int64_t first_cap,
-    int64_t cap);
+    int64_t cap,
+    const std::vector<size_t>& order = {});
 
 /// Registers a post hook on each parameter's gradient accumulator and reduces
 /// the buckets as gradients arrive. Before backward() returns, every
@@ -51,8 +53,23 @@ class Reducer {
   /// leaves .grad to accumulate locally otherwise (no_sync).
   void prepare_for_backward(bool sync);
 
+  /// Whether a reducing backward has recorded the order its gradients became
+  /// ready in, and the buckets are still to be rebuilt in that order.
+  bool rebuild_pending() const;
+  /// Rebuilds the buckets in `root`'s recorded order, which a broadcast
+  /// gives every rank: ranks never disagree on buckets. A collective.
+  void rebuild_buckets(int root);
+  /// For a rank that has joined (JoinGuard::finish): the collectives of one
+  /// reducing backward, every gradient a zero, as the other ranks run theirs.
+  void shadow_backward();
+  /// What the built-in allreduce divides the sum by, from the next backward
+  /// on: the world size, or the ranks still training under join.
+  void set_divisor(int64_t divisor);
+
   /// Parameter indices per bucket.
   std::vector<std::vector<size_t>> buckets() const;
+  /// Where the gradients live, and so where small collectives' tensors go.
+  torch::Device device() const;
 
  private:
   struct State;

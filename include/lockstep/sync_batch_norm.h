@@ -1,0 +1,95 @@
+#pragma once
+
+// lockstep::SyncBatchNorm: batch normalisation whose statistics are those of
+// every rank's batch together, on any backend and any device. See Note
+// [SyncBatchNorm] in src/sync_batch_norm.cpp.
+
+#include <lockstep/process_group.h>
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/options/batchnorm.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstddef>
+#include <ostream>
+
+namespace lockstep {
+
+/// Batch normalisation over input of shape (N, C, *), any number of trailing
+/// dimensions. In training, the mean and variance are those of every rank's
+/// batch together: one allreduce in forward and one in backward, whatever N
+/// is, and ranks may hold different N, 0 included. The output, the input's
+/// gradient and the running statistics then equal one torch::nn::BatchNorm
+/// on the concatenated batch; each rank's weight and bias gradients are its
+/// share, which DistributedDataParallel's reduction combines. In eval mode,
+/// and with a group of one, it is torch::nn::BatchNorm exactly and does not
+/// communicate. Its parameters and buffers have BatchNorm's names, so
+/// checkpoints move between the two.
+class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
+ public:
+  explicit SyncBatchNormImpl(torch::nn::BatchNormOptions options, ProcessGroup group = ProcessGroup());
+
+  /// Takes `bn`'s options, training mode, parameters and buffers, sharing
+  /// them (the same tensors, as PyTorch's convert_sync_batchnorm), so that an
+  /// optimizer made over `bn` keeps working.
+  template <size_t D, typename Derived>
+  SyncBatchNormImpl(const torch::nn::BatchNormImplBase<D, Derived>& bn, ProcessGroup group)
+      : options(bn.options), group(std::move(group)) {
+    adopted_ = {bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked};
+    adopting_ = true;
+    reset();
+    train(bn.is_training());
+  }
+
+  void reset() override;
+  /// Running statistics back to mean 0, variance 1, no batch seen.
+  void reset_running_stats();
+  /// reset_running_stats(), and weight 1, bias 0.
+  void reset_parameters();
+
+  torch::Tensor forward(const torch::Tensor& input);
+
+  void pretty_print(std::ostream& stream) const override;
+
+  torch::nn::BatchNormOptions options;
+  /// The ranks whose batches are normalised together.
+  ProcessGroup group;
+  /// Defined only with options.affine().
+  torch::Tensor weight;
+  torch::Tensor bias;
+  /// Defined only with options.track_running_stats().
+  torch::Tensor running_mean;
+  torch::Tensor running_var;
+  torch::Tensor num_batches_tracked;
+
+ private:
+  struct Adopted {
+    torch::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+  };
+  Adopted adopted_;
+  bool adopting_ = false;
+};
+
+/// `lockstep::SyncBatchNorm bn(torch::nn::BatchNormOptions(C), group);`
+TORCH_MODULE(SyncBatchNorm);
+
+/// Replaces the torch::nn::BatchNorm{1,2,3}d layers of `module` by
+/// SyncBatchNorm layers over `group`, sharing their parameters and buffers,
+/// and returns how many it replaced. LibTorch modules call their submodules
+/// through typed member fields, which no function can swap from outside, so
+/// only layers held in containers are replaced: entries of
+/// torch::nn::Sequential (whose forward goes through AnyModule),
+/// torch::nn::ModuleList and torch::nn::ModuleDict. A BatchNorm anywhere
+/// else is an error naming its path, before anything is changed: declare it
+/// as lockstep::SyncBatchNorm instead, or hold it in a Sequential.
+size_t convert_sync_batchnorm(torch::nn::Module& module, const ProcessGroup& group);
+
+/// For holders: `lockstep::convert_sync_batchnorm(net, group)`.
+template <typename Contained>
+size_t convert_sync_batchnorm(torch::nn::ModuleHolder<Contained>& holder, const ProcessGroup& group) {
+  return convert_sync_batchnorm(*holder, group);
+}
+
+} // namespace lockstep

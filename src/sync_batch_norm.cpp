@@ -1,0 +1,311 @@
+#include <lockstep/sync_batch_norm.h>
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace lockstep {
+
+// Note [SyncBatchNorm]
+// ~~~~~~~~~~~~~~~~~~~~
+// Forward reduces, per channel, three things over every rank in one
+// allreduce of 2C+1 float64 values: the sum of x, the sum of squares taken
+// about this rank's own mean (plus n * mean^2, to make it a sum of squares),
+// and n. Taking the squares about the local mean keeps the variance exact
+// when the mean is far from zero, where a plain sum of squares in float32
+// would cancel; float64 keeps the combination exact. A rank with n = 0 adds
+// zeros, so ranks may hold any N, 0 included. Backward needs, per channel,
+// sum(dy) and sum(dy * (x - mean)) over every rank: one allreduce of 2C
+// values. The input's gradient then equals the one BatchNorm computes on the
+// concatenated batch; the weight and bias gradients are this rank's sums,
+// which add up over ranks to the concatenated batch's, and which
+// DistributedDataParallel's reduction combines. Every rank calls both
+// collectives in the same order, since every rank runs the same layers; the
+// collectives run on the group given at construction, which may be the one
+// DDP uses.
+
+namespace {
+
+struct GroupCapsule : torch::CustomClassHolder {
+  explicit GroupCapsule(ProcessGroup g) : group(std::move(g)) {}
+  ProcessGroup group;
+};
+
+// Sums over every dimension but the channel one.
+std::vector<int64_t> reduced_dims(const torch::Tensor& input) {
+  std::vector<int64_t> dims{0};
+  for (int64_t d = 2; d < input.dim(); ++d) {
+    dims.push_back(d);
+  }
+  return dims;
+}
+
+// A per-channel vector shaped to broadcast against (N, C, *).
+torch::Tensor per_channel(const torch::Tensor& v, const torch::Tensor& input) {
+  std::vector<int64_t> shape(input.dim(), 1);
+  shape[1] = input.size(1);
+  return v.view(shape);
+}
+
+std::string where(const ProcessGroup& group) {
+  return "lockstep::SyncBatchNorm: rank " + std::to_string(group.rank()) + " of " + std::to_string(group.size()) + ": ";
+}
+
+class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
+ public:
+  static torch::Tensor forward(
+      torch::autograd::AutogradContext* ctx,
+      const torch::Tensor& input,
+      const torch::Tensor& weight,
+      const torch::Tensor& bias,
+      torch::Tensor running_mean,
+      torch::Tensor running_var,
+      double eps,
+      double momentum,
+      c10::intrusive_ptr<GroupCapsule> capsule) {
+    const ProcessGroup& group = capsule->group;
+    const auto x = input.contiguous();
+    const auto dims = reduced_dims(x);
+    const int64_t channels = x.size(1);
+    const int64_t n = x.numel() / std::max<int64_t>(channels, 1);
+    const auto dbl = x.options().dtype(torch::kDouble);
+    auto stats = torch::zeros({2 * channels + 1}, dbl);
+    if (n > 0) {
+      auto sum = x.sum(dims, false, torch::kDouble);
+      auto mean = sum / static_cast<double>(n);
+      auto squares = (x - per_channel(mean.to(x.scalar_type()), x)).square().sum(dims, false, torch::kDouble);
+      stats.narrow(0, 0, channels).copy_(sum);
+      stats.narrow(0, channels, channels).copy_(squares + mean.square() * static_cast<double>(n));
+      stats[2 * channels].fill_(static_cast<double>(n));
+    }
+    group.allreduce_async({stats}, ReduceOp::Sum, "SyncBatchNorm's statistics (" + std::to_string(channels) + " channels)")
+        ->wait();
+    const double total = stats[2 * channels].item<double>();
+    TORCH_CHECK(total > 1, where(group), "expected more than 1 value per channel in training, but every rank's batch "
+                "together has ", static_cast<int64_t>(total), " (input ", input.sizes(), " on this rank). Train on "
+                "larger batches, or put the layer in eval mode.");
+    const auto mean = stats.narrow(0, 0, channels) / total;
+    const auto var = (stats.narrow(0, channels, channels) / total - mean.square()).clamp_min(0);
+    const auto invstd = (var + eps).rsqrt();
+
+    if (running_mean.defined()) {
+      torch::NoGradGuard no_grad;
+      running_mean.mul_(1 - momentum).add_(mean.to(running_mean.scalar_type()), momentum);
+      running_var.mul_(1 - momentum).add_((var * (total / (total - 1))).to(running_var.scalar_type()), momentum);
+    }
+    const auto mean_x = mean.to(x.scalar_type());
+    const auto invstd_x = invstd.to(x.scalar_type());
+    auto out = (x - per_channel(mean_x, x)) * per_channel(invstd_x, x);
+    if (weight.defined()) {
+      out = out * per_channel(weight, x) + per_channel(bias, x);
+    }
+    ctx->save_for_backward({x, weight, mean_x, invstd_x});
+    ctx->saved_data["total"] = total;
+    ctx->saved_data["group"] = c10::IValue::make_capsule(capsule);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& x = saved[0];
+    const auto& weight = saved[1];
+    const auto& mean = saved[2];
+    const auto& invstd = saved[3];
+    const double total = ctx->saved_data["total"].toDouble();
+    const auto capsule = c10::static_intrusive_pointer_cast<GroupCapsule>(ctx->saved_data["group"].toCapsule());
+    const ProcessGroup& group = capsule->group;
+    const auto dims = reduced_dims(x);
+    const int64_t channels = x.size(1);
+
+    const auto dy = grads[0].defined() ? grads[0].contiguous() : torch::zeros_like(x);
+    const auto xmu = x - per_channel(mean, x);
+    const auto local_sum_dy = dy.sum(dims, false, torch::kDouble);
+    const auto local_sum_dy_xmu = (dy * xmu).sum(dims, false, torch::kDouble);
+    // Every rank reduces, whether or not its input needs a gradient: the
+    // others wait for it.
+    auto sums = torch::cat({local_sum_dy, local_sum_dy_xmu});
+    group.allreduce_async({sums}, ReduceOp::Sum, "SyncBatchNorm's gradient sums (" + std::to_string(channels) + " channels)")
+        ->wait();
+    const auto mean_dy = (sums.narrow(0, 0, channels) / total).to(x.scalar_type());
+    const auto mean_dy_xmu = (sums.narrow(0, channels, channels) / total).to(x.scalar_type());
+
+    auto scale = weight.defined() ? invstd * weight : invstd;
+    auto grad_input = (dy - per_channel(mean_dy, x) - xmu * per_channel(invstd * invstd * mean_dy_xmu, x)) *
+        per_channel(scale, x);
+    torch::Tensor grad_weight, grad_bias;
+    if (weight.defined()) {
+      grad_weight = (local_sum_dy_xmu * invstd.to(torch::kDouble)).to(weight.scalar_type());
+      grad_bias = local_sum_dy.to(weight.scalar_type());
+    }
+    return {grad_input, grad_weight, grad_bias, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+bool is_batch_norm(const torch::nn::Module& m) {
+  return m.as<torch::nn::BatchNorm1dImpl>() != nullptr || m.as<torch::nn::BatchNorm2dImpl>() != nullptr ||
+      m.as<torch::nn::BatchNorm3dImpl>() != nullptr;
+}
+
+std::shared_ptr<SyncBatchNormImpl> make_sync(const torch::nn::Module& m, const ProcessGroup& group) {
+  if (const auto* bn = m.as<torch::nn::BatchNorm1dImpl>()) {
+    return std::make_shared<SyncBatchNormImpl>(*bn, group);
+  }
+  if (const auto* bn = m.as<torch::nn::BatchNorm2dImpl>()) {
+    return std::make_shared<SyncBatchNormImpl>(*bn, group);
+  }
+  const auto* bn = m.as<torch::nn::BatchNorm3dImpl>();
+  TORCH_INTERNAL_ASSERT(bn != nullptr);
+  return std::make_shared<SyncBatchNormImpl>(*bn, group);
+}
+
+bool is_container(const torch::nn::Module& m) {
+  return m.as<torch::nn::SequentialImpl>() != nullptr || m.as<torch::nn::ModuleListImpl>() != nullptr ||
+      m.as<torch::nn::ModuleDictImpl>() != nullptr;
+}
+
+std::string path_of(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+// Throws, naming the path, at the first BatchNorm that no container holds.
+void check_convertible(const torch::nn::Module& m, const std::string& path) {
+  for (const auto& child : m.named_children()) {
+    const auto child_path = path_of(path, child.key());
+    if (is_batch_norm(*child.value())) {
+      TORCH_CHECK(is_container(m), "lockstep::convert_sync_batchnorm: cannot replace '", child_path, "' (",
+                  child.value()->name(), "), a member of ", path.empty() ? std::string("the model") : "'" + path + "'",
+                  " (", m.name(), "). LibTorch modules call their submodules through typed member fields, which no "
+                  "function can swap from outside, so only BatchNorm layers held in a torch::nn::Sequential, "
+                  "ModuleList or ModuleDict can be converted. Declare this one as lockstep::SyncBatchNorm "
+                  "(lockstep::SyncBatchNorm(torch::nn::BatchNormOptions(C), group)), or hold it in a "
+                  "torch::nn::Sequential. Nothing was converted.");
+    } else {
+      check_convertible(*child.value(), child_path);
+    }
+  }
+}
+
+size_t convert(torch::nn::Module& m, const ProcessGroup& group) {
+  size_t converted = 0;
+  for (const auto& child : m.named_children()) {
+    if (!is_batch_norm(*child.value())) {
+      converted += convert(*child.value(), group);
+      continue;
+    }
+    auto sync = make_sync(*child.value(), group);
+    if (auto* seq = m.as<torch::nn::SequentialImpl>()) {
+      for (auto it = seq->begin(); it != seq->end(); ++it) {
+        if (it->ptr() == child.value()) {
+          *it = torch::nn::AnyModule(SyncBatchNorm(sync));
+        }
+      }
+      m.replace_module(child.key(), sync);
+    } else if (auto* list = m.as<torch::nn::ModuleListImpl>()) {
+      for (auto it = list->begin(); it != list->end(); ++it) {
+        if (*it == child.value()) {
+          *it = sync;
+        }
+      }
+      m.replace_module(child.key(), sync);
+    } else {
+      auto* dict = m.as<torch::nn::ModuleDictImpl>();
+      TORCH_INTERNAL_ASSERT(dict != nullptr, "checked by check_convertible");
+      dict->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{{child.key(), sync}});
+    }
+    ++converted;
+  }
+  return converted;
+}
+
+} // namespace
+
+SyncBatchNormImpl::SyncBatchNormImpl(torch::nn::BatchNormOptions options_, ProcessGroup group_)
+    : options(std::move(options_)), group(std::move(group_)) {
+  reset();
+}
+
+void SyncBatchNormImpl::reset() {
+  TORCH_CHECK(options.num_features() > 0, "lockstep::SyncBatchNorm: num_features must be > 0, but got ",
+              options.num_features(), ".");
+  // The names, shapes and order of torch::nn::BatchNorm's, so that state
+  // dicts move between the two.
+  const int64_t c = options.num_features();
+  const bool adopt = adopting_;
+  adopting_ = false;
+  if (options.affine()) {
+    weight = register_parameter("weight", adopt ? adopted_.weight : torch::empty({c}));
+    bias = register_parameter("bias", adopt ? adopted_.bias : torch::empty({c}));
+  } else {
+    weight = register_parameter("weight", torch::Tensor(), /*requires_grad=*/false);
+    bias = register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
+  }
+  if (options.track_running_stats()) {
+    running_mean = register_buffer("running_mean", adopt ? adopted_.running_mean : torch::zeros({c}));
+    running_var = register_buffer("running_var", adopt ? adopted_.running_var : torch::ones({c}));
+    num_batches_tracked = register_buffer(
+        "num_batches_tracked", adopt ? adopted_.num_batches_tracked : torch::tensor(0, torch::dtype(torch::kLong)));
+  } else {
+    running_mean = register_buffer("running_mean", torch::Tensor());
+    running_var = register_buffer("running_var", torch::Tensor());
+    num_batches_tracked = register_buffer("num_batches_tracked", torch::Tensor());
+  }
+  adopted_ = Adopted{};
+  if (!adopt) {
+    reset_parameters();
+  }
+}
+
+void SyncBatchNormImpl::reset_running_stats() {
+  if (options.track_running_stats()) {
+    torch::NoGradGuard no_grad;
+    running_mean.zero_();
+    running_var.fill_(1);
+    num_batches_tracked.zero_();
+  }
+}
+
+void SyncBatchNormImpl::reset_parameters() {
+  reset_running_stats();
+  if (options.affine()) {
+    torch::nn::init::ones_(weight);
+    torch::nn::init::zeros_(bias);
+  }
+}
+
+torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 2 && input.size(1) == options.num_features(), where(group), "expected input of shape (N, ",
+              options.num_features(), ", *), but got ", input.sizes(), ".");
+  // As torch::nn::BatchNorm, so that a group of one and eval mode are it exactly.
+  double factor = options.momentum().value_or(0.0);
+  if (is_training() && options.track_running_stats()) {
+    num_batches_tracked += 1;
+    if (!options.momentum()) {
+      factor = 1.0 / num_batches_tracked.item<double>();
+    }
+  }
+  if (!is_training() || group.size() == 1) {
+    return torch::nn::functional::detail::batch_norm(input, running_mean, running_var, weight, bias,
+                                                     is_training() || !options.track_running_stats(), factor,
+                                                     options.eps());
+  }
+  return SyncBatchNormFunction::apply(input, weight, bias, running_mean, running_var, options.eps(), factor,
+                                      c10::make_intrusive<GroupCapsule>(group));
+}
+
+void SyncBatchNormImpl::pretty_print(std::ostream& stream) const {
+  stream << "lockstep::SyncBatchNorm(" << options.num_features() << ", eps=" << options.eps()
+         << ", momentum=" << options.momentum().value_or(-1) << ", affine=" << options.affine()
+         << ", track_running_stats=" << options.track_running_stats() << ", world_size=" << group.size() << ")";
+}
+
+size_t convert_sync_batchnorm(torch::nn::Module& module, const ProcessGroup& group) {
+  TORCH_CHECK(!is_batch_norm(module), "lockstep::convert_sync_batchnorm: the model itself is a ", module.name(),
+              ", which cannot be replaced in place. Make a lockstep::SyncBatchNorm(", "torch::nn::BatchNormOptions(C), "
+              "group) instead, or pass the module that holds it.");
+  check_convertible(module, "");
+  return convert(module, group);
+}
+
+} // namespace lockstep
