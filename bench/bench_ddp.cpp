@@ -3,11 +3,13 @@
 //
 //   lockstep-bench-ddp MODE MODEL STEPS
 //
-// MODE: lockstep | views (gradient_as_bucket_view) | mpi (lockstep over the mpi
-// backend, under mpirun) | naive (one allreduce per gradient after backward) |
-// nocomm (no communication: the limit).
-// MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)); global batch
-// 256, split over the ranks. Rank 0 prints one line:
+// MODE: lockstep | views (gradient_as_bucket_view) | static (static_graph) |
+// norebuild (buckets kept in reverse registration order) | mpi (lockstep over
+// the mpi backend, under mpirun) | naive (one allreduce per gradient after
+// backward) | nocomm (no communication: the limit).
+// MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)) | reversed
+// (deep, its layers registered in the reverse of the order forward uses
+// them); global batch 256, split over the ranks. Rank 0 prints one line:
 //   MODE MODEL steps_per_s=X rss_mb=R0,R1
 
 #include <examples/blas_check.h>
@@ -28,6 +30,25 @@
 
 namespace {
 
+// The deep model with its layers registered last first: reverse registration
+// order, the buckets' first guess, is then the reverse of backward's order.
+struct ReversedDeepImpl : torch::nn::Module {
+  ReversedDeepImpl() {
+    layers.resize(48, nullptr);
+    for (int i = 47; i >= 0; --i) {
+      layers[i] = register_module("layer" + std::to_string(i), torch::nn::Linear(256, 256));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& layer : layers) {
+      x = torch::relu(layer(x));
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(ReversedDeep);
+
 // "mlp" is the MLP that lockstep-bench-dp times too; "deep" has many small
 // gradients, so that bucketing matters.
 torch::nn::Sequential make_model(const std::string& name) {
@@ -42,6 +63,62 @@ torch::nn::Sequential make_model(const std::string& name) {
   return net;
 }
 
+// Times `steps` SGD steps of `net` under `mode` on this rank.
+template <typename M>
+void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps) {
+  const int64_t batch = 256 / group.size();
+  const int64_t features = model == "mlp" ? 784 : 256;
+  auto x = torch::randn({batch, features});
+  auto y = torch::randint(0, 10, {batch});
+
+  std::function<torch::Tensor(const torch::Tensor&)> forward = [net](const torch::Tensor& in) mutable { return net->forward(in); };
+  std::shared_ptr<lockstep::DistributedDataParallel<M>> ddp;
+  if (mode != "naive" && mode != "nocomm") {
+    ddp = std::make_shared<lockstep::DistributedDataParallel<M>>(
+        net, group,
+        lockstep::DistributedOptions()
+            .gradient_as_bucket_view(mode == "views")
+            .static_graph(mode == "static")
+            .rebuild_buckets(mode != "norebuild"));
+    forward = [ddp](const torch::Tensor& in) { return (*ddp)(in); };
+  } else if (mode == "naive") {
+    for (auto& p : net->parameters()) { // the initial broadcast naive code often forgets
+      group.broadcast(p, 0);
+    }
+  }
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto step = [&] {
+    optimizer.zero_grad();
+    torch::cross_entropy_loss(forward(x), y).backward();
+    if (mode == "naive") {
+      for (auto& p : net->parameters()) {
+        group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
+      }
+    }
+    optimizer.step();
+  };
+  for (int i = 0; i < 5; ++i) {
+    step();
+  }
+  group.barrier();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) {
+    step();
+  }
+  group.barrier();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto rss = group.all_gather(torch::tensor({static_cast<double>(usage.ru_maxrss) / 1024.0}, torch::kDouble));
+  if (group.rank() == 0) {
+    std::printf("%s %s steps_per_s=%.2f rss_mb=", mode.c_str(), model.c_str(), steps / seconds);
+    for (size_t r = 0; r < rss.size(); ++r) {
+      std::printf("%s%.1f", r ? "," : "", rss[r].item<double>());
+    }
+    std::printf("\n");
+  }
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -50,11 +127,12 @@ int main(int argc, char** argv) {
   int steps = 0;
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
-  app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), mpi (lockstep over MPI, under mpirun), "
-                 "naive (one allreduce per gradient after backward) or nocomm (no communication)")
-      ->required()->check(CLI::IsMember({"lockstep", "views", "mpi", "naive", "nocomm"}));
-  app.add_option("MODEL", model, "mlp (784-1024-1024-10) or deep (48 x Linear(256, 256))")
-      ->required()->check(CLI::IsMember({"mlp", "deep"}));
+  app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
+                 "kept in registration order), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward) or nocomm (no communication)")
+      ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "mpi", "naive", "nocomm"}));
+  app.add_option("MODEL", model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)) or reversed (deep, registered "
+                 "last layer first)")
+      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed"}));
   app.add_option("STEPS", steps, "Timed optimizer steps, after 5 untimed ones")->required()->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
@@ -62,7 +140,7 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == 0) {
       return app.exit(e); // --help
     }
-    std::fprintf(stderr, "lockstep-bench-ddp: %s\nusage: %s lockstep|views|mpi|naive|nocomm mlp|deep STEPS\n", e.what(),
+    std::fprintf(stderr, "lockstep-bench-ddp: %s\nusage: %s lockstep|views|static|norebuild|mpi|naive|nocomm mlp|deep|reversed STEPS\n", e.what(),
                  argv[0]);
     return 2;
   }
@@ -71,53 +149,10 @@ int main(int argc, char** argv) {
     at::set_num_threads(1); // one core per rank, as the Python contender
     auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(mode == "mpi" ? "mpi" : "gloo"));
     torch::manual_seed(0);
-    auto net = make_model(model);
-    const int64_t batch = 256 / group.size();
-    const int64_t features = model == "mlp" ? 784 : 256;
-    auto x = torch::randn({batch, features});
-    auto y = torch::randint(0, 10, {batch});
-
-    std::function<torch::Tensor(const torch::Tensor&)> forward = [net](const torch::Tensor& in) mutable { return net->forward(in); };
-    std::shared_ptr<lockstep::DistributedDataParallel<torch::nn::Sequential>> ddp;
-    if (mode == "lockstep" || mode == "views" || mode == "mpi") {
-      ddp = std::make_shared<lockstep::DistributedDataParallel<torch::nn::Sequential>>(
-          net, group, lockstep::DistributedOptions().gradient_as_bucket_view(mode == "views"));
-      forward = [ddp](const torch::Tensor& in) { return (*ddp)(in); };
-    } else if (mode == "naive") {
-      for (auto& p : net->parameters()) { // the initial broadcast naive code often forgets
-        group.broadcast(p, 0);
-      }
-    }
-    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-    auto step = [&] {
-      optimizer.zero_grad();
-      torch::cross_entropy_loss(forward(x), y).backward();
-      if (mode == "naive") {
-        for (auto& p : net->parameters()) {
-          group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
-        }
-      }
-      optimizer.step();
-    };
-    for (int i = 0; i < 5; ++i) {
-      step();
-    }
-    group.barrier();
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < steps; ++i) {
-      step();
-    }
-    group.barrier();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    rusage usage{};
-    getrusage(RUSAGE_SELF, &usage);
-    auto rss = group.all_gather(torch::tensor({static_cast<double>(usage.ru_maxrss) / 1024.0}, torch::kDouble));
-    if (group.rank() == 0) {
-      std::printf("%s %s steps_per_s=%.2f rss_mb=", mode.c_str(), model.c_str(), steps / seconds);
-      for (size_t r = 0; r < rss.size(); ++r) {
-        std::printf("%s%.1f", r ? "," : "", rss[r].item<double>());
-      }
-      std::printf("\n");
+    if (model == "reversed") {
+      run(ReversedDeep(), group, mode, model, steps);
+    } else {
+      run(make_model(model), group, mode, model, steps);
     }
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace());

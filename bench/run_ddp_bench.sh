@@ -6,7 +6,9 @@
 #   bench/run_ddp_bench.sh [ROUNDS] [STEPS_MLP] [STEPS_DEEP]
 #
 # CONTENDERS="lockstep python" runs only those (lockstep must be among them:
-# the ratios are against it).
+# the ratios are against it); MODELS="reversed" only those models. The
+# bucket figures (rebuild and static_graph):
+#   CONTENDERS="lockstep norebuild static" MODELS="reversed deep" bench/run_ddp_bench.sh
 #
 # Needs a built tree (scripts/build.sh) of the configuration LOCKSTEP_TORCH
 # names (scripts/config.sh). Python DDP, the peer, runs on the same PyTorch:
@@ -53,16 +55,17 @@ run_pair() { # MODE MODEL STEPS
 default_contenders="lockstep python naive nocomm views"
 command -v mpirun >/dev/null && default_contenders+=" mpi"
 read -r -a contenders <<<"${CONTENDERS:-$default_contenders}"
+read -r -a models <<<"${MODELS:-mlp deep}"
 for ((round = 0; round < rounds; round++)); do
-  for model in mlp deep; do
-    steps=$steps_mlp; [ "$model" = deep ] && steps=$steps_deep
+  for model in "${models[@]}"; do
+    steps=$steps_mlp; [ "$model" != mlp ] && steps=$steps_deep
     n=${#contenders[@]}
     for ((i = 0; i < n; i++)); do
       run_pair "${contenders[$(((i + round) % n))]}" "$model" "$steps"
     done
   done
 done
-"$py" - "$out" <<'PY'
+"$py" - "$out" "${models[@]}" <<'PY'
 import collections, statistics, sys
 rates = collections.defaultdict(list)
 rss = collections.defaultdict(list)
@@ -70,10 +73,10 @@ for line in open(sys.argv[1]):
     mode, model, sps, mem = line.split()
     rates[(model, mode)].append(float(sps.split("=")[1]))
     rss[(model, mode)].append(max(float(v) for v in mem.split("=")[1].split(",")))
-for model in ("mlp", "deep"):
+for model in sys.argv[2:]:
     med = {mode: statistics.median(rates[(model, mode)]) for (m, mode) in rates if m == model}
     print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
-    for mode in [m for m in ("lockstep", "views", "mpi", "python", "naive", "nocomm") if m in med]:
+    for mode in [m for m in ("lockstep", "views", "static", "norebuild", "mpi", "python", "naive", "nocomm") if m in med]:
         print(f"  {mode:9s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
               f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB")
     for peer in [m for m in ("python", "nocomm") if "mpi" in med and m in med]:

@@ -383,5 +383,66 @@ TEST(DdpThreads, NcclTwoRanksAverageGradients_MultiCUDA) {
   EXPECT_TRUE(torch::allclose(bare->parameters()[0].grad(), grads[0], 1e-4, 1e-5));
 }
 
+TEST(DdpThreads, SyncBatchNormOnCudaOverTwoGlooRanksMatchesBatchNorm_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(3);
+  auto x = (torch::randn({7, 4, 3, 3}) * 2 + 30).to(gpu);
+  auto g = torch::randn({7, 4, 3, 3}).to(gpu);
+  torch::nn::BatchNorm2d bn(4);
+  bn->to(gpu);
+  auto x_all = x.clone().requires_grad_(true);
+  auto y_all = bn(x_all);
+  (y_all * g).sum().backward();
+  const std::vector<int64_t> offsets{0, 5, 7}; // 5 rows and 2
+  std::vector<torch::Tensor> weight_grads(2);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    const int r = group.rank();
+    SyncBatchNorm sync(torch::nn::BatchNormOptions(4), group);
+    sync->to(gpu);
+    auto rows = x.narrow(0, offsets[r], offsets[r + 1] - offsets[r]).clone().requires_grad_(true);
+    auto y = sync(rows);
+    (y * g.narrow(0, offsets[r], rows.size(0))).sum().backward();
+    EXPECT_TRUE(torch::allclose(y, y_all.narrow(0, offsets[r], rows.size(0)), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(rows.grad(), x_all.grad().narrow(0, offsets[r], rows.size(0)), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(sync->running_var, bn->running_var, 1e-5, 1e-5));
+    weight_grads[r] = sync->weight.grad();
+  });
+  EXPECT_TRUE(torch::allclose(weight_grads[0] + weight_grads[1], bn->weight.grad(), 1e-5, 1e-4));
+}
+
+TEST(DdpThreads, NcclGroupOfOneJoinStaticGraphAndRebuildOnCuda_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  // Join's round, the rebuild's broadcast and static_graph's flag all live
+  // on the gradients' device: NCCL takes CUDA tensors only.
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto [bare, x, y] = on_device(gpu, 6, 0);
+  auto [net, x2, y2] = on_device(gpu, 6, 0);
+  bare->use_branch = false;
+  net->use_branch = false;
+  auto group = new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "nccl");
+  DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().static_graph(true).bucket_cap_mb(1e-4));
+  torch::optim::SGD bare_opt(bare->parameters(), 0.1), ddp_opt(ddp->parameters(), 0.1);
+  auto join = ddp->join();
+  for (int step = 0; step < 3; ++step) {
+    bare_opt.zero_grad();
+    ddp_opt.zero_grad();
+    torch::mse_loss(bare(x), y).backward();
+    torch::mse_loss(ddp(x2), y2).backward();
+    bare_opt.step();
+    ddp_opt.step();
+  }
+  join.finish();
+  auto expected = bare->parameters();
+  auto got = net->parameters();
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(expected[i], got[i], 1e-5, 1e-6));
+  }
+}
+
 } // namespace
 } // namespace lockstep
