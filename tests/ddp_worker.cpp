@@ -212,6 +212,39 @@ void expect_error(const ProcessGroup& group, F body, const std::vector<std::stri
   check(false, "an error was expected", group.rank());
 }
 
+struct DoneWork : lockstep::Work {
+  void wait() override {}
+};
+
+// Forwards a group's calls and counts the allreduces.
+class CountingGroup : public lockstep::GroupImpl {
+ public:
+  explicit CountingGroup(ProcessGroup inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string backend() const override { return inner_.backend(); }
+  std::chrono::milliseconds timeout() const override { return inner_.timeout(); }
+  std::shared_ptr<lockstep::Work> allreduce(std::vector<torch::Tensor>& tensors, lockstep::ReduceOp op, std::string what) override {
+    ++allreduces;
+    return inner_.allreduce_async(tensors, op, std::move(what));
+  }
+  std::shared_ptr<lockstep::Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
+    return inner_.broadcast_async(tensors, root, std::move(what));
+  }
+  std::shared_ptr<lockstep::Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string) override {
+    outputs = inner_.all_gather(input);
+    return std::make_shared<DoneWork>();
+  }
+  std::shared_ptr<lockstep::Work> barrier(std::string) override {
+    inner_.barrier();
+    return std::make_shared<DoneWork>();
+  }
+  int allreduces = 0;
+
+ private:
+  ProcessGroup inner_;
+};
+
 // SyncBatchNorm on uneven batches (0 included) against one BatchNorm on the
 // concatenated batch: output, input gradient, summed parameter gradients and
 // running statistics, over two steps, for 2-, 3- and 4-D input.
@@ -275,6 +308,15 @@ void sync_batch_norm(const ProcessGroup& group) {
       }
     }
   }
+  // Eval mode: the running statistics, and no collective.
+  auto counting = std::make_shared<CountingGroup>(group);
+  lockstep::SyncBatchNorm sync{torch::nn::BatchNormOptions(channels), ProcessGroup(counting)};
+  torch::nn::BatchNorm1d bn(channels);
+  sync->eval();
+  bn->eval();
+  auto x = torch::randn({4, channels}) + static_cast<double>(r);
+  check(torch::equal(sync(x), bn(x)), "eval mode is BatchNorm's", r);
+  check(counting->allreduces == 0, "eval mode communicates nothing: " + std::to_string(counting->allreduces) + " allreduces", r);
 }
 
 // DDP over a model holding a SyncBatchNorm: the collectives of both meet in
@@ -343,7 +385,8 @@ void join(const ProcessGroup& group, std::vector<int> counts, bool divide_by_ini
   counts.resize(world);
   torch::manual_seed(11 + r); // DDP must broadcast rank 0's
   JoinNet net;
-  DistributedDataParallel<JoinNet> ddp(net, group, DistributedOptions().bucket_cap_mb(1e-4));
+  auto counting = std::make_shared<CountingGroup>(group);
+  DistributedDataParallel<JoinNet> ddp(net, ProcessGroup(counting), DistributedOptions().bucket_cap_mb(1e-4));
   JoinNet reference(std::dynamic_pointer_cast<JoinNetImpl>(net->clone()));
   torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
   torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
@@ -351,9 +394,14 @@ void join(const ProcessGroup& group, std::vector<int> counts, bool divide_by_ini
     auto guard = ddp->join(lockstep::JoinOptions().divide_by_initial_world_size(divide_by_initial_world_size));
     for (int b = 0; b < counts[r]; ++b) {
       auto [x, y] = join_batch(r, b);
+      const int before = counting->allreduces;
       opt.zero_grad();
       torch::mse_loss(ddp(x), y).backward();
       opt.step();
+      // Each bucket, plain mode's check, and join's round: one extra collective.
+      const int expected = static_cast<int>(ddp->buckets().size()) + 2;
+      check(counting->allreduces - before == expected, "allreduces in step " + std::to_string(b) + ": " +
+            std::to_string(counting->allreduces - before) + ", expected " + std::to_string(expected), r);
     }
     guard.finish();
   }
@@ -387,8 +435,10 @@ void join(const ProcessGroup& group, std::vector<int> counts, bool divide_by_ini
   torch::optim::SGD after(ddp->parameters(), 0.1);
   auto [x, y] = join_batch(r, 0);
   after.zero_grad();
+  const int before = counting->allreduces;
   torch::mse_loss(ddp(x), y).backward();
   after.step();
+  check(counting->allreduces - before == static_cast<int>(ddp->buckets().size()) + 1, "no round out of join", r);
   check_identical_across_ranks(group, *net, " after a step out of join");
 }
 
@@ -500,39 +550,6 @@ void rebuild(const ProcessGroup& group, bool views) {
   check_close(*reference, *net, 1e-5, 1e-6, r, "after the rebuild");
   check_identical_across_ranks(group, *net);
 }
-
-struct DoneWork : lockstep::Work {
-  void wait() override {}
-};
-
-// Forwards a group's calls and counts the allreduces.
-class CountingGroup : public lockstep::GroupImpl {
- public:
-  explicit CountingGroup(ProcessGroup inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string backend() const override { return inner_.backend(); }
-  std::chrono::milliseconds timeout() const override { return inner_.timeout(); }
-  std::shared_ptr<lockstep::Work> allreduce(std::vector<torch::Tensor>& tensors, lockstep::ReduceOp op, std::string what) override {
-    ++allreduces;
-    return inner_.allreduce_async(tensors, op, std::move(what));
-  }
-  std::shared_ptr<lockstep::Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
-    return inner_.broadcast_async(tensors, root, std::move(what));
-  }
-  std::shared_ptr<lockstep::Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string) override {
-    outputs = inner_.all_gather(input);
-    return std::make_shared<DoneWork>();
-  }
-  std::shared_ptr<lockstep::Work> barrier(std::string) override {
-    inner_.barrier();
-    return std::make_shared<DoneWork>();
-  }
-  int allreduces = 0;
-
- private:
-  ProcessGroup inner_;
-};
 
 // static_graph on a model that never uses its branch: equal to one process,
 // and after the first step one allreduce per bucket, nothing more.

@@ -584,6 +584,9 @@ TEST(Join, RefusedWithSyncBatchNormAndWithAHookDividingByTheTrainingRanks) {
   torch::nn::Sequential plain(torch::nn::Linear(3, 2));
   DistributedDataParallel<torch::nn::Sequential> hooked(plain, ProcessGroup(), DistributedOptions().comm_hook(comm_hooks::allreduce));
   EXPECT_ERROR_SAYS(hooked->join(JoinOptions().divide_by_initial_world_size(false)), "a comm hook is set");
+  {
+    auto unwound = hooked->join(); // destroyed without finish(): only leaves join mode
+  }
   auto guard = hooked->join(); // the default divisor is fine with a hook
   EXPECT_ERROR_SAYS(hooked->join(), "already joined");
   guard.finish();
