@@ -1,6 +1,7 @@
 #include <lockstep/process_group.h>
 
 #include "backends/backends.h"
+#include "flight_recorder.h"
 #include "torch_compat.h"
 
 #include <lockstep/detail/launch_env.h>
@@ -88,8 +89,9 @@ std::string available_list() {
 
 ProcessGroup::ProcessGroup() : impl_(std::make_shared<detail::LocalGroup>()) {}
 
-ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) : impl_(std::move(impl)) {
-  TORCH_CHECK(impl_ != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
+ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
+  TORCH_CHECK(impl != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
+  impl_ = detail::recorded(std::move(impl)); // Note [Flight recorder]
 }
 
 namespace {

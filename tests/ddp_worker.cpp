@@ -601,13 +601,48 @@ void static_graph_broken(const ProcessGroup& group, bool starts_with_branch) {
                 starts_with_branch ? "no gradient, but got one in the first iteration" : "a gradient, but got none in the first iteration"});
 }
 
+// Two DDP steps, then rank 1 skips a collective the others run, and every
+// rank ends in a barrier: the ranks disagree from that collective on, every
+// rank fails within the timeout, and each writes its flight record.
+void desync_skip(const ProcessGroup& group) {
+  OddNet net;
+  DistributedDataParallel<OddNet> ddp(net, group);
+  auto [x, y] = lockstep::testing::global_batch(kPerRank, 0);
+  for (int step = 0; step < 2; ++step) {
+    torch::mse_loss(ddp(x), y).backward();
+  }
+  auto t = torch::ones({4});
+  if (group.rank() != 1) {
+    group.allreduce(t);
+  }
+  group.barrier();
+}
+
+// Under LOCKSTEP_DEBUG=detail: rank 1 runs another shape, or another
+// operation, than the others; every rank must throw naming both.
+void desync_detail(const ProcessGroup& group, bool other_op) {
+  auto t = torch::ones({4});
+  group.allreduce(t); // agreed: #0
+  expect_error(group, [&] {
+    if (group.rank() != 1) {
+      group.allreduce(t);
+    } else if (other_op) {
+      group.broadcast(t, 0);
+    } else {
+      auto longer = torch::ones({5});
+      group.allreduce(longer);
+    }
+  }, {"LOCKSTEP_DEBUG=detail: ranks disagree on collective #1: rank 0 runs allreduce (sum) of [4] Float but rank 1 runs ",
+      other_op ? "broadcast from rank 0 of [4] Float" : "allreduce (sum) of [5] Float"});
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
     std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
                  "early_exit|syncbn|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
-                 "static_graph|static_graph_missing|static_graph_extra [TAG]\n", argv[0]);
+                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
@@ -616,7 +651,7 @@ int main(int argc, char** argv) {
     // gloo under lockstep-run's variables; LOCKSTEP_TEST_BACKEND=mpi under mpirun.
     const char* backend = std::getenv("LOCKSTEP_TEST_BACKEND");
     auto options = lockstep::ProcessGroupOptions().backend(backend != nullptr ? backend : "gloo");
-    if (scenario == "stall" || scenario == "early_exit") {
+    if (scenario == "stall" || scenario == "early_exit" || scenario == "desync_skip") {
       options.timeout(std::chrono::seconds(3));
     }
     auto group = lockstep::init_process_group(options);
@@ -665,6 +700,12 @@ int main(int argc, char** argv) {
       static_graph_broken(group, true);
     } else if (scenario == "static_graph_extra") {
       static_graph_broken(group, false);
+    } else if (scenario == "desync_skip") {
+      desync_skip(group);
+    } else if (scenario == "desync_shape") {
+      desync_detail(group, false);
+    } else if (scenario == "desync_op") {
+      desync_detail(group, true);
     } else {
       std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
       return 2;

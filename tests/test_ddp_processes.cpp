@@ -15,15 +15,17 @@ using lockstep::testing::Process;
 
 // Starts `world` ranks of the worker on `scenario` and waits for them, at
 // most `deadline`; ranks still running then are killed (exit_code -1).
-std::vector<Process> run_ranks(const std::string& scenario, int world, std::chrono::seconds deadline) {
+std::vector<Process> run_ranks(const std::string& scenario, int world, std::chrono::seconds deadline,
+                               const std::vector<std::string>& extra_env = {}) {
   const int port = lockstep::testing::free_port();
   std::vector<Process> ranks;
   for (int r = 0; r < world; ++r) {
+    std::vector<std::string> env{"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
+                                 "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(world),
+                                 "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=1"};
+    env.insert(env.end(), extra_env.begin(), extra_env.end());
     ranks.push_back(lockstep::testing::start(
-        {LOCKSTEP_DDP_WORKER, scenario},
-        {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world), "LOCAL_RANK=" + std::to_string(r),
-         "LOCAL_WORLD_SIZE=" + std::to_string(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-         "OMP_NUM_THREADS=1"},
+        {LOCKSTEP_DDP_WORKER, scenario}, env,
         ::testing::TempDir() + "lockstep_ddp_" + scenario + "_" + std::to_string(r) + ".log"));
   }
   lockstep::testing::wait_all(ranks, deadline);
@@ -39,8 +41,8 @@ std::string describe(const std::vector<Process>& results) {
   return text;
 }
 
-void expect_all_ok(const std::string& scenario, int world = 2) {
-  auto results = run_ranks(scenario, world, std::chrono::seconds(120));
+void expect_all_ok(const std::string& scenario, int world = 2, const std::vector<std::string>& env = {}) {
+  auto results = run_ranks(scenario, world, std::chrono::seconds(120), env);
   for (size_t r = 0; r < results.size(); ++r) {
     EXPECT_EQ(results[r].exit_code, 0) << describe(results);
     EXPECT_NE(results[r].output.find("rank " + std::to_string(r) + ": OK"), std::string::npos) << describe(results);
@@ -132,6 +134,11 @@ TEST(DdpProcesses, StaticGraphSkipsTheCheckAndMatchesOneProcess) {
 TEST(DdpProcesses, StaticGraphBrokenIsAnErrorOnEveryRank) {
   expect_all_ok("static_graph_missing");
   expect_all_ok("static_graph_extra");
+}
+
+TEST(DdpProcesses, DebugDetailNamesBothRanksOnAShapeOrOperationMismatch) {
+  expect_all_ok("desync_shape", 2, {"LOCKSTEP_DEBUG=detail"});
+  expect_all_ok("desync_op", 3, {"LOCKSTEP_DEBUG=detail"});
 }
 
 TEST(DdpProcesses, StalledRankGivesATimeoutErrorNotAHang) {

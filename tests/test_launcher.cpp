@@ -135,6 +135,44 @@ TEST(Launcher, StalledRankIsNamedNotTheRankThatTimedOut) {
                           "period. Rank 0 failed first only because it gave up waiting for it"),
             std::string::npos) << p.output;
   EXPECT_TRUE(testing::processes_with(temp("stall")).empty()) << "a rank outlived the launcher";
+  // The flight records: rank 0's says where it waited; rank 1 left none.
+  EXPECT_NE(p.output.find("lockstep-run: desync report, from the ranks' flight records in "), std::string::npos) << p.output;
+  EXPECT_TRUE(std::regex_search(p.output, std::regex("rank 0 waited [0-9.]+ s in collective #[0-9]+ \\((allreduce|broadcast) .*\\), "
+                                                     "which rank 1 never joined")))
+      << p.output;
+}
+
+TEST(Launcher, DesyncReportNamesTheRankThatSkippedACollectiveAndItsNumber) {
+  // Rank 1 skips an allreduce and goes on to a barrier: from that collective
+  // on the ranks disagree, both fail, and each writes its record.
+  const std::string logs = temp("desync_logs");
+  ::mkdir(logs.c_str(), 0755);
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--log-dir", logs}, {LOCKSTEP_DDP_WORKER, "desync_skip"},
+                  "desync", {kOneThread});
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.output, m, std::regex("rank 0 ran allreduce \\(sum\\) of 4 Float as #([0-9]+) where rank 1 "
+                                                        "ran barrier")))
+      << p.output;
+  const int64_t seq = std::stoll(m[1].str());
+  for (int r = 0; r < 2; ++r) {
+    const auto record = nlohmann::json::parse(read_text(logs + "/lockstep_trace_rank" + std::to_string(r) + ".json"),
+                                              nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(record.is_object()) << "rank " << r << "'s flight record is missing or does not parse\n" << p.output;
+    EXPECT_EQ(record["rank"], r);
+    bool found = false;
+    for (const auto& c : record["groups"][0]["collectives"]) {
+      if (c["seq"] == seq) {
+        found = true;
+        EXPECT_EQ(c["op"], r == 0 ? "allreduce" : "barrier") << c.dump();
+        EXPECT_NE(c["state"], "completed") << c.dump();
+      }
+    }
+    EXPECT_TRUE(found) << "rank " << r << " recorded no collective #" << seq;
+  }
+  // The short summary on stderr, with the file it wrote.
+  EXPECT_NE(p.output.find("flight recorder, the last collectives of this rank (whole record: " + logs), std::string::npos)
+      << p.output;
 }
 
 TEST(Launcher, StoreFilesOfDeadLaunchersAreRemoved) {

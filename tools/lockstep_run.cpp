@@ -32,6 +32,7 @@
 // whole group after a doubling delay, up to --max-restarts times, or exits
 // non-zero.
 
+#include "desync_report.h"
 #include "process_files.h"
 
 #include <CLI/CLI.hpp>
@@ -44,6 +45,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -68,6 +70,7 @@ using Clock = std::chrono::steady_clock;
 constexpr int kUsageError = 2;
 constexpr size_t kStderrTail = 20;
 constexpr double kMaxRestartDelay = 30.0;
+constexpr auto kSettle = std::chrono::milliseconds(1000); // Attempt::run: before SIGTERM after a failure
 
 volatile sig_atomic_t g_signal = 0;
 
@@ -147,10 +150,16 @@ std::string store_file_prefix() {
   return std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/lockstep-store-";
 }
 
-// A launcher killed with SIGKILL cannot remove its store files: the next one
-// removes those of launchers that no longer run.
+std::string trace_dir_prefix() {
+  const char* tmp = std::getenv("TMPDIR");
+  return std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/lockstep-trace-";
+}
+
+// A launcher killed with SIGKILL cannot remove its store files and trace
+// folders: the next one removes those of launchers that no longer run.
 void remove_stale_store_files() {
   lockstep::tools::remove_files_of_dead_processes(store_file_prefix());
+  lockstep::tools::remove_files_of_dead_processes(trace_dir_prefix());
 }
 
 std::string describe_status(int status) {
@@ -180,10 +189,44 @@ class Attempt {
       store_file_ = store_file_prefix() + std::to_string(::getpid()) + "-" + std::to_string(restart_count);
       ::unlink(store_file_.c_str());
     }
+    // Where the ranks write their flight records when a collective fails
+    // (Note [Flight recorder] in src/flight_recorder.cpp): --log-dir, or a
+    // folder of this attempt's own. The caller's LOCKSTEP_TRACE_DIR wins.
+    const char* preset = std::getenv("LOCKSTEP_TRACE_DIR");
+    if (preset != nullptr && *preset != '\0') {
+      trace_dir_ = preset;
+    } else if (!options_.log_dir.empty()) {
+      trace_dir_ = options_.log_dir;
+    } else {
+      trace_dir_ = trace_dir_prefix() + std::to_string(::getpid()) + "-" + std::to_string(restart_count);
+      own_trace_dir_ = ::mkdir(trace_dir_.c_str(), 0700) == 0;
+    }
+    for (int local = 0; local < options_.nproc_per_node; ++local) { // a record of the attempt before would mislead
+      ::unlink(lockstep::tools::trace_file(trace_dir_, options_.node_rank * options_.nproc_per_node + local).c_str());
+    }
   }
   ~Attempt() {
     if (!store_file_.empty()) {
       ::unlink(store_file_.c_str());
+    }
+    if (own_trace_dir_) {
+      lockstep::tools::remove_shallow(trace_dir_);
+    }
+  }
+
+  // The desync report from the ranks' flight records; nothing when none wrote one.
+  void print_desync_report() const {
+    std::vector<int> ranks;
+    for (const auto& r : ranks_) {
+      ranks.push_back(r.global_rank);
+    }
+    const auto lines = lockstep::tools::desync_report(trace_dir_, ranks);
+    if (lines.empty()) {
+      return;
+    }
+    std::fprintf(stderr, "lockstep-run: desync report, from the ranks' flight records in %s:\n", trace_dir_.c_str());
+    for (const auto& line : lines) {
+      std::fprintf(stderr, "  %s\n", line.c_str());
     }
   }
 
@@ -192,8 +235,10 @@ class Attempt {
   int run() {
     start_ranks();
     int root_cause = -1;
-    Clock::time_point stop_deadline{};
+    Clock::time_point stop_at = Clock::time_point::max();
+    Clock::time_point stop_deadline = Clock::time_point::max();
     bool stopping = false;
+    bool terminated = false;
     while (true) {
       pump(100);
       reap();
@@ -211,13 +256,20 @@ class Attempt {
         for (auto& r : ranks_) {
           r.running_at_stop = !r.done;
         }
+        // Ranks that fail in the same collective end within moments of each
+        // other: give them kSettle to write their flight records before
+        // SIGTERM ends them. A signal to the launcher goes on at once.
+        stop_at = sig != 0 ? Clock::now() : Clock::now() + kSettle;
+      }
+      if (stopping && !terminated && Clock::now() >= stop_at) {
+        terminated = true;
         signal_all(sig != 0 ? sig : SIGTERM);
         stop_deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(options_.grace_seconds * 1000));
       }
       if (all_done()) {
         break;
       }
-      if (stopping && Clock::now() >= stop_deadline) {
+      if (terminated && Clock::now() >= stop_deadline) {
         for (auto& r : ranks_) {
           r.killed_after_grace = !r.done;
         }
@@ -288,6 +340,7 @@ class Attempt {
     if (!store_file_.empty()) {
       env.emplace_back("LOCKSTEP_STORE_FILE", store_file_);
     }
+    env.emplace_back("LOCKSTEP_TRACE_DIR", trace_dir_);
     env.emplace_back("LOCKSTEP_RUN_ID", options_.run_id);
     if (options_.timeout_seconds > 0) {
       env.emplace_back("LOCKSTEP_TIMEOUT", std::to_string(options_.timeout_seconds));
@@ -456,6 +509,8 @@ class Attempt {
   std::vector<Rank> ranks_;
   pid_t group_ = 0;
   std::string store_file_;
+  std::string trace_dir_;
+  bool own_trace_dir_ = false;
 };
 
 // Whether the rank's last words say it gave up waiting for the others.
@@ -608,6 +663,7 @@ int main(int argc, char** argv) {
     }
     print_root_cause(run.rank(root_cause));
     print_stalled_ranks(run, root_cause, options.nproc_per_node, options.grace_seconds);
+    run.print_desync_report();
     if (attempt >= options.max_restarts) {
       if (options.max_restarts > 0) {
         std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options.max_restarts);

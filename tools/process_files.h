@@ -57,7 +57,24 @@ inline bool process_gone(long pid) {
   return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
-/// Removes the files named `path_prefix` + PID, or `path_prefix` + PID + "-"
+/// Removes `path`: a file, or a folder of files (not of folders).
+inline void remove_shallow(const std::string& path) {
+  if (::unlink(path.c_str()) == 0 || errno != EISDIR) {
+    return;
+  }
+  if (DIR* folder = ::opendir(path.c_str())) {
+    while (const dirent* entry = ::readdir(folder)) {
+      const std::string name = entry->d_name;
+      if (name != "." && name != "..") {
+        ::unlink((path + "/" + name).c_str());
+      }
+    }
+    ::closedir(folder);
+  }
+  ::rmdir(path.c_str());
+}
+
+/// Removes the files (or folders of files) named `path_prefix` + PID, or `path_prefix` + PID + "-"
 /// + anything, whose process PID no longer runs on this machine: what a
 /// writer killed with SIGKILL leaves behind. The files of running processes
 /// stay, and so does every other name. `path_prefix` is a folder and the
@@ -80,7 +97,7 @@ inline void remove_files_of_dead_processes(const std::string& path_prefix) {
     char* end = nullptr;
     const long pid = std::strtol(name.c_str() + name_prefix.size(), &end, 10);
     if ((*end == '\0' || *end == '-') && process_gone(pid)) {
-      ::unlink((dir + "/" + name).c_str());
+      remove_shallow(dir + "/" + name);
     }
   }
   ::closedir(folder);

@@ -2,6 +2,7 @@
 // libopenmpi-dev); no_mpi.cpp otherwise.
 
 #include "backends.h"
+#include "../flight_recorder.h"
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
@@ -138,6 +139,7 @@ class MpiWork : public Work {
                    "MPI job (MPI_Abort) so that no rank hangs.\n",
                    rank_, size_, what_.c_str(), static_cast<long long>(timeout_.count()));
       std::fflush(stderr);
+      dump_flight_records(what_ + " did not complete within the group's timeout");
       MPI_Abort(MPI_COMM_WORLD, 1);
       std::_Exit(1);
     }

@@ -1,0 +1,445 @@
+#include "flight_recorder.h"
+
+#include <torch/types.h>
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+// Note [Flight recorder]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// When a job hangs or dies in a collective, the question is which rank
+// diverged, at which collective, and what the others were doing. Every rank
+// numbers the collectives of each group in the order it issues them (the
+// same order on every rank, by the rules of collectives), and keeps the last
+// few hundred: operation, dtype, shape, what for (the `what` every caller
+// passes: "allreduce of bucket 2 ...", "the broadcast of rank 0's buffers"),
+// state and times. The record is a wrapper around the backend's GroupImpl,
+// so every backend and every caller is covered, DDP's reducer, join,
+// SyncBatchNorm and user calls alike. The cost is one mutex and one small
+// copy per collective, a few per step.
+//
+// On the first failed or timed-out wait, the rank writes its record: a short
+// summary to stderr and the whole of it as JSON to $LOCKSTEP_TRACE_DIR (which
+// lockstep-run sets). lockstep-run reads the ranks' files after a failure and
+// names the first sequence number where they disagree or where some never
+// arrived (tools/desync_report.h).
+//
+// LOCKSTEP_DEBUG=detail adds, before each collective, an all_gather of a
+// fingerprint (sequence number, operation, reduction or root, dtype, shape)
+// through the backend itself, not recorded. A mismatch throws on every rank
+// naming rank 0's and the first differing rank's collectives and the
+// sequence number, instead of a hang or a silently wrong sum. It costs one
+// small collective per collective; docs/performance.md has the figure.
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const char* kOpNames[] = {"allreduce", "broadcast", "all_gather", "barrier"};
+enum Op : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3 };
+const char* kReduceNames[] = {"sum", "avg", "max", "min"};
+
+constexpr int64_t kShownDims = 5;
+// seq, op, arg, dtype, numel, tensors, ndim, then kShownDims dims.
+constexpr int64_t kFingerprintSize = 7 + kShownDims;
+
+int64_t unix_ms(std::chrono::system_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    text += (i ? ", " : "") + std::to_string(shape[i]);
+  }
+  return text + "]";
+}
+
+struct Entry {
+  int64_t seq = 0;
+  Op op = kAllreduce;
+  std::string arg; // "sum", "root 0", or ""
+  std::string dtype;
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+  std::string what;
+  std::string state = "started";
+  std::string error;
+  Clock::time_point started;
+  std::chrono::system_clock::time_point started_wall;
+  Clock::time_point ended;
+};
+
+class FlightRecorder {
+ public:
+  FlightRecorder(int rank, int size, std::string backend, std::chrono::milliseconds timeout, size_t capacity)
+      : rank_(rank), size_(size), backend_(std::move(backend)), timeout_(timeout), capacity_(capacity) {}
+
+  int64_t start(Op op, std::string arg, const std::vector<torch::Tensor>& tensors, const std::string& what) {
+    Entry e;
+    e.op = op;
+    e.arg = std::move(arg);
+    if (!tensors.empty()) {
+      e.dtype = c10::toString(tensors[0].scalar_type());
+      e.shape = tensors[0].sizes().vec();
+      for (const auto& t : tensors) {
+        e.numel += t.numel();
+      }
+    }
+    e.what = what;
+    e.started = Clock::now();
+    e.started_wall = std::chrono::system_clock::now();
+    std::lock_guard<std::mutex> lock(mutex_);
+    e.seq = next_seq_++;
+    if (capacity_ > 0) {
+      entries_.push_back(std::move(e));
+      while (entries_.size() > capacity_) {
+        entries_.pop_front();
+      }
+    }
+    return next_seq_ - 1;
+  }
+
+  void finish(int64_t seq, const char* state, const std::string& error = "") {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
+      if (it->seq == seq) {
+        if (it->state == "started") {
+          it->state = state;
+          it->error = error;
+          it->ended = Clock::now();
+        }
+        return;
+      }
+    }
+  }
+
+  int64_t next_seq() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return next_seq_;
+  }
+
+  nlohmann::json to_json(size_t index) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto now = Clock::now();
+    nlohmann::json collectives = nlohmann::json::array();
+    for (const auto& e : entries_) {
+      nlohmann::json c = {{"seq", e.seq}, {"op", kOpNames[e.op]}, {"arg", e.arg}, {"dtype", e.dtype},
+                          {"numel", e.numel}, {"shape", e.shape}, {"what", e.what}, {"state", e.state},
+                          {"started_unix_ms", unix_ms(e.started_wall)}};
+      if (e.state == "started") {
+        c["waited_ms"] = std::chrono::duration_cast<std::chrono::milliseconds>(now - e.started).count();
+      } else {
+        c["duration_ms"] = std::chrono::duration<double, std::milli>(e.ended - e.started).count();
+      }
+      if (!e.error.empty()) {
+        c["error"] = e.error;
+      }
+      collectives.push_back(std::move(c));
+    }
+    return {{"index", index}, {"backend", backend_}, {"rank", rank_}, {"size", size_},
+            {"timeout_ms", timeout_.count()}, {"issued", next_seq_}, {"collectives", std::move(collectives)}};
+  }
+
+  int rank() const {
+    return rank_;
+  }
+
+ private:
+  const int rank_;
+  const int size_;
+  const std::string backend_;
+  const std::chrono::milliseconds timeout_;
+  const size_t capacity_;
+  mutable std::mutex mutex_;
+  std::deque<Entry> entries_;
+  int64_t next_seq_ = 0;
+};
+
+std::mutex& registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::vector<std::weak_ptr<FlightRecorder>>& registry() {
+  static std::vector<std::weak_ptr<FlightRecorder>> recorders;
+  return recorders;
+}
+
+std::atomic<bool> g_dumped{false};
+
+size_t trace_buffer_size() {
+  const char* text = std::getenv("LOCKSTEP_TRACE_BUFFER_SIZE");
+  if (text == nullptr || *text == '\0') {
+    return kDefaultTraceBufferSize;
+  }
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  TORCH_CHECK(end != text && *end == '\0' && value >= 0, "lockstep: environment variable LOCKSTEP_TRACE_BUFFER_SIZE=\"",
+              text, "\" is malformed; expected how many collectives to keep, 0 or more (0: none).");
+  return static_cast<size_t>(value);
+}
+
+bool debug_detail() {
+  const char* text = std::getenv("LOCKSTEP_DEBUG");
+  if (text == nullptr || *text == '\0' || std::string(text) == "off") {
+    return false;
+  }
+  TORCH_CHECK(std::string(text) == "detail", "lockstep: environment variable LOCKSTEP_DEBUG=\"", text,
+              "\" is not a setting; expected detail (check every collective against every rank's) or off.");
+  return true;
+}
+
+// What a fingerprint (see Note [Flight recorder]) says, in words.
+std::string describe_fingerprint(const torch::Tensor& f) {
+  const auto* v = f.data_ptr<int64_t>();
+  std::ostringstream out;
+  const auto op = static_cast<Op>(v[1]);
+  out << kOpNames[op];
+  if (op == kAllreduce) {
+    out << " (" << kReduceNames[v[2]] << ")";
+  } else if (op == kBroadcast) {
+    out << " from rank " << v[2];
+  }
+  if (op != kBarrier) {
+    std::vector<int64_t> dims(v + 7, v + 7 + std::min<int64_t>(v[6], kShownDims));
+    out << " of " << shape_text(dims) << (v[6] > kShownDims ? "..." : "") << " "
+        << c10::toString(static_cast<c10::ScalarType>(v[3]));
+    if (v[5] > 1) {
+      out << " (" << v[5] << " tensors, " << v[4] << " elements)";
+    }
+  }
+  return out.str();
+}
+
+class RecordedWork : public Work {
+ public:
+  RecordedWork(std::shared_ptr<Work> inner, std::shared_ptr<FlightRecorder> recorder, int64_t seq)
+      : inner_(std::move(inner)), recorder_(std::move(recorder)), seq_(seq) {}
+  void wait() override {
+    try {
+      inner_->wait();
+    } catch (const c10::Error& e) {
+      recorder_->finish(seq_, "failed", e.what_without_backtrace());
+      dump_flight_records(e.what_without_backtrace());
+      throw;
+    }
+    recorder_->finish(seq_, "completed");
+  }
+
+ private:
+  std::shared_ptr<Work> inner_;
+  std::shared_ptr<FlightRecorder> recorder_;
+  int64_t seq_;
+};
+
+class RecordedGroup : public GroupImpl {
+ public:
+  RecordedGroup(std::shared_ptr<GroupImpl> inner, size_t capacity, bool check)
+      : inner_(std::move(inner)),
+        recorder_(std::make_shared<FlightRecorder>(inner_->rank(), inner_->size(), inner_->backend(), inner_->timeout(),
+                                                   capacity)),
+        check_(check) {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().push_back(recorder_);
+  }
+
+  int rank() const override {
+    return inner_->rank();
+  }
+  int size() const override {
+    return inner_->size();
+  }
+  std::string backend() const override {
+    return inner_->backend();
+  }
+  std::chrono::milliseconds timeout() const override {
+    return inner_->timeout();
+  }
+
+  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
+    return run(kAllreduce, static_cast<int64_t>(op), kReduceNames[static_cast<int>(op)], tensors, what,
+               [&] { return inner_->allreduce(tensors, op, what); });
+  }
+  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
+    return run(kBroadcast, root, "root " + std::to_string(root), tensors, what,
+               [&] { return inner_->broadcast(tensors, root, what); });
+  }
+  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
+    std::vector<torch::Tensor> inputs{input};
+    return run(kAllGather, 0, "", inputs, what, [&] { return inner_->all_gather(outputs, input, what); });
+  }
+  std::shared_ptr<Work> barrier(std::string what) override {
+    std::vector<torch::Tensor> none;
+    return run(kBarrier, 0, "", none, what, [&] { return inner_->barrier(what); });
+  }
+
+ private:
+  template <typename Issue>
+  std::shared_ptr<Work> run(Op op, int64_t arg, std::string arg_text, const std::vector<torch::Tensor>& tensors,
+                            const std::string& what, Issue issue) {
+    if (check_) {
+      check_same_everywhere(op, arg, tensors, what);
+    }
+    const int64_t seq = recorder_->start(op, std::move(arg_text), tensors, what);
+    std::shared_ptr<Work> work;
+    try {
+      work = issue();
+    } catch (const c10::Error& e) {
+      recorder_->finish(seq, "failed", e.what_without_backtrace());
+      dump_flight_records(e.what_without_backtrace());
+      throw;
+    }
+    return std::make_shared<RecordedWork>(std::move(work), recorder_, seq);
+  }
+
+  // LOCKSTEP_DEBUG=detail: Note [Flight recorder].
+  void check_same_everywhere(Op op, int64_t arg, const std::vector<torch::Tensor>& tensors, const std::string& what) {
+    torch::Device device = torch::kCPU;
+    if (!tensors.empty()) {
+      device = tensors[0].device();
+    } else if (inner_->backend() == "nccl") {
+      return; // a barrier: NCCL takes no CPU tensor, and a barrier has no shape to get wrong
+    }
+    auto mine = torch::zeros({kFingerprintSize}, torch::kLong);
+    auto* v = mine.data_ptr<int64_t>();
+    v[0] = recorder_->next_seq();
+    v[1] = op;
+    v[2] = arg;
+    if (!tensors.empty()) {
+      v[3] = static_cast<int64_t>(tensors[0].scalar_type());
+      for (const auto& t : tensors) {
+        v[4] += t.numel();
+      }
+      v[5] = static_cast<int64_t>(tensors.size());
+      v[6] = tensors[0].dim();
+      for (int64_t d = 0; d < std::min<int64_t>(tensors[0].dim(), kShownDims); ++d) {
+        v[7 + d] = tensors[0].size(d);
+      }
+    }
+    auto input = mine.to(device);
+    std::vector<torch::Tensor> outputs;
+    for (int r = 0; r < inner_->size(); ++r) {
+      outputs.push_back(torch::empty_like(input));
+    }
+    inner_->all_gather(outputs, input, "LOCKSTEP_DEBUG=detail's check before collective #" + std::to_string(v[0]))->wait();
+    const auto reference = outputs[0].cpu();
+    for (int r = 1; r < inner_->size(); ++r) {
+      const auto theirs = outputs[r].cpu();
+      if (torch::equal(theirs, reference)) {
+        continue;
+      }
+      const std::string mine_note = inner_->rank() == 0 || inner_->rank() == r ? " ('" + what + "' on this rank)" : "";
+      TORCH_CHECK(false, "lockstep: rank ", inner_->rank(), " of ", inner_->size(), ": LOCKSTEP_DEBUG=detail: ranks "
+                  "disagree on collective #", reference.data_ptr<int64_t>()[0], ": rank 0 runs ",
+                  describe_fingerprint(reference), " but rank ", r, " runs ", describe_fingerprint(theirs),
+                  theirs.data_ptr<int64_t>()[0] != reference.data_ptr<int64_t>()[0]
+                      ? " as its collective #" + std::to_string(theirs.data_ptr<int64_t>()[0])
+                      : std::string(),
+                  mine_note, ". Every rank must run the same collectives in the same order with the same shapes "
+                  "and dtypes: look for a rank-dependent branch or a different number of steps on some rank.");
+    }
+  }
+
+  std::shared_ptr<GroupImpl> inner_;
+  std::shared_ptr<FlightRecorder> recorder_;
+  bool check_;
+};
+
+} // namespace
+
+std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl) {
+  const size_t capacity = trace_buffer_size();
+  const bool check = debug_detail();
+  if (capacity == 0 && !check) {
+    return impl;
+  }
+  return std::make_shared<RecordedGroup>(std::move(impl), capacity, check);
+}
+
+void dump_flight_records(const std::string& reason) {
+  if (g_dumped.exchange(true)) {
+    return;
+  }
+  std::vector<std::shared_ptr<FlightRecorder>> recorders;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    for (const auto& weak : registry()) {
+      if (auto r = weak.lock()) {
+        recorders.push_back(std::move(r));
+      }
+    }
+  }
+  if (recorders.empty()) {
+    return;
+  }
+  const int rank = recorders.front()->rank();
+  nlohmann::json record = {{"rank", rank}, {"pid", static_cast<int64_t>(::getpid())}, {"reason", reason},
+                           {"dumped_unix_ms", unix_ms(std::chrono::system_clock::now())}, {"groups", nlohmann::json::array()}};
+  for (size_t i = 0; i < recorders.size(); ++i) {
+    record["groups"].push_back(recorders[i]->to_json(i));
+  }
+
+  std::string where = "set LOCKSTEP_TRACE_DIR (lockstep-run --log-dir does) for the whole record";
+  const char* dir = std::getenv("LOCKSTEP_TRACE_DIR");
+  if (dir != nullptr && *dir != '\0') {
+    const std::string path = std::string(dir) + "/lockstep_trace_rank" + std::to_string(rank) + ".json";
+    const std::string partial = path + ".partial";
+    std::ofstream out(partial);
+    out << record.dump(1) << "\n";
+    out.close();
+    if (out && std::rename(partial.c_str(), path.c_str()) == 0) {
+      where = "whole record: " + path;
+    } else {
+      where = "could not write the whole record to " + path;
+    }
+  }
+  // The summary: the last few collectives of the first group, where DDP runs.
+  const auto& group = record["groups"][0];
+  const auto& collectives = group["collectives"];
+  std::string text = "lockstep: rank " + std::to_string(rank) + ": flight recorder, the last collectives of this rank (" +
+      where + "):\n";
+  const size_t shown = std::min<size_t>(collectives.size(), 5);
+  for (size_t k = collectives.size() - shown; k < collectives.size(); ++k) {
+    const auto& c = collectives[k];
+    text += "  #" + std::to_string(c["seq"].get<int64_t>()) + " " + c["op"].get<std::string>();
+    if (!c["arg"].get<std::string>().empty()) {
+      text += " (" + c["arg"].get<std::string>() + ")";
+    }
+    if (c["op"] != "barrier") {
+      text += " of " + std::to_string(c["numel"].get<int64_t>()) + " " + c["dtype"].get<std::string>();
+    }
+    text += ", " + c["what"].get<std::string>() + ": ";
+    if (c["state"] == "started") {
+      char waited[64];
+      std::snprintf(waited, sizeof(waited), "started, waited %.1f s", c["waited_ms"].get<double>() / 1000.0);
+      text += waited;
+    } else {
+      char took[64];
+      std::snprintf(took, sizeof(took), "%s after %.1f ms", c["state"].get<std::string>().c_str(),
+                    c["duration_ms"].get<double>());
+      text += took;
+    }
+    text += "\n";
+  }
+  std::fputs(text.c_str(), stderr);
+  std::fflush(stderr);
+}
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,28 @@
+#pragma once
+
+// Internal: the flight recorder and the desync check, as a GroupImpl that
+// wraps a backend's (Note [Flight recorder] in src/flight_recorder.cpp).
+
+#include <lockstep/process_group.h>
+
+#include <memory>
+#include <string>
+
+namespace lockstep {
+namespace detail {
+
+/// `impl` with every collective recorded (the last $LOCKSTEP_TRACE_BUFFER_SIZE,
+/// default kDefaultTraceBufferSize; 0 turns recording off) and, under
+/// LOCKSTEP_DEBUG=detail, checked against every rank's before it starts.
+std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl);
+
+/// Writes every group's record of this process: a summary to stderr, and the
+/// whole record as JSON to $LOCKSTEP_TRACE_DIR/lockstep_trace_rank<R>.json
+/// when that is set. Once per process: the first failure is the one to read.
+/// For paths that end the process without throwing (MPI_Abort).
+void dump_flight_records(const std::string& reason);
+
+constexpr size_t kDefaultTraceBufferSize = 256;
+
+} // namespace detail
+} // namespace lockstep

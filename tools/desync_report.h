@@ -1,0 +1,212 @@
+#pragma once
+
+// The desync report lockstep-run prints after a failed job: from the ranks'
+// flight records (Note [Flight recorder] in src/flight_recorder.cpp), the
+// first collective where the ranks disagree or where some never arrived.
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace tools {
+
+inline std::string trace_file(const std::string& dir, int rank) {
+  return dir + "/lockstep_trace_rank" + std::to_string(rank) + ".json";
+}
+
+inline std::string rank_list(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    text += (k == 0 ? "" : k + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[k]);
+  }
+  return text;
+}
+
+// "allreduce (sum) of 4096 Float, allreduce of bucket 2 (3 parameters, 0.0 MiB)"
+inline std::string describe_collective(const nlohmann::json& c) {
+  std::string text = c.value("op", "?");
+  if (!c.value("arg", "").empty()) {
+    text += " (" + c.value("arg", "") + ")";
+  }
+  if (c.value("op", "") != "barrier") {
+    text += " of " + std::to_string(c.value("numel", int64_t{0})) + " " + c.value("dtype", "?");
+  }
+  if (!c.value("what", "").empty() && c.value("what", "") != c.value("op", "")) {
+    text += ", " + c.value("what", "");
+  }
+  return text;
+}
+
+inline bool same_collective(const nlohmann::json& a, const nlohmann::json& b) {
+  return a.value("op", "") == b.value("op", "") && a.value("arg", "") == b.value("arg", "") &&
+      a.value("dtype", "") == b.value("dtype", "") && a.value("numel", int64_t{0}) == b.value("numel", int64_t{0});
+}
+
+// The earliest collective of `group` that did not complete, or null.
+inline nlohmann::json first_unfinished(const nlohmann::json& group) {
+  for (const auto& c : group.value("collectives", nlohmann::json::array())) {
+    if (c.value("state", "") != "completed") {
+      return c;
+    }
+  }
+  return nullptr;
+}
+
+// One group's records, by rank: the first sequence number where they part.
+// Empty when they agree. `everyone`: no rank's record is missing, so a
+// collective that every record started and none finished is the transport's
+// fault.
+inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool everyone) {
+  std::map<int, std::map<int64_t, nlohmann::json>> by_seq;
+  int64_t lo = 0;
+  int64_t hi = -1;
+  for (const auto& [rank, group] : groups) {
+    auto& mine = by_seq[rank];
+    int64_t first = group.value("issued", int64_t{0});
+    for (const auto& c : group.value("collectives", nlohmann::json::array())) {
+      mine[c.value("seq", int64_t{0})] = c;
+      first = std::min(first, c.value("seq", int64_t{0}));
+    }
+    lo = std::max(lo, first); // below it, some rank's buffer has forgotten
+    hi = std::max(hi, group.value("issued", int64_t{0}) - 1);
+  }
+  for (int64_t s = lo; s <= hi; ++s) {
+    std::vector<int> absent;
+    std::vector<int> present;
+    for (const auto& [rank, group] : groups) {
+      (s < group.value("issued", int64_t{0}) ? present : absent).push_back(rank);
+    }
+    if (present.empty()) {
+      continue;
+    }
+    const auto& first = by_seq[present[0]][s];
+    const std::string what = "collective #" + std::to_string(s) + " (" + describe_collective(first) + ")";
+    if (!absent.empty()) {
+      std::vector<int> waiting;
+      double waited_s = 0;
+      for (int r : present) {
+        const auto& c = by_seq[r][s];
+        if (c.value("state", "") != "completed") {
+          waiting.push_back(r);
+          waited_s = std::max(waited_s, c.value("waited_ms", c.value("duration_ms", 0.0)) / 1000.0);
+        }
+      }
+      char tail[128] = "";
+      if (!waiting.empty()) {
+        std::snprintf(tail, sizeof(tail), "; %s waited %.1f s in it", rank_list(waiting).c_str(), waited_s);
+      }
+      return rank_list(absent) + " never started " + what + tail + ".";
+    }
+    for (size_t k = 1; k < present.size(); ++k) {
+      const auto& other = by_seq[present[k]][s];
+      if (!same_collective(first, other)) {
+        return "rank " + std::to_string(present[0]) + " ran " + describe_collective(first) + " as #" +
+            std::to_string(s) + " where rank " + std::to_string(present[k]) + " ran " + describe_collective(other) +
+            ": the ranks issued different collectives from here on.";
+      }
+    }
+    std::vector<int> unfinished;
+    for (int r : present) {
+      if (by_seq[r][s].value("state", "") != "completed") {
+        unfinished.push_back(r);
+      }
+    }
+    if (!unfinished.empty() && everyone) {
+      return "every rank started " + what + ", and it did not complete on " + rank_list(unfinished) +
+          ": the ranks agree, so the connection between them failed or was too slow (see the errors above).";
+    }
+  }
+  return "";
+}
+
+// The report's lines: `ranks` are the ranks this launcher ran, and `dir`
+// where they write their records. Empty when no rank wrote one.
+inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json>& records, const std::vector<int>& ranks) {
+  std::vector<std::string> lines;
+  if (records.empty()) {
+    return lines;
+  }
+  std::vector<int> missing;
+  for (int r : ranks) {
+    if (records.count(r) == 0) {
+      missing.push_back(r);
+    }
+  }
+  size_t groups = 0;
+  for (const auto& [rank, record] : records) {
+    groups = std::max(groups, record.value("groups", nlohmann::json::array()).size());
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    std::map<int, nlohmann::json> group;
+    for (const auto& [rank, record] : records) {
+      const auto all = record.value("groups", nlohmann::json::array());
+      if (g < all.size()) {
+        group[rank] = all[g];
+      }
+    }
+    const std::string prefix = groups > 1 ? "group " + std::to_string(g) + ": " : "";
+    const auto finding = find_desync(group, missing.empty());
+    if (!finding.empty()) {
+      lines.push_back(prefix + finding);
+      return lines;
+    }
+    if (missing.empty()) {
+      continue;
+    }
+    // The ranks with a record agree; the others left none. Where the first
+    // of those with a record got stuck is where the others are missing.
+    for (const auto& [rank, record] : group) {
+      const auto stuck = first_unfinished(record);
+      if (stuck.is_null()) {
+        continue;
+      }
+      char waited[64];
+      std::snprintf(waited, sizeof(waited), "%.1f s", stuck.value("waited_ms", stuck.value("duration_ms", 0.0)) / 1000.0);
+      lines.push_back(prefix + "rank " + std::to_string(rank) + " waited " + waited + " in collective #" +
+                      std::to_string(stuck.value("seq", int64_t{0})) + " (" + describe_collective(stuck) + "), which " +
+                      rank_list(missing) + " never joined: " + (missing.size() == 1 ? "it" : "they") + " left no "
+                      "flight record, so " + (missing.size() == 1 ? "it was" : "they were") + " stopped or died "
+                      "before any collective failed there (" + (missing.size() == 1 ? "its" : "their") +
+                      " own output says which).");
+      return lines;
+    }
+  }
+  for (int r : missing) {
+    lines.push_back("rank " + std::to_string(r) + " left no flight record: it was stopped or died before a "
+                    "collective failed on it (its own output says which).");
+  }
+  lines.push_back("the flight records agree: every rank that wrote one ran the same collectives, and each "
+                  "completed; the failure was not in a collective (see the root cause above).");
+  return lines;
+}
+
+// Reads the records of `ranks` from `dir`. A file that does not parse counts
+// as no record, with a line saying so.
+inline std::vector<std::string> desync_report(const std::string& dir, const std::vector<int>& ranks) {
+  std::map<int, nlohmann::json> records;
+  std::vector<std::string> unreadable;
+  for (int r : ranks) {
+    std::ifstream in(trace_file(dir, r));
+    if (!in) {
+      continue;
+    }
+    auto record = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (record.is_discarded() || !record.is_object()) {
+      unreadable.push_back(trace_file(dir, r) + " is not a flight record (unreadable JSON); ignored.");
+      continue;
+    }
+    records[r] = std::move(record);
+  }
+  auto lines = desync_report(records, ranks);
+  lines.insert(lines.begin(), unreadable.begin(), unreadable.end());
+  return lines;
+}
+
+} // namespace tools
+} // namespace lockstep
