@@ -4,7 +4,8 @@
 //   lockstep-bench-ddp MODE MODEL STEPS
 //
 // MODE: lockstep | views (gradient_as_bucket_view) | static (static_graph) |
-// norebuild (buckets kept in reverse registration order) | mpi (lockstep over
+// norebuild (buckets kept in reverse registration order) | norecorder (the
+// flight recorder off) | detail (LOCKSTEP_DEBUG=detail) | mpi (lockstep over
 // the mpi backend, under mpirun) | naive (one allreduce per gradient after
 // backward) | nocomm (no communication: the limit).
 // MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)) | reversed
@@ -24,6 +25,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -128,8 +130,9 @@ int main(int argc, char** argv) {
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
   app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
-                 "kept in registration order), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward) or nocomm (no communication)")
-      ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "mpi", "naive", "nocomm"}));
+                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward) or nocomm (no communication)")
+      ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
+                                         "naive", "nocomm"}));
   app.add_option("MODEL", model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)) or reversed (deep, registered "
                  "last layer first)")
       ->required()->check(CLI::IsMember({"mlp", "deep", "reversed"}));
@@ -140,13 +143,19 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == 0) {
       return app.exit(e); // --help
     }
-    std::fprintf(stderr, "lockstep-bench-ddp: %s\nusage: %s lockstep|views|static|norebuild|mpi|naive|nocomm mlp|deep|reversed STEPS\n", e.what(),
+    std::fprintf(stderr, "lockstep-bench-ddp: %s\nusage: %s lockstep|views|static|norebuild|norecorder|detail|mpi|naive|nocomm mlp|deep|reversed STEPS\n", e.what(),
                  argv[0]);
     return 2;
   }
   try {
     lockstep::examples::require_fast_blas("lockstep-bench-ddp");
     at::set_num_threads(1); // one core per rank, as the Python contender
+    // Read when the group is made: Note [Flight recorder] in src/flight_recorder.cpp.
+    if (mode == "norecorder") {
+      ::setenv("LOCKSTEP_TRACE_BUFFER_SIZE", "0", 1);
+    } else if (mode == "detail") {
+      ::setenv("LOCKSTEP_DEBUG", "detail", 1);
+    }
     auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(mode == "mpi" ? "mpi" : "gloo"));
     torch::manual_seed(0);
     if (model == "reversed") {

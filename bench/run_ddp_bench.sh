@@ -9,6 +9,8 @@
 # the ratios are against it); MODELS="reversed" only those models. The
 # bucket figures (rebuild and static_graph):
 #   CONTENDERS="lockstep norebuild static" MODELS="reversed deep" bench/run_ddp_bench.sh
+# and the flight recorder's cost, and LOCKSTEP_DEBUG=detail's:
+#   CONTENDERS="lockstep norecorder detail" bench/run_ddp_bench.sh
 #
 # Needs a built tree (scripts/build.sh) of the configuration LOCKSTEP_TORCH
 # names (scripts/config.sh). Python DDP, the peer, runs on the same PyTorch:
@@ -76,7 +78,7 @@ for line in open(sys.argv[1]):
 for model in sys.argv[2:]:
     med = {mode: statistics.median(rates[(model, mode)]) for (m, mode) in rates if m == model}
     print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
-    for mode in [m for m in ("lockstep", "views", "static", "norebuild", "mpi", "python", "naive", "nocomm") if m in med]:
+    for mode in [m for m in ("lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi", "python", "naive", "nocomm") if m in med]:
         print(f"  {mode:9s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
               f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB")
     for peer in [m for m in ("python", "nocomm") if "mpi" in med and m in med]:

@@ -424,7 +424,10 @@ void dump_flight_records(const std::string& reason) {
     if (c["op"] != "barrier") {
       text += " of " + std::to_string(c["numel"].get<int64_t>()) + " " + c["dtype"].get<std::string>();
     }
-    text += ", " + c["what"].get<std::string>() + ": ";
+    if (c["what"] != c["op"]) {
+      text += ", " + c["what"].get<std::string>();
+    }
+    text += ": ";
     if (c["state"] == "started") {
       char waited[64];
       std::snprintf(waited, sizeof(waited), "started, waited %.1f s", c["waited_ms"].get<double>() / 1000.0);

@@ -11,6 +11,8 @@
 
 #include "support/errors.h"
 
+#include <tools/desync_report.h>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -591,6 +593,48 @@ TEST(Join, RefusedWithSyncBatchNormAndWithAHookDividingByTheTrainingRanks) {
   EXPECT_ERROR_SAYS(hooked->join(), "already joined");
   guard.finish();
   EXPECT_ERROR_SAYS(guard.finish(), "already finished");
+}
+
+// --- the desync report ------------------------------------------------------------
+
+nlohmann::json entry(int64_t seq, const std::string& op, int64_t numel, const std::string& state) {
+  nlohmann::json c = {{"seq", seq}, {"op", op}, {"arg", op == "allreduce" ? "sum" : ""}, {"dtype", "Float"},
+                      {"numel", numel}, {"what", op}, {"state", state}};
+  c[state == "started" ? "waited_ms" : "duration_ms"] = 3000.0;
+  return c;
+}
+
+nlohmann::json record(const std::vector<nlohmann::json>& collectives, int64_t issued) {
+  return {{"groups", {{{"issued", issued}, {"collectives", collectives}}}}};
+}
+
+TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
+  const auto agreed = entry(0, "allreduce", 8, "completed");
+  // Rank 1 ran a barrier where rank 0 ran an allreduce.
+  auto lines = tools::desync_report({{0, record({agreed, entry(1, "allreduce", 4, "failed")}, 2)},
+                                     {1, record({agreed, entry(1, "barrier", 0, "failed")}, 2)}},
+                                    {0, 1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0], "rank 0 ran allreduce (sum) of 4 Float as #1 where rank 1 ran barrier: the ranks issued "
+                      "different collectives from here on.");
+  // Rank 2 stopped issuing after #0; ranks 0 and 1 waited in #1.
+  lines = tools::desync_report({{0, record({agreed, entry(1, "allreduce", 4, "started")}, 2)},
+                                {1, record({agreed, entry(1, "allreduce", 4, "started")}, 2)},
+                                {2, record({agreed}, 1)}},
+                               {0, 1, 2});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0], "rank 2 never started collective #1 (allreduce (sum) of 4 Float); ranks 0 and 1 waited 3.0 s in it.");
+  // Rank 1 wrote nothing: where rank 0 waited is what it never joined.
+  lines = tools::desync_report({{0, record({agreed, entry(1, "allreduce", 4, "started")}, 2)}}, {0, 1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("rank 0 waited 3.0 s in collective #1 (allreduce (sum) of 4 Float), which rank 1 never joined"),
+            std::string::npos) << lines[0];
+  // Everyone there and agreeing, but stuck: the transport.
+  lines = tools::desync_report({{0, record({agreed, entry(1, "allreduce", 4, "started")}, 2)},
+                                {1, record({agreed, entry(1, "allreduce", 4, "started")}, 2)}},
+                               {0, 1});
+  EXPECT_NE(lines[0].find("every rank started collective #1"), std::string::npos) << lines[0];
+  EXPECT_TRUE(tools::desync_report(std::map<int, nlohmann::json>{}, {0, 1}).empty());
 }
 
 } // namespace
