@@ -327,6 +327,25 @@ std::tuple<OddNet, torch::Tensor, torch::Tensor> on_device(torch::Device device,
   return {net, x.to(device), y.to(device)};
 }
 
+// Three SGD steps of `bare` on (x, y) and of `ddp` on (x2, y2) give the same parameters.
+void expect_same_training(OddNet& bare, const torch::Tensor& x, const torch::Tensor& y, DistributedDataParallel<OddNet>& ddp,
+                          const torch::Tensor& x2, const torch::Tensor& y2) {
+  torch::optim::SGD bare_opt(bare->parameters(), 0.1), ddp_opt(ddp->parameters(), 0.1);
+  for (int step = 0; step < 3; ++step) {
+    bare_opt.zero_grad();
+    ddp_opt.zero_grad();
+    torch::mse_loss(bare(x), y).backward();
+    torch::mse_loss(ddp(x2), y2).backward();
+    bare_opt.step();
+    ddp_opt.step();
+  }
+  auto expected = bare->parameters();
+  auto got = ddp->parameters();
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(expected[i], got[i], 1e-5, 1e-6));
+  }
+}
+
 TEST(DdpThreads, NcclWorldSizeOneMatchesTheBareModule_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device";
@@ -338,20 +357,7 @@ TEST(DdpThreads, NcclWorldSizeOneMatchesTheBareModule_CUDA) {
   auto group = new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "nccl");
   EXPECT_EQ(group.backend(), "nccl");
   DistributedDataParallel<OddNet> ddp(net, group);
-  torch::optim::SGD bare_opt(bare->parameters(), 0.1), ddp_opt(ddp->parameters(), 0.1);
-  for (int step = 0; step < 3; ++step) {
-    bare_opt.zero_grad();
-    ddp_opt.zero_grad();
-    torch::mse_loss(bare(x), y).backward();
-    torch::mse_loss(ddp(x2), y2).backward();
-    bare_opt.step();
-    ddp_opt.step();
-  }
-  auto expected = bare->parameters();
-  auto got = net->parameters();
-  for (size_t i = 0; i < expected.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(expected[i], got[i], 1e-5, 1e-6));
-  }
+  expect_same_training(bare, x, y, ddp, x2, y2);
 }
 
 TEST(DdpThreads, NcclTwoRanksAverageGradients_MultiCUDA) {
@@ -426,22 +432,10 @@ TEST(DdpThreads, NcclGroupOfOneJoinStaticGraphAndRebuildOnCuda_CUDA) {
   net->use_branch = false;
   auto group = new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "nccl");
   DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().static_graph(true).bucket_cap_mb(1e-4));
-  torch::optim::SGD bare_opt(bare->parameters(), 0.1), ddp_opt(ddp->parameters(), 0.1);
   auto join = ddp->join();
-  for (int step = 0; step < 3; ++step) {
-    bare_opt.zero_grad();
-    ddp_opt.zero_grad();
-    torch::mse_loss(bare(x), y).backward();
-    torch::mse_loss(ddp(x2), y2).backward();
-    bare_opt.step();
-    ddp_opt.step();
-  }
+  expect_same_training(bare, x, y, ddp, x2, y2);
   join.finish();
-  auto expected = bare->parameters();
-  auto got = net->parameters();
-  for (size_t i = 0; i < expected.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(expected[i], got[i], 1e-5, 1e-6));
-  }
+  expect_same_training(bare, x, y, ddp, x2, y2); // after join too
 }
 
 } // namespace
