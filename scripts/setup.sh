@@ -12,7 +12,9 @@ packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcl
   # the two-machine tests run ranks in network namespaces
   iproute2
   # the mpi backend, and mpirun for its tests
-  libopenmpi-dev openmpi-bin)
+  libopenmpi-dev openmpi-bin
+  # Gloo's own headers, which c10d's include and PyTorch's wheels lack
+  libgloo-dev)
 if [ "$LOCKSTEP_TORCH" = debian ]; then
   packages+=(
     libtorch-dev libgloo-dev

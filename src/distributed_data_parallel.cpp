@@ -36,14 +36,18 @@ void verify_same_parameters(const ProcessGroup& group, const std::vector<std::st
     mine.push_back(describe(names[i], params[i]));
     text += mine.back() + "\n";
   }
-  // Rank 0's description, as bytes: its length first, then the bytes.
-  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
+  // Rank 0's description, as bytes: its length first, then the bytes. On
+  // the parameters' device: NCCL takes CUDA tensors only.
+  const auto device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
+  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong).to(device);
   group.broadcast(length, 0);
   auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
   if (group.rank() == 0) {
     std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
   }
+  bytes = bytes.to(device);
   group.broadcast(bytes, 0);
+  bytes = bytes.cpu();
   const auto reference = split_lines(std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), bytes.numel()));
 
   int64_t first_difference = -1;
@@ -54,10 +58,11 @@ void verify_same_parameters(const ProcessGroup& group, const std::vector<std::st
     }
   }
   // Every rank learns every rank's verdict, so that all of them throw.
-  auto verdicts = group.all_gather(torch::tensor({first_difference, static_cast<int64_t>(mine.size())}, torch::kLong));
+  auto verdicts = group.all_gather(torch::tensor({first_difference, static_cast<int64_t>(mine.size())}, torch::kLong).to(device));
   for (int r = 0; r < group.size(); ++r) {
-    const auto index = verdicts[r][0].item<int64_t>();
-    const auto count = verdicts[r][1].item<int64_t>();
+    const auto verdict = verdicts[r].cpu();
+    const auto index = verdict[0].item<int64_t>();
+    const auto count = verdict[1].item<int64_t>();
     if (index < 0) {
       continue;
     }

@@ -296,7 +296,7 @@ void sync_batch_norm(const ProcessGroup& group) {
       for (const char* name : {"weight", "bias"}) {
         auto summed = sync->named_parameters()[name].grad().clone();
         group.allreduce(summed);
-        const auto& expected = reference.ptr()->named_parameters()[name].grad();
+        const auto expected = reference.ptr()->named_parameters()[name].grad();
         check(torch::allclose(summed, expected, 1e-5, 1e-4), std::string(name) + " gradient summed over ranks, " + what, r);
         sync->named_parameters()[name].mutable_grad().reset();
         reference.ptr()->named_parameters()[name].mutable_grad().reset();
@@ -317,6 +317,36 @@ void sync_batch_norm(const ProcessGroup& group) {
   auto x = torch::randn({4, channels}) + static_cast<double>(r);
   check(torch::equal(sync(x), bn(x)), "eval mode is BatchNorm's", r);
   check(counting->allreduces == 0, "eval mode communicates nothing: " + std::to_string(counting->allreduces) + " allreduces", r);
+}
+
+// SyncBatchNorm on CUDA input over the group (Gloo reduces CUDA tensors too),
+// against BatchNorm2d on the whole batch. Processes, not threads as ranks:
+// autograd runs the backward of every CUDA tensor of a process on one thread
+// per GPU, so two thread-ranks on one GPU would wait on each other there.
+void sync_batch_norm_cuda(const ProcessGroup& group) {
+  const int r = group.rank();
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(3);
+  auto x = (torch::randn({7, 4, 3, 3}) * 2 + 30).to(gpu);
+  auto g = torch::randn({7, 4, 3, 3}).to(gpu);
+  torch::nn::BatchNorm2d bn(4);
+  bn->to(gpu);
+  auto x_all = x.clone().requires_grad_(true);
+  auto y_all = bn(x_all);
+  (y_all * g).sum().backward();
+  const std::vector<int64_t> offsets{0, 5, 7}; // 5 rows and 2
+  lockstep::SyncBatchNorm sync(torch::nn::BatchNormOptions(4), group);
+  sync->to(gpu);
+  const int64_t rows = offsets[r + 1] - offsets[r];
+  auto mine = x.narrow(0, offsets[r], rows).clone().requires_grad_(true);
+  auto y = sync(mine);
+  (y * g.narrow(0, offsets[r], rows)).sum().backward();
+  check(torch::allclose(y, y_all.narrow(0, offsets[r], rows), 1e-5, 1e-5), "output on CUDA", r);
+  check(torch::allclose(mine.grad(), x_all.grad().narrow(0, offsets[r], rows), 1e-5, 1e-5), "input gradient on CUDA", r);
+  check(torch::allclose(sync->running_var, bn->running_var, 1e-5, 1e-5), "running variance on CUDA", r);
+  auto summed = sync->weight.grad().clone();
+  group.allreduce(summed);
+  check(torch::allclose(summed, bn->weight.grad(), 1e-5, 1e-4), "weight gradient summed on CUDA", r);
 }
 
 // DDP over a model holding a SyncBatchNorm: the collectives of both meet in
@@ -641,7 +671,7 @@ void desync_detail(const ProcessGroup& group, bool other_op) {
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
     std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
-                 "early_exit|syncbn|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
+                 "early_exit|syncbn|syncbn_cuda|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
                  "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op [TAG]\n", argv[0]);
     return 2;
   }
@@ -680,6 +710,8 @@ int main(int argc, char** argv) {
       early_exit(group);
     } else if (scenario == "syncbn") {
       sync_batch_norm(group);
+    } else if (scenario == "syncbn_cuda") {
+      sync_batch_norm_cuda(group);
     } else if (scenario == "syncbn_ddp") {
       sync_batch_norm_ddp(group);
     } else if (scenario == "join") {

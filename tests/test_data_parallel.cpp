@@ -723,9 +723,10 @@ TEST(DataParallel, OneDeviceRunsTheModuleDirectly) {
 
 TEST(DataParallel, SequentialAndDefaultDevices) {
   torch::nn::Sequential seq(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+  seq->to(default_devices()[0]); // every GPU where there are some: the module goes on the first
   DataParallel<torch::nn::Sequential> dp(seq);
   EXPECT_EQ(dp->devices(), default_devices());
-  auto x = torch::randn({5, 4});
+  auto x = torch::randn({5, 4}).to(default_devices()[0]);
   EXPECT_TRUE(torch::allclose(dp->forward(x), seq->forward(x), 1e-6, 1e-6));
 }
 

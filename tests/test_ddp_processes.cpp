@@ -5,6 +5,7 @@
 #include "support/processes.h"
 
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <string>
 #include <vector>
@@ -98,6 +99,13 @@ TEST(DdpProcesses, ShapeMismatchFailsOnEveryRankNamingTheParameter) {
 TEST(DdpProcesses, SyncBatchNormMatchesOneBatchNormOnUnevenBatches) {
   expect_all_ok("syncbn", 2);
   expect_all_ok("syncbn", 3);
+}
+
+TEST(DdpProcesses, SyncBatchNormOnCudaInputOverGloo_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  expect_all_ok("syncbn_cuda", 2); // both ranks on GPU 0: Gloo does not mind
 }
 
 TEST(DdpProcesses, SyncBatchNormInsideDdpMatchesOneProcess) {

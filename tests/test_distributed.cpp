@@ -389,36 +389,6 @@ TEST(DdpThreads, NcclTwoRanksAverageGradients_MultiCUDA) {
   EXPECT_TRUE(torch::allclose(bare->parameters()[0].grad(), grads[0], 1e-4, 1e-5));
 }
 
-TEST(DdpThreads, SyncBatchNormOnCudaOverTwoGlooRanksMatchesBatchNorm_CUDA) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "no CUDA device";
-  }
-  const torch::Device gpu(torch::kCUDA, 0);
-  torch::manual_seed(3);
-  auto x = (torch::randn({7, 4, 3, 3}) * 2 + 30).to(gpu);
-  auto g = torch::randn({7, 4, 3, 3}).to(gpu);
-  torch::nn::BatchNorm2d bn(4);
-  bn->to(gpu);
-  auto x_all = x.clone().requires_grad_(true);
-  auto y_all = bn(x_all);
-  (y_all * g).sum().backward();
-  const std::vector<int64_t> offsets{0, 5, 7}; // 5 rows and 2
-  std::vector<torch::Tensor> weight_grads(2);
-  testing::spawn(2, [&](ProcessGroup& group) {
-    const int r = group.rank();
-    SyncBatchNorm sync(torch::nn::BatchNormOptions(4), group);
-    sync->to(gpu);
-    auto rows = x.narrow(0, offsets[r], offsets[r + 1] - offsets[r]).clone().requires_grad_(true);
-    auto y = sync(rows);
-    (y * g.narrow(0, offsets[r], rows.size(0))).sum().backward();
-    EXPECT_TRUE(torch::allclose(y, y_all.narrow(0, offsets[r], rows.size(0)), 1e-5, 1e-5));
-    EXPECT_TRUE(torch::allclose(rows.grad(), x_all.grad().narrow(0, offsets[r], rows.size(0)), 1e-5, 1e-5));
-    EXPECT_TRUE(torch::allclose(sync->running_var, bn->running_var, 1e-5, 1e-5));
-    weight_grads[r] = sync->weight.grad();
-  });
-  EXPECT_TRUE(torch::allclose(weight_grads[0] + weight_grads[1], bn->weight.grad(), 1e-5, 1e-4));
-}
-
 TEST(DdpThreads, NcclGroupOfOneJoinStaticGraphAndRebuildOnCuda_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device";
