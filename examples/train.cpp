@@ -219,6 +219,17 @@ std::string make_dir(const std::string& dir) {
 
 // Rank 0's output folder, created by rank 0, for every rank: the ranks must
 // read the same checkpoint. Every rank fails if rank 0 could not create it.
+// Where the group's collectives take their tensors, and so where this rank
+// trains: NCCL reduces CUDA tensors only, one GPU per rank.
+torch::Device group_device(const lockstep::ProcessGroup& group) {
+  if (group.backend() != "nccl") {
+    return torch::kCPU;
+  }
+  const char* local = std::getenv("LOCAL_RANK");
+  const int64_t index = local != nullptr ? std::atoll(local) : group.rank();
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index % std::max<int64_t>(1, torch::cuda::device_count())));
+}
+
 std::string agree_on_out_dir(const lockstep::ProcessGroup& group, const std::string& mine) {
   constexpr int64_t kMaxLength = 4096;
   std::string error = group.rank() == 0 ? make_dir(mine) : "";
@@ -231,7 +242,9 @@ std::string agree_on_out_dir(const lockstep::ProcessGroup& group, const std::str
       message[static_cast<int64_t>(i) + 1] = static_cast<int64_t>(static_cast<unsigned char>(sent[i]));
     }
   }
+  message = message.to(group_device(group));
   group.broadcast(message, 0);
+  message = message.cpu();
   std::string text;
   auto m = message.accessor<int64_t, 1>();
   for (int64_t i = 1; i <= kMaxLength && m[i] != 0; ++i) {
@@ -294,7 +307,10 @@ void check_ranks_resumed_alike(
   auto mine = torch::cat({torch::tensor({static_cast<int64_t>(resumed), state.step, state.epoch, state.batch_in_epoch}),
                           hash_tensor(content_hash(model_tensors(net))).reshape({1}),
                           hash_tensor(optimizer_hash(optimizer)).reshape({1})});
-  auto all = group.all_gather(mine);
+  auto all = group.all_gather(mine.to(group_device(group)));
+  for (auto& t : all) {
+    t = t.cpu();
+  }
   auto describe = [&](int r) {
     auto v = all[r].accessor<int64_t, 1>();
     return v[0] == 0 ? std::string("started from scratch (no checkpoint found)")
@@ -332,6 +348,8 @@ struct Setup {
   std::function<void()> sync_buffers;
   // Where training starts: the checkpoint's position, or the beginning.
   TrainingState state;
+  // Where the model and each batch live: a GPU under NCCL or DataParallel on GPUs.
+  torch::Device device = torch::kCPU;
 };
 
 // One rank of DistributedDataParallel, under lockstep-run or torchrun: the
@@ -348,6 +366,8 @@ Setup distributed_setup(ConvNet& net, torch::optim::Optimizer& optimizer, const 
   Setup setup;
   setup.rank = group.rank();
   setup.world_size = group.size();
+  setup.device = group_device(group);
+  net->to(setup.device); // in place: the optimizer keeps its parameters
   setup.state = resume(config, net, optimizer, group.size(), group.rank() == 0);
   check_ranks_resumed_alike(group, config, setup.state, setup.state.step > 0 || setup.state.epoch > 0, *net, optimizer);
   lockstep::DistributedDataParallel<ConvNet> model(net, group);
@@ -368,10 +388,11 @@ Setup distributed_setup(ConvNet& net, torch::optim::Optimizer& optimizer, const 
   };
   setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() + ")";
   // Loss and accuracy sums as doubles: exact for any count below 2^53.
-  setup.combine = [group](const Tally& mine) {
+  setup.combine = [group, device = setup.device](const Tally& mine) {
     auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
-                              torch::kFloat64);
+                              torch::kFloat64).to(device);
     group.allreduce(sums);
+    sums = sums.cpu();
     auto s = sums.accessor<double, 1>();
     return Tally{s[0], static_cast<int64_t>(s[1]), static_cast<int64_t>(s[2])};
   };
@@ -396,11 +417,14 @@ Setup data_parallel_setup(ConvNet& net, torch::optim::Optimizer& optimizer, cons
   TORCH_CHECK(error.empty(), error);
   complete_paths(config);
   Setup setup;
-  setup.state = resume(config, net, optimizer, 1, true);
   auto options = lockstep::DataParallelOptions();
   if (config.replicas > 0) {
     options.devices(std::vector<torch::Device>(config.replicas, torch::Device(torch::kCPU)));
+  } else {
+    setup.device = lockstep::default_devices()[0]; // the first GPU, where DataParallel wants the module
+    net->to(setup.device);
   }
+  setup.state = resume(config, net, optimizer, 1, true);
   lockstep::DataParallel<ConvNet> model(net, options);
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
   const int64_t n = data.train.images.size(0);
@@ -545,8 +569,8 @@ Tally evaluate(const Run& run) {
   constexpr int64_t kBatch = 500;
   for (int64_t i = begin; i < end; i += kBatch) {
     const int64_t rows = std::min(kBatch, end - i);
-    auto logits = run.net(test.images.narrow(0, i, rows));
-    auto labels = test.labels.narrow(0, i, rows);
+    auto logits = run.net(test.images.narrow(0, i, rows).to(run.setup.device));
+    auto labels = test.labels.narrow(0, i, rows).to(run.setup.device);
     mine += Tally{torch::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum).item<double>(),
                   logits.argmax(1).eq(labels).sum().item<int64_t>(), rows};
   }
@@ -557,8 +581,8 @@ Tally evaluate(const Run& run) {
 // One optimizer step on the training rows `index` at learning rate `lr`;
 // returns this rank's tally of the batch.
 Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
-  auto x = run.data.train.images.index_select(0, index);
-  auto y = run.data.train.labels.index_select(0, index);
+  auto x = run.data.train.images.index_select(0, index).to(run.setup.device);
+  auto y = run.data.train.labels.index_select(0, index).to(run.setup.device);
   for (auto& group : run.optimizer.param_groups()) {
     static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
   }
