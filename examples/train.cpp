@@ -590,7 +590,10 @@ Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
   auto logits = run.setup.forward(x);
   auto loss = torch::cross_entropy_loss(logits, y);
   loss.backward();
-  run.optimizer.step();
+  {
+    lockstep::timeline::Span span("optimizer step");
+    run.optimizer.step();
+  }
   const int64_t b = index.size(0);
   return Tally{loss.item<double>() * b, logits.argmax(1).eq(y).sum().item<int64_t>(), b};
 }

@@ -1,6 +1,7 @@
 #include <lockstep/detail/reducer.h>
 
 #include <lockstep/distributed_data_parallel.h>
+#include <lockstep/timeline.h>
 
 #include "torch_compat.h"
 
@@ -144,6 +145,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     size_t pending = 0;
     std::shared_ptr<PendingReduction> result;
     std::string name;
+    int64_t bytes = 0;
+    int64_t launched_us = 0; // Note [Timeline] in src/timeline.cpp
   };
 
   std::vector<torch::Tensor> params;
@@ -167,6 +170,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   std::vector<int64_t> surprises;
   std::vector<detail::NodePtr> accumulators;
   std::vector<uintptr_t> hook_keys;
+  int64_t backward_start_us = 0;
 
   std::string where() const {
     return "lockstep::DistributedDataParallel: rank " + std::to_string(group.rank()) + ": ";
@@ -230,8 +234,9 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
       slot_of[bucket.params[k]] = {b, k};
       offset += p.numel();
     }
+    bucket.bytes = numel * static_cast<int64_t>(first.element_size());
     bucket.name = "bucket " + std::to_string(b) + " (" + std::to_string(bucket.params.size()) + " parameters, " +
-        mib(numel * static_cast<int64_t>(first.element_size())) + ")";
+        mib(bucket.bytes) + ")";
     built.push_back(std::move(bucket));
   }
   buckets = std::move(built);
@@ -379,6 +384,7 @@ void Reducer::State::autograd_hook(size_t index) {
       "use no_sync() to accumulate gradients over several passes.");
   if (!finalize_queued) {
     finalize_queued = true;
+    backward_start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
     std::weak_ptr<State> weak = shared_from_this();
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
       if (auto state = weak.lock()) {
@@ -402,6 +408,7 @@ void Reducer::State::autograd_hook(size_t index) {
   auto& view = buckets[slot_of[index].first].views[slot_of[index].second];
   auto& grad = params[index].mutable_grad();
   torch::NoGradGuard no_grad;
+  const int64_t copy_start = timeline::enabled() ? timeline::detail::now_us() : 0;
   // The built-in allreduce sums what the ranks put in: put in grad / divisor,
   // in the same pass as the copy.
   const bool built_in = !options.comm_hook();
@@ -420,6 +427,10 @@ void Reducer::State::autograd_hook(size_t index) {
     if (options.gradient_as_bucket_view()) {
       grad = view; // zero_grad(set_to_none) or a stolen gradient replaced the view
     }
+  }
+  if (timeline::enabled()) {
+    timeline::detail::record("copy-in bucket " + std::to_string(slot_of[index].first), copy_start,
+                             timeline::detail::now_us(), "", view.numel() * static_cast<int64_t>(view.element_size()));
   }
   mark_ready(index);
 }
@@ -444,6 +455,7 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
       const bool surprised = std::any_of(surprises.begin(), surprises.end(), [](int64_t s) { return s != kNone; });
       bucket.buffer[-1].fill_(surprised ? 1 : 0);
     }
+    bucket.launched_us = timeline::enabled() ? timeline::detail::now_us() : 0;
     if (options.comm_hook()) {
       GradBucket view{next_bucket, bucket.buffer, bucket.params, bucket.name};
       bucket.result = options.comm_hook()(group, view);
@@ -461,6 +473,15 @@ void Reducer::State::finalize_backward() {
   finalize_queued = false;
   phase = Phase::Idle;
   torch::NoGradGuard no_grad;
+  struct BackwardSpan { // Note [Timeline]: from the first hook to the end of this callback
+    int64_t start;
+    bool shadow;
+    ~BackwardSpan() {
+      if (timeline::enabled() && !shadow) {
+        timeline::detail::record("backward", start, timeline::detail::now_us());
+      }
+    }
+  } backward_span{backward_start_us, shadowing};
 
   std::vector<size_t> unused;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -504,9 +525,14 @@ void Reducer::State::finalize_backward() {
   }
 
   std::vector<torch::Tensor> reduced;
-  for (auto& bucket : buckets) {
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    auto& bucket = buckets[b];
     auto averaged = bucket.result->wait();
     bucket.result.reset();
+    if (timeline::enabled()) {
+      timeline::detail::record("allreduce bucket " + std::to_string(b), bucket.launched_us, timeline::detail::now_us(),
+                               "collectives", bucket.bytes);
+    }
     TORCH_CHECK(averaged.numel() == bucket.buffer.numel(), where(), "the communication hook returned ",
                 averaged.numel(), " values for ", bucket.name, ", which has ", bucket.buffer.numel(), ".");
     reduced.push_back(std::move(averaged));
@@ -516,6 +542,7 @@ void Reducer::State::finalize_backward() {
   }
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& bucket = buckets[b];
+    const int64_t copy_start = timeline::enabled() ? timeline::detail::now_us() : 0;
     if (!reduced[b].is_same(bucket.buffer)) {
       bucket.buffer.copy_(reduced[b].view(bucket.buffer.sizes()));
     }
@@ -528,6 +555,10 @@ void Reducer::State::finalize_backward() {
       } else {
         grad = bucket.views[k].clone();
       }
+    }
+    if (timeline::enabled()) {
+      timeline::detail::record("copy-out bucket " + std::to_string(b), copy_start, timeline::detail::now_us(), "",
+                               bucket.bytes);
     }
   }
 

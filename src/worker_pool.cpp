@@ -1,5 +1,7 @@
 #include "worker_pool.h"
 
+#include <lockstep/timeline.h>
+
 #include "cpu_threads.h"
 
 #include <ATen/Parallel.h>
@@ -142,7 +144,11 @@ void run_replicas(
     if (!devices[r].is_cpu()) {
       device_guard.reset_device(devices[r]);
     }
+    const int64_t start = timeline::enabled() ? timeline::detail::now_us() : 0;
     fn(r);
+    if (timeline::enabled()) { // Note [Timeline] in src/timeline.cpp
+      timeline::detail::record("replica " + std::to_string(r) + " " + stage, start, timeline::detail::now_us());
+    }
   });
   yielded.reset();
   for (size_t i = 0; i < which.size(); ++i) {

@@ -666,13 +666,25 @@ void desync_detail(const ProcessGroup& group, bool other_op) {
       other_op ? "broadcast from rank 0 of [4] Float" : "allreduce (sum) of [5] Float"});
 }
 
+// Three DDP steps with many buckets, for the timeline (LOCKSTEP_TIMELINE):
+// prints how many buckets there are.
+void timeline_steps(const ProcessGroup& group) {
+  OddNet net;
+  DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().bucket_cap_mb(1e-4));
+  auto [x, y] = lockstep::testing::global_batch(kPerRank, 0);
+  for (int step = 0; step < 3; ++step) {
+    torch::mse_loss(ddp(x), y).backward();
+  }
+  std::printf("rank %d: buckets: %zu\n", group.rank(), ddp->buckets().size());
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
     std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
                  "early_exit|syncbn|syncbn_cuda|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
-                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op [TAG]\n", argv[0]);
+                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op|timeline [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
@@ -732,6 +744,8 @@ int main(int argc, char** argv) {
       static_graph_broken(group, true);
     } else if (scenario == "static_graph_extra") {
       static_graph_broken(group, false);
+    } else if (scenario == "timeline") {
+      timeline_steps(group);
     } else if (scenario == "desync_skip") {
       desync_skip(group);
     } else if (scenario == "desync_shape") {

@@ -3,7 +3,7 @@
 // unchanged.
 //
 //   lockstep-run [--nproc-per-node N] [--nnodes M --node-rank R --master-addr A --master-port P]
-//                [--max-restarts K] [--log-dir DIR] [--timeout S] PROGRAM [ARGS...]
+//                [--max-restarts K] [--log-dir DIR] [--timeout S] [--timeline FILE] PROGRAM [ARGS...]
 //
 // Note [Launcher lifecycle]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -52,6 +52,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -86,6 +87,7 @@ struct Options {
   int master_port = 29500;
   int max_restarts = 0;
   std::string log_dir;
+  std::string timeline; // --timeline FILE: the ranks' timelines merged
   double grace_seconds = 3.0;
   double restart_delay = 1.0;
   int timeout_seconds = 0; // 0: the ranks' own (LOCKSTEP_TIMEOUT, else lockstep's default)
@@ -202,7 +204,9 @@ class Attempt {
       own_trace_dir_ = ::mkdir(trace_dir_.c_str(), 0700) == 0;
     }
     for (int local = 0; local < options_.nproc_per_node; ++local) { // a record of the attempt before would mislead
-      ::unlink(lockstep::tools::trace_file(trace_dir_, options_.node_rank * options_.nproc_per_node + local).c_str());
+      const int rank = options_.node_rank * options_.nproc_per_node + local;
+      ::unlink(lockstep::tools::trace_file(trace_dir_, rank).c_str());
+      ::unlink(timeline_part(rank).c_str());
     }
   }
   ~Attempt() {
@@ -212,6 +216,52 @@ class Attempt {
     if (own_trace_dir_) {
       lockstep::tools::remove_shallow(trace_dir_);
     }
+  }
+
+  // --timeline FILE: this node's ranks' timelines, one process track each,
+  // with times from the earliest event (Note [Timeline] in src/timeline.cpp).
+  void merge_timeline() const {
+    if (options_.timeline.empty()) {
+      return;
+    }
+    nlohmann::json events = nlohmann::json::array();
+    std::vector<int> missing;
+    for (const auto& r : ranks_) {
+      std::ifstream in(timeline_part(r.global_rank));
+      auto part = in ? nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false) : nlohmann::json();
+      if (!part.is_object() || !part.contains("traceEvents")) {
+        missing.push_back(r.global_rank);
+        continue;
+      }
+      for (auto& e : part["traceEvents"]) {
+        events.push_back(std::move(e));
+      }
+    }
+    int64_t origin = INT64_MAX;
+    for (const auto& e : events) {
+      if (e.contains("ts")) {
+        origin = std::min(origin, e["ts"].get<int64_t>());
+      }
+    }
+    for (auto& e : events) {
+      if (e.contains("ts")) {
+        e["ts"] = e["ts"].get<int64_t>() - origin;
+      }
+    }
+    std::ofstream out(options_.timeline);
+    out << nlohmann::json({{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}}).dump() << "\n";
+    out.close();
+    if (!out) {
+      std::fprintf(stderr, "lockstep-run: could not write the timeline to %s\n", options_.timeline.c_str());
+      return;
+    }
+    std::string note;
+    for (int r : missing) {
+      note += (note.empty() ? "; no timeline from rank " : ", ") + std::to_string(r);
+    }
+    std::fprintf(stderr, "lockstep-run: timeline of %zu rank(s) in %s (open it in https://ui.perfetto.dev or "
+                 "chrome://tracing)%s\n", ranks_.size() - missing.size(), options_.timeline.c_str(),
+                 note.empty() ? "" : (note + ": it was stopped before it could write one").c_str());
   }
 
   // The desync report from the ranks' flight records; nothing when none wrote one.
@@ -341,6 +391,9 @@ class Attempt {
       env.emplace_back("LOCKSTEP_STORE_FILE", store_file_);
     }
     env.emplace_back("LOCKSTEP_TRACE_DIR", trace_dir_);
+    if (!options_.timeline.empty()) {
+      env.emplace_back("LOCKSTEP_TIMELINE", timeline_part(r.global_rank));
+    }
     env.emplace_back("LOCKSTEP_RUN_ID", options_.run_id);
     if (options_.timeout_seconds > 0) {
       env.emplace_back("LOCKSTEP_TIMEOUT", std::to_string(options_.timeout_seconds));
@@ -511,6 +564,10 @@ class Attempt {
   std::string store_file_;
   std::string trace_dir_;
   bool own_trace_dir_ = false;
+
+  std::string timeline_part(int rank) const {
+    return trace_dir_ + "/lockstep_timeline_rank" + std::to_string(rank) + ".json";
+  }
 };
 
 // Whether the rank's last words say it gave up waiting for the others.
@@ -583,6 +640,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-restarts,--max_restarts", options.max_restarts, "Restarts of the whole group after a failure")
       ->check(CLI::Range(0, 1000))->capture_default_str();
   app.add_option("--log-dir,--log_dir", options.log_dir, "Also write each rank's output to DIR/rank_N.log")->check(CLI::ExistingDirectory);
+  app.add_option("--timeline", options.timeline, "Have the ranks record a timeline (LOCKSTEP_TIMELINE) and merge "
+                 "this node's into FILE, a Chrome trace (Perfetto, chrome://tracing)");
   app.add_option("--grace-period", options.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
   app.add_option("--restart-delay", options.restart_delay,
@@ -654,6 +713,7 @@ int main(int argc, char** argv) {
   for (int attempt = 0;; ++attempt) {
     Attempt run(options, program, attempt);
     const int root_cause = run.run();
+    run.merge_timeline();
     if (g_signal != 0) {
       std::fprintf(stderr, "lockstep-run: stopped by signal %d; every rank was stopped.\n", static_cast<int>(g_signal));
       return 128 + g_signal;

@@ -8,6 +8,7 @@
 #include <lockstep/detail/distributed_core.h>
 #include <lockstep/detail/wrapper.h>
 #include <lockstep/process_group.h>
+#include <lockstep/timeline.h>
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -169,6 +170,7 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   /// Takes exactly M's forward arguments and returns its type.
   template <typename... Args>
   auto forward(Args&&... args) -> decltype(std::declval<Impl&>().forward(std::forward<Args>(args)...)) {
+    timeline::Span span("forward");
     core_->before_forward();
     return module_->forward(std::forward<Args>(args)...);
   }

@@ -9,3 +9,4 @@
 #include <lockstep/process_group.h>
 #include <lockstep/scatter_gather.h>
 #include <lockstep/sync_batch_norm.h>
+#include <lockstep/timeline.h>

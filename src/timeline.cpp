@@ -1,0 +1,164 @@
+#include <lockstep/timeline.h>
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace lockstep {
+namespace timeline {
+
+// Note [Timeline]
+// ~~~~~~~~~~~~~~~
+// With LOCKSTEP_TIMELINE=path, every span becomes a Chrome trace "X" event:
+// name, start and duration in microseconds of wall-clock time (so that the
+// ranks' files line up when lockstep-run merges them), pid = the rank, tid =
+// the thread, or a named track. Events are kept in memory (at most
+// kMaxEvents) and written once, at exit or by flush(), to a file written
+// whole and renamed into place, so that no reader sees half of one. "%r" in
+// the path becomes the rank, for ranks sharing a folder.
+//
+// What lockstep records, and where:
+//   forward                 DistributedDataParallelImpl::forward
+//   backward                the reducer: from the first gradient hook (the
+//                           first parameter gradient backward produces) to
+//                           the end of its end-of-backward callback
+//   copy-in bucket k        each gradient's copy into its bucket (one event a
+//                           parameter, on the thread that ran the hook)
+//   allreduce bucket k      on the "collectives" track: from its launch to
+//                           the end of its wait, at the end of backward. The
+//                           end is when backward needed it, an upper bound on
+//                           when the transfer finished.
+//   copy-out bucket k       the copy of the reduced bucket back into .grad
+//   replica r forward/backward  DataParallel's replicas, on the worker threads
+// Off, a span costs one branch on a constant.
+
+namespace detail {
+namespace {
+
+constexpr size_t kMaxEvents = 1000000;
+
+std::string env(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? value : "";
+}
+
+int rank_from_env() {
+  for (const char* name : {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    const std::string value = env(name);
+    if (!value.empty()) {
+      return std::atoi(value.c_str());
+    }
+  }
+  return 0;
+}
+
+struct Event {
+  std::string name;
+  int64_t start;
+  int64_t end;
+  int tid;
+  int64_t bytes;
+};
+
+class Recorder {
+ public:
+  ~Recorder() {
+    write();
+  }
+
+  void add(const std::string& name, int64_t start, int64_t end, const std::string& track, int64_t bytes) {
+    thread_local int thread_id = next_thread_.fetch_add(1);
+    std::lock_guard<std::mutex> lock(mutex_);
+    int tid = thread_id;
+    if (!track.empty()) {
+      auto it = tracks_.find(track);
+      if (it == tracks_.end()) {
+        it = tracks_.emplace(track, 1000 + static_cast<int>(tracks_.size())).first;
+      }
+      tid = it->second;
+    }
+    if (events_.size() >= kMaxEvents) {
+      ++dropped_;
+      return;
+    }
+    events_.push_back(Event{name, start, end, tid, bytes});
+  }
+
+  void write() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::string path = env("LOCKSTEP_TIMELINE");
+    if (path.empty()) {
+      return;
+    }
+    const int rank = rank_from_env();
+    for (size_t at; (at = path.find("%r")) != std::string::npos;) {
+      path.replace(at, 2, std::to_string(rank));
+    }
+    nlohmann::json events = nlohmann::json::array();
+    for (const auto& e : events_) {
+      nlohmann::json event = {{"name", e.name}, {"ph", "X"}, {"ts", e.start}, {"dur", e.end - e.start},
+                              {"pid", rank}, {"tid", e.tid}};
+      if (e.bytes >= 0) {
+        event["args"] = {{"bytes", e.bytes}};
+      }
+      events.push_back(std::move(event));
+    }
+    for (const auto& [name, tid] : tracks_) {
+      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", tid}, {"args", {{"name", name}}}});
+    }
+    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
+    nlohmann::json trace = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
+    if (dropped_ > 0) {
+      trace["lockstep_dropped_events"] = dropped_;
+    }
+    const std::string partial = path + ".partial";
+    std::ofstream out(partial);
+    out << trace.dump() << "\n";
+    out.close();
+    if (!out || std::rename(partial.c_str(), path.c_str()) != 0) {
+      std::fprintf(stderr, "lockstep: rank %d: could not write the timeline to %s (LOCKSTEP_TIMELINE)\n", rank, path.c_str());
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<Event> events_;
+  std::map<std::string, int> tracks_;
+  std::atomic<int> next_thread_{0};
+  size_t dropped_ = 0;
+};
+
+Recorder& recorder() {
+  static Recorder instance; // its destructor writes the file at exit
+  return instance;
+}
+
+} // namespace
+
+const bool kEnabled = !env("LOCKSTEP_TIMELINE").empty();
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+void record(const std::string& name, int64_t start_us, int64_t end_us, const std::string& track, int64_t bytes) {
+  recorder().add(name, start_us, end_us, track, bytes);
+}
+
+} // namespace detail
+
+void flush() {
+  if (enabled()) {
+    detail::recorder().write();
+  }
+}
+
+} // namespace timeline
+} // namespace lockstep
