@@ -98,6 +98,7 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
         group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
       }
     }
+    lockstep::timeline::Span span("optimizer step");
     optimizer.step();
   };
   for (int i = 0; i < 5; ++i) {
