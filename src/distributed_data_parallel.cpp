@@ -39,14 +39,15 @@ void verify_same_parameters(const ProcessGroup& group, const std::vector<std::st
   // Rank 0's description, as bytes: its length first, then the bytes. On
   // the parameters' device: NCCL takes CUDA tensors only.
   const auto device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
+  const std::string what = "the check that every rank has rank 0's parameters";
   auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong).to(device);
-  group.broadcast(length, 0);
+  group.broadcast_async({length}, 0, what)->wait();
   auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
   if (group.rank() == 0) {
     std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
   }
   bytes = bytes.to(device);
-  group.broadcast(bytes, 0);
+  group.broadcast_async({bytes}, 0, what)->wait();
   bytes = bytes.cpu();
   const auto reference = split_lines(std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), bytes.numel()));
 

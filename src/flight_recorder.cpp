@@ -26,7 +26,9 @@ namespace detail {
 // diverged, at which collective, and what the others were doing. Every rank
 // numbers the collectives of each group in the order it issues them (the
 // same order on every rank, by the rules of collectives), and keeps the last
-// few hundred: operation, dtype, shape, what for (the `what` every caller
+// few hundred: operation, dtype, shape, state (queued in the backend, where
+// it can tell, as the mpi backend's communication thread can; started;
+// completed; failed), what for (the `what` every caller
 // passes: "allreduce of bucket 2 ...", "the broadcast of rank 0's buffers"),
 // state and times. The record is a wrapper around the backend's GroupImpl,
 // so every backend and every caller is covered, DDP's reducer, join,
@@ -78,7 +80,8 @@ struct Entry {
   int64_t numel = 0;
   std::vector<int64_t> shape;
   std::string what;
-  std::string state = "started";
+  std::string state = "started"; // "queued" at a dump while the backend has not begun it
+  std::weak_ptr<Work> work; // the backend's, to ask whether it has begun
   std::string error;
   Clock::time_point started;
   std::chrono::system_clock::time_point started_wall;
@@ -115,6 +118,16 @@ class FlightRecorder {
     return next_seq_ - 1;
   }
 
+  void attach(int64_t seq, const std::shared_ptr<Work>& work) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
+      if (it->seq == seq) {
+        it->work = work;
+        return;
+      }
+    }
+  }
+
   void finish(int64_t seq, const char* state, const std::string& error = "") {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
@@ -139,10 +152,15 @@ class FlightRecorder {
     const auto now = Clock::now();
     nlohmann::json collectives = nlohmann::json::array();
     for (const auto& e : entries_) {
+      std::string state = e.state;
+      if (state == "started") {
+        const auto work = e.work.lock();
+        state = work != nullptr && !work->started() ? "queued" : "started";
+      }
       nlohmann::json c = {{"seq", e.seq}, {"op", kOpNames[e.op]}, {"arg", e.arg}, {"dtype", e.dtype},
-                          {"numel", e.numel}, {"shape", e.shape}, {"what", e.what}, {"state", e.state},
+                          {"numel", e.numel}, {"shape", e.shape}, {"what", e.what}, {"state", state},
                           {"started_unix_ms", unix_ms(e.started_wall)}};
-      if (e.state == "started") {
+      if (e.state == "started") { // queued or started: not ended
         c["waited_ms"] = std::chrono::duration_cast<std::chrono::milliseconds>(now - e.started).count();
       } else {
         c["duration_ms"] = std::chrono::duration<double, std::milli>(e.ended - e.started).count();
@@ -241,6 +259,9 @@ class RecordedWork : public Work {
     }
     recorder_->finish(seq_, "completed");
   }
+  bool started() const override {
+    return inner_->started();
+  }
 
  private:
   std::shared_ptr<Work> inner_;
@@ -305,6 +326,7 @@ class RecordedGroup : public GroupImpl {
       dump_flight_records(e.what_without_backtrace());
       throw;
     }
+    recorder_->attach(seq, work);
     return std::make_shared<RecordedWork>(std::move(work), recorder_, seq);
   }
 
@@ -428,9 +450,10 @@ void dump_flight_records(const std::string& reason) {
       text += ", " + c["what"].get<std::string>();
     }
     text += ": ";
-    if (c["state"] == "started") {
+    if (c.contains("waited_ms")) {
       char waited[64];
-      std::snprintf(waited, sizeof(waited), "started, waited %.1f s", c["waited_ms"].get<double>() / 1000.0);
+      std::snprintf(waited, sizeof(waited), "%s, waited %.1f s", c["state"].get<std::string>().c_str(),
+                    c["waited_ms"].get<double>() / 1000.0);
       text += waited;
     } else {
       char took[64];

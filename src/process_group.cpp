@@ -112,6 +112,9 @@ class AveragedWork : public Work {
     }
     tensors_.clear(); // a second wait() must not divide again
   }
+  bool started() const override {
+    return sum_->started();
+  }
 
  private:
   std::shared_ptr<Work> sum_;

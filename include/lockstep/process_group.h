@@ -37,6 +37,12 @@ class Work {
   /// Blocks until done. Throws a c10::Error naming the collective, the rank
   /// and the timeout when it fails or times out.
   virtual void wait() = 0;
+  /// Whether the backend has begun running it, rather than holding it in a
+  /// queue behind others (the flight recorder's "queued"). Backends that
+  /// cannot tell, c10d's among them, say true.
+  virtual bool started() const {
+    return true;
+  }
 };
 
 /// What a backend implements: the few calls MLX calls a GroupImpl. Tensors

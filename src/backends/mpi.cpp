@@ -113,6 +113,7 @@ MPI_Op mpi_op(ReduceOp op) {
 struct Pending {
   std::mutex mutex;
   std::condition_variable changed;
+  std::atomic<bool> started{false}; // the communication thread has taken it from the queue
   bool done = false;
   std::string error; // non-empty: MPI reported one
 };
@@ -127,6 +128,10 @@ class MpiWork : public Work {
         size_(size),
         timeout_(timeout),
         finish_(std::move(finish)) {}
+
+  bool started() const override {
+    return pending_->started;
+  }
 
   void wait() override {
     std::unique_lock<std::mutex> lock(pending_->mutex);
@@ -270,6 +275,7 @@ class MpiGroup : public GroupImpl {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.emplace_back([pending, call = std::move(call)] {
+        pending->started = true;
         const int rc = call();
         std::string error;
         if (rc != MPI_SUCCESS) {
