@@ -38,12 +38,13 @@ case "${1:-}" in
       -DZLIB_ROOT="$stage" -DLOCKSTEP_BUILD_BENCH=OFF >"$out/configure.log" 2>&1
     cmake --build /tmp/lockstep >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
     cd /tmp/lockstep
-    ctest -R CUDA --output-on-failure 2>&1 | tee "$out/cuda.log" | grep -E "Test +#|tests passed"
-    tests/lockstep_unit_tests >"$out/unit.log" 2>&1 && tail -1 "$out/unit.log"
+    # A failure must not stop the checks after it: every step reports, none exits.
+    { ctest -R CUDA --output-on-failure 2>&1 || true; } | tee "$out/cuda.log" | grep -E "Test +#|tests passed|tests failed" || true
+    tests/lockstep_unit_tests >"$out/unit.log" 2>&1; tail -1 "$out/unit.log"
     tests/lockstep_thread_tests >"$out/threads.log" 2>&1; tail -4 "$out/threads.log"
     tests/lockstep_process_tests --gtest_filter='DdpProcesses.*' >"$out/processes.log" 2>&1; tail -3 "$out/processes.log"
-    ./lockstep-train --synthetic --train-samples 6000 --test-samples 1000 --epochs 2 --replicas 0 --out /tmp/gpu_train \
-      2>&1 | tee "$out/train.log" | grep -E "^lockstep-train: (2 epoch|last epoch)"
+    { ./lockstep-train --synthetic --train-samples 6000 --test-samples 1000 --epochs 2 --replicas 0 --out /tmp/gpu_train \
+      2>&1 || true; } | tee "$out/train.log" | grep -E "^lockstep-train: (2 epoch|last epoch)|rror" || true
     ;;
   *)
     echo "usage: scripts/gpu_check.sh prepare | run OUT" >&2

@@ -47,6 +47,11 @@ namespace detail {
 // naming rank 0's and the first differing rank's collectives and the
 // sequence number, instead of a hang or a silently wrong sum. It costs one
 // small collective per collective; docs/performance.md has the figure.
+//
+// Over NCCL, Work::wait() only makes the current CUDA stream wait, so
+// "completed" there means queued on the GPU, and a peer that never arrives is
+// caught by PyTorch's own NCCL watchdog, which ends the process without this
+// record: the recorder's dumps and the desync report are Gloo's and MPI's.
 
 namespace {
 

@@ -36,7 +36,8 @@ namespace timeline {
 //                           when the transfer finished.
 //   copy-out bucket k       the copy of the reduced bucket back into .grad
 //   replica r forward/backward  DataParallel's replicas, on the worker threads
-// Off, a span costs one branch on a constant.
+// Off, a span costs one branch on a constant. On CUDA, spans time the host:
+// kernels launched, not run, and an NCCL wait returns once the stream waits.
 
 namespace detail {
 namespace {

@@ -1,6 +1,6 @@
 // Compiled when LibTorch has c10d's NCCL process group (a CUDA build with
-// USE_C10D_NCCL); no_nccl.cpp otherwise. It is compiled and linked against the
-// CUDA wheel but has not run on a GPU (docs/design.md, "Known limits").
+// USE_C10D_NCCL); no_nccl.cpp otherwise. It has run with a group of one on
+// one GPU, never with two ranks (README, "On a GPU").
 
 #include "backends.h"
 
