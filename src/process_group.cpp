@@ -36,11 +36,13 @@ namespace detail {
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& cause) {
+    const std::string& cause,
+    const Diagnose& diagnose) {
+  const std::string diagnosis = diagnose ? diagnose() : std::string();
   TORCH_CHECK(
       false, "lockstep: rank ", rank, " of ", size, ": ", what, " failed or did not complete within the group's timeout of ",
       timeout.count(), " ms. Another rank may have stopped, crashed or be stuck elsewhere; its own error says why. "
-      "Cause: ", cause);
+      "Cause: ", cause, diagnosis.empty() ? "" : (!cause.empty() && cause.back() == '.' ? " " : ". "), diagnosis);
 }
 
 namespace {
@@ -206,14 +208,15 @@ ProcessGroup make_group(
     int size,
     const std::string& backend,
     std::chrono::milliseconds timeout,
-    const std::string& master_addr) {
+    const std::string& master_addr,
+    int master_port) {
   if (backend == "nccl") {
     return ProcessGroup(detail::make_nccl_group(store, rank, size, timeout));
   }
   if (backend == "mpi") {
     return ProcessGroup(detail::make_mpi_group(rank, size, timeout)); // MPI's launcher connected the ranks
   }
-  return ProcessGroup(detail::make_gloo_group(store, rank, size, timeout, master_addr));
+  return ProcessGroup(detail::make_gloo_group(store, rank, size, timeout, master_addr, master_port));
 }
 
 // Note [Store address]
@@ -313,7 +316,7 @@ ProcessGroup new_group(
     std::chrono::milliseconds timeout) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "lockstep::new_group: rank ", rank, " is out of range for size ",
               size, ".");
-  return make_group(store, rank, size, resolve_backend(backend, false), timeout, "127.0.0.1");
+  return make_group(store, rank, size, resolve_backend(backend, false), timeout, "127.0.0.1", 0);
 }
 
 ProcessGroup init_process_group(ProcessGroupOptions options) {
@@ -325,7 +328,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   InitDeadline deadline(env.rank, env.timeout); // Note [Initialisation deadline]
   if (backend == "mpi") {
     return make_group(c10::intrusive_ptr<c10d::Store>(), static_cast<int>(env.rank), static_cast<int>(env.world_size),
-                      backend, env.timeout, "");
+                      backend, env.timeout, "", 0);
   }
   TORCH_CHECK(env.mpi_launcher == nullptr || !env.master_addr.empty(), "lockstep: rank ", env.rank, ": started by ",
               env.mpi_launcher, ", the ", backend, " backend needs a store: set MASTER_ADDR and MASTER_PORT for every "
@@ -336,7 +339,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   if (store_file != nullptr && *store_file != '\0' && options.master_addr().empty()) {
     auto store = c10::make_intrusive<c10d::FileStore>(store_file, static_cast<int>(env.world_size));
     return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, env.timeout,
-                      env.master_addr);
+                      env.master_addr, static_cast<int>(env.master_port));
   }
   // Under torchrun's static rendezvous (and its c10d rendezvous in 2.x), the
   // agent already hosts a TCPStore on MASTER_PORT and says so: then every
@@ -376,7 +379,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
     store = c10::make_intrusive<c10d::PrefixStore>("lockstep/attempt_" + std::to_string(env.restart_count), store);
   }
   return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, env.timeout,
-                    env.master_addr);
+                    env.master_addr, static_cast<int>(env.master_port));
 }
 
 } // namespace lockstep

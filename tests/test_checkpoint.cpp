@@ -51,6 +51,63 @@ TEST(Checkpoint, KilledSavesTemporariesAreRemovedAndAFinishedRunSaysSo) {
   EXPECT_EQ(final_hash(again.output), final_hash(p.output)) << again.output;
 }
 
+// The promise of the atomic write, as a user sees it: a trainer killed with
+// SIGKILL at any moment, saving every step, leaves a checkpoint that loads,
+// and resuming from it reaches the uninterrupted result. LOCKSTEP_KILLS sets
+// how many kills (CI: 8; the full check: 50). A run that finishes between
+// kills is checked against the reference and started again from scratch.
+TEST(Checkpoint, SurvivesSigkillAtRandomMoments) {
+  const char* env_kills = std::getenv("LOCKSTEP_KILLS");
+  const int kills = env_kills != nullptr ? std::atoi(env_kills) : 8;
+  auto job = [](const std::string& name, const std::string& checkpoint) {
+    return with_flag(trainer(name, checkpoint), "--checkpoint-every", "1");
+  };
+  const auto reference = testing::run(job("kill_reference", temp("kill_reference.ckpt")), {kOneThread},
+                                      temp("kill_reference.log"), kDeadline);
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  const std::string checkpoint = temp("killed.ckpt");
+  const unsigned seed = std::random_device{}();
+  std::mt19937 random(seed);
+  // Moments from the start of the process to the end of an uninterrupted run.
+  std::uniform_real_distribution<double> moment(0.0, reference.seconds);
+  int killed = 0, killed_with_checkpoint = 0, finished = 0;
+  auto check_finished = [&](const Process& p) {
+    EXPECT_EQ(final_hash(p.output), final_hash(reference.output)) << "seed " << seed << "\n" << p.output;
+    ++finished;
+    std::remove(checkpoint.c_str());
+  };
+  for (int attempt = 0; killed < kills && attempt < 4 * kills; ++attempt) {
+    const std::string log = temp("killed" + std::to_string(attempt) + ".log");
+    auto p = testing::start(job("killed", checkpoint), {kOneThread}, log);
+    std::this_thread::sleep_for(std::chrono::duration<double>(moment(random)));
+    kill(p.pid, SIGKILL);
+    std::vector<Process> one{p};
+    testing::wait_all(one, kDeadline);
+    if (one[0].exit_code == 0) {
+      check_finished(one[0]); // it finished before the kill
+      continue;
+    }
+    ASSERT_EQ(one[0].exit_code, 128 + SIGKILL) << "seed " << seed << "\n" << one[0].output;
+    ++killed;
+    if (access(checkpoint.c_str(), F_OK) != 0) {
+      continue; // killed before its first save
+    }
+    ++killed_with_checkpoint;
+    examples::ConvNet net;
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    examples::TrainingState state;
+    EXPECT_NO_THROW(examples::load_checkpoint(checkpoint, *net, optimizer, state))
+        << "seed " << seed << ", kill " << killed << "\n" << one[0].output;
+  }
+  EXPECT_EQ(killed, kills) << "seed " << seed;
+  EXPECT_GT(killed_with_checkpoint, 0) << "seed " << seed << ": no kill came after the first save";
+  auto last = testing::run(job("killed", checkpoint), {kOneThread}, temp("killed_last.log"), kDeadline);
+  ASSERT_EQ(last.exit_code, 0) << "seed " << seed << "\n" << last.output;
+  check_finished(last);
+  std::printf("%d kills (%d after the first save), %d runs finished, seed %u\n", killed, killed_with_checkpoint,
+              finished, seed);
+}
+
 TEST(Checkpoint, CorruptOrForeignFilesAreClearErrors) {
   const std::string garbage = temp("garbage.ckpt");
   std::ofstream(garbage) << "not a checkpoint";

@@ -13,15 +13,21 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
 #include <zlib.h>
 
+#include <atomic>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <random>
 #include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
 
 namespace lockstep {
 namespace {
@@ -344,12 +350,38 @@ class TwoHosts {
     return "10.77.0." + std::to_string(host + 1);
   }
   // Node `host` of a two-node job of one rank per node, on its own machine.
-  std::vector<std::string> node(int host, const std::vector<std::string>& program, const std::string& master_port) const {
-    auto args = launcher({"--nnodes", "2", "--node-rank", std::to_string(host), "--nproc-per-node", "1", "--master-addr",
-                          address(0), "--master-port", master_port},
-                         program);
-    args.insert(args.begin(), {ip(), "netns", "exec", prefix_ + (host == 0 ? "a" : "b")});
+  std::vector<std::string> node(int host, const std::vector<std::string>& program, const std::string& master_port,
+                                const std::vector<std::string>& flags = {}) const {
+    std::vector<std::string> all{"--nnodes", "2", "--node-rank", std::to_string(host), "--nproc-per-node", "1",
+                                 "--master-addr", address(0), "--master-port", master_port};
+    all.insert(all.end(), flags.begin(), flags.end());
+    auto args = launcher(all, program);
+    args.insert(args.begin(), {ip(), "netns", "exec", name(host)});
     return args;
+  }
+  std::string name(int host) const {
+    return prefix_ + (host == 0 ? "a" : "b");
+  }
+  // Cuts (or mends) the cable: host 0's end of the link goes down (up).
+  void set_link(bool up) const {
+    const std::string command = ip() + " -n " + name(0) + " link set lsnet0 " + (up ? "up" : "down");
+    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  }
+  // The TCP sockets listening on `host` now, as "address:port".
+  std::vector<std::string> listening(int host) const {
+    std::vector<std::string> found;
+    FILE* out = ::popen((ip() + " netns exec " + name(host) + " ss -ltnH 2>/dev/null").c_str(), "r");
+    char line[512];
+    while (out != nullptr && std::fgets(line, sizeof(line), out) != nullptr) {
+      std::istringstream fields(line);
+      std::string state, receive, send, local;
+      fields >> state >> receive >> send >> local;
+      found.push_back(local);
+    }
+    if (out != nullptr) {
+      ::pclose(out);
+    }
+    return found;
   }
 
  private:
@@ -393,6 +425,131 @@ TEST(TwoHosts, GlooSocketIfnameTrainsAcrossThemLikeOneNode) {
   ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;
   ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
   EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
+}
+
+// Whether `text` appears in `path` within `seconds`.
+bool appears(const std::string& path, const std::string& text, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < until) {
+    if (read_text(path).find(text) != std::string::npos) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+TEST(TwoHosts, NothingListensBeyondTheAddressTheJobWasGiven) {
+  TwoHosts hosts;
+  if (!hosts.ready()) {
+    GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
+  }
+  // Every listening socket on either host, sampled all through a job.
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int host = 0; host < 2; ++host) {
+    nodes.push_back(testing::start(hosts.node(host, trainer("exposure" + std::to_string(host)), master_port),
+                                   {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0"}, temp("exposure" + std::to_string(host) + ".log")));
+  }
+  std::atomic<bool> done{false};
+  std::set<std::string> seen[2];
+  std::thread sampler([&] {
+    while (!done) {
+      for (int host = 0; host < 2; ++host) {
+        for (const auto& local : hosts.listening(host)) {
+          seen[host].insert(local);
+        }
+      }
+    }
+  });
+  testing::wait_all(nodes, std::chrono::seconds(90));
+  done = true;
+  sampler.join();
+  ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;
+  ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
+  ASSERT_FALSE(seen[0].empty()) << "the store on host 0 was never seen listening";
+  for (int host = 0; host < 2; ++host) {
+    for (const auto& local : seen[host]) {
+      const bool store = host == 0 && local.substr(local.rfind(':') + 1) == master_port;
+      if (store && TORCH_VERSION_MAJOR < 2) {
+        // LibTorch 1.13's TCPStore cannot be bound to one address; rank 0 warns.
+        EXPECT_NE(nodes[0].output.find("rank 0's store listens on every interface at port " + master_port),
+                  std::string::npos) << nodes[0].output;
+        continue;
+      }
+      EXPECT_EQ(local.rfind(TwoHosts::address(host) + ":", 0), 0u)
+          << "host " << host << " listens on " << local << ", not only on " << TwoHosts::address(host);
+    }
+  }
+}
+
+TEST(TwoHosts, LinkCutEndsBothSidesNamingTheLostPeer) {
+  TwoHosts hosts;
+  if (!hosts.ready()) {
+    GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
+  }
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int host = 0; host < 2; ++host) {
+    const std::string name = "link_cut" + std::to_string(host);
+    nodes.push_back(testing::start(hosts.node(host, with_flag(trainer(name), "--epochs", "1000"), master_port),
+                                   {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0", "LOCKSTEP_TIMEOUT=8"}, temp(name + ".log")));
+  }
+  ASSERT_TRUE(appears(nodes[0].log, "epoch 1/1000", 60)) << read_text(nodes[0].log);
+  hosts.set_link(false);
+  const auto cut = std::chrono::steady_clock::now();
+  testing::wait_all(nodes, std::chrono::seconds(60));
+  for (int host = 0; host < 2; ++host) {
+    const auto& node = nodes[host];
+    const int peer = 1 - host;
+    EXPECT_EQ(node.exit_code, 1) << node.output;
+    // The timeout (8 s), the probe (2 s), the launcher's settling (1 s), and slack for a loaded machine.
+    const double after_cut = std::chrono::duration<double>(node.start - cut).count() + node.seconds;
+    EXPECT_LT(after_cut, 25.0) << node.output;
+    EXPECT_NE(node.output.find("Lost peer: no answer within 2 s from rank " + std::to_string(peer) + " at " +
+                               TwoHosts::address(peer)), std::string::npos) << node.output;
+    EXPECT_TRUE(testing::processes_with(temp("link_cut" + std::to_string(host))).empty())
+        << "a process of host " << host << "'s job outlived its launcher";
+  }
+}
+
+TEST(TwoHosts, JobResumesFromItsCheckpointWhenTheLinkComesBack) {
+  TwoHosts hosts;
+  if (!hosts.ready()) {
+    GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
+  }
+  // Long enough to cut the link in the middle: 6 epochs, against the same job on one node.
+  auto job = [](const std::string& name, const std::string& checkpoint) {
+    return with_flag(trainer(name, checkpoint), "--epochs", "6");
+  };
+  auto reference = launch({"--nproc-per-node", "2", "--master-port", port()},
+                          job("link_back_reference", temp("link_back_reference.ckpt")), "link_back_reference", {kOneThread});
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  const std::string checkpoint = temp("link_back.ckpt");
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int host = 0; host < 2; ++host) {
+    const std::string name = "link_back" + std::to_string(host);
+    nodes.push_back(testing::start(
+        hosts.node(host, job(name, checkpoint), master_port, {"--max-restarts", "3", "--restart-delay", "0.5"}),
+        {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0", "LOCKSTEP_TIMEOUT=8"}, temp(name + ".log")));
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (access(checkpoint.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(access(checkpoint.c_str(), F_OK), 0) << read_text(nodes[0].log);
+  hosts.set_link(false);
+  for (const auto& node : nodes) {
+    EXPECT_TRUE(appears(node.log, "lockstep-run: restarting every rank", 40)) << read_text(node.log);
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  hosts.set_link(true);
+  testing::wait_all(nodes, std::chrono::seconds(120));
+  ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;
+  ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
+  EXPECT_NE(nodes[0].output.find("lockstep-train: resumed from " + checkpoint), std::string::npos) << nodes[0].output;
+  EXPECT_EQ(final_hash(nodes[0].output), final_hash(reference.output)) << nodes[0].output;
 }
 
 TEST(InitProcessGroup, StoreThatNeverAnswersEndsTheRankWithinTheTimeout) {

@@ -34,8 +34,7 @@
 
 #include "desync_report.h"
 #include "process_files.h"
-
-#include <CLI/CLI.hpp>
+#include "run_options.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -68,7 +67,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kUsageError = 2;
+using lockstep::tools::kUsageError;
 constexpr size_t kStderrTail = 20;
 constexpr double kMaxRestartDelay = 30.0;
 constexpr auto kSettle = std::chrono::milliseconds(1000); // Attempt::run: before SIGTERM after a failure
@@ -79,21 +78,7 @@ void on_signal(int sig) {
   g_signal = sig;
 }
 
-struct Options {
-  int nproc_per_node = 1;
-  int nnodes = 1;
-  int node_rank = 0;
-  std::string master_addr;
-  int master_port = 29500;
-  int max_restarts = 0;
-  std::string log_dir;
-  std::string timeline; // --timeline FILE: the ranks' timelines merged
-  double grace_seconds = 3.0;
-  double restart_delay = 1.0;
-  int timeout_seconds = 0; // 0: the ranks' own (LOCKSTEP_TIMEOUT, else lockstep's default)
-  std::string run_id;      // LOCKSTEP_RUN_ID: the same for every attempt
-  std::vector<std::string> command;
-};
+using Options = lockstep::tools::RunOptions;
 
 struct Rank {
   int local_rank = 0;
@@ -627,60 +612,14 @@ void print_stalled_ranks(const Attempt& run, int root_cause, int world_on_node, 
 
 int main(int argc, char** argv) {
   Options options;
-  CLI::App app{"lockstep-run: starts N ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
-               "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
-               "output with their rank, stops the job when one fails, and restarts it up to --max-restarts times."};
-  // torchrun's underscore spellings are aliases, so that its command lines work.
-  app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "Ranks on this node")->check(CLI::Range(1, 1024))->capture_default_str();
-  app.add_option("--nnodes", options.nnodes, "Nodes in the job")->check(CLI::Range(1, 65536))->capture_default_str();
-  app.add_option("--node-rank,--node_rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--master-addr,--master_addr", options.master_addr,
-                 "Address of node 0, where rank 0 hosts the store; required with --nnodes > 1 (default 127.0.0.1: loopback only)");
-  app.add_option("--master-port,--master_port", options.master_port, "Port of the store on node 0")->check(CLI::Range(1, 65535))->capture_default_str();
-  app.add_option("--max-restarts,--max_restarts", options.max_restarts, "Restarts of the whole group after a failure")
-      ->check(CLI::Range(0, 1000))->capture_default_str();
-  app.add_option("--log-dir,--log_dir", options.log_dir, "Also write each rank's output to DIR/rank_N.log")->check(CLI::ExistingDirectory);
-  app.add_option("--timeline", options.timeline, "Have the ranks record a timeline (LOCKSTEP_TIMELINE) and merge "
-                 "this node's into FILE, a Chrome trace (Perfetto, chrome://tracing)");
-  app.add_option("--grace-period", options.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
-  app.add_option("--restart-delay", options.restart_delay,
-                 "Seconds before the first restart, doubled for each one after (at most 30)")
-      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
-  app.add_option("--timeout", options.timeout_seconds,
-                 "Seconds a rank waits for the others (store, connections, each collective) before failing; sets "
-                 "LOCKSTEP_TIMEOUT for the ranks. Default: theirs, else 300")
-      ->check(CLI::Range(1, 7 * 24 * 3600));
-  app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
-  app.prefix_command(); // everything from PROGRAM on belongs to PROGRAM
   try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) {
-      return app.exit(e);
+    options = lockstep::tools::parse_run_options(argc, argv);
+  } catch (const lockstep::tools::RunUsageError& e) {
+    if (e.exit_code == 0) {
+      std::fputs(e.what(), stdout);
+      return 0;
     }
     usage_error(e.what());
-  }
-  options.command = app.remaining(); // prefix_command leaves PROGRAM and its arguments there
-  if (!options.command.empty() && options.command[0] == "--") {
-    options.command.erase(options.command.begin()); // "--" ends the options, as for torchrun
-  } else if (!options.command.empty() && options.command[0].rfind("-", 0) == 0) {
-    // prefix_command takes the first unknown argument for PROGRAM
-    usage_error("unknown option " + options.command[0] + " (options come before PROGRAM).");
-  }
-  if (options.command.empty()) {
-    usage_error("PROGRAM is missing.");
-  }
-  if (options.node_rank >= options.nnodes) {
-    usage_error("--node-rank " + std::to_string(options.node_rank) + " is out of range for --nnodes " +
-                std::to_string(options.nnodes) + "; expected 0 to " + std::to_string(options.nnodes - 1) + ".");
-  }
-  if (options.master_addr.empty()) {
-    if (options.nnodes > 1) {
-      usage_error("--nnodes " + std::to_string(options.nnodes) +
-                  " needs --master-addr: the address of node 0 that every node can reach.");
-    }
-    options.master_addr = "127.0.0.1"; // one node: the store stays on loopback
   }
   const std::string program = lockstep::tools::find_program(options.command[0]);
   if (program.empty()) {

@@ -20,7 +20,8 @@ std::shared_ptr<GroupImpl> make_gloo_group(
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& master_addr);
+    const std::string& master_addr,
+    int master_port);
 bool nccl_available();
 std::shared_ptr<GroupImpl> make_nccl_group(
     const c10::intrusive_ptr<c10d::Store>& store,

@@ -8,12 +8,17 @@
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <sstream>
+#include <vector>
 
 namespace lockstep {
 namespace detail {
@@ -118,7 +123,126 @@ std::string key_of(int rank) {
   return "lockstep/gloo_endpoint/" + std::to_string(rank);
 }
 
-void check_endpoints_reachable(
+// Note [Naming the lost peer]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// When a collective fails across machines, Gloo says only that data stopped
+// coming ("Timed out waiting 10000ms for recv operation", "pair closure"),
+// not from whom, and every rank's error would read alike whether a peer
+// crashed or the cable was pulled. So on a failed collective each rank knocks
+// on every other machine of the job: a TCP connection attempt to its Gloo
+// address at MASTER_PORT, all at once, for at most kProbeTimeout. Any answer,
+// a refusal included, means that machine and the network to it are up;
+// silence means one of them is down, and the error names those ranks and
+// addresses. This runs only on the error path, and only for jobs that span
+// machines (their ranks published their addresses; see Note [Gloo's address]).
+constexpr auto kProbeTimeout = std::chrono::seconds(2);
+
+// Whether something at `address`:`port` answers a connection attempt, a
+// refusal included, within the deadline. Several at once: one socket each.
+std::vector<bool> answers(const std::vector<std::string>& addresses, int port) {
+  std::vector<bool> answered(addresses.size(), false);
+  std::vector<int> fds(addresses.size(), -1);
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    if (::getaddrinfo(addresses[i].c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) {
+      continue;
+    }
+    const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd >= 0) {
+      const int rc = ::connect(fd, found->ai_addr, found->ai_addrlen);
+      if (rc == 0 || errno == ECONNREFUSED) {
+        answered[i] = true;
+        ::close(fd);
+      } else if (errno == EINPROGRESS) {
+        fds[i] = fd;
+      } else {
+        ::close(fd); // no route: this machine's end of the link is down
+      }
+    }
+    ::freeaddrinfo(found);
+  }
+  const auto until = std::chrono::steady_clock::now() + kProbeTimeout;
+  for (;;) {
+    std::vector<pollfd> waiting;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i] >= 0) {
+        waiting.push_back({fds[i], POLLOUT, 0});
+        which.push_back(i);
+      }
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    if (waiting.empty() || left.count() <= 0) {
+      break;
+    }
+    if (::poll(waiting.data(), waiting.size(), static_cast<int>(left.count())) <= 0) {
+      continue; // EINTR, or the deadline: the loop checks it
+    }
+    for (size_t k = 0; k < waiting.size(); ++k) {
+      if (waiting[k].revents == 0) {
+        continue;
+      }
+      const size_t i = which[k];
+      int error = 0;
+      socklen_t length = sizeof(error);
+      ::getsockopt(fds[i], SOL_SOCKET, SO_ERROR, &error, &length);
+      answered[i] = error == 0 || error == ECONNREFUSED;
+      ::close(fds[i]);
+      fds[i] = -1;
+    }
+  }
+  for (int fd : fds) {
+    if (fd >= 0) {
+      ::close(fd);
+    }
+  }
+  return answered;
+}
+
+// The text Note [Naming the lost peer] adds to a failed collective's error.
+std::string probe_peers(const std::vector<Endpoint>& all, int rank, int port) {
+  std::vector<std::string> addresses; // the other machines, once each
+  std::vector<std::vector<int>> ranks_at;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[r].address == all[rank].address) {
+      continue;
+    }
+    const auto it = std::find(addresses.begin(), addresses.end(), all[r].address);
+    if (it == addresses.end()) {
+      addresses.push_back(all[r].address);
+      ranks_at.push_back({r});
+    } else {
+      ranks_at[it - addresses.begin()].push_back(r);
+    }
+  }
+  if (addresses.empty()) {
+    return "";
+  }
+  const auto answered = answers(addresses, port);
+  std::string lost; // "rank 1 at 10.0.0.2; ranks 2, 3 at 10.0.0.3"
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    if (!answered[i]) {
+      lost += (lost.empty() ? "" : "; ") + std::string(ranks_at[i].size() == 1 ? "rank " : "ranks ");
+      for (size_t k = 0; k < ranks_at[i].size(); ++k) {
+        lost += (k > 0 ? ", " : "") + std::to_string(ranks_at[i][k]);
+      }
+      lost += " at " + addresses[i];
+    }
+  }
+  const std::string waited = std::to_string(kProbeTimeout.count()) + " s";
+  if (lost.empty()) {
+    return "Every other machine of the job answered a connection attempt within " + waited +
+        ", so the network is up: a rank stopped, crashed or is stuck.";
+  }
+  return "Lost peer: no answer within " + waited + " from " + lost + ": that machine, or the network between it and " +
+      "this one (" + all[rank].address + "), is down.";
+}
+
+std::vector<Endpoint> check_endpoints_reachable(
     c10d::Store& store,
     int rank,
     int size,
@@ -152,6 +276,7 @@ void check_endpoints_reachable(
       " and could not reach it. Set GLOO_SOCKET_IFNAME to the network interface that connects the machines (for "
       "example GLOO_SOCKET_IFNAME=eth0, the same name on every machine; 'ip -brief address' lists them), or map the "
       "host name to a routable address.");
+  return all;
 }
 
 } // namespace
@@ -165,7 +290,8 @@ std::shared_ptr<GroupImpl> make_gloo_group(
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& master_addr) {
+    const std::string& master_addr,
+    int master_port) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   // GLOO_SOCKET_IFNAME picks the interface, as for PyTorch. Otherwise a job
   // whose store is on loopback stays on loopback; on several machines, the
@@ -176,8 +302,10 @@ std::shared_ptr<GroupImpl> make_gloo_group(
   if (ifname != nullptr && *ifname == '\0') {
     ifname = nullptr;
   }
+  Diagnose diagnose;
   if (!loopback) {
-    check_endpoints_reachable(*store, rank, size, local_endpoint(ifname, master_addr), ifname, master_addr);
+    auto all = check_endpoints_reachable(*store, rank, size, local_endpoint(ifname, master_addr), ifname, master_addr);
+    diagnose = [all = std::move(all), rank, master_port] { return probe_peers(all, rank, master_port); };
   }
   if (ifname != nullptr) {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
@@ -190,7 +318,7 @@ std::shared_ptr<GroupImpl> make_gloo_group(
   auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
   // LibTorch 1.x's ProcessGroupGloo is a c10d::ProcessGroup, 2.x's a c10d::Backend:
   // C10dGroup takes either.
-  return std::make_shared<C10dGroup<c10d::ProcessGroupGloo>>(std::move(group), "gloo", timeout);
+  return std::make_shared<C10dGroup<c10d::ProcessGroupGloo>>(std::move(group), "gloo", timeout, std::move(diagnose));
 }
 
 } // namespace detail

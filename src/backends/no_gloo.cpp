@@ -14,7 +14,8 @@ std::shared_ptr<GroupImpl> make_gloo_group(
     int,
     int,
     std::chrono::milliseconds,
-    const std::string&) {
+    const std::string&,
+    int) {
   TORCH_INTERNAL_ASSERT(false, "make_gloo_group called in a build without Gloo");
 }
 

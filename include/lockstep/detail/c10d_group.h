@@ -13,33 +13,51 @@
 
 #include <c10/util/Exception.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 
 namespace lockstep {
 namespace detail {
 
+/// What a backend can add to a failed collective's error: which peers it
+/// finds unreachable, say (Note [Naming the lost peer], src/backends/gloo.cpp).
+/// Empty: nothing.
+using Diagnose = std::function<std::string()>;
+
 /// Rethrows a failed collective as a c10::Error naming it, the rank and the
 /// group's timeout (Gloo reports a stopped peer as a timeout or a closed
-/// connection).
+/// connection), and what `diagnose` finds.
 [[noreturn]] void throw_collective_error(
     const std::string& what,
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& cause);
+    const std::string& cause,
+    const Diagnose& diagnose = {});
 
 class C10dWork : public Work {
  public:
-  C10dWork(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int size, std::chrono::milliseconds timeout)
-      : work_(std::move(work)), what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout) {}
+  C10dWork(
+      c10::intrusive_ptr<c10d::Work> work,
+      std::string what,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout,
+      Diagnose diagnose)
+      : work_(std::move(work)),
+        what_(std::move(what)),
+        rank_(rank),
+        size_(size),
+        timeout_(timeout),
+        diagnose_(std::move(diagnose)) {}
   void wait() override {
     try {
       work_->wait();
     } catch (const c10::Error& e) {
-      throw_collective_error(what_, rank_, size_, timeout_, e.msg());
+      throw_collective_error(what_, rank_, size_, timeout_, e.msg(), diagnose_);
     } catch (const std::exception& e) {
-      throw_collective_error(what_, rank_, size_, timeout_, e.what());
+      throw_collective_error(what_, rank_, size_, timeout_, e.what(), diagnose_);
     }
   }
 
@@ -48,6 +66,7 @@ class C10dWork : public Work {
   std::string what_;
   int rank_, size_;
   std::chrono::milliseconds timeout_;
+  Diagnose diagnose_;
 };
 
 /// A collective with nothing to do.
@@ -74,8 +93,12 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
 template <typename Group>
 class C10dGroup : public GroupImpl {
  public:
-  C10dGroup(c10::intrusive_ptr<Group> group, std::string backend, std::chrono::milliseconds timeout)
-      : group_(std::move(group)), backend_(std::move(backend)), timeout_(timeout) {}
+  C10dGroup(
+      c10::intrusive_ptr<Group> group,
+      std::string backend,
+      std::chrono::milliseconds timeout,
+      Diagnose diagnose = {})
+      : group_(std::move(group)), backend_(std::move(backend)), timeout_(timeout), diagnose_(std::move(diagnose)) {}
 
   int rank() const override {
     return group_->getRank();
@@ -134,17 +157,18 @@ class C10dGroup : public GroupImpl {
   template <typename F>
   std::shared_ptr<Work> wrap(F&& start, std::string what) {
     try {
-      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_);
+      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_, diagnose_);
     } catch (const c10::Error& e) {
-      throw_collective_error(what, rank(), size(), timeout_, e.msg());
+      throw_collective_error(what, rank(), size(), timeout_, e.msg(), diagnose_);
     } catch (const std::exception& e) {
-      throw_collective_error(what, rank(), size(), timeout_, e.what());
+      throw_collective_error(what, rank(), size(), timeout_, e.what(), diagnose_);
     }
   }
 
   c10::intrusive_ptr<Group> group_;
   std::string backend_;
   std::chrono::milliseconds timeout_;
+  Diagnose diagnose_;
 };
 
 } // namespace detail
