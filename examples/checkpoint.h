@@ -3,7 +3,8 @@
 // lockstep-train's checkpoints: the model (in a bare module's format, so a
 // checkpoint from DistributedDataParallel, DataParallel or a bare model loads
 // into any of them), the optimizer state, and where training stands.
-// Written atomically: a temporary file, fsync, rename, fsync of the folder.
+// Written atomically: a temporary file, fsync, rename, fsync of the folder;
+// read only after a checksum of the whole file (Note [Checkpoint file]).
 // Loading checks every tensor's shape against this model and optimizer, and
 // the content against hashes stored at save time: a foreign or damaged file is
 // an error, never a silently different model.
@@ -15,8 +16,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -132,6 +139,91 @@ inline void fsync_path(const std::string& path, int flags) {
   ::close(fd);
 }
 
+// Note [Checkpoint file]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A checkpoint file is kCheckpointMagic, the payload's length (8 bytes,
+// little-endian), its CRC-32 (4 bytes, zlib's), then the payload: LibTorch's
+// archive, a zip. LibTorch's reader trusts what the zip holds: on some
+// damaged files it crashes (SIGSEGV in its TorchScript type parser, found by
+// fuzz_checkpoint) or leaks. So the whole file is checked before any of it
+// reaches LibTorch, and a damaged one is an error that says so. A file made
+// to crash LibTorch with a valid checksum still can: checkpoints are trusted
+// input, as torch::load's are.
+constexpr char kCheckpointMagic[] = "LOCKSTEP-CKPT\n";
+constexpr size_t kCheckpointHeader = sizeof(kCheckpointMagic) - 1 + 8 + 4;
+
+inline uint32_t checkpoint_crc(const std::string& payload) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  for (size_t at = 0; at < payload.size(); at += size_t{1} << 30) {
+    const auto chunk = static_cast<uInt>(std::min(payload.size() - at, size_t{1} << 30));
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(payload.data() + at), chunk);
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+/// Writes `archive` to `path` atomically (Note [Checkpoint file]): a
+/// temporary file, fsync, rename, fsync of the folder.
+inline void write_checkpoint_file(const std::string& path, torch::serialize::OutputArchive& archive) {
+  std::ostringstream payload_stream;
+  archive.save_to(payload_stream);
+  const std::string payload = payload_stream.str();
+  std::string header(kCheckpointMagic, sizeof(kCheckpointMagic) - 1);
+  const uint64_t length = payload.size();
+  const uint32_t crc = checkpoint_crc(payload);
+  for (int i = 0; i < 8; ++i) {
+    header += static_cast<char>((length >> (8 * i)) & 0xff);
+  }
+  for (int i = 0; i < 4; ++i) {
+    header += static_cast<char>((crc >> (8 * i)) & 0xff);
+  }
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
+    out.flush();
+    TORCH_CHECK(out.good(), "lockstep-train: cannot write the checkpoint ", temporary, " (", std::strerror(errno), ").");
+  }
+  fsync_path(temporary, O_RDONLY);
+  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "lockstep-train: cannot rename ", temporary, " to ", path, ".");
+  const auto slash = path.find_last_of('/');
+  fsync_path(slash == std::string::npos ? "." : path.substr(0, slash + 1), O_RDONLY | O_DIRECTORY);
+}
+
+/// The payload of the checkpoint file at `path`, checked whole (Note
+/// [Checkpoint file]); a clear error for any other file.
+inline std::string read_checkpoint_payload(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TORCH_CHECK(in.good() || in.eof(), "lockstep-train: cannot read the checkpoint ", path, ".");
+  const std::string magic(kCheckpointMagic, sizeof(kCheckpointMagic) - 1);
+  if (file.compare(0, magic.size(), magic) != 0) {
+    TORCH_CHECK(file.compare(0, 2, "PK") != 0, "lockstep-train: ", path, " is not a lockstep-train checkpoint: it is a "
+                "bare LibTorch archive (torch::save's, or an older lockstep-train's), without the training state and "
+                "checksum. Delete it, or point --checkpoint elsewhere.");
+    TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is unreadable (truncated, corrupt, or not a checkpoint): "
+                "it does not start with lockstep-train's header. Delete it to start from scratch.");
+  }
+  TORCH_CHECK(file.size() >= kCheckpointHeader, "lockstep-train: checkpoint ", path, " is damaged: truncated inside "
+              "its header. Delete it to start from scratch.");
+  uint64_t length = 0;
+  uint32_t crc = 0;
+  for (int i = 0; i < 8; ++i) {
+    length |= uint64_t{static_cast<unsigned char>(file[magic.size() + i])} << (8 * i);
+  }
+  for (int i = 0; i < 4; ++i) {
+    crc |= uint32_t{static_cast<unsigned char>(file[magic.size() + 8 + i])} << (8 * i);
+  }
+  const uint64_t held = file.size() - kCheckpointHeader;
+  TORCH_CHECK(length == held, "lockstep-train: checkpoint ", path, " is damaged: its header declares ", length,
+              " bytes but it holds ", held, " (truncated, or written over). Delete it to start from scratch.");
+  std::string payload = file.substr(kCheckpointHeader);
+  TORCH_CHECK(checkpoint_crc(payload) == crc, "lockstep-train: checkpoint ", path, " is damaged: its checksum does not "
+              "match its content (corrupted on disk or in transfer). Delete it to start from scratch, or restore it "
+              "from a copy.");
+  return payload;
+}
+
 inline void save_checkpoint(
     const std::string& path,
     torch::nn::Module& model,
@@ -152,12 +244,7 @@ inline void save_checkpoint(
                                              static_cast<double>(state.epoch_tally.rows)}, torch::kFloat64));
   archive.write("model_hash", hash_tensor(content_hash(model_tensors(model))));
   archive.write("optimizer_hash", hash_tensor(optimizer_hash(optimizer)));
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  archive.save_to(temporary);
-  fsync_path(temporary, O_RDONLY);
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "lockstep-train: cannot rename ", temporary, " to ", path, ".");
-  const auto slash = path.find_last_of('/');
-  fsync_path(slash == std::string::npos ? "." : path.substr(0, slash + 1), O_RDONLY | O_DIRECTORY);
+  write_checkpoint_file(path, archive);
 }
 
 /// Removes `path`'s temporary files left by saves that were killed (their
@@ -177,12 +264,19 @@ inline bool load_checkpoint(
   if (::access(path.c_str(), F_OK) != 0) {
     return false;
   }
+  const std::string payload = read_checkpoint_payload(path);
   torch::serialize::InputArchive archive;
+  // LibTorch's reader throws c10::Error, and on some damaged files the
+  // TorchScript parser's std::runtime_error: both mean an unreadable file.
+  auto message = [](const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    return std::string(error != nullptr ? error->what_without_backtrace() : e.what());
+  };
   try {
-    archive.load_from(path);
-  } catch (const c10::Error& e) {
+    archive.load_from(payload.data(), payload.size());
+  } catch (const std::exception& e) {
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is unreadable (truncated, corrupt, or not a checkpoint): ",
-                e.what_without_backtrace(), " Delete it to start from scratch.");
+                message(e), " Delete it to start from scratch.");
   }
   torch::Tensor format;
   TORCH_CHECK(archive.try_read("format", format) && format.item<int64_t>() == kCheckpointFormat, "lockstep-train: ", path,
@@ -218,12 +312,14 @@ inline bool load_checkpoint(
     state = TrainingState{epoch.item<int64_t>(), batch.item<int64_t>(), step.item<int64_t>(), world.item<int64_t>(), {}};
     torch::Tensor tally;
     if (archive.try_read("epoch_tally", tally)) { // optional: without it, the epoch's figures start at the resumed batch
+      TORCH_CHECK(tally.dim() == 1 && tally.numel() == 3 && tally.scalar_type() == torch::kFloat64,
+                  "its epoch_tally is ", tally.sizes(), " ", tally.dtype(), ", not 3 doubles.");
       auto t = tally.accessor<double, 1>();
       state.epoch_tally = Tally{t[0], static_cast<int64_t>(t[1]), static_cast<int64_t>(t[2])};
     }
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " does not match this model or optimizer: ",
-                e.what_without_backtrace(), " It was written by another model configuration; delete it, or point "
+                message(e), " It was written by another model configuration; delete it, or point "
                 "--checkpoint elsewhere.");
   }
   // LibTorch's load replaces a tensor whatever its shape: compare with the model's.

@@ -11,9 +11,11 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 #include <sys/stat.h>
 
 namespace lockstep {
@@ -92,8 +94,20 @@ inline torch::Tensor read_idx(const std::string& path, int dims) {
     throw IdxError(path + ": the header declares " + std::to_string(shape[0]) + " rows, too many to be real");
   }
   const int64_t total = shape[0] * row_bytes;
-  auto data = torch::empty(shape, torch::kUInt8);
-  const int64_t got = read(data.data_ptr<uint8_t>(), total);
+  // Read in chunks, and allocate the tensor only once the data is there: a
+  // damaged header can claim up to 13 GB of rows in a file of a few bytes.
+  constexpr int64_t kChunk = int64_t{16} << 20;
+  std::vector<uint8_t> bytes;
+  int64_t got = 0;
+  while (got < total) {
+    const int64_t want = std::min(kChunk, total - got);
+    bytes.resize(static_cast<size_t>(got + want));
+    const int64_t chunk = read(bytes.data() + got, want);
+    got += chunk;
+    if (chunk < want) {
+      break;
+    }
+  }
   if (got != total) {
     throw IdxError(path + ": truncated: the header declares " + std::to_string(shape[0]) + " rows (" +
                    std::to_string(total) + " bytes of data) but the file holds " + std::to_string(got) + " bytes");
@@ -103,6 +117,8 @@ inline torch::Tensor read_idx(const std::string& path, int dims) {
     throw IdxError(path + ": longer than its header declares (" + std::to_string(shape[0]) +
                    " rows): damaged, or not an IDX file");
   }
+  auto data = torch::empty(shape, torch::kUInt8);
+  std::copy(bytes.begin(), bytes.end(), data.data_ptr<uint8_t>());
   return data;
 }
 

@@ -18,4 +18,20 @@ case "$LOCKSTEP_TORCH" in
     exit 2
     ;;
 esac
-export LOCKSTEP_TORCH
+# LOCKSTEP_SANITIZE=address (ASan+UBSan) or thread (TSan): an instrumented build
+# in its own folder (build-debian-address, ...), and the sanitizers' options
+# and suppressions (tests/sanitizers/) for every process the tests start.
+LOCKSTEP_SANITIZE=${LOCKSTEP_SANITIZE:-}
+case "$LOCKSTEP_SANITIZE" in
+  "") ;;
+  address|thread)
+    build_dir=$build_dir-$LOCKSTEP_SANITIZE
+    torch_cmake_args+=(-DLOCKSTEP_SANITIZE="$LOCKSTEP_SANITIZE")
+    source scripts/sanitizer_env.sh
+    ;;
+  *)
+    echo "LOCKSTEP_SANITIZE=$LOCKSTEP_SANITIZE is not a sanitizer build; expected address, thread or nothing." >&2
+    exit 2
+    ;;
+esac
+export LOCKSTEP_TORCH LOCKSTEP_SANITIZE

@@ -28,6 +28,9 @@ if [ "$LOCKSTEP_TORCH" = debian ]; then
 else
   packages+=(python3 python3-venv)
 fi
+if [ "${LOCKSTEP_SETUP_FUZZ:-}" = 1 ]; then
+  packages+=(clang libclang-rt-dev) # libFuzzer and clang's sanitizer runtimes (scripts/fuzz.sh)
+fi
 
 sudo_cmd=()
 [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)

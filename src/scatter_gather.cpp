@@ -9,9 +9,20 @@
 
 namespace lockstep {
 
+namespace {
+// More replicas than any machine has devices: a larger count is a mistake,
+// and the split's vectors would not fit in memory.
+constexpr int64_t kMaxReplicas = int64_t{1} << 16;
+// The largest row count a double holds exactly, so that each share is exact to a row.
+constexpr int64_t kMaxBatch = int64_t{1} << 53;
+} // namespace
+
 std::vector<int64_t> chunk_sizes(int64_t batch, int64_t replicas, const std::vector<double>& weights) {
   TORCH_CHECK(replicas > 0, "lockstep::chunk_sizes: expected at least one replica, but got ", replicas, ".");
-  TORCH_CHECK(batch >= 0, "lockstep::chunk_sizes: expected a batch size >= 0, but got ", batch, ".");
+  TORCH_CHECK(batch >= 0 && batch <= kMaxBatch, "lockstep::chunk_sizes: expected a batch size from 0 to ", kMaxBatch,
+              ", but got ", batch, ".");
+  TORCH_CHECK(replicas <= kMaxReplicas, "lockstep::chunk_sizes: ", replicas, " replicas is more than the ", kMaxReplicas,
+              " it splits a batch between; expected one per device.");
   TORCH_CHECK(
       weights.empty() || static_cast<int64_t>(weights.size()) == replicas,
       "lockstep::DataParallel: weights has ", weights.size(), " entries but there are ", replicas,
@@ -23,6 +34,13 @@ std::vector<int64_t> chunk_sizes(int64_t batch, int64_t replicas, const std::vec
         "lockstep::DataParallel: weights[", i, "] is ", w[i],
         "; every weight must be a finite number > 0 (leave a device out of devices() instead of giving it 0).");
   }
+  // Shares from the weights scaled by the largest: their sum cannot overflow
+  // to infinity however large the weights, and each share is at most 1, so
+  // that batch * share never exceeds the batch.
+  const double largest = *std::max_element(w.begin(), w.end());
+  for (auto& x : w) {
+    x /= largest;
+  }
   const double total = std::accumulate(w.begin(), w.end(), 0.0);
 
   // Largest remainder: floors first, then one more row to the largest
@@ -31,8 +49,9 @@ std::vector<int64_t> chunk_sizes(int64_t batch, int64_t replicas, const std::vec
   std::vector<std::pair<double, int64_t>> remainders(replicas);
   int64_t assigned = 0;
   for (int64_t i = 0; i < replicas; ++i) {
-    const double exact = static_cast<double>(batch) * w[i] / total;
-    sizes[i] = std::min<int64_t>(batch, static_cast<int64_t>(std::floor(exact)));
+    const double exact = static_cast<double>(batch) * (w[i] / total);
+    // Rounding can push a floor one row past the exact share: never hand out more than the batch.
+    sizes[i] = std::min<int64_t>(batch - assigned, static_cast<int64_t>(std::floor(exact)));
     remainders[i] = {exact - static_cast<double>(sizes[i]), i};
     assigned += sizes[i];
   }

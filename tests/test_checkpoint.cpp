@@ -108,6 +108,58 @@ TEST(Checkpoint, SurvivesSigkillAtRandomMoments) {
               finished, seed);
 }
 
+// Inputs the fuzz targets found (tests/fuzz/corpus/*/regression-*).
+TEST(Checkpoint, FilesThatTripLibTorchsReaderAreClearErrors) {
+  // Damaged checkpoints on which LibTorch's reader threw a std::runtime_error
+  // from its TorchScript parser (the trainer ended on an uncaught exception),
+  // crashed with SIGSEGV, or leaked: each is refused before LibTorch reads it.
+  for (const char* name : {"regression-parser-runtime-error", "regression-parser-segv", "regression-zip-reader-leak"}) {
+    const std::string path = std::string(LOCKSTEP_FUZZ_CORPUS) + "/fuzz_checkpoint/" + name;
+    examples::ConvNet net;
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    examples::TrainingState state;
+    const std::string message = testing::error_of([&] { examples::load_checkpoint(path, *net, optimizer, state); });
+    EXPECT_NE(message.find("lockstep-train: checkpoint " + path + " is damaged: its checksum does not match its content"),
+              std::string::npos) << name << ": " << message;
+  }
+}
+
+TEST(Checkpoint, TruncatedOrForeignFilesNeverReachLibTorch) {
+  const std::string path = temp("truncated.ckpt");
+  examples::ConvNet net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  examples::save_checkpoint(path, *net, optimizer, examples::TrainingState{});
+  const std::string whole = read_text(path);
+  examples::TrainingState state;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << whole.substr(0, whole.size() / 2);
+  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *net, optimizer, state), "is damaged: its header declares");
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << whole.substr(0, 10);
+  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *net, optimizer, state), "is unreadable");
+}
+
+TEST(Checkpoint, EpochTallyOfAnotherShapeIsAClearError) {
+  // A checkpoint whose epoch_tally is not 3 doubles: read past its end before.
+  examples::ConvNet net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
+  net->save(model_archive);
+  optimizer.save(optimizer_archive);
+  archive.write("model", model_archive);
+  archive.write("optimizer", optimizer_archive);
+  archive.write("format", torch::tensor(examples::kCheckpointFormat));
+  for (const char* key : {"epoch", "batch_in_epoch", "step", "world_size"}) {
+    archive.write(key, torch::tensor(int64_t{1}));
+  }
+  archive.write("epoch_tally", torch::tensor({1.0}, torch::kFloat64));
+  archive.write("model_hash", examples::hash_tensor(examples::content_hash(examples::model_tensors(*net))));
+  archive.write("optimizer_hash", examples::hash_tensor(examples::optimizer_hash(optimizer)));
+  const std::string path = temp("short_tally.ckpt");
+  examples::write_checkpoint_file(path, archive);
+  examples::TrainingState state;
+  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *net, optimizer, state),
+                    "does not match this model or optimizer: its epoch_tally is [1] double, not 3 doubles.");
+}
+
 TEST(Checkpoint, CorruptOrForeignFilesAreClearErrors) {
   const std::string garbage = temp("garbage.ckpt");
   std::ofstream(garbage) << "not a checkpoint";

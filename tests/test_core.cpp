@@ -72,6 +72,19 @@ TEST(ChunkSizes, Weights) {
   }
 }
 
+// Found by fuzz_chunk_sizes: a replica count in the billions threw
+// std::length_error from inside, weights near the largest double summed to
+// infinity, which made every share NaN, and batches near 2^63 overflowed.
+TEST(ChunkSizes, HugeReplicaCountsAndWeightsAreHandled) {
+  EXPECT_ERROR_SAYS(chunk_sizes(8, int64_t{1} << 40),
+                    "lockstep::chunk_sizes: 1099511627776 replicas is more than the 65536");
+  EXPECT_EQ(chunk_sizes(10, 2, {1e308, 1e308}), (std::vector<int64_t>{5, 5}));
+  EXPECT_ERROR_SAYS(chunk_sizes(int64_t{1} << 62, 2), "expected a batch size from 0 to 9007199254740992");
+  const auto big = chunk_sizes(int64_t{1} << 53, 2, {1e308, 3e307});
+  EXPECT_EQ(big[0] + big[1], int64_t{1} << 53);
+  EXPECT_NEAR(static_cast<double>(big[0]) / static_cast<double>(big[1]), 10.0 / 3.0, 1e-9);
+}
+
 TEST(ChunkSizes, BadWeightsAreClearErrors) {
   try {
     chunk_sizes(8, 2, {1, 2, 3});

@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <zlib.h>
 
@@ -100,6 +101,36 @@ TEST(TrainerData, TruncatedIdxFilesAreOneLineErrorsNamingTheFile) {
               std::string::npos)
         << p.output;
   }
+}
+
+TEST(TrainerData, HeaderClaimingMillionsOfRowsAllocatesNothingBeforeTheShortRead) {
+  // A 16-byte header may declare 2^24 images (13 GB) in a file of a few
+  // bytes (found by fuzz_idx): the reader allocated all of it first. Under a
+  // 2 GB address-space limit it must still end on the truncation error.
+  const std::string path = temp("huge_header.idx");
+  const unsigned char header[] = {0, 0, 8, 3, 1, 0, 0, 0, 0, 0, 0, 28, 0, 0, 0, 28, 7, 7, 7};
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(header), sizeof(header));
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // A sanitizer's shadow memory needs far more address space than the limit.
+  EXPECT_THROW(examples::read_idx(path, 3), examples::IdxError);
+#else
+  auto read_with_2gb = [&path] {
+    rlimit limit{};
+    limit.rlim_cur = limit.rlim_max = rlim_t{2} << 30;
+    setrlimit(RLIMIT_AS, &limit);
+    try {
+      examples::read_idx(path, 3);
+    } catch (const examples::IdxError& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      std::exit(0);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "not an IdxError: %s\n", e.what());
+    }
+    std::exit(1);
+  };
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+  EXPECT_EXIT(read_with_2gb(), ::testing::ExitedWithCode(0), "truncated: the header declares 16777216 rows");
+#endif
 }
 
 TEST(TrainerData, ForeignOrMissingFilesAreOneLineErrors) {

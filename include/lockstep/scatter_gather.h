@@ -69,7 +69,8 @@ enum class ScalarGather {
 /// proportion to `weights` (one positive weight per replica) when given.
 /// Uses largest remainders, so sizes sum to `batch` and differ from the exact
 /// share by less than one row; ties go to the lower index. A replica may get
-/// 0 rows when `batch` is smaller than the number of replicas.
+/// 0 rows when `batch` is smaller than the number of replicas. At most 65536
+/// replicas, and 2^53 rows.
 std::vector<int64_t> chunk_sizes(
     int64_t batch,
     int64_t replicas,
