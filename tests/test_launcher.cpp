@@ -389,13 +389,25 @@ class TwoHosts {
   bool ready_ = false;
 };
 
-std::vector<Process> run_on_two_hosts(const TwoHosts& hosts, const std::string& name, const std::vector<std::string>& env) {
-  const std::string master_port = port();
+// Starts one node per host, node N running program(NAME + N) and logging to
+// temp(NAME + N + ".log"); `flags` go to both launchers.
+std::vector<Process> start_on_two_hosts(
+    const TwoHosts& hosts,
+    const std::string& name,
+    const std::string& master_port,
+    const std::vector<std::string>& env,
+    const std::function<std::vector<std::string>(const std::string&)>& program,
+    const std::vector<std::string>& flags = {}) {
   std::vector<Process> nodes;
   for (int host = 0; host < 2; ++host) {
-    nodes.push_back(testing::start(hosts.node(host, trainer(name + std::to_string(host)), master_port), env,
-                                   temp(name + std::to_string(host) + ".log")));
+    const std::string node = name + std::to_string(host);
+    nodes.push_back(testing::start(hosts.node(host, program(node), master_port, flags), env, temp(node + ".log")));
   }
+  return nodes;
+}
+
+std::vector<Process> run_on_two_hosts(const TwoHosts& hosts, const std::string& name, const std::vector<std::string>& env) {
+  auto nodes = start_on_two_hosts(hosts, name, port(), env, [](const std::string& node) { return trainer(node); });
   testing::wait_all(nodes, std::chrono::seconds(90));
   return nodes;
 }
@@ -446,11 +458,8 @@ TEST(TwoHosts, NothingListensBeyondTheAddressTheJobWasGiven) {
   }
   // Every listening socket on either host, sampled all through a job.
   const std::string master_port = port();
-  std::vector<Process> nodes;
-  for (int host = 0; host < 2; ++host) {
-    nodes.push_back(testing::start(hosts.node(host, trainer("exposure" + std::to_string(host)), master_port),
-                                   {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0"}, temp("exposure" + std::to_string(host) + ".log")));
-  }
+  auto nodes = start_on_two_hosts(hosts, "exposure", master_port, {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0"},
+                                  [](const std::string& node) { return trainer(node); });
   std::atomic<bool> done{false};
   std::set<std::string> seen[2];
   std::thread sampler([&] {
@@ -488,13 +497,8 @@ TEST(TwoHosts, LinkCutEndsBothSidesNamingTheLostPeer) {
   if (!hosts.ready()) {
     GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
   }
-  const std::string master_port = port();
-  std::vector<Process> nodes;
-  for (int host = 0; host < 2; ++host) {
-    const std::string name = "link_cut" + std::to_string(host);
-    nodes.push_back(testing::start(hosts.node(host, with_flag(trainer(name), "--epochs", "1000"), master_port),
-                                   {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0", "LOCKSTEP_TIMEOUT=8"}, temp(name + ".log")));
-  }
+  auto nodes = start_on_two_hosts(hosts, "link_cut", port(), {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0", "LOCKSTEP_TIMEOUT=8"},
+                                  [](const std::string& node) { return with_flag(trainer(node), "--epochs", "1000"); });
   ASSERT_TRUE(appears(nodes[0].log, "epoch 1/1000", 60)) << read_text(nodes[0].log);
   hosts.set_link(false);
   const auto cut = std::chrono::steady_clock::now();
@@ -526,14 +530,9 @@ TEST(TwoHosts, JobResumesFromItsCheckpointWhenTheLinkComesBack) {
                           job("link_back_reference", temp("link_back_reference.ckpt")), "link_back_reference", {kOneThread});
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   const std::string checkpoint = temp("link_back.ckpt");
-  const std::string master_port = port();
-  std::vector<Process> nodes;
-  for (int host = 0; host < 2; ++host) {
-    const std::string name = "link_back" + std::to_string(host);
-    nodes.push_back(testing::start(
-        hosts.node(host, job(name, checkpoint), master_port, {"--max-restarts", "3", "--restart-delay", "0.5"}),
-        {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0", "LOCKSTEP_TIMEOUT=8"}, temp(name + ".log")));
-  }
+  auto nodes = start_on_two_hosts(hosts, "link_back", port(), {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0", "LOCKSTEP_TIMEOUT=8"},
+                                  [&](const std::string& node) { return job(node, checkpoint); },
+                                  {"--max-restarts", "3", "--restart-delay", "0.5"});
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (access(checkpoint.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
