@@ -152,11 +152,11 @@ inline void fsync_path(const std::string& path, int flags) {
 constexpr char kCheckpointMagic[] = "LOCKSTEP-CKPT\n";
 constexpr size_t kCheckpointHeader = sizeof(kCheckpointMagic) - 1 + 8 + 4;
 
-inline uint32_t checkpoint_crc(const std::string& payload) {
+inline uint32_t checkpoint_crc(const char* payload, size_t size) {
   uLong crc = ::crc32(0L, Z_NULL, 0);
-  for (size_t at = 0; at < payload.size(); at += size_t{1} << 30) {
-    const auto chunk = static_cast<uInt>(std::min(payload.size() - at, size_t{1} << 30));
-    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(payload.data() + at), chunk);
+  for (size_t at = 0; at < size; at += size_t{1} << 30) {
+    const auto chunk = static_cast<uInt>(std::min(size - at, size_t{1} << 30));
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(payload + at), chunk);
   }
   return static_cast<uint32_t>(crc);
 }
@@ -169,7 +169,7 @@ inline void write_checkpoint_file(const std::string& path, torch::serialize::Out
   const std::string payload = payload_stream.str();
   std::string header(kCheckpointMagic, sizeof(kCheckpointMagic) - 1);
   const uint64_t length = payload.size();
-  const uint32_t crc = checkpoint_crc(payload);
+  const uint32_t crc = checkpoint_crc(payload.data(), payload.size());
   for (int i = 0; i < 8; ++i) {
     header += static_cast<char>((length >> (8 * i)) & 0xff);
   }
@@ -217,11 +217,11 @@ inline std::string read_checkpoint_payload(const std::string& path) {
   const uint64_t held = file.size() - kCheckpointHeader;
   TORCH_CHECK(length == held, "lockstep-train: checkpoint ", path, " is damaged: its header declares ", length,
               " bytes but it holds ", held, " (truncated, or written over). Delete it to start from scratch.");
-  std::string payload = file.substr(kCheckpointHeader);
-  TORCH_CHECK(checkpoint_crc(payload) == crc, "lockstep-train: checkpoint ", path, " is damaged: its checksum does not "
-              "match its content (corrupted on disk or in transfer). Delete it to start from scratch, or restore it "
-              "from a copy.");
-  return payload;
+  TORCH_CHECK(checkpoint_crc(file.data() + kCheckpointHeader, held) == crc, "lockstep-train: checkpoint ", path,
+              " is damaged: its checksum does not match its content (corrupted on disk or in transfer). Delete it to "
+              "start from scratch, or restore it from a copy.");
+  file.erase(0, kCheckpointHeader); // in place: a checkpoint is held once
+  return file;
 }
 
 inline void save_checkpoint(

@@ -76,8 +76,26 @@ fi
 wanted=$(sed -n 's/^torch==//p' scripts/requirements-current.txt)
 have=$(.venv/bin/python -m pip show torch 2>/dev/null | sed -n 's/^Version: //p' || true)
 if [ "$have" != "$wanted" ]; then
-  echo "setup: installing torch==$wanted into .venv/ (about 4 GB with its CUDA libraries)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -r scripts/requirements-current.txt
+  # pip downloads every wheel (3.0 GB for 2.15.0) into $TMPDIR before it
+  # unpacks them into .venv/ (5.3 GB): say so before pip fails halfway with
+  # "No space left on device". No pip cache: it would keep a third copy.
+  tmp=${TMPDIR:-/tmp}
+  need_tmp_mb=3300 need_venv_mb=5600
+  free_mb() { df -Pm "$1" | awk 'NR == 2 {print $4}'; }
+  if [ "$(stat -c %d "$tmp")" = "$(stat -c %d .venv)" ]; then
+    need_venv_mb=$((need_venv_mb + need_tmp_mb)) need_tmp_mb=0
+  fi
+  for check in "$tmp:$need_tmp_mb" ".venv:$need_venv_mb"; do
+    dir=${check%:*} need=${check##*:} have_mb=$(free_mb "$dir")
+    if [ "$need" -gt 0 ] && [ "$have_mb" -lt "$need" ]; then
+      echo "setup: installing torch==$wanted needs about $need MB free in $(realpath "$dir"), and its" \
+           "file system has $have_mb MB. pip downloads the wheels (3.0 GB) into \$TMPDIR, then unpacks them" \
+           "into .venv/ (5.3 GB). Free some space, or set TMPDIR to a folder on a file system with room." >&2
+      exit 1
+    fi
+  done
+  echo "setup: installing torch==$wanted into .venv/ (5.3 GB with its CUDA libraries; 3.0 GB to download)"
+  .venv/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check -r scripts/requirements-current.txt
   have=$(.venv/bin/python -m pip show torch 2>/dev/null | sed -n 's/^Version: //p' || true)
   if [ "$have" != "$wanted" ]; then
     echo "setup: pip did not install torch==$wanted into .venv/ (found '${have:-nothing}')." >&2

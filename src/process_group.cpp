@@ -38,7 +38,7 @@ namespace detail {
     std::chrono::milliseconds timeout,
     const std::string& cause,
     const Diagnose& diagnose) {
-  const std::string diagnosis = diagnose ? diagnose() : std::string();
+  const std::string diagnosis = diagnose ? (*diagnose)() : std::string();
   TORCH_CHECK(
       false, "lockstep: rank ", rank, " of ", size, ": ", what, " failed or did not complete within the group's timeout of ",
       timeout.count(), " ms. Another rank may have stopped, crashed or be stuck elsewhere; its own error says why. "

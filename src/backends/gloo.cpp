@@ -18,6 +18,7 @@
 #include <climits>
 #include <cstdlib>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 namespace lockstep {
@@ -248,7 +249,8 @@ std::vector<Endpoint> check_endpoints_reachable(
     int size,
     const Endpoint& mine,
     const char* ifname,
-    const std::string& master_addr) {
+    const std::string& master_addr,
+    std::chrono::milliseconds timeout) {
   std::ostringstream text;
   text << mine.loopback << ' ' << mine.master_is_local << ' ' << mine.address;
   const std::string value = text.str();
@@ -265,6 +267,22 @@ std::vector<Endpoint> check_endpoints_reachable(
     }
     if (all[r].loopback && on_loopback < 0) {
       on_loopback = r;
+    }
+  }
+  if (on_loopback >= 0 && remote >= 0) {
+    // Every rank reaches this verdict from the same endpoints. Each leaves
+    // only once all have read them (or the timeout passed): the store may
+    // live in a process that this error ends (rank 0's, or its launcher), and
+    // a rank still reading would see only a closed connection.
+    const std::string read_key = "lockstep/gloo_endpoints_read";
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    try {
+      store.add(read_key, 1);
+      while (store.add(read_key, 0) < size && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (const std::exception&) {
+      // The store is gone: nobody is left to wait for.
     }
   }
   TORCH_CHECK(
@@ -304,8 +322,9 @@ std::shared_ptr<GroupImpl> make_gloo_group(
   }
   Diagnose diagnose;
   if (!loopback) {
-    auto all = check_endpoints_reachable(*store, rank, size, local_endpoint(ifname, master_addr), ifname, master_addr);
-    diagnose = [all = std::move(all), rank, master_port] { return probe_peers(all, rank, master_port); };
+    auto all = check_endpoints_reachable(*store, rank, size, local_endpoint(ifname, master_addr), ifname, master_addr, timeout);
+    diagnose = std::make_shared<const std::function<std::string()>>(
+        [all = std::move(all), rank, master_port] { return probe_peers(all, rank, master_port); });
   }
   if (ifname != nullptr) {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));

@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -22,8 +23,9 @@ namespace detail {
 
 /// What a backend can add to a failed collective's error: which peers it
 /// finds unreachable, say (Note [Naming the lost peer], src/backends/gloo.cpp).
-/// Empty: nothing.
-using Diagnose = std::function<std::string()>;
+/// Null: nothing. Shared, because a group hands it to every collective it
+/// starts, and what it captures (every rank's endpoint) grows with the job.
+using Diagnose = std::shared_ptr<const std::function<std::string()>>;
 
 /// Rethrows a failed collective as a c10::Error naming it, the rank and the
 /// group's timeout (Gloo reports a stopped peer as a timeout or a closed
