@@ -22,6 +22,8 @@
 #include "models.h"
 #include "progress.h"
 
+#include <tools/cli_checks.h>
+
 #include <lockstep/lockstep.h>
 
 #include <CLI/CLI.hpp>
@@ -93,19 +95,19 @@ void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& 
       ->group("Data");
   app.add_option("--train-samples", data.train_size, "Training samples: the first N of the data, or synthetic ones to "
                  "make (default 12000)")
-      ->check(CLI::PositiveNumber)->group("Data");
+      ->check(lockstep::tools::positive())->group("Data");
   app.add_option("--test-samples", data.test_size, "Test samples: the first N of the data, or synthetic ones to make "
                  "(default 2000)")
-      ->check(CLI::PositiveNumber)->group("Data");
+      ->check(lockstep::tools::positive())->group("Data");
   app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
                  "directory (60000/10000 samples, MNIST's own counts) and exit")
       ->check(CLI::ExistingDirectory)->group("Data");
 
-  app.add_option("--epochs", config.epochs, "Passes over the training set")->check(CLI::PositiveNumber)
+  app.add_option("--epochs", config.epochs, "Passes over the training set")->check(lockstep::tools::positive())
       ->capture_default_str()->group("Training");
   app.add_option("--batch-size", config.batch_size, "Global batch size, split evenly over the ranks or replicas")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
-  app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str()
+      ->check(lockstep::tools::positive())->capture_default_str()->group("Training");
+  app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(lockstep::tools::positive())->capture_default_str()
       ->group("Training");
   app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
       ->group("Training");
@@ -113,19 +115,19 @@ void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& 
                  "--gamma every --step-epochs epochs) or cosine (down to 0 at the end)")
       ->check(CLI::IsMember({"constant", "step", "cosine"}))->capture_default_str()->group("Training");
   app.add_option("--warmup-steps", config.warmup_steps, "Steps of linear warmup from 0 to --lr")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Training");
+      ->check(lockstep::tools::non_negative())->capture_default_str()->group("Training");
   app.add_option("--step-epochs", config.step_epochs, "Epochs between learning-rate steps (--schedule step)")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group("Training");
+      ->check(lockstep::tools::positive())->capture_default_str()->group("Training");
   app.add_option("--gamma", config.gamma, "Learning-rate factor at each step (--schedule step)")
       ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group("Training");
-  app.add_option("--seed", config.seed, "Seed of the model, the shuffling and the synthetic data")->capture_default_str()
-      ->group("Training");
+  app.add_option("--seed", config.seed, "Seed of the model, the shuffling and the synthetic data")
+      ->check(lockstep::tools::non_negative())->capture_default_str()->group("Training");
   app.add_option("--threads", config.threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which "
                  "lockstep-run sets to each rank's share of the cores, else every core)")
-      ->check(CLI::NonNegativeNumber)->group("Training");
+      ->check(lockstep::tools::non_negative())->group("Training");
   app.add_option("--replicas", config.replicas, "Without a launcher: DataParallel CPU replicas (0: "
                  "lockstep::default_devices(): every GPU, or one CPU replica without one)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Training");
+      ->check(lockstep::tools::non_negative())->capture_default_str()->group("Training");
 
   app.add_option("--out", config.out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. "
                  "Default: runs/<the launcher's run id, else the time>")->group("Outputs");
@@ -136,12 +138,12 @@ void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& 
       ->group("Outputs");
   app.add_option("--checkpoint-every", config.checkpoint_every, "Optimizer steps between checkpoints, besides every "
                  "epoch")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group("Outputs");
+      ->check(lockstep::tools::positive())->capture_default_str()->group("Outputs");
   app.add_option("--eval-every", config.eval_every, "Also evaluate on the test set every N steps (0: after each epoch "
                  "only)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group("Outputs");
+      ->check(lockstep::tools::non_negative())->capture_default_str()->group("Outputs");
   app.add_option("--log-every", config.log_every, "Steps between training records in metrics.jsonl")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group("Outputs");
+      ->check(lockstep::tools::positive())->capture_default_str()->group("Outputs");
   app.add_option("--timeout", config.timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, "
                  "connections, each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
       ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");

@@ -12,6 +12,7 @@
 #include "support/errors.h"
 
 #include <tools/desync_report.h>
+#include <tools/run_options.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -648,6 +649,44 @@ TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
                                {0, 1});
   EXPECT_NE(lines[0].find("every rank started collective #1"), std::string::npos) << lines[0];
   EXPECT_TRUE(tools::desync_report(std::map<int, nlohmann::json>{}, {0, 1}).empty());
+}
+
+// --- command-line checks (tools/cli_checks.h) ------------------------------------
+
+// The message CLI11 gives for `args` on an option checked by `check`.
+std::string refusal(const CLI::Validator& check, const std::string& value) {
+  CLI::App app;
+  double number = 0;
+  app.add_option("--n", number)->check(check);
+  const char* argv[] = {"prog", "--n", value.c_str()};
+  try {
+    app.parse(3, argv);
+  } catch (const CLI::ParseError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(CliChecks, RefusalsSayWhatIsWrongInWords) {
+  EXPECT_EQ(refusal(tools::positive(), "0"), "--n: must be greater than 0, got 0");
+  EXPECT_EQ(refusal(tools::positive(), "-2.5"), "--n: must be greater than 0, got -2.5");
+  EXPECT_EQ(refusal(tools::positive(), "1e5000"), "--n: expected a number greater than 0, got '1e5000'");
+  EXPECT_EQ(refusal(tools::positive(), "abc"), "--n: expected a number greater than 0, got 'abc'");
+  EXPECT_EQ(refusal(tools::positive(), "0.001"), "");
+  EXPECT_EQ(refusal(tools::non_negative(), "-1"), "--n: must be 0 or more, got -1");
+  EXPECT_EQ(refusal(tools::non_negative(), "nan"), "--n: expected a number 0 or more, got 'nan'");
+  EXPECT_EQ(refusal(tools::non_negative(), "0"), "");
+}
+
+TEST(CliChecks, LauncherRefusesANegativeNodeRankInWords) {
+  const char* argv[] = {"lockstep-run", "--node-rank", "-1", "prog"};
+  try {
+    tools::parse_run_options(4, argv);
+    ADD_FAILURE() << "--node-rank -1 was accepted";
+  } catch (const tools::RunUsageError& e) {
+    EXPECT_EQ(e.exit_code, tools::kUsageError);
+    EXPECT_NE(std::string(e.what()).find("--node-rank: must be 0 or more, got -1"), std::string::npos) << e.what();
+  }
 }
 
 } // namespace

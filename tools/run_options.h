@@ -5,6 +5,8 @@
 // a fuzzer can call it: bad input is a RunUsageError carrying the message
 // lockstep-run prints and its exit code.
 
+#include "cli_checks.h"
+
 #include <CLI/CLI.hpp>
 
 #include <stdexcept>
@@ -43,7 +45,7 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   // torchrun's underscore spellings are aliases, so that its command lines work.
   app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "Ranks on this node")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--nnodes", options.nnodes, "Nodes in the job")->check(CLI::Range(1, 65536))->capture_default_str();
-  app.add_option("--node-rank,--node_rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--node-rank,--node_rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(tools::non_negative())->capture_default_str();
   app.add_option("--master-addr,--master_addr", options.master_addr,
                  "Address of node 0, where rank 0 hosts the store; required with --nnodes > 1 (default 127.0.0.1: loopback only)");
   app.add_option("--master-port,--master_port", options.master_port, "Port of the store on node 0")->check(CLI::Range(1, 65535))->capture_default_str();
