@@ -59,6 +59,7 @@ TEST(Checkpoint, KilledSavesTemporariesAreRemovedAndAFinishedRunSaysSo) {
 TEST(Checkpoint, SurvivesSigkillAtRandomMoments) {
   const char* env_kills = std::getenv("LOCKSTEP_KILLS");
   const int kills = env_kills != nullptr ? std::atoi(env_kills) : 8;
+  ASSERT_GT(kills, 0) << "LOCKSTEP_KILLS must be a number of kills greater than 0, got '" << env_kills << "'";
   auto job = [](const std::string& name, const std::string& checkpoint) {
     return with_flag(trainer(name, checkpoint), "--checkpoint-every", "1");
   };
