@@ -671,6 +671,7 @@ TEST(CliChecks, RefusalsSayWhatIsWrongInWords) {
   EXPECT_EQ(refusal(tools::positive(), "0"), "--n: must be greater than 0, got 0");
   EXPECT_EQ(refusal(tools::positive(), "-2.5"), "--n: must be greater than 0, got -2.5");
   EXPECT_EQ(refusal(tools::positive(), "1e5000"), "--n: expected a number greater than 0, got '1e5000'");
+  EXPECT_EQ(refusal(tools::positive(), "inf"), "--n: expected a number greater than 0, got 'inf'");
   EXPECT_EQ(refusal(tools::positive(), "abc"), "--n: expected a number greater than 0, got 'abc'");
   EXPECT_EQ(refusal(tools::positive(), "0.001"), "");
   EXPECT_EQ(refusal(tools::non_negative(), "-1"), "--n: must be 0 or more, got -1");

@@ -2,8 +2,9 @@
 
 // CLI11 checks whose refusals say what is wrong in words. CLI11 2.1's
 // PositiveNumber and NonNegativeNumber refuse 0 with "Value 0 not in range
-// 0.000000 to 17976931348623157...", a 309-digit bound; and an unsigned
-// option takes "-1" as 2^64-1 without a word. Shared by lockstep-run and
+// 0.000000 to 17976931348623157...", a 309-digit bound, and take "inf" (a
+// learning rate of infinity trains to NaN); an unsigned option takes "-1" as
+// 2^64-1 without a word. Shared by lockstep-run and
 // lockstep-train, included as <tools/cli_checks.h>.
 
 #include <CLI/CLI.hpp>
@@ -24,7 +25,7 @@ inline CLI::Validator number_check(bool allow_zero) {
         char* end = nullptr;
         errno = 0;
         const long double value = std::strtold(text.c_str(), &end);
-        if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE || std::isnan(value)) {
+        if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE || !std::isfinite(value)) {
           return "expected a number " + bound + ", got '" + text + "'";
         }
         if (value < 0 || (!allow_zero && value == 0)) {
