@@ -653,7 +653,7 @@ TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
 
 // --- command-line checks (tools/cli_checks.h) ------------------------------------
 
-// The message CLI11 gives for `args` on an option checked by `check`.
+// The message CLI11 gives for `value` on an option checked by `check`; empty if it takes it.
 std::string refusal(const CLI::Validator& check, const std::string& value) {
   CLI::App app;
   double number = 0;

@@ -2,9 +2,9 @@
 
 // CLI11 checks whose refusals say what is wrong in words. CLI11 2.1's
 // PositiveNumber and NonNegativeNumber refuse 0 with "Value 0 not in range
-// 0.000000 to 17976931348623157...", a 309-digit bound, and take "inf" (a
-// learning rate of infinity trains to NaN); an unsigned option takes "-1" as
-// 2^64-1 without a word. Shared by lockstep-run and
+// 0.000000 to 17976931348623157...", a 309-digit bound, and an unsigned
+// option takes "-1" as 2^64-1 without a word. These also refuse infinity and
+// NaN (a learning rate of infinity trains to NaN). Shared by lockstep-run and
 // lockstep-train, included as <tools/cli_checks.h>.
 
 #include <CLI/CLI.hpp>
