@@ -169,6 +169,25 @@ DataParallelCore::DataParallelCore(
 // is one clone at construction, whose storage is dropped at once. State a
 // module keeps in C++ members is therefore per replica: read it with
 // map_replicas().
+//
+// Note [Replica parameters]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// A replica's parameters, and its buffers that require a gradient, are not
+// leaves: each has a ReplicaToModule node as grad_fn, whose one edge leads to
+// the wrapped module's tensor (src/parallel_backward.h). This is what
+// PyTorch's replicate() gets from Broadcast, without its per-call clone.
+// ParallelBackward asks autograd::grad for the gradient at those tensors, so
+// a first-order backward stops there and never runs the node. But when the
+// caller's backward has create_graph=true, each replica's gradient is itself
+// a graph over the replica's tensors; through the node it reaches the module's
+// parameters, and through the inputs' non-leaf pieces (ReplicaScatter::take)
+// the caller's inputs, so a gradient penalty's second backward lands in the
+// module's .grad as it would without the wrapper
+// (test_data_parallel_function_deletion). Buffers that require a gradient go
+// the same way, their gradients summed over replicas like the parameters'
+// (test_data_parallel_buffers_requiring_grad). The node is made once and
+// reused while the shapes, devices and the module's gradient accumulator stay
+// the same.
 
 // Note [CPU replicas and threads]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -208,7 +227,9 @@ Plan DataParallelCore::plan(const SplitSites& sites) const {
   for (size_t r = 0; r < plan.sizes.size(); ++r) {
     plan.offsets.push_back(offset);
     offset += plan.sizes[r];
-    if (plan.sizes[r] > 0) {
+    // An empty batch runs on replica 0, with its 0 rows, so the answer is
+    // the bare module's (an empty output, or the module's own error).
+    if (plan.sizes[r] > 0 || (plan.batch == 0 && r == 0)) {
       plan.used.push_back(r);
     }
   }
@@ -231,9 +252,7 @@ void DataParallelCore::sync_params(size_t r) {
       }
       synced_versions_[r][i] = source._version();
     }
-    if (target.requires_grad() != source.requires_grad()) {
-      target.requires_grad_(source.requires_grad());
-    }
+    link_to_module(target, source);
   }
 }
 
@@ -241,19 +260,24 @@ void DataParallelCore::alias_replica0_buffers() {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < source_buffers_.size(); ++i) {
     alias(buffers_[0][i], source_buffers_[i]);
+    link_to_module(buffers_[0][i], source_buffers_[i]);
   }
 }
 
-void DataParallelCore::sync_buffers(size_t r) {
+void DataParallelCore::sync_buffers(size_t r, bool all) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < source_buffers_.size(); ++i) {
     const auto& source = source_buffers_[i];
     auto& target = buffers_[r][i];
+    if (!all && !source.requires_grad()) {
+      continue;
+    }
     if (target.sizes() == source.sizes() && target.dtype() == source.dtype()) {
       target.copy_(source);
     } else {
       target.set_data(source.to(target.device(), source.scalar_type(), false, /*copy=*/true));
     }
+    link_to_module(target, source);
   }
 }
 
@@ -267,8 +291,10 @@ void DataParallelCore::prepare_forward(const Plan& plan) {
     sync_params(r);
     if (r == 0) {
       alias_replica0_buffers(); // replica 0's buffer updates are the module's
-    } else if (options_.buffers() != BufferSync::Off) {
-      sync_buffers(r);
+    } else {
+      // A buffer that needs a gradient is an input, as a parameter is: it
+      // is copied whatever BufferSync says.
+      sync_buffers(r, /*all=*/options_.buffers() != BufferSync::Off);
     }
   }
 }
@@ -348,7 +374,7 @@ Gathered DataParallelCore::gather(const Plan& plan, const std::vector<std::vecto
   }
   std::vector<double> shares(n);
   for (size_t i = 0; i < n; ++i) {
-    shares[i] = static_cast<double>(plan.sizes[plan.used[i]]) / static_cast<double>(plan.batch);
+    shares[i] = plan.batch == 0 ? 1.0 : static_cast<double>(plan.sizes[plan.used[i]]) / static_cast<double>(plan.batch);
   }
   Gathered gathered;
   gathered.tensors.resize(flat[0].size());
@@ -384,12 +410,15 @@ void DataParallelCore::average_buffers(const Plan& plan) {
   torch::NoGradGuard no_grad;
   for (size_t b = 0; b < source_buffers_.size(); ++b) {
     auto& target = source_buffers_[b];
-    if (!at::isFloatingType(target.scalar_type())) {
-      continue; // counters such as num_batches_tracked move in step on every replica
+    if (!at::isFloatingType(target.scalar_type()) || target.requires_grad()) {
+      // Counters such as num_batches_tracked move in step on every replica;
+      // a buffer that needs a gradient is a leaf forward cannot change.
+      continue;
     }
     torch::Tensor total;
     for (size_t r : plan.used) {
-      auto term = buffers_[r][b].to(target.device()) * (static_cast<double>(plan.sizes[r]) / plan.batch);
+      const double share = plan.batch == 0 ? 1.0 : static_cast<double>(plan.sizes[r]) / static_cast<double>(plan.batch);
+      auto term = buffers_[r][b].to(target.device()) * share;
       total = total.defined() ? total + term : term;
     }
     // Through .data(): BatchNorm saves its running stats for backward without
@@ -411,13 +440,23 @@ void DataParallelCore::attach_backward(
   backward.pool = pool_;
   backward.devices = options_.devices();
   backward.outputs = std::move(gathered.specs);
-  std::vector<size_t> grad_params;
-  variable_list next_edges; // the node's outputs, in order: parameters, then inputs
+  // The node's outputs, in order: parameters and buffers that need a
+  // gradient (PyTorch's replicate() broadcasts those buffers differentiably,
+  // so their gradients sum back too), then inputs.
+  std::vector<size_t> grad_params, grad_buffers;
+  variable_list next_edges;
   for (size_t p = 0; p < source_params_.size(); ++p) {
     if (source_params_[p].requires_grad()) {
       grad_params.push_back(p);
       next_edges.push_back(source_params_[p]);
       backward.params.push_back(source_params_[p]);
+    }
+  }
+  for (size_t b = 0; b < source_buffers_.size(); ++b) {
+    if (source_buffers_[b].requires_grad()) {
+      grad_buffers.push_back(b);
+      next_edges.push_back(source_buffers_[b]);
+      backward.params.push_back(source_buffers_[b]);
     }
   }
   for (const auto& source : inputs.sources) {
@@ -443,6 +482,9 @@ void DataParallelCore::attach_backward(
     }
     for (size_t p : grad_params) {
       graph.params.push_back(params_[r][p]);
+    }
+    for (size_t b : grad_buffers) {
+      graph.params.push_back(buffers_[r][b]);
     }
     graph.leaves = std::move(inputs.leaves[r]);
     TORCH_INTERNAL_ASSERT(graph.leaves.size() == inputs.sources.size());

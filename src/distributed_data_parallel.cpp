@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <sstream>
+#include <unordered_set>
 
 namespace lockstep {
 namespace detail {
@@ -16,6 +17,38 @@ std::string describe(const std::string& name, const torch::Tensor& p) {
   std::ostringstream out;
   out << "'" << name << "' " << p.sizes() << " " << p.scalar_type();
   return out.str();
+}
+
+// What every rank's reducer and forward must agree on, or their collectives
+// differ: bucket sizes set the allreduce sizes, the others add collectives.
+std::string describe(const DistributedOptions& options) {
+  std::ostringstream out;
+  out << "bucket_bytes=" << options.bucket_bytes() << ", first_bucket_bytes=" << options.first_bucket_bytes()
+      << ", find_unused_parameters=" << options.find_unused_parameters() << ", static_graph=" << options.static_graph()
+      << ", broadcast_buffers=" << options.broadcast_buffers() << ", rebuild_buckets=" << options.rebuild_buckets()
+      << ", comm_hook=" << (options.comm_hook() ? "set" : "none");
+  return out.str();
+}
+
+// Each tensor once, in first-seen order: a parameter registered under two
+// submodules is one parameter (Python DDP's _build_params_for_reducer).
+std::vector<size_t> first_occurrences(const std::vector<torch::Tensor>& tensors) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<size_t> kept;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (seen.insert(tensors[i].unsafeGetTensorImpl()).second) {
+      kept.push_back(i);
+    }
+  }
+  return kept;
+}
+
+std::vector<torch::Tensor> unique_tensors(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> kept;
+  for (size_t i : first_occurrences(tensors)) {
+    kept.push_back(tensors[i]);
+  }
+  return kept;
 }
 
 std::vector<std::string> split_lines(const std::string& text) {
@@ -29,9 +62,14 @@ std::vector<std::string> split_lines(const std::string& text) {
 
 } // namespace
 
-void verify_same_parameters(const ProcessGroup& group, const std::vector<std::string>& names, const std::vector<torch::Tensor>& params) {
-  std::vector<std::string> mine;
-  std::string text;
+void verify_same_parameters(
+    const ProcessGroup& group,
+    const std::vector<std::string>& names,
+    const std::vector<torch::Tensor>& params,
+    const std::string& options) {
+  // Line 0 is the options, line i + 1 parameter i.
+  std::vector<std::string> mine{options};
+  std::string text = options + "\n";
   for (size_t i = 0; i < params.size(); ++i) {
     mine.push_back(describe(names[i], params[i]));
     text += mine.back() + "\n";
@@ -39,7 +77,7 @@ void verify_same_parameters(const ProcessGroup& group, const std::vector<std::st
   // Rank 0's description, as bytes: its length first, then the bytes. On
   // the parameters' device: NCCL takes CUDA tensors only.
   const auto device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
-  const std::string what = "the check that every rank has rank 0's parameters";
+  const std::string what = "the check that every rank has rank 0's parameters and options";
   auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong).to(device);
   group.broadcast_async({length}, 0, what)->wait();
   auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
@@ -67,18 +105,25 @@ void verify_same_parameters(const ProcessGroup& group, const std::vector<std::st
     if (index < 0) {
       continue;
     }
+    if (index == 0) {
+      TORCH_CHECK(false, "lockstep::DistributedDataParallel: rank ", group.rank(), ": rank ", r,
+                  "'s DistributedOptions differ from rank 0's: rank 0 has ", reference.empty() ? "none" : reference[0],
+                  r == group.rank() ? ", this rank has " + mine[0] : std::string(" (its own error says what it has)"),
+                  ". These set the size and number of the collectives, so every rank must pass the same ones.");
+    }
+    const int64_t param = index - 1;
     const std::string rank0 = index < static_cast<int64_t>(reference.size())
         ? reference[index]
-        : "no parameter " + std::to_string(index) + " (it has " + std::to_string(reference.size()) + ")";
+        : "no parameter " + std::to_string(param) + " (it has " + std::to_string(reference.size() - 1) + ")";
     std::string theirs;
     if (r == group.rank()) {
       theirs = index < static_cast<int64_t>(mine.size()) ? mine[index]
-                                                          : "no parameter " + std::to_string(index) + " (it has " + std::to_string(count) + ")";
+                                                          : "no parameter " + std::to_string(param) + " (it has " + std::to_string(count - 1) + ")";
     } else {
       theirs = "something else (its own error says what)";
     }
     TORCH_CHECK(false, "lockstep::DistributedDataParallel: rank ", group.rank(), ": rank ", r,
-                "'s parameters differ from rank 0's at parameter ", index, ": rank 0 has ", rank0, ", rank ", r, " has ",
+                "'s parameters differ from rank 0's at parameter ", param, ": rank 0 has ", rank0, ", rank ", r, " has ",
                 theirs, ". Every rank must build the same model, with the same parameters in the same order.");
   }
 }
@@ -117,19 +162,19 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
               options.bucket_bytes(), " and ", options.first_bucket_bytes(), ".");
   std::vector<std::string> names;
   std::vector<torch::Tensor> params;
-  for (const auto& named : module.named_parameters()) {
-    if (named.value().requires_grad()) {
-      names.push_back(named.key());
-      params.push_back(named.value());
+  const auto named = module.named_parameters();
+  for (size_t i : first_occurrences(named.values())) {
+    if (named[i].value().requires_grad()) {
+      names.push_back(named[i].key());
+      params.push_back(named[i].value());
     }
   }
   TORCH_CHECK(!params.empty(), "lockstep::DistributedDataParallel: the module has no parameter that requires a "
               "gradient, so there is nothing to reduce.");
-  verify_same_parameters(group_, names, params);
-  buffers_ = module.buffers();
-  auto everything = module.parameters();
-  everything.insert(everything.end(), buffers_.begin(), buffers_.end());
-  broadcast_coalesced(group_, everything, 0, "the broadcast of rank 0's parameters and buffers");
+  Reducer::check_not_reduced(params, names, group_.rank());
+  verify_same_parameters(group_, names, params, describe(options));
+  buffers_ = unique_tensors(module.buffers());
+  broadcast_coalesced(group_, parameters_and_buffers(), 0, "the broadcast of rank 0's parameters and buffers");
   reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
 }
 
@@ -152,6 +197,12 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
 // with some but not all ranks training into an error on every rank. The
 // guard's destructor only resets the flags here: communicating from a
 // destructor, while an exception unwinds, could hang.
+
+std::vector<torch::Tensor> DistributedCore::parameters_and_buffers() const {
+  auto everything = module_.parameters();
+  everything.insert(everything.end(), buffers_.begin(), buffers_.end());
+  return unique_tensors(everything);
+}
 
 DistributedCore::JoinRound DistributedCore::join_round(bool training, bool reduce) {
   const int world = group_.size();
@@ -261,9 +312,7 @@ void DistributedCore::finish_join() {
   group_.allreduce_async({last}, ReduceOp::Max, "join's choice of the rank that trained last")->wait();
   const int root = static_cast<int>(last.cpu().item<float>());
   TORCH_INTERNAL_ASSERT(root >= 0 && root < group_.size(), "no rank trained to the end");
-  auto everything = module_.parameters();
-  everything.insert(everything.end(), buffers_.begin(), buffers_.end());
-  broadcast_coalesced(group_, everything, root, "the broadcast of the final parameters from rank " + std::to_string(root));
+  broadcast_coalesced(group_, parameters_and_buffers(), root, "the broadcast of the final parameters from rank " + std::to_string(root));
   end_join();
 }
 

@@ -1,4 +1,5 @@
 #include "parallel_backward.h"
+#include "torch_compat.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -8,6 +9,47 @@ namespace lockstep {
 namespace detail {
 
 using torch::autograd::variable_list;
+
+ReplicaToModule::ReplicaToModule(const torch::Tensor& replica, const torch::Tensor& module)
+    : sizes_(replica.sizes().vec()),
+      dtype_(replica.dtype()),
+      replica_device_(replica.device()),
+      module_device_(module.device()) {
+  add_input_metadata(replica);
+  set_next_edges({torch::autograd::impl::gradient_edge(module)});
+}
+
+variable_list ReplicaToModule::apply(variable_list&& grads) {
+  TORCH_INTERNAL_ASSERT(grads.size() == 1);
+  if (!grads[0].defined()) {
+    return {torch::Tensor()};
+  }
+  return {grads[0].to(module_device_)}; // differentiable: double backward goes through it
+}
+
+bool ReplicaToModule::links(const torch::Tensor& replica, const torch::Tensor& module) const {
+  return replica.sizes() == c10::IntArrayRef(sizes_) && replica.dtype() == dtype_ && replica.device() == replica_device_ &&
+      module.device() == module_device_ && next_edge(0) == torch::autograd::impl::gradient_edge(module);
+}
+
+void link_to_module(torch::Tensor& replica, const torch::Tensor& module) {
+  if (replica.is_same(module) || (!module.requires_grad() && !replica.requires_grad())) {
+    return; // the module itself (it runs alone), or a plain leaf already
+  }
+  if (module.requires_grad()) {
+    auto* current = dynamic_cast<ReplicaToModule*>(replica.grad_fn().get());
+    if (current != nullptr && current->links(replica, module)) {
+      return;
+    }
+  }
+  torch::autograd::impl::set_gradient_edge(replica, {}); // a leaf again
+  if (replica.requires_grad()) {
+    replica.requires_grad_(false);
+  }
+  if (module.requires_grad()) {
+    torch::autograd::impl::set_gradient_edge(replica, torch::autograd::Edge(make_node<ReplicaToModule>(replica, module), 0));
+  }
+}
 
 void ParallelBackward::release_variables() {
   plan_.replicas.clear();
@@ -19,11 +61,13 @@ variable_list ParallelBackward::apply(variable_list&& grads) {
       !released_,
       "lockstep::DataParallel: backward through the same DataParallel output a second time. "
       "Pass retain_graph=true to the first backward() if you need to go through it again.");
-  TORCH_CHECK(
-      !torch::GradMode::is_enabled(),
-      "lockstep::DataParallel: backward with create_graph=true (double backward) is not supported.");
   TORCH_INTERNAL_ASSERT(grads.size() == plan_.outputs.size());
   const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+  // The engine enables grad mode for create_graph: each replica's backward
+  // then records its own graph, which reaches the module's parameters and the
+  // caller's inputs through the replicas' non-leaf tensors (Note [Replica
+  // parameters] in src/data_parallel.cpp), so double backward works.
+  const bool create_graph = torch::GradMode::is_enabled();
 
   std::vector<variable_list> results(plan_.replicas.size());
   auto backward_one = [&](size_t g) {
@@ -41,7 +85,7 @@ variable_list ParallelBackward::apply(variable_list&& grads) {
     if (outputs.empty() || inputs.empty()) {
       return;
     }
-    results[g] = torch::autograd::grad(outputs, inputs, grad_outputs, keep_graph, false, /*allow_unused=*/true);
+    results[g] = torch::autograd::grad(outputs, inputs, grad_outputs, keep_graph, create_graph, /*allow_unused=*/true);
   };
 
   // CPU replicas run their backward on their own workers, in parallel. The

@@ -48,6 +48,33 @@ struct BackwardPlan {
   std::vector<InputMeta> inputs; // the caller's inputs needing grad: the next edges after them
 };
 
+/// The grad_fn of a replica's parameter, and of its buffers that require a
+/// gradient: passes the gradient on to the wrapped module's tensor, moved to
+/// its device (Note [Replica parameters] in src/data_parallel.cpp).
+class ReplicaToModule : public torch::autograd::Node {
+ public:
+  ReplicaToModule(const torch::Tensor& replica, const torch::Tensor& module);
+
+  std::string name() const override {
+    return "lockstep::ReplicaToModule";
+  }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  /// Whether this node still fits the pair: same shape, dtype and devices,
+  /// and the module's tensor still has the same gradient accumulator.
+  bool links(const torch::Tensor& replica, const torch::Tensor& module) const;
+
+ private:
+  std::vector<int64_t> sizes_;
+  caffe2::TypeMeta dtype_;
+  torch::Device replica_device_;
+  torch::Device module_device_;
+};
+
+/// Makes `replica` a non-leaf whose gradient flows to `module` (or a plain
+/// leaf without gradient when `module` needs none); reuses the node already
+/// there when it still fits.
+void link_to_module(torch::Tensor& replica, const torch::Tensor& module);
+
 /// Splits the gradient of the gathered outputs between the replicas, runs
 /// their backward on their workers (CPU) or here (GPU), and returns the summed
 /// parameter gradients and the input gradients to the engine.

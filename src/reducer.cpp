@@ -3,7 +3,7 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/timeline.h>
 
-#include "torch_compat.h"
+#include "reducer_state.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -70,126 +70,6 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(
   }
   return buckets;
 }
-
-// Note [Reducer state]
-// ~~~~~~~~~~~~~~~~~~~~
-// A forward through DistributedDataParallel calls prepare_for_backward, which
-// puts the reducer in phase Expecting (or Unsynced under no_sync). Each
-// parameter's gradient accumulator has a post hook; in Expecting, it copies
-// the accumulated .grad into the parameter's slot of its bucket (or, with
-// gradient_as_bucket_view, makes .grad that slot) and marks the parameter
-// ready. Buckets are launched strictly in order, so every rank issues the same
-// collectives in the same order whatever order its gradients arrive in. The
-// first hook queues finalize_backward on the engine, which runs when backward
-// ends: parameters that got no gradient are reduced as zeros (so no rank
-// waits forever), every bucket is waited for and copied back into .grad, and,
-// in plain mode (neither find_unused_parameters nor static_graph), one more
-// tiny allreduce tells every rank whether any rank had parameters without
-// gradients, so that they all raise the error instead of one raising and the
-// others hanging.
-//
-// Note [Rebuilding buckets]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~
-// The first buckets follow reverse registration order, a guess at the order
-// backward produces gradients. The first reducing backward records the order
-// the hooks actually fired in (parameters without a gradient last, or first
-// under static_graph, where they are ready as soon as backward starts). At
-// the next reducing forward, one rank's record is broadcast (rank 0's, or
-// under join the first rank still training) and every rank rebuilds the same
-// buckets from it, once. Gradients already accumulated (no_sync, or views)
-// move into the new buckets.
-//
-// Note [Static graph]
-// ~~~~~~~~~~~~~~~~~~~
-// static_graph(true) promises that every iteration gives gradients to the
-// same parameters. The first reducing backward records which ones got none;
-// later ones mark those ready (as zeros) when backward starts, so their
-// buckets go out at once, and skip both the search at the end of backward
-// and plain mode's check collective. A broken promise must still fail on
-// every rank, with no collective added to the normal step. So the last
-// bucket carries one trailing element, a flag: a rank that saw a recorded
-// parameter without gradient, or an unrecorded one with one, sets it. The
-// last bucket is launched only once backward has ended, when both kinds of
-// surprise are known; it is waited for with the others, and a non-zero flag
-// (any reduction keeps it non-zero: a sum, an average, a cast to 16 bits)
-// makes every rank exchange what it saw, in one all_gather, and throw the
-// same error naming the rank and the parameter.
-
-struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
-  // Runs autograd_hook once the parameter's gradient is accumulated.
-  class ReadyHook : public torch::autograd::FunctionPostHook {
-   public:
-    ReadyHook(std::weak_ptr<State> state, size_t index) : state_(std::move(state)), index_(index) {}
-    torch::autograd::variable_list operator()(
-        const torch::autograd::variable_list& outputs,
-        const torch::autograd::variable_list& /*inputs*/) override {
-      if (auto state = state_.lock()) {
-        state->autograd_hook(index_);
-      }
-      return outputs;
-    }
-
-   private:
-    std::weak_ptr<State> state_;
-    size_t index_;
-  };
-
-  enum class Phase { Idle, Expecting, Unsynced };
-  // What a rank saw under static_graph that the first iteration did not.
-  enum Surprise : int64_t { kNone = 0, kGradientFromUnused = 1, kNoGradientFromUsed = 2 };
-
-  struct Bucket {
-    std::vector<size_t> params;
-    torch::Tensor buffer; // the gradients, then the static_graph flag in the last bucket
-    std::vector<torch::Tensor> views; // per param of the bucket, shaped as the param
-    size_t pending = 0;
-    std::shared_ptr<PendingReduction> result;
-    std::string name;
-    int64_t bytes = 0;
-    int64_t launched_us = 0; // Note [Timeline] in src/timeline.cpp
-  };
-
-  std::vector<torch::Tensor> params;
-  std::vector<std::string> names;
-  ProcessGroup group;
-  DistributedOptions options;
-  std::vector<Bucket> buckets;
-  std::vector<std::pair<size_t, size_t>> slot_of; // param -> (bucket, position)
-  std::vector<char> ready;
-  size_t next_bucket = 0;
-  Phase phase = Phase::Idle;
-  bool finalize_queued = false;
-  bool shadowing = false; // shadow_backward: zeros, nothing recorded
-  int64_t divisor = 1;
-  // Note [Rebuilding buckets]
-  bool rebuilt = false;
-  std::vector<size_t> ready_order;
-  // Note [Static graph]
-  bool static_recorded = false;
-  std::vector<char> static_unused;
-  std::vector<int64_t> surprises;
-  std::vector<detail::NodePtr> accumulators;
-  std::vector<uintptr_t> hook_keys;
-  int64_t backward_start_us = 0;
-
-  std::string where() const {
-    return "lockstep::DistributedDataParallel: rank " + std::to_string(group.rank()) + ": ";
-  }
-  bool checks_unused() const {
-    return !options.find_unused_parameters() && !options.static_graph();
-  }
-  bool recording_order() const {
-    return options.rebuild_buckets() && !rebuilt && !shadowing;
-  }
-
-  void build_buckets(const std::vector<size_t>& order);
-  void autograd_hook(size_t index);
-  void mark_ready(size_t index);
-  void launch_ready_buckets(bool backward_ended);
-  void finalize_backward();
-  void throw_static_graph_error();
-};
-
 namespace {
 
 std::string mib(int64_t bytes) {
@@ -243,14 +123,17 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
   if (options.gradient_as_bucket_view()) {
     // .grad is the bucket slot: backward accumulates into the bucket, and no
     // copy or gradient-sized memory is needed besides it. A gradient already
-    // there (an earlier bucket's slot, or one the caller set) moves in.
+    // there (an earlier bucket's slot, or one the caller set) moves in. An
+    // undefined .grad stays undefined until a backward reaches it, as in
+    // c10d's Reducer::initialize_bucket_views: a zero .grad from construction
+    // would let an optimizer step apply weight decay before any backward.
     for (size_t i = 0; i < params.size(); ++i) {
-      auto& view = buckets[slot_of[i].first].views[slot_of[i].second];
       auto& grad = params[i].mutable_grad();
       if (grad.defined()) {
+        auto& view = buckets[slot_of[i].first].views[slot_of[i].second];
         view.copy_(grad);
+        grad = view;
       }
-      grad = view;
     }
   }
 }
@@ -268,12 +151,29 @@ Reducer::Reducer(
   s.group = std::move(group);
   s.options = options;
   s.divisor = s.group.size();
+  s.used_since_sync.assign(s.params.size(), 0);
+  s.global_unused.assign(s.params.size(), 0);
+  s.saved_grads.resize(s.params.size());
   s.build_buckets({});
   for (size_t i = 0; i < s.params.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
     TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
     s.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<State::ReadyHook>(state_, i)));
     s.accumulators.push_back(std::move(accumulator)); // the hook lives only as long as the node
+  }
+}
+
+void Reducer::check_not_reduced(const std::vector<torch::Tensor>& params, const std::vector<std::string>& names, int rank) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
+    TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
+    for (const auto& hook : accumulator->post_hooks()) {
+      TORCH_CHECK(dynamic_cast<const State::ReadyHook*>(hook.get()) == nullptr,
+                  "lockstep::DistributedDataParallel: rank ", rank, ": parameter '", names[i],
+                  "' is already reduced by another DistributedDataParallel that is still alive (the same module "
+                  "wrapped twice, or two modules sharing it). Its gradient would be averaged twice. Wrap a module "
+                  "once and keep using that wrapper, or destroy the first wrapper before making another.");
+    }
   }
 }
 
@@ -343,10 +243,9 @@ void Reducer::prepare_for_backward(bool sync) {
   if (sync && s.static_recorded) {
     // Note [Static graph]: what the first iteration left without a gradient
     // is ready now, as zeros.
-    torch::NoGradGuard no_grad;
     for (size_t i = 0; i < s.params.size(); ++i) {
       if (s.static_unused[i]) {
-        s.buckets[s.slot_of[i].first].views[s.slot_of[i].second].zero_();
+        s.copy_in_unused(i);
         s.mark_ready(i);
       }
     }
@@ -374,6 +273,9 @@ void Reducer::shadow_backward() {
 }
 
 void Reducer::State::autograd_hook(size_t index) {
+  if (phase != Phase::Idle && params[index].grad().defined()) {
+    used_since_sync[index] = 1; // Note [Unused parameters]
+  }
   if (phase == Phase::Unsynced) {
     return; // no_sync: .grad accumulates locally
   }
@@ -405,6 +307,13 @@ void Reducer::State::autograd_hook(size_t index) {
   if (recording_order()) {
     ready_order.push_back(index);
   }
+  copy_in(index);
+  mark_ready(index);
+}
+
+// The parameter's .grad into its bucket slot, divided for the built-in
+// allreduce; zeros when it has none.
+void Reducer::State::copy_in(size_t index) {
   auto& view = buckets[slot_of[index].first].views[slot_of[index].second];
   auto& grad = params[index].mutable_grad();
   torch::NoGradGuard no_grad;
@@ -432,7 +341,20 @@ void Reducer::State::autograd_hook(size_t index) {
     timeline::detail::record("copy-in bucket " + std::to_string(slot_of[index].first), copy_start,
                              timeline::detail::now_us(), "", view.numel() * static_cast<int64_t>(view.element_size()));
   }
-  mark_ready(index);
+}
+
+// A parameter without a gradient in this backward: what no_sync accumulated
+// goes in (Note [Unused parameters]). When .grad is its bucket slot and may
+// turn out globally unused, its value is kept to be put back.
+void Reducer::State::copy_in_unused(size_t index) {
+  torch::NoGradGuard no_grad;
+  const auto& grad = params[index].grad();
+  auto& view = buckets[slot_of[index].first].views[slot_of[index].second];
+  if ((options.find_unused_parameters() || options.static_graph()) && grad.defined() &&
+      grad.data_ptr() == view.data_ptr()) {
+    saved_grads[index] = grad.clone();
+  }
+  copy_in(index);
 }
 
 void Reducer::State::mark_ready(size_t index) {
@@ -467,150 +389,6 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
     TORCH_CHECK(bucket.result != nullptr, where(), "the communication hook returned no result for ", bucket.name, ".");
     ++next_bucket;
   }
-}
-
-void Reducer::State::finalize_backward() {
-  finalize_queued = false;
-  phase = Phase::Idle;
-  torch::NoGradGuard no_grad;
-  struct BackwardSpan { // Note [Timeline]: from the first hook to the end of this callback
-    int64_t start;
-    bool shadow;
-    ~BackwardSpan() {
-      if (timeline::enabled() && !shadow) {
-        timeline::detail::record("backward", start, timeline::detail::now_us());
-      }
-    }
-  } backward_span{backward_start_us, shadowing};
-
-  std::vector<size_t> unused;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!ready[i]) {
-      unused.push_back(i);
-    }
-  }
-  const bool first_static = options.static_graph() && !static_recorded && !shadowing;
-  if (static_recorded && !shadowing) {
-    for (size_t i : unused) {
-      surprises[i] = kNoGradientFromUsed;
-    }
-  }
-  if (recording_order()) {
-    // Note [Rebuilding buckets]: what got no gradient goes last, or first
-    // when static_graph will make it ready at the start of every backward.
-    ready_order.insert(first_static ? ready_order.begin() : ready_order.end(), unused.rbegin(), unused.rend());
-  }
-  if (first_static) {
-    static_unused.assign(params.size(), 0);
-    for (size_t i : unused) {
-      static_unused[i] = 1;
-    }
-    static_recorded = true;
-  }
-  // Zeros for what got no gradient, so that every bucket is reduced on every
-  // rank in the same order: nobody waits for a collective that never comes.
-  for (size_t i : unused) {
-    buckets[slot_of[i].first].views[slot_of[i].second].zero_();
-    mark_ready(i);
-  }
-  launch_ready_buckets(true);
-  TORCH_INTERNAL_ASSERT(next_bucket == buckets.size());
-
-  torch::Tensor unused_ranks;
-  std::shared_ptr<Work> check;
-  if (checks_unused()) {
-    const bool mine = !unused.empty() && !shadowing;
-    unused_ranks = torch::full({1}, mine ? 1.0f : 0.0f, torch::TensorOptions().device(params[0].device()));
-    check = group.allreduce_async({unused_ranks}, ReduceOp::Sum, "the check for parameters without gradients");
-  }
-
-  std::vector<torch::Tensor> reduced;
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    auto& bucket = buckets[b];
-    auto averaged = bucket.result->wait();
-    bucket.result.reset();
-    if (timeline::enabled()) {
-      timeline::detail::record("allreduce bucket " + std::to_string(b), bucket.launched_us, timeline::detail::now_us(),
-                               "collectives", bucket.bytes);
-    }
-    TORCH_CHECK(averaged.numel() == bucket.buffer.numel(), where(), "the communication hook returned ",
-                averaged.numel(), " values for ", bucket.name, ", which has ", bucket.buffer.numel(), ".");
-    reduced.push_back(std::move(averaged));
-  }
-  if (options.static_graph() && reduced.back()[-1].item<double>() != 0) {
-    throw_static_graph_error();
-  }
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    auto& bucket = buckets[b];
-    const int64_t copy_start = timeline::enabled() ? timeline::detail::now_us() : 0;
-    if (!reduced[b].is_same(bucket.buffer)) {
-      bucket.buffer.copy_(reduced[b].view(bucket.buffer.sizes()));
-    }
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      auto& grad = params[bucket.params[k]].mutable_grad();
-      if (options.gradient_as_bucket_view()) {
-        grad = bucket.views[k];
-      } else if (grad.defined()) {
-        grad.copy_(bucket.views[k]);
-      } else {
-        grad = bucket.views[k].clone();
-      }
-    }
-    if (timeline::enabled()) {
-      timeline::detail::record("copy-out bucket " + std::to_string(b), copy_start, timeline::detail::now_us(), "",
-                               bucket.bytes);
-    }
-  }
-
-  if (check) {
-    check->wait();
-    const auto ranks = unused_ranks.item<float>();
-    if (!unused.empty() && !shadowing) {
-      std::string list;
-      for (size_t k = 0; k < unused.size() && k < 10; ++k) {
-        list += (k ? ", '" : "'") + names[unused[k]] + "'";
-      }
-      if (unused.size() > 10) {
-        list += " and " + std::to_string(unused.size() - 10) + " more";
-      }
-      TORCH_CHECK(false, where(), unused.size(), " parameter(s) received no gradient in this backward: ", list,
-                  ". Their buckets were reduced as zeros so that no rank hangs. If the model skips parameters on "
-                  "purpose, pass DistributedOptions().find_unused_parameters(true) (or static_graph(true) when it "
-                  "always skips the same ones); otherwise make forward use them, or set requires_grad(false) on them "
-                  "before wrapping.");
-    }
-    TORCH_CHECK(ranks == 0, where(), static_cast<int>(ranks), " other rank(s) had parameters that received no gradient "
-                "in this backward (their errors name them). If the model skips parameters on purpose, pass "
-                "DistributedOptions().find_unused_parameters(true).");
-  }
-}
-
-void Reducer::State::throw_static_graph_error() {
-  auto mine = torch::tensor(surprises, torch::kLong).to(params[0].device());
-  const auto all = group.all_gather(mine);
-  std::string list;
-  size_t count = 0;
-  for (size_t r = 0; r < all.size(); ++r) {
-    const auto codes = all[r].cpu();
-    for (int64_t i = 0; i < codes.numel(); ++i) {
-      const auto code = codes[i].item<int64_t>();
-      if (code == kNone) {
-        continue;
-      }
-      if (count++ < 10) {
-        list += std::string(count > 1 ? "; " : "") + "rank " + std::to_string(r) + "'s '" + names[i] + "' " +
-            (code == kGradientFromUnused ? "received a gradient, but got none in the first iteration"
-                                         : "received no gradient, but got one in the first iteration");
-      }
-    }
-  }
-  if (count > 10) {
-    list += "; and " + std::to_string(count - 10) + " more";
-  }
-  TORCH_CHECK(false, where(), "DistributedOptions().static_graph(true) promises that the same parameters get "
-              "gradients in every iteration, but in this one ", list, ". This iteration's gradients were not averaged "
-              "into .grad. If the set of parameters used changes between iterations, use "
-              "DistributedOptions().find_unused_parameters(true) without static_graph.");
 }
 
 } // namespace detail

@@ -123,9 +123,6 @@ int64_t batch_size_of(const SplitSites& sites) {
           "lockstep::broadcast(tensor).");
     }
   }
-  TORCH_CHECK(
-      s[0].size > 0, "lockstep::DataParallel: the batch is empty (", s[0].size, " rows along dim ", s[0].dim,
-      "); give at least one row.");
   return s[0].size;
 }
 
@@ -144,8 +141,14 @@ torch::Tensor ReplicaScatter::take(const torch::Tensor& tensor, c10::optional<in
   }
   piece = piece.to(device);
   if (track_grad && tensor.requires_grad()) {
-    // The replica's graph ends here; ParallelBackward carries the gradient on.
-    piece = piece.detach().requires_grad_(true);
+    // The replica's graph starts at `piece`, where ParallelBackward takes its
+    // gradient; a non-leaf made from `tensor` (not `tensor` itself, whose
+    // hooks would run once per replica), so that a create_graph backward
+    // reaches the caller's tensor (Note [Replica parameters] in
+    // src/data_parallel.cpp).
+    if (piece.is_same(tensor)) {
+      piece = tensor.view_as(tensor);
+    }
     leaves->push_back(piece);
     if (sources != nullptr) {
       sources->push_back(InputSource{tensor, !whole, d});

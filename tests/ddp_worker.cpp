@@ -10,6 +10,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/ddp_models.h"
+#include "support/worker.h"
 
 #include <torch/torch.h>
 
@@ -31,14 +32,8 @@ using lockstep::testing::OddNetImpl;
 
 constexpr int64_t kPerRank = 4;
 
-int failures = 0;
-
-void check(bool ok, const std::string& what, int rank) {
-  if (!ok) {
-    std::printf("rank %d: CHECK FAILED: %s\n", rank, what.c_str());
-    ++failures;
-  }
-}
+using lockstep::testing::check;
+using lockstep::testing::failures;
 
 OddNet copy_of(const OddNet& net) {
   return OddNet(std::dynamic_pointer_cast<OddNetImpl>(net->clone()));
@@ -196,21 +191,7 @@ void stall(const ProcessGroup& group) {
 }
 
 
-// Expects `body` to throw a c10::Error on this rank whose message holds every
-// one of `needles`.
-template <typename F>
-void expect_error(const ProcessGroup& group, F body, const std::vector<std::string>& needles) {
-  try {
-    body();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      check(message.find(needle) != std::string::npos, "the error names '" + needle + "': " + message, group.rank());
-    }
-    return;
-  }
-  check(false, "an error was expected", group.rank());
-}
+using lockstep::testing::expect_error;
 
 struct DoneWork : lockstep::Work {
   void wait() override {}
@@ -684,7 +665,7 @@ int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
     std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
                  "early_exit|syncbn|syncbn_cuda|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
-                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op|timeline [TAG]\n", argv[0]);
+                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
@@ -752,6 +733,15 @@ int main(int argc, char** argv) {
       desync_detail(group, false);
     } else if (scenario == "desync_op") {
       desync_detail(group, true);
+    } else if (scenario == "shared") {
+      lockstep::testing::shared_parameters(group);
+    } else if (scenario == "unused_no_sync") {
+      lockstep::testing::unused_across_no_sync(group, false);
+      lockstep::testing::unused_across_no_sync(group, true);
+    } else if (scenario == "wrapped_twice") {
+      lockstep::testing::wrapped_twice(group);
+    } else if (scenario == "options_differ") {
+      lockstep::testing::options_differ(group);
     } else {
       std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
       return 2;

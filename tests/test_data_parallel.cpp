@@ -579,13 +579,6 @@ TEST(DataParallel, MismatchedBatchSizesAreAClearError) {
   EXPECT_EQ(dp(torch::randn({10, 8}), broadcast(torch::randn({1, 8}))).size(0), 10);
 }
 
-TEST(DataParallel, EmptyBatchIsAClearError) {
-  Mlp net;
-  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
-  auto message = error_of([&] { dp(torch::randn({0, 16})); });
-  EXPECT_NE(message.find("the batch is empty"), std::string::npos) << message;
-}
-
 TEST(DataParallel, ReplicaErrorNamesReplicaAndDeviceAndStaysUsable) {
   Counter net;
   DataParallel<Counter> dp(net, DataParallelOptions().devices(cpus(2)));

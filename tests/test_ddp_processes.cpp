@@ -58,6 +58,24 @@ TEST(DdpProcesses, GradientAsBucketViewWithManyBuckets) {
   expect_all_ok("views");
 }
 
+// Issue "Wrapping must never change the answer": tests/ddp_worker_answers.cpp.
+TEST(DdpProcesses, SharedParameterGetsItsWholeGradientInEveryMode) {
+  expect_all_ok("shared");
+}
+
+TEST(DdpProcesses, NoSyncGradientsOfUnusedParametersAreReducedAndGloballyUnusedKept) {
+  expect_all_ok("unused_no_sync", 2);
+  expect_all_ok("unused_no_sync", 3);
+}
+
+TEST(DdpProcesses, SecondWrapperOfTheSameModuleIsRefused) {
+  expect_all_ok("wrapped_twice");
+}
+
+TEST(DdpProcesses, RanksWithDifferentOptionsFailAtConstruction) {
+  expect_all_ok("options_differ");
+}
+
 TEST(DdpProcesses, NoSyncAccumulatesWithoutCommunicating) {
   expect_all_ok("no_sync");
 }

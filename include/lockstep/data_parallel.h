@@ -19,8 +19,9 @@
 //     BufferSync.
 //  3. apply: each replica runs forward on its own persistent worker thread
 //     (src/worker_pool.h), with the caller's grad mode and other thread-local
-//     state. Inputs that need a gradient are detached into leaves of the
-//     replica's own graph.
+//     state. Replica parameters and inputs that need a gradient are non-leaf
+//     tensors whose edges lead to the module's parameters and the caller's
+//     inputs (Note [Replica parameters] in src/data_parallel.cpp).
 //  4. gather: outputs are flattened, concatenated along `dim` (0-dim outputs
 //     follow ScalarGather) on the output device; average_buffers follows.
 //  5. attach_backward: the gathered tensors get one autograd node,

@@ -1,7 +1,7 @@
 #pragma once
 
 // lockstep::DistributedDataParallel: one process per rank, gradients averaged
-// over ranks while backward runs. See Note [Reducer state] in src/reducer.cpp
+// over ranks while backward runs. See Note [Reducer state] in src/reducer_state.h
 // and docs/design.md.
 
 #include <lockstep/comm_hooks.h>
@@ -53,11 +53,11 @@ struct DistributedOptions {
   /// the first reducing backward records which ones get none, and later
   /// ones skip the search for them and plain mode's check collective. A
   /// broken promise is an error on every rank naming the parameter (Note
-  /// [Static graph] in src/reducer.cpp).
+  /// [Static graph] in src/reducer_state.h).
   TORCH_ARG(bool, static_graph) = false;
   /// After the first reducing backward, rebuild the buckets in the order its
   /// gradients became ready, as c10d does; false keeps reverse registration
-  /// order (Note [Rebuilding buckets] in src/reducer.cpp).
+  /// order (Note [Rebuilding buckets] in src/reducer_state.h).
   TORCH_ARG(bool, rebuild_buckets) = true;
 
  public: // TORCH_ARG leaves the rest private
@@ -189,7 +189,8 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   const ProcessGroup& group() const {
     return core_->group();
   }
-  /// Parameter indices (in parameters() order) per bucket, in reduction
+  /// Indices into the reduced parameters (parameters() that require a
+  /// gradient, a shared one once, at its first name) per bucket, in reduction
   /// order; after the first reducing backward, rebuilt in the order its
   /// gradients became ready (DistributedOptions::rebuild_buckets).
   std::vector<std::vector<size_t>> buckets() const {

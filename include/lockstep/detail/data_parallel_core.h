@@ -118,7 +118,7 @@ class DataParallelCore {
   torch::Device output_device() const;
   void check_on_first_device() const;
   void sync_params(size_t replica);
-  void sync_buffers(size_t replica);
+  void sync_buffers(size_t replica, bool all);
   void alias_replica0_buffers();
 
   std::shared_ptr<torch::nn::Module> source_; // the wrapped module

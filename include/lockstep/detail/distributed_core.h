@@ -57,6 +57,8 @@ class DistributedCore {
     bool rebuild = false; // their forward rebuilds the buckets
   };
   JoinRound join_round(bool training, bool reduce);
+  // Each shared parameter or buffer once.
+  std::vector<torch::Tensor> parameters_and_buffers() const;
 
   torch::nn::Module& module_;
   bool sync_ = true;
@@ -71,9 +73,14 @@ class DistributedCore {
 };
 
 /// Checks that every rank has the same parameters (count, names, shapes,
-/// dtypes, in order); a mismatch throws on every rank, naming the first
-/// differing parameter and what rank 0 has.
-void verify_same_parameters(const ProcessGroup& group, const std::vector<std::string>& names, const std::vector<torch::Tensor>& params);
+/// dtypes, in order) and the same `options` (a description of what sets the
+/// collectives); a mismatch throws on every rank, naming the first
+/// difference and what rank 0 has.
+void verify_same_parameters(
+    const ProcessGroup& group,
+    const std::vector<std::string>& names,
+    const std::vector<torch::Tensor>& params,
+    const std::string& options);
 
 /// Copies root's `tensors` into every rank's, one collective per dtype.
 void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root, const std::string& what);

@@ -5,7 +5,7 @@
 // gradient is ready, while backward goes on. The API follows the training
 // step, as c10d's reducer does: prepare_for_backward at forward,
 // autograd_hook per gradient, finalize_backward at the end of backward (see
-// Note [Reducer state] in src/reducer.cpp).
+// Note [Reducer state] in src/reducer_state.h).
 
 #include <lockstep/process_group.h>
 
@@ -46,6 +46,11 @@ class Reducer {
       ProcessGroup group,
       const DistributedOptions& options);
   ~Reducer();
+
+  /// Throws, naming the first of `params` that a live Reducer already
+  /// reduces: a second DistributedDataParallel over the same module (or one
+  /// sharing its parameters) would reduce its gradients twice.
+  static void check_not_reduced(const std::vector<torch::Tensor>& params, const std::vector<std::string>& names, int rank);
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 

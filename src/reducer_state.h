@@ -1,0 +1,189 @@
+#pragma once
+
+// Internal: the reducer's state, shared by src/reducer.cpp (buckets, hooks,
+// the step's start) and src/reducer_finalize.cpp (the end of backward).
+
+#include <lockstep/detail/reducer.h>
+#include <lockstep/distributed_data_parallel.h>
+
+#include "torch_compat.h"
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+// Note [Reducer state]
+// ~~~~~~~~~~~~~~~~~~~~
+// A forward through DistributedDataParallel calls prepare_for_backward, which
+// puts the reducer in phase Expecting (or Unsynced under no_sync). Each
+// parameter's gradient accumulator has a post hook; in Expecting, it copies
+// the accumulated .grad into the parameter's slot of its bucket (or, with
+// gradient_as_bucket_view, makes .grad that slot) and marks the parameter
+// ready. Buckets are launched strictly in order, so every rank issues the same
+// collectives in the same order whatever order its gradients arrive in. The
+// first hook queues finalize_backward on the engine, which runs when backward
+// ends: parameters that got no gradient are reduced with what .grad holds,
+// zeros if nothing (Note [Unused parameters]), so that no rank
+// waits forever; every bucket is waited for and copied back into .grad, and,
+// in plain mode (neither find_unused_parameters nor static_graph), one more
+// tiny allreduce tells every rank whether any rank had parameters without
+// gradients, so that they all raise the error instead of one raising and the
+// others hanging.
+//
+// Note [Rebuilding buckets]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// The first buckets follow reverse registration order, a guess at the order
+// backward produces gradients. The first reducing backward records the order
+// the hooks actually fired in (parameters without a gradient last, or first
+// under static_graph, where they are ready as soon as backward starts). At
+// the next reducing forward, one rank's record is broadcast (rank 0's, or
+// under join the first rank still training) and every rank rebuilds the same
+// buckets from it, once. Gradients already accumulated (no_sync, or views)
+// move into the new buckets.
+//
+// Note [Unused parameters]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// With find_unused_parameters (and in static_graph's first iteration), what a
+// parameter's .grad becomes follows c10d's Reducer. A parameter counts as
+// used on a rank if its hook fired with a gradient at any backward since the
+// last reduction, no_sync passes included ("as long as it is used once during
+// no_sync session", Reducer::autograd_hook). Parameters without a gradient in
+// the reducing backward still put their .grad into the bucket (what no_sync
+// accumulated; zeros when it is undefined), as mark_variable_ready_dense
+// does, so that a rank that used one under no_sync contributes it. One more
+// small allreduce, of the used flags, tells every rank which parameters no
+// rank used: their .grad is kept untouched ("If a parameter is globally
+// unused, we keep its grad untouched", copy_bucket_to_grad), not overwritten
+// with zeros; under gradient_as_bucket_view, where .grad is the bucket slot
+// the reduction wrote, its value from before is put back. Under static_graph
+// the flags are reduced once, in the first iteration, and hold from then on,
+// as c10d's local_used_map does.
+//
+// Note [Static graph]
+// ~~~~~~~~~~~~~~~~~~~
+// static_graph(true) promises that every iteration gives gradients to the
+// same parameters. The first reducing backward records which ones got none;
+// later ones mark those ready (as zeros) when backward starts, so their
+// buckets go out at once, and skip both the search at the end of backward
+// and plain mode's check collective. A broken promise must still fail on
+// every rank, with no collective added to the normal step. So the last
+// bucket carries one trailing element, a flag: a rank that saw a recorded
+// parameter without gradient, or an unrecorded one with one, sets it. The
+// last bucket is launched only once backward has ended, when both kinds of
+// surprise are known; it is waited for with the others, and a non-zero flag
+// (any reduction keeps it non-zero: a sum, an average, a cast to 16 bits)
+// makes every rank exchange what it saw, in one all_gather, and throw the
+// same error naming the rank and the parameter.
+
+// One small allreduce (a sum) beside the buckets: launched, then read.
+struct SmallCollective {
+  torch::Tensor tensor;
+  std::shared_ptr<Work> work;
+  void launch(const ProcessGroup& group, torch::Tensor values, const std::string& what) {
+    tensor = std::move(values);
+    work = group.allreduce_async({tensor}, ReduceOp::Sum, what);
+  }
+  torch::Tensor result() {
+    work->wait();
+    return tensor.cpu();
+  }
+};
+
+struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
+  // Runs autograd_hook once the parameter's gradient is accumulated.
+  class ReadyHook : public torch::autograd::FunctionPostHook {
+   public:
+    ReadyHook(std::weak_ptr<State> state, size_t index) : state_(std::move(state)), index_(index) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list& outputs,
+        const torch::autograd::variable_list& /*inputs*/) override {
+      if (auto state = state_.lock()) {
+        state->autograd_hook(index_);
+      }
+      return outputs;
+    }
+
+   private:
+    std::weak_ptr<State> state_;
+    size_t index_;
+  };
+
+  enum class Phase { Idle, Expecting, Unsynced };
+  // What a rank saw under static_graph that the first iteration did not.
+  enum Surprise : int64_t { kNone = 0, kGradientFromUnused = 1, kNoGradientFromUsed = 2 };
+
+  struct Bucket {
+    std::vector<size_t> params;
+    torch::Tensor buffer; // the gradients, then the static_graph flag in the last bucket
+    std::vector<torch::Tensor> views; // per param of the bucket, shaped as the param
+    size_t pending = 0;
+    std::shared_ptr<PendingReduction> result;
+    std::string name;
+    int64_t bytes = 0;
+    int64_t launched_us = 0; // Note [Timeline] in src/timeline.cpp
+  };
+
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  ProcessGroup group;
+  DistributedOptions options;
+  std::vector<Bucket> buckets;
+  std::vector<std::pair<size_t, size_t>> slot_of; // param -> (bucket, position)
+  std::vector<char> ready;
+  size_t next_bucket = 0;
+  Phase phase = Phase::Idle;
+  bool finalize_queued = false;
+  bool shadowing = false; // shadow_backward: zeros, nothing recorded
+  int64_t divisor = 1;
+  // Note [Rebuilding buckets]
+  bool rebuilt = false;
+  std::vector<size_t> ready_order;
+  // Note [Static graph]
+  bool static_recorded = false;
+  std::vector<char> static_unused;
+  std::vector<int64_t> surprises;
+  // Note [Unused parameters]
+  std::vector<char> used_since_sync; // per param: a hook fired with a gradient since the last reduction
+  std::vector<char> global_unused; // per param: no rank used it, so its .grad is left as it was
+  bool static_used_known = false;
+  std::vector<torch::Tensor> saved_grads; // per param: a bucket-view .grad's value before copy-in
+  std::vector<detail::NodePtr> accumulators;
+  std::vector<uintptr_t> hook_keys;
+  int64_t backward_start_us = 0;
+
+  std::string where() const {
+    return "lockstep::DistributedDataParallel: rank " + std::to_string(group.rank()) + ": ";
+  }
+  bool checks_unused() const {
+    return !options.find_unused_parameters() && !options.static_graph();
+  }
+  bool recording_order() const {
+    return options.rebuild_buckets() && !rebuilt && !shadowing;
+  }
+  bool reduces_used_flags() const {
+    return options.find_unused_parameters() || (options.static_graph() && !static_used_known);
+  }
+
+  void build_buckets(const std::vector<size_t>& order);
+  void autograd_hook(size_t index);
+  void copy_in(size_t index);
+  void copy_in_unused(size_t index);
+  void mark_ready(size_t index);
+  void launch_ready_buckets(bool backward_ended);
+  void finalize_backward();
+  std::vector<size_t> record_unused();
+  std::vector<torch::Tensor> wait_buckets();
+  void copy_out(const std::vector<torch::Tensor>& reduced);
+  void check_unused(const std::vector<size_t>& unused, int ranks) const;
+  void throw_static_graph_error();
+};
+
+} // namespace detail
+} // namespace lockstep
