@@ -9,6 +9,7 @@
 #include "support/modules.h"
 
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 namespace lockstep {
@@ -151,6 +152,35 @@ TEST(DataParallelAnswers, EmptyBatchGivesTheBareModulesOutputOnAnyNumberOfDevice
     EXPECT_EQ(grad.defined(), bare_grad.defined()) << replicas << " replicas";
     EXPECT_TRUE(!grad.defined() || torch::equal(grad, bare_grad)) << replicas << " replicas";
   }
+}
+
+TEST(DataParallelAnswers, BufferGradientAndDoubleBackwardAcrossDevices_CUDA) {
+  // A replica on another device than the module: the gradients come back
+  // through ReplicaToModule's device move, first and second order.
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(0);
+  BufferGrad net;
+  auto x = torch::randn({6, 5}, torch::kDouble);
+  auto weights = torch::randn({6, 5}, torch::kDouble);
+  const auto numerical = numerical_buffer_grad(net, x, weights);
+  net->to(gpu);
+  DataParallel<BufferGrad> dp(net, DataParallelOptions().devices({gpu, torch::Device(torch::kCPU)}));
+  (dp(x.to(gpu)) * weights.to(gpu)).sum().backward();
+  ASSERT_TRUE(net->t_rg.grad().defined());
+  EXPECT_TRUE(torch::allclose(net->t_rg.grad().cpu(), numerical, 1e-6, 1e-8)) << net->t_rg.grad();
+
+  torch::nn::Linear linear(4, 1);
+  linear->to(gpu);
+  DataParallel<torch::nn::Linear> dpl(linear, DataParallelOptions().devices({gpu, torch::Device(torch::kCPU)}));
+  auto input = torch::ones({2, 4}, torch::TensorOptions().device(gpu).requires_grad(true));
+  auto output = dpl(input);
+  auto grad_x = torch::autograd::grad({output}, {input}, {torch::ones_like(output)}, true, true)[0];
+  grad_x.mean().backward();
+  ASSERT_TRUE(linear->weight.grad().defined());
+  EXPECT_TRUE(torch::allclose(linear->weight.grad().cpu(), torch::full({1, 4}, 0.25))) << linear->weight.grad();
 }
 
 } // namespace
