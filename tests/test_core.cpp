@@ -232,7 +232,9 @@ TEST(Scatter, ZeroDimTensorIsAnErrorAndAnEmptyBatchIsNot) {
   EXPECT_NE(message.find("no argument has a tensor to split"), std::string::npos) << message;
 }
 
-TEST(Scatter, InputsNeedingGradBecomeLeaves) {
+TEST(Scatter, InputsNeedingGradArePiecesLeadingBackToTheCallersTensor) {
+  // Not leaves: a create_graph backward must reach x through them (Note
+  // [Replica parameters]); and never x itself, whose hooks would run per replica.
   auto x = torch::randn({4, 2}, torch::requires_grad());
   std::vector<torch::Tensor> leaves;
   std::vector<detail::InputSource> sources;
@@ -240,12 +242,18 @@ TEST(Scatter, InputsNeedingGradBecomeLeaves) {
   r.track_grad = true;
   r.sources = &sources;
   auto part = detail::Scatter<torch::Tensor>::apply(x, r);
-  EXPECT_TRUE(part.is_leaf());
+  EXPECT_FALSE(part.is_leaf());
   EXPECT_TRUE(part.requires_grad());
-  ASSERT_EQ(leaves.size(), 1u);
-  ASSERT_EQ(sources.size(), 1u);
+  ASSERT_EQ(part.grad_fn()->next_edges().size(), 1u);
+  EXPECT_EQ(part.grad_fn()->next_edges()[0].function, torch::autograd::impl::gradient_edge(x).function);
+  auto whole = detail::Scatter<Broadcast>::apply(broadcast(x), r);
+  EXPECT_FALSE(whole.is_same(x));
+  EXPECT_FALSE(whole.is_leaf());
+  ASSERT_EQ(leaves.size(), 2u);
+  ASSERT_EQ(sources.size(), 2u);
   EXPECT_TRUE(sources[0].split);
   EXPECT_TRUE(sources[0].tensor.is_same(x));
+  EXPECT_FALSE(sources[1].split);
 }
 
 // Two replicas' outputs gathered as DataParallel does: flattened, each leaf
