@@ -190,5 +190,33 @@ inline void check_sample_counts(const DataOptions& data) {
 }
 
 
+/// Parses and checks the command line into `data`, `config` and
+/// `export_dir`: -1 to go on, else the exit code (0 after --help; a refusal,
+/// printed, is tools::kUsageError).
+inline int parse_command_line(
+    CLI::App& app,
+    int argc,
+    char** argv,
+    DataOptions& data,
+    Config& config,
+    std::string& export_dir) {
+  add_options(app, data, config, export_dir);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return e.get_exit_code() == 0 ? app.exit(e) : refuse(e.what());
+  }
+  // Given explicitly, the sample counts take the first N of each split of the files.
+  data.first_train = app.count("--train-samples") > 0;
+  data.first_test = app.count("--test-samples") > 0;
+  try {
+    check_output_paths(config);
+    check_sample_counts(data);
+  } catch (const UsageError& e) {
+    return refuse(e.what());
+  }
+  return -1;
+}
+
 } // namespace examples
 } // namespace lockstep

@@ -60,7 +60,6 @@ using lockstep::examples::DataOptions;
 using lockstep::examples::Samples;
 using lockstep::examples::Tally;
 using lockstep::examples::TrainingState;
-using lockstep::examples::UsageError;
 
 // ---------------------------------------------------------------------------
 // Process settings
@@ -730,23 +729,10 @@ int main(int argc, char** argv) {
   DataOptions data_options;
   Config config;
   std::string export_dir;
-  lockstep::examples::add_options(app, data_options, config, export_dir);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    // --help, or a refusal
-    return e.get_exit_code() == 0 ? app.exit(e) : lockstep::examples::refuse(e.what());
+  const int exit_code = lockstep::examples::parse_command_line(app, argc, argv, data_options, config, export_dir);
+  if (exit_code >= 0) {
+    return exit_code; // --help, or a refusal
   }
-  // Given explicitly, the sample counts take the first N of each split of the files.
-  data_options.first_train = app.count("--train-samples") > 0;
-  data_options.first_test = app.count("--test-samples") > 0;
-  try {
-    lockstep::examples::check_output_paths(config);
-    lockstep::examples::check_sample_counts(data_options);
-  } catch (const UsageError& e) {
-    return lockstep::examples::refuse(e.what());
-  }
-
   try {
     prepare_process(config.threads);
     if (!export_dir.empty()) {
