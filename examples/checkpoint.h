@@ -32,7 +32,10 @@
 namespace lockstep {
 namespace examples {
 
-constexpr int64_t kCheckpointFormat = 2;
+// 3: the position in samples, the batch size and the data's signature; 2
+// kept the batch index alone, read only at an epoch's start.
+constexpr int64_t kCheckpointFormat = 3;
+constexpr int64_t kOldestCheckpointFormat = 2;
 
 /// FNV-1a over the bytes of `tensors`, in order: equal hashes mean bitwise
 /// equal contents (the restart tests compare models by it).
@@ -120,15 +123,30 @@ struct Tally {
   }
 };
 
-/// Where training stands: `step` optimizer steps done, the next batch being
-/// batch `batch_in_epoch` of epoch `epoch` (both from 0), and the tally of
-/// the epoch's batches so far over every rank, so that a resumed epoch
-/// reports what an uninterrupted one would.
+/// What a run trains on, to tell a resume over other data: the training
+/// rows, a checksum of their content, and the seed of their order.
+struct DataSignature {
+  int64_t rows = 0;
+  uint64_t checksum = 0;
+  uint64_t seed = 0;
+  bool operator==(const DataSignature& other) const {
+    return rows == other.rows && checksum == other.checksum && seed == other.seed;
+  }
+};
+
+/// Where training stands: `step` optimizer steps done, in epoch `epoch` (from
+/// 0) after `samples_in_epoch` of its samples over every rank (Note [Data
+/// order] in sampling.h), and the tally of the epoch's batches so far over
+/// every rank, so that a resumed epoch reports what an uninterrupted one
+/// would. `batch_size`, `world_size` and `data` are the run's that wrote it
+/// (0 and unknown in a format-2 checkpoint).
 struct TrainingState {
   int64_t epoch = 0;
-  int64_t batch_in_epoch = 0;
+  int64_t samples_in_epoch = 0;
   int64_t step = 0;
   int64_t world_size = 1;
+  int64_t batch_size = 0;
+  DataSignature data;
   Tally epoch_tally;
 };
 
@@ -224,6 +242,48 @@ inline std::string read_checkpoint_payload(const std::string& path) {
   return file;
 }
 
+// A tensor of the archive as one int64.
+inline int64_t read_int(torch::serialize::InputArchive& archive, const char* key) {
+  torch::Tensor t;
+  archive.read(key, t);
+  return t.item<int64_t>();
+}
+
+/// Format 2 kept the batch index without the batch size, so the samples
+/// trained in its epoch are known at the epoch's start only.
+inline void check_old_position(torch::serialize::InputArchive& archive, const std::string& path) {
+  torch::Tensor batch_tensor, epoch_tensor;
+  const int64_t batch = archive.try_read("batch_in_epoch", batch_tensor) ? batch_tensor.item<int64_t>() : 0;
+  const int64_t epoch = archive.try_read("epoch", epoch_tensor) ? epoch_tensor.item<int64_t>() : 0;
+  TORCH_CHECK(batch == 0, "lockstep-train: checkpoint ", path, " (format 2, an older lockstep-train's) stands at "
+              "batch ", batch, " of epoch ", epoch + 1, ", and that format does not record the batch size, so the "
+              "samples that epoch has trained are unknown. Finish the run with the lockstep-train that wrote it, or "
+              "delete the checkpoint to start from scratch.");
+}
+
+/// The position a checkpoint of `format` stands at (format 2: at an epoch's
+/// start, check_old_position).
+inline TrainingState read_position(torch::serialize::InputArchive& archive, int64_t format) {
+  TrainingState state;
+  state.epoch = read_int(archive, "epoch");
+  state.step = read_int(archive, "step");
+  state.world_size = read_int(archive, "world_size");
+  if (format == 2) {
+    return state; // at an epoch's start: check_old_position
+  }
+  state.samples_in_epoch = read_int(archive, "samples_in_epoch");
+  state.batch_size = read_int(archive, "batch_size");
+  torch::Tensor data;
+  archive.read("data", data);
+  TORCH_CHECK(data.dim() == 1 && data.numel() == 3 && data.scalar_type() == torch::kInt64, "its data is ",
+              data.sizes(), " ", data.dtype(), ", not 3 int64s.");
+  auto d = data.accessor<int64_t, 1>();
+  state.data.rows = d[0];
+  std::memcpy(&state.data.checksum, &d[1], sizeof(uint64_t));
+  std::memcpy(&state.data.seed, &d[2], sizeof(uint64_t));
+  return state;
+}
+
 inline void save_checkpoint(
     const std::string& path,
     torch::nn::Module& model,
@@ -237,9 +297,12 @@ inline void save_checkpoint(
   archive.write("optimizer", optimizer_archive);
   archive.write("format", torch::tensor(kCheckpointFormat));
   archive.write("epoch", torch::tensor(state.epoch));
-  archive.write("batch_in_epoch", torch::tensor(state.batch_in_epoch));
+  archive.write("samples_in_epoch", torch::tensor(state.samples_in_epoch));
   archive.write("step", torch::tensor(state.step));
   archive.write("world_size", torch::tensor(state.world_size));
+  archive.write("batch_size", torch::tensor(state.batch_size));
+  archive.write("data", torch::cat({torch::tensor({state.data.rows}), hash_tensor(state.data.checksum).reshape({1}),
+                                    hash_tensor(state.data.seed).reshape({1})}));
   archive.write("epoch_tally", torch::tensor({state.epoch_tally.loss_sum, static_cast<double>(state.epoch_tally.correct),
                                              static_cast<double>(state.epoch_tally.rows)}, torch::kFloat64));
   archive.write("model_hash", hash_tensor(content_hash(model_tensors(model))));
@@ -278,10 +341,14 @@ inline bool load_checkpoint(
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is unreadable (truncated, corrupt, or not a checkpoint): ",
                 message(e), " Delete it to start from scratch.");
   }
-  torch::Tensor format;
-  TORCH_CHECK(archive.try_read("format", format) && format.item<int64_t>() == kCheckpointFormat, "lockstep-train: ", path,
-              " is not a lockstep-train checkpoint (format ", kCheckpointFormat,
+  torch::Tensor format_tensor;
+  const int64_t format = archive.try_read("format", format_tensor) ? format_tensor.item<int64_t>() : 0;
+  TORCH_CHECK(format >= kOldestCheckpointFormat && format <= kCheckpointFormat, "lockstep-train: ", path,
+              " is not a lockstep-train checkpoint (format ", kOldestCheckpointFormat, " to ", kCheckpointFormat,
               "); a model saved with torch::save has no training state. Delete it, or point --checkpoint elsewhere.");
+  if (format == 2) {
+    check_old_position(archive, path);
+  }
   const auto named = model.named_parameters();
   const auto named_buffers = model.named_buffers();
   struct Expected {
@@ -302,14 +369,9 @@ inline bool load_checkpoint(
     archive.read("optimizer", optimizer_archive);
     model.load(model_archive);
     optimizer.load(optimizer_archive);
-    torch::Tensor epoch, batch, step, world;
-    archive.read("epoch", epoch);
-    archive.read("batch_in_epoch", batch);
-    archive.read("step", step);
-    archive.read("world_size", world);
     archive.read("model_hash", model_hash);
     archive.read("optimizer_hash", stored_optimizer_hash);
-    state = TrainingState{epoch.item<int64_t>(), batch.item<int64_t>(), step.item<int64_t>(), world.item<int64_t>(), {}};
+    state = read_position(archive, format);
     torch::Tensor tally;
     if (archive.try_read("epoch_tally", tally)) { // optional: without it, the epoch's figures start at the resumed batch
       TORCH_CHECK(tally.dim() == 1 && tally.numel() == 3 && tally.scalar_type() == torch::kFloat64,

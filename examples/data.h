@@ -80,9 +80,12 @@ inline Samples read_mnist_samples(const std::string& dir, const std::string& pre
   return Samples{images, labels};
 }
 
-/// The first `n` rows of `all` (all of them if it has fewer).
-inline Samples first_rows(const Samples& all, int64_t n) {
-  n = std::min(n, all.images.size(0));
+/// The first `n` rows of `all`, which `flag` asked for: more than the files
+/// hold is an error, not a quietly smaller run.
+inline Samples first_rows(const Samples& all, int64_t n, const char* flag, const char* split, const std::string& dir) {
+  const int64_t rows = all.images.size(0);
+  TORCH_CHECK(n <= rows, "lockstep-train: ", flag, " ", n, " is more than the ", rows, " ", split, " samples in ", dir,
+              "; give at most ", rows, ", or leave ", flag, " out to use them all.");
   return Samples{all.images.narrow(0, 0, n), all.labels.narrow(0, 0, n)};
 }
 
@@ -108,10 +111,10 @@ inline Dataset load_dataset(const DataOptions& options, uint64_t seed) {
   data.test = read_mnist_samples(dir, "t10k");
   data.source = "MNIST-format data at " + dir;
   if (options.first_train) {
-    data.train = first_rows(data.train, options.train_size);
+    data.train = first_rows(data.train, options.train_size, "--train-samples", "training", dir);
   }
   if (options.first_test) {
-    data.test = first_rows(data.test, options.test_size);
+    data.test = first_rows(data.test, options.test_size, "--test-samples", "test", dir);
   }
   return data;
 }

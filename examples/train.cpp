@@ -20,9 +20,9 @@
 #include "data.h"
 #include "metrics.h"
 #include "models.h"
+#include "options.h"
 #include "progress.h"
-
-#include <tools/cli_checks.h>
+#include "sampling.h"
 
 #include <lockstep/lockstep.h>
 
@@ -51,110 +51,19 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using lockstep::examples::BatchPlan;
+using lockstep::examples::Config;
 using lockstep::examples::ConvNet;
+using lockstep::examples::DataSignature;
 using lockstep::examples::Dataset;
 using lockstep::examples::DataOptions;
 using lockstep::examples::Samples;
 using lockstep::examples::Tally;
 using lockstep::examples::TrainingState;
 
-// What the command line sets besides the data, with its defaults.
-struct Config {
-  int epochs = 3;
-  int64_t batch_size = 128;
-  double lr = 0.1;
-  double momentum = 0.9;
-  std::string schedule = "cosine"; // constant, step or cosine
-  int64_t warmup_steps = 100;
-  int step_epochs = 1;
-  double gamma = 0.5;
-  uint64_t seed = 1;
-  int threads = 0;
-  int replicas = 2;
-  std::string out_dir;
-  std::string save_path;
-  std::string checkpoint_path;
-  int64_t checkpoint_every = 500;
-  int64_t eval_every = 0;
-  int64_t log_every = 50;
-  int timeout_seconds = 0;
-};
-
 // ---------------------------------------------------------------------------
-// Command line and process settings
+// Process settings
 // ---------------------------------------------------------------------------
-
-void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
-  using lockstep::examples::kFashionMnist;
-  app.add_option("--data", data.dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or "
-                 "not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: " + std::string(kFashionMnist) +
-                 " (Debian's dataset-fashion-mnist)")
-      ->check(CLI::ExistingDirectory)->group("Data");
-  app.add_flag("--synthetic", data.synthetic, "Generated data instead, deterministic by --seed (for tests)")
-      ->group("Data");
-  app.add_option("--train-samples", data.train_size, "Training samples: the first N of the data, or synthetic ones to "
-                 "make (default 12000)")
-      ->check(lockstep::tools::positive())->group("Data");
-  app.add_option("--test-samples", data.test_size, "Test samples: the first N of the data, or synthetic ones to make "
-                 "(default 2000)")
-      ->check(lockstep::tools::positive())->group("Data");
-  app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
-                 "directory (60000/10000 samples, MNIST's own counts) and exit")
-      ->check(CLI::ExistingDirectory)->group("Data");
-
-  app.add_option("--epochs", config.epochs, "Passes over the training set")->check(lockstep::tools::positive())
-      ->capture_default_str()->group("Training");
-  app.add_option("--batch-size", config.batch_size, "Global batch size, split evenly over the ranks or replicas")
-      ->check(lockstep::tools::positive())->capture_default_str()->group("Training");
-  app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(lockstep::tools::positive())->capture_default_str()
-      ->group("Training");
-  app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
-      ->group("Training");
-  app.add_option("--schedule", config.schedule, "Learning-rate schedule after the warmup: constant, step (times "
-                 "--gamma every --step-epochs epochs) or cosine (down to 0 at the end)")
-      ->check(CLI::IsMember({"constant", "step", "cosine"}))->capture_default_str()->group("Training");
-  app.add_option("--warmup-steps", config.warmup_steps, "Steps of linear warmup from 0 to --lr")
-      ->check(lockstep::tools::non_negative())->capture_default_str()->group("Training");
-  app.add_option("--step-epochs", config.step_epochs, "Epochs between learning-rate steps (--schedule step)")
-      ->check(lockstep::tools::positive())->capture_default_str()->group("Training");
-  app.add_option("--gamma", config.gamma, "Learning-rate factor at each step (--schedule step)")
-      ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group("Training");
-  app.add_option("--seed", config.seed, "Seed of the model, the shuffling and the synthetic data")
-      ->check(lockstep::tools::non_negative())->capture_default_str()->group("Training");
-  app.add_option("--threads", config.threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which "
-                 "lockstep-run sets to each rank's share of the cores, else every core)")
-      ->check(lockstep::tools::non_negative())->group("Training");
-  app.add_option("--replicas", config.replicas, "Without a launcher: DataParallel CPU replicas (0: "
-                 "lockstep::default_devices(): every GPU, or one CPU replica without one)")
-      ->check(lockstep::tools::non_negative())->capture_default_str()->group("Training");
-
-  app.add_option("--out", config.out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. "
-                 "Default: runs/<the launcher's run id, else the time>")->group("Outputs");
-  app.add_option("--save", config.save_path, "Save the trained model here instead of OUT/model.pt (torch::save; "
-                 "loads into a bare model)")->group("Outputs");
-  app.add_option("--checkpoint", config.checkpoint_path, "Checkpoint file instead of OUT/checkpoint.ckpt: resumed "
-                 "from when it exists, written (by rank 0, atomically) every --checkpoint-every steps and every epoch")
-      ->group("Outputs");
-  app.add_option("--checkpoint-every", config.checkpoint_every, "Optimizer steps between checkpoints, besides every "
-                 "epoch")
-      ->check(lockstep::tools::positive())->capture_default_str()->group("Outputs");
-  app.add_option("--eval-every", config.eval_every, "Also evaluate on the test set every N steps (0: after each epoch "
-                 "only)")
-      ->check(lockstep::tools::non_negative())->capture_default_str()->group("Outputs");
-  app.add_option("--log-every", config.log_every, "Steps between training records in metrics.jsonl")
-      ->check(lockstep::tools::positive())->capture_default_str()->group("Outputs");
-  app.add_option("--timeout", config.timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, "
-                 "connections, each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
-      ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
-  app.footer(
-      "Under lockstep-run, torchrun, mpirun or srun, each process is one rank of DistributedDataParallel and reads "
-      "its share of each batch through LibTorch's DistributedRandomSampler; otherwise one process trains with "
-      "DataParallel on --replicas CPU replicas.\n"
-      "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
-      "3; 'kill' for SIGKILL; 'hang' to stall, ignoring SIGTERM) when it reaches optimizer step STEP, on the first "
-      "attempt only (LOCKSTEP_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT 0 or unset).");
-}
 
 // Settings of the whole process, made before any tensor: a fast BLAS, a heap
 // that keeps freed memory, and the intra-op thread count.
@@ -177,21 +86,6 @@ void prepare_process(int threads) {
 // ---------------------------------------------------------------------------
 // Output folder and checkpoint paths
 // ---------------------------------------------------------------------------
-
-// Checked before training, not at the first write: a missing folder would
-// cost the run.
-void check_output_paths(const Config& config) {
-  for (const auto& [flag, path] : {std::make_pair("--save", config.save_path),
-                                   std::make_pair("--checkpoint", config.checkpoint_path)}) {
-    if (path.empty()) {
-      continue;
-    }
-    const auto slash = path.find_last_of('/');
-    const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-    TORCH_CHECK(::access(dir.c_str(), W_OK) == 0, "lockstep-train: ", flag, " ", path, ": cannot write into ", dir,
-                " (", std::strerror(errno), "); create the folder first, or pick another path.");
-  }
-}
 
 // runs/<id>: the launcher's run id, the same for every attempt of a job, so
 // that a restarted job finds its checkpoint; else the time.
@@ -256,6 +150,16 @@ std::string agree_on_out_dir(const lockstep::ProcessGroup& group, const std::str
   return text;
 }
 
+// What this run trains on, for its checkpoints: a resume over other data is
+// said (resume_differences).
+DataSignature data_signature(const Samples& train, uint64_t seed) {
+  auto crc = [](const torch::Tensor& t) {
+    const auto bytes = t.contiguous();
+    return lockstep::examples::checkpoint_crc(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
+  };
+  return DataSignature{train.images.size(0), uint64_t{crc(train.images)} << 32 | crc(train.labels), seed};
+}
+
 // The checkpoint and the saved model go into the output folder unless
 // --checkpoint and --save name other files.
 void complete_paths(Config& config) {
@@ -271,27 +175,60 @@ void complete_paths(Config& config) {
 // Resuming
 // ---------------------------------------------------------------------------
 
+// What differs between the run that wrote a checkpoint and this one, in
+// words ("" if nothing): each changes the data order from here on.
+std::string resume_differences(const TrainingState& there, const BatchPlan& here, const DataSignature& data) {
+  std::string said;
+  if (there.world_size != here.world_size) {
+    said += "; written over " + std::to_string(there.world_size) + " rank(s): the data order goes on unchanged";
+  }
+  if (there.batch_size != 0 && there.batch_size != here.batch_size) { // format 2 kept no batch size
+    said += "; written with --batch-size " + std::to_string(there.batch_size) + ": the rest of the epoch goes on in "
+            "batches of " + std::to_string(here.batch_size);
+  }
+  if (there.data.rows == 0) { // format 2 kept no signature
+    return said;
+  }
+  if (there.data.rows != data.rows || there.data.checksum != data.checksum) {
+    said += "; written over other training data (" + std::to_string(there.data.rows) + " samples of another content, "
+            "seed " + std::to_string(there.data.seed) + "; here " + std::to_string(data.rows) + ", seed " +
+            std::to_string(data.seed) + ": another --data, --train-samples, or --seed with --synthetic), so the rest "
+            "of the run trains on this data";
+  } else if (there.data.seed != data.seed) {
+    said += "; written with --seed " + std::to_string(there.data.seed) + ", so the data order differs from here on";
+  }
+  return said;
+}
+
+// `state` as this run writes it into its checkpoints.
+TrainingState this_run(TrainingState state, const BatchPlan& plan, const DataSignature& data) {
+  state.world_size = plan.world_size;
+  state.batch_size = plan.batch_size;
+  state.data = data;
+  return state;
+}
+
 // Where training starts: the checkpoint's position when there is one (loaded
 // into `net` and `optimizer`), else the beginning.
 TrainingState resume(
     const Config& config,
     ConvNet& net,
     torch::optim::Optimizer& optimizer,
-    int world_size,
+    const BatchPlan& plan,
+    const DataSignature& data,
     bool report) {
   TrainingState state;
-  state.world_size = world_size;
   if (config.checkpoint_path.empty() || !lockstep::examples::load_checkpoint(config.checkpoint_path, *net, optimizer, state)) {
-    return state;
+    return this_run(state, plan, data);
   }
   if (report) {
-    std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, batch %lld)%s\n",
+    std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, sample %lld of %lld)%s\n",
                  config.checkpoint_path.c_str(), static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1),
-                 static_cast<long long>(state.batch_in_epoch),
-                 state.world_size != world_size ? "; written with another world size, so the data order differs from here on" : "");
+                 static_cast<long long>(state.samples_in_epoch),
+                 static_cast<long long>(lockstep::examples::epoch_extent(plan).first),
+                 resume_differences(state, plan, data).c_str());
   }
-  state.world_size = world_size;
-  return state;
+  return this_run(state, plan, data);
 }
 
 // Every rank must resume from the same state, or the ranks would train on
@@ -306,7 +243,7 @@ void check_ranks_resumed_alike(
     torch::nn::Module& net,
     torch::optim::Optimizer& optimizer) {
   using namespace lockstep::examples;
-  auto mine = torch::cat({torch::tensor({static_cast<int64_t>(resumed), state.step, state.epoch, state.batch_in_epoch}),
+  auto mine = torch::cat({torch::tensor({static_cast<int64_t>(resumed), state.step, state.epoch, state.samples_in_epoch}),
                           hash_tensor(content_hash(model_tensors(net))).reshape({1}),
                           hash_tensor(optimizer_hash(optimizer)).reshape({1})});
   auto all = group.all_gather(mine.to(group_device(group)));
@@ -316,7 +253,7 @@ void check_ranks_resumed_alike(
   auto describe = [&](int r) {
     auto v = all[r].accessor<int64_t, 1>();
     return v[0] == 0 ? std::string("started from scratch (no checkpoint found)")
-                     : "resumed at step " + std::to_string(v[1]) + " (epoch " + std::to_string(v[2] + 1) + ", batch " +
+                     : "resumed at step " + std::to_string(v[1]) + " (epoch " + std::to_string(v[2] + 1) + ", sample " +
                          std::to_string(v[3]) + ")";
   };
   for (int r = 1; r < group.size(); ++r) {
@@ -342,8 +279,8 @@ struct Setup {
   std::string description; // "DistributedDataParallel over 2 ranks (gloo)"
   // The wrapped model's forward.
   std::function<torch::Tensor(const torch::Tensor&)> forward;
-  // This rank's row indices of each batch of epoch `epoch` (from 0).
-  std::function<std::vector<torch::Tensor>(int64_t epoch)> batches;
+  // The batches of each epoch, and this rank's share (Note [Data order]).
+  BatchPlan plan;
   // Sums every rank's tally (a tiny allreduce under DDP; as is with one process).
   std::function<Tally(const Tally&)> combine;
   // Gives every rank rank 0's buffers (BatchNorm's running statistics).
@@ -356,8 +293,13 @@ struct Setup {
 
 // One rank of DistributedDataParallel, under lockstep-run or torchrun: the
 // ranks agree on rank 0's output folder and resume alike, then each reads
-// its share of each batch through LibTorch's DistributedRandomSampler.
-Setup distributed_setup(ConvNet& net, torch::optim::Optimizer& optimizer, const Dataset& data, Config& config) {
+// its share of each global batch (Note [Data order]).
+Setup distributed_setup(
+    ConvNet& net,
+    torch::optim::Optimizer& optimizer,
+    const Dataset& data,
+    const DataSignature& signature,
+    Config& config) {
   auto group = lockstep::init_process_group(
       lockstep::ProcessGroupOptions().timeout(std::chrono::seconds(config.timeout_seconds))); // 0: LOCKSTEP_TIMEOUT
   TORCH_CHECK(config.batch_size % group.size() == 0, "lockstep-train: --batch-size ", config.batch_size,
@@ -370,24 +312,12 @@ Setup distributed_setup(ConvNet& net, torch::optim::Optimizer& optimizer, const 
   setup.world_size = group.size();
   setup.device = group_device(group);
   net->to(setup.device); // in place: the optimizer keeps its parameters
-  setup.state = resume(config, net, optimizer, group.size(), group.rank() == 0);
+  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, group.size(), group.rank(), config.seed};
+  setup.state = resume(config, net, optimizer, setup.plan, signature, group.rank() == 0);
   check_ranks_resumed_alike(group, config, setup.state, setup.state.step > 0 || setup.state.epoch > 0, *net, optimizer);
   lockstep::DistributedDataParallel<ConvNet> model(net, group);
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
-  auto sampler = std::make_shared<torch::data::samplers::DistributedRandomSampler>(
-      static_cast<size_t>(data.train.images.size(0)), static_cast<size_t>(group.size()),
-      static_cast<size_t>(group.rank()), /*allow_duplicates=*/false);
   const int64_t per_rank = config.batch_size / group.size();
-  setup.batches = [sampler, per_rank](int64_t epoch) {
-    sampler->set_epoch(static_cast<size_t>(epoch));
-    sampler->reset();
-    std::vector<torch::Tensor> out;
-    while (auto indices = sampler->next(static_cast<size_t>(per_rank))) {
-      std::vector<int64_t> as_int(indices->begin(), indices->end());
-      out.push_back(torch::tensor(as_int, torch::kLong));
-    }
-    return out;
-  };
   setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() + ")";
   // Loss and accuracy sums as doubles: exact for any count below 2^53.
   setup.combine = [group, device = setup.device](const Tally& mine) {
@@ -413,8 +343,13 @@ Setup distributed_setup(ConvNet& net, torch::optim::Optimizer& optimizer, const 
 }
 
 // One process with DataParallel on --replicas CPU replicas (0: lockstep's
-// default devices), reading the batches of one shuffle per epoch.
-Setup data_parallel_setup(ConvNet& net, torch::optim::Optimizer& optimizer, const Dataset& data, Config& config) {
+// default devices), reading the global batches (Note [Data order]).
+Setup data_parallel_setup(
+    ConvNet& net,
+    torch::optim::Optimizer& optimizer,
+    const Dataset& data,
+    const DataSignature& signature,
+    Config& config) {
   const std::string error = make_dir(config.out_dir);
   TORCH_CHECK(error.empty(), error);
   complete_paths(config);
@@ -426,19 +361,11 @@ Setup data_parallel_setup(ConvNet& net, torch::optim::Optimizer& optimizer, cons
     setup.device = lockstep::default_devices()[0]; // the first GPU, where DataParallel wants the module
     net->to(setup.device);
   }
-  setup.state = resume(config, net, optimizer, 1, true);
+  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, 1, 0, config.seed};
+  setup.state = resume(config, net, optimizer, setup.plan, signature, true);
   lockstep::DataParallel<ConvNet> model(net, options);
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
   const int64_t n = data.train.images.size(0);
-  setup.batches = [n, batch_size = config.batch_size, seed = config.seed](int64_t epoch) {
-    // One shuffle per epoch from (seed, epoch): a resumed run sees the same order.
-    auto order = torch::randperm(n, at::detail::createCPUGenerator(seed * 1000003 + epoch), torch::kLong);
-    std::vector<torch::Tensor> out;
-    for (int64_t i = 0; i < n; i += batch_size) {
-      out.push_back(order.narrow(0, i, std::min(batch_size, n - i)));
-    }
-    return out;
-  };
   std::string devices;
   for (const auto& d : model->devices()) {
     devices += (devices.empty() ? "" : ",") + d.str();
@@ -607,20 +534,51 @@ void checkpoint(const Run& run, const TrainingState& state) {
   }
 }
 
+// The epoch's line (rank 0) and record: its training figures over every rank,
+// `totals.tested`, and its speed over the rows trained in this attempt.
+void report_epoch(const Run& run, const TrainingState& state, lockstep::examples::MetricsLog& metrics,
+                  const Totals& totals, double train_seconds, double seconds, double lr, int64_t resumed_rows) {
+  const Tally& done = totals.last_epoch;
+  const Tally& tested = totals.tested;
+  if (run.setup.rank == 0) {
+    std::printf("lockstep-train: epoch %lld/%d: train loss %.4f, train accuracy %s, test loss %.4f, test accuracy "
+                "%s, %.1f s\n",
+                static_cast<long long>(state.epoch + 1), run.config.epochs, mean_loss(done), percent(done).c_str(),
+                mean_loss(tested), percent(tested).c_str(), seconds);
+    std::fflush(stdout);
+  }
+  metrics.write({{"kind", "epoch"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", state.epoch + 1},
+                 {"lr", lr}, {"train_loss", mean_loss(done)}, {"train_accuracy", accuracy(done)},
+                 {"samples", done.rows}, {"test_loss", mean_loss(tested)}, {"test_accuracy", accuracy(tested)},
+                 {"seconds", seconds}, {"samples_per_second", rate(done.rows - resumed_rows, train_seconds)}});
+}
+
+// --eval-every: an evaluation in the middle of an epoch, recorded and said
+// by rank 0; returns its seconds.
+double evaluate_mid_epoch(const Run& run, const TrainingState& state, double epochs_done,
+                          lockstep::examples::MetricsLog& metrics) {
+  const auto eval_start = Clock::now();
+  const Tally t = evaluate(run);
+  metrics.write({{"kind", "eval"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", epochs_done},
+                 {"test_loss", mean_loss(t)}, {"test_accuracy", accuracy(t)}});
+  if (run.setup.rank == 0) {
+    std::fprintf(stderr, "%slockstep-train: step %lld: test loss %.4f, test accuracy %s\n",
+                 isatty(fileno(stderr)) ? "\n" : "", static_cast<long long>(state.step), mean_loss(t),
+                 percent(t).c_str()); // below the progress bar's line on a terminal
+  }
+  return seconds_since(eval_start);
+}
+
 // Trains the rest of epoch `state.epoch` (all of it unless resumed mid-epoch),
 // evaluates, reports the epoch and checkpoints; `state` then stands at the
 // next epoch.
 void train_epoch(const Run& run, TrainingState& state, lockstep::examples::MetricsLog& metrics, Totals& totals) {
   const Config& config = run.config;
-  const bool lead = run.setup.rank == 0;
   const auto epoch_start = Clock::now();
-  const auto epoch_batches = run.setup.batches(state.epoch);
-  const auto batch_count = static_cast<int64_t>(epoch_batches.size());
+  const BatchPlan& plan = run.setup.plan;
+  const auto [epoch_rows, batch_count] = lockstep::examples::epoch_extent(plan);
+  const auto batches = lockstep::examples::rank_batches(plan, state.epoch, state.samples_in_epoch);
   const int64_t total_steps = batch_count * config.epochs;
-  Tally rows_of_epoch;
-  for (const auto& b : epoch_batches) {
-    rows_of_epoch.rows += b.size(0);
-  }
   // Every rank folds its batches into the epoch's tally at the same steps:
   // about 50 times an epoch, every --log-every steps, at checkpoints, and
   // at the epoch's end.
@@ -628,18 +586,19 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
   Tally& done = state.epoch_tally; // every rank's rows up to the last fold (restored when resumed)
   Tally pending;                   // this rank's rows since
   const int64_t resumed_rows = done.rows;
-  lockstep::examples::Progress progress(run.setup.combine(rows_of_epoch).rows, resumed_rows,
-                                        static_cast<int>(state.epoch + 1), config.epochs, lead);
+  lockstep::examples::Progress progress(epoch_rows, resumed_rows, static_cast<int>(state.epoch + 1), config.epochs,
+                                        run.setup.rank == 0);
   double eval_seconds = 0;
   Tally logged = done; // the tally at the last training record
   auto logged_at = Clock::now();
-  for (; state.batch_in_epoch < batch_count; ++state.batch_in_epoch) {
+  for (size_t i = 0; i < batches.size(); ++i) {
     maybe_inject_fault(run.setup.rank, state.step);
     const double lr = lr_at(config, state.step, batch_count, total_steps);
-    pending += train_step(run, epoch_batches[state.batch_in_epoch], lr);
+    pending += train_step(run, batches[i], lr);
     ++state.step;
-    const double epochs_done = state.epoch + static_cast<double>(state.batch_in_epoch + 1) / batch_count;
-    const bool last = state.batch_in_epoch + 1 == batch_count;
+    state.samples_in_epoch += batches[i].size(0) * plan.world_size; // every rank takes as many rows
+    const double epochs_done = state.epoch + static_cast<double>(state.samples_in_epoch) / epoch_rows;
+    const bool last = i + 1 == batches.size();
     const bool save = state.step % config.checkpoint_every == 0 && !last; // the epoch's end saves anyway
     const bool log = state.step % config.log_every == 0;
     if (save || log || last || state.step % fold_every == 0) {
@@ -657,47 +616,23 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
       logged_at = Clock::now();
     }
     if (config.eval_every > 0 && state.step % config.eval_every == 0 && !last) {
-      const auto eval_start = Clock::now();
-      const Tally t = evaluate(run);
-      eval_seconds += seconds_since(eval_start);
-      metrics.write({{"kind", "eval"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", epochs_done},
-                     {"test_loss", mean_loss(t)}, {"test_accuracy", accuracy(t)}});
+      eval_seconds += evaluate_mid_epoch(run, state, epochs_done, metrics);
       logged_at = Clock::now(); // not a training step's time
-      if (lead) {
-        std::fprintf(stderr, "%slockstep-train: step %lld: test loss %.4f, test accuracy %s\n",
-                     isatty(fileno(stderr)) ? "\n" : "", static_cast<long long>(state.step), mean_loss(t),
-                     percent(t).c_str()); // below the progress bar's line on a terminal
-      }
     }
     if (save) {
-      ++state.batch_in_epoch; // the checkpoint says where to go on
       checkpoint(run, state);
-      --state.batch_in_epoch;
     }
   }
   TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (",
               run.data.train.images.size(0), " training samples); give more samples.");
-  const double epoch_train_seconds = seconds_since(epoch_start) - eval_seconds;
-  totals.train_seconds += epoch_train_seconds;
+  totals.train_seconds += seconds_since(epoch_start) - eval_seconds;
   totals.samples += done.rows - resumed_rows;
   totals.last_epoch = done;
   totals.tested = evaluate(run);
-  const Tally& tested = totals.tested;
-  const double epoch_seconds = seconds_since(epoch_start);
-  if (lead) {
-    std::printf("lockstep-train: epoch %lld/%d: train loss %.4f, train accuracy %s, test loss %.4f, test accuracy "
-                "%s, %.1f s\n",
-                static_cast<long long>(state.epoch + 1), config.epochs, mean_loss(done), percent(done).c_str(),
-                mean_loss(tested), percent(tested).c_str(), epoch_seconds);
-    std::fflush(stdout);
-  }
-  metrics.write({{"kind", "epoch"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", state.epoch + 1},
-                 {"lr", lr_at(config, state.step - 1, batch_count, total_steps)}, {"train_loss", mean_loss(done)},
-                 {"train_accuracy", accuracy(done)}, {"test_loss", mean_loss(tested)},
-                 {"test_accuracy", accuracy(tested)}, {"seconds", epoch_seconds},
-                 {"samples_per_second", rate(done.rows - resumed_rows, epoch_train_seconds)}});
+  report_epoch(run, state, metrics, totals, seconds_since(epoch_start) - eval_seconds, seconds_since(epoch_start),
+               lr_at(config, state.step - 1, batch_count, total_steps), resumed_rows);
   ++state.epoch;
-  state.batch_in_epoch = 0;
+  state.samples_in_epoch = 0;
   state.epoch_tally = Tally{};
   checkpoint(run, state); // every epoch, besides every --checkpoint-every steps
 }
@@ -794,15 +729,12 @@ int main(int argc, char** argv) {
   DataOptions data_options;
   Config config;
   std::string export_dir;
-  add_options(app, data_options, config, export_dir);
-  CLI11_PARSE(app, argc, argv);
-  // Given explicitly, the sample counts take the first N of each split of the files.
-  data_options.first_train = app.count("--train-samples") > 0;
-  data_options.first_test = app.count("--test-samples") > 0;
-
+  const int exit_code = lockstep::examples::parse_command_line(app, argc, argv, data_options, config, export_dir);
+  if (exit_code >= 0) {
+    return exit_code; // --help, or a refusal
+  }
   try {
     prepare_process(config.threads);
-    check_output_paths(config);
     if (!export_dir.empty()) {
       lockstep::examples::export_synthetic(export_dir, config.seed);
       std::printf("lockstep-train: wrote the synthetic dataset (seed %llu) as MNIST IDX files in %s\n",
@@ -810,6 +742,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     const Dataset data = lockstep::examples::load_dataset(data_options, config.seed);
+    const DataSignature signature = data_signature(data.train, config.seed);
 
     torch::manual_seed(config.seed);
     ConvNet net;
@@ -819,8 +752,8 @@ int main(int argc, char** argv) {
     }
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel; otherwise one process with DataParallel.
-    const Setup setup = lockstep::launched_by_launcher() ? distributed_setup(net, optimizer, data, config)
-                                                         : data_parallel_setup(net, optimizer, data, config);
+    const Setup setup = lockstep::launched_by_launcher() ? distributed_setup(net, optimizer, data, signature, config)
+                                                         : data_parallel_setup(net, optimizer, data, signature, config);
     train(Run{net, optimizer, data, setup, config});
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it

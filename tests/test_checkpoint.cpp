@@ -148,9 +148,10 @@ TEST(Checkpoint, EpochTallyOfAnotherShapeIsAClearError) {
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
   archive.write("format", torch::tensor(examples::kCheckpointFormat));
-  for (const char* key : {"epoch", "batch_in_epoch", "step", "world_size"}) {
+  for (const char* key : {"epoch", "samples_in_epoch", "step", "world_size", "batch_size"}) {
     archive.write(key, torch::tensor(int64_t{1}));
   }
+  archive.write("data", torch::tensor({int64_t{1}, int64_t{2}, int64_t{3}}));
   archive.write("epoch_tally", torch::tensor({1.0}, torch::kFloat64));
   archive.write("model_hash", examples::hash_tensor(examples::content_hash(examples::model_tensors(*net))));
   archive.write("optimizer_hash", examples::hash_tensor(examples::optimizer_hash(optimizer)));
@@ -221,7 +222,8 @@ TEST(Checkpoint, DataParallelRunResumesUnderTheLauncher) {
   EXPECT_NE(p.output.find("DataParallel on [cpu,cpu]"), std::string::npos) << p.output;
   auto q = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer("cross2", checkpoint), "cross2");
   ASSERT_EQ(q.exit_code, 0) << q.output;
-  EXPECT_NE(q.output.find("resumed from " + checkpoint + " at step 16 (epoch 2, batch 0); written with another world size"),
+  EXPECT_NE(q.output.find("resumed from " + checkpoint + " at step 16 (epoch 2, sample 0 of 1024); written over 1 rank(s): the data "
+                          "order goes on unchanged"),
             std::string::npos) << q.output;
   EXPECT_NE(q.output.find("DistributedDataParallel over 2 ranks"), std::string::npos) << q.output;
 }

@@ -117,7 +117,7 @@ TEST(Launcher, RestartResumesFromTheCheckpointBitwise) {
                   trainer("restart", checkpoint), "restart", {"LOCKSTEP_FAULT=1:26", kOneThread});
   ASSERT_EQ(p.exit_code, 0) << p.output;
   EXPECT_NE(p.output.find("restarting every rank in 1.0 s (restart 1 of 1)"), std::string::npos) << p.output;
-  EXPECT_NE(p.output.find("resumed from " + checkpoint + " at step 24 (epoch 2, batch 8)"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("resumed from " + checkpoint + " at step 24 (epoch 2, sample 512 of 1024)"), std::string::npos) << p.output;
   EXPECT_EQ(final_hash(p.output), reference_hash()) << p.output;
   EXPECT_FALSE(reference_hash().empty());
   // The resumed epoch's figures count the rows before the failure too.

@@ -153,7 +153,7 @@ TEST(TrainerData, BadOutputPathsAndUnevenBatchesAreRefusedUpFront) {
   auto args = trainer("bad_paths");
   args.insert(args.end(), {"--checkpoint", temp("no_such_folder") + "/run.ckpt"});
   auto p = testing::run(args, {}, temp("bad_paths.log"), kDeadline);
-  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_EQ(p.exit_code, 2) << p.output;
   EXPECT_NE(p.output.find("--checkpoint " + temp("no_such_folder") + "/run.ckpt: cannot write into"), std::string::npos)
       << p.output;
   EXPECT_EQ(p.output.find("epoch 1/"), std::string::npos) << "trained before refusing: " << p.output;

@@ -4,18 +4,25 @@
 // PositiveNumber and NonNegativeNumber refuse 0 with "Value 0 not in range
 // 0.000000 to 17976931348623157...", a 309-digit bound, and an unsigned
 // option takes "-1" as 2^64-1 without a word. These also refuse infinity and
-// NaN (a learning rate of infinity trains to NaN). Shared by lockstep-run and
-// lockstep-train, included as <tools/cli_checks.h>.
+// NaN (a learning rate of infinity trains to NaN), and whole numbers beyond
+// an option's bounds, which CLI11 would clamp to its type's limit without a
+// word (--batch-size 18446744073709551617 became 2^63-1). Shared by
+// lockstep-run and lockstep-train, included as <tools/cli_checks.h>.
 
 #include <CLI/CLI.hpp>
 
 #include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
 namespace lockstep {
 namespace tools {
+
+/// The exit code of both tools when they refuse a command line, before
+/// anything runs: "TOOL: what is wrong" and "Run 'TOOL --help' for usage.".
+constexpr int kUsageError = 2;
 
 namespace detail {
 inline CLI::Validator number_check(bool allow_zero) {
@@ -36,6 +43,29 @@ inline CLI::Validator number_check(bool allow_zero) {
       allow_zero ? "NONNEGATIVE" : "POSITIVE");
 }
 } // namespace detail
+
+/// A whole number from `min` to `max`, in decimal digits.
+inline CLI::Validator whole_number(long long min, unsigned long long max) {
+  const std::string range = "a whole number from " + std::to_string(min) + " to " + std::to_string(max);
+  return CLI::Validator(
+      [min, max, range](std::string& text) -> std::string {
+        const bool negative = !text.empty() && text[0] == '-';
+        const size_t digits = text.find_first_not_of("0123456789", negative ? 1 : 0);
+        bool fits = digits == std::string::npos && text.size() > (negative ? 1u : 0u);
+        if (fits) {
+          errno = 0;
+          if (negative) {
+            const long long value = std::strtoll(text.c_str(), nullptr, 10);
+            fits = errno != ERANGE && value >= min;
+          } else {
+            const unsigned long long value = std::strtoull(text.c_str(), nullptr, 10);
+            fits = errno != ERANGE && value <= max && (min <= 0 || value >= static_cast<unsigned long long>(min));
+          }
+        }
+        return fits ? std::string() : "must be " + range + ", got " + text;
+      },
+      "");
+}
 
 /// A number greater than 0.
 inline CLI::Validator positive() {

@@ -57,6 +57,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <deque>
 #include <fstream>
 #include <string>
@@ -69,6 +70,7 @@ using Clock = std::chrono::steady_clock;
 
 using lockstep::tools::kUsageError;
 constexpr size_t kStderrTail = 20;
+constexpr size_t kTailLineBytes = 2000; // a longer line is cut in the failure summary
 constexpr double kMaxRestartDelay = 30.0;
 constexpr auto kSettle = std::chrono::milliseconds(1000); // Attempt::run: before SIGTERM after a failure
 
@@ -98,6 +100,41 @@ struct Rank {
 [[noreturn]] void usage_error(const std::string& message) {
   std::fprintf(stderr, "lockstep-run: %s\nRun 'lockstep-run --help' for usage.\n", message.c_str());
   std::exit(kUsageError);
+}
+
+// --log-dir, made with its parents as torchrun does, and --timeline, both
+// checked by opening the files they will hold (tools::open_for_append): a
+// place no one can write would otherwise lose the logs silently, or the
+// timeline at the end of the job.
+void prepare_output_paths(const Options& options) {
+  if (!options.log_dir.empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(options.log_dir, error);
+    if (error) {
+      usage_error("--log-dir " + options.log_dir + ": cannot create it (" + error.message() + "); pick another folder.");
+    }
+    for (int local = 0; local < options.nproc_per_node; ++local) {
+      const std::string name = "rank_" + std::to_string(options.node_rank * options.nproc_per_node + local) + ".log";
+      const std::string why = lockstep::tools::open_for_append(options.log_dir + "/" + name);
+      if (!why.empty()) {
+        usage_error("--log-dir " + options.log_dir + ": cannot write " + name + " there (" + why +
+                    "); pick another folder.");
+      }
+    }
+  }
+  const std::string why = options.timeline.empty() ? "" : lockstep::tools::open_for_append(options.timeline);
+  if (!why.empty()) {
+    usage_error("--timeline " + options.timeline + ": cannot write it (" + why + "); pick another path.");
+  }
+}
+
+// A line of a rank's stderr as the failure summary repeats it: cut short,
+// saying so, if a program wrote megabytes without a newline.
+std::string summary_line(const std::string& line) {
+  if (line.size() <= kTailLineBytes) {
+    return line;
+  }
+  return line.substr(0, kTailLineBytes) + " ... [cut: " + std::to_string(line.size()) + " bytes]";
 }
 
 // Rank 0's node must be able to listen on the store's address and port.
@@ -205,9 +242,10 @@ class Attempt {
 
   // --timeline FILE: this node's ranks' timelines, one process track each,
   // with times from the earliest event (Note [Timeline] in src/timeline.cpp).
-  void merge_timeline() const {
+  // False if FILE could not be written (said).
+  bool merge_timeline() const {
     if (options_.timeline.empty()) {
-      return;
+      return true;
     }
     nlohmann::json events = nlohmann::json::array();
     std::vector<int> missing;
@@ -233,12 +271,14 @@ class Attempt {
         e["ts"] = e["ts"].get<int64_t>() - origin;
       }
     }
+    errno = 0;
     std::ofstream out(options_.timeline);
     out << nlohmann::json({{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}}).dump() << "\n";
     out.close();
     if (!out) {
-      std::fprintf(stderr, "lockstep-run: could not write the timeline to %s\n", options_.timeline.c_str());
-      return;
+      std::fprintf(stderr, "lockstep-run: --timeline %s: cannot write it (%s).\n", options_.timeline.c_str(),
+                   errno != 0 ? std::strerror(errno) : "write failed");
+      return false;
     }
     std::string note;
     for (int r : missing) {
@@ -247,6 +287,7 @@ class Attempt {
     std::fprintf(stderr, "lockstep-run: timeline of %zu rank(s) in %s (open it in https://ui.perfetto.dev or "
                  "chrome://tracing)%s\n", ranks_.size() - missing.size(), options_.timeline.c_str(),
                  note.empty() ? "" : (note + ": it was stopped before it could write one").c_str());
+    return true;
   }
 
   // The desync report from the ranks' flight records; nothing when none wrote one.
@@ -498,7 +539,7 @@ class Attempt {
       r.log.flush();
     }
     if (is_err) {
-      r.err_tail.push_back(line);
+      r.err_tail.push_back(summary_line(line));
       if (r.err_tail.size() > kStderrTail) {
         r.err_tail.pop_front();
       }
@@ -629,6 +670,7 @@ int main(int argc, char** argv) {
   if (options.node_rank == 0) {
     check_port_free(options.master_addr, options.master_port);
   }
+  prepare_output_paths(options);
 
   struct sigaction action {};
   action.sa_handler = on_signal;
@@ -652,13 +694,13 @@ int main(int argc, char** argv) {
   for (int attempt = 0;; ++attempt) {
     Attempt run(options, program, attempt);
     const int root_cause = run.run();
-    run.merge_timeline();
+    const bool timeline_written = run.merge_timeline();
     if (g_signal != 0) {
       std::fprintf(stderr, "lockstep-run: stopped by signal %d; every rank was stopped.\n", static_cast<int>(g_signal));
       return 128 + g_signal;
     }
     if (root_cause < 0) {
-      return 0;
+      return timeline_written ? 0 : 1;
     }
     print_root_cause(run.rank(root_cause));
     print_stalled_ranks(run, root_cause, options.nproc_per_node, options.grace_seconds);

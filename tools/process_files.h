@@ -11,16 +11,31 @@
 // target (CMakeLists.txt).
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace lockstep {
 namespace tools {
+
+/// Opens `path` for appending, creating it if missing, and closes it: ""
+/// if that worked, else the system's reason. A check that the file can be
+/// written where access() would not tell (root writes into read-only
+/// folders, but not into /proc or a read-only mount).
+inline std::string open_for_append(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return std::strerror(errno);
+  }
+  ::close(fd);
+  return "";
+}
 
 /// `name` as execvp would find it: itself when it contains a '/', else the
 /// first executable regular file `name` in a directory of PATH (an empty

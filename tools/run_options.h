@@ -16,8 +16,6 @@
 namespace lockstep {
 namespace tools {
 
-constexpr int kUsageError = 2;
-
 struct RunOptions {
   int nproc_per_node = 1;
   int nnodes = 1;
@@ -51,7 +49,8 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   app.add_option("--master-port,--master_port", options.master_port, "Port of the store on node 0")->check(CLI::Range(1, 65535))->capture_default_str();
   app.add_option("--max-restarts,--max_restarts", options.max_restarts, "Restarts of the whole group after a failure")
       ->check(CLI::Range(0, 1000))->capture_default_str();
-  app.add_option("--log-dir,--log_dir", options.log_dir, "Also write each rank's output to DIR/rank_N.log")->check(CLI::ExistingDirectory);
+  app.add_option("--log-dir,--log_dir", options.log_dir, "Also write each rank's output to DIR/rank_N.log (DIR is "
+                 "created, with its parents, as torchrun does)");
   app.add_option("--timeline", options.timeline, "Have the ranks record a timeline (LOCKSTEP_TIMELINE) and merge "
                  "this node's into FILE, a Chrome trace (Perfetto, chrome://tracing)");
   app.add_option("--grace-period", options.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")

@@ -35,7 +35,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   model->forward(torch::randn({4, 3})).sum().backward();
   optimizer.step();
-  lockstep::examples::TrainingState state{0, 1, 1, 2, {1.5, 3, 4}};
+  lockstep::examples::TrainingState state{0, 64, 1, 2, 64, {1024, 7, 1}, {1.5, 3, 4}};
   lockstep::examples::save_checkpoint(seed, *model, optimizer, state);
   std::exit(0);
 }

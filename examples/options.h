@@ -1,0 +1,222 @@
+#pragma once
+
+// lockstep-train's command line: its flags, their bounds, and the checks of
+// the paths and counts they name, made before anything is loaded or trained.
+// A refusal is a UsageError, which main() prints as both tools do (tools::
+// kUsageError).
+
+#include "data.h"
+
+#include <tools/cli_checks.h>
+
+#include <CLI/CLI.hpp>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+namespace lockstep {
+namespace examples {
+
+// What the command line sets besides the data, with its defaults.
+struct Config {
+  int epochs = 3;
+  int64_t batch_size = 128;
+  double lr = 0.1;
+  double momentum = 0.9;
+  std::string schedule = "cosine"; // constant, step or cosine
+  int64_t warmup_steps = 100;
+  int step_epochs = 1;
+  double gamma = 0.5;
+  uint64_t seed = 1;
+  int threads = 0;
+  int replicas = 2;
+  std::string out_dir;
+  std::string save_path;
+  std::string checkpoint_path;
+  int64_t checkpoint_every = 500;
+  int64_t eval_every = 0;
+  int64_t log_every = 50;
+  int timeout_seconds = 0;
+};
+
+// Bounds of the whole-number flags: beyond them a number is a typo, or would
+// be clamped to its type's limit by the parser.
+constexpr int64_t kMaxEpochs = 1000000;
+constexpr int64_t kMaxCount = 1000000000000000; // samples, steps
+constexpr int64_t kMaxThreads = 65536;
+constexpr int64_t kMaxReplicas = 1024;
+
+inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
+  using tools::whole_number;
+  app.add_option("--data", data.dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or "
+                 "not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: " + std::string(kFashionMnist) +
+                 " (Debian's dataset-fashion-mnist)")
+      ->check(CLI::ExistingDirectory)->group("Data");
+  app.add_flag("--synthetic", data.synthetic, "Generated data instead, deterministic by --seed (for tests)")
+      ->group("Data");
+  app.add_option("--train-samples", data.train_size, "Training samples: the first N of the data, or synthetic ones to "
+                 "make (default 12000)")
+      ->check(tools::positive())->check(whole_number(1, kMaxCount))->group("Data");
+  app.add_option("--test-samples", data.test_size, "Test samples: the first N of the data, or synthetic ones to make "
+                 "(default 2000)")
+      ->check(tools::positive())->check(whole_number(1, kMaxCount))->group("Data");
+  app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
+                 "directory (60000/10000 samples, MNIST's own counts) and exit")
+      ->check(CLI::ExistingDirectory)->group("Data");
+
+  app.add_option("--epochs", config.epochs, "Passes over the training set")->check(tools::positive())
+      ->check(whole_number(1, kMaxEpochs))
+      ->capture_default_str()->group("Training");
+  app.add_option("--batch-size", config.batch_size, "Global batch size, split evenly over the ranks or replicas")
+      ->check(tools::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Training");
+  app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(tools::positive())->capture_default_str()
+      ->group("Training");
+  app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
+      ->group("Training");
+  app.add_option("--schedule", config.schedule, "Learning-rate schedule after the warmup: constant, step (times "
+                 "--gamma every --step-epochs epochs) or cosine (down to 0 at the end)")
+      ->check(CLI::IsMember({"constant", "step", "cosine"}))->capture_default_str()->group("Training");
+  app.add_option("--warmup-steps", config.warmup_steps, "Steps of linear warmup from 0 to --lr")
+      ->check(tools::non_negative())->check(whole_number(0, kMaxCount))->capture_default_str()->group("Training");
+  app.add_option("--step-epochs", config.step_epochs, "Epochs between learning-rate steps (--schedule step)")
+      ->check(tools::positive())->check(whole_number(1, kMaxEpochs))->capture_default_str()->group("Training");
+  app.add_option("--gamma", config.gamma, "Learning-rate factor at each step (--schedule step)")
+      ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group("Training");
+  app.add_option("--seed", config.seed, "Seed of the model, the shuffling and the synthetic data")
+      ->check(tools::non_negative())->check(whole_number(0, UINT64_MAX))->capture_default_str()->group("Training");
+  app.add_option("--threads", config.threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which "
+                 "lockstep-run sets to each rank's share of the cores, else every core)")
+      ->check(tools::non_negative())->check(whole_number(0, kMaxThreads))->group("Training");
+  app.add_option("--replicas", config.replicas, "Without a launcher: DataParallel CPU replicas (0: "
+                 "lockstep::default_devices(): every GPU, or one CPU replica without one)")
+      ->check(tools::non_negative())->check(whole_number(0, kMaxReplicas))->capture_default_str()->group("Training");
+
+  app.add_option("--out", config.out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. "
+                 "Default: runs/<the launcher's run id, else the time>")->group("Outputs");
+  app.add_option("--save", config.save_path, "Save the trained model here instead of OUT/model.pt (torch::save; "
+                 "loads into a bare model)")->group("Outputs");
+  app.add_option("--checkpoint", config.checkpoint_path, "Checkpoint file instead of OUT/checkpoint.ckpt: resumed "
+                 "from when it exists, written (by rank 0, atomically) every --checkpoint-every steps and every epoch")
+      ->group("Outputs");
+  app.add_option("--checkpoint-every", config.checkpoint_every, "Optimizer steps between checkpoints, besides every "
+                 "epoch")
+      ->check(tools::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Outputs");
+  app.add_option("--eval-every", config.eval_every, "Also evaluate on the test set every N steps (0: after each epoch "
+                 "only)")
+      ->check(tools::non_negative())->check(whole_number(0, kMaxCount))->capture_default_str()->group("Outputs");
+  app.add_option("--log-every", config.log_every, "Steps between training records in metrics.jsonl")
+      ->check(tools::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Outputs");
+  app.add_option("--timeout", config.timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, "
+                 "connections, each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
+      ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
+  app.footer(
+      "Under lockstep-run, torchrun, mpirun or srun, each process is one rank of DistributedDataParallel and reads "
+      "its share of each global batch of the epoch's order (drawn from --seed and the epoch); otherwise one process trains with "
+      "DataParallel on --replicas CPU replicas.\n"
+      "Fault injection, for tests and demos: LOCKSTEP_FAULT=RANK:STEP[:CODE] makes rank RANK exit with CODE (default "
+      "3; 'kill' for SIGKILL; 'hang' to stall, ignoring SIGTERM) when it reaches optimizer step STEP, on the first "
+      "attempt only (LOCKSTEP_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT 0 or unset).");
+}
+
+
+// A command line refused before anything runs: lockstep-train says so as
+// lockstep-run does, and exits with tools::kUsageError.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+inline int refuse(const std::string& message) {
+  std::fprintf(stderr, "lockstep-train: %s\nRun 'lockstep-train --help' for usage.\n", message.c_str());
+  return tools::kUsageError;
+}
+
+// --save and --checkpoint, checked before anything is made or trained: a
+// missing folder would cost the run, and a folder named as the file fails
+// at the first write (or read) otherwise.
+inline void check_output_paths(const Config& config) {
+  for (const auto& [flag, path] : {std::make_pair("--save", config.save_path),
+                                   std::make_pair("--checkpoint", config.checkpoint_path)}) {
+    if (path.empty()) {
+      continue;
+    }
+    const std::string named = std::string(flag) + " " + path + ": ";
+    struct stat info {};
+    if (::stat(path.c_str(), &info) == 0) {
+      if (S_ISDIR(info.st_mode)) {
+        throw UsageError(named + "is a folder; name a file in it, e.g. " + path + "/" +
+                         (std::string(flag) == "--save" ? "model.pt" : "checkpoint.ckpt") + ".");
+      }
+      const int mode = std::string(flag) == "--checkpoint" ? R_OK | W_OK : W_OK; // a checkpoint is resumed from
+      if (::access(path.c_str(), mode) != 0) {
+        throw UsageError(named + "cannot " + ((mode & R_OK) != 0 ? "read and write" : "write") + " it (" +
+                         std::strerror(errno) + "); pick another path.");
+      }
+    }
+    const auto slash = path.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+    if (::access(dir.c_str(), W_OK) != 0) {
+      throw UsageError(named + "cannot write into " + dir + " (" + std::strerror(errno) +
+                       "); create the folder first, or pick another path.");
+    }
+  }
+}
+
+// Sample counts whose images alone would not fit in this machine's memory
+// end in an allocator error that names no flag: refused first.
+inline void check_sample_counts(const DataOptions& data) {
+  const double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  constexpr double kBytesPerSample = 28 * 28 * sizeof(float);
+  constexpr double kGiB = 1024.0 * 1024 * 1024;
+  for (const auto& [flag, count, given] : {std::make_tuple("--train-samples", data.train_size, data.first_train),
+                                           std::make_tuple("--test-samples", data.test_size, data.first_test)}) {
+    const double bytes = static_cast<double>(count) * kBytesPerSample;
+    if ((given || data.synthetic) && memory > 0 && bytes > memory) {
+      char text[256];
+      std::snprintf(text, sizeof(text), "%s %lld needs %.0f GiB for its images (%.0f bytes a sample), more than this "
+                    "machine's %.0f GiB of memory; ask for fewer.", flag, static_cast<long long>(count), bytes / kGiB,
+                    kBytesPerSample, memory / kGiB);
+      throw UsageError(text);
+    }
+  }
+}
+
+
+/// Parses and checks the command line into `data`, `config` and
+/// `export_dir`: -1 to go on, else the exit code (0 after --help; a refusal,
+/// printed, is tools::kUsageError).
+inline int parse_command_line(
+    CLI::App& app,
+    int argc,
+    char** argv,
+    DataOptions& data,
+    Config& config,
+    std::string& export_dir) {
+  add_options(app, data, config, export_dir);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return e.get_exit_code() == 0 ? app.exit(e) : refuse(e.what());
+  }
+  // Given explicitly, the sample counts take the first N of each split of the files.
+  data.first_train = app.count("--train-samples") > 0;
+  data.first_test = app.count("--test-samples") > 0;
+  try {
+    check_output_paths(config);
+    check_sample_counts(data);
+  } catch (const UsageError& e) {
+    return refuse(e.what());
+  }
+  return -1;
+}
+
+} // namespace examples
+} // namespace lockstep
