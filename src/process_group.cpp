@@ -2,6 +2,7 @@
 
 #include "backends/backends.h"
 #include "collective_args.h"
+#include "collective_check.h"
 #include "flight_recorder.h"
 #include "torch_compat.h"
 
@@ -96,7 +97,8 @@ ProcessGroup::ProcessGroup() : impl_(std::make_shared<detail::LocalGroup>()) {}
 
 ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
   TORCH_CHECK(impl != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
-  impl_ = detail::recorded(std::move(impl)); // Note [Flight recorder]
+  // Note [Ranks agree before they send], then Note [Flight recorder].
+  impl_ = detail::recorded(detail::checked(std::move(impl)));
 }
 
 // Note [Average]

@@ -62,5 +62,36 @@ TEST(ProcessGroupContract, AllGatherWorksInInferenceMode) {
   on_ranks(2, testing::check_all_gather_in_inference_mode);
 }
 
+TEST(ProcessGroupContract, RanksPassingDifferentSizesAllFailAndNoneDies) {
+  on_ranks(2, testing::check_size_mismatch, std::chrono::seconds(10));
+  on_ranks(3, testing::check_size_mismatch, std::chrono::seconds(10));
+}
+
+// The reducer's view of the same fault: ranks that disagree on bucket_cap_mb
+// reduce buckets of different sizes. Every rank ends with an error naming
+// the bucket's allreduce, none dies.
+TEST(ProcessGroupContract, DdpWhoseRanksDisagreeOnBucketSizesFailsOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        torch::manual_seed(3);
+        auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, 4));
+        // Rank 0: every parameter its own bucket; rank 1: one bucket of all.
+        auto options = DistributedOptions().bucket_cap_mb(group.rank() == 0 ? 1e-6 : 25.0);
+        DistributedDataParallel<torch::nn::Sequential> ddp(net, group, options);
+        const std::string message =
+            testing::message_of([&] { ddp(torch::ones({2, 8})).sum().backward(); });
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[group.rank()] = message;
+      },
+      std::chrono::seconds(10));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("allreduce of bucket 0"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("ranks disagree"), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
 } // namespace
 } // namespace lockstep

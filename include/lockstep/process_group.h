@@ -118,7 +118,9 @@ class ProcessGroup {
   /// divided by size() (see ReduceOp). `what` names the collective in errors.
   /// The list holds one or more dense tensors of one dtype on one device,
   /// of any shapes (the same on every rank); anything else is refused here,
-  /// on this rank, before anything is sent.
+  /// on this rank, before anything is sent. Every rank must pass tensors of
+  /// the same sizes: where they do not, every rank's wait() throws, naming
+  /// both sizes, and nothing is sent.
   std::shared_ptr<Work> allreduce_async(
       std::vector<torch::Tensor> tensors,
       ReduceOp op = ReduceOp::Sum,

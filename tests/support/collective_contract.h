@@ -189,5 +189,22 @@ inline void check_all_gather_in_inference_mode(const ProcessGroup& group, const 
   });
 }
 
+// Item 4: rank 0 reduces 4 elements, the others 1000. Every rank ends with
+// an error naming the collective and both sizes, none dies; the group then
+// goes on working.
+inline void check_size_mismatch(const ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  auto t = torch::ones({r == 0 ? 4 : 1000});
+  const std::string message = message_of([&] { group.allreduce_async({t}, ReduceOp::Sum, "the mismatched allreduce")->wait(); });
+  check_says(check, message,
+             {"the mismatched allreduce", "ranks disagree",
+              "rank 0 runs allreduce (sum) of 4 Float elements but rank 1 runs allreduce (sum) of 1000 Float elements"},
+             "rank " + std::to_string(r) + "'s error");
+  auto after = torch::full({3}, static_cast<float>(r));
+  group.allreduce(after);
+  const int n = group.size();
+  check(torch::equal(after, torch::full({3}, n * (n - 1) / 2.0f)), "an allreduce after the mismatch");
+}
+
 } // namespace testing
 } // namespace lockstep
