@@ -297,6 +297,9 @@ class RecordedGroup : public GroupImpl {
   std::chrono::milliseconds timeout() const override {
     return inner_->timeout();
   }
+  bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
+    return inner_->supports(op, dtype, device);
+  }
 
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
     return run(kAllreduce, static_cast<int64_t>(op), kReduceNames[static_cast<int>(op)], tensors, what,

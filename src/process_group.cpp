@@ -1,6 +1,8 @@
 #include <lockstep/process_group.h>
 
 #include "backends/backends.h"
+#include "collective_args.h"
+#include "collective_check.h"
 #include "flight_recorder.h"
 #include "torch_compat.h"
 
@@ -10,6 +12,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
+
+#include <c10/core/InferenceMode.h>
 
 #include <netdb.h>
 #include <sys/socket.h>
@@ -93,51 +97,45 @@ ProcessGroup::ProcessGroup() : impl_(std::make_shared<detail::LocalGroup>()) {}
 
 ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
   TORCH_CHECK(impl != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
-  impl_ = detail::recorded(std::move(impl)); // Note [Flight recorder]
+  // Note [Ranks agree before they send], then Note [Flight recorder].
+  impl_ = detail::recorded(detail::checked(std::move(impl)));
 }
-
-namespace {
 
 // Note [Average]
 // ~~~~~~~~~~~~~~
 // ReduceOp::Avg is a sum, then a division by the group's size once the sum is
 // done, here and nowhere else: Gloo has no AVG, MPI has none, and one way for
-// every backend gives every backend the same rounding.
-class AveragedWork : public Work {
- public:
-  AveragedWork(std::shared_ptr<Work> sum, std::vector<torch::Tensor> tensors, int size)
-      : sum_(std::move(sum)), tensors_(std::move(tensors)), size_(size) {}
-  void wait() override {
-    sum_->wait();
-    for (auto& t : tensors_) {
-      t.div_(size_);
-    }
-    tensors_.clear(); // a second wait() must not divide again
-  }
-  bool started() const override {
-    return sum_->started();
-  }
-
- private:
-  std::shared_ptr<Work> sum_;
-  std::vector<torch::Tensor> tensors_;
-  int size_;
-};
-
-} // namespace
+// every backend gives every backend the same rounding. Integers are divided
+// rounding down (floor, as Python's //): the type stays, as it does for
+// every other reduction, and a sum of -1 over two ranks averages to -1, not
+// 0. A bool has no average; its Sum is a logical or, its Max (as NCCL's c10d
+// makes it), so that no backend adds bytes into values a bool cannot hold.
 
 std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> tensors, ReduceOp op, std::string what) const {
-  if (op != ReduceOp::Avg) {
-    return impl_->allreduce(tensors, op, std::move(what));
+  detail::check_tensor_list(*impl_, tensors, what);
+  if (tensors[0].scalar_type() == torch::kBool) {
+    if (op == ReduceOp::Avg) {
+      detail::refuse(*impl_, what, "ReduceOp::Avg of Bool tensors has no meaning. Use Max (true where any rank has "
+                     "true) or Min (true where every rank has true), or average a copy in a number type.");
+    }
+    op = op == ReduceOp::Sum ? ReduceOp::Max : op; // Note [Average]
   }
-  auto sum = impl_->allreduce(tensors, ReduceOp::Sum, std::move(what));
-  return std::make_shared<AveragedWork>(std::move(sum), std::move(tensors), size());
+  const auto carrier = detail::carrier_or_refuse(*impl_, Collective::Allreduce, tensors[0], what);
+  auto packed = detail::pack(tensors, carrier);
+  std::vector<torch::Tensor> sent{packed.sent};
+  auto work = impl_->allreduce(sent, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
+  return detail::finish_after(std::move(work), std::move(packed), op == ReduceOp::Avg ? size() : 0);
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast_async(std::vector<torch::Tensor> tensors, int root, std::string what) const {
   TORCH_CHECK(root >= 0 && root < size(), "lockstep::ProcessGroup::broadcast: root ", root, " is not a rank of a group of ",
               size(), ".");
-  return impl_->broadcast(tensors, root, std::move(what));
+  detail::check_tensor_list(*impl_, tensors, what);
+  const auto carrier = detail::carrier_or_refuse(*impl_, Collective::Broadcast, tensors[0], what);
+  auto packed = detail::pack(tensors, carrier);
+  std::vector<torch::Tensor> sent{packed.sent};
+  auto work = impl_->broadcast(sent, root, std::move(what));
+  return detail::finish_after(std::move(work), std::move(packed), 0);
 }
 
 void ProcessGroup::allreduce(torch::Tensor& tensor, ReduceOp op) const {
@@ -149,17 +147,32 @@ void ProcessGroup::broadcast(torch::Tensor& tensor, int root) const {
 }
 
 std::vector<torch::Tensor> ProcessGroup::all_gather(const torch::Tensor& tensor) const {
+  const std::string what = "all_gather";
+  detail::check_tensor_list(*impl_, {tensor}, what);
+  const auto carrier = detail::carrier_or_refuse(*impl_, Collective::AllGather, tensor, what);
+  // The backend may write the results from a thread of its own, where the
+  // caller's inference mode does not hold: LibTorch 1.13's Gloo then refuses
+  // to write them if they are inference tensors. So they are made as normal
+  // tensors, which serve inside inference mode as well.
+  c10::InferenceMode normal_tensors(false);
   std::vector<torch::Tensor> outputs;
+  std::vector<torch::Tensor> sent;
   for (int r = 0; r < size(); ++r) {
-    outputs.push_back(torch::empty_like(tensor));
+    outputs.push_back(torch::empty_like(tensor, torch::MemoryFormat::Contiguous));
+    sent.push_back(carrier == tensor.scalar_type() ? outputs.back() : outputs.back().view(carrier));
   }
   auto input = tensor.contiguous();
-  impl_->all_gather(outputs, input, "all_gather")->wait();
+  auto sent_input = carrier == input.scalar_type() ? input : input.view(carrier);
+  impl_->all_gather(sent, sent_input, what)->wait();
   return outputs;
 }
 
 void ProcessGroup::barrier() const {
   impl_->barrier("barrier")->wait();
+}
+
+bool ProcessGroup::supports(Collective op, torch::ScalarType dtype, torch::Device device) const {
+  return detail::carrier_of(*impl_, op, dtype, device) != torch::ScalarType::Undefined;
 }
 
 bool launched_by_launcher() {

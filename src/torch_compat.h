@@ -45,6 +45,16 @@ constexpr bool kStoreTakesListenSocket = false;
 inline void set_listen_socket(c10d::TCPStoreOptions&, int) {}
 #endif
 
+/// Whether c10d's Gloo process group carries BFloat16 and Bool tensors: its
+/// type switch gained both in PyTorch 2.2 (pytorch/pytorch#113557); 1.13's
+/// refuses them inside the collective ("Invalid scalar type"). Tested: 1.13
+/// (no) and 2.15 (yes); the releases between follow the version number.
+#if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 202
+constexpr bool kGlooCarriesBFloat16AndBool = true;
+#else
+constexpr bool kGlooCarriesBFloat16AndBool = false;
+#endif
+
 /// A c10d TCPStore. PyTorch 2.x serves it from its libuv backend by default;
 /// a LibTorch built without libuv (Debian 13's, for one) refuses that, so the
 /// classic backend is taken instead. Both speak the same protocol, so ranks

@@ -27,8 +27,13 @@ namespace lockstep {
 /// Default timeout of a process group's collectives and store.
 constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::minutes(5)};
 
-/// Reductions offered by ProcessGroup::allreduce.
+/// Reductions offered by ProcessGroup::allreduce. Avg of integer tensors is
+/// the sum divided by size(), rounded down (floor, as Python's //); of bool
+/// tensors it is refused. Sum of bool tensors is a logical or, as Max.
 enum class ReduceOp { Sum, Avg, Max, Min };
+
+/// The collectives that carry tensors, for GroupImpl::supports.
+enum class Collective { Allreduce, Broadcast, AllGather };
 
 /// A collective that may still be running.
 class Work {
@@ -69,6 +74,14 @@ class GroupImpl {
   virtual std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) = 0;
   /// Done once every rank has called it.
   virtual std::shared_ptr<Work> barrier(std::string what) = 0;
+  /// Whether this backend can run `op` on tensors of `dtype` on `device`.
+  /// ProcessGroup asks before every collective: a broadcast or all_gather
+  /// of a dtype the backend cannot carry goes bit for bit as one of the same
+  /// width that it can; what it cannot do at all is refused at the call.
+  virtual bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const {
+    (void)op, (void)dtype, (void)device;
+    return true;
+  }
 };
 
 /// A process group: which rank this process is among how many, and the
@@ -99,14 +112,21 @@ class ProcessGroup {
     return impl_->timeout();
   }
 
-  /// Starts reducing `tensors` over all ranks, in place; the result is there
-  /// once wait() returns. Avg is the sum divided by size(). `what` names the
-  /// collective in errors.
+  /// Starts reducing `tensors` over all ranks, in place, tensor by tensor:
+  /// tensors[i] of every rank are reduced together into every rank's
+  /// tensors[i]. The result is there once wait() returns. Avg is the sum
+  /// divided by size() (see ReduceOp). `what` names the collective in errors.
+  /// The list holds one or more dense tensors of one dtype on one device,
+  /// of any shapes (the same on every rank); anything else is refused here,
+  /// on this rank, before anything is sent. Every rank must pass tensors of
+  /// the same sizes: where they do not, every rank's wait() throws, naming
+  /// both sizes, and nothing is sent.
   std::shared_ptr<Work> allreduce_async(
       std::vector<torch::Tensor> tensors,
       ReduceOp op = ReduceOp::Sum,
       std::string what = "allreduce") const;
-  /// Starts copying root's `tensors` into every rank's.
+  /// Starts copying root's `tensors` into every rank's, tensor by tensor;
+  /// the same rules as allreduce_async.
   std::shared_ptr<Work> broadcast_async(std::vector<torch::Tensor> tensors, int root = 0, std::string what = "broadcast")
       const;
 
@@ -118,6 +138,10 @@ class ProcessGroup {
   std::vector<torch::Tensor> all_gather(const torch::Tensor& tensor) const;
   /// Returns once every rank has called it.
   void barrier() const;
+  /// Whether this group runs `op` on tensors of `dtype` on `device`: as the
+  /// backend does, or for a broadcast or all_gather, bit for bit through a
+  /// type of the same width (bool as bytes, bfloat16 as 16-bit values).
+  bool supports(Collective op, torch::ScalarType dtype, torch::Device device = torch::kCPU) const;
 
  private:
   std::shared_ptr<GroupImpl> impl_;

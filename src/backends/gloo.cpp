@@ -1,6 +1,7 @@
 // Compiled when LibTorch has c10d's Gloo process group; no_gloo.cpp otherwise.
 
 #include "backends.h"
+#include "../torch_compat.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -297,6 +298,34 @@ std::vector<Endpoint> check_endpoints_reachable(
   return all;
 }
 
+// c10d's Gloo group, with the dtypes its type switch has: Gloo copies and
+// adds through one C++ type per dtype, and has none for the others (Short,
+// complex types; BFloat16 and Bool before PyTorch 2.2).
+class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
+ public:
+  using C10dGroup::C10dGroup;
+  bool supports(Collective, torch::ScalarType dtype, torch::Device device) const override {
+    if (!device.is_cpu() && !device.is_cuda()) {
+      return false;
+    }
+    switch (dtype) {
+      case torch::kFloat:
+      case torch::kDouble:
+      case torch::kHalf:
+      case torch::kChar:
+      case torch::kByte:
+      case torch::kInt:
+      case torch::kLong:
+        return true;
+      case torch::kBFloat16:
+      case torch::kBool:
+        return kGlooCarriesBFloat16AndBool;
+      default:
+        return false;
+    }
+  }
+};
+
 } // namespace
 
 bool gloo_available() {
@@ -337,7 +366,7 @@ std::shared_ptr<GroupImpl> make_gloo_group(
   auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
   // LibTorch 1.x's ProcessGroupGloo is a c10d::ProcessGroup, 2.x's a c10d::Backend:
   // C10dGroup takes either.
-  return std::make_shared<C10dGroup<c10d::ProcessGroupGloo>>(std::move(group), "gloo", timeout, std::move(diagnose));
+  return std::make_shared<GlooGroup>(std::move(group), "gloo", timeout, std::move(diagnose));
 }
 
 } // namespace detail

@@ -202,6 +202,28 @@ class MpiGroup : public GroupImpl {
   std::chrono::milliseconds timeout() const override {
     return timeout_;
   }
+  // The types mpi_type maps, on the CPU. MPI reduces MPI_C_BOOL only with
+  // its logical operations, so bools are reduced as bytes (Note [One tensor
+  // per collective] in src/collective_args.cpp).
+  bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
+    if (!device.is_cpu()) {
+      return false;
+    }
+    switch (dtype) {
+      case torch::kFloat:
+      case torch::kDouble:
+      case torch::kInt:
+      case torch::kLong:
+      case torch::kShort:
+      case torch::kChar:
+      case torch::kByte:
+        return true;
+      case torch::kBool:
+        return op != Collective::Allreduce;
+      default:
+        return false;
+    }
+  }
 
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
     auto flat = on_cpu(tensors, what);

@@ -8,6 +8,18 @@
 
 namespace lockstep {
 namespace detail {
+namespace {
+
+// c10d's NCCL group takes CUDA tensors only.
+class NcclGroup final : public C10dGroup<c10d::ProcessGroupNCCL> {
+ public:
+  using C10dGroup::C10dGroup;
+  bool supports(Collective, torch::ScalarType, torch::Device device) const override {
+    return device.is_cuda();
+  }
+};
+
+} // namespace
 
 bool nccl_available() {
   return true;
@@ -21,7 +33,7 @@ std::shared_ptr<GroupImpl> make_nccl_group(
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
-  return std::make_shared<C10dGroup<c10d::ProcessGroupNCCL>>(std::move(group), "nccl", timeout);
+  return std::make_shared<NcclGroup>(std::move(group), "nccl", timeout);
 }
 
 } // namespace detail

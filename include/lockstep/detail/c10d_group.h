@@ -38,6 +38,16 @@ using Diagnose = std::shared_ptr<const std::function<std::string()>>;
     const std::string& cause,
     const Diagnose& diagnose = {});
 
+/// Throws the c10::Error of a collective this rank refused (its backend, or
+/// lockstep, found an argument wrong) before sending anything: unlike
+/// throw_collective_error's, no other rank is at fault.
+[[noreturn]] void throw_refusal(
+    const std::string& what,
+    int rank,
+    int size,
+    const std::string& backend,
+    const std::string& cause);
+
 class C10dWork : public Work {
  public:
   C10dWork(
@@ -156,14 +166,16 @@ class C10dGroup : public GroupImpl {
     return true;
   }
 
+  // What c10d throws while starting a collective is its refusal of this
+  // rank's arguments: nothing was sent, and no other rank is at fault.
   template <typename F>
   std::shared_ptr<Work> wrap(F&& start, std::string what) {
     try {
       return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_, diagnose_);
     } catch (const c10::Error& e) {
-      throw_collective_error(what, rank(), size(), timeout_, e.msg(), diagnose_);
+      throw_refusal(what, rank(), size(), backend_, e.msg());
     } catch (const std::exception& e) {
-      throw_collective_error(what, rank(), size(), timeout_, e.what(), diagnose_);
+      throw_refusal(what, rank(), size(), backend_, e.what());
     }
   }
 

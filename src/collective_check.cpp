@@ -1,0 +1,300 @@
+#include "collective_check.h"
+
+#include <c10/util/Exception.h>
+#include <torch/types.h>
+
+#include <array>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+namespace lockstep {
+namespace detail {
+
+// Note [Ranks agree before they send]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Ranks that call collectives of different sizes at the same point (a
+// rank-dependent branch, DistributedOptions that differ between ranks, so
+// buckets that differ) must end with an error on every rank, and no rank may
+// die of it. Gloo does not allow that: a message longer than the receiver
+// expects fails an assertion in Gloo's own network thread
+// ("op.preamble.length <= op.nbytes ... collective mismatch?"), where
+// nothing can catch it, and the process aborts. MPI and NCCL read past the
+// buffer, or wait for good. So no rank may send a collective before it knows
+// that every rank sends the same one.
+//
+// Before each collective, every rank all_gathers a fingerprint of four
+// integers (operation, reduction or root, dtype, element count) and compares
+// them: when they differ, every rank sees the same difference and throws it
+// from wait(), naming rank 0's and the first differing rank's collective,
+// and none sends it. Fingerprints have one size, so a rank's check can only
+// meet another rank's check, and the ranks stay paired for what follows.
+//
+// The check must complete before the collective starts, but the caller must
+// not wait for it (DDP starts a bucket's allreduce from inside backward). So
+// each group has a thread that takes the collectives in the order they were
+// started, checks each, then starts it in the backend and goes on to the
+// next, without waiting for it to finish. The order, which every rank shares,
+// is kept, and collectives still overlap with each other and with backward.
+// The cost is one small all_gather per collective, off the caller's thread:
+// it delays each collective's start by a round trip (docs/performance.md).
+// Over NCCL the collective is started from this thread, so it waits for that
+// thread's current CUDA stream, the device's default one; a barrier is not
+// checked there, having no CUDA tensor to check with (NCCL's own watchdog
+// catches a barrier that some rank never joins).
+
+namespace {
+
+enum Kind : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3 };
+using Fingerprint = std::array<int64_t, 4>; // kind, reduction or root, dtype, elements
+
+Fingerprint fingerprint_of(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) {
+  Fingerprint f{kind, arg, -1, 0};
+  if (!tensors.empty()) {
+    f[2] = static_cast<int64_t>(tensors[0].scalar_type());
+  }
+  for (const auto& t : tensors) {
+    f[3] += t.numel();
+  }
+  return f;
+}
+
+std::string describe(const int64_t* f) {
+  static const char* kKinds[] = {"allreduce", "broadcast", "all_gather", "barrier"};
+  static const char* kReductions[] = {"sum", "avg", "max", "min"};
+  if (f[0] < kAllreduce || f[0] > kBarrier || (f[0] == kAllreduce && (f[1] < 0 || f[1] > 3))) {
+    return "a collective lockstep does not know";
+  }
+  std::ostringstream out;
+  out << kKinds[f[0]];
+  if (f[0] == kAllreduce) {
+    out << " (" << kReductions[f[1]] << ")";
+  } else if (f[0] == kBroadcast) {
+    out << " from rank " << f[1];
+  }
+  if (f[0] != kBarrier) {
+    out << " of " << f[3] << " " << c10::toString(static_cast<c10::ScalarType>(f[2])) << " elements";
+  }
+  return out.str();
+}
+
+// One collective: its check, then its start, both by the group's thread.
+struct Job {
+  Fingerprint fingerprint{};
+  torch::Device device = torch::kCPU;
+  std::string what;
+  std::function<std::shared_ptr<Work>(const std::string& what)> start;
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool taken = false; // the group's thread has begun it
+  bool done = false; // checked and started, or failed
+  std::shared_ptr<Work> work; // the backend's
+  std::exception_ptr error;
+};
+
+class QueuedWork : public Work {
+ public:
+  explicit QueuedWork(std::shared_ptr<Job> job) : job_(std::move(job)) {}
+  void wait() override {
+    std::shared_ptr<Work> work;
+    {
+      std::unique_lock<std::mutex> lock(job_->mutex);
+      job_->changed.wait(lock, [&] { return job_->done; }); // bounded: the check's own wait has the timeout
+      if (job_->error) {
+        std::rethrow_exception(job_->error);
+      }
+      work = job_->work;
+    }
+    work->wait();
+  }
+  bool started() const override {
+    std::lock_guard<std::mutex> lock(job_->mutex);
+    return job_->taken && (job_->work == nullptr || job_->work->started());
+  }
+
+ private:
+  std::shared_ptr<Job> job_;
+};
+
+// An all_gather's Work that puts the results into the caller's tensors: a
+// GroupImpl may fill `outputs` by assigning new tensors to its elements
+// (one that forwards to another ProcessGroup does), and the caller's vector
+// is not the one that the group's thread hands to the backend.
+class GatheredWork : public Work {
+ public:
+  GatheredWork(std::shared_ptr<Work> work, std::shared_ptr<std::vector<torch::Tensor>> gathered,
+               std::vector<torch::Tensor> targets)
+      : work_(std::move(work)), gathered_(std::move(gathered)), targets_(std::move(targets)) {}
+  void wait() override {
+    work_->wait();
+    for (size_t r = 0; r < targets_.size() && r < gathered_->size(); ++r) {
+      if (!(*gathered_)[r].is_same(targets_[r])) {
+        targets_[r].copy_((*gathered_)[r]);
+      }
+    }
+    targets_.clear(); // copied once
+  }
+  bool started() const override {
+    return work_->started();
+  }
+
+ private:
+  std::shared_ptr<Work> work_;
+  std::shared_ptr<std::vector<torch::Tensor>> gathered_;
+  std::vector<torch::Tensor> targets_;
+};
+
+class CheckedGroup : public GroupImpl {
+ public:
+  explicit CheckedGroup(std::shared_ptr<GroupImpl> inner) : inner_(std::move(inner)), thread_([this] { loop(); }) {}
+  ~CheckedGroup() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    queued_.notify_all();
+    thread_.join();
+  }
+
+  int rank() const override {
+    return inner_->rank();
+  }
+  int size() const override {
+    return inner_->size();
+  }
+  std::string backend() const override {
+    return inner_->backend();
+  }
+  std::chrono::milliseconds timeout() const override {
+    return inner_->timeout();
+  }
+  bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
+    return inner_->supports(op, dtype, device);
+  }
+
+  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
+    return enqueue(fingerprint_of(kAllreduce, static_cast<int64_t>(op), tensors), device_of(tensors), std::move(what),
+                   [inner = inner_, tensors, op](const std::string& w) mutable { return inner->allreduce(tensors, op, w); });
+  }
+  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
+    return enqueue(fingerprint_of(kBroadcast, root, tensors), device_of(tensors), std::move(what),
+                   [inner = inner_, tensors, root](const std::string& w) mutable { return inner->broadcast(tensors, root, w); });
+  }
+  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
+    return enqueue(fingerprint_of(kAllGather, 0, {input}), input.device(), std::move(what),
+                   [inner = inner_, targets = outputs, input](const std::string& w) mutable -> std::shared_ptr<Work> {
+                     auto gathered = std::make_shared<std::vector<torch::Tensor>>(targets);
+                     auto work = inner->all_gather(*gathered, input, w);
+                     return std::make_shared<GatheredWork>(std::move(work), std::move(gathered), targets);
+                   });
+  }
+  std::shared_ptr<Work> barrier(std::string what) override {
+    return enqueue(fingerprint_of(kBarrier, 0, {}), torch::kCPU, std::move(what),
+                   [inner = inner_](const std::string& w) { return inner->barrier(w); });
+  }
+
+ private:
+  static torch::Device device_of(const std::vector<torch::Tensor>& tensors) {
+    return tensors.empty() ? torch::Device(torch::kCPU) : tensors[0].device();
+  }
+
+  std::shared_ptr<Work> enqueue(Fingerprint fingerprint, torch::Device device, std::string what,
+                                std::function<std::shared_ptr<Work>(const std::string&)> start) {
+    auto job = std::make_shared<Job>();
+    job->fingerprint = fingerprint;
+    job->device = device;
+    job->what = std::move(what);
+    job->start = std::move(start);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(job);
+    }
+    queued_.notify_one();
+    return std::make_shared<QueuedWork>(std::move(job));
+  }
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      queued_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) {
+        return; // stop_, with nothing left to start
+      }
+      auto job = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      run(*job);
+      lock.lock();
+    }
+  }
+
+  void run(Job& job) {
+    {
+      std::lock_guard<std::mutex> lock(job.mutex);
+      job.taken = true;
+    }
+    std::shared_ptr<Work> work;
+    std::exception_ptr error;
+    try {
+      agree(job);
+      work = job.start(job.what);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(job.mutex);
+      job.work = std::move(work);
+      job.error = error;
+      job.done = true;
+    }
+    job.changed.notify_all();
+  }
+
+  // Note [Ranks agree before they send].
+  void agree(const Job& job) {
+    if (!inner_->supports(Collective::AllGather, torch::kLong, job.device)) {
+      return; // NCCL's barrier: no CUDA tensor to check with
+    }
+    const auto& f = job.fingerprint;
+    auto mine = torch::tensor(std::vector<int64_t>(f.begin(), f.end()), torch::kLong).to(job.device);
+    std::vector<torch::Tensor> all;
+    for (int r = 0; r < size(); ++r) {
+      all.push_back(torch::empty_like(mine));
+    }
+    inner_->all_gather(all, mine, job.what)->wait();
+    const auto reference = all[0].cpu();
+    for (int r = 1; r < size(); ++r) {
+      const auto theirs = all[r].cpu();
+      TORCH_CHECK(torch::equal(theirs, reference), "lockstep: rank ", rank(), " of ", size(), ": ", job.what,
+                  ": ranks disagree on this collective, so none of them sent it: rank 0 runs ",
+                  describe(reference.data_ptr<int64_t>()), " but rank ", r, " runs ", describe(theirs.data_ptr<int64_t>()),
+                  ". Every rank must call the same collectives in the same order, with tensors of the same sizes and "
+                  "dtypes: look for a branch, a batch, a model or DistributedOptions (bucket_cap_mb) that differ between "
+                  "ranks. LOCKSTEP_DEBUG=detail also compares shapes and numbers the collectives.");
+    }
+  }
+
+  std::shared_ptr<GroupImpl> inner_;
+  std::mutex mutex_;
+  std::condition_variable queued_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  bool stop_ = false;
+  std::thread thread_; // last: started once the rest exists
+};
+
+} // namespace
+
+std::shared_ptr<GroupImpl> checked(std::shared_ptr<GroupImpl> impl) {
+  if (impl->size() == 1) {
+    return impl;
+  }
+  return std::make_shared<CheckedGroup>(std::move(impl));
+}
+
+} // namespace detail
+} // namespace lockstep

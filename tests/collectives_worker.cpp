@@ -1,0 +1,65 @@
+// One rank of the process-group contract tests under a real launcher (the
+// Mpi.contract_* and Mpi.size_mismatch_* tests run it under mpirun with
+// LOCKSTEP_TEST_BACKEND=mpi): the checks of support/collective_contract.h,
+// which test_collectives.cpp runs over Gloo with ranks as threads.
+//
+//   lockstep_collectives_worker contract|size_mismatch
+//
+// Prints "rank R: OK" and exits 0 when every check passed, "rank R: CHECK
+// FAILED: ..." for each failed one and exits 1, "rank R: ERROR: ..." and
+// exits 3 on an unexpected lockstep error.
+
+#include <lockstep/lockstep.h>
+
+#include "support/collective_contract.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s contract|size_mismatch\n", argv[0]);
+    return 2;
+  }
+  const std::string scenario = argv[1];
+  int rank = -1;
+  int failures = 0;
+  try {
+    const char* backend = std::getenv("LOCKSTEP_TEST_BACKEND");
+    auto options = lockstep::ProcessGroupOptions().backend(backend != nullptr ? backend : "gloo");
+    if (scenario == "size_mismatch") {
+      options.timeout(std::chrono::seconds(10));
+    }
+    auto group = lockstep::init_process_group(options);
+    rank = group.rank();
+    const lockstep::testing::Check check = [&](bool ok, const std::string& what) {
+      if (!ok) {
+        std::printf("rank %d: CHECK FAILED: %s\n", rank, what.c_str());
+        ++failures;
+      }
+    };
+    if (scenario == "contract") {
+      lockstep::testing::check_several_tensors(group, check);
+      lockstep::testing::check_integer_average(group, check);
+      lockstep::testing::check_empty_list(group, check);
+      lockstep::testing::check_local_refusal(group, check);
+      lockstep::testing::check_bfloat16_and_bool(group, check);
+      lockstep::testing::check_all_gather_in_inference_mode(group, check);
+    } else if (scenario == "size_mismatch") {
+      lockstep::testing::check_size_mismatch(group, check);
+    } else {
+      std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
+      return 2;
+    }
+  } catch (const c10::Error& e) {
+    std::printf("rank %d: ERROR: %s\n", rank, e.what_without_backtrace());
+    std::fflush(stdout);
+    return 3;
+  }
+  if (failures == 0) {
+    std::printf("rank %d: OK\n", rank);
+  }
+  std::fflush(stdout);
+  return failures == 0 ? 0 : 1;
+}

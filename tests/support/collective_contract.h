@@ -1,0 +1,210 @@
+#pragma once
+
+// What process_group.h promises of every backend, as checks that run the
+// same on ranks as threads (test_collectives.cpp, Gloo) and on ranks as
+// processes under mpirun (collectives_worker.cpp, MPI): distinct values per
+// rank, and every result computed by hand from the rank count.
+
+#include <lockstep/process_group.h>
+
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace testing {
+
+/// Reports one check: ok, and what was checked.
+using Check = std::function<void(bool ok, const std::string& what)>;
+
+/// The message of the c10::Error that fn throws, or "" if it throws none.
+inline std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+/// Whether `message` holds every one of `needles`; the check names what is missing.
+inline void check_says(const Check& check, const std::string& message, const std::vector<std::string>& needles,
+                       const std::string& what) {
+  check(!message.empty(), what + ": expected an error, got none");
+  for (const auto& needle : needles) {
+    check(message.find(needle) != std::string::npos, what + ": expected '" + needle + "' in: " + message);
+  }
+}
+
+// Item 1: a list of several tensors is reduced, or broadcast, tensor by
+// tensor, whatever their sizes, contiguous or not.
+inline void check_several_tensors(const ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  const int n = group.size();
+  auto a = torch::full({1}, static_cast<float>(r + 1));
+  auto b = torch::full({1}, static_cast<float>((r + 1) * (r + 1)));
+  group.allreduce_async({a, b}, ReduceOp::Sum, "several tensors")->wait(); // 4 ranks: [10], [30]
+  check(a.item<float>() == n * (n + 1) / 2.0f, "sum of [r+1]: " + std::to_string(a.item<float>()));
+  check(b.item<float>() == n * (n + 1) * (2 * n + 1) / 6.0f, "sum of [(r+1)^2]: " + std::to_string(b.item<float>()));
+
+  auto one = torch::full({1}, static_cast<float>(r));
+  auto c = (torch::arange(6, torch::kFloat) + r).view({2, 3}).t(); // not contiguous
+  group.allreduce_async({one, c}, ReduceOp::Sum, "tensors of several shapes")->wait();
+  check(one.item<float>() == n * (n - 1) / 2.0f, "sum of [r] beside a [3, 2] tensor");
+  check(torch::equal(c, torch::arange(6, torch::kFloat).view({2, 3}).t() * n + n * (n - 1) / 2.0f),
+        "sum of a transposed [3, 2] tensor");
+
+  auto high = torch::full({2}, static_cast<float>(r));
+  auto low = torch::full({3}, static_cast<float>(-r));
+  group.allreduce_async({high, low}, ReduceOp::Max, "several tensors")->wait();
+  check(torch::equal(high, torch::full({2}, static_cast<float>(n - 1))), "max of [r, r]");
+  check(torch::equal(low, torch::zeros({3})), "max of [-r, -r, -r]");
+
+  auto mean = torch::full({1}, static_cast<float>(r + 1));
+  auto twice = torch::full({2}, static_cast<float>(2 * (r + 1)));
+  group.allreduce_async({mean, twice}, ReduceOp::Avg, "several tensors")->wait();
+  check(mean.item<float>() == (n + 1) / 2.0f, "avg of [r+1]: " + std::to_string(mean.item<float>()));
+  check(torch::equal(twice, torch::full({2}, static_cast<float>(n + 1))), "avg of [2(r+1), 2(r+1)]");
+
+  auto t0 = torch::full({2}, static_cast<float>(10 * r));
+  auto t1 = torch::full({3}, static_cast<double>(100 * r + 1)).to(torch::kFloat);
+  group.broadcast_async({t0, t1}, n - 1, "several tensors")->wait();
+  check(torch::equal(t0, torch::full({2}, static_cast<float>(10 * (n - 1)))), "broadcast of t0 from the last rank");
+  check(torch::equal(t1, torch::full({3}, static_cast<float>(100 * (n - 1) + 1))), "broadcast of t1 from the last rank");
+}
+
+inline int64_t floor_div(int64_t a, int64_t b) {
+  return static_cast<int64_t>(std::floor(static_cast<double>(a) / static_cast<double>(b)));
+}
+
+// Item 2: Avg of integers is the sum divided by the rank count, rounded
+// down; of bools, refused at the call.
+inline void check_integer_average(const ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  const int64_t n = group.size();
+  auto longs = torch::full({3}, static_cast<int64_t>(r - 2), torch::kLong); // sums are negative: floor, not truncation
+  auto ints = torch::arange(4, torch::kInt) + 3 * r;
+  group.allreduce_async({longs}, ReduceOp::Avg, "integer average")->wait();
+  group.allreduce_async({ints}, ReduceOp::Avg, "integer average")->wait();
+  const int64_t long_sum = n * (n - 1) / 2 - 2 * n;
+  check(torch::equal(longs, torch::full({3}, floor_div(long_sum, n), torch::kLong)),
+        "avg of Long r-2 over " + std::to_string(n) + " ranks is floor(" + std::to_string(long_sum) + "/n), got " +
+            std::to_string(longs[0].item<int64_t>()));
+  check(ints.scalar_type() == torch::kInt, "avg keeps the Int dtype");
+  for (int64_t k = 0; k < 4; ++k) {
+    const int64_t sum = k * n + 3 * n * (n - 1) / 2;
+    check(ints[k].item<int64_t>() == floor_div(sum, n), "avg of Int element " + std::to_string(k));
+  }
+  auto flags = torch::ones({2}, torch::kBool);
+  check_says(check, message_of([&] { group.allreduce_async({flags}, ReduceOp::Avg, "bool average")->wait(); }),
+             {"bool average", "Avg", "Bool", "before anything was sent"}, "Avg of Bool");
+}
+
+// Item 3: an empty list is refused at the call, on every backend.
+inline void check_empty_list(const ProcessGroup& group, const Check& check) {
+  check_says(check, message_of([&] { group.allreduce_async({}, ReduceOp::Sum, "empty allreduce"); }),
+             {"empty allreduce", "no tensors", "before anything was sent"}, "allreduce of an empty list");
+  check_says(check, message_of([&] { group.broadcast_async({}, 0, "empty broadcast"); }),
+             {"empty broadcast", "no tensors", "before anything was sent"}, "broadcast of an empty list");
+}
+
+// Item 5: an argument this rank gets wrong reads as a local refusal, not as
+// a timeout or another rank's failure.
+inline void check_local_refusal(const ProcessGroup& group, const Check& check) {
+  const std::string message = message_of([&] {
+    group.allreduce_async({torch::ones({2}), torch::ones({2}, torch::kDouble)}, ReduceOp::Sum, "mixed dtypes")->wait();
+  });
+  check_says(check, message, {"mixed dtypes", "before anything was sent", "tensors[1] is Double but tensors[0] is Float"},
+             "mixed dtypes");
+  check(message.find("timeout") == std::string::npos && message.find("Another rank") == std::string::npos,
+        "a local refusal does not read as a timeout: " + message);
+}
+
+// Runs `fn`; a c10::Error fails the check named `what` and the next part
+// of the test runs, so that one run shows every part that fails.
+inline void attempt(const Check& check, const std::string& what, const std::function<void()>& fn) {
+  const std::string message = message_of(fn);
+  check(message.empty(), what + ": " + message);
+}
+
+// Item 6: bfloat16 and bool travel exactly, whatever the backend carries; a
+// backend that cannot reduce bfloat16 says so at the call.
+inline void check_bfloat16_and_bool(const ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  const int n = group.size();
+  attempt(check, "bfloat16 broadcast", [&] {
+    // 1 + 2^-7 and -3.5 are exact in bfloat16; rank r's own values differ.
+    auto bf16 = torch::tensor({1.0f + 1.0f / 128, -3.5f, static_cast<float>(r)}).to(torch::kBFloat16);
+    group.broadcast_async({bf16}, 0, "bfloat16 broadcast")->wait();
+    check(torch::equal(bf16, torch::tensor({1.0f + 1.0f / 128, -3.5f, 0.0f}).to(torch::kBFloat16)), "bfloat16 broadcast");
+  });
+  attempt(check, "bool broadcast", [&] {
+    auto flags = torch::tensor({r == 0, r != 0, true}, torch::kBool);
+    group.broadcast_async({flags}, 0, "bool broadcast")->wait();
+    check(torch::equal(flags, torch::tensor({true, false, true}, torch::kBool)), "bool broadcast");
+  });
+  attempt(check, "bool max and min", [&] {
+    auto any = torch::tensor({r == n - 1, false}, torch::kBool);
+    auto every = torch::tensor({r != 0 || n == 1, true}, torch::kBool);
+    group.allreduce_async({any}, ReduceOp::Max, "bool max")->wait();
+    group.allreduce_async({every}, ReduceOp::Min, "bool min")->wait();
+    check(torch::equal(any, torch::tensor({true, false}, torch::kBool)), "bool max: true where any rank has true");
+    check(torch::equal(every, torch::tensor({n == 1, true}, torch::kBool)), "bool min: true where every rank has true");
+  });
+  attempt(check, "bfloat16 and bool all_gather", [&] {
+    auto gathered = group.all_gather(torch::full({2}, static_cast<float>(r)).to(torch::kBFloat16));
+    auto bools = group.all_gather(torch::full({2}, r % 2 == 1, torch::kBool));
+    for (int k = 0; k < n; ++k) {
+      check(torch::equal(gathered[k], torch::full({2}, static_cast<float>(k)).to(torch::kBFloat16)), "bfloat16 all_gather");
+      check(torch::equal(bools[k], torch::full({2}, k % 2 == 1, torch::kBool)), "bool all_gather");
+    }
+  });
+  // A backend that reduces bfloat16 gives the sum; one that cannot says so at the call.
+  auto sum = torch::full({2}, static_cast<float>(r + 1)).to(torch::kBFloat16);
+  const std::string refused = message_of([&] { group.allreduce_async({sum}, ReduceOp::Sum, "bfloat16 sum")->wait(); });
+  if (refused.empty()) {
+    check(torch::equal(sum, torch::full({2}, n * (n + 1) / 2.0f).to(torch::kBFloat16)), "bfloat16 sum");
+  } else {
+    check_says(check, refused, {"bfloat16 sum", "BFloat16", group.backend(), "before anything was sent"},
+               "bfloat16 allreduce refused");
+  }
+}
+
+// Item 6: an all_gather called in inference mode, of a tensor made there.
+inline void check_all_gather_in_inference_mode(const ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  const int n = group.size();
+  c10::InferenceMode inference;
+  attempt(check, "all_gather in inference mode", [&] {
+    auto all = group.all_gather(torch::full({3}, static_cast<float>(r)));
+    check(static_cast<int>(all.size()) == n, "all_gather in inference mode gives one tensor per rank");
+    for (int k = 0; k < n && k < static_cast<int>(all.size()); ++k) {
+      check(torch::equal(all[k], torch::full({3}, static_cast<float>(k))), "all_gather in inference mode, slot " + std::to_string(k));
+    }
+  });
+}
+
+// Item 4: rank 0 reduces 4 elements, the others 1000. Every rank ends with
+// an error naming the collective and both sizes, none dies; the group then
+// goes on working.
+inline void check_size_mismatch(const ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  auto t = torch::ones({r == 0 ? 4 : 1000});
+  const std::string message = message_of([&] { group.allreduce_async({t}, ReduceOp::Sum, "the mismatched allreduce")->wait(); });
+  check_says(check, message,
+             {"the mismatched allreduce", "ranks disagree",
+              "rank 0 runs allreduce (sum) of 4 Float elements but rank 1 runs allreduce (sum) of 1000 Float elements"},
+             "rank " + std::to_string(r) + "'s error");
+  auto after = torch::full({3}, static_cast<float>(r));
+  group.allreduce(after);
+  const int n = group.size();
+  check(torch::equal(after, torch::full({3}, n * (n - 1) / 2.0f)), "an allreduce after the mismatch");
+}
+
+} // namespace testing
+} // namespace lockstep

@@ -1,0 +1,97 @@
+// ProcessGroup's contract (process_group.h) over Gloo, ranks as threads: the
+// checks of support/collective_contract.h, which collectives_worker.cpp runs
+// over MPI under mpirun (the Mpi.contract_* tests).
+
+#include <lockstep/lockstep.h>
+
+#include "support/collective_contract.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <mutex>
+#include <string>
+
+namespace lockstep {
+namespace {
+
+// Runs `checks` on `size` ranks; a failed check fails the test, naming the rank.
+void on_ranks(int size, void (*checks)(const ProcessGroup&, const testing::Check&),
+              std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  std::mutex mutex;
+  testing::spawn(
+      size,
+      [&](ProcessGroup& group) {
+        checks(group, [&](bool ok, const std::string& what) {
+          std::lock_guard<std::mutex> lock(mutex);
+          EXPECT_TRUE(ok) << "rank " << group.rank() << " of " << group.size() << ": " << what;
+        });
+      },
+      timeout);
+}
+
+TEST(ProcessGroupContract, SeveralTensorsAreReducedAndBroadcastOneByOne) {
+  on_ranks(4, testing::check_several_tensors);
+  on_ranks(3, testing::check_several_tensors);
+}
+
+TEST(ProcessGroupContract, IntegerAverageRoundsDownAndBoolAverageIsRefused) {
+  for (int size : {1, 2, 3, 4}) {
+    on_ranks(size, testing::check_integer_average);
+  }
+}
+
+TEST(ProcessGroupContract, EmptyListIsRefusedAtTheCall) {
+  on_ranks(1, testing::check_empty_list);
+  on_ranks(2, testing::check_empty_list);
+}
+
+TEST(ProcessGroupContract, LocalRefusalDoesNotReadAsATimeout) {
+  on_ranks(1, testing::check_local_refusal);
+  on_ranks(2, testing::check_local_refusal);
+}
+
+TEST(ProcessGroupContract, BFloat16AndBoolTravelExactlyOrAreRefusedAtTheCall) {
+  on_ranks(1, testing::check_bfloat16_and_bool);
+  on_ranks(3, testing::check_bfloat16_and_bool);
+}
+
+TEST(ProcessGroupContract, AllGatherWorksInInferenceMode) {
+  on_ranks(1, testing::check_all_gather_in_inference_mode);
+  on_ranks(2, testing::check_all_gather_in_inference_mode);
+}
+
+TEST(ProcessGroupContract, RanksPassingDifferentSizesAllFailAndNoneDies) {
+  on_ranks(2, testing::check_size_mismatch, std::chrono::seconds(10));
+  on_ranks(3, testing::check_size_mismatch, std::chrono::seconds(10));
+}
+
+// The reducer's view of the same fault: ranks that disagree on bucket_cap_mb
+// reduce buckets of different sizes. Every rank ends with an error naming
+// the bucket's allreduce, none dies.
+TEST(ProcessGroupContract, DdpWhoseRanksDisagreeOnBucketSizesFailsOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        torch::manual_seed(3);
+        auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, 4));
+        // Rank 0: every parameter its own bucket; rank 1: one bucket of all.
+        auto options = DistributedOptions().bucket_cap_mb(group.rank() == 0 ? 1e-6 : 25.0);
+        DistributedDataParallel<torch::nn::Sequential> ddp(net, group, options);
+        const std::string message =
+            testing::message_of([&] { ddp(torch::ones({2, 8})).sum().backward(); });
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[group.rank()] = message;
+      },
+      std::chrono::seconds(10));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("allreduce of bucket 0"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("ranks disagree"), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
+} // namespace
+} // namespace lockstep
