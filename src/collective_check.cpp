@@ -1,5 +1,7 @@
 #include "collective_check.h"
 
+#include "forwarding_group.h"
+
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
@@ -149,9 +151,9 @@ class GatheredWork : public Work {
   std::vector<torch::Tensor> targets_;
 };
 
-class CheckedGroup : public GroupImpl {
+class CheckedGroup : public ForwardingGroup {
  public:
-  explicit CheckedGroup(std::shared_ptr<GroupImpl> inner) : inner_(std::move(inner)), thread_([this] { loop(); }) {}
+  explicit CheckedGroup(std::shared_ptr<GroupImpl> inner) : ForwardingGroup(std::move(inner)), thread_([this] { loop(); }) {}
   ~CheckedGroup() override {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -159,22 +161,6 @@ class CheckedGroup : public GroupImpl {
     }
     queued_.notify_all();
     thread_.join();
-  }
-
-  int rank() const override {
-    return inner_->rank();
-  }
-  int size() const override {
-    return inner_->size();
-  }
-  std::string backend() const override {
-    return inner_->backend();
-  }
-  std::chrono::milliseconds timeout() const override {
-    return inner_->timeout();
-  }
-  bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
-    return inner_->supports(op, dtype, device);
   }
 
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
@@ -279,7 +265,6 @@ class CheckedGroup : public GroupImpl {
     }
   }
 
-  std::shared_ptr<GroupImpl> inner_;
   std::mutex mutex_;
   std::condition_variable queued_;
   std::deque<std::shared_ptr<Job>> queue_;

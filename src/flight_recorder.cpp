@@ -1,5 +1,7 @@
 #include "flight_recorder.h"
 
+#include "forwarding_group.h"
+
 #include <torch/types.h>
 
 #include <c10/util/Exception.h>
@@ -274,31 +276,15 @@ class RecordedWork : public Work {
   int64_t seq_;
 };
 
-class RecordedGroup : public GroupImpl {
+class RecordedGroup : public ForwardingGroup {
  public:
   RecordedGroup(std::shared_ptr<GroupImpl> inner, size_t capacity, bool check)
-      : inner_(std::move(inner)),
+      : ForwardingGroup(std::move(inner)),
         recorder_(std::make_shared<FlightRecorder>(inner_->rank(), inner_->size(), inner_->backend(), inner_->timeout(),
                                                    capacity)),
         check_(check) {
     std::lock_guard<std::mutex> lock(registry_mutex());
     registry().push_back(recorder_);
-  }
-
-  int rank() const override {
-    return inner_->rank();
-  }
-  int size() const override {
-    return inner_->size();
-  }
-  std::string backend() const override {
-    return inner_->backend();
-  }
-  std::chrono::milliseconds timeout() const override {
-    return inner_->timeout();
-  }
-  bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
-    return inner_->supports(op, dtype, device);
   }
 
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
@@ -386,7 +372,6 @@ class RecordedGroup : public GroupImpl {
     }
   }
 
-  std::shared_ptr<GroupImpl> inner_;
   std::shared_ptr<FlightRecorder> recorder_;
   bool check_;
 };

@@ -1,0 +1,43 @@
+#pragma once
+
+// Internal: a GroupImpl that wraps another and passes on what describes it
+// (rank, size, backend, timeout, what it supports). The wrappers, the
+// agreement check (src/collective_check.cpp) and the flight recorder
+// (src/flight_recorder.cpp), override the collectives.
+
+#include <lockstep/process_group.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace lockstep {
+namespace detail {
+
+class ForwardingGroup : public GroupImpl {
+ public:
+  explicit ForwardingGroup(std::shared_ptr<GroupImpl> inner) : inner_(std::move(inner)) {}
+
+  int rank() const override {
+    return inner_->rank();
+  }
+  int size() const override {
+    return inner_->size();
+  }
+  std::string backend() const override {
+    return inner_->backend();
+  }
+  std::chrono::milliseconds timeout() const override {
+    return inner_->timeout();
+  }
+  bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
+    return inner_->supports(op, dtype, device);
+  }
+
+ protected:
+  std::shared_ptr<GroupImpl> inner_;
+};
+
+} // namespace detail
+} // namespace lockstep
