@@ -36,10 +36,10 @@ class Completed : public PendingReduction {
 std::shared_ptr<PendingReduction> compressed(const ProcessGroup& group, GradBucket& bucket, torch::Dtype dtype) {
   // Divide first: summing already-averaged values cannot overflow float16.
   auto values = bucket.buffer.div(group.size()).to(dtype);
-  if ((dtype == torch::kBFloat16 && group.backend() == "gloo") || group.backend() == "mpi") {
-    // Gloo cannot sum bfloat16, and MPI has no 16-bit float types: round to
-    // the type (the same precision loss), then sum in the bucket's own type.
-    // Nothing is saved on the wire here.
+  if (!group.supports(Collective::Allreduce, dtype, values.device())) {
+    // A backend that cannot sum the type (MPI has no 16-bit float types;
+    // 1.13's Gloo has no bfloat16 sum): round to the type (the same precision
+    // loss), then sum in the bucket's own type. Nothing is saved on the wire.
     values = values.to(bucket.buffer.scalar_type());
   }
   auto work = group.allreduce_async({values}, ReduceOp::Sum, "allreduce of " + bucket.name);

@@ -329,8 +329,8 @@ class RecordedGroup : public ForwardingGroup {
     torch::Device device = torch::kCPU;
     if (!tensors.empty()) {
       device = tensors[0].device();
-    } else if (inner_->backend() == "nccl") {
-      return; // a barrier: NCCL takes no CPU tensor, and a barrier has no shape to get wrong
+    } else if (!inner_->supports(Collective::AllGather, torch::kLong, torch::kCPU)) {
+      return; // a barrier over a backend without CPU tensors (NCCL): it has no shape to get wrong
     }
     auto mine = torch::zeros({kFingerprintSize}, torch::kLong);
     auto* v = mine.data_ptr<int64_t>();
