@@ -8,6 +8,7 @@
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <mutex>
@@ -92,6 +93,32 @@ TEST(ProcessGroupContract, DdpWhoseRanksDisagreeOnBucketSizesFailsOnEveryRank) {
     EXPECT_NE(errors[r].find("rank 1's DistributedOptions differ from rank 0's: rank 0 has bucket_bytes=1,"),
               std::string::npos) << "rank " << r << ": " << errors[r];
   }
+}
+
+TEST(ProcessGroupContract, NcclGroupOfOneKeepsTheContract_CUDA) {
+  // NCCL refuses two ranks on one GPU, so a real NCCL group of one: several
+  // tensors on one device are reduced and broadcast one by one (c10d's NCCL
+  // would read a list as one tensor per device), an integer average keeps its
+  // type, and an empty list is refused at the call.
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const auto gpu = torch::TensorOptions().device(torch::kCUDA, 0);
+  auto group = new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "nccl");
+  ASSERT_EQ(group.backend(), "nccl");
+  auto a = torch::full({1}, 1.0f, gpu);
+  auto b = torch::full({2}, 4.0f, gpu);
+  group.allreduce_async({a, b}, ReduceOp::Sum, "two tensors")->wait();
+  EXPECT_TRUE(torch::equal(a.cpu(), torch::full({1}, 1.0f))) << a;
+  EXPECT_TRUE(torch::equal(b.cpu(), torch::full({2}, 4.0f))) << b;
+  group.broadcast_async({a, b}, 0, "two tensors")->wait();
+  EXPECT_TRUE(torch::equal(b.cpu(), torch::full({2}, 4.0f))) << b;
+  auto longs = torch::full({3}, int64_t{-3}, gpu.dtype(torch::kLong));
+  group.allreduce_async({longs}, ReduceOp::Avg, "integer average")->wait();
+  EXPECT_EQ(longs.scalar_type(), torch::kLong);
+  EXPECT_TRUE(torch::equal(longs.cpu(), torch::full({3}, int64_t{-3}))) << longs;
+  const auto message = testing::message_of([&] { group.allreduce_async({}, ReduceOp::Sum, "empty allreduce"); });
+  EXPECT_NE(message.find("no tensors"), std::string::npos) << message;
 }
 
 } // namespace
