@@ -361,6 +361,17 @@ torch::Tensor gather_one(
   return gathered;
 }
 
+// Indices of the tensors that need a gradient.
+std::vector<size_t> needing_grad(const std::vector<torch::Tensor>& tensors) {
+  std::vector<size_t> indices;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].requires_grad()) {
+      indices.push_back(i);
+    }
+  }
+  return indices;
+}
+
 } // namespace
 
 Gathered DataParallelCore::gather(const Plan& plan, const std::vector<std::vector<torch::Tensor>>& flat) const {
@@ -443,22 +454,15 @@ void DataParallelCore::attach_backward(
   // The node's outputs, in order: parameters and buffers that need a
   // gradient (PyTorch's replicate() broadcasts those buffers differentiably,
   // so their gradients sum back too), then inputs.
-  std::vector<size_t> grad_params, grad_buffers;
-  variable_list next_edges;
-  for (size_t p = 0; p < source_params_.size(); ++p) {
-    if (source_params_[p].requires_grad()) {
-      grad_params.push_back(p);
-      next_edges.push_back(source_params_[p]);
-      backward.params.push_back(source_params_[p]);
-    }
+  const auto grad_params = needing_grad(source_params_);
+  const auto grad_buffers = needing_grad(source_buffers_);
+  for (size_t p : grad_params) {
+    backward.params.push_back(source_params_[p]);
   }
-  for (size_t b = 0; b < source_buffers_.size(); ++b) {
-    if (source_buffers_[b].requires_grad()) {
-      grad_buffers.push_back(b);
-      next_edges.push_back(source_buffers_[b]);
-      backward.params.push_back(source_buffers_[b]);
-    }
+  for (size_t b : grad_buffers) {
+    backward.params.push_back(source_buffers_[b]);
   }
+  variable_list next_edges = backward.params;
   for (const auto& source : inputs.sources) {
     InputMeta meta;
     meta.split = source.split;

@@ -60,6 +60,20 @@ std::vector<std::string> split_lines(const std::string& text) {
   return lines;
 }
 
+// Rank 0's `text`, on every rank: its length first, then its bytes.
+std::string rank0_text(const ProcessGroup& group, const std::string& text, torch::Device device, const std::string& what) {
+  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong).to(device);
+  group.broadcast_async({length}, 0, what)->wait();
+  auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
+  if (group.rank() == 0) {
+    std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
+  }
+  bytes = bytes.to(device);
+  group.broadcast_async({bytes}, 0, what)->wait();
+  bytes = bytes.cpu();
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), bytes.numel());
+}
+
 } // namespace
 
 void verify_same_parameters(
@@ -74,20 +88,10 @@ void verify_same_parameters(
     mine.push_back(describe(names[i], params[i]));
     text += mine.back() + "\n";
   }
-  // Rank 0's description, as bytes: its length first, then the bytes. On
-  // the parameters' device: NCCL takes CUDA tensors only.
+  // On the parameters' device: NCCL takes CUDA tensors only.
   const auto device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
-  const std::string what = "the check that every rank has rank 0's parameters and options";
-  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong).to(device);
-  group.broadcast_async({length}, 0, what)->wait();
-  auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
-  if (group.rank() == 0) {
-    std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
-  }
-  bytes = bytes.to(device);
-  group.broadcast_async({bytes}, 0, what)->wait();
-  bytes = bytes.cpu();
-  const auto reference = split_lines(std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), bytes.numel()));
+  const auto reference = split_lines(
+      rank0_text(group, text, device, "the check that every rank has rank 0's parameters and options"));
 
   int64_t first_difference = -1;
   for (size_t i = 0; i < std::max(mine.size(), reference.size()); ++i) {
