@@ -27,6 +27,7 @@ using testing::deep_copy;
 using testing::expect_buffers_close;
 using testing::expect_params_close;
 using testing::error_of;
+using testing::same_answer;
 
 // --- models ---------------------------------------------------------------
 
@@ -335,7 +336,7 @@ TEST(DataParallel, SplitAndGatherAlongAnotherDimension) {
   auto z = torch::randn({3, 8});
   auto out = dp(z);
   EXPECT_EQ(out.sizes(), z.sizes());
-  EXPECT_TRUE(torch::allclose(out, bare(z)));
+  EXPECT_TRUE(same_answer(out, bare(z)));
   out.pow(2).sum().backward();
   bare(z).pow(2).sum().backward();
   EXPECT_TRUE(torch::allclose(net->w.grad(), bare->w.grad(), 1e-5, 1e-6));
@@ -344,7 +345,7 @@ TEST(DataParallel, SplitAndGatherAlongAnotherDimension) {
   EXPECT_THROW(rows(z), c10::Error); // 3 rows, but w has 3 rows for the full batch
   // Outputs are still gathered along the DataParallel's dim 0.
   auto expected = torch::cat({bare(z.narrow(1, 0, 4)), bare(z.narrow(1, 4, 4))}, 0);
-  EXPECT_TRUE(torch::allclose(rows(lockstep::split(z, 1)), expected));
+  EXPECT_TRUE(same_answer(rows(lockstep::split(z, 1)), expected));
 }
 
 TEST(DataParallel, GradientAccumulationOverSeveralPasses) {
@@ -547,7 +548,7 @@ TEST(DataParallel, ChunksFollowWeightsAndSmallBatchesUseFewerReplicas) {
   auto x = torch::randn({2, 4});
   auto out = dp2(x);
   EXPECT_EQ(out.size(0), 2);
-  EXPECT_TRUE(torch::allclose(out, net2(x)));
+  EXPECT_TRUE(same_answer(out, net2(x)));
   // net2(x) ran the wrapped module itself, which is not replica 0 (Note [Replica 0]).
   EXPECT_EQ(dp2->map_replicas([](CounterImpl& m) { return m.calls; }), (std::vector<int64_t>{1, 1, 0}));
   EXPECT_EQ(net2->calls, 1);
@@ -647,7 +648,7 @@ TEST(DataParallel, SaveAndLoadBetweenWrappedAndBareModule) {
   torch::load(dp, path);
   expect_params_close(*other, *source, 0, 0);
   auto x = torch::randn({6, 16});
-  EXPECT_TRUE(torch::allclose(dp(x), other(x))); // replica 1 sees the loaded values too
+  EXPECT_TRUE(same_answer(dp(x), other(x))); // replica 1 sees the loaded values too
   std::remove(path.c_str());
 }
 
@@ -671,7 +672,7 @@ TEST(DataParallel, ToDoubleMovesReplicasToo) {
   auto x = torch::randn({4, 16}, torch::kFloat64);
   auto out = dp(x);
   EXPECT_EQ(out.scalar_type(), torch::kFloat64);
-  EXPECT_TRUE(torch::allclose(out, net(x)));
+  EXPECT_TRUE(same_answer(out, net(x)));
 }
 
 TEST(DataParallel, CpuReplicasOwnPersistentThreadsAndShareTheCores) {

@@ -11,7 +11,8 @@ int main() {
   auto x = torch::randn({6, 4});
   auto y = dp->forward(x);
   auto expected = net->forward(x);
-  if (!torch::allclose(y, expected)) {
+  // Replicas multiply half the batch each: BLAS may round differently.
+  if (!torch::allclose(y, expected, /*rtol=*/1e-5, /*atol=*/1e-6)) {
     std::cerr << "consumer: DataParallel output differs from the bare module\n";
     return 1;
   }

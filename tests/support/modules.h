@@ -41,6 +41,21 @@ inline bool parameters_equal(torch::nn::Module& a, torch::nn::Module& b) {
   return true;
 }
 
+/// `a` and `b` hold the same answer computed along different paths: a replica
+/// multiplies its share of the batch, so BLAS may round differently, and an
+/// output near zero then fails `allclose`'s default atol of 1e-8. The
+/// tolerances here are far below any real defect's difference.
+inline ::testing::AssertionResult same_answer(const torch::Tensor& a, const torch::Tensor& b, double rtol = 1e-5,
+                                              double atol = 1e-6) {
+  if (a.sizes() != b.sizes()) {
+    return ::testing::AssertionFailure() << "sizes differ: " << a.sizes() << " and " << b.sizes();
+  }
+  if (torch::allclose(a, b, rtol, atol)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "differ by up to " << (a - b).abs().max().item<double>();
+}
+
 /// Every parameter of `a` close to the same parameter of `b`.
 inline void expect_params_close(torch::nn::Module& a, torch::nn::Module& b, double rtol = 1e-5, double atol = 1e-6) {
   auto pa = a.named_parameters();
