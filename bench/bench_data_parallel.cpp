@@ -3,13 +3,19 @@
 //
 //   build/lockstep-bench-dp [--rounds N] [--seconds S] [--replicas R] [--model mlp|cnn] [--device cpu|cuda]
 //
-// Each round times every contender for about S seconds, in alternating order;
-// the report gives the median samples/s of each and the ratio of medians.
-// "ceiling" is one replica's share of the batch on one thread, counted as if
-// R replicas ran side by side for free: what DataParallel could reach.
-// --device cuda (scripts/gpu-check) times instead the bare module on cuda:0,
-// DataParallel over every visible GPU, and DistributedDataParallel with world
-// size 1 over NCCL; bench/gpu_python.py is the Python peer.
+// Each round times every contender for about S seconds, in alternating order,
+// each CPU contender in a process of its own (this program again, with
+// --contender); the report gives the median samples/s of each and ratios of
+// medians. Contenders: see cpu_contender(). "ceiling" is one replica's share
+// of the batch on one thread, counted as if R replicas ran side by side for
+// free: what DataParallel could reach. "threads" is R independent copies of
+// the module on R threads of one process, with no DataParallel: what threads
+// sharing one process reach. DataParallel and the ceiling run again under
+// OMP_WAIT_POLICY=passive, so that libgomp's spinning shows as the gap
+// between the two. --device cuda (scripts/gpu-check) times instead, in one
+// process, the bare module on cuda:0, DataParallel over every visible GPU, and
+// DistributedDataParallel with world size 1 over NCCL; bench/gpu_python.py is
+// the Python peer.
 
 #include <examples/blas_check.h>
 #include <examples/models.h>
@@ -19,12 +25,15 @@
 #include <CLI/CLI.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -80,11 +89,19 @@ std::function<void()> training_step(
   };
 }
 
-// The bare module on every core, DataParallel on `replicas` CPU replicas, and
-// the ceiling for R replicas: one replica's share of the batch on one thread,
-// as if R of them ran side by side with no cost at all.
+// One CPU contender, by name:
+// - bare: the module on every core;
+// - threads: R copies of the module, each on its own thread with one
+//   intra-op thread, each stepping on its share of the batch;
+// - dataparallel: DataParallel over `replicas` CPU replicas;
+// - ceiling: one replica's share of the batch on one thread, as if R of them
+//   ran side by side with no cost at all (its rate counts the whole batch);
+// - bare-after-dp: the bare module timed right after two DataParallel steps on
+//   the same thread, what a program that mixes the two gets (Note [CPU
+//   replicas and threads]: the caller's threads must come back after each call).
 template <typename Net>
-std::vector<Contender> contenders_for(
+Contender cpu_contender(
+    const std::string& name,
     const std::function<Net()>& make,
     std::vector<int64_t> sample_shape,
     int64_t batch,
@@ -94,21 +111,41 @@ std::vector<Contender> contenders_for(
     shape.insert(shape.begin(), rows);
     return torch::randn(shape);
   };
-  std::vector<Contender> contenders;
-  Net bare = make();
-  contenders.push_back({"bare", training_step(*bare, [bare](const torch::Tensor& x) mutable { return bare->forward(x); }, inputs(batch)), {}});
+  auto plain = [&](int64_t rows) {
+    Net net = make();
+    return training_step(*net, [net](const torch::Tensor& x) mutable { return net->forward(x); }, inputs(rows));
+  };
+  if (name == "bare") {
+    return {name, plain(batch), {}};
+  }
+  if (name == "ceiling") {
+    return {name, plain(batch / replicas), {}, 1};
+  }
+  if (name == "threads") {
+    std::vector<std::function<void()>> steps;
+    for (int r = 0; r < replicas; ++r) {
+      steps.push_back(plain(batch / replicas));
+    }
+    return {name, [steps] {
+              std::vector<std::thread> threads;
+              for (const auto& step : steps) {
+                threads.emplace_back([&step] {
+                  at::set_num_threads(1);
+                  step();
+                });
+              }
+              for (auto& t : threads) {
+                t.join();
+              }
+            }, {}};
+  }
   lockstep::DataParallel<Net> dp(make(), lockstep::DataParallelOptions().devices(std::vector<torch::Device>(replicas, torch::kCPU)));
-  contenders.push_back({"dataparallel", training_step(*dp, [dp](const torch::Tensor& x) mutable { return dp(x); }, inputs(batch)), {}});
-  Net single = make();
-  contenders.push_back({"ceiling", training_step(*single, [single](const torch::Tensor& x) mutable { return single->forward(x); }, inputs(batch / replicas)), {}, 1});
-  // The bare module again, timed right after DataParallel steps on the same
-  // thread: what a program that mixes the two gets (Note [CPU replicas and
-  // threads]: the caller's threads must come back after each call).
-  Net after = make();
-  auto dp_step = contenders[1].step;
-  contenders.push_back({"bare-after-dp", training_step(*after, [after](const torch::Tensor& x) mutable { return after->forward(x); }, inputs(batch)), {}, 0,
-                        [dp_step] { dp_step(); dp_step(); }});
-  return contenders;
+  auto dp_step = training_step(*dp, [dp](const torch::Tensor& x) mutable { return dp(x); }, inputs(batch));
+  if (name == "dataparallel") {
+    return {name, dp_step, {}};
+  }
+  TORCH_CHECK(name == "bare-after-dp", "lockstep-bench-dp: no contender '", name, "'");
+  return {name, plain(batch), {}, 0, [dp_step] { dp_step(); dp_step(); }};
 }
 
 // On GPUs: the bare module on cuda:0, DataParallel over every visible GPU
@@ -135,42 +172,111 @@ std::vector<Contender> gpu_contenders_for(const std::function<Net()>& make, std:
   return contenders;
 }
 
-void run_model(const std::string& model, int64_t batch, int rounds, double seconds, int replicas, bool cuda) {
+void print_row(const std::string& model, int64_t batch, const std::string& name, const std::vector<double>& rates,
+               double base, int threads) {
+  const double m = median(rates);
+  std::printf("%-5s batch %-4lld %-24s %10.1f samples/s   ratio %.3f   (rounds:", model.c_str(),
+              static_cast<long long>(batch), name.c_str(), m, m / base);
+  for (double v : rates) {
+    std::printf(" %.0f", v);
+  }
+  std::printf(")   threads %d\n", threads);
+}
+
+// GPU contenders share one process: the GPU, not the host's threads, sets
+// their speed.
+void run_gpu_model(const std::string& model, int64_t batch, int rounds, double seconds) {
   using lockstep::examples::ConvNet;
-  auto contenders = model == "mlp"
-      ? (cuda ? gpu_contenders_for<torch::nn::Sequential>(lockstep::examples::make_mlp, {784}, batch)
-              : contenders_for<torch::nn::Sequential>(lockstep::examples::make_mlp, {784}, batch, replicas))
-      : (cuda ? gpu_contenders_for<ConvNet>([] { return ConvNet(); }, {1, 28, 28}, batch)
-              : contenders_for<ConvNet>([] { return ConvNet(); }, {1, 28, 28}, batch, replicas));
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  auto contenders = model == "mlp" ? gpu_contenders_for<torch::nn::Sequential>(lockstep::examples::make_mlp, {784}, batch)
+                                   : gpu_contenders_for<ConvNet>([] { return ConvNet(); }, {1, 28, 28}, batch);
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < contenders.size(); ++i) {
       auto& c = contenders[(i + r) % contenders.size()];
-      // Only the ceiling changes the timing thread's count, and puts it back:
-      // every other contender runs with what the process has, as a program would.
-      if (c.threads > 0) {
-        at::set_num_threads(c.threads);
-      }
-      if (c.before) {
-        c.before();
-      }
       c.seen_threads = at::get_num_threads();
-      c.rates.push_back(time_steps(c.step, batch, seconds, cuda)); // ceiling: batch/R rows x R replicas
-      if (c.threads > 0) {
-        at::set_num_threads(cores);
-      }
+      c.rates.push_back(time_steps(c.step, batch, seconds, /*cuda=*/true));
     }
   }
-  const double base = median(contenders[0].rates);
   for (const auto& c : contenders) {
-    const double m = median(c.rates);
-    std::printf("%-5s batch %-4lld %-14s %10.1f samples/s   ratio %.3f   (rounds:", model.c_str(),
-                static_cast<long long>(batch), c.name.c_str(), m, m / base);
-    for (double v : c.rates) {
-      std::printf(" %.0f", v);
-    }
-    std::printf(")   threads %d\n", c.seen_threads);
+    print_row(model, batch, c.name, c.rates, median(contenders[0].rates), c.seen_threads);
   }
+}
+
+// A child process: times one CPU contender once and prints "rate R threads T".
+void run_one(const std::string& model, const std::string& name, int64_t batch, double seconds, int replicas) {
+  using lockstep::examples::ConvNet;
+  auto c = model == "mlp" ? cpu_contender<torch::nn::Sequential>(name, lockstep::examples::make_mlp, {784}, batch, replicas)
+                          : cpu_contender<ConvNet>(name, [] { return ConvNet(); }, {1, 28, 28}, batch, replicas);
+  // Only the ceiling changes the timing thread's count: every other
+  // contender runs with what the process has, as a program would.
+  if (c.threads > 0) {
+    at::set_num_threads(c.threads);
+  }
+  if (c.before) {
+    c.before();
+  }
+  const int threads = at::get_num_threads();
+  std::printf("rate %.3f threads %d\n", time_steps(c.step, batch, seconds, false), threads);
+}
+
+// One run of a CPU contender in its own process, so that no contender's
+// OpenMP team or heap is another's; `passive` starts it under
+// OMP_WAIT_POLICY=passive, which libgomp reads only at start-up.
+std::pair<double, int> spawn_one(const std::string& self, const std::string& model, const std::string& name,
+                                 bool passive, double seconds, int replicas) {
+  const std::string command = std::string(passive ? "OMP_WAIT_POLICY=passive " : "") + "'" + self + "' --model " +
+      model + " --contender " + name + " --seconds " + std::to_string(seconds) + " --replicas " +
+      std::to_string(replicas);
+  FILE* child = popen(command.c_str(), "r");
+  TORCH_CHECK(child != nullptr, "lockstep-bench-dp: could not start '", command, "'");
+  double rate = 0;
+  int threads = 0;
+  char line[256];
+  bool found = false;
+  while (std::fgets(line, sizeof(line), child) != nullptr) {
+    found = found || std::sscanf(line, "rate %lf threads %d", &rate, &threads) == 2;
+  }
+  const int status = pclose(child);
+  TORCH_CHECK(found && status == 0, "lockstep-bench-dp: '", command, "' failed (status ", status, ")");
+  return {rate, threads};
+}
+
+// CPU contenders, each round in alternating order, each run in its own
+// process; dataparallel and ceiling also under OMP_WAIT_POLICY=passive, so
+// that the share of libgomp's spinning stays visible.
+void run_cpu_model(const std::string& self, const std::string& model, int64_t batch, int rounds, double seconds,
+                   int replicas) {
+  struct Run {
+    std::string name;
+    bool passive;
+    std::vector<double> rates;
+    int threads = 0;
+  };
+  std::vector<Run> runs = {{"bare", false, {}}, {"dataparallel", false, {}}, {"ceiling", false, {}},
+                           {"bare-after-dp", false, {}}, {"dataparallel", true, {}}, {"ceiling", true, {}},
+                           {"threads", false, {}}};
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t i = 0; i < runs.size(); ++i) {
+      auto& run = runs[(i + r) % runs.size()];
+      auto [rate, threads] = spawn_one(self, model, run.name, run.passive, seconds, replicas);
+      run.rates.push_back(rate);
+      run.threads = threads;
+    }
+  }
+  const double base = median(runs[0].rates);
+  for (const auto& run : runs) {
+    print_row(model, batch, run.name + (run.passive ? " (passive)" : ""), run.rates, base, run.threads);
+  }
+  std::printf("%-5s dataparallel / ceiling: %.3f   with OMP_WAIT_POLICY=passive: %.3f   threads / ceiling: %.3f\n",
+              model.c_str(), median(runs[1].rates) / median(runs[2].rates),
+              median(runs[4].rates) / median(runs[5].rates), median(runs[6].rates) / median(runs[2].rates));
+  std::fflush(stdout);
+}
+
+std::string own_path() {
+  char path[4096];
+  const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
+  TORCH_CHECK(n > 0, "lockstep-bench-dp: cannot read /proc/self/exe");
+  return std::string(path, static_cast<size_t>(n));
 }
 
 } // namespace
@@ -181,6 +287,7 @@ int main(int argc, char** argv) {
   int replicas = 2;
   std::string only;
   std::string device = "cpu";
+  std::string contender;
   CLI::App app{"lockstep-bench-dp: training-step throughput of the bare module against lockstep::DataParallel, "
                "side by side in one run (median samples/s and ratio of medians)."};
   app.add_option("--rounds", rounds, "Rounds; each times every contender once")->check(CLI::PositiveNumber)
@@ -192,14 +299,19 @@ int main(int argc, char** argv) {
   app.add_option("--model", only, "Only this model (default: both)")->check(CLI::IsMember({"mlp", "cnn"}));
   app.add_option("--device", device, "cpu: CPU replicas; cuda: every visible GPU, and DDP over NCCL")
       ->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--contender", contender, "Time only this CPU contender, once, in this process (needs --model)")
+      ->check(CLI::IsMember({"bare", "dataparallel", "ceiling", "bare-after-dp", "threads"}));
   try {
     app.parse(argc, argv);
+    if (!contender.empty() && (only.empty() || device != "cpu")) {
+      throw CLI::ValidationError("--contender", "needs --model and the cpu device");
+    }
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) {
       return app.exit(e); // --help
     }
     std::fprintf(stderr, "lockstep-bench-dp: %s\nusage: %s [--rounds N] [--seconds S] [--replicas R] [--model mlp|cnn] "
-                 "[--device cpu|cuda]\n", e.what(), argv[0]);
+                 "[--device cpu|cuda] [--contender NAME]\n", e.what(), argv[0]);
     return 2;
   }
   try {
@@ -208,18 +320,30 @@ int main(int argc, char** argv) {
     // cpuinfo for physical cores, which fails on some virtual machines).
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
     torch::manual_seed(0);
+    const int64_t mlp_batch = 256;
+    const int64_t cnn_batch = 128;
+    if (!contender.empty()) {
+      run_one(only, contender, only == "mlp" ? mlp_batch : cnn_batch, seconds, replicas);
+      return 0;
+    }
     const bool cuda = device == "cuda";
     if (cuda) {
       TORCH_CHECK(torch::cuda::is_available(), "lockstep-bench-dp --device cuda: this process sees no CUDA device.");
       std::printf("%d CUDA device(s); DataParallel uses all of them\n", static_cast<int>(torch::cuda::device_count()));
     } else {
-      std::printf("threads %d, BLAS %s, %d CPU replicas\n", at::get_num_threads(), lockstep::examples::loaded_blas().c_str(), replicas);
+      std::printf("threads %d, BLAS %s, %d CPU replicas; each contender in its own process\n", at::get_num_threads(),
+                  lockstep::examples::loaded_blas().c_str(), replicas);
     }
-    if (only.empty() || only == "mlp") {
-      run_model("mlp", 256, rounds, seconds, replicas, cuda);
-    }
-    if (only.empty() || only == "cnn") {
-      run_model("cnn", 128, rounds, seconds, replicas, cuda);
+    const std::string self = own_path();
+    for (const auto& [model, batch] : {std::make_pair(std::string("mlp"), mlp_batch), std::make_pair(std::string("cnn"), cnn_batch)}) {
+      if (!only.empty() && only != model) {
+        continue;
+      }
+      if (cuda) {
+        run_gpu_model(model, batch, rounds, seconds);
+      } else {
+        run_cpu_model(self, model, batch, rounds, seconds, replicas);
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());

@@ -7,20 +7,13 @@
 namespace lockstep {
 namespace detail {
 
-// Only this thread's OpenMP setting: at::set_num_threads would also change
-// the process-wide count that new threads start from.
-CallerCoresYielded::CallerCoresYielded() {
-  const int threads = omp_get_max_threads();
-  if (threads > 1) {
-    previous_ = threads;
-    omp_set_num_threads(1);
-  }
-}
-
-CallerCoresYielded::~CallerCoresYielded() {
-  if (previous_ > 0) {
-    omp_set_num_threads(previous_);
-  }
+// OpenMP 5.0's omp_pause_resource_all, which libgomp implements for the host
+// by ending the calling thread's pool: its idle threads leave their dock and
+// exit, and are joined before it returns. Only this thread's pool: other
+// threads' teams are theirs. It returns nonzero inside a parallel region,
+// where there is nothing to release.
+void release_idle_openmp_team() {
+  omp_pause_resource_all(omp_pause_soft);
 }
 
 } // namespace detail

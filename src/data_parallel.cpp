@@ -193,22 +193,27 @@ DataParallelCore::DataParallelCore(
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Two replicas that each use every core run slower than one: they evict each
 // other's caches and their OpenMP threads fight. So each CPU replica's worker
-// sets its own intra-op thread count to its share of the caller's count.
+// sets its own intra-op thread count to its share of the caller's count
+// (with 16 cores and 2 replicas, 8 each; with more replicas than cores, 1).
 // LibTorch runs intra-op work on OpenMP, whose thread count is per calling
 // thread, and the BLAS follows the same per-thread count: Debian's OpenMP
 // build of OpenBLAS (scripts/setup.sh selects it) reads it, and the pip
 // wheel's MKL is given it by at::set_num_threads (mkl_set_num_threads_local).
-// Measured with the wheel: the workers start no OpenMP teams of their own.
+// The caller keeps its own count, so what it runs between steps (the
+// optimizer, a bare module) has every core.
 //
-// The calling thread is the other half of the story. After each parallel
-// region, libgomp keeps that thread's team spinning for a while (about 14 ms
-// on the machines we measured) waiting for more work; the caller's optimizer
-// step is such a region, and its spinning threads then take cores from the
-// replicas' forward. Halved throughput, measured. So while CPU replicas run,
-// the calling thread drops to one intra-op thread (CallerCoresYielded in
-// src/cpu_threads.h), and takes its own count back when they are done, so
-// that what it runs between steps (the optimizer, a bare module) keeps every
-// core. See docs/design.md.
+// What is left is libgomp's spin. After each parallel region a thread's idle
+// team keeps spinning for milliseconds, unless OMP_WAIT_POLICY=passive, which
+// libgomp reads once at start-up and a library cannot set. The caller's
+// optimizer step is such a region, and its spinning helpers took the cores
+// the replicas' forward needed: DataParallel ran at half its ceiling on the
+// MLP. So the idle teams end at every hand-off (release_idle_openmp_team,
+// src/cpu_threads.h, OpenMP 5.0's omp_pause_resource_all): the caller's before
+// its replicas start, and each worker's, when it has more than one thread,
+// before it reports its replica done. No thread then spins on a core another
+// needs. The price is a team started again at the next parallel region:
+// thread starts, not milliseconds of spinning. Measured in
+// docs/performance.md ("DataParallel on CPU replicas: the spin").
 
 torch::Device DataParallelCore::output_device() const {
   return options_.output_device().value_or(options_.devices()[0]);

@@ -1,13 +1,12 @@
-// Compiled when LibTorch does not run intra-op work on OpenMP: there is no
-// per-thread team to yield.
+// Compiled when LibTorch does not run intra-op work on OpenMP: no thread
+// keeps an idle team.
 
 #include "cpu_threads.h"
 
 namespace lockstep {
 namespace detail {
 
-CallerCoresYielded::CallerCoresYielded() = default;
-CallerCoresYielded::~CallerCoresYielded() = default;
+void release_idle_openmp_team() {}
 
 } // namespace detail
 } // namespace lockstep

@@ -9,7 +9,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
-#include <optional>
+#include <algorithm>
 
 namespace lockstep {
 namespace detail {
@@ -74,6 +74,9 @@ void WorkerPool::loop(Worker& worker, int threads) {
     worker.task = nullptr;
     lock.unlock();
     task(); // never throws: run() wraps it
+    if (threads > 1) {
+      release_idle_openmp_team(); // before run() returns: Note [CPU replicas and threads]
+    }
     lock.lock();
     if (--pending_ == 0) {
       done_cv_.notify_all();
@@ -131,12 +134,8 @@ void run_replicas(
     const char* stage,
     const std::function<void(size_t)>& fn) {
   at::ThreadLocalState state;
-  std::optional<CallerCoresYielded> yielded;
-  for (size_t r : which) {
-    if (devices[r].is_cpu()) {
-      yielded.emplace();
-      break;
-    }
+  if (std::any_of(which.begin(), which.end(), [&](size_t r) { return devices[r].is_cpu(); })) {
+    release_idle_openmp_team(); // Note [CPU replicas and threads]
   }
   auto errors = pool.run(which, [&](size_t r) {
     at::ThreadLocalStateGuard tls(state);
@@ -150,7 +149,6 @@ void run_replicas(
       timeline::detail::record("replica " + std::to_string(r) + " " + stage, start, timeline::detail::now_us());
     }
   });
-  yielded.reset();
   for (size_t i = 0; i < which.size(); ++i) {
     if (errors[i]) {
       throw_replica_error(which[i], devices[which[i]], stage, errors[i]);

@@ -18,7 +18,8 @@ namespace detail {
 
 /// Persistent threads, one per replica. Each keeps its own intra-op thread
 /// count for its whole life, so replicas on the CPU split the cores instead of
-/// fighting over them. See Note [CPU replicas and threads] in src/data_parallel.cpp.
+/// fighting over them, and ends its idle OpenMP team after each task. See
+/// Note [CPU replicas and threads] in src/data_parallel.cpp.
 class WorkerPool {
  public:
   /// Starts one worker per entry; entry i is worker i's intra-op thread count.
@@ -52,8 +53,8 @@ class WorkerPool {
 
 /// Runs fn(r) for each replica r in `which` on its worker, with the caller's
 /// thread-local state (grad mode, inference mode, autocast, profiler) and
-/// device. While CPU replicas run, the caller yields its cores
-/// (CallerCoresYielded). Throws a c10::Error naming the first replica that
+/// device. Before CPU replicas run, the caller's idle OpenMP team ends
+/// (release_idle_openmp_team). Throws a c10::Error naming the first replica that
 /// threw, its device and `stage`.
 void run_replicas(
     WorkerPool& pool,

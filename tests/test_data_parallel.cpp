@@ -675,38 +675,6 @@ TEST(DataParallel, ToDoubleMovesReplicasToo) {
   EXPECT_TRUE(same_answer(out, net(x)));
 }
 
-TEST(DataParallel, CpuReplicasOwnPersistentThreadsAndShareTheCores) {
-  at::set_num_threads(4); // the caller's count is what the replicas split
-  Mlp net;
-  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(3)));
-  auto threads = dp->map_replicas([](MlpImpl&) { return at::get_num_threads(); });
-  EXPECT_EQ(threads, (std::vector<int>{2, 1, 1})); // 4 cores over 3 replicas
-  auto ids = dp->map_replicas([](MlpImpl&) { return std::this_thread::get_id(); });
-  dp(torch::randn({6, 16}));
-  EXPECT_EQ(dp->map_replicas([](MlpImpl&) { return std::this_thread::get_id(); }), ids); // the same threads again
-  EXPECT_NE(ids[0], ids[1]);
-  EXPECT_NE(ids[1], ids[2]);
-  EXPECT_NE(ids[0], std::this_thread::get_id());
-
-  DataParallel<Mlp> fixed(Mlp(), DataParallelOptions().devices(cpus(2)).intra_op_threads(3));
-  EXPECT_EQ(fixed->map_replicas([](MlpImpl&) { return at::get_num_threads(); }), (std::vector<int>{3, 3}));
-}
-
-// While CPU replicas run, the caller gives its OpenMP threads up to them
-// (Note [CPU replicas and threads]); a bare module stepped on the caller's
-// thread afterwards must find its own count again.
-TEST(DataParallel, CallersThreadCountComesBackAfterForwardAndBackward) {
-  at::set_num_threads(2);
-  Mlp net;
-  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
-  auto out = dp(torch::randn({6, 16}));
-  EXPECT_EQ(at::get_num_threads(), 2) << "after forward";
-  out.sum().backward();
-  EXPECT_EQ(at::get_num_threads(), 2) << "after backward";
-  dp->map_replicas([](MlpImpl&) {});
-  EXPECT_EQ(at::get_num_threads(), 2) << "after map_replicas";
-}
-
 TEST(DataParallel, OneDeviceRunsTheModuleDirectly) {
   Counter net;
   DataParallel<Counter> dp(net, DataParallelOptions().devices(cpus(1)));

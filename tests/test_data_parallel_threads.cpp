@@ -1,0 +1,117 @@
+// DataParallel's CPU replicas and the threads around them (Note [CPU replicas
+// and threads] in src/data_parallel.cpp): each replica's share of the cores,
+// the caller's count afterwards, and no idle OpenMP team left spinning on a
+// core that another thread needs.
+
+#include <lockstep/lockstep.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+std::vector<torch::Device> cpus(int n) {
+  return std::vector<torch::Device>(n, torch::Device(torch::kCPU));
+}
+
+// The kernel thread ids of the calling thread's OpenMP team, less the thread
+// itself: one parallel region with a chunk per intra-op thread.
+std::vector<pid_t> openmp_team_helpers() {
+  const auto self = static_cast<pid_t>(syscall(SYS_gettid));
+  std::mutex mutex;
+  std::vector<pid_t> helpers;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const auto tid = static_cast<pid_t>(syscall(SYS_gettid));
+    std::lock_guard<std::mutex> lock(mutex);
+    if (tid != self) {
+      helpers.push_back(tid);
+    }
+  });
+  return helpers;
+}
+
+// How many of `tids` are still threads of this process.
+int alive(const std::vector<pid_t>& tids) {
+  int count = 0;
+  for (pid_t tid : tids) {
+    count += access(("/proc/self/task/" + std::to_string(tid)).c_str(), F_OK) == 0;
+  }
+  return count;
+}
+
+TEST(DataParallelThreads, CpuReplicasOwnPersistentThreadsAndShareTheCores) {
+  at::set_num_threads(4); // the caller's count is what the replicas split
+  torch::nn::Linear net(16, 4);
+  DataParallel<torch::nn::Linear> dp(net, DataParallelOptions().devices(cpus(3)));
+  auto threads = dp->map_replicas([](torch::nn::LinearImpl&) { return at::get_num_threads(); });
+  EXPECT_EQ(threads, (std::vector<int>{2, 1, 1})); // 4 cores over 3 replicas
+  auto ids = dp->map_replicas([](torch::nn::LinearImpl&) { return std::this_thread::get_id(); });
+  dp(torch::randn({6, 16}));
+  EXPECT_EQ(dp->map_replicas([](torch::nn::LinearImpl&) { return std::this_thread::get_id(); }), ids); // the same threads again
+  EXPECT_NE(ids[0], ids[1]);
+  EXPECT_NE(ids[1], ids[2]);
+  EXPECT_NE(ids[0], std::this_thread::get_id());
+
+  DataParallel<torch::nn::Linear> fixed(torch::nn::Linear(16, 4), DataParallelOptions().devices(cpus(2)).intra_op_threads(3));
+  EXPECT_EQ(fixed->map_replicas([](torch::nn::LinearImpl&) { return at::get_num_threads(); }), (std::vector<int>{3, 3}));
+}
+
+// A bare module stepped on the caller's thread after DataParallel must find
+// the caller's own count.
+TEST(DataParallelThreads, CallersThreadCountComesBackAfterForwardAndBackward) {
+  at::set_num_threads(2);
+  torch::nn::Linear net(16, 4);
+  DataParallel<torch::nn::Linear> dp(net, DataParallelOptions().devices(cpus(2)));
+  auto out = dp(torch::randn({6, 16}));
+  EXPECT_EQ(at::get_num_threads(), 2) << "after forward";
+  out.sum().backward();
+  EXPECT_EQ(at::get_num_threads(), 2) << "after backward";
+  dp->map_replicas([](torch::nn::LinearImpl&) {});
+  EXPECT_EQ(at::get_num_threads(), 2) << "after map_replicas";
+}
+
+// The caller's last parallel region (an optimizer step, say) leaves its team
+// idle, and libgomp keeps it spinning for milliseconds. Those threads must be
+// gone while the replicas run, and a new team must serve the caller after.
+TEST(DataParallelThreads, CallersIdleOpenMpTeamEndsBeforeReplicasRun) {
+  at::set_num_threads(2);
+  torch::nn::Linear net(16, 4);
+  DataParallel<torch::nn::Linear> dp(net, DataParallelOptions().devices(cpus(2)));
+  const auto helpers = openmp_team_helpers();
+  ASSERT_EQ(helpers.size(), 1u) << "the caller's parallel region ran on one thread";
+  ASSERT_EQ(alive(helpers), 1) << "the idle team is there before DataParallel runs";
+
+  EXPECT_EQ(dp->map_replicas([&](torch::nn::LinearImpl&) { return alive(helpers); }), (std::vector<int>{0, 0}));
+  EXPECT_EQ(at::get_num_threads(), 2);
+  EXPECT_EQ(openmp_team_helpers().size(), 1u) << "the caller's next region has its two threads again";
+  dp(torch::randn({6, 16})).sum().backward();
+  EXPECT_EQ(openmp_team_helpers().size(), 1u) << "after forward and backward";
+}
+
+// With more cores than replicas, each replica has a team of its own; once its
+// work is done, that team must not spin on the cores the caller's next step
+// (its optimizer, its loss) needs.
+TEST(DataParallelThreads, ReplicasIdleOpenMpTeamsEndWithTheirWork) {
+  torch::nn::Linear net(16, 4);
+  DataParallel<torch::nn::Linear> dp(net, DataParallelOptions().devices(cpus(2)).intra_op_threads(2));
+  const auto teams = dp->map_replicas([](torch::nn::LinearImpl&) { return openmp_team_helpers(); });
+  for (size_t r = 0; r < teams.size(); ++r) {
+    ASSERT_EQ(teams[r].size(), 1u) << "replica " << r << "'s region ran on one thread";
+    EXPECT_EQ(alive(teams[r]), 0) << "replica " << r << "'s idle team outlived its work";
+  }
+  // ... and they start again for the next call, with the replica's count.
+  EXPECT_EQ(dp->map_replicas([](torch::nn::LinearImpl&) { return openmp_team_helpers().size(); }),
+            (std::vector<size_t>{1, 1}));
+}
+
+} // namespace
+} // namespace lockstep
