@@ -213,7 +213,7 @@ DataParallelCore::DataParallelCore(
 // before it reports its replica done. No thread then spins on a core another
 // needs. The price is a team started again at the next parallel region:
 // thread starts, not milliseconds of spinning. Measured in
-// docs/performance.md ("DataParallel on CPU replicas: the spin").
+// docs/performance.md ("DataParallel on CPU replicas: libgomp's spin").
 
 torch::Device DataParallelCore::output_device() const {
   return options_.output_device().value_or(options_.devices()[0]);
