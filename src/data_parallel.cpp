@@ -209,10 +209,11 @@ DataParallelCore::DataParallelCore(
 // the replicas' forward needed: DataParallel ran at half its ceiling on the
 // MLP. So the idle teams end at every hand-off (release_idle_openmp_team,
 // src/cpu_threads.h, OpenMP 5.0's omp_pause_resource_all): the caller's before
-// its replicas start, and each worker's, when it has more than one thread,
-// before it reports its replica done. No thread then spins on a core another
-// needs. The price is a team started again at the next parallel region:
-// thread starts, not milliseconds of spinning. Measured in
+// its replicas start, and each worker's (it has one where its share is more
+// than one thread, or the replica's code set a count) before it reports its
+// replica done. No thread then spins on a core another needs. The price is
+// a team started again at the next parallel region: thread starts, not
+// milliseconds of spinning. Measured in
 // docs/performance.md ("DataParallel on CPU replicas: libgomp's spin").
 
 torch::Device DataParallelCore::output_device() const {

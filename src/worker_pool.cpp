@@ -74,9 +74,7 @@ void WorkerPool::loop(Worker& worker, int threads) {
     worker.task = nullptr;
     lock.unlock();
     task(); // never throws: run() wraps it
-    if (threads > 1) {
-      release_idle_openmp_team(); // before run() returns: Note [CPU replicas and threads]
-    }
+    release_idle_openmp_team(); // before run() returns: Note [CPU replicas and threads]
     lock.lock();
     if (--pending_ == 0) {
       done_cv_.notify_all();
