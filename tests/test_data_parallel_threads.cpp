@@ -36,6 +36,9 @@ std::vector<pid_t> openmp_team_helpers() {
       helpers.push_back(tid);
     }
   });
+  // Read under the mutex too: the region's end orders the writes, but inside
+  // libgomp, where ThreadSanitizer does not see it.
+  std::lock_guard<std::mutex> lock(mutex);
   return helpers;
 }
 
