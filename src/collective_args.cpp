@@ -69,6 +69,19 @@ void check_tensor_list(const GroupImpl& group, const std::vector<torch::Tensor>&
   }
 }
 
+void check_flat_pair(const GroupImpl& group, const torch::Tensor& whole, const torch::Tensor& part, const std::string& what) {
+  check_tensor_list(group, {whole, part}, what);
+  if (!whole.is_contiguous() || !part.is_contiguous()) {
+    refuse(group, what, "both tensors must be contiguous (the flat buffers of a sharded model are); call .contiguous() "
+           "and copy the result back.");
+  }
+  if (whole.numel() != part.numel() * group.size()) {
+    refuse(group, what, "the whole tensor has " + std::to_string(whole.numel()) + " elements but the shard has " +
+           std::to_string(part.numel()) + ", and a group of " + std::to_string(group.size()) + " needs " +
+           std::to_string(part.numel() * group.size()) + ": pad the whole to a multiple of the group's size.");
+  }
+}
+
 namespace {
 
 // The types a backend may carry in place of another of the same width.
@@ -93,8 +106,9 @@ torch::ScalarType carrier_of(const GroupImpl& group, Collective op, torch::Scala
   if (group.supports(op, dtype, device)) {
     return dtype;
   }
-  // An allreduce reaches here only for bool's Max and Min (Sum is turned into Max).
-  if (op == Collective::Allreduce && dtype != torch::kBool) {
+  // A reduction reaches here only for bool's Max and Min (Sum is turned into Max).
+  const bool reduces = op == Collective::Allreduce || op == Collective::ReduceScatter;
+  if (reduces && dtype != torch::kBool) {
     return torch::ScalarType::Undefined;
   }
   for (auto other : same_width(dtype)) {
@@ -115,7 +129,7 @@ torch::ScalarType carrier_or_refuse(
   if (carrier != torch::ScalarType::Undefined) {
     return carrier;
   }
-  const bool reduce = op == Collective::Allreduce;
+  const bool reduce = op == Collective::Allreduce || op == Collective::ReduceScatter;
   refuse(group, what, "the " + group.backend() + " backend of this build cannot " + (reduce ? "reduce " : "carry ") +
          c10::toString(dtype) + " tensors on " + example.device().str() + ". " +
          (reduce ? "Reduce a copy in a type it has (float32 for 16-bit floats: t.to(torch::kFloat)), and cast back."
@@ -180,7 +194,31 @@ class FinishedWork : public Work {
   bool finished_ = false;
 };
 
+class ThenWork : public Work {
+ public:
+  ThenWork(std::shared_ptr<Work> work, std::function<void()> then) : work_(std::move(work)), then_(std::move(then)) {}
+  void wait() override {
+    work_->wait();
+    if (then_) {
+      auto then = std::move(then_);
+      then_ = nullptr;
+      then();
+    }
+  }
+  bool started() const override {
+    return work_->started();
+  }
+
+ private:
+  std::shared_ptr<Work> work_;
+  std::function<void()> then_;
+};
+
 } // namespace
+
+std::shared_ptr<Work> then(std::shared_ptr<Work> work, std::function<void()> then) {
+  return std::make_shared<ThenWork>(std::move(work), std::move(then));
+}
 
 std::shared_ptr<Work> finish_after(std::shared_ptr<Work> work, Packed packed, int divisor) {
   if (divisor <= 0 && !packed.copied) {

@@ -9,6 +9,7 @@
 
 #include <lockstep/process_group.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,14 @@ Packed pack(const std::vector<torch::Tensor>& tensors, torch::ScalarType carrier
 /// A backend's Work, then, once it is done: Avg's division (divisor > 0)
 /// and the copy back into the caller's tensors, once.
 std::shared_ptr<Work> finish_after(std::shared_ptr<Work> work, Packed packed, int divisor);
+
+/// `work`, then `then()` once, on the first wait() that succeeds.
+std::shared_ptr<Work> then(std::shared_ptr<Work> work, std::function<void()> then);
+
+/// Refuses a reduce_scatter or all_gather_into whose `whole` (size()*n
+/// elements) and `part` (n) are not dense, contiguous, of one dtype and
+/// device, and of those sizes.
+void check_flat_pair(const GroupImpl& group, const torch::Tensor& whole, const torch::Tensor& part, const std::string& what);
 
 } // namespace detail
 } // namespace lockstep

@@ -52,7 +52,7 @@ namespace detail {
 
 namespace {
 
-enum Kind : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3 };
+enum Kind : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3, kReduceScatter = 4 };
 using Fingerprint = std::array<int64_t, 4>; // kind, reduction or root, dtype, elements
 
 Fingerprint fingerprint_of(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) {
@@ -67,14 +67,15 @@ Fingerprint fingerprint_of(Kind kind, int64_t arg, const std::vector<torch::Tens
 }
 
 std::string describe(const int64_t* f) {
-  static const char* kKinds[] = {"allreduce", "broadcast", "all_gather", "barrier"};
+  static const char* kKinds[] = {"allreduce", "broadcast", "all_gather", "barrier", "reduce_scatter"};
   static const char* kReductions[] = {"sum", "avg", "max", "min"};
-  if (f[0] < kAllreduce || f[0] > kBarrier || (f[0] == kAllreduce && (f[1] < 0 || f[1] > 3))) {
+  const bool reduces = f[0] == kAllreduce || f[0] == kReduceScatter;
+  if (f[0] < kAllreduce || f[0] > kReduceScatter || (reduces && (f[1] < 0 || f[1] > 3))) {
     return "a collective lockstep does not know";
   }
   std::ostringstream out;
   out << kKinds[f[0]];
-  if (f[0] == kAllreduce) {
+  if (reduces) {
     out << " (" << kReductions[f[1]] << ")";
   } else if (f[0] == kBroadcast) {
     out << " from rank " << f[1];
@@ -177,6 +178,12 @@ class CheckedGroup : public ForwardingGroup {
                      auto gathered = std::make_shared<std::vector<torch::Tensor>>(targets);
                      auto work = inner->all_gather(*gathered, input, w);
                      return std::make_shared<GatheredWork>(std::move(work), std::move(gathered), targets);
+                   });
+  }
+  std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what) override {
+    return enqueue(fingerprint_of(kReduceScatter, static_cast<int64_t>(op), {input}), input.device(), std::move(what),
+                   [inner = inner_, output, input, op](const std::string& w) mutable {
+                     return inner->reduce_scatter(output, input, op, w);
                    });
   }
   std::shared_ptr<Work> barrier(std::string what) override {

@@ -59,8 +59,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-const char* kOpNames[] = {"allreduce", "broadcast", "all_gather", "barrier"};
-enum Op : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3 };
+const char* kOpNames[] = {"allreduce", "broadcast", "all_gather", "barrier", "reduce_scatter"};
+enum Op : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3, kReduceScatter = 4 };
 const char* kReduceNames[] = {"sum", "avg", "max", "min"};
 
 constexpr int64_t kShownDims = 5;
@@ -236,7 +236,7 @@ std::string describe_fingerprint(const torch::Tensor& f) {
   std::ostringstream out;
   const auto op = static_cast<Op>(v[1]);
   out << kOpNames[op];
-  if (op == kAllreduce) {
+  if (op == kAllreduce || op == kReduceScatter) {
     out << " (" << kReduceNames[v[2]] << ")";
   } else if (op == kBroadcast) {
     out << " from rank " << v[2];
@@ -298,6 +298,11 @@ class RecordedGroup : public ForwardingGroup {
   std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
     std::vector<torch::Tensor> inputs{input};
     return run(kAllGather, 0, "", inputs, what, [&] { return inner_->all_gather(outputs, input, what); });
+  }
+  std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what) override {
+    std::vector<torch::Tensor> inputs{input};
+    return run(kReduceScatter, static_cast<int64_t>(op), kReduceNames[static_cast<int>(op)], inputs, what,
+               [&] { return inner_->reduce_scatter(output, input, op, what); });
   }
   std::shared_ptr<Work> barrier(std::string what) override {
     std::vector<torch::Tensor> none;

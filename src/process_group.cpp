@@ -80,6 +80,10 @@ class LocalGroup : public GroupImpl {
   std::shared_ptr<Work> barrier(std::string) override {
     return std::make_shared<DoneWork>();
   }
+  std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp, std::string) override {
+    output.copy_(input.view_as(output));
+    return std::make_shared<DoneWork>();
+  }
 };
 
 std::string available_list() {
@@ -92,6 +96,15 @@ std::string available_list() {
 
 } // namespace
 } // namespace detail
+
+std::shared_ptr<Work> GroupImpl::reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what) {
+  std::vector<torch::Tensor> whole{input.clone()};
+  auto work = allreduce(whole, op, std::move(what));
+  const int64_t n = output.numel();
+  return detail::then(std::move(work), [whole, output, n, r = rank()]() mutable {
+    output.copy_(whole[0].view({-1}).narrow(0, r * n, n).view_as(output));
+  });
+}
 
 ProcessGroup::ProcessGroup() : impl_(std::make_shared<detail::LocalGroup>()) {}
 
@@ -136,6 +149,40 @@ std::shared_ptr<Work> ProcessGroup::broadcast_async(std::vector<torch::Tensor> t
   std::vector<torch::Tensor> sent{packed.sent};
   auto work = impl_->broadcast(sent, root, std::move(what));
   return detail::finish_after(std::move(work), std::move(packed), 0);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(torch::Tensor output, torch::Tensor input, ReduceOp op,
+                                                         std::string what) const {
+  detail::check_flat_pair(*impl_, input, output, what);
+  if (output.scalar_type() == torch::kBool) {
+    if (op == ReduceOp::Avg) {
+      detail::refuse(*impl_, what, "ReduceOp::Avg of Bool tensors has no meaning. Use Max or Min.");
+    }
+    op = op == ReduceOp::Sum ? ReduceOp::Max : op; // Note [Average]
+  }
+  const auto carrier = detail::carrier_or_refuse(*impl_, Collective::ReduceScatter, output, what);
+  auto sent_out = carrier == output.scalar_type() ? output : output.view(carrier);
+  auto sent_in = carrier == input.scalar_type() ? input : input.view(carrier);
+  auto work = impl_->reduce_scatter(sent_out, sent_in, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
+  detail::Packed packed;
+  packed.tensors = {output};
+  packed.flat = output;
+  packed.sent = sent_out;
+  return detail::finish_after(std::move(work), std::move(packed), op == ReduceOp::Avg ? size() : 0);
+}
+
+std::shared_ptr<Work> ProcessGroup::all_gather_into_async(torch::Tensor output, torch::Tensor input, std::string what)
+    const {
+  detail::check_flat_pair(*impl_, output, input, what);
+  const auto carrier = detail::carrier_or_refuse(*impl_, Collective::AllGather, input, what);
+  auto flat = (carrier == output.scalar_type() ? output : output.view(carrier)).view({-1});
+  auto sent_input = (carrier == input.scalar_type() ? input : input.view(carrier)).view({-1});
+  const int64_t n = input.numel();
+  std::vector<torch::Tensor> outputs;
+  for (int r = 0; r < size(); ++r) {
+    outputs.push_back(flat.narrow(0, r * n, n));
+  }
+  return impl_->all_gather(outputs, sent_input, std::move(what));
 }
 
 void ProcessGroup::allreduce(torch::Tensor& tensor, ReduceOp op) const {

@@ -33,7 +33,7 @@ constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::minutes(5)};
 enum class ReduceOp { Sum, Avg, Max, Min };
 
 /// The collectives that carry tensors, for GroupImpl::supports.
-enum class Collective { Allreduce, Broadcast, AllGather };
+enum class Collective { Allreduce, Broadcast, AllGather, ReduceScatter };
 
 /// A collective that may still be running.
 class Work {
@@ -74,6 +74,12 @@ class GroupImpl {
   virtual std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) = 0;
   /// Done once every rank has called it.
   virtual std::shared_ptr<Work> barrier(std::string what) = 0;
+  /// Rank r's `output` (n elements) receives every rank's
+  /// input[r*n, (r+1)*n) reduced by `op` (Sum, Max or Min). Both are
+  /// contiguous, of one dtype and device; input has size()*n elements and is
+  /// left as it was. This default is an allreduce of a copy of `input`,
+  /// twice a ring's traffic: backends that can do better override it.
+  virtual std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what);
   /// Whether this backend can run `op` on tensors of `dtype` on `device`.
   /// ProcessGroup asks before every collective: a broadcast or all_gather
   /// of a dtype the backend cannot carry goes bit for bit as one of the same
@@ -128,6 +134,23 @@ class ProcessGroup {
   /// Starts copying root's `tensors` into every rank's, tensor by tensor;
   /// the same rules as allreduce_async.
   std::shared_ptr<Work> broadcast_async(std::vector<torch::Tensor> tensors, int root = 0, std::string what = "broadcast")
+      const;
+
+  /// Starts a reduce-scatter: with n = output.numel(), rank r's `output`
+  /// receives the reduction by `op` of every rank's input elements
+  /// [r*n, (r+1)*n). `input` holds size()*n elements of output's dtype, on
+  /// its device; both are dense and contiguous (the shape does not matter).
+  /// `input` is left as it was. Each backend moves (size()-1)/size() of the
+  /// input per rank, as a ring does, not an allreduce's twice that.
+  std::shared_ptr<Work> reduce_scatter_async(
+      torch::Tensor output,
+      torch::Tensor input,
+      ReduceOp op = ReduceOp::Sum,
+      std::string what = "reduce_scatter") const;
+  /// Starts an all-gather into one flat tensor: rank r's `input` lands in
+  /// output elements [r*n, (r+1)*n), n = input.numel(). The same rules as
+  /// reduce_scatter_async.
+  std::shared_ptr<Work> all_gather_into_async(torch::Tensor output, torch::Tensor input, std::string what = "all_gather")
       const;
 
   /// Reduces `tensor` over all ranks, in place, and waits.

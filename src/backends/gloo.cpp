@@ -17,6 +17,11 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
 #include <cstdlib>
 #include <sstream>
 #include <thread>
@@ -298,6 +303,133 @@ std::vector<Endpoint> check_endpoints_reachable(
   return all;
 }
 
+// Note [Gloo's reduce-scatter]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// c10d's Gloo has no reduce-scatter in LibTorch 1.13, and in 2.x emulates one
+// with an allreduce of the whole input: twice a ring's traffic, which would
+// make a sharded model's gradients cost more than DDP's. So the Gloo group
+// runs a ring over c10d's send and recv. With W ranks and n elements per
+// shard, at step s (0 .. W-2) rank r sends its partial sum of chunk
+// (r-s-1) mod W to rank r+1 and adds what rank r-1 sends of chunk
+// (r-s-2) mod W; after W-1 steps chunk r holds every rank's sum. Each rank
+// sends (W-1)*n elements, as a ring allreduce's first half does. The steps
+// run on a thread of the group's own, one ring after another in the order
+// the ranks start them (the same on every rank, Note [Ranks agree before
+// they send]); tags count the rings, so that two never pair up wrongly.
+// CUDA tensors go through a CPU copy, as Gloo's own collectives take them.
+
+void combine(torch::Tensor& into, const torch::Tensor& from, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Max:
+      torch::maximum_out(into, into, from);
+      return;
+    case ReduceOp::Min:
+      torch::minimum_out(into, into, from);
+      return;
+    default:
+      into.add_(from);
+  }
+}
+
+void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, const torch::Tensor& input, ReduceOp op,
+                         int first_tag) {
+  const int size = group.getSize();
+  const int rank = group.getRank();
+  const int64_t n = output.numel();
+  auto sums = input.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true).view({-1});
+  auto incoming = torch::empty({n}, sums.options());
+  auto chunk = [&](int i) { return sums.narrow(0, ((i % size + size) % size) * n, n); };
+  for (int step = 0; step < size - 1; ++step) {
+    std::vector<torch::Tensor> sent{chunk(rank - step - 1)};
+    std::vector<torch::Tensor> received{incoming};
+    auto send = group.send(sent, (rank + 1) % size, first_tag + step);
+    auto recv = group.recv(received, (rank - 1 + size) % size, first_tag + step);
+    recv->wait();
+    send->wait();
+    auto into = chunk(rank - step - 2);
+    combine(into, incoming, op);
+  }
+  output.copy_(chunk(rank).view_as(output));
+}
+
+// Runs the rings one after another on a thread of the group's own.
+class RingThread {
+ public:
+  ~RingThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    queued_.notify_all();
+    if (thread_.joinable()) {
+      thread_.join();
+    }
+  }
+  std::shared_future<void> run(std::function<void()> ring) {
+    std::packaged_task<void()> task(std::move(ring));
+    auto done = task.get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!thread_.joinable()) {
+        thread_ = std::thread([this] { loop(); });
+      }
+      queue_.push_back(std::move(task));
+    }
+    queued_.notify_one();
+    return done;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::packaged_task<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        queued_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) {
+          return;
+        }
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable queued_;
+  std::deque<std::packaged_task<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class RingWork : public Work {
+ public:
+  RingWork(std::shared_future<void> done, std::string what, int rank, int size, std::chrono::milliseconds timeout,
+           Diagnose diagnose)
+      : done_(std::move(done)), what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout),
+        diagnose_(std::move(diagnose)) {}
+  void wait() override {
+    // Gloo bounds each send and recv by the same timeout; this bounds a ring
+    // stuck behind another.
+    if (done_.wait_for(timeout_ * size_) == std::future_status::timeout) {
+      throw_collective_error(what_, rank_, size_, timeout_, "the ring's steps did not complete", diagnose_);
+    }
+    try {
+      done_.get();
+    } catch (const std::exception& e) {
+      throw_collective_error(what_, rank_, size_, timeout_, e.what(), diagnose_);
+    }
+  }
+
+ private:
+  std::shared_future<void> done_;
+  std::string what_;
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+  Diagnose diagnose_;
+};
+
 // c10d's Gloo group, with the dtypes its type switch has: Gloo copies and
 // adds through one C++ type per dtype, and has none for the others (Short,
 // complex types; BFloat16 and Bool before PyTorch 2.2).
@@ -324,6 +456,24 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
         return false;
     }
   }
+  // Note [Gloo's reduce-scatter].
+  std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what)
+      override {
+    if (output.numel() == 0 || size() == 1) {
+      output.copy_(input.view_as(output));
+      return std::make_shared<DoneWork>();
+    }
+    constexpr int kRingTags = 1 << 20; // tags stay positive and apart from the rings before
+    const int first_tag = static_cast<int>((rings_++ * size()) % kRingTags);
+    auto done = ring_.run([group = &c10d_group(), output, input, op, first_tag] {
+      ring_reduce_scatter(*group, output, input, op, first_tag);
+    });
+    return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
+  }
+
+ private:
+  int64_t rings_ = 0;
+  RingThread ring_;
 };
 
 } // namespace

@@ -219,7 +219,7 @@ class MpiGroup : public GroupImpl {
       case torch::kByte:
         return true;
       case torch::kBool:
-        return op != Collective::Allreduce;
+        return op != Collective::Allreduce && op != Collective::ReduceScatter;
       default:
         return false;
     }
@@ -262,6 +262,19 @@ class MpiGroup : public GroupImpl {
 
   std::shared_ptr<Work> barrier(std::string what) override {
     return start(what, nullptr, [this] { return MPI_Barrier(comm_); });
+  }
+
+  std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what)
+      override {
+    std::vector<torch::Tensor> inputs{input};
+    auto in = on_cpu(inputs, what);
+    std::vector<torch::Tensor> outputs{output};
+    auto out = on_cpu(outputs, what);
+    const MPI_Datatype type = mpi_type(in, what, rank_);
+    const MPI_Op mpi = mpi_op(op);
+    return start(what, nullptr, [this, in, out, type, mpi] {
+      return MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), static_cast<int>(out.numel()), type, mpi, comm_);
+    });
   }
 
  private:

@@ -17,6 +17,15 @@ class NcclGroup final : public C10dGroup<c10d::ProcessGroupNCCL> {
   bool supports(Collective, torch::ScalarType, torch::Device device) const override {
     return device.is_cuda();
   }
+  std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what)
+      override {
+    if (output.numel() == 0) {
+      return std::make_shared<DoneWork>();
+    }
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = to_c10d(op);
+    return wrap([&] { return c10d_group()._reduce_scatter_base(output, input, options); }, std::move(what));
+  }
 };
 
 } // namespace

@@ -154,7 +154,13 @@ class C10dGroup : public GroupImpl {
     return wrap([&] { return group_->barrier(); }, std::move(what));
   }
 
- private:
+ protected:
+  Group& c10d_group() const {
+    return *group_;
+  }
+  const Diagnose& diagnose() const {
+    return diagnose_;
+  }
   // Gloo divides by the element count: an empty tensor would crash it (SIGFPE
   // in gloo::allgather). Shapes agree on every rank, so all ranks skip alike.
   static bool empty(const std::vector<torch::Tensor>& tensors) {
@@ -179,6 +185,7 @@ class C10dGroup : public GroupImpl {
     }
   }
 
+ private:
   c10::intrusive_ptr<Group> group_;
   std::string backend_;
   std::chrono::milliseconds timeout_;

@@ -1,0 +1,91 @@
+#pragma once
+
+// Internal: the part of FullyShardedDataParallel that does not depend on the
+// module's type (src/fully_sharded.cpp), and the pure planning it rests on
+// (src/sharding_plan.cpp).
+
+#include <lockstep/process_group.h>
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+
+struct ShardingOptions;
+
+namespace detail {
+
+/// Which unit owns each parameter: the longest unit path that is the
+/// parameter's module path or a prefix of it, else the root (""). `paths`
+/// are dotted submodule paths; `names` are parameter names as
+/// named_parameters() gives them. Returns one index per name into the units
+/// {"" (the root), paths...}.
+std::vector<size_t> assign_units(const std::vector<std::string>& names, const std::vector<std::string>& paths);
+
+/// A flat buffer of `numel` elements split over `world` ranks: padded to a
+/// multiple of the world size, `shard` elements per rank.
+struct ShardLayout {
+  int64_t numel = 0;
+  int64_t padded = 0;
+  int64_t shard = 0;
+};
+ShardLayout shard_layout(int64_t numel, int world);
+
+/// What ShardedCore keeps per unit and dtype (src/fully_sharded.cpp).
+struct FlatParam;
+
+class ShardedCore {
+ public:
+  /// Plans the units, checks that every rank built the same model, copies
+  /// rank 0's parameters and buffers to every rank, and registers this
+  /// rank's shards on `owner` (the FullyShardedDataParallelImpl).
+  ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, ProcessGroup group, const ShardingOptions& options);
+  ~ShardedCore();
+  ShardedCore(const ShardedCore&) = delete;
+  ShardedCore& operator=(const ShardedCore&) = delete;
+
+  /// Gathers the units' parameters and points the module's at them.
+  void before_forward();
+  /// Frees what the strategy frees after forward, and hooks the outputs so
+  /// that backward gathers it again first.
+  void after_forward(const std::vector<torch::Tensor>& outputs);
+
+  /// summon_full_params: every unit gathered, the module's parameters its
+  /// views; then the edits copied into the shards (writeback) and resharded.
+  void summon();
+  void unsummon(bool writeback);
+
+  bool sync() const {
+    return sync_;
+  }
+  void set_sync(bool sync) {
+    sync_ = sync;
+  }
+  const ProcessGroup& group() const {
+    return group_;
+  }
+  /// Per flat parameter (unit and dtype): its unit's path ("" for the root),
+  /// its element count, and this rank's shard's.
+  struct FlatInfo {
+    std::string unit;
+    torch::ScalarType dtype;
+    int64_t numel;
+    int64_t shard_numel;
+    std::vector<std::string> names;
+  };
+  std::vector<FlatInfo> flat_params() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+  ProcessGroup group_;
+  bool sync_ = true;
+};
+
+} // namespace detail
+} // namespace lockstep

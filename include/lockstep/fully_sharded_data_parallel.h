@@ -1,0 +1,193 @@
+#pragma once
+
+// lockstep::FullyShardedDataParallel: data parallelism whose parameters,
+// gradients and optimizer state are split over the ranks (ZeRO-3, ZeRO-2),
+// or not (DDP's behaviour), as PyTorch's FSDP. See Note [Sharded step] in
+// src/fully_sharded.cpp and docs/design.md.
+
+#include <lockstep/detail/sharded_core.h>
+#include <lockstep/detail/wrapper.h>
+#include <lockstep/process_group.h>
+#include <lockstep/timeline.h>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <ostream>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+/// What is split over the ranks, with PyTorch's names.
+enum class ShardingStrategy {
+  /// ZeRO-3: parameters, gradients and optimizer state. Parameters are
+  /// gathered for forward, freed after it, gathered again for backward.
+  FullShard,
+  /// ZeRO-2: gradients and optimizer state. Parameters stay whole from
+  /// forward to the end of backward.
+  ShardGradOp,
+  /// Nothing: each rank holds everything and gradients are averaged, as DDP.
+  NoShard,
+};
+
+/// Options of lockstep::FullyShardedDataParallel, with fluent setters.
+struct ShardingOptions {
+  TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::FullShard;
+  /// Dotted paths of the submodules that are units ("encoder", "layers.3").
+  /// Empty (the default): each direct child of the wrapped module. The root
+  /// unit keeps the parameters no unit claims.
+  TORCH_ARG(std::vector<std::string>, units) = {};
+  /// FullShard: free each unit's gathered parameters after forward (true)
+  /// or keep them until the end of backward (false).
+  TORCH_ARG(bool, reshard_after_forward) = true;
+};
+
+/// While alive, backward keeps each parameter's whole gradient on this rank
+/// and communicates nothing; the next backward outside the guard reduces
+/// the accumulated sum. Made by FullyShardedDataParallelImpl::no_sync().
+class ShardedNoSyncGuard {
+ public:
+  explicit ShardedNoSyncGuard(detail::ShardedCore& core) : core_(&core), previous_(core.sync()) {
+    core_->set_sync(false);
+  }
+  ShardedNoSyncGuard(ShardedNoSyncGuard&& other) noexcept : core_(other.core_), previous_(other.previous_) {
+    other.core_ = nullptr;
+  }
+  ShardedNoSyncGuard(const ShardedNoSyncGuard&) = delete;
+  ShardedNoSyncGuard& operator=(const ShardedNoSyncGuard&) = delete;
+  ShardedNoSyncGuard& operator=(ShardedNoSyncGuard&&) = delete;
+  ~ShardedNoSyncGuard() {
+    if (core_ != nullptr) {
+      core_->set_sync(previous_);
+    }
+  }
+
+ private:
+  detail::ShardedCore* core_;
+  bool previous_;
+};
+
+/// While alive, module()'s parameters are the whole, current parameters on
+/// every rank. With writeback(true), edits made to them are copied into the
+/// shards when the guard ends. Every rank makes and ends it together.
+class FullParamsGuard {
+ public:
+  explicit FullParamsGuard(detail::ShardedCore& core) : core_(&core) {
+    core_->summon();
+  }
+  FullParamsGuard(FullParamsGuard&& other) noexcept : core_(other.core_), writeback_(other.writeback_) {
+    other.core_ = nullptr;
+  }
+  FullParamsGuard(const FullParamsGuard&) = delete;
+  FullParamsGuard& operator=(const FullParamsGuard&) = delete;
+  FullParamsGuard& operator=(FullParamsGuard&&) = delete;
+  ~FullParamsGuard() noexcept(false) {
+    if (core_ != nullptr) {
+      core_->unsummon(writeback_);
+    }
+  }
+  /// Copy edits into the shards when the guard ends (default false).
+  FullParamsGuard& writeback(bool writeback) {
+    writeback_ = writeback;
+    return *this;
+  }
+
+ private:
+  detail::ShardedCore* core_;
+  bool writeback_ = false;
+};
+
+namespace detail {
+
+inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
+  out.push_back(t);
+}
+inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& tuple, std::vector<torch::Tensor>& out) {
+  std::apply([&](const auto&... t) { (collect_tensors(t, out), ...); }, tuple);
+}
+template <typename T>
+void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
+
+} // namespace detail
+
+/// Sharded data parallelism over processes. Made through the holder
+/// FullyShardedDataParallel<M>.
+///
+/// parameters() are this rank's shards, one leaf per unit and dtype, so any
+/// torch::optim optimizer made from them steps this rank's share only.
+/// module() is the wrapped module; outside forward and backward (and
+/// summon_full_params) its trainable parameters of FullShard and
+/// ShardGradOp are empty tensors, never stale values.
+template <typename M>
+class FullyShardedDataParallelImpl : public torch::nn::Module {
+ public:
+  using Impl = typename M::ContainedType;
+
+  FullyShardedDataParallelImpl(M module, ProcessGroup group = {}, ShardingOptions options = {})
+      : module_(std::move(module)) {
+    TORCH_CHECK(!module_.is_empty(), "lockstep::FullyShardedDataParallel: the module to wrap is empty (a null holder).");
+    core_ = std::make_unique<detail::ShardedCore>(*this, *module_, std::move(group), options);
+  }
+
+  /// Takes exactly M's forward arguments and returns its type.
+  template <typename... Args>
+  auto forward(Args&&... args) -> decltype(std::declval<Impl&>().forward(std::forward<Args>(args)...)) {
+    timeline::Span span("forward");
+    core_->before_forward();
+    auto output = module_->forward(std::forward<Args>(args)...);
+    std::vector<torch::Tensor> outputs;
+    detail::collect_tensors(output, outputs);
+    core_->after_forward(outputs);
+    return output;
+  }
+
+  /// The wrapped module (see the class comment for its parameters).
+  M module() const {
+    return module_;
+  }
+  /// See FullParamsGuard: `{ auto full = fsdp->summon_full_params(); ... }`.
+  FullParamsGuard summon_full_params() {
+    return FullParamsGuard(*core_);
+  }
+  /// See ShardedNoSyncGuard.
+  ShardedNoSyncGuard no_sync() {
+    return ShardedNoSyncGuard(*core_);
+  }
+  const ProcessGroup& group() const {
+    return core_->group();
+  }
+  /// Each flat parameter's unit, dtype, element count and shard size.
+  std::vector<detail::ShardedCore::FlatInfo> flat_params() const {
+    return core_->flat_params();
+  }
+
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    module_->train(on);
+  }
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << "lockstep::FullyShardedDataParallel(rank=" << core_->group().rank()
+           << ", world_size=" << core_->group().size() << ", backend=" << core_->group().backend() << ")";
+  }
+
+ private:
+  M module_;
+  std::unique_ptr<detail::ShardedCore> core_;
+};
+
+/// `lockstep::FullyShardedDataParallel<Net> model(net, group, ShardingOptions());`
+template <typename M>
+using FullyShardedDataParallel = detail::ForwardingHolder<FullyShardedDataParallelImpl<M>>;
+
+} // namespace lockstep

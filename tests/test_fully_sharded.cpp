@@ -1,0 +1,284 @@
+// FullyShardedDataParallel and the flat collectives it rests on, with ranks
+// as threads over a HashStore (tests/support/threads.h). The multi-process
+// and mpirun runs of the same checks are in tests/fsdp_worker.cpp.
+
+#include <lockstep/lockstep.h>
+
+#include "support/ddp_models.h"
+#include "support/errors.h"
+#include "support/modules.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+using testing::OddNet;
+
+const ShardingStrategy kStrategies[] = {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
+                                        ShardingStrategy::NoShard};
+
+const char* name_of(ShardingStrategy s) {
+  return s == ShardingStrategy::FullShard ? "FullShard" : s == ShardingStrategy::ShardGradOp ? "ShardGradOp" : "NoShard";
+}
+
+// Rank r's rows of a global batch of `rows`.
+std::pair<torch::Tensor, torch::Tensor> share(int64_t rows, int64_t step, int rank, int world) {
+  auto batch = testing::global_batch(rows, step);
+  const int64_t n = rows / world;
+  return {batch.first.narrow(0, rank * n, n), batch.second.narrow(0, rank * n, n)};
+}
+
+// One process trained on the whole batch: what every strategy must match.
+OddNet train_reference(OddNet initial, int steps, int64_t rows, bool use_branch = true) {
+  OddNet net(13, use_branch);
+  testing::copy_parameters(*initial, *net);
+  net->fc1->weight.set_requires_grad(initial->fc1->weight.requires_grad());
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < steps; ++step) {
+    auto batch = testing::global_batch(rows, step);
+    adam.zero_grad();
+    torch::mse_loss(net->forward(batch.first), batch.second).backward();
+    adam.step();
+  }
+  return net;
+}
+
+TEST(FlatCollectives, ReduceScatterAndAllGatherOnTwoAndThreeRanks) {
+  for (int size : {2, 3}) {
+    testing::spawn(size, [size](ProcessGroup& group) {
+      const int r = group.rank();
+      // Rank q's input holds q + 10*i at element i.
+      auto input = torch::arange(size * 5, torch::kFloat) * 10 + r;
+      auto out = torch::empty({5});
+      group.reduce_scatter_async(out, input, ReduceOp::Sum)->wait();
+      const double ranks = size * (size - 1) / 2.0;
+      EXPECT_TRUE(torch::equal(out, (torch::arange(5, torch::kFloat) + 5 * r) * 10 * size + ranks)) << out;
+      group.reduce_scatter_async(out, input, ReduceOp::Max)->wait();
+      EXPECT_TRUE(torch::equal(out, (torch::arange(5, torch::kFloat) + 5 * r) * 10 + (size - 1))) << out;
+      auto ints = torch::full({size * 2}, r + 1, torch::kLong);
+      auto avg = torch::empty({2}, torch::kLong);
+      group.reduce_scatter_async(avg, ints, ReduceOp::Avg)->wait();
+      EXPECT_EQ(avg[0].item<int64_t>(), (size * (size + 1) / 2) / size); // floor, as Python's //
+      EXPECT_TRUE(torch::equal(input, torch::arange(size * 5, torch::kFloat) * 10 + r)) << "the input was changed";
+
+      auto mine = torch::full({3}, static_cast<double>(r), torch::kDouble);
+      auto all = torch::empty({3 * size}, torch::kDouble);
+      group.all_gather_into_async(all, mine)->wait();
+      EXPECT_TRUE(torch::equal(all, torch::arange(size, torch::kDouble).repeat_interleave(3))) << all;
+    });
+  }
+}
+
+TEST(FlatCollectives, WrongSizesAreRefusedAtTheCall) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    auto input = torch::zeros({5});
+    auto out = torch::empty({2});
+    EXPECT_ERROR_SAYS(group.reduce_scatter_async(out, input), "refused on this rank before anything was sent",
+                      "has 5 elements but the shard has 2", "pad the whole to a multiple");
+    EXPECT_ERROR_SAYS(group.all_gather_into_async(torch::empty({3}), torch::zeros({2})), "has 3 elements");
+    // Nothing was sent: the group still works.
+    auto ok = torch::ones({4});
+    group.reduce_scatter_async(out, ok)->wait();
+    EXPECT_TRUE(torch::equal(out, torch::full({2}, 2.0)));
+  });
+}
+
+void expect_matches_reference(ShardingStrategy strategy, int size) {
+  SCOPED_TRACE(std::string(name_of(strategy)) + " on " + std::to_string(size) + " ranks");
+  torch::manual_seed(0);
+  OddNet initial;
+  auto reference = train_reference(initial, 5, 12);
+  testing::spawn(size, [&](ProcessGroup& group) {
+    OddNet net;
+    testing::copy_parameters(*initial, *net);
+    FullyShardedDataParallel<OddNet> model(net, group, ShardingOptions().strategy(strategy));
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    for (int step = 0; step < 5; ++step) {
+      auto batch = share(12, step, group.rank(), size);
+      adam.zero_grad();
+      torch::mse_loss(model->forward(batch.first), batch.second).backward();
+      adam.step();
+    }
+    auto full = model->summon_full_params();
+    testing::expect_params_close(*model->module(), *reference, 1e-5, 1e-5);
+  });
+}
+
+TEST(FullyShardedDataParallel, EachStrategyMatchesOneProcessOnTwoAndThreeRanks) {
+  for (auto strategy : kStrategies) {
+    for (int size : {2, 3}) {
+      expect_matches_reference(strategy, size);
+    }
+  }
+}
+
+TEST(FullyShardedDataParallel, ParametersAreThisRanksShardsPaddedToTheWorldSize) {
+  testing::spawn(3, [](ProcessGroup& group) {
+    FullyShardedDataParallel<OddNet> model(OddNet(), group);
+    const auto flats = model->flat_params();
+    // The root keeps `empty` and `scale`; fc1 (7*13+13), fc2 (13*3+3), branch (7*3+3).
+    ASSERT_EQ(flats.size(), 4u);
+    const std::vector<std::string> units{"", "fc1", "fc2", "branch"};
+    const std::vector<int64_t> numels{1, 104, 42, 24};
+    auto shards = model->parameters();
+    ASSERT_EQ(shards.size(), 4u);
+    for (size_t i = 0; i < flats.size(); ++i) {
+      EXPECT_EQ(flats[i].unit, units[i]);
+      EXPECT_EQ(flats[i].numel, numels[i]);
+      EXPECT_EQ(flats[i].shard_numel, (numels[i] + 2) / 3);
+      EXPECT_EQ(shards[i].numel(), flats[i].shard_numel);
+      EXPECT_TRUE(shards[i].is_leaf() && shards[i].requires_grad());
+    }
+    // Outside forward and backward the module holds no stale values.
+    for (const auto& p : model->module()->parameters()) {
+      EXPECT_EQ(p.numel(), 0);
+    }
+  });
+}
+
+TEST(FullyShardedDataParallel, NamedUnitsTakeTheirSubmodulesAndTheRootTheRest) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    FullyShardedDataParallel<OddNet> model(OddNet(), group, ShardingOptions().units({"fc1"}));
+    const auto flats = model->flat_params();
+    ASSERT_EQ(flats.size(), 2u);
+    EXPECT_EQ(flats[0].unit, "");
+    EXPECT_EQ(flats[0].numel, 1 + 42 + 24);
+    EXPECT_EQ(flats[1].unit, "fc1");
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<OddNet>(OddNet(), group, ShardingOptions().units({"fc9"})),
+                      "names 'fc9', which is not a submodule");
+  });
+}
+
+TEST(FullyShardedDataParallel, NoSyncAccumulatesAndTheNextBackwardReducesTheSum) {
+  torch::manual_seed(1);
+  OddNet initial;
+  for (auto strategy : kStrategies) {
+    SCOPED_TRACE(name_of(strategy));
+    // One process: the gradient of two halves' losses, summed.
+    OddNet reference;
+    testing::copy_parameters(*initial, *reference);
+    torch::optim::SGD sgd(reference->parameters(), 0.1);
+    for (int step = 0; step < 2; ++step) {
+      auto batch = testing::global_batch(8, step);
+      torch::mse_loss(reference->forward(batch.first), batch.second).backward();
+    }
+    sgd.step();
+    testing::spawn(2, [&](ProcessGroup& group) {
+      OddNet net;
+      testing::copy_parameters(*initial, *net);
+      FullyShardedDataParallel<OddNet> model(net, group, ShardingOptions().strategy(strategy));
+      torch::optim::SGD opt(model->parameters(), 0.1);
+      {
+        auto guard = model->no_sync();
+        auto batch = share(8, 0, group.rank(), 2);
+        torch::mse_loss(model->forward(batch.first), batch.second).backward();
+      }
+      auto batch = share(8, 1, group.rank(), 2);
+      torch::mse_loss(model->forward(batch.first), batch.second).backward();
+      opt.step();
+      auto full = model->summon_full_params();
+      testing::expect_params_close(*model->module(), *reference, 1e-5, 1e-6);
+    });
+  }
+}
+
+// A unit whose weight is frozen, and a branch that gets no gradient.
+TEST(FullyShardedDataParallel, FrozenParametersAndUnusedUnitsMatchOneProcess) {
+  torch::manual_seed(2);
+  OddNet initial(13, /*use_branch=*/false);
+  initial->fc1->weight.set_requires_grad(false);
+  auto reference = train_reference(initial, 3, 12, /*use_branch=*/false);
+  for (auto strategy : kStrategies) {
+    SCOPED_TRACE(name_of(strategy));
+    testing::spawn(2, [&](ProcessGroup& group) {
+      OddNet net(13, false);
+      testing::copy_parameters(*initial, *net);
+      net->fc1->weight.set_requires_grad(false);
+      FullyShardedDataParallel<OddNet> model(net, group, ShardingOptions().strategy(strategy));
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+      for (int step = 0; step < 3; ++step) {
+        auto batch = share(12, step, group.rank(), 2);
+        adam.zero_grad();
+        torch::mse_loss(model->forward(batch.first), batch.second).backward();
+        adam.step();
+      }
+      auto full = model->summon_full_params();
+      testing::expect_params_close(*model->module(), *reference, 1e-5, 1e-5);
+    });
+  }
+}
+
+TEST(FullyShardedDataParallel, WritebackCopiesEditsIntoTheShards) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    FullyShardedDataParallel<OddNet> model(OddNet(), group);
+    {
+      auto full = model->summon_full_params();
+      full.writeback(true);
+      torch::NoGradGuard no_grad;
+      model->module()->fc2->bias.fill_(3.0);
+    }
+    {
+      auto full = model->summon_full_params();
+      EXPECT_TRUE(torch::equal(model->module()->fc2->bias, torch::full({3}, 3.0)));
+      torch::NoGradGuard no_grad;
+      model->module()->fc2->bias.fill_(5.0); // no writeback: dropped
+    }
+    auto full = model->summon_full_params();
+    EXPECT_TRUE(torch::equal(model->module()->fc2->bias, torch::full({3}, 3.0)));
+  });
+}
+
+struct HalfImpl : torch::nn::Module {
+  explicit HalfImpl(const torch::Tensor& shared) {
+    weight = register_parameter("weight", shared);
+    bias = register_parameter("bias", torch::zeros({4}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x.matmul(weight) + bias;
+  }
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Half);
+
+// body.0 and body.1 share a weight.
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() {
+    auto shared = torch::randn({4, 4});
+    body = register_module("body", torch::nn::Sequential(Half(shared), Half(shared)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return body->forward(x);
+  }
+  torch::nn::Sequential body{nullptr};
+};
+TORCH_MODULE(Tied);
+
+TEST(FullyShardedDataParallel, AParameterSharedByTwoUnitsIsAnErrorNamingIt) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<Tied>(Tied(), group, ShardingOptions().units({"body.0", "body.1"})),
+                      "parameter 'body.0.weight' is also 'body.1.weight'", "two units share it");
+    // In one unit it is sharded once, and trains as one parameter.
+    Tied net;
+    FullyShardedDataParallel<Tied> model(net, group);
+    EXPECT_EQ(model->flat_params().at(0).numel, 16 + 4 + 4);
+    auto x = torch::ones({2, 4});
+    model->forward(x).sum().backward();
+    EXPECT_EQ(model->parameters().at(0).grad().numel(), 12);
+  });
+}
+
+TEST(FullyShardedDataParallel, ADifferentModelOnOneRankIsAnErrorOnEveryRank) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    OddNet net(group.rank() == 0 ? 13 : 14);
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<OddNet>(net, group), "rank 1 built a different model than rank 0");
+  });
+}
+
+} // namespace
+} // namespace lockstep
