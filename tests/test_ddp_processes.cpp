@@ -17,7 +17,8 @@ using lockstep::testing::Process;
 // Starts `world` ranks of the worker on `scenario` and waits for them, at
 // most `deadline`; ranks still running then are killed (exit_code -1).
 std::vector<Process> run_ranks(const std::string& scenario, int world, std::chrono::seconds deadline,
-                               const std::vector<std::string>& extra_env = {}) {
+                               const std::vector<std::string>& extra_env = {},
+                               const std::string& worker = LOCKSTEP_DDP_WORKER) {
   const int port = lockstep::testing::free_port();
   std::vector<Process> ranks;
   for (int r = 0; r < world; ++r) {
@@ -26,7 +27,7 @@ std::vector<Process> run_ranks(const std::string& scenario, int world, std::chro
                                  "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=1"};
     env.insert(env.end(), extra_env.begin(), extra_env.end());
     ranks.push_back(lockstep::testing::start(
-        {LOCKSTEP_DDP_WORKER, scenario}, env,
+        {worker, scenario}, env,
         ::testing::TempDir() + "lockstep_ddp_" + scenario + "_" + std::to_string(r) + ".log"));
   }
   lockstep::testing::wait_all(ranks, deadline);
@@ -42,12 +43,25 @@ std::string describe(const std::vector<Process>& results) {
   return text;
 }
 
-void expect_all_ok(const std::string& scenario, int world = 2, const std::vector<std::string>& env = {}) {
-  auto results = run_ranks(scenario, world, std::chrono::seconds(120), env);
+void expect_all_ok(const std::string& scenario, int world = 2, const std::vector<std::string>& env = {},
+                   const std::string& worker = LOCKSTEP_DDP_WORKER) {
+  auto results = run_ranks(scenario, world, std::chrono::seconds(120), env, worker);
   for (size_t r = 0; r < results.size(); ++r) {
     EXPECT_EQ(results[r].exit_code, 0) << describe(results);
     EXPECT_NE(results[r].output.find("rank " + std::to_string(r) + ": OK"), std::string::npos) << describe(results);
   }
+}
+
+// FullyShardedDataParallel's checks (support/fsdp_checks.h) as processes over Gloo.
+TEST(FsdpProcesses, EachStrategyMatchesOneProcessOnTwoAndThreeRanks) {
+  expect_all_ok("equivalence", 2, {}, LOCKSTEP_FSDP_WORKER);
+  expect_all_ok("equivalence", 3, {}, LOCKSTEP_FSDP_WORKER);
+}
+
+TEST(FsdpProcesses, NoSyncFrozenParametersAndAMismatchedModel) {
+  expect_all_ok("no_sync", 2, {}, LOCKSTEP_FSDP_WORKER);
+  expect_all_ok("frozen", 3, {}, LOCKSTEP_FSDP_WORKER);
+  expect_all_ok("mismatch", 2, {}, LOCKSTEP_FSDP_WORKER);
 }
 
 TEST(DdpProcesses, TwoRanksMatchOneProcessOnTheWholeBatch) {

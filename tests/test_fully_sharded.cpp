@@ -4,9 +4,8 @@
 
 #include <lockstep/lockstep.h>
 
-#include "support/ddp_models.h"
 #include "support/errors.h"
-#include "support/modules.h"
+#include "support/fsdp_checks.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -23,31 +22,12 @@ using testing::OddNet;
 const ShardingStrategy kStrategies[] = {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
                                         ShardingStrategy::NoShard};
 
-const char* name_of(ShardingStrategy s) {
-  return s == ShardingStrategy::FullShard ? "FullShard" : s == ShardingStrategy::ShardGradOp ? "ShardGradOp" : "NoShard";
-}
-
-// Rank r's rows of a global batch of `rows`.
-std::pair<torch::Tensor, torch::Tensor> share(int64_t rows, int64_t step, int rank, int world) {
-  auto batch = testing::global_batch(rows, step);
-  const int64_t n = rows / world;
-  return {batch.first.narrow(0, rank * n, n), batch.second.narrow(0, rank * n, n)};
-}
-
-// One process trained on the whole batch: what every strategy must match.
-OddNet train_reference(OddNet initial, int steps, int64_t rows, bool use_branch = true) {
-  OddNet net(13, use_branch);
-  testing::copy_parameters(*initial, *net);
-  net->fc1->weight.set_requires_grad(initial->fc1->weight.requires_grad());
-  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
-  for (int step = 0; step < steps; ++step) {
-    auto batch = testing::global_batch(rows, step);
-    adam.zero_grad();
-    torch::mse_loss(net->forward(batch.first), batch.second).backward();
-    adam.step();
+// A check of support/fsdp_checks.h as a gtest failure.
+const testing::Check kCheck = [](bool ok, const std::string& what) {
+  if (!ok) {
+    ADD_FAILURE() << what;
   }
-  return net;
-}
+};
 
 TEST(FlatCollectives, ReduceScatterAndAllGatherOnTwoAndThreeRanks) {
   for (int size : {2, 3}) {
@@ -89,31 +69,12 @@ TEST(FlatCollectives, WrongSizesAreRefusedAtTheCall) {
   });
 }
 
-void expect_matches_reference(ShardingStrategy strategy, int size) {
-  SCOPED_TRACE(std::string(name_of(strategy)) + " on " + std::to_string(size) + " ranks");
+TEST(FullyShardedDataParallel, EachStrategyMatchesOneProcessOnTwoAndThreeRanks) {
   torch::manual_seed(0);
   OddNet initial;
-  auto reference = train_reference(initial, 5, 12);
-  testing::spawn(size, [&](ProcessGroup& group) {
-    OddNet net;
-    testing::copy_parameters(*initial, *net);
-    FullyShardedDataParallel<OddNet> model(net, group, ShardingOptions().strategy(strategy));
-    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-    for (int step = 0; step < 5; ++step) {
-      auto batch = share(12, step, group.rank(), size);
-      adam.zero_grad();
-      torch::mse_loss(model->forward(batch.first), batch.second).backward();
-      adam.step();
-    }
-    auto full = model->summon_full_params();
-    testing::expect_params_close(*model->module(), *reference, 1e-5, 1e-5);
-  });
-}
-
-TEST(FullyShardedDataParallel, EachStrategyMatchesOneProcessOnTwoAndThreeRanks) {
   for (auto strategy : kStrategies) {
     for (int size : {2, 3}) {
-      expect_matches_reference(strategy, size);
+      testing::spawn(size, [&](ProcessGroup& group) { testing::check_matches_reference(group, initial, strategy, kCheck); });
     }
   }
 }
@@ -159,32 +120,7 @@ TEST(FullyShardedDataParallel, NoSyncAccumulatesAndTheNextBackwardReducesTheSum)
   torch::manual_seed(1);
   OddNet initial;
   for (auto strategy : kStrategies) {
-    SCOPED_TRACE(name_of(strategy));
-    // One process: the gradient of two halves' losses, summed.
-    OddNet reference;
-    testing::copy_parameters(*initial, *reference);
-    torch::optim::SGD sgd(reference->parameters(), 0.1);
-    for (int step = 0; step < 2; ++step) {
-      auto batch = testing::global_batch(8, step);
-      torch::mse_loss(reference->forward(batch.first), batch.second).backward();
-    }
-    sgd.step();
-    testing::spawn(2, [&](ProcessGroup& group) {
-      OddNet net;
-      testing::copy_parameters(*initial, *net);
-      FullyShardedDataParallel<OddNet> model(net, group, ShardingOptions().strategy(strategy));
-      torch::optim::SGD opt(model->parameters(), 0.1);
-      {
-        auto guard = model->no_sync();
-        auto batch = share(8, 0, group.rank(), 2);
-        torch::mse_loss(model->forward(batch.first), batch.second).backward();
-      }
-      auto batch = share(8, 1, group.rank(), 2);
-      torch::mse_loss(model->forward(batch.first), batch.second).backward();
-      opt.step();
-      auto full = model->summon_full_params();
-      testing::expect_params_close(*model->module(), *reference, 1e-5, 1e-6);
-    });
+    testing::spawn(2, [&](ProcessGroup& group) { testing::check_no_sync(group, initial, strategy, kCheck); });
   }
 }
 
@@ -193,24 +129,8 @@ TEST(FullyShardedDataParallel, FrozenParametersAndUnusedUnitsMatchOneProcess) {
   torch::manual_seed(2);
   OddNet initial(13, /*use_branch=*/false);
   initial->fc1->weight.set_requires_grad(false);
-  auto reference = train_reference(initial, 3, 12, /*use_branch=*/false);
   for (auto strategy : kStrategies) {
-    SCOPED_TRACE(name_of(strategy));
-    testing::spawn(2, [&](ProcessGroup& group) {
-      OddNet net(13, false);
-      testing::copy_parameters(*initial, *net);
-      net->fc1->weight.set_requires_grad(false);
-      FullyShardedDataParallel<OddNet> model(net, group, ShardingOptions().strategy(strategy));
-      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-      for (int step = 0; step < 3; ++step) {
-        auto batch = share(12, step, group.rank(), 2);
-        adam.zero_grad();
-        torch::mse_loss(model->forward(batch.first), batch.second).backward();
-        adam.step();
-      }
-      auto full = model->summon_full_params();
-      testing::expect_params_close(*model->module(), *reference, 1e-5, 1e-5);
-    });
+    testing::spawn(2, [&](ProcessGroup& group) { testing::check_matches_reference(group, initial, strategy, kCheck, 3); });
   }
 }
 
@@ -274,10 +194,7 @@ TEST(FullyShardedDataParallel, AParameterSharedByTwoUnitsIsAnErrorNamingIt) {
 }
 
 TEST(FullyShardedDataParallel, ADifferentModelOnOneRankIsAnErrorOnEveryRank) {
-  testing::spawn(2, [](ProcessGroup& group) {
-    OddNet net(group.rank() == 0 ? 13 : 14);
-    EXPECT_ERROR_SAYS(FullyShardedDataParallel<OddNet>(net, group), "rank 1 built a different model than rank 0");
-  });
+  testing::spawn(2, [](ProcessGroup& group) { testing::check_model_mismatch(group, kCheck); });
 }
 
 } // namespace

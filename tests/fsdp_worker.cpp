@@ -1,0 +1,86 @@
+// One rank of FullyShardedDataParallel's multi-process tests: the checks of
+// support/fsdp_checks.h, which test_fully_sharded.cpp runs with ranks as
+// threads. Started by test_ddp_processes.cpp over Gloo (torchrun's
+// variables) and by the Mpi.fsdp_* tests under mpirun
+// (LOCKSTEP_TEST_BACKEND=mpi).
+//
+//   lockstep_fsdp_worker equivalence|no_sync|frozen|mismatch
+//
+// Prints "rank R: OK" and exits 0 when every check passed, "rank R: CHECK
+// FAILED: ..." for each failed one and exits 1, "rank R: ERROR: ..." and
+// exits 3 on an unexpected lockstep error.
+
+#include <lockstep/lockstep.h>
+
+#include "support/fsdp_checks.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace {
+
+const lockstep::ShardingStrategy kStrategies[] = {lockstep::ShardingStrategy::FullShard,
+                                                  lockstep::ShardingStrategy::ShardGradOp,
+                                                  lockstep::ShardingStrategy::NoShard};
+
+bool run(const std::string& scenario, lockstep::ProcessGroup& group, const lockstep::testing::Check& check) {
+  using lockstep::testing::OddNet;
+  torch::manual_seed(0);
+  if (scenario == "equivalence" || scenario == "no_sync") {
+    OddNet initial;
+    for (auto strategy : kStrategies) {
+      if (scenario == "equivalence") {
+        lockstep::testing::check_matches_reference(group, initial, strategy, check);
+      } else {
+        lockstep::testing::check_no_sync(group, initial, strategy, check);
+      }
+    }
+  } else if (scenario == "frozen") {
+    OddNet initial(13, /*use_branch=*/false);
+    initial->fc1->weight.set_requires_grad(false);
+    for (auto strategy : kStrategies) {
+      lockstep::testing::check_matches_reference(group, initial, strategy, check, 3);
+    }
+  } else if (scenario == "mismatch") {
+    lockstep::testing::check_model_mismatch(group, check);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch\n", argv[0]);
+    return 2;
+  }
+  int rank = -1;
+  int failures = 0;
+  try {
+    const char* backend = std::getenv("LOCKSTEP_TEST_BACKEND");
+    auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(backend != nullptr ? backend : "gloo"));
+    rank = group.rank();
+    const lockstep::testing::Check check = [&](bool ok, const std::string& what) {
+      if (!ok) {
+        std::printf("rank %d: CHECK FAILED: %s\n", rank, what.c_str());
+        ++failures;
+      }
+    };
+    if (!run(argv[1], group, check)) {
+      std::fprintf(stderr, "unknown scenario %s\n", argv[1]);
+      return 2;
+    }
+  } catch (const c10::Error& e) {
+    std::printf("rank %d: ERROR: %s\n", rank, e.what_without_backtrace());
+    std::fflush(stdout);
+    return 3;
+  }
+  if (failures == 0) {
+    std::printf("rank %d: OK\n", rank);
+  }
+  std::fflush(stdout);
+  return failures == 0 ? 0 : 1;
+}

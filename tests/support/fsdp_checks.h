@@ -1,0 +1,125 @@
+#pragma once
+
+// What FullyShardedDataParallel promises, as checks that run the same on
+// ranks as threads (test_fully_sharded.cpp, Gloo) and on ranks as processes
+// (fsdp_worker.cpp: Gloo under test_ddp_processes.cpp, MPI under mpirun).
+// Each compares against one process trained on the whole batch.
+
+#include <lockstep/lockstep.h>
+
+#include "collective_contract.h"
+#include "ddp_models.h"
+
+#include <torch/torch.h>
+
+#include <string>
+
+namespace lockstep {
+namespace testing {
+
+inline const char* name_of(ShardingStrategy s) {
+  return s == ShardingStrategy::FullShard ? "FullShard" : s == ShardingStrategy::ShardGradOp ? "ShardGradOp" : "NoShard";
+}
+
+inline void copy_values(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard no_grad;
+  auto src = from.parameters();
+  auto dst = to.parameters();
+  for (size_t i = 0; i < src.size() && i < dst.size(); ++i) {
+    dst[i].copy_(src[i]);
+  }
+}
+
+/// A copy of `initial`, with the same frozen parameters.
+inline OddNet copy_of(OddNet initial) {
+  OddNet net(initial->hidden, initial->use_branch);
+  copy_values(*initial, *net);
+  net->fc1->weight.set_requires_grad(initial->fc1->weight.requires_grad());
+  return net;
+}
+
+/// Rank r's rows of the global batch of `rows` at `step`.
+inline std::pair<torch::Tensor, torch::Tensor> share_of(int64_t rows, int64_t step, int rank, int world) {
+  auto batch = global_batch(rows, step);
+  const int64_t n = rows / world;
+  return {batch.first.narrow(0, rank * n, n), batch.second.narrow(0, rank * n, n)};
+}
+
+/// Whether every parameter of the summoned module is within `tolerance` of
+/// the reference's.
+inline void check_full_params(FullyShardedDataParallel<OddNet>& model, OddNet reference, const Check& check,
+                              const std::string& what, double tolerance = 1e-5) {
+  auto full = model->summon_full_params();
+  auto mine = model->module()->named_parameters();
+  auto theirs = reference->named_parameters();
+  check(mine.size() == theirs.size(), what + ": parameter count");
+  for (size_t i = 0; i < mine.size() && i < theirs.size(); ++i) {
+    const bool close = mine[i].value().sizes() == theirs[i].value().sizes() &&
+        torch::allclose(mine[i].value(), theirs[i].value(), tolerance, tolerance);
+    check(close, what + ": " + mine[i].key() + " differs from one process trained on the whole batch");
+  }
+}
+
+/// `steps` Adam steps on the whole batch, in one process.
+inline OddNet train_reference(OddNet initial, int steps, int64_t rows) {
+  auto net = copy_of(initial);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < steps; ++step) {
+    auto batch = global_batch(rows, step);
+    adam.zero_grad();
+    torch::mse_loss(net->forward(batch.first), batch.second).backward();
+    adam.step();
+  }
+  return net;
+}
+
+/// 5 Adam steps of each rank's share equal 5 on the whole batch (12 rows,
+/// odd layer sizes that no world size divides).
+inline void check_matches_reference(ProcessGroup& group, OddNet initial, ShardingStrategy strategy, const Check& check,
+                                    int steps = 5) {
+  auto reference = train_reference(initial, steps, 12);
+  FullyShardedDataParallel<OddNet> model(copy_of(initial), group, ShardingOptions().strategy(strategy));
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < steps; ++step) {
+    auto batch = share_of(12, step, group.rank(), group.size());
+    adam.zero_grad();
+    torch::mse_loss(model->forward(batch.first), batch.second).backward();
+    adam.step();
+  }
+  check_full_params(model, reference, check, std::string(name_of(strategy)) + " after " + std::to_string(steps) +
+                    " Adam steps on " + std::to_string(group.size()) + " ranks");
+}
+
+/// A backward under no_sync, then one outside it, then a step: the same as
+/// one process's step on the gradient of both batches.
+inline void check_no_sync(ProcessGroup& group, OddNet initial, ShardingStrategy strategy, const Check& check) {
+  auto reference = copy_of(initial);
+  torch::optim::SGD sgd(reference->parameters(), 0.1);
+  for (int step = 0; step < 2; ++step) {
+    auto batch = global_batch(8, step);
+    torch::mse_loss(reference->forward(batch.first), batch.second).backward();
+  }
+  sgd.step();
+  FullyShardedDataParallel<OddNet> model(copy_of(initial), group, ShardingOptions().strategy(strategy));
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  {
+    auto guard = model->no_sync();
+    auto batch = share_of(8, 0, group.rank(), group.size());
+    torch::mse_loss(model->forward(batch.first), batch.second).backward();
+  }
+  auto batch = share_of(8, 1, group.rank(), group.size());
+  torch::mse_loss(model->forward(batch.first), batch.second).backward();
+  opt.step();
+  check_full_params(model, reference, check, std::string(name_of(strategy)) + " with no_sync", 1e-6);
+}
+
+/// Rank 1 builds a wider model than rank 0: an error on every rank.
+inline void check_model_mismatch(ProcessGroup& group, const Check& check) {
+  OddNet net(group.rank() == 1 ? 14 : 13);
+  check_says(check, message_of([&] { FullyShardedDataParallel<OddNet> model(net, group); }),
+             {"rank 1 built a different model than rank 0", "Every rank must construct the same module"},
+             "a different model on rank 1");
+}
+
+} // namespace testing
+} // namespace lockstep
