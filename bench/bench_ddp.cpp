@@ -8,10 +8,14 @@
 // norebuild (buckets kept in reverse registration order) | norecorder (the
 // flight recorder off) | detail (LOCKSTEP_DEBUG=detail) | mpi (lockstep over
 // the mpi backend, under mpirun) | naive (one allreduce per gradient after
-// backward) | nocomm (no communication: the limit).
+// backward) | nocomm (no communication: the limit) | fullshard, gradop,
+// noshard (FullyShardedDataParallel's strategies over Gloo) | fullshard-mpi,
+// gradop-mpi (over MPI, under mpirun).
 // MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)) | reversed
 // (deep, its layers registered in the reverse of the order forward uses
-// them); global batch 256, split over the ranks. Rank 0 prints one line:
+// them) | wide (8 x Linear(2048, 2048): Adam's state dominates memory);
+// global batch 256, split over the ranks. --optimizer adam replaces SGD with
+// momentum. Rank 0 prints one line:
 //   MODE MODEL steps_per_s=X rss_mb=R0,R1
 
 #include <examples/blas_check.h>
@@ -59,6 +63,13 @@ torch::nn::Sequential make_model(const std::string& name) {
     return lockstep::examples::make_mlp();
   }
   torch::nn::Sequential net;
+  if (name == "wide") {
+    for (int i = 0; i < 8; ++i) {
+      net->push_back(torch::nn::Linear(i == 0 ? 256 : 2048, 2048));
+      net->push_back(torch::nn::ReLU());
+    }
+    return net;
+  }
   for (int i = 0; i < 48; ++i) {
     net->push_back(torch::nn::Linear(256, 256));
     net->push_back(torch::nn::ReLU());
@@ -67,8 +78,13 @@ torch::nn::Sequential make_model(const std::string& name) {
 }
 
 // Times `steps` SGD steps of `net` under `mode` on this rank.
+bool sharded(const std::string& mode) {
+  return mode.rfind("fullshard", 0) == 0 || mode.rfind("gradop", 0) == 0 || mode == "noshard";
+}
+
 template <typename M>
-void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps) {
+void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
+         const std::string& optimizer_name) {
   const int64_t batch = 256 / group.size();
   const int64_t features = model == "mlp" ? 784 : 256;
   auto x = torch::randn({batch, features});
@@ -76,7 +92,17 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
 
   std::function<torch::Tensor(const torch::Tensor&)> forward = [net](const torch::Tensor& in) mutable { return net->forward(in); };
   std::shared_ptr<lockstep::DistributedDataParallel<M>> ddp;
-  if (mode != "naive" && mode != "nocomm") {
+  std::shared_ptr<lockstep::FullyShardedDataParallel<M>> fsdp;
+  std::vector<torch::Tensor> params = net->parameters();
+  if (sharded(mode)) {
+    const auto strategy = mode == "noshard" ? lockstep::ShardingStrategy::NoShard
+        : mode.rfind("gradop", 0) == 0      ? lockstep::ShardingStrategy::ShardGradOp
+                                            : lockstep::ShardingStrategy::FullShard;
+    fsdp = std::make_shared<lockstep::FullyShardedDataParallel<M>>(net, group,
+                                                                   lockstep::ShardingOptions().strategy(strategy));
+    forward = [fsdp](const torch::Tensor& in) { return (*fsdp)(in); };
+    params = (*fsdp)->parameters();
+  } else if (mode != "naive" && mode != "nocomm") {
     ddp = std::make_shared<lockstep::DistributedDataParallel<M>>(
         net, group,
         lockstep::DistributedOptions()
@@ -89,9 +115,14 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
       group.broadcast(p, 0);
     }
   }
-  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (optimizer_name == "adam") {
+    optimizer = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9));
+  }
   auto step = [&] {
-    optimizer.zero_grad();
+    optimizer->zero_grad();
     torch::cross_entropy_loss(forward(x), y).backward();
     if (mode == "naive") {
       for (auto& p : net->parameters()) {
@@ -99,7 +130,7 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
       }
     }
     lockstep::timeline::Span span("optimizer step");
-    optimizer.step();
+    optimizer->step();
   };
   for (int i = 0; i < 5; ++i) {
     step();
@@ -186,15 +217,18 @@ int main(int argc, char** argv) {
   std::string mode;
   std::string model;
   int steps = 0;
+  std::string optimizer = "sgd";
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
   app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
                  "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward) or nocomm (no communication)")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
-                                         "naive", "nocomm"}));
-  app.add_option("MODEL", model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)) or reversed (deep, registered "
-                 "last layer first)")
-      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed"}));
+                                         "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
+                                         "gradop-mpi"}));
+  app.add_option("MODEL", model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
+                 "last layer first) or wide (8 x Linear(2048, 2048))")
+      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide"}));
+  app.add_option("--optimizer", optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
   app.add_option("STEPS", steps, "Timed optimizer steps, after 5 untimed ones")->required()->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
@@ -217,12 +251,13 @@ int main(int argc, char** argv) {
     } else if (mode == "detail") {
       ::setenv("LOCKSTEP_DEBUG", "detail", 1);
     }
-    auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(mode == "mpi" ? "mpi" : "gloo"));
+    auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(
+        mode == "mpi" || mode.find("-mpi") != std::string::npos ? "mpi" : "gloo"));
     torch::manual_seed(0);
     if (model == "reversed") {
-      run(ReversedDeep(), group, mode, model, steps);
+      run(ReversedDeep(), group, mode, model, steps, optimizer);
     } else {
-      run(make_model(model), group, mode, model, steps);
+      run(make_model(model), group, mode, model, steps, optimizer);
     }
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace());

@@ -2,7 +2,7 @@
 (the configuration's PyTorch: .venv/'s or Debian's python3-torch), gloo, 2 processes of one thread each, with the same
 model, batch, optimizer and thread count as bench/bench_ddp.cpp.
 
-    python3 bench/ddp_python.py MODEL STEPS PORT
+    python3 bench/ddp_python.py MODEL STEPS PORT [OPTIMIZER]
 
 Rank 0 prints: python MODEL steps_per_s=X rss_mb=R0,R1
 """
@@ -20,13 +20,15 @@ import torch.nn as nn
 def make_model(name):
     if name == "mlp":
         return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    if name == "wide":
+        return nn.Sequential(*[m for i in range(8) for m in (nn.Linear(256 if i == 0 else 2048, 2048), nn.ReLU())])
     layers = []
     for _ in range(48):
         layers += [nn.Linear(256, 256), nn.ReLU()]
     return nn.Sequential(*layers)
 
 
-def run(rank, world, model_name, steps, port):
+def run(rank, world, model_name, steps, port, optimizer):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -36,7 +38,10 @@ def run(rank, world, model_name, steps, port):
     batch = 256 // world
     x = torch.randn(batch, 784 if model_name == "mlp" else 256)
     y = torch.randint(0, 10, (batch,))
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if optimizer == "adam":
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
     def step():
@@ -62,4 +67,5 @@ def run(rank, world, model_name, steps, port):
 
 if __name__ == "__main__":
     model_name, steps, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    mp.spawn(run, args=(2, model_name, steps, port), nprocs=2)
+    optimizer = sys.argv[4] if len(sys.argv) > 4 else "sgd"
+    mp.spawn(run, args=(2, model_name, steps, port, optimizer), nprocs=2)

@@ -11,6 +11,10 @@
 #   CONTENDERS="lockstep norebuild static" MODELS="reversed deep" bench/run_ddp_bench.sh
 # and the flight recorder's cost, and LOCKSTEP_DEBUG=detail's:
 #   CONTENDERS="lockstep norecorder detail" bench/run_ddp_bench.sh
+# FullyShardedDataParallel against DDP and PyTorch's FSDP2, with Adam:
+#   OPTIMIZER=adam CONTENDERS="lockstep gradop fullshard mpi gradop-mpi fullshard-mpi python-fsdp" bench/run_ddp_bench.sh
+# and its memory, on a model whose Adam state dominates:
+#   OPTIMIZER=adam CONTENDERS="lockstep gradop fullshard" MODELS=wide bench/run_ddp_bench.sh 3 10 10
 #
 # Needs a built tree (scripts/build.sh) of the configuration LOCKSTEP_TORCH
 # names (scripts/config.sh). Python DDP, the peer, runs on the same PyTorch:
@@ -34,22 +38,25 @@ else
 fi
 echo "run_ddp_bench: configuration $LOCKSTEP_TORCH, $("$py" -c 'import torch; print("PyTorch", torch.__version__)' 2>/dev/null)"
 out=$(mktemp)
+optimizer=${OPTIMIZER:-sgd}
 run_pair() { # MODE MODEL STEPS
   local port=$((20000 + RANDOM % 20000))
-  if [ "$1" = python ]; then
+  if [ "$1" = python ] || [ "$1" = python-fsdp ]; then
+    local script=bench/ddp_python.py; [ "$1" = python-fsdp ] && script=bench/fsdp_python.py
     # A time limit: Debian's torch.multiprocessing can hang at exit.
-    timeout -k 5 120 "$py" bench/ddp_python.py "$2" "$3" "$port" 2>/dev/null | grep steps_per_s >>"$out" || true
+    timeout -k 5 120 "$py" "$script" "$2" "$3" "$port" "$optimizer" 2>/dev/null | grep steps_per_s >>"$out" || true
     return
   fi
-  if [ "$1" = mpi ]; then
+  if [ "$1" = mpi ] || [ "${1%-mpi}" != "$1" ]; then
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 120 \
-      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$build_dir/lockstep-bench-ddp" mpi "$2" "$3" >>"$out"
+      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" \
+      --optimizer "$optimizer" >>"$out"
     return
   fi
   local pids=()
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
-      timeout -k 5 120 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" >>"$out" &
+      timeout -k 5 120 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" --optimizer "$optimizer" >>"$out" &
     pids+=($!)
   done
   wait "${pids[@]}"
@@ -78,10 +85,18 @@ for line in open(sys.argv[1]):
 for model in sys.argv[2:]:
     med = {mode: statistics.median(rates[(model, mode)]) for (m, mode) in rates if m == model}
     print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
-    for mode in [m for m in ("lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi", "python", "naive", "nocomm") if m in med]:
-        print(f"  {mode:9s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
+    known = ("lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi", "python", "naive", "nocomm",
+             "gradop", "fullshard", "noshard", "gradop-mpi", "fullshard-mpi", "python-fsdp")
+    for mode in [m for m in known if m in med]:
+        print(f"  {mode:13s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
               f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB")
     for peer in [m for m in ("python", "nocomm") if "mpi" in med and m in med]:
         print(f"  mpi/{peer} = {med['mpi'] / med[peer]:.3f}")
+    # Sharded data parallelism against DDP on the same backend, and against PyTorch's FSDP.
+    for mine, peer in (("gradop", "lockstep"), ("fullshard", "lockstep"), ("noshard", "lockstep"),
+                       ("gradop-mpi", "mpi"), ("fullshard-mpi", "mpi"), ("fullshard", "python-fsdp")):
+        if mine in med and peer in med:
+            print(f"  {mine}/{peer} = {med[mine] / med[peer]:.3f}   peak RSS {mine}/{peer} = "
+                  f"{statistics.median(rss[(model, mine)]) / statistics.median(rss[(model, peer)]):.3f}")
 PY
 rm -f "$out"

@@ -1,5 +1,6 @@
 #include <lockstep/fully_sharded_data_parallel.h>
 
+#include "mapped_memory.h"
 #include "torch_compat.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -87,16 +88,6 @@ void release_storage(const torch::Tensor& t) {
   storage->set_nbytes(0);
 }
 
-void allocate_storage(const torch::Tensor& t) {
-  auto* storage = t.storage().unsafeGetStorageImpl();
-  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
-  if (storage->nbytes() == nbytes) {
-    return;
-  }
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
-  storage->set_nbytes(nbytes);
-}
-
 std::string shard_name(const FlatParam& flat) {
   std::string name = flat.unit.empty() ? std::string("root") : flat.unit;
   std::replace(name.begin(), name.end(), '.', '/'); // a parameter's name has no dots
@@ -161,7 +152,7 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
       if (flat.gathered) {
         continue;
       }
-      allocate_storage(flat.full);
+      allocate_mapped(flat.full);
       starts[i] = timeline::enabled() ? timeline::detail::now_us() : 0;
       works[i] = group.all_gather_into_async(flat.full, flat.shard.detach(), "all_gather of " + shard_name(flat) + " (" +
                                              std::to_string(flat.layout.padded) + " elements)");
@@ -240,7 +231,7 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
   // The flat buffer's gradients (zeros where none came) averaged into a
   // gradient of its shard.
   void launch(FlatParam& flat) {
-    auto grads = torch::zeros({flat.layout.padded}, flat.options());
+    auto grads = empty_mapped(flat.layout.padded, flat.options()).zero_();
     for (size_t j = 0; j < flat.params.size(); ++j) {
       auto& grad = flat.params[j].mutable_grad();
       if (grad.defined()) {

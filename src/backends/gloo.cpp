@@ -1,6 +1,7 @@
 // Compiled when LibTorch has c10d's Gloo process group; no_gloo.cpp otherwise.
 
 #include "backends.h"
+#include "../mapped_memory.h"
 #include "../torch_compat.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -336,8 +337,9 @@ void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, co
   const int size = group.getSize();
   const int rank = group.getRank();
   const int64_t n = output.numel();
-  auto sums = input.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true).view({-1});
-  auto incoming = torch::empty({n}, sums.options());
+  // Note [Pages for transient buffers]: this thread frees what it allocates.
+  auto sums = empty_mapped(input.numel(), input.options().device(torch::kCPU)).copy_(input.reshape({-1}));
+  auto incoming = empty_mapped(n, sums.options());
   auto chunk = [&](int i) { return sums.narrow(0, ((i % size + size) % size) * n, n); };
   for (int step = 0; step < size - 1; ++step) {
     std::vector<torch::Tensor> sent{chunk(rank - step - 1)};
