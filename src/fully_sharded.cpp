@@ -1,5 +1,6 @@
 #include <lockstep/fully_sharded_data_parallel.h>
 
+#include "flat_param.h"
 #include "mapped_memory.h"
 #include "torch_compat.h"
 
@@ -53,32 +54,6 @@ namespace detail {
 // ShardGradOp is the same without the release after forward. NoShard keeps
 // the whole flat buffer as the "shard" on every rank, the module's
 // parameters as views of it, and averages gradients with an allreduce.
-
-struct FlatParam {
-  std::string unit; // "" for the root
-  torch::ScalarType dtype = torch::kFloat;
-  torch::Device device = torch::kCPU;
-  std::vector<torch::Tensor> params; // the module's own
-  std::vector<std::string> names;
-  std::vector<int64_t> offsets;
-  std::vector<std::vector<int64_t>> shapes; // the parameters' own, kept while they are empty
-  ShardLayout layout;
-  torch::Tensor shard; // registered on the wrapper
-  torch::Tensor full; // the gathered buffer; its storage is released while sharded
-  bool gathered = false;
-  std::vector<char> ready;
-  size_t ready_count = 0;
-  bool launched = false;
-  torch::Tensor reduced;
-  std::shared_ptr<Work> reduce;
-  int64_t reduce_start_us = 0;
-  std::vector<NodePtr> accumulators;
-  std::vector<uintptr_t> hook_keys;
-
-  torch::TensorOptions options() const {
-    return torch::TensorOptions().dtype(dtype).device(device);
-  }
-};
 
 namespace {
 
@@ -497,6 +472,18 @@ void ShardedCore::unsummon(bool writeback) {
     }
   }
   s.release_all();
+}
+
+std::vector<FlatParam*> ShardedCore::flats() const {
+  std::vector<FlatParam*> flats;
+  for (auto& flat : state_->flats) {
+    flats.push_back(&flat);
+  }
+  return flats;
+}
+
+bool ShardedCore::sharded() const {
+  return state_->sharded();
 }
 
 std::vector<ShardedCore::FlatInfo> ShardedCore::flat_params() const {

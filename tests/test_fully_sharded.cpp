@@ -6,12 +6,16 @@
 
 #include "support/errors.h"
 #include "support/fsdp_checks.h"
+#include "support/modules.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <fstream>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 namespace lockstep {
@@ -151,6 +155,103 @@ TEST(FullyShardedDataParallel, WritebackCopiesEditsIntoTheShards) {
     }
     auto full = model->summon_full_params();
     EXPECT_TRUE(torch::equal(model->module()->fc2->bias, torch::full({3}, 3.0)));
+  });
+}
+
+TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) {
+  const std::string path = ::testing::TempDir() + "lockstep_fsdp_full_" + std::to_string(getpid()) + ".pt";
+  torch::manual_seed(3);
+  OddNet initial;
+  auto reference = testing::train_reference(initial, 2, 12);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    for (int step = 0; step < 2; ++step) {
+      auto batch = testing::share_of(12, step, group.rank(), 2);
+      adam.zero_grad();
+      torch::mse_loss(model->forward(batch.first), batch.second).backward();
+      adam.step();
+    }
+    auto full = model->summon_full_params();
+    if (group.rank() == 0) {
+      torch::save(model->module(), path);
+    }
+  });
+  OddNet bare;
+  torch::load(bare, path);
+  testing::expect_params_close(*bare, *reference, 1e-5, 1e-5);
+  std::remove(path.c_str());
+}
+
+// Steps [first, last) of the global batch on this rank's share, with Adam;
+// between, the state comes from `load` and goes to `save` when not empty.
+void train_steps(ProcessGroup& group, OddNet initial, ShardingStrategy strategy, int first, int last,
+                 const std::string& load, const std::string& save, OddNet* result = nullptr) {
+  FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group, ShardingOptions().strategy(strategy));
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+  if (!load.empty()) {
+    load_sharded(model, adam, load);
+  }
+  for (int step = first; step < last; ++step) {
+    auto batch = testing::share_of(12, step, group.rank(), group.size());
+    adam.zero_grad();
+    torch::mse_loss(model->forward(batch.first), batch.second).backward();
+    adam.step();
+  }
+  if (!save.empty()) {
+    save_sharded(model, adam, save);
+  }
+  if (result != nullptr && group.rank() == 0) {
+    auto full = model->summon_full_params();
+    testing::copy_values(*model->module(), **result);
+  } else if (result != nullptr) {
+    auto full = model->summon_full_params();
+  }
+}
+
+TEST(FullyShardedDataParallel, ShardedCheckpointsResumeAtAnotherWorldSize) {
+  torch::manual_seed(4);
+  OddNet initial;
+  auto reference = testing::train_reference(initial, 4, 12);
+  for (auto strategy : kStrategies) {
+    for (auto sizes : {std::make_pair(2, 3), std::make_pair(3, 2)}) {
+      SCOPED_TRACE(std::string(testing::name_of(strategy)) + ": saved at " + std::to_string(sizes.first) +
+                   " ranks, loaded at " + std::to_string(sizes.second));
+      const std::string dir = ::testing::TempDir() + "lockstep_fsdp_sharded_" + std::to_string(getpid());
+      testing::spawn(sizes.first, [&](ProcessGroup& group) { train_steps(group, initial, strategy, 0, 2, "", dir); });
+      OddNet resumed;
+      testing::spawn(sizes.second, [&](ProcessGroup& group) {
+        train_steps(group, initial, strategy, 2, 4, dir, "", &resumed);
+      });
+      testing::expect_params_close(*resumed, *reference, 1e-5, 1e-5);
+    }
+  }
+}
+
+TEST(FullyShardedDataParallel, ADamagedShardIsAnErrorNamingTheFile) {
+  torch::manual_seed(5);
+  OddNet initial;
+  const std::string dir = ::testing::TempDir() + "lockstep_fsdp_damaged_" + std::to_string(getpid());
+  testing::spawn(2, [&](ProcessGroup& group) {
+    train_steps(group, initial, ShardingStrategy::FullShard, 0, 1, "", dir);
+  });
+  const std::string shard = dir + "/shard-1-of-2.pt";
+  {
+    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(200);
+    const char byte = static_cast<char>(file.get() ^ 0xff);
+    file.seekp(200);
+    file.put(byte);
+  }
+  // Rank 1 reads the damaged file; rank 0 learns that rank 1 could not load.
+  testing::spawn(2, [&](ProcessGroup& group) {
+    if (group.rank() == 1) {
+      EXPECT_ERROR_SAYS(train_steps(group, initial, ShardingStrategy::FullShard, 0, 0, dir, ""), shard.c_str(),
+                        "is damaged: its checksum does not match");
+    } else {
+      EXPECT_ERROR_SAYS(train_steps(group, initial, ShardingStrategy::FullShard, 0, 0, dir, ""),
+                        "rank 1 could not load", "its own error names the file");
+    }
   });
 }
 

@@ -166,6 +166,13 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   const ProcessGroup& group() const {
     return core_->group();
   }
+  /// See lockstep::save_sharded and load_sharded.
+  void save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
+    core_->save_sharded(optimizer, dir);
+  }
+  void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) {
+    core_->load_sharded(optimizer, dir);
+  }
   /// Each flat parameter's unit, dtype, element count and shard size.
   std::vector<detail::ShardedCore::FlatInfo> flat_params() const {
     return core_->flat_params();
@@ -189,5 +196,24 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
 /// `lockstep::FullyShardedDataParallel<Net> model(net, group, ShardingOptions());`
 template <typename M>
 using FullyShardedDataParallel = detail::ForwardingHolder<FullyShardedDataParallelImpl<M>>;
+
+/// Writes this rank's shards and its optimizer's state for them to `dir`
+/// (made if missing): one file per rank and index.json, each written
+/// atomically and checksummed (Note [Sharded checkpoint] in
+/// src/sharded_checkpoint.cpp). Every rank calls it.
+template <typename M>
+void save_sharded(const FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer, const std::string& dir) {
+  model->save_sharded(optimizer, dir);
+}
+
+/// Reads what save_sharded wrote into this rank's shards and optimizer
+/// state, at any world size: each rank reads the ranges it now owns. The
+/// optimizer must be made from model->parameters(); its options (learning
+/// rate) are the caller's, not the file's. A damaged or mismatched file is
+/// an error naming it. Every rank calls it.
+template <typename M>
+void load_sharded(FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer, const std::string& dir) {
+  model->load_sharded(optimizer, dir);
+}
 
 } // namespace lockstep

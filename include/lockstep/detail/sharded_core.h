@@ -7,6 +7,7 @@
 #include <lockstep/process_group.h>
 
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -80,7 +81,14 @@ class ShardedCore {
   };
   std::vector<FlatInfo> flat_params() const;
 
+  /// lockstep::save_sharded and load_sharded (src/sharded_checkpoint.cpp).
+  void save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
+  void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir);
+
  private:
+  std::vector<FlatParam*> flats() const;
+  bool sharded() const;
+  void load_local(torch::optim::Optimizer& optimizer, const std::string& dir);
   struct State;
   std::shared_ptr<State> state_;
   ProcessGroup group_;

@@ -1,0 +1,308 @@
+// lockstep::save_sharded and load_sharded: one file per rank and an index,
+// read back at any world size.
+
+#include <lockstep/fully_sharded_data_parallel.h>
+
+#include "flat_param.h"
+
+#include <torch/optim.h>
+#include <torch/serialize.h>
+
+#include <nlohmann/json.hpp>
+#include <zlib.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+namespace lockstep {
+namespace detail {
+
+// Note [Sharded checkpoint]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// DIR/index.json names the world size that saved, and per flat parameter
+// its unit, dtype, element count, shard size and parameter names.
+// DIR/shard-R-of-W.pt is rank R's LibTorch archive: per flat parameter f,
+// "f<f>.values" (its padded shard) and "f<f>.state" (the optimizer's state
+// for it, as the optimizer's own serialize() writes it). Each file is framed
+// as the trainer's checkpoints are (magic, length, CRC-32; written to a
+// temporary file, synced and renamed), so a damaged one is an error naming
+// it before LibTorch reads it. To load at another world size, each rank
+// computes the range of every flat buffer it now owns and copies it out of
+// the old shards that overlap it; state tensors with the old shard's
+// element count are resharded the same way, and scalars (Adam's step) are
+// taken as they are, being the same on every rank.
+
+namespace {
+
+constexpr char kMagic[] = "LOCKSTEP-SHARD\n";
+constexpr size_t kMagicSize = sizeof(kMagic) - 1;
+
+uint32_t crc_of(const char* data, size_t size) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  for (size_t at = 0; at < size; at += size_t{1} << 30) {
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(data + at), static_cast<uInt>(std::min(size - at, size_t{1} << 30)));
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+void sync_path(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+void write_framed(const std::string& path, const std::string& payload) {
+  std::string header(kMagic, kMagicSize);
+  const uint64_t length = payload.size();
+  const uint32_t crc = crc_of(payload.data(), payload.size());
+  for (int i = 0; i < 8; ++i) {
+    header += static_cast<char>((length >> (8 * i)) & 0xff);
+  }
+  for (int i = 0; i < 4; ++i) {
+    header += static_cast<char>((crc >> (8 * i)) & 0xff);
+  }
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
+    out.flush();
+    TORCH_CHECK(out.good(), "lockstep::save_sharded: cannot write ", temporary, " (", std::strerror(errno), ").");
+  }
+  sync_path(temporary, O_RDONLY);
+  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "lockstep::save_sharded: cannot rename ", temporary,
+              " to ", path, " (", std::strerror(errno), ").");
+}
+
+std::string read_framed(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.is_open(), "lockstep::load_sharded: cannot open ", path, " (", std::strerror(errno),
+              "). The folder must hold every file that save_sharded wrote.");
+  std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TORCH_CHECK(file.size() >= kMagicSize + 12 && file.compare(0, kMagicSize, kMagic) == 0, "lockstep::load_sharded: ",
+              path, " is not a shard that save_sharded wrote (truncated, or another file). Restore it from a copy.");
+  uint64_t length = 0;
+  uint32_t crc = 0;
+  for (int i = 0; i < 8; ++i) {
+    length |= uint64_t{static_cast<unsigned char>(file[kMagicSize + i])} << (8 * i);
+  }
+  for (int i = 0; i < 4; ++i) {
+    crc |= uint32_t{static_cast<unsigned char>(file[kMagicSize + 8 + i])} << (8 * i);
+  }
+  const size_t held = file.size() - kMagicSize - 12;
+  TORCH_CHECK(length == held, "lockstep::load_sharded: ", path, " is damaged: its header declares ", length,
+              " bytes but it holds ", held, ". Restore it from a copy.");
+  TORCH_CHECK(crc_of(file.data() + kMagicSize + 12, held) == crc, "lockstep::load_sharded: ", path,
+              " is damaged: its checksum does not match its content. Restore it from a copy.");
+  file.erase(0, kMagicSize + 12);
+  return file;
+}
+
+std::string shard_file(const std::string& dir, int rank, int world) {
+  return dir + "/shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".pt";
+}
+
+// A fresh state of the optimizer's own type, for a parameter it has none for.
+std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
+    return std::make_unique<torch::optim::AdamWParamState>();
+  }
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
+    return std::make_unique<torch::optim::AdamParamState>();
+  }
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
+    return std::make_unique<torch::optim::SGDParamState>();
+  }
+  if (dynamic_cast<torch::optim::RMSprop*>(&optimizer) != nullptr) {
+    return std::make_unique<torch::optim::RMSpropParamState>();
+  }
+  if (dynamic_cast<torch::optim::Adagrad*>(&optimizer) != nullptr) {
+    return std::make_unique<torch::optim::AdagradParamState>();
+  }
+  TORCH_CHECK(false, "lockstep::load_sharded: the optimizer is not one whose state it can reshard (Adam, AdamW, SGD, "
+              "RMSprop, Adagrad). Save the full state instead, under summon_full_params.");
+}
+
+// Old shards, read once each.
+class OldShards {
+ public:
+  OldShards(std::string dir, int world) : dir_(std::move(dir)), world_(world) {}
+  torch::serialize::InputArchive& archive(int rank) {
+    auto it = archives_.find(rank);
+    if (it == archives_.end()) {
+      const auto path = shard_file(dir_, rank, world_);
+      std::istringstream payload(read_framed(path));
+      it = archives_.emplace(rank, torch::serialize::InputArchive()).first;
+      it->second.load_from(payload);
+    }
+    return it->second;
+  }
+  int world() const {
+    return world_;
+  }
+
+ private:
+  std::string dir_;
+  int world_;
+  std::map<int, torch::serialize::InputArchive> archives_;
+};
+
+// Elements [begin, end) of flat parameter f's `key` (a tensor of the old
+// shard's size in each old file, or of a sub-archive's `sub`), zeros past
+// `numel` (the padding).
+torch::Tensor old_range(OldShards& old, size_t f, const std::string& key, int64_t old_shard, int64_t numel,
+                        int64_t begin, int64_t end, const torch::TensorOptions& options) {
+  auto out = torch::zeros({end - begin}, options);
+  for (int q = 0; q < old.world(); ++q) {
+    const int64_t from = std::max(begin, q * old_shard);
+    const int64_t to = std::min({end, (q + 1) * old_shard, numel});
+    if (from >= to) {
+      continue;
+    }
+    torch::serialize::InputArchive flat;
+    old.archive(q).read("f" + std::to_string(f), flat);
+    torch::Tensor values;
+    if (key == "values") {
+      flat.read("values", values);
+    } else {
+      torch::serialize::InputArchive state;
+      flat.read("state", state);
+      state.read(key, values);
+    }
+    out.narrow(0, from - begin, to - from).copy_(values.reshape({-1}).narrow(0, from - q * old_shard, to - from));
+  }
+  return out;
+}
+
+} // namespace
+
+void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
+  const int world = sharded() ? group_.size() : 1;
+  if (group_.rank() == 0) {
+    ::mkdir(dir.c_str(), 0755);
+    nlohmann::json index = {{"format", 1}, {"world_size", world}, {"flats", nlohmann::json::array()}};
+    for (const auto* flat : flats()) {
+      index["flats"].push_back({{"unit", flat->unit}, {"dtype", c10::toString(flat->dtype)},
+                                {"numel", flat->layout.numel}, {"shard", flat->layout.shard}, {"names", flat->names}});
+    }
+    std::ostringstream text;
+    text << index.dump(1) << "\n";
+    write_framed(dir + "/index.json", text.str());
+  }
+  group_.barrier(); // the folder exists
+  if (group_.rank() < world) {
+    torch::serialize::OutputArchive archive;
+    const auto all = flats();
+    for (size_t f = 0; f < all.size(); ++f) {
+      torch::serialize::OutputArchive flat;
+      flat.write("values", all[f]->shard.detach());
+      auto it = optimizer.state().find(all[f]->shard.unsafeGetTensorImpl());
+      if (it != optimizer.state().end()) {
+        torch::serialize::OutputArchive state;
+        it->second->serialize(state);
+        flat.write("state", state);
+      }
+      archive.write("f" + std::to_string(f), flat);
+    }
+    std::ostringstream payload;
+    archive.save_to(payload);
+    write_framed(shard_file(dir, group_.rank(), world), payload.str());
+  }
+  group_.barrier(); // every file is in place
+}
+
+// Every rank learns whether every other could load, so that none waits for
+// one that failed: the failing rank throws its own error, the others one
+// naming it.
+void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) {
+  std::exception_ptr error;
+  try {
+    load_local(optimizer, dir);
+  } catch (const c10::Error&) {
+    error = std::current_exception();
+  }
+  auto failed = torch::full({group_.size()}, 0, torch::kLong);
+  failed[group_.rank()] = error ? 1 : 0;
+  group_.allreduce(failed, ReduceOp::Max);
+  if (error) {
+    std::rethrow_exception(error);
+  }
+  for (int r = 0; r < group_.size(); ++r) {
+    TORCH_CHECK(failed[r].item<int64_t>() == 0, "lockstep::load_sharded: rank ", r, " could not load ", dir,
+                "; its own error names the file and what is wrong with it.");
+  }
+}
+
+void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::string& dir) {
+  const std::string index_path = dir + "/index.json";
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(read_framed(index_path));
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "lockstep::load_sharded: ", index_path, " is not an index that save_sharded wrote: ", e.what());
+  }
+  const auto all = flats();
+  TORCH_CHECK(index.at("flats").size() == all.size(), "lockstep::load_sharded: ", index_path, " holds ",
+              index.at("flats").size(), " flat parameters, but this model has ", all.size(),
+              ". Load it into the model that saved it, wrapped with the same units.");
+  OldShards old(dir, index.at("world_size").get<int>());
+  const int rank = sharded() ? group_.rank() : 0;
+  torch::NoGradGuard no_grad;
+  for (size_t f = 0; f < all.size(); ++f) {
+    auto& flat = *all[f];
+    const auto& saved = index.at("flats")[f];
+    TORCH_CHECK(saved.at("unit").get<std::string>() == flat.unit && saved.at("numel").get<int64_t>() == flat.layout.numel &&
+                    saved.at("dtype").get<std::string>() == c10::toString(flat.dtype),
+                "lockstep::load_sharded: ", index_path, ": flat parameter ", f, " was unit '",
+                saved.at("unit").get<std::string>(), "' of ", saved.at("numel").get<int64_t>(), " ",
+                saved.at("dtype").get<std::string>(), " elements, but here it is unit '", flat.unit, "' of ",
+                flat.layout.numel, " ", c10::toString(flat.dtype), ". Load it into the model that saved it.");
+    const int64_t old_shard = saved.at("shard").get<int64_t>();
+    const int64_t begin = rank * flat.layout.shard;
+    const int64_t end = begin + flat.layout.shard;
+    flat.shard.detach().copy_(old_range(old, f, "values", old_shard, flat.layout.numel, begin, end, flat.options()));
+
+    torch::serialize::InputArchive first;
+    old.archive(0).read("f" + std::to_string(f), first);
+    torch::serialize::InputArchive saved_state;
+    if (!first.try_read("state", saved_state)) {
+      continue; // saved before the optimizer's first step
+    }
+    torch::serialize::OutputArchive state;
+    for (const auto& key : saved_state.keys()) {
+      torch::Tensor tensor;
+      if (saved_state.try_read(key, tensor) && tensor.numel() == old_shard) {
+        state.write(key, old_range(old, f, key, old_shard, flat.layout.numel, begin, end, tensor.options()));
+      } else if (tensor.defined()) {
+        state.write(key, tensor);
+      } else {
+        c10::IValue value;
+        saved_state.read(key, value);
+        state.write(key, value);
+      }
+    }
+    std::stringstream bytes;
+    state.save_to(bytes);
+    torch::serialize::InputArchive reshard;
+    reshard.load_from(bytes);
+    auto& slot = optimizer.state()[flat.shard.unsafeGetTensorImpl()];
+    if (!slot) {
+      slot = new_state(optimizer);
+    }
+    slot->serialize(reshard);
+  }
+}
+
+} // namespace detail
+} // namespace lockstep
