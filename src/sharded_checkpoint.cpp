@@ -207,7 +207,7 @@ void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::st
     for (size_t f = 0; f < all.size(); ++f) {
       torch::serialize::OutputArchive flat;
       flat.write("values", all[f]->shard.detach());
-      auto it = optimizer.state().find(all[f]->shard.unsafeGetTensorImpl());
+      auto it = optimizer.state().find(optimizer_state_key(optimizer.state(), all[f]->shard));
       if (it != optimizer.state().end()) {
         torch::serialize::OutputArchive state;
         it->second->serialize(state);
@@ -296,7 +296,7 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
     state.save_to(bytes);
     torch::serialize::InputArchive reshard;
     reshard.load_from(bytes);
-    auto& slot = optimizer.state()[flat.shard.unsafeGetTensorImpl()];
+    auto& slot = optimizer.state()[optimizer_state_key(optimizer.state(), flat.shard)];
     if (!slot) {
       slot = new_state(optimizer);
     }

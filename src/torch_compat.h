@@ -12,6 +12,7 @@
 #include <torch/version.h>
 
 #include <memory>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -29,6 +30,19 @@ auto make_node(Args&&... args) {
     return std::make_shared<T>(std::forward<Args>(args)...);
   } else {
     return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+/// The key of a parameter in Optimizer::state(): its TensorImpl's address,
+/// as a pointer in 2.x and as that pointer's text in 1.13.
+template <typename StateMap>
+typename StateMap::key_type optimizer_state_key(const StateMap&, const torch::Tensor& param) {
+  if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
+    std::ostringstream text; // c10::guts::to_string's spelling of a pointer
+    text << static_cast<const void*>(param.unsafeGetTensorImpl());
+    return text.str();
+  } else {
+    return param.unsafeGetTensorImpl();
   }
 }
 

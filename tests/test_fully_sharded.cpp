@@ -10,6 +10,7 @@
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -253,6 +254,51 @@ TEST(FullyShardedDataParallel, ADamagedShardIsAnErrorNamingTheFile) {
                         "rank 1 could not load", "its own error names the file");
     }
   });
+}
+
+// FullShard on a GPU: 3 Adam steps of this rank's share, against one CPU
+// process on the whole batch.
+void expect_fullshard_on_gpu(ProcessGroup& group, OddNet initial, OddNet reference) {
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto net = testing::copy_of(initial);
+  net->to(gpu);
+  FullyShardedDataParallel<OddNet> model(net, group);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < 3; ++step) {
+    auto batch = testing::share_of(12, step, group.rank(), group.size());
+    adam.zero_grad();
+    torch::mse_loss(model->forward(batch.first.to(gpu)), batch.second.to(gpu)).backward();
+    adam.step();
+  }
+  auto full = model->summon_full_params();
+  auto mine = model->module()->parameters();
+  auto theirs = reference->parameters();
+  for (size_t i = 0; i < mine.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(mine[i].cpu(), theirs[i], 1e-4, 1e-5)) << i;
+  }
+}
+
+TEST(FullyShardedDataParallel, FullShardOverNcclAtWorldSizeOne_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  torch::manual_seed(6);
+  OddNet initial;
+  auto reference = testing::train_reference(initial, 3, 12);
+  auto group = new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "nccl");
+  EXPECT_EQ(group.backend(), "nccl");
+  expect_fullshard_on_gpu(group, initial, reference);
+}
+
+// Two ranks on one GPU over Gloo (NCCL refuses two ranks on one device).
+TEST(FullyShardedDataParallel, FullShardOverGlooWithCudaTensorsOnTwoRanks_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  torch::manual_seed(7);
+  OddNet initial;
+  auto reference = testing::train_reference(initial, 3, 12);
+  testing::spawn(2, [&](ProcessGroup& group) { expect_fullshard_on_gpu(group, initial, reference); });
 }
 
 struct HalfImpl : torch::nn::Module {
