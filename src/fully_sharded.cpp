@@ -149,6 +149,10 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
   // The flat buffer's storage released; its parameters keep their shapes
   // (autograd checks gradients against them) unless `empty`, which makes
   // them empty tensors.
+  // ShardGradOp keeps the buffer's memory for the next gather (ZeRO-2 keeps
+  // parameters whole; refilling fresh pages every step cost a third of the
+  // MLP's step), but its parameters still become empty: the values are stale
+  // once the optimizer steps.
   void release(FlatParam& flat, bool empty) {
     if (!sharded()) {
       return;
@@ -158,7 +162,9 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
         p.set_data(torch::empty({0}, flat.options()));
       }
     }
-    release_storage(flat.full);
+    if (strategy == ShardingStrategy::FullShard) {
+      release_storage(flat.full);
+    }
     flat.gathered = false;
   }
 
@@ -284,15 +290,10 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
 
 } // namespace
 
-ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, ProcessGroup group,
-                         const ShardingOptions& options)
-    : state_(std::make_shared<State>()), group_(group) {
-  auto& s = *state_;
-  s.group = std::move(group);
-  s.strategy = options.strategy();
-  s.reshard_after_forward = options.reshard_after_forward();
-  const auto where = s.where();
+namespace {
 
+// The unit paths: the options', checked, or each direct child.
+std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOptions& options, const std::string& where) {
   std::vector<std::string> paths = options.units();
   if (paths.empty()) {
     for (const auto& child : module.named_children()) {
@@ -305,11 +306,18 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
                 "', which is not a submodule of the wrapped module. Use dotted paths as named_modules() gives them "
                 "(\"encoder\", \"layers.3\").");
   }
+  return paths;
+}
 
-  // Each parameter once, at its first name; one shared by two units is refused.
+// The module's parameters, each once at its first name, with its unit; one
+// that two units share is refused.
+struct Planned {
   std::vector<std::string> names;
   std::vector<torch::Tensor> params;
-  std::unordered_map<const void*, size_t> seen;
+  std::vector<size_t> units;
+};
+
+Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where) {
   std::vector<std::string> all_names;
   std::vector<torch::Tensor> all_params;
   for (const auto& named : module.named_parameters(/*recurse=*/true)) {
@@ -317,26 +325,75 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
     all_params.push_back(named.value());
   }
   const auto all_units = assign_units(all_names, paths);
-  std::vector<size_t> units;
+  Planned planned;
+  std::unordered_map<const void*, size_t> seen;
   for (size_t i = 0; i < all_params.size(); ++i) {
     auto it = seen.find(all_params[i].unsafeGetTensorImpl());
     if (it != seen.end()) {
-      TORCH_CHECK(units[it->second] == all_units[i], where, "parameter '", names[it->second], "' is also '",
-                  all_names[i], "': two units share it, and each unit shards its own. Put the modules that share "
-                  "a parameter in one unit (ShardingOptions().units() naming their common parent).");
+      TORCH_CHECK(planned.units[it->second] == all_units[i], where, "parameter '", planned.names[it->second],
+                  "' is also '", all_names[i], "': two units share it, and each unit shards its own. Put the modules "
+                  "that share a parameter in one unit (ShardingOptions().units() naming their common parent).");
       continue;
     }
-    seen.emplace(all_params[i].unsafeGetTensorImpl(), names.size());
-    names.push_back(all_names[i]);
-    params.push_back(all_params[i]);
-    units.push_back(all_units[i]);
+    seen.emplace(all_params[i].unsafeGetTensorImpl(), planned.names.size());
+    planned.names.push_back(all_names[i]);
+    planned.params.push_back(all_params[i]);
+    planned.units.push_back(all_units[i]);
   }
-  check_same_model(s.group, names, params, where);
+  return planned;
+}
 
-  // Rank 0's values everywhere.
+// Note [Frozen parameters]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Parameters that require no gradient are not sharded. They stay whole in
+// the module on every rank (rank 0's values), as they take no gradient and
+// no optimizer state; only their own memory is not divided.
+
+// One flat parameter per unit and (dtype, device), the root's first, with
+// its parameters and offsets; layouts and buffers come later.
+std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vector<std::string>& paths) {
+  std::vector<FlatParam> flats;
+  for (size_t u = 0; u <= paths.size(); ++u) {
+    std::map<std::pair<int, std::string>, size_t> by_type;
+    for (size_t i = 0; i < planned.params.size(); ++i) {
+      const auto& p = planned.params[i];
+      if (planned.units[i] != u || !p.requires_grad()) {
+        continue; // Note [Frozen parameters]
+      }
+      const auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
+      if (by_type.count(key) == 0) {
+        by_type[key] = flats.size();
+        flats.emplace_back();
+        flats.back().unit = u == 0 ? "" : paths[u - 1];
+        flats.back().dtype = p.scalar_type();
+        flats.back().device = p.device();
+      }
+      auto& flat = flats[by_type[key]];
+      flat.offsets.push_back(flat.layout.numel);
+      flat.layout.numel += p.numel();
+      flat.params.push_back(p);
+      flat.shapes.push_back(p.sizes().vec());
+      flat.names.push_back(planned.names[i]);
+    }
+  }
+  return flats;
+}
+
+} // namespace
+
+ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, ProcessGroup group,
+                         const ShardingOptions& options)
+    : state_(std::make_shared<State>()), group_(group) {
+  auto& s = *state_;
+  s.group = std::move(group);
+  s.strategy = options.strategy();
+  s.reshard_after_forward = options.reshard_after_forward();
+  const auto paths = unit_paths(module, options, s.where());
+  const auto planned = plan_parameters(module, paths, s.where());
+  check_same_model(s.group, planned.names, planned.params, s.where());
   {
-    torch::NoGradGuard no_grad;
-    for (auto& p : params) {
+    torch::NoGradGuard no_grad; // rank 0's values everywhere
+    for (auto& p : planned.params) {
       auto data = p.detach();
       s.group.broadcast(data, 0);
     }
@@ -345,65 +402,43 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
       s.group.broadcast(data, 0);
     }
   }
+  s.flats = group_into_flats(planned, paths);
+  for (size_t f = 0; f < s.flats.size(); ++f) {
+    shard_flat(owner, f);
+  }
+}
 
-  // One flat parameter per unit and (dtype, device), the root's first.
-  // Note [Frozen parameters]: parameters that require no gradient are not
-  // sharded. They stay whole in the module on every rank (rank 0's values,
-  // copied above), as they take no gradient and no optimizer state; only
-  // their own memory is not divided.
-  for (size_t u = 0; u <= paths.size(); ++u) {
-    std::map<std::pair<int, std::string>, size_t> by_type;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (units[i] != u || !params[i].requires_grad()) {
-        continue; // frozen parameters stay whole in the module (Note [Frozen parameters])
-      }
-      const auto key = std::make_pair(static_cast<int>(params[i].scalar_type()), params[i].device().str());
-      if (by_type.count(key) == 0) {
-        by_type[key] = s.flats.size();
-        s.flats.emplace_back();
-        s.flats.back().unit = u == 0 ? "" : paths[u - 1];
-        s.flats.back().dtype = params[i].scalar_type();
-        s.flats.back().device = params[i].device();
-      }
-      auto& flat = s.flats[by_type[key]];
-      flat.offsets.push_back(flat.layout.numel);
-      flat.layout.numel += params[i].numel();
-      flat.params.push_back(params[i]);
-      flat.shapes.push_back(params[i].sizes().vec());
-      flat.names.push_back(names[i]);
+// Flat parameter f's padded buffer, this rank's shard of it (registered on
+// `owner`), and its gradient hooks.
+void ShardedCore::shard_flat(torch::nn::Module& owner, size_t f) {
+  auto& s = *state_;
+  auto& flat = s.flats[f];
+  flat.layout = shard_layout(flat.layout.numel, s.sharded() ? s.group.size() : 1);
+  auto whole = torch::zeros({flat.layout.padded}, flat.options());
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t j = 0; j < flat.params.size(); ++j) {
+      whole.narrow(0, flat.offsets[j], flat.params[j].numel()).copy_(flat.params[j].detach().reshape({-1}));
     }
   }
-
-  const int world = s.sharded() ? s.group.size() : 1;
   const int rank = s.sharded() ? s.group.rank() : 0;
-  for (size_t f = 0; f < s.flats.size(); ++f) {
-    auto& flat = s.flats[f];
-    flat.layout = shard_layout(flat.layout.numel, world);
-    auto whole = torch::zeros({flat.layout.padded}, flat.options());
-    {
-      torch::NoGradGuard no_grad;
-      for (size_t j = 0; j < flat.params.size(); ++j) {
-        whole.narrow(0, flat.offsets[j], flat.params[j].numel()).copy_(flat.params[j].detach().reshape({-1}));
-      }
-    }
-    auto shard = s.sharded() ? whole.narrow(0, rank * flat.layout.shard, flat.layout.shard).clone() : whole;
-    flat.shard = owner.register_parameter(shard_name(flat), shard);
-    flat.full = s.sharded() ? whole : torch::Tensor();
-    // The accumulators are made, and kept, while the parameters have their
-    // own shapes: autograd checks each gradient against the shape its
-    // accumulator saw when it was made.
-    flat.ready.assign(flat.params.size(), 0);
-    for (size_t j = 0; j < flat.params.size(); ++j) {
-      auto accumulator = torch::autograd::impl::grad_accumulator(flat.params[j]);
-      TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
-      flat.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<State::ReadyHook>(state_, f, j)));
-      flat.accumulators.push_back(std::move(accumulator));
-    }
-    if (s.sharded()) {
-      s.release(flat, /*empty=*/true);
-    } else {
-      s.point_params_at(flat, flat.shard.detach());
-    }
+  auto shard = s.sharded() ? whole.narrow(0, rank * flat.layout.shard, flat.layout.shard).clone() : whole;
+  flat.shard = owner.register_parameter(shard_name(flat), shard);
+  flat.full = s.sharded() ? whole : torch::Tensor();
+  // The accumulators are made, and kept, while the parameters have their
+  // own shapes: autograd checks each gradient against the shape its
+  // accumulator saw when it was made.
+  flat.ready.assign(flat.params.size(), 0);
+  for (size_t j = 0; j < flat.params.size(); ++j) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(flat.params[j]);
+    TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
+    flat.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<State::ReadyHook>(state_, f, j)));
+    flat.accumulators.push_back(std::move(accumulator));
+  }
+  if (s.sharded()) {
+    s.release(flat, /*empty=*/true);
+  } else {
+    s.point_params_at(flat, flat.shard.detach());
   }
 }
 

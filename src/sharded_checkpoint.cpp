@@ -185,6 +185,40 @@ torch::Tensor old_range(OldShards& old, size_t f, const std::string& key, int64_
   return out;
 }
 
+// The optimizer's state for flat parameter f's new range [begin, end), out
+// of the old shards' (Note [Sharded checkpoint]).
+void reshard_state(OldShards& old, size_t f, const FlatParam& flat, int64_t old_shard, int64_t begin, int64_t end,
+                   torch::optim::Optimizer& optimizer) {
+  torch::serialize::InputArchive first;
+  old.archive(0).read("f" + std::to_string(f), first);
+  torch::serialize::InputArchive saved_state;
+  if (!first.try_read("state", saved_state)) {
+    return; // saved before the optimizer's first step
+  }
+  torch::serialize::OutputArchive state;
+  for (const auto& key : saved_state.keys()) {
+    torch::Tensor tensor;
+    if (saved_state.try_read(key, tensor) && tensor.numel() == old_shard) {
+      state.write(key, old_range(old, f, key, old_shard, flat.layout.numel, begin, end, tensor.options()));
+    } else if (tensor.defined()) {
+      state.write(key, tensor);
+    } else {
+      c10::IValue value;
+      saved_state.read(key, value);
+      state.write(key, value);
+    }
+  }
+  std::stringstream bytes;
+  state.save_to(bytes);
+  torch::serialize::InputArchive reshard;
+  reshard.load_from(bytes);
+  auto& slot = optimizer.state()[optimizer_state_key(optimizer.state(), flat.shard)];
+  if (!slot) {
+    slot = new_state(optimizer);
+  }
+  slot->serialize(reshard);
+}
+
 } // namespace
 
 void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
@@ -273,34 +307,7 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
     const int64_t end = begin + flat.layout.shard;
     flat.shard.detach().copy_(old_range(old, f, "values", old_shard, flat.layout.numel, begin, end, flat.options()));
 
-    torch::serialize::InputArchive first;
-    old.archive(0).read("f" + std::to_string(f), first);
-    torch::serialize::InputArchive saved_state;
-    if (!first.try_read("state", saved_state)) {
-      continue; // saved before the optimizer's first step
-    }
-    torch::serialize::OutputArchive state;
-    for (const auto& key : saved_state.keys()) {
-      torch::Tensor tensor;
-      if (saved_state.try_read(key, tensor) && tensor.numel() == old_shard) {
-        state.write(key, old_range(old, f, key, old_shard, flat.layout.numel, begin, end, tensor.options()));
-      } else if (tensor.defined()) {
-        state.write(key, tensor);
-      } else {
-        c10::IValue value;
-        saved_state.read(key, value);
-        state.write(key, value);
-      }
-    }
-    std::stringstream bytes;
-    state.save_to(bytes);
-    torch::serialize::InputArchive reshard;
-    reshard.load_from(bytes);
-    auto& slot = optimizer.state()[optimizer_state_key(optimizer.state(), flat.shard)];
-    if (!slot) {
-      slot = new_state(optimizer);
-    }
-    slot->serialize(reshard);
+    reshard_state(old, f, flat, old_shard, begin, end, optimizer);
   }
 }
 

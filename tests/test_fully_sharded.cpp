@@ -60,6 +60,24 @@ TEST(FlatCollectives, ReduceScatterAndAllGatherOnTwoAndThreeRanks) {
   }
 }
 
+// Gathers of 256 KiB and more take the Gloo backend's own ring.
+TEST(FlatCollectives, LargeGathersAndReduceScattersOnTwoAndThreeRanks) {
+  for (int size : {2, 3}) {
+    testing::spawn(size, [size](ProcessGroup& group) {
+      const int64_t n = 100003;
+      auto mine = torch::arange(n, torch::kFloat) + group.rank() * 1e6;
+      auto all = torch::empty({n * size});
+      group.all_gather_into_async(all, mine)->wait();
+      for (int r = 0; r < size; ++r) {
+        EXPECT_TRUE(torch::equal(all.narrow(0, r * n, n), torch::arange(n, torch::kFloat) + r * 1e6)) << r;
+      }
+      auto out = torch::empty({n});
+      group.reduce_scatter_async(out, all, ReduceOp::Avg)->wait();
+      EXPECT_TRUE(torch::equal(out, all.narrow(0, group.rank() * n, n))) << "the average of equal inputs";
+    });
+  }
+}
+
 TEST(FlatCollectives, WrongSizesAreRefusedAtTheCall) {
   testing::spawn(2, [](ProcessGroup& group) {
     auto input = torch::zeros({5});

@@ -317,6 +317,8 @@ std::vector<Endpoint> check_endpoints_reachable(
 // run on a thread of the group's own, one ring after another in the order
 // the ranks start them (the same on every rank, Note [Ranks agree before
 // they send]); tags count the rings, so that two never pair up wrongly.
+// All-gathers of CPU tensors run as a ring on the same thread: c10d's
+// gathers into a flat tensor of its own and copies out of it.
 // CUDA tensors go through a CPU copy, as Gloo's own collectives take them.
 
 void combine(torch::Tensor& into, const torch::Tensor& from, ReduceOp op) {
@@ -352,6 +354,26 @@ void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, co
     combine(into, incoming, op);
   }
   output.copy_(chunk(rank).view_as(output));
+}
+
+// The all-gather ring: at step s rank r passes on the shard of rank
+// (r-s) mod W that it holds and receives that of rank (r-s-1) mod W, each
+// straight into its place in `outputs`: no flat copy on a Gloo thread, whose
+// allocations glibc keeps in that thread's arena.
+void ring_all_gather(c10d::ProcessGroupGloo& group, std::vector<torch::Tensor> outputs, const torch::Tensor& input,
+                     int first_tag) {
+  const int size = group.getSize();
+  const int rank = group.getRank();
+  outputs[rank].copy_(input.view_as(outputs[rank]));
+  auto slot = [&](int i) { return outputs[(i % size + size) % size]; };
+  for (int step = 0; step < size - 1; ++step) {
+    std::vector<torch::Tensor> sent{slot(rank - step)};
+    std::vector<torch::Tensor> received{slot(rank - step - 1)};
+    auto send = group.send(sent, (rank + 1) % size, first_tag + step);
+    auto recv = group.recv(received, (rank - 1 + size) % size, first_tag + step);
+    recv->wait();
+    send->wait();
+  }
 }
 
 // Runs the rings one after another on a thread of the group's own.
@@ -458,6 +480,26 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
         return false;
     }
   }
+  // Note [Gloo's reduce-scatter]; CPU tensors only, as Gloo's send takes.
+  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
+    // Small gathers (the agreement check's fingerprints) stay c10d's: the
+    // ring's thread hop would cost more than the copy saves.
+    constexpr int64_t kRingBytes = 256 * 1024;
+    bool ring = input.device().is_cpu() && input.is_contiguous() && input.numel() * input.element_size() >= kRingBytes &&
+        static_cast<int>(outputs.size()) == size();
+    for (const auto& out : outputs) {
+      ring = ring && out.device().is_cpu() && out.is_contiguous() && out.numel() == input.numel() &&
+          out.scalar_type() == input.scalar_type();
+    }
+    if (!ring) {
+      return C10dGroup::all_gather(outputs, input, std::move(what));
+    }
+    const int first_tag = next_tags();
+    auto done = ring_.run([group = &c10d_group(), outputs, input, first_tag] {
+      ring_all_gather(*group, outputs, input, first_tag);
+    });
+    return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
+  }
   // Note [Gloo's reduce-scatter].
   std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what)
       override {
@@ -465,8 +507,7 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
       output.copy_(input.view_as(output));
       return std::make_shared<DoneWork>();
     }
-    constexpr int kRingTags = 1 << 20; // tags stay positive and apart from the rings before
-    const int first_tag = static_cast<int>((rings_++ * size()) % kRingTags);
+    const int first_tag = next_tags();
     auto done = ring_.run([group = &c10d_group(), output, input, op, first_tag] {
       ring_reduce_scatter(*group, output, input, op, first_tag);
     });
@@ -474,6 +515,12 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
   }
 
  private:
+  // The first of size()-1 tags for the next ring.
+  int next_tags() {
+    constexpr int64_t kRingTags = 1 << 20; // tags stay positive and apart from the rings before
+    return static_cast<int>((rings_++ * size()) % kRingTags);
+  }
+
   int64_t rings_ = 0;
   RingThread ring_;
 };

@@ -89,6 +89,7 @@ class ShardedCore {
   std::vector<FlatParam*> flats() const;
   bool sharded() const;
   void load_local(torch::optim::Optimizer& optimizer, const std::string& dir);
+  void shard_flat(torch::nn::Module& owner, size_t f);
   struct State;
   std::shared_ptr<State> state_;
   ProcessGroup group_;
