@@ -28,13 +28,16 @@ def make_model(name):
     return nn.Sequential(*layers)
 
 
-def run(rank, world, model_name, steps, port, optimizer):
+def join_group(rank, world, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    net = nn.parallel.DistributedDataParallel(make_model(model_name))
+
+
+def time_training(label, net, model_name, steps, rank, world, optimizer):
+    """Times `steps` steps of `net` after 5 untimed ones; rank 0 prints LABEL MODEL steps_per_s=X rss_mb=R0,R1."""
     batch = 256 // world
     x = torch.randn(batch, 784 if model_name == "mlp" else 256)
     y = torch.randint(0, 10, (batch,))
@@ -61,8 +64,14 @@ def run(rank, world, model_name, steps, port, optimizer):
     gathered = [torch.zeros_like(rss) for _ in range(world)]
     dist.all_gather(gathered, rss)
     if rank == 0:
-        print(f"python {model_name} steps_per_s={steps / seconds:.2f} rss_mb=" + ",".join(f"{t.item():.1f}" for t in gathered),
+        print(f"{label} {model_name} steps_per_s={steps / seconds:.2f} rss_mb=" + ",".join(f"{t.item():.1f}" for t in gathered),
               flush=True)
+
+
+def run(rank, world, model_name, steps, port, optimizer):
+    join_group(rank, world, port)
+    net = nn.parallel.DistributedDataParallel(make_model(model_name))
+    time_training("python", net, model_name, steps, rank, world, optimizer)
 
 
 if __name__ == "__main__":

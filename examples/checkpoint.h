@@ -9,6 +9,7 @@
 // the content against hashes stored at save time: a foreign or damaged file is
 // an error, never a silently different model.
 
+#include <lockstep/detail/checked_file.h>
 #include <tools/process_files.h>
 
 #include <torch/torch.h>
@@ -16,7 +17,6 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -150,13 +150,6 @@ struct TrainingState {
   Tally epoch_tally;
 };
 
-inline void fsync_path(const std::string& path, int flags) {
-  const int fd = ::open(path.c_str(), flags);
-  TORCH_CHECK(fd >= 0, "lockstep-train: cannot open ", path, " to sync it to disk.");
-  ::fsync(fd);
-  ::close(fd);
-}
-
 // Note [Checkpoint file]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // A checkpoint file is kCheckpointMagic, the payload's length (8 bytes,
@@ -171,41 +164,16 @@ constexpr char kCheckpointMagic[] = "LOCKSTEP-CKPT\n";
 constexpr size_t kCheckpointHeader = sizeof(kCheckpointMagic) - 1 + 8 + 4;
 
 inline uint32_t checkpoint_crc(const char* payload, size_t size) {
-  uLong crc = ::crc32(0L, Z_NULL, 0);
-  for (size_t at = 0; at < size; at += size_t{1} << 30) {
-    const auto chunk = static_cast<uInt>(std::min(size - at, size_t{1} << 30));
-    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(payload + at), chunk);
-  }
-  return static_cast<uint32_t>(crc);
+  return lockstep::detail::crc32_of(payload, size);
 }
 
 /// Writes `archive` to `path` atomically (Note [Checkpoint file]): a
 /// temporary file, fsync, rename, fsync of the folder.
 inline void write_checkpoint_file(const std::string& path, torch::serialize::OutputArchive& archive) {
-  std::ostringstream payload_stream;
-  archive.save_to(payload_stream);
-  const std::string payload = payload_stream.str();
-  std::string header(kCheckpointMagic, sizeof(kCheckpointMagic) - 1);
-  const uint64_t length = payload.size();
-  const uint32_t crc = checkpoint_crc(payload.data(), payload.size());
-  for (int i = 0; i < 8; ++i) {
-    header += static_cast<char>((length >> (8 * i)) & 0xff);
-  }
-  for (int i = 0; i < 4; ++i) {
-    header += static_cast<char>((crc >> (8 * i)) & 0xff);
-  }
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
-    out.flush();
-    TORCH_CHECK(out.good(), "lockstep-train: cannot write the checkpoint ", temporary, " (", std::strerror(errno), ").");
-  }
-  fsync_path(temporary, O_RDONLY);
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "lockstep-train: cannot rename ", temporary, " to ", path, ".");
-  const auto slash = path.find_last_of('/');
-  fsync_path(slash == std::string::npos ? "." : path.substr(0, slash + 1), O_RDONLY | O_DIRECTORY);
+  std::ostringstream payload;
+  archive.save_to(payload);
+  lockstep::detail::write_checked_file(path, std::string(kCheckpointMagic, sizeof(kCheckpointMagic) - 1),
+                                       payload.str(), "lockstep-train: checkpoint");
 }
 
 /// The payload of the checkpoint file at `path`, checked whole (Note

@@ -29,7 +29,6 @@ struct FlatParam {
   bool gathered = false;
   std::vector<char> ready;
   size_t ready_count = 0;
-  bool launched = false;
   torch::Tensor reduced;
   std::shared_ptr<Work> reduce;
   int64_t reduce_start_us = 0;

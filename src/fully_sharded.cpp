@@ -51,7 +51,9 @@ namespace detail {
 //    what is there, as autograd accumulates), and every buffer is released:
 //    the module's parameters become empty tensors, so that nothing reads
 //    values the optimizer step is about to make stale.
-// ShardGradOp is the same without the release after forward. NoShard keeps
+// ShardGradOp is the same without the release after forward, and keeps its
+// buffers' memory from step to step (ZeRO-2: parameters whole), though its
+// module's parameters are empty outside forward and backward too. NoShard keeps
 // the whole flat buffer as the "shard" on every rank, the module's
 // parameters as views of it, and averages gradients with an allreduce.
 
@@ -230,7 +232,6 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
       flat.reduced = grads;
       flat.reduce = group.allreduce_async({grads}, ReduceOp::Avg, what);
     }
-    flat.launched = true;
   }
 
   void finalize() {
@@ -255,7 +256,6 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
         }
         flat.reduce.reset();
         flat.reduced = torch::Tensor();
-        flat.launched = false;
         std::fill(flat.ready.begin(), flat.ready.end(), 0);
         flat.ready_count = 0;
       }
@@ -287,10 +287,6 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
                 "same module before wrapping it.");
   }
 }
-
-} // namespace
-
-namespace {
 
 // The unit paths: the options', checked, or each direct child.
 std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOptions& options, const std::string& where) {

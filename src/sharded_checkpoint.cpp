@@ -3,13 +3,14 @@
 
 #include <lockstep/fully_sharded_data_parallel.h>
 
+#include <lockstep/detail/checked_file.h>
+
 #include "flat_param.h"
 
 #include <torch/optim.h>
 #include <torch/serialize.h>
 
 #include <nlohmann/json.hpp>
-#include <zlib.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -46,43 +47,8 @@ namespace {
 constexpr char kMagic[] = "LOCKSTEP-SHARD\n";
 constexpr size_t kMagicSize = sizeof(kMagic) - 1;
 
-uint32_t crc_of(const char* data, size_t size) {
-  uLong crc = ::crc32(0L, Z_NULL, 0);
-  for (size_t at = 0; at < size; at += size_t{1} << 30) {
-    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(data + at), static_cast<uInt>(std::min(size - at, size_t{1} << 30)));
-  }
-  return static_cast<uint32_t>(crc);
-}
-
-void sync_path(const std::string& path, int flags) {
-  const int fd = ::open(path.c_str(), flags);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
 void write_framed(const std::string& path, const std::string& payload) {
-  std::string header(kMagic, kMagicSize);
-  const uint64_t length = payload.size();
-  const uint32_t crc = crc_of(payload.data(), payload.size());
-  for (int i = 0; i < 8; ++i) {
-    header += static_cast<char>((length >> (8 * i)) & 0xff);
-  }
-  for (int i = 0; i < 4; ++i) {
-    header += static_cast<char>((crc >> (8 * i)) & 0xff);
-  }
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
-    out.flush();
-    TORCH_CHECK(out.good(), "lockstep::save_sharded: cannot write ", temporary, " (", std::strerror(errno), ").");
-  }
-  sync_path(temporary, O_RDONLY);
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "lockstep::save_sharded: cannot rename ", temporary,
-              " to ", path, " (", std::strerror(errno), ").");
+  write_checked_file(path, std::string(kMagic, kMagicSize), payload, "lockstep::save_sharded");
 }
 
 std::string read_framed(const std::string& path) {
@@ -103,7 +69,7 @@ std::string read_framed(const std::string& path) {
   const size_t held = file.size() - kMagicSize - 12;
   TORCH_CHECK(length == held, "lockstep::load_sharded: ", path, " is damaged: its header declares ", length,
               " bytes but it holds ", held, ". Restore it from a copy.");
-  TORCH_CHECK(crc_of(file.data() + kMagicSize + 12, held) == crc, "lockstep::load_sharded: ", path,
+  TORCH_CHECK(crc32_of(file.data() + kMagicSize + 12, held) == crc, "lockstep::load_sharded: ", path,
               " is damaged: its checksum does not match its content. Restore it from a copy.");
   file.erase(0, kMagicSize + 12);
   return file;

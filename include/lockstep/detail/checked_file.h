@@ -1,0 +1,24 @@
+#pragma once
+
+// Internal, shared with the trainer (examples/checkpoint.h): files that are
+// written atomically and read back only when whole. A file is `magic`, the
+// payload's length (8 bytes, little-endian), its CRC-32 (4 bytes, zlib's),
+// then the payload (src/checked_file.cpp).
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace lockstep {
+namespace detail {
+
+/// zlib's CRC-32 of `size` bytes, in chunks that zlib's uInt can count.
+uint32_t crc32_of(const char* data, size_t size);
+
+/// `magic`, length, CRC-32 and `payload` to a temporary file beside `path`,
+/// synced, renamed to `path`, and the folder synced. Errors start with `who`.
+void write_checked_file(const std::string& path, const std::string& magic, const std::string& payload,
+                        const std::string& who);
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,64 @@
+#include <lockstep/detail/checked_file.h>
+
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+namespace lockstep {
+namespace detail {
+
+namespace {
+
+void sync_path(const std::string& path, int flags, const std::string& who) {
+  const int fd = ::open(path.c_str(), flags);
+  TORCH_CHECK(fd >= 0, who, ": cannot open ", path, " to sync it to disk.");
+  ::fsync(fd);
+  ::close(fd);
+}
+
+} // namespace
+
+uint32_t crc32_of(const char* data, size_t size) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  for (size_t at = 0; at < size; at += size_t{1} << 30) {
+    const auto chunk = static_cast<uInt>(std::min(size - at, size_t{1} << 30));
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(data + at), chunk);
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+void write_checked_file(const std::string& path, const std::string& magic, const std::string& payload,
+                        const std::string& who) {
+  std::string header = magic;
+  const uint64_t length = payload.size();
+  const uint32_t crc = crc32_of(payload.data(), payload.size());
+  for (int i = 0; i < 8; ++i) {
+    header += static_cast<char>((length >> (8 * i)) & 0xff);
+  }
+  for (int i = 0; i < 4; ++i) {
+    header += static_cast<char>((crc >> (8 * i)) & 0xff);
+  }
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
+    out.flush();
+    TORCH_CHECK(out.good(), who, ": cannot write ", temporary, " (", std::strerror(errno), ").");
+  }
+  sync_path(temporary, O_RDONLY, who);
+  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, who, ": cannot rename ", temporary, " to ", path, ".");
+  const auto slash = path.find_last_of('/');
+  sync_path(slash == std::string::npos ? "." : path.substr(0, slash + 1), O_RDONLY | O_DIRECTORY, who);
+}
+
+} // namespace detail
+} // namespace lockstep
