@@ -148,9 +148,8 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
     }
   }
 
-  // The flat buffer's storage released; its parameters keep their shapes
-  // (autograd checks gradients against them) unless `empty`, which makes
-  // them empty tensors.
+  // The flat buffer's storage released, and with `empty` its parameters
+  // made empty tensors.
   // ShardGradOp keeps the buffer's memory for the next gather (ZeRO-2 keeps
   // parameters whole; refilling fresh pages every step cost a third of the
   // MLP's step), but its parameters still become empty: the values are stale
@@ -467,9 +466,13 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
   s.forwarded = true;
   s.sync_at_forward = sync_;
   if (s.strategy == ShardingStrategy::FullShard && s.reshard_after_forward) {
+    // The parameters become empty too, so that nothing reads released
+    // memory if no backward follows: autograd keeps each parameter's
+    // TensorImpl, and the outputs' hook points it at its buffer again
+    // before any of the module's backward runs.
     for (auto& flat : s.flats) {
       if (!flat.unit.empty()) {
-        s.release(flat, /*empty=*/false);
+        s.release(flat, /*empty=*/true);
       }
     }
     std::weak_ptr<State> weak = state_;

@@ -126,6 +126,27 @@ TEST(FullyShardedDataParallel, ParametersAreThisRanksShardsPaddedToTheWorldSize)
   });
 }
 
+// FullShard releases the units after forward: their parameters are empty
+// until backward gathers them again, so a forward whose backward never comes
+// leaves nothing that reads released memory.
+TEST(FullyShardedDataParallel, BetweenForwardAndBackwardTheReleasedUnitsAreEmpty) {
+  torch::manual_seed(8);
+  OddNet initial;
+  auto reference = testing::train_reference(initial, 1, 12);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    auto batch = testing::share_of(12, 0, group.rank(), 2);
+    model->forward(batch.first); // no backward
+    auto loss = torch::mse_loss(model->forward(batch.first), batch.second);
+    EXPECT_EQ(model->module()->fc1->weight.numel(), 0);
+    EXPECT_EQ(model->module()->scale.numel(), 1) << "the root stays gathered";
+    loss.backward();
+    adam.step();
+    testing::check_full_params(model, reference, kCheck, "after a forward without backward");
+  });
+}
+
 TEST(FullyShardedDataParallel, NamedUnitsTakeTheirSubmodulesAndTheRootTheRest) {
   testing::spawn(2, [](ProcessGroup& group) {
     FullyShardedDataParallel<OddNet> model(OddNet(), group, ShardingOptions().units({"fc1"}));
