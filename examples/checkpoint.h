@@ -203,7 +203,7 @@ inline std::string read_checkpoint_payload(const std::string& path) {
   const uint64_t held = file.size() - kCheckpointHeader;
   TORCH_CHECK(length == held, "lockstep-train: checkpoint ", path, " is damaged: its header declares ", length,
               " bytes but it holds ", held, " (truncated, or written over). Delete it to start from scratch.");
-  TORCH_CHECK(checkpoint_crc(file.data() + kCheckpointHeader, held) == crc, "lockstep-train: checkpoint ", path,
+  TORCH_CHECK(lockstep::detail::crc32_matches(file.data() + kCheckpointHeader, held, crc), "lockstep-train: checkpoint ", path,
               " is damaged: its checksum does not match its content (corrupted on disk or in transfer). Delete it to "
               "start from scratch, or restore it from a copy.");
   file.erase(0, kCheckpointHeader); // in place: a checkpoint is held once

@@ -35,6 +35,10 @@ uint32_t crc32_of(const char* data, size_t size) {
   return static_cast<uint32_t>(crc);
 }
 
+bool crc32_matches(const char* data, size_t size, uint32_t expected) {
+  return crc32_of(data, size) == expected;
+}
+
 void write_checked_file(const std::string& path, const std::string& magic, const std::string& payload,
                         const std::string& who) {
   std::string header = magic;

@@ -69,7 +69,7 @@ std::string read_framed(const std::string& path) {
   const size_t held = file.size() - kMagicSize - 12;
   TORCH_CHECK(length == held, "lockstep::load_sharded: ", path, " is damaged: its header declares ", length,
               " bytes but it holds ", held, ". Restore it from a copy.");
-  TORCH_CHECK(crc32_of(file.data() + kMagicSize + 12, held) == crc, "lockstep::load_sharded: ", path,
+  TORCH_CHECK(crc32_matches(file.data() + kMagicSize + 12, held, crc), "lockstep::load_sharded: ", path,
               " is damaged: its checksum does not match its content. Restore it from a copy.");
   file.erase(0, kMagicSize + 12);
   return file;

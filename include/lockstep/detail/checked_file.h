@@ -15,6 +15,12 @@ namespace detail {
 /// zlib's CRC-32 of `size` bytes, in chunks that zlib's uInt can count.
 uint32_t crc32_of(const char* data, size_t size);
 
+/// Whether `size` bytes have the CRC-32 `expected`. One function, so that
+/// the fuzz build can compile it without libFuzzer's comparison tracing,
+/// which would otherwise copy the right checksum into damaged inputs and
+/// feed them to LibTorch's reader (tests/fuzz/CMakeLists.txt).
+bool crc32_matches(const char* data, size_t size, uint32_t expected);
+
 /// `magic`, length, CRC-32 and `payload` to a temporary file beside `path`,
 /// synced, renamed to `path`, and the folder synced. Errors start with `who`.
 void write_checked_file(const std::string& path, const std::string& magic, const std::string& payload,
