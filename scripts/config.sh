@@ -26,7 +26,10 @@ case "$LOCKSTEP_SANITIZE" in
   "") ;;
   address|thread)
     build_dir=$build_dir-$LOCKSTEP_SANITIZE
-    torch_cmake_args+=(-DLOCKSTEP_SANITIZE="$LOCKSTEP_SANITIZE")
+    # Benchmarks mean nothing instrumented; TSan runs only the thread tests,
+    # so its build leaves out the trainer and the process tests too.
+    torch_cmake_args+=(-DLOCKSTEP_SANITIZE="$LOCKSTEP_SANITIZE" -DLOCKSTEP_BUILD_BENCH=OFF)
+    [ "$LOCKSTEP_SANITIZE" = address ] || torch_cmake_args+=(-DLOCKSTEP_BUILD_EXAMPLES=OFF)
     source scripts/sanitizer_env.sh
     ;;
   *)
