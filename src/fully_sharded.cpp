@@ -83,6 +83,9 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
   bool finalize_queued = false;
   size_t next_launch = 0; // into the reverse of `flats`
   bool summoned = false;
+  // What is not sharded but is the model's state: buffers and frozen
+  // parameters, by name, the live tensors (Note [Sharded checkpoint]).
+  std::vector<std::pair<std::string, torch::Tensor>> whole;
 
   class ReadyHook : public torch::autograd::FunctionPostHook {
    public:
@@ -398,6 +401,14 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
     }
   }
   s.flats = group_into_flats(planned, paths);
+  for (auto& named : module.named_buffers(/*recurse=*/true)) {
+    s.whole.emplace_back(named.key(), named.value());
+  }
+  for (size_t i = 0; i < planned.params.size(); ++i) {
+    if (!planned.params[i].requires_grad()) {
+      s.whole.emplace_back(planned.names[i], planned.params[i]); // Note [Frozen parameters]
+    }
+  }
   for (size_t f = 0; f < s.flats.size(); ++f) {
     shard_flat(owner, f);
   }
@@ -514,6 +525,10 @@ std::vector<FlatParam*> ShardedCore::flats() const {
     flats.push_back(&flat);
   }
   return flats;
+}
+
+const std::vector<std::pair<std::string, torch::Tensor>>& ShardedCore::whole() const {
+  return state_->whole;
 }
 
 bool ShardedCore::sharded() const {

@@ -33,7 +33,11 @@ namespace detail {
 // its unit, dtype, element count, shard size and parameter names.
 // DIR/shard-R-of-W.pt is rank R's LibTorch archive: per flat parameter f,
 // "f<f>.values" (its padded shard) and "f<f>.state" (the optimizer's state
-// for it, as the optimizer's own serialize() writes it). Each file is framed
+// for it, as the optimizer's own serialize() writes it). What is not sharded
+// (buffers such as BatchNorm's running statistics, and frozen parameters)
+// is the same on every rank after the constructor's broadcast; rank 0's
+// file holds it as "whole.w<i>", named in the index's "whole" list, and
+// every rank loads it from there. Each file is framed
 // as the trainer's checkpoints are (magic, length, CRC-32; written to a
 // temporary file, synced and renamed), so a damaged one is an error naming
 // it before LibTorch reads it. To load at another world size, each rank
@@ -185,16 +189,49 @@ void reshard_state(OldShards& old, size_t f, const FlatParam& flat, int64_t old_
   slot->serialize(reshard);
 }
 
+// Buffers and frozen parameters out of rank 0's file (Note [Sharded
+// checkpoint]), each checked against the live tensor it replaces.
+void load_whole(OldShards& old, const nlohmann::json& index, const std::string& index_path,
+                const std::vector<std::pair<std::string, torch::Tensor>>& whole) {
+  std::vector<std::string> names;
+  for (const auto& named : whole) {
+    names.push_back(named.first);
+  }
+  const auto saved = index.value("whole", std::vector<std::string>{});
+  TORCH_CHECK(saved == names, "lockstep::load_sharded: ", index_path, " holds ", saved.size(),
+              " buffers and frozen parameters, but this model has ", names.size(), " (",
+              names.empty() ? std::string("none") : "'" + names.front() + "', ...", "). Load it into the model that "
+              "saved it, with the same parameters frozen.");
+  if (whole.empty()) {
+    return;
+  }
+  torch::serialize::InputArchive rest;
+  old.archive(0).read("whole", rest);
+  for (size_t i = 0; i < whole.size(); ++i) {
+    torch::Tensor value;
+    rest.read("w" + std::to_string(i), value);
+    const auto& live = whole[i].second;
+    TORCH_CHECK(value.sizes() == live.sizes() && value.scalar_type() == live.scalar_type(), "lockstep::load_sharded: ",
+                index_path, ": '", whole[i].first, "' was ", value.sizes(), " ", value.scalar_type(), " but here it is ",
+                live.sizes(), " ", live.scalar_type(), ". Load it into the model that saved it.");
+    live.detach().copy_(value);
+  }
+}
+
 } // namespace
 
 void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
   const int world = sharded() ? group_.size() : 1;
   if (group_.rank() == 0) {
     ::mkdir(dir.c_str(), 0755);
-    nlohmann::json index = {{"format", 1}, {"world_size", world}, {"flats", nlohmann::json::array()}};
+    nlohmann::json index = {{"format", 1}, {"world_size", world}, {"flats", nlohmann::json::array()},
+                            {"whole", nlohmann::json::array()}};
     for (const auto* flat : flats()) {
       index["flats"].push_back({{"unit", flat->unit}, {"dtype", c10::toString(flat->dtype)},
                                 {"numel", flat->layout.numel}, {"shard", flat->layout.shard}, {"names", flat->names}});
+    }
+    for (const auto& named : whole()) {
+      index["whole"].push_back(named.first);
     }
     std::ostringstream text;
     text << index.dump(1) << "\n";
@@ -214,6 +251,13 @@ void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::st
         flat.write("state", state);
       }
       archive.write("f" + std::to_string(f), flat);
+    }
+    if (group_.rank() == 0) {
+      torch::serialize::OutputArchive rest;
+      for (size_t i = 0; i < whole().size(); ++i) {
+        rest.write("w" + std::to_string(i), whole()[i].second.detach());
+      }
+      archive.write("whole", rest);
     }
     std::ostringstream payload;
     archive.save_to(payload);
@@ -275,6 +319,7 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
 
     reshard_state(old, f, flat, old_shard, begin, end, optimizer);
   }
+  load_whole(old, index, index_path, whole());
 }
 
 } // namespace detail

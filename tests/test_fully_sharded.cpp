@@ -268,6 +268,57 @@ TEST(FullyShardedDataParallel, ShardedCheckpointsResumeAtAnotherWorldSize) {
   }
 }
 
+// A model with buffers (BatchNorm's running statistics) and a frozen layer,
+// neither of which is sharded.
+torch::nn::Sequential net_with_buffers(int64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net(torch::nn::Linear(5, 7), torch::nn::BatchNorm1d(7), torch::nn::Linear(7, 3));
+  net[0]->as<torch::nn::Linear>()->weight.set_requires_grad(false);
+  return net;
+}
+
+TEST(FullyShardedDataParallel, ShardedCheckpointsKeepBuffersAndFrozenParameters) {
+  const std::string dir = ::testing::TempDir() + "lockstep_fsdp_buffers_" + std::to_string(getpid());
+  std::vector<torch::Tensor> saved; // rank 0's buffers and frozen weight when it saved
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(net_with_buffers(1), group);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto x = torch::randn({4, 5}, torch::TensorOptions().dtype(torch::kFloat)) + group.rank();
+    torch::mse_loss(model->forward(x), torch::zeros({4, 3})).backward();
+    sgd.step();
+    save_sharded(model, sgd, dir);
+    if (group.rank() == 0) {
+      for (const auto& b : model->module()->buffers()) {
+        saved.push_back(b.clone());
+      }
+      saved.push_back(model->module()[0]->as<torch::nn::Linear>()->weight.clone());
+    }
+  });
+  ASSERT_EQ(saved.size(), 4u); // running mean, variance, batch count; the frozen weight
+  ASSERT_FALSE(torch::equal(saved[0], torch::zeros_like(saved[0]))); // the step moved the running mean
+  testing::spawn(3, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(net_with_buffers(2), group); // other values everywhere
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    load_sharded(model, sgd, dir);
+    auto buffers = model->module()->buffers();
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      EXPECT_TRUE(torch::equal(buffers[i], saved[i])) << "rank " << group.rank() << ", buffer " << i;
+    }
+    EXPECT_TRUE(torch::equal(model->module()[0]->as<torch::nn::Linear>()->weight, saved[3])) << "rank " << group.rank();
+  });
+  testing::spawn(2, [&](ProcessGroup& group) {
+    // The same parameters, but a BatchNorm without running statistics.
+    torch::nn::Sequential other(torch::nn::Linear(5, 7),
+                                torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(7).track_running_stats(false)),
+                                torch::nn::Linear(7, 3));
+    other[0]->as<torch::nn::Linear>()->weight.set_requires_grad(false);
+    FullyShardedDataParallel<torch::nn::Sequential> model(other, group);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    EXPECT_ERROR_SAYS(load_sharded(model, sgd, dir), "holds 4 buffers and frozen parameters, but this model has 1 "
+                      "('0.weight'", "with the same parameters frozen");
+  });
+}
+
 TEST(FullyShardedDataParallel, ADamagedShardIsAnErrorNamingTheFile) {
   torch::manual_seed(5);
   OddNet initial;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -87,6 +88,8 @@ class ShardedCore {
 
  private:
   std::vector<FlatParam*> flats() const;
+  /// Buffers and frozen parameters: the model's state that is not sharded.
+  const std::vector<std::pair<std::string, torch::Tensor>>& whole() const;
   bool sharded() const;
   void load_local(torch::optim::Optimizer& optimizer, const std::string& dir);
   void shard_flat(torch::nn::Module& owner, size_t f);
