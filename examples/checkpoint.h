@@ -22,6 +22,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -252,6 +253,20 @@ inline TrainingState read_position(torch::serialize::InputArchive& archive, int6
   return state;
 }
 
+/// Where training stands, into a checkpoint's archive.
+inline void write_position(torch::serialize::OutputArchive& archive, const TrainingState& state) {
+  archive.write("format", torch::tensor(kCheckpointFormat));
+  archive.write("epoch", torch::tensor(state.epoch));
+  archive.write("samples_in_epoch", torch::tensor(state.samples_in_epoch));
+  archive.write("step", torch::tensor(state.step));
+  archive.write("world_size", torch::tensor(state.world_size));
+  archive.write("batch_size", torch::tensor(state.batch_size));
+  archive.write("data", torch::cat({torch::tensor({state.data.rows}), hash_tensor(state.data.checksum).reshape({1}),
+                                    hash_tensor(state.data.seed).reshape({1})}));
+  archive.write("epoch_tally", torch::tensor({state.epoch_tally.loss_sum, static_cast<double>(state.epoch_tally.correct),
+                                             static_cast<double>(state.epoch_tally.rows)}, torch::kFloat64));
+}
+
 inline void save_checkpoint(
     const std::string& path,
     torch::nn::Module& model,
@@ -263,25 +278,120 @@ inline void save_checkpoint(
   optimizer.save(optimizer_archive);
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
-  archive.write("format", torch::tensor(kCheckpointFormat));
-  archive.write("epoch", torch::tensor(state.epoch));
-  archive.write("samples_in_epoch", torch::tensor(state.samples_in_epoch));
-  archive.write("step", torch::tensor(state.step));
-  archive.write("world_size", torch::tensor(state.world_size));
-  archive.write("batch_size", torch::tensor(state.batch_size));
-  archive.write("data", torch::cat({torch::tensor({state.data.rows}), hash_tensor(state.data.checksum).reshape({1}),
-                                    hash_tensor(state.data.seed).reshape({1})}));
-  archive.write("epoch_tally", torch::tensor({state.epoch_tally.loss_sum, static_cast<double>(state.epoch_tally.correct),
-                                             static_cast<double>(state.epoch_tally.rows)}, torch::kFloat64));
+  write_position(archive, state);
   archive.write("model_hash", hash_tensor(content_hash(model_tensors(model))));
   archive.write("optimizer_hash", hash_tensor(optimizer_hash(optimizer)));
   write_checkpoint_file(path, archive);
+}
+
+// Note [Sharded trainer checkpoint]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under --sharding, every rank writes its shards with lockstep::save_sharded
+// into a fresh folder, PATH.shards-STEP; only after every rank has (the save
+// ends with a barrier) does rank 0 write PATH itself, which holds where
+// training stands and the step whose folder holds the model, and remove
+// every other PATH.shards-* folder. Writing PATH is the commit: a save
+// killed before it leaves PATH naming the previous folder, whole, and the
+// half-written one goes at the next save. The folder reshards on loading,
+// so the run resumes at any world size and with any --sharding strategy.
+
+inline std::string shards_dir(const std::string& path, int64_t step) {
+  return path + ".shards-" + std::to_string(step);
+}
+
+/// Removes every PATH.shards-* folder but step `keep`'s.
+inline void remove_other_shards(const std::string& path, int64_t keep) {
+  namespace fs = std::filesystem;
+  const fs::path file(path);
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  const std::string prefix = file.filename().string() + ".shards-";
+  const std::string kept = fs::path(shards_dir(path, keep)).filename().string();
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) == 0 && name != kept) {
+      fs::remove_all(entry.path(), error); // best effort: a folder left over costs disk, not correctness
+    }
+  }
+}
+
+/// Rank 0's part of a sharded save, after every rank's save_sharded into
+/// shards_dir(path, state.step) (Note [Sharded trainer checkpoint]).
+inline void save_sharded_checkpoint(const std::string& path, const TrainingState& state) {
+  torch::serialize::OutputArchive archive;
+  write_position(archive, state);
+  archive.write("shards", torch::tensor(state.step));
+  write_checkpoint_file(path, archive);
+  remove_other_shards(path, state.step);
 }
 
 /// Removes `path`'s temporary files left by saves that were killed (their
 /// writer no longer runs); a save in progress elsewhere keeps its own.
 inline void remove_stale_temporaries(const std::string& path) {
   tools::remove_files_of_dead_processes(path + ".tmp.");
+}
+
+// LibTorch's reader throws c10::Error, and on some damaged files the
+// TorchScript parser's std::runtime_error: both mean an unreadable file.
+inline std::string error_message(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return std::string(error != nullptr ? error->what_without_backtrace() : e.what());
+}
+
+/// Reads the checkpoint file at `path` into `archive`, checked whole, and
+/// returns its format; a clear error for any other or damaged file.
+inline int64_t open_checkpoint(const std::string& path, torch::serialize::InputArchive& archive) {
+  const std::string payload = read_checkpoint_payload(path);
+  try {
+    archive.load_from(payload.data(), payload.size());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is unreadable (truncated, corrupt, or not a checkpoint): ",
+                error_message(e), " Delete it to start from scratch.");
+  }
+  torch::Tensor format_tensor;
+  const int64_t format = archive.try_read("format", format_tensor) ? format_tensor.item<int64_t>() : 0;
+  TORCH_CHECK(format >= kOldestCheckpointFormat && format <= kCheckpointFormat, "lockstep-train: ", path,
+              " is not a lockstep-train checkpoint (format ", kOldestCheckpointFormat, " to ", kCheckpointFormat,
+              "); a model saved with torch::save has no training state. Delete it, or point --checkpoint elsewhere.");
+  if (format == 2) {
+    check_old_position(archive, path);
+  }
+  return format;
+}
+
+/// The position and the epoch's tally so far.
+inline TrainingState read_state(torch::serialize::InputArchive& archive, int64_t format) {
+  TrainingState state = read_position(archive, format);
+  torch::Tensor tally;
+  if (archive.try_read("epoch_tally", tally)) { // optional: without it, the epoch's figures start at the resumed batch
+    TORCH_CHECK(tally.dim() == 1 && tally.numel() == 3 && tally.scalar_type() == torch::kFloat64,
+                "its epoch_tally is ", tally.sizes(), " ", tally.dtype(), ", not 3 doubles.");
+    auto t = tally.accessor<double, 1>();
+    state.epoch_tally = Tally{t[0], static_cast<int64_t>(t[1]), static_cast<int64_t>(t[2])};
+  }
+  return state;
+}
+
+/// Loads where training stands from the sharded checkpoint at `path` (Note
+/// [Sharded trainer checkpoint]) and returns the step whose folder holds
+/// the shards, or -1 if there is no such file.
+inline int64_t load_sharded_checkpoint(const std::string& path, TrainingState& state) {
+  if (::access(path.c_str(), F_OK) != 0) {
+    return -1;
+  }
+  torch::serialize::InputArchive archive;
+  const int64_t format = open_checkpoint(path, archive);
+  torch::Tensor shards;
+  TORCH_CHECK(archive.try_read("shards", shards), "lockstep-train: checkpoint ", path, " was written without "
+              "--sharding (by DistributedDataParallel or DataParallel): it holds the whole model and optimizer, not "
+              "shards. Resume it without --sharding, or point --checkpoint elsewhere.");
+  try {
+    state = read_state(archive, format);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is damaged: ", error_message(e), " Delete it to start "
+                "from scratch.");
+  }
+  return shards.item<int64_t>();
 }
 
 /// Loads `path` into `model`, `optimizer` and `state`; false if there is no
@@ -295,28 +405,12 @@ inline bool load_checkpoint(
   if (::access(path.c_str(), F_OK) != 0) {
     return false;
   }
-  const std::string payload = read_checkpoint_payload(path);
   torch::serialize::InputArchive archive;
-  // LibTorch's reader throws c10::Error, and on some damaged files the
-  // TorchScript parser's std::runtime_error: both mean an unreadable file.
-  auto message = [](const std::exception& e) {
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    return std::string(error != nullptr ? error->what_without_backtrace() : e.what());
-  };
-  try {
-    archive.load_from(payload.data(), payload.size());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is unreadable (truncated, corrupt, or not a checkpoint): ",
-                message(e), " Delete it to start from scratch.");
-  }
-  torch::Tensor format_tensor;
-  const int64_t format = archive.try_read("format", format_tensor) ? format_tensor.item<int64_t>() : 0;
-  TORCH_CHECK(format >= kOldestCheckpointFormat && format <= kCheckpointFormat, "lockstep-train: ", path,
-              " is not a lockstep-train checkpoint (format ", kOldestCheckpointFormat, " to ", kCheckpointFormat,
-              "); a model saved with torch::save has no training state. Delete it, or point --checkpoint elsewhere.");
-  if (format == 2) {
-    check_old_position(archive, path);
-  }
+  const int64_t format = open_checkpoint(path, archive);
+  torch::Tensor shards;
+  TORCH_CHECK(!archive.try_read("shards", shards), "lockstep-train: checkpoint ", path, " was written with --sharding: "
+              "the model and optimizer are in ", shards_dir(path, shards.defined() ? shards.item<int64_t>() : 0),
+              "/. Resume it with --sharding (any strategy, at any world size), or point --checkpoint elsewhere.");
   const auto named = model.named_parameters();
   const auto named_buffers = model.named_buffers();
   struct Expected {
@@ -339,17 +433,10 @@ inline bool load_checkpoint(
     optimizer.load(optimizer_archive);
     archive.read("model_hash", model_hash);
     archive.read("optimizer_hash", stored_optimizer_hash);
-    state = read_position(archive, format);
-    torch::Tensor tally;
-    if (archive.try_read("epoch_tally", tally)) { // optional: without it, the epoch's figures start at the resumed batch
-      TORCH_CHECK(tally.dim() == 1 && tally.numel() == 3 && tally.scalar_type() == torch::kFloat64,
-                  "its epoch_tally is ", tally.sizes(), " ", tally.dtype(), ", not 3 doubles.");
-      auto t = tally.accessor<double, 1>();
-      state.epoch_tally = Tally{t[0], static_cast<int64_t>(t[1]), static_cast<int64_t>(t[2])};
-    }
+    state = read_state(archive, format);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " does not match this model or optimizer: ",
-                message(e), " It was written by another model configuration; delete it, or point "
+                error_message(e), " It was written by another model configuration; delete it, or point "
                 "--checkpoint elsewhere.");
   }
   // LibTorch's load replaces a tensor whatever its shape: compare with the model's.

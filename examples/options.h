@@ -45,6 +45,7 @@ struct Config {
   int64_t eval_every = 0;
   int64_t log_every = 50;
   int timeout_seconds = 0;
+  std::string sharding; // "": DistributedDataParallel; full, grad-op or none: FullyShardedDataParallel
 };
 
 // Bounds of the whole-number flags: beyond them a number is a typo, or would
@@ -118,6 +119,11 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
   app.add_option("--timeout", config.timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, "
                  "connections, each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
       ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
+  app.add_option("--sharding", config.sharding, "Under a launcher: FullyShardedDataParallel instead of DDP, with "
+                 "this strategy: full (ZeRO-3: parameters, gradients and optimizer state sharded), grad-op (ZeRO-2: "
+                 "gradients and optimizer state) or none (DDP's behaviour). Checkpoints are then sharded "
+                 "(CHECKPOINT.shards-STEP/) and resume at any world size; --save is still a whole, bare model")
+      ->check(CLI::IsMember({"full", "grad-op", "none"}))->group("Distributed");
   app.footer(
       "Under lockstep-run, torchrun, mpirun or srun, each process is one rank of DistributedDataParallel and reads "
       "its share of each global batch of the epoch's order (drawn from --seed and the epoch); otherwise one process trains with "

@@ -1,7 +1,8 @@
 // lockstep-train: trains a small convolutional classifier on Fashion-MNIST
 // (or any MNIST-format data) with DistributedDataParallel under lockstep-run
-// or torchrun, one process per rank, or else with lockstep::DataParallel on
-// CPU replicas (or GPUs when there are some). It evaluates on the whole test
+// or torchrun, one process per rank (FullyShardedDataParallel with
+// --sharding), or else with lockstep::DataParallel on CPU replicas (or GPUs
+// when there are some). It evaluates on the whole test
 // set, split over the ranks, after every epoch, and leaves its metrics, model,
 // checkpoint and curves in one output folder.
 //
@@ -11,9 +12,9 @@
 //   lockstep-train --help
 //
 // main() reads top to bottom: options, process settings, data, the setup
-// (distributed_setup or data_parallel_setup: the wrapped model, this rank's
-// batches, and the checkpoint it resumes from), then train(), which runs the
-// epochs (train_epoch, train_step, evaluate) and reports.
+// (setup.h: the wrapped model and its optimizer, this rank's batches, and the
+// checkpoint it resumes from), then train(), which runs the epochs
+// (train_epoch, train_step, evaluate) and reports.
 
 #include "blas_check.h"
 #include "checkpoint.h"
@@ -23,6 +24,7 @@
 #include "options.h"
 #include "progress.h"
 #include "sampling.h"
+#include "setup.h"
 
 #include <lockstep/lockstep.h>
 
@@ -58,6 +60,7 @@ using lockstep::examples::DataSignature;
 using lockstep::examples::Dataset;
 using lockstep::examples::DataOptions;
 using lockstep::examples::Samples;
+using lockstep::examples::Setup;
 using lockstep::examples::Tally;
 using lockstep::examples::TrainingState;
 
@@ -84,308 +87,12 @@ void prepare_process(int threads) {
 }
 
 // ---------------------------------------------------------------------------
-// Output folder and checkpoint paths
-// ---------------------------------------------------------------------------
-
-// runs/<id>: the launcher's run id, the same for every attempt of a job, so
-// that a restarted job finds its checkpoint; else the time.
-std::string default_out_dir() {
-  for (const char* name : {"LOCKSTEP_RUN_ID", "TORCHELASTIC_RUN_ID"}) {
-    const char* id = std::getenv(name);
-    if (id != nullptr && *id != '\0' && std::string(id) != "none") {
-      return std::string("runs/") + id;
-    }
-  }
-  const std::time_t now = std::time(nullptr);
-  char text[32];
-  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
-  return std::string("runs/") + text;
-}
-
-// Creates `dir` (and its parents); "" if that worked, else why not.
-std::string make_dir(const std::string& dir) {
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  if (error || ::access(dir.c_str(), W_OK) != 0) {
-    return "lockstep-train: cannot create or write the output folder " + dir + " (" +
-           (error ? error.message() : std::string(std::strerror(errno))) + "); pick another with --out.";
-  }
-  return "";
-}
-
-// Rank 0's output folder, created by rank 0, for every rank: the ranks must
-// read the same checkpoint. Every rank fails if rank 0 could not create it.
-// Where the group's collectives take their tensors, and so where this rank
-// trains: NCCL reduces CUDA tensors only, one GPU per rank.
-torch::Device group_device(const lockstep::ProcessGroup& group) {
-  if (group.backend() != "nccl") {
-    return torch::kCPU;
-  }
-  const char* local = std::getenv("LOCAL_RANK");
-  const int64_t index = local != nullptr ? std::atoll(local) : group.rank();
-  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index % std::max<int64_t>(1, torch::cuda::device_count())));
-}
-
-std::string agree_on_out_dir(const lockstep::ProcessGroup& group, const std::string& mine) {
-  constexpr int64_t kMaxLength = 4096;
-  std::string error = group.rank() == 0 ? make_dir(mine) : "";
-  auto message = torch::zeros({kMaxLength + 1}, torch::kInt64);
-  if (group.rank() == 0) {
-    const std::string& sent = error.empty() ? mine : error;
-    TORCH_CHECK(static_cast<int64_t>(sent.size()) <= kMaxLength, "lockstep-train: --out ", mine, " is too long.");
-    message[0] = error.empty() ? 1 : -1;
-    for (size_t i = 0; i < sent.size(); ++i) {
-      message[static_cast<int64_t>(i) + 1] = static_cast<int64_t>(static_cast<unsigned char>(sent[i]));
-    }
-  }
-  message = message.to(group_device(group));
-  group.broadcast(message, 0);
-  message = message.cpu();
-  std::string text;
-  auto m = message.accessor<int64_t, 1>();
-  for (int64_t i = 1; i <= kMaxLength && m[i] != 0; ++i) {
-    text += static_cast<char>(m[i]);
-  }
-  TORCH_CHECK(m[0] == 1, group.rank() == 0 ? text : "lockstep-train: rank 0 could not create the output folder: " + text);
-  return text;
-}
-
-// What this run trains on, for its checkpoints: a resume over other data is
-// said (resume_differences).
-DataSignature data_signature(const Samples& train, uint64_t seed) {
-  auto crc = [](const torch::Tensor& t) {
-    const auto bytes = t.contiguous();
-    return lockstep::examples::checkpoint_crc(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
-  };
-  return DataSignature{train.images.size(0), uint64_t{crc(train.images)} << 32 | crc(train.labels), seed};
-}
-
-// The checkpoint and the saved model go into the output folder unless
-// --checkpoint and --save name other files.
-void complete_paths(Config& config) {
-  if (config.checkpoint_path.empty()) {
-    config.checkpoint_path = config.out_dir + "/checkpoint.ckpt";
-  }
-  if (config.save_path.empty()) {
-    config.save_path = config.out_dir + "/model.pt";
-  }
-}
-
-// ---------------------------------------------------------------------------
-// Resuming
-// ---------------------------------------------------------------------------
-
-// What differs between the run that wrote a checkpoint and this one, in
-// words ("" if nothing): each changes the data order from here on.
-std::string resume_differences(const TrainingState& there, const BatchPlan& here, const DataSignature& data) {
-  std::string said;
-  if (there.world_size != here.world_size) {
-    said += "; written over " + std::to_string(there.world_size) + " rank(s): the data order goes on unchanged";
-  }
-  if (there.batch_size != 0 && there.batch_size != here.batch_size) { // format 2 kept no batch size
-    said += "; written with --batch-size " + std::to_string(there.batch_size) + ": the rest of the epoch goes on in "
-            "batches of " + std::to_string(here.batch_size);
-  }
-  if (there.data.rows == 0) { // format 2 kept no signature
-    return said;
-  }
-  if (there.data.rows != data.rows || there.data.checksum != data.checksum) {
-    said += "; written over other training data (" + std::to_string(there.data.rows) + " samples of another content, "
-            "seed " + std::to_string(there.data.seed) + "; here " + std::to_string(data.rows) + ", seed " +
-            std::to_string(data.seed) + ": another --data, --train-samples, or --seed with --synthetic), so the rest "
-            "of the run trains on this data";
-  } else if (there.data.seed != data.seed) {
-    said += "; written with --seed " + std::to_string(there.data.seed) + ", so the data order differs from here on";
-  }
-  return said;
-}
-
-// `state` as this run writes it into its checkpoints.
-TrainingState this_run(TrainingState state, const BatchPlan& plan, const DataSignature& data) {
-  state.world_size = plan.world_size;
-  state.batch_size = plan.batch_size;
-  state.data = data;
-  return state;
-}
-
-// Where training starts: the checkpoint's position when there is one (loaded
-// into `net` and `optimizer`), else the beginning.
-TrainingState resume(
-    const Config& config,
-    ConvNet& net,
-    torch::optim::Optimizer& optimizer,
-    const BatchPlan& plan,
-    const DataSignature& data,
-    bool report) {
-  TrainingState state;
-  if (config.checkpoint_path.empty() || !lockstep::examples::load_checkpoint(config.checkpoint_path, *net, optimizer, state)) {
-    return this_run(state, plan, data);
-  }
-  if (report) {
-    std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, sample %lld of %lld)%s\n",
-                 config.checkpoint_path.c_str(), static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1),
-                 static_cast<long long>(state.samples_in_epoch),
-                 static_cast<long long>(lockstep::examples::epoch_extent(plan).first),
-                 resume_differences(state, plan, data).c_str());
-  }
-  return this_run(state, plan, data);
-}
-
-// Every rank must resume from the same state, or the ranks would train on
-// different data positions (DDP broadcasts rank 0's parameters, which hides a
-// different model but not a different position). Each rank shares what it
-// resumed from; all fail together, naming the ranks, if they differ.
-void check_ranks_resumed_alike(
-    const lockstep::ProcessGroup& group,
-    const Config& config,
-    const TrainingState& state,
-    bool resumed,
-    torch::nn::Module& net,
-    torch::optim::Optimizer& optimizer) {
-  using namespace lockstep::examples;
-  auto mine = torch::cat({torch::tensor({static_cast<int64_t>(resumed), state.step, state.epoch, state.samples_in_epoch}),
-                          hash_tensor(content_hash(model_tensors(net))).reshape({1}),
-                          hash_tensor(optimizer_hash(optimizer)).reshape({1})});
-  auto all = group.all_gather(mine.to(group_device(group)));
-  for (auto& t : all) {
-    t = t.cpu();
-  }
-  auto describe = [&](int r) {
-    auto v = all[r].accessor<int64_t, 1>();
-    return v[0] == 0 ? std::string("started from scratch (no checkpoint found)")
-                     : "resumed at step " + std::to_string(v[1]) + " (epoch " + std::to_string(v[2] + 1) + ", sample " +
-                         std::to_string(v[3]) + ")";
-  };
-  for (int r = 1; r < group.size(); ++r) {
-    const bool same_position = torch::equal(all[r].narrow(0, 0, 4), all[0].narrow(0, 0, 4));
-    const bool same_state = all[0][0].item<int64_t>() == 0 || torch::equal(all[r], all[0]);
-    TORCH_CHECK(same_position && same_state, "lockstep-train: rank ", r, " ", describe(r),
-                same_position ? " with a different model or optimizer state" : "", " but rank 0 ", describe(0),
-                ". Every rank must read the same checkpoint: on several machines, put --checkpoint on storage every "
-                "node shares, or copy rank 0's file to each node (this rank's --checkpoint is ", config.checkpoint_path,
-                ").");
-  }
-}
-
-// ---------------------------------------------------------------------------
-// The setup: DistributedDataParallel or DataParallel
-// ---------------------------------------------------------------------------
-
-// How this process trains, as the training loop needs it: one rank of
-// DistributedDataParallel, or DataParallel in one process.
-struct Setup {
-  int rank = 0;
-  int world_size = 1;
-  std::string description; // "DistributedDataParallel over 2 ranks (gloo)"
-  // The wrapped model's forward.
-  std::function<torch::Tensor(const torch::Tensor&)> forward;
-  // The batches of each epoch, and this rank's share (Note [Data order]).
-  BatchPlan plan;
-  // Sums every rank's tally (a tiny allreduce under DDP; as is with one process).
-  std::function<Tally(const Tally&)> combine;
-  // Gives every rank rank 0's buffers (BatchNorm's running statistics).
-  std::function<void()> sync_buffers;
-  // Where training starts: the checkpoint's position, or the beginning.
-  TrainingState state;
-  // Where the model and each batch live: a GPU under NCCL or DataParallel on GPUs.
-  torch::Device device = torch::kCPU;
-};
-
-// One rank of DistributedDataParallel, under lockstep-run or torchrun: the
-// ranks agree on rank 0's output folder and resume alike, then each reads
-// its share of each global batch (Note [Data order]).
-Setup distributed_setup(
-    ConvNet& net,
-    torch::optim::Optimizer& optimizer,
-    const Dataset& data,
-    const DataSignature& signature,
-    Config& config) {
-  auto group = lockstep::init_process_group(
-      lockstep::ProcessGroupOptions().timeout(std::chrono::seconds(config.timeout_seconds))); // 0: LOCKSTEP_TIMEOUT
-  TORCH_CHECK(config.batch_size % group.size() == 0, "lockstep-train: --batch-size ", config.batch_size,
-              " does not split evenly over ", group.size(), " ranks; pick a multiple of ", group.size(),
-              " (each rank takes batch-size / ranks rows).");
-  config.out_dir = agree_on_out_dir(group, config.out_dir);
-  complete_paths(config);
-  Setup setup;
-  setup.rank = group.rank();
-  setup.world_size = group.size();
-  setup.device = group_device(group);
-  net->to(setup.device); // in place: the optimizer keeps its parameters
-  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, group.size(), group.rank(), config.seed};
-  setup.state = resume(config, net, optimizer, setup.plan, signature, group.rank() == 0);
-  check_ranks_resumed_alike(group, config, setup.state, setup.state.step > 0 || setup.state.epoch > 0, *net, optimizer);
-  lockstep::DistributedDataParallel<ConvNet> model(net, group);
-  setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
-  const int64_t per_rank = config.batch_size / group.size();
-  setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() + ")";
-  // Loss and accuracy sums as doubles: exact for any count below 2^53.
-  setup.combine = [group, device = setup.device](const Tally& mine) {
-    auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
-                              torch::kFloat64).to(device);
-    group.allreduce(sums);
-    sums = sums.cpu();
-    auto s = sums.accessor<double, 1>();
-    return Tally{s[0], static_cast<int64_t>(s[1]), static_cast<int64_t>(s[2])};
-  };
-  setup.sync_buffers = [group, net] {
-    for (auto& buffer : net->buffers()) {
-      group.broadcast(buffer, 0);
-    }
-  };
-  if (group.rank() == 0) {
-    std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld (%lld per rank), "
-                 "outputs in %s/\n", data.source.c_str(), static_cast<long long>(data.train.images.size(0)),
-                 static_cast<long long>(data.test.images.size(0)), setup.description.c_str(),
-                 static_cast<long long>(config.batch_size), static_cast<long long>(per_rank), config.out_dir.c_str());
-  }
-  return setup;
-}
-
-// One process with DataParallel on --replicas CPU replicas (0: lockstep's
-// default devices), reading the global batches (Note [Data order]).
-Setup data_parallel_setup(
-    ConvNet& net,
-    torch::optim::Optimizer& optimizer,
-    const Dataset& data,
-    const DataSignature& signature,
-    Config& config) {
-  const std::string error = make_dir(config.out_dir);
-  TORCH_CHECK(error.empty(), error);
-  complete_paths(config);
-  Setup setup;
-  auto options = lockstep::DataParallelOptions();
-  if (config.replicas > 0) {
-    options.devices(std::vector<torch::Device>(config.replicas, torch::Device(torch::kCPU)));
-  } else {
-    setup.device = lockstep::default_devices()[0]; // the first GPU, where DataParallel wants the module
-    net->to(setup.device);
-  }
-  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, 1, 0, config.seed};
-  setup.state = resume(config, net, optimizer, setup.plan, signature, true);
-  lockstep::DataParallel<ConvNet> model(net, options);
-  setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
-  const int64_t n = data.train.images.size(0);
-  std::string devices;
-  for (const auto& d : model->devices()) {
-    devices += (devices.empty() ? "" : ",") + d.str();
-  }
-  setup.description = "DataParallel on [" + devices + "]";
-  setup.combine = [](const Tally& mine) { return mine; };
-  setup.sync_buffers = [] {};
-  std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld, outputs in %s/\n",
-               data.source.c_str(), static_cast<long long>(n), static_cast<long long>(data.test.images.size(0)),
-               setup.description.c_str(), static_cast<long long>(config.batch_size), config.out_dir.c_str());
-  return setup;
-}
-
-// ---------------------------------------------------------------------------
 // Training
 // ---------------------------------------------------------------------------
 
 // What the training loop works on.
 struct Run {
-  ConvNet& net; // the bare model: evaluated, checkpointed and saved
+  ConvNet& net; // the bare model: evaluated and saved (whole under setup.full_params)
   torch::optim::SGD& optimizer;
   const Dataset& data;
   const Setup& setup;
@@ -487,6 +194,7 @@ void maybe_inject_fault(int rank, int64_t step) {
 // are given to every rank first, so that every share is judged by the model
 // rank 0 saves.
 Tally evaluate(const Run& run) {
+  const auto full = run.setup.full_params();
   run.setup.sync_buffers();
   torch::NoGradGuard no_grad;
   run.net->eval();
@@ -527,10 +235,11 @@ Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
   return Tally{loss.item<double>() * b, logits.argmax(1).eq(y).sum().item<int64_t>(), b};
 }
 
-// Rank 0 writes where training stands; every rank has the same state.
+// Writes where training stands (every rank calls it; rank 0 writes unless
+// the checkpoint is sharded).
 void checkpoint(const Run& run, const TrainingState& state) {
-  if (run.setup.rank == 0 && !run.config.checkpoint_path.empty()) {
-    lockstep::examples::save_checkpoint(run.config.checkpoint_path, *run.net, run.optimizer, state);
+  if (!run.config.checkpoint_path.empty()) {
+    run.setup.save_checkpoint(state);
   }
 }
 
@@ -641,6 +350,7 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
 // rank), and said so by rank 0.
 void report_finished_run(const Run& run, const TrainingState& state) {
   const Tally tested = evaluate(run);
+  const auto full = run.setup.full_params();
   if (run.setup.rank != 0) {
     return;
   }
@@ -714,6 +424,7 @@ void train(const Run& run) {
     train_epoch(run, state, metrics, totals);
   }
   const double seconds = seconds_since(start);
+  const auto full = run.setup.full_params(); // the whole model, to save and hash
   if (lead) {
     report_summary(run, state, totals, seconds);
   }
@@ -742,19 +453,24 @@ int main(int argc, char** argv) {
       return 0;
     }
     const Dataset data = lockstep::examples::load_dataset(data_options, config.seed);
-    const DataSignature signature = data_signature(data.train, config.seed);
+    const DataSignature signature = lockstep::examples::data_signature(data.train, config.seed);
 
     torch::manual_seed(config.seed);
     ConvNet net;
-    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(config.lr).momentum(config.momentum));
     if (config.out_dir.empty()) {
-      config.out_dir = default_out_dir();
+      config.out_dir = lockstep::examples::default_out_dir();
     }
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
-    // DistributedDataParallel; otherwise one process with DataParallel.
-    const Setup setup = lockstep::launched_by_launcher() ? distributed_setup(net, optimizer, data, signature, config)
-                                                         : data_parallel_setup(net, optimizer, data, signature, config);
-    train(Run{net, optimizer, data, setup, config});
+    // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.
+    const bool launched = lockstep::launched_by_launcher();
+    TORCH_CHECK(launched || config.sharding.empty(), "lockstep-train: --sharding ", config.sharding, " shards over "
+                "ranks, one process each: run it under lockstep-run (or torchrun, mpirun, srun), for example "
+                "lockstep-run --nproc-per-node 2 lockstep-train --sharding ", config.sharding, ". Alone, lockstep-train "
+                "trains with DataParallel, which does not shard.");
+    const Setup setup = !launched                ? lockstep::examples::data_parallel_setup(net, data, signature, config)
+                        : config.sharding.empty() ? lockstep::examples::distributed_setup(net, data, signature, config)
+                                                  : lockstep::examples::sharded_setup(net, data, signature, config);
+    train(Run{net, *setup.optimizer, data, setup, config});
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
     return 1;

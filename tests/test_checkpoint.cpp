@@ -252,5 +252,91 @@ TEST(Checkpoint, ModelFilesMoveBetweenBareDataParallelAndDdp) {
   EXPECT_TRUE(testing::parameters_equal(*ddp_net, *third));
 }
 
+// --- --sharding: FullyShardedDataParallel in the trainer ---------------------
+
+std::vector<std::string> sharded(std::vector<std::string> args, const std::string& strategy) {
+  args.insert(args.end(), {"--sharding", strategy});
+  return args;
+}
+
+std::string hash_of(torch::nn::Module& module) {
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx",
+                static_cast<unsigned long long>(examples::content_hash(examples::model_tensors(module))));
+  return text;
+}
+
+// "test loss X" of epoch `epoch`'s line.
+double test_loss(const std::string& output, int epoch) {
+  std::smatch m;
+  const std::regex line("epoch " + std::to_string(epoch) + "/[0-9]+: train loss [0-9.]+, train accuracy [0-9.]+%, "
+                        "test loss ([0-9.]+)");
+  return std::regex_search(output, m, line) ? std::stod(m[1].str()) : -1;
+}
+
+TEST(TrainerSharding, EachStrategyTrainsAsDdpDoesAndSavesABareModel) {
+  for (const std::string strategy : {"full", "grad-op", "none"}) {
+    SCOPED_TRACE("--sharding " + strategy);
+    const std::string name = "sharding_" + strategy;
+    auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, sharded(trainer(name), strategy), name,
+                    {kOneThread});
+    ASSERT_EQ(p.exit_code, 0) << p.output;
+    EXPECT_NE(p.output.find("with FullyShardedDataParallel (--sharding " + strategy + ") over 2 ranks (gloo)"),
+              std::string::npos) << p.output;
+    // The same data order and averaged gradients as DDP: at 2 ranks each
+    // gradient element is the same sum of two, so the result is bitwise DDP's.
+    EXPECT_EQ(final_hash(p.output), reference_hash()) << p.output;
+    examples::ConvNet bare; // --save is a whole, bare model
+    torch::load(bare, temp(name + ".pt"));
+    EXPECT_EQ(hash_of(*bare), final_hash(p.output));
+  }
+}
+
+TEST(TrainerSharding, ResumesFromItsShardsAfterAFailureAndAtAnotherWorldSize) {
+  const std::string checkpoint = temp("sharded.ckpt");
+  // Rank 1 fails after the checkpoint at step 24; the restart reads the shards.
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--max-restarts", "1"},
+                  sharded(trainer("sharded", checkpoint), "full"), "sharded", {"LOCKSTEP_FAULT=1:26", kOneThread});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("resumed from " + checkpoint + " at step 24 (epoch 2, sample 512 of 1024)"), std::string::npos)
+      << p.output;
+  EXPECT_EQ(final_hash(p.output), reference_hash()) << p.output;
+  EXPECT_EQ(access(examples::shards_dir(checkpoint, 32).c_str(), F_OK), 0) << "the last save's shards are missing";
+  EXPECT_NE(access(examples::shards_dir(checkpoint, 24).c_str(), F_OK), 0) << "an older save's shards are left";
+
+  // A third epoch at 4 ranks, from the shards of 2 (model and momentum
+  // resharded), against DDP doing the same from its own checkpoint.
+  const std::string ddp_checkpoint = temp("unsharded.ckpt");
+  auto d = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer("unsharded", ddp_checkpoint), "unsharded",
+                  {kOneThread});
+  ASSERT_EQ(d.exit_code, 0) << d.output;
+  auto wider = launch({"--nproc-per-node", "4", "--master-port", port()},
+                      with_flag(sharded(trainer("sharded4", checkpoint), "full"), "--epochs", "3"), "sharded4", {kOneThread});
+  ASSERT_EQ(wider.exit_code, 0) << wider.output;
+  EXPECT_NE(wider.output.find("resumed from " + checkpoint + " at step 32 (epoch 3, sample 0 of 1024); written over 2 "
+                              "rank(s)"), std::string::npos) << wider.output;
+  auto ddp_wider = launch({"--nproc-per-node", "4", "--master-port", port()},
+                          with_flag(trainer("unsharded4", ddp_checkpoint), "--epochs", "3"), "unsharded4", {kOneThread});
+  ASSERT_EQ(ddp_wider.exit_code, 0) << ddp_wider.output;
+  EXPECT_GT(test_loss(wider.output, 3), 0) << wider.output;
+  EXPECT_NEAR(test_loss(wider.output, 3), test_loss(ddp_wider.output, 3), 1e-3) << wider.output << ddp_wider.output;
+
+  // Each kind of checkpoint refuses the other kind of run, and --sharding needs a launcher.
+  auto unsharded_run = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer("mixed1", checkpoint), "mixed1");
+  EXPECT_EQ(unsharded_run.exit_code, 1) << unsharded_run.output;
+  EXPECT_NE(unsharded_run.output.find("lockstep-train: checkpoint " + checkpoint + " was written with --sharding: the "
+                                      "model and optimizer are in " + examples::shards_dir(checkpoint, 48) + "/. "
+                                      "Resume it with --sharding"), std::string::npos) << unsharded_run.output;
+  auto sharded_run = launch({"--nproc-per-node", "2", "--master-port", port()},
+                            sharded(trainer("mixed2", ddp_checkpoint), "grad-op"), "mixed2");
+  EXPECT_EQ(sharded_run.exit_code, 1) << sharded_run.output;
+  EXPECT_NE(sharded_run.output.find("was written without --sharding (by DistributedDataParallel or DataParallel)"),
+            std::string::npos) << sharded_run.output;
+  auto alone = testing::run(sharded(trainer("alone"), "full"), {}, temp("alone.log"), kDeadline);
+  EXPECT_EQ(alone.exit_code, 1) << alone.output;
+  EXPECT_NE(alone.output.find("lockstep-train: --sharding full shards over ranks, one process each: run it under "
+                              "lockstep-run"), std::string::npos) << alone.output;
+}
+
 } // namespace
 } // namespace lockstep

@@ -1,0 +1,409 @@
+#pragma once
+
+// lockstep-train's setups: how one process trains, as the training loop
+// needs it (Setup). One rank of DistributedDataParallel or of
+// FullyShardedDataParallel under a launcher, or DataParallel in one process;
+// each with its output folder, its batches, and the checkpoint it resumes
+// from.
+
+#include "checkpoint.h"
+#include "data.h"
+#include "models.h"
+#include "options.h"
+#include "sampling.h"
+
+#include <lockstep/lockstep.h>
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace lockstep {
+namespace examples {
+
+// ---------------------------------------------------------------------------
+// Output folder and checkpoint paths
+// ---------------------------------------------------------------------------
+
+// runs/<id>: the launcher's run id, the same for every attempt of a job, so
+// that a restarted job finds its checkpoint; else the time.
+inline std::string default_out_dir() {
+  for (const char* name : {"LOCKSTEP_RUN_ID", "TORCHELASTIC_RUN_ID"}) {
+    const char* id = std::getenv(name);
+    if (id != nullptr && *id != '\0' && std::string(id) != "none") {
+      return std::string("runs/") + id;
+    }
+  }
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
+  return std::string("runs/") + text;
+}
+
+// Creates `dir` (and its parents); "" if that worked, else why not.
+inline std::string make_dir(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error || ::access(dir.c_str(), W_OK) != 0) {
+    return "lockstep-train: cannot create or write the output folder " + dir + " (" +
+           (error ? error.message() : std::string(std::strerror(errno))) + "); pick another with --out.";
+  }
+  return "";
+}
+
+// Where the group's collectives take their tensors, and so where this rank
+// trains: NCCL reduces CUDA tensors only, one GPU per rank.
+inline torch::Device group_device(const lockstep::ProcessGroup& group) {
+  if (group.backend() != "nccl") {
+    return torch::kCPU;
+  }
+  const char* local = std::getenv("LOCAL_RANK");
+  const int64_t index = local != nullptr ? std::atoll(local) : group.rank();
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index % std::max<int64_t>(1, torch::cuda::device_count())));
+}
+
+// Rank 0's output folder, created by rank 0, for every rank: the ranks must
+// read the same checkpoint. Every rank fails if rank 0 could not create it.
+inline std::string agree_on_out_dir(const lockstep::ProcessGroup& group, const std::string& mine) {
+  constexpr int64_t kMaxLength = 4096;
+  std::string error = group.rank() == 0 ? make_dir(mine) : "";
+  auto message = torch::zeros({kMaxLength + 1}, torch::kInt64);
+  if (group.rank() == 0) {
+    const std::string& sent = error.empty() ? mine : error;
+    TORCH_CHECK(static_cast<int64_t>(sent.size()) <= kMaxLength, "lockstep-train: --out ", mine, " is too long.");
+    message[0] = error.empty() ? 1 : -1;
+    for (size_t i = 0; i < sent.size(); ++i) {
+      message[static_cast<int64_t>(i) + 1] = static_cast<int64_t>(static_cast<unsigned char>(sent[i]));
+    }
+  }
+  message = message.to(group_device(group));
+  group.broadcast(message, 0);
+  message = message.cpu();
+  std::string text;
+  auto m = message.accessor<int64_t, 1>();
+  for (int64_t i = 1; i <= kMaxLength && m[i] != 0; ++i) {
+    text += static_cast<char>(m[i]);
+  }
+  TORCH_CHECK(m[0] == 1, group.rank() == 0 ? text : "lockstep-train: rank 0 could not create the output folder: " + text);
+  return text;
+}
+
+// What this run trains on, for its checkpoints: a resume over other data is
+// said (resume_differences).
+inline DataSignature data_signature(const Samples& train, uint64_t seed) {
+  auto crc = [](const torch::Tensor& t) {
+    const auto bytes = t.contiguous();
+    return checkpoint_crc(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
+  };
+  return DataSignature{train.images.size(0), uint64_t{crc(train.images)} << 32 | crc(train.labels), seed};
+}
+
+// The checkpoint and the saved model go into the output folder unless
+// --checkpoint and --save name other files.
+inline void complete_paths(Config& config) {
+  if (config.checkpoint_path.empty()) {
+    config.checkpoint_path = config.out_dir + "/checkpoint.ckpt";
+  }
+  if (config.save_path.empty()) {
+    config.save_path = config.out_dir + "/model.pt";
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Resuming
+// ---------------------------------------------------------------------------
+
+// What differs between the run that wrote a checkpoint and this one, in
+// words ("" if nothing): each changes the data order from here on.
+inline std::string resume_differences(const TrainingState& there, const BatchPlan& here, const DataSignature& data) {
+  std::string said;
+  if (there.world_size != here.world_size) {
+    said += "; written over " + std::to_string(there.world_size) + " rank(s): the data order goes on unchanged";
+  }
+  if (there.batch_size != 0 && there.batch_size != here.batch_size) { // format 2 kept no batch size
+    said += "; written with --batch-size " + std::to_string(there.batch_size) + ": the rest of the epoch goes on in "
+            "batches of " + std::to_string(here.batch_size);
+  }
+  if (there.data.rows == 0) { // format 2 kept no signature
+    return said;
+  }
+  if (there.data.rows != data.rows || there.data.checksum != data.checksum) {
+    said += "; written over other training data (" + std::to_string(there.data.rows) + " samples of another content, "
+            "seed " + std::to_string(there.data.seed) + "; here " + std::to_string(data.rows) + ", seed " +
+            std::to_string(data.seed) + ": another --data, --train-samples, or --seed with --synthetic), so the rest "
+            "of the run trains on this data";
+  } else if (there.data.seed != data.seed) {
+    said += "; written with --seed " + std::to_string(there.data.seed) + ", so the data order differs from here on";
+  }
+  return said;
+}
+
+// `state` as this run writes it into its checkpoints.
+inline TrainingState this_run(TrainingState state, const BatchPlan& plan, const DataSignature& data) {
+  state.world_size = plan.world_size;
+  state.batch_size = plan.batch_size;
+  state.data = data;
+  return state;
+}
+
+// Where training starts: the checkpoint's position when `load` finds one
+// (and loads the model and optimizer), else the beginning.
+inline TrainingState resume(
+    const Config& config,
+    const BatchPlan& plan,
+    const DataSignature& data,
+    bool report,
+    const std::function<bool(TrainingState&)>& load) {
+  TrainingState state;
+  if (config.checkpoint_path.empty() || !load(state)) {
+    return this_run(state, plan, data);
+  }
+  if (report) {
+    std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, sample %lld of %lld)%s\n",
+                 config.checkpoint_path.c_str(), static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1),
+                 static_cast<long long>(state.samples_in_epoch), static_cast<long long>(epoch_extent(plan).first),
+                 resume_differences(state, plan, data).c_str());
+  }
+  return this_run(state, plan, data);
+}
+
+// Every rank must resume from the same state, or the ranks would train on
+// different data positions (DDP broadcasts rank 0's parameters, which hides a
+// different model but not a different position). Each rank shares what it
+// resumed from; all fail together, naming the ranks, if they differ. Under
+// --sharding each rank holds other shards, so only positions are compared
+// (load_sharded checks the shards).
+inline void check_ranks_resumed_alike(
+    const lockstep::ProcessGroup& group,
+    const Config& config,
+    const TrainingState& state,
+    torch::nn::Module& net,
+    torch::optim::Optimizer& optimizer) {
+  const bool resumed = state.step > 0 || state.epoch > 0;
+  const bool sharded = !config.sharding.empty();
+  auto mine = torch::cat({torch::tensor({static_cast<int64_t>(resumed), state.step, state.epoch, state.samples_in_epoch}),
+                          hash_tensor(sharded ? 0 : content_hash(model_tensors(net))).reshape({1}),
+                          hash_tensor(sharded ? 0 : optimizer_hash(optimizer)).reshape({1})});
+  auto all = group.all_gather(mine.to(group_device(group)));
+  for (auto& t : all) {
+    t = t.cpu();
+  }
+  auto describe = [&](int r) {
+    auto v = all[r].accessor<int64_t, 1>();
+    return v[0] == 0 ? std::string("started from scratch (no checkpoint found)")
+                     : "resumed at step " + std::to_string(v[1]) + " (epoch " + std::to_string(v[2] + 1) + ", sample " +
+                         std::to_string(v[3]) + ")";
+  };
+  for (int r = 1; r < group.size(); ++r) {
+    const bool same_position = torch::equal(all[r].narrow(0, 0, 4), all[0].narrow(0, 0, 4));
+    const bool same_state = all[0][0].item<int64_t>() == 0 || torch::equal(all[r], all[0]);
+    TORCH_CHECK(same_position && same_state, "lockstep-train: rank ", r, " ", describe(r),
+                same_position ? " with a different model or optimizer state" : "", " but rank 0 ", describe(0),
+                ". Every rank must read the same checkpoint: on several machines, put --checkpoint on storage every "
+                "node shares, or copy rank 0's file to each node (this rank's --checkpoint is ", config.checkpoint_path,
+                ").");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The setups: DistributedDataParallel, FullyShardedDataParallel, DataParallel
+// ---------------------------------------------------------------------------
+
+// How this process trains, as the training loop needs it: one rank of
+// DistributedDataParallel or FullyShardedDataParallel, or DataParallel in one
+// process.
+struct Setup {
+  int rank = 0;
+  int world_size = 1;
+  std::string description; // "DistributedDataParallel over 2 ranks (gloo)"
+  // The wrapped model's forward.
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  // Steps the model: on the whole model's parameters, or on this rank's
+  // shards under --sharding.
+  std::shared_ptr<torch::optim::SGD> optimizer;
+  // The batches of each epoch, and this rank's share (Note [Data order]).
+  BatchPlan plan;
+  // Sums every rank's tally (a tiny allreduce under DDP; as is with one process).
+  std::function<Tally(const Tally&)> combine;
+  // Gives every rank rank 0's buffers (BatchNorm's running statistics).
+  std::function<void()> sync_buffers;
+  // Called on every rank: while what it returns lives, the bare model holds
+  // its whole, current parameters (FullyShardedDataParallel's
+  // summon_full_params; nothing to do otherwise).
+  std::function<std::shared_ptr<void>()> full_params;
+  // Called on every rank: writes the checkpoint of `state`.
+  std::function<void(const TrainingState&)> save_checkpoint;
+  // Where training starts: the checkpoint's position, or the beginning.
+  TrainingState state;
+  // Where the model and each batch live: a GPU under NCCL or DataParallel on GPUs.
+  torch::Device device = torch::kCPU;
+};
+
+inline std::shared_ptr<torch::optim::SGD> make_optimizer(const std::vector<torch::Tensor>& params, const Config& config) {
+  return std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(config.lr).momentum(config.momentum));
+}
+
+// What every rank of a launched job does alike, under DDP or FSDP: the group,
+// rank 0's output folder, this rank's share of each global batch (Note [Data
+// order]), the tallies' sum and rank 0's buffers.
+inline Setup launched_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data, Config& config) {
+  TORCH_CHECK(config.batch_size % group.size() == 0, "lockstep-train: --batch-size ", config.batch_size,
+              " does not split evenly over ", group.size(), " ranks; pick a multiple of ", group.size(),
+              " (each rank takes batch-size / ranks rows).");
+  config.out_dir = agree_on_out_dir(group, config.out_dir);
+  complete_paths(config);
+  Setup setup;
+  setup.rank = group.rank();
+  setup.world_size = group.size();
+  setup.device = group_device(group);
+  net->to(setup.device);
+  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, group.size(), group.rank(), config.seed};
+  // Loss and accuracy sums as doubles: exact for any count below 2^53.
+  setup.combine = [group, device = setup.device](const Tally& mine) {
+    auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
+                              torch::kFloat64).to(device);
+    group.allreduce(sums);
+    sums = sums.cpu();
+    auto s = sums.accessor<double, 1>();
+    return Tally{s[0], static_cast<int64_t>(s[1]), static_cast<int64_t>(s[2])};
+  };
+  setup.sync_buffers = [group, net] {
+    for (auto& buffer : net->buffers()) {
+      group.broadcast(buffer, 0);
+    }
+  };
+  setup.full_params = [] { return std::shared_ptr<void>(); };
+  return setup;
+}
+
+inline void say_launched_setup(const Setup& setup, const Dataset& data, const Config& config) {
+  if (setup.rank == 0) {
+    std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld (%lld per rank), "
+                 "outputs in %s/\n", data.source.c_str(), static_cast<long long>(data.train.images.size(0)),
+                 static_cast<long long>(data.test.images.size(0)), setup.description.c_str(),
+                 static_cast<long long>(config.batch_size), static_cast<long long>(config.batch_size / setup.world_size),
+                 config.out_dir.c_str());
+  }
+}
+
+inline lockstep::ProcessGroup launched_group(const Config& config) {
+  return lockstep::init_process_group(
+      lockstep::ProcessGroupOptions().timeout(std::chrono::seconds(config.timeout_seconds))); // 0: LOCKSTEP_TIMEOUT
+}
+
+// One rank of DistributedDataParallel, under lockstep-run or torchrun: the
+// ranks resume alike from rank 0's checkpoint file.
+inline Setup distributed_setup(ConvNet& net, const Dataset& data, const DataSignature& signature, Config& config) {
+  auto group = launched_group(config);
+  Setup setup = launched_setup(group, net, data, config);
+  setup.optimizer = make_optimizer(net->parameters(), config);
+  auto& optimizer = *setup.optimizer;
+  setup.state = resume(config, setup.plan, signature, group.rank() == 0, [&](TrainingState& state) {
+    return load_checkpoint(config.checkpoint_path, *net, optimizer, state);
+  });
+  check_ranks_resumed_alike(group, config, setup.state, *net, optimizer);
+  lockstep::DistributedDataParallel<ConvNet> model(net, group);
+  setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
+  setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() + ")";
+  setup.save_checkpoint = [rank = group.rank(), path = config.checkpoint_path, net, optimizer = setup.optimizer](
+                              const TrainingState& state) mutable {
+    if (rank == 0) {
+      save_checkpoint(path, *net, *optimizer, state);
+    }
+  };
+  say_launched_setup(setup, data, config);
+  return setup;
+}
+
+inline lockstep::ShardingStrategy sharding_strategy(const std::string& flag) {
+  return flag == "full" ? lockstep::ShardingStrategy::FullShard
+       : flag == "grad-op" ? lockstep::ShardingStrategy::ShardGradOp
+                           : lockstep::ShardingStrategy::NoShard;
+}
+
+// One rank of FullyShardedDataParallel (--sharding): the optimizer steps this
+// rank's shards, and the checkpoints are sharded (Note [Sharded trainer
+// checkpoint]), so a run resumes at another world size.
+inline Setup sharded_setup(ConvNet& net, const Dataset& data, const DataSignature& signature, Config& config) {
+  auto group = launched_group(config);
+  Setup setup = launched_setup(group, net, data, config);
+  lockstep::FullyShardedDataParallel<ConvNet> model(
+      net, group, lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding)));
+  setup.optimizer = make_optimizer(model->parameters(), config);
+  auto& optimizer = *setup.optimizer;
+  setup.state = resume(config, setup.plan, signature, group.rank() == 0, [&](TrainingState& state) {
+    const auto step = load_sharded_checkpoint(config.checkpoint_path, state);
+    if (step >= 0) {
+      model->load_sharded(optimizer, shards_dir(config.checkpoint_path, step));
+    }
+    return step >= 0;
+  });
+  check_ranks_resumed_alike(group, config, setup.state, *net, optimizer);
+  setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
+  setup.full_params = [model]() mutable {
+    return std::static_pointer_cast<void>(std::make_shared<lockstep::FullParamsGuard>(model->summon_full_params()));
+  };
+  setup.description = "FullyShardedDataParallel (--sharding " + config.sharding + ") over " +
+                      std::to_string(group.size()) + " ranks (" + group.backend() + ")";
+  setup.save_checkpoint = [rank = group.rank(), path = config.checkpoint_path, model, optimizer = setup.optimizer](
+                              const TrainingState& state) {
+    model->save_sharded(*optimizer, shards_dir(path, state.step));
+    if (rank == 0) {
+      save_sharded_checkpoint(path, state);
+    }
+  };
+  say_launched_setup(setup, data, config);
+  return setup;
+}
+
+// One process with DataParallel on --replicas CPU replicas (0: lockstep's
+// default devices), reading the global batches (Note [Data order]).
+inline Setup data_parallel_setup(ConvNet& net, const Dataset& data, const DataSignature& signature, Config& config) {
+  const std::string error = make_dir(config.out_dir);
+  TORCH_CHECK(error.empty(), error);
+  complete_paths(config);
+  Setup setup;
+  auto options = lockstep::DataParallelOptions();
+  if (config.replicas > 0) {
+    options.devices(std::vector<torch::Device>(config.replicas, torch::Device(torch::kCPU)));
+  } else {
+    setup.device = lockstep::default_devices()[0]; // the first GPU, where DataParallel wants the module
+    net->to(setup.device);
+  }
+  setup.optimizer = make_optimizer(net->parameters(), config);
+  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, 1, 0, config.seed};
+  setup.state = resume(config, setup.plan, signature, true, [&](TrainingState& state) {
+    return load_checkpoint(config.checkpoint_path, *net, *setup.optimizer, state);
+  });
+  lockstep::DataParallel<ConvNet> model(net, options);
+  setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
+  std::string devices;
+  for (const auto& d : model->devices()) {
+    devices += (devices.empty() ? "" : ",") + d.str();
+  }
+  setup.description = "DataParallel on [" + devices + "]";
+  setup.combine = [](const Tally& mine) { return mine; };
+  setup.sync_buffers = [] {};
+  setup.full_params = [] { return std::shared_ptr<void>(); };
+  setup.save_checkpoint = [path = config.checkpoint_path, net, optimizer = setup.optimizer](const TrainingState& state) mutable {
+    save_checkpoint(path, *net, *optimizer, state);
+  };
+  std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld, outputs in %s/\n",
+               data.source.c_str(), static_cast<long long>(data.train.images.size(0)),
+               static_cast<long long>(data.test.images.size(0)), setup.description.c_str(),
+               static_cast<long long>(config.batch_size), config.out_dir.c_str());
+  return setup;
+}
+
+} // namespace examples
+} // namespace lockstep
