@@ -62,9 +62,10 @@ inline std::string make_dir(const std::string& dir) {
 }
 
 // Where the group's collectives take their tensors, and so where this rank
-// trains: NCCL reduces CUDA tensors only, one GPU per rank.
+// trains: the CPU where the backend reduces CPU tensors, else (NCCL) one GPU
+// per rank.
 inline torch::Device group_device(const lockstep::ProcessGroup& group) {
-  if (group.backend() != "nccl") {
+  if (group.supports(lockstep::Collective::Allreduce, torch::kFloat, torch::kCPU)) {
     return torch::kCPU;
   }
   const char* local = std::getenv("LOCAL_RANK");

@@ -4,22 +4,16 @@
 #include "collective_args.h"
 #include "collective_check.h"
 #include "flight_recorder.h"
+#include "store.h"
 #include "torch_compat.h"
 
 #include <lockstep/detail/launch_env.h>
 
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
 #include <c10/core/InferenceMode.h>
 
-#include <netdb.h>
-#include <sys/socket.h>
 #include <unistd.h>
-
-#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,7 +21,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <iostream>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -227,101 +220,76 @@ bool launched_by_launcher() {
   return get("WORLD_SIZE") != nullptr || detail::find_mpi_launcher(get) != nullptr;
 }
 
+namespace {
+
+// Note [Backend table]
+// ~~~~~~~~~~~~~~~~~~~~
+// Every backend lockstep knows: its name, whether this build has it
+// (src/backends/<name>.cpp or no_<name>.cpp), whether it needs
+// init_process_group's store (MPI's launcher connects the ranks itself),
+// when and how eagerly "auto" picks it, and how to make it. The rest of this
+// file asks the table, never a backend's name.
+struct BackendArgs {
+  c10::intrusive_ptr<c10d::Store> store; // none for a backend that needs none
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+  std::string master_addr;
+  int master_port = 0;
+};
+
+struct Backend {
+  const char* name;
+  bool (*available)();
+  bool needs_store;
+  int auto_order; // "auto" asks the backends in this order, lowest first
+  bool (*auto_picks)(bool mpi_launched);
+  std::shared_ptr<GroupImpl> (*make)(const BackendArgs& a);
+};
+
+const std::vector<Backend>& backend_table() {
+  static const std::vector<Backend> table{
+      {"gloo", detail::gloo_available, true, 2, [](bool) { return true; },
+       [](const BackendArgs& a) {
+         return detail::make_gloo_group(a.store, a.rank, a.size, a.timeout, a.master_addr, a.master_port);
+       }},
+      {"nccl", detail::nccl_available, true, 0, [](bool) { return torch::cuda::is_available(); },
+       [](const BackendArgs& a) { return detail::make_nccl_group(a.store, a.rank, a.size, a.timeout); }},
+      {"mpi", detail::mpi_available, false, 1, [](bool mpi_launched) { return mpi_launched; },
+       [](const BackendArgs& a) { return detail::make_mpi_group(a.rank, a.size, a.timeout); }},
+  };
+  return table;
+}
+
+// `name`, or for "auto" the first available backend that picks itself
+// (NCCL with a GPU, MPI under an MPI launcher, else Gloo); an error listing
+// what this build has otherwise.
+const Backend& find_backend(const std::string& name, bool mpi_launched) {
+  const Backend* found = nullptr;
+  for (const auto& b : backend_table()) {
+    const bool fits = name == "auto" ? b.auto_picks(mpi_launched) : name == b.name;
+    if (b.available() && fits && (found == nullptr || b.auto_order < found->auto_order)) {
+      found = &b;
+    }
+  }
+  TORCH_CHECK(found != nullptr, "lockstep: backend \"", name, "\" is not available in this build; available: ",
+              detail::available_list(), ", or \"auto\".");
+  return *found;
+}
+
+} // namespace
+
 std::vector<std::string> available_backends() {
-  std::vector<std::string> backends;
-  if (detail::gloo_available()) {
-    backends.push_back("gloo");
+  std::vector<std::string> names;
+  for (const auto& b : backend_table()) {
+    if (b.available()) {
+      names.push_back(b.name);
+    }
   }
-  if (detail::nccl_available()) {
-    backends.push_back("nccl");
-  }
-  if (detail::mpi_available()) {
-    backends.push_back("mpi");
-  }
-  return backends;
+  return names;
 }
 
 namespace {
-
-// "auto" made concrete, or an error listing what this build has: NCCL for a
-// process with a GPU, MPI for one an MPI launcher started, Gloo otherwise.
-std::string resolve_backend(const std::string& backend, bool mpi_launched) {
-  std::string chosen = backend;
-  if (chosen == "auto") {
-    if (detail::nccl_available() && torch::cuda::is_available()) {
-      chosen = "nccl";
-    } else if (mpi_launched && detail::mpi_available()) {
-      chosen = "mpi";
-    } else {
-      chosen = "gloo";
-    }
-  }
-  const auto all = available_backends();
-  TORCH_CHECK(std::find(all.begin(), all.end(), chosen) != all.end(), "lockstep: backend \"", backend,
-              "\" is not available in this build; available: ", detail::available_list(), ", or \"auto\".");
-  return chosen;
-}
-
-ProcessGroup make_group(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    const std::string& backend,
-    std::chrono::milliseconds timeout,
-    const std::string& master_addr,
-    int master_port) {
-  if (backend == "nccl") {
-    return ProcessGroup(detail::make_nccl_group(store, rank, size, timeout));
-  }
-  if (backend == "mpi") {
-    return ProcessGroup(detail::make_mpi_group(rank, size, timeout)); // MPI's launcher connected the ranks
-  }
-  return ProcessGroup(detail::make_gloo_group(store, rank, size, timeout, master_addr, master_port));
-}
-
-// Note [Store address]
-// ~~~~~~~~~~~~~~~~~~~~
-// Rank 0's TCPStore hands out every rank's connection details, so it should
-// listen only where the ranks reach it: MASTER_ADDR. c10d's TCPStore binds
-// every interface by itself; PyTorch 2.x lets it take a socket we bound
-// instead (TCPStoreOptions::masterListenFd), and so we do. LibTorch 1.13
-// cannot, and listens on every interface at MASTER_PORT.
-
-using Addresses = std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)>;
-
-// host's TCP addresses, or an error at once: a name that does not resolve
-// would otherwise have the store retry it for the whole timeout.
-Addresses resolve(const std::string& host, uint16_t port, int64_t rank) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
-  TORCH_CHECK(rc == 0, "lockstep: rank ", rank, ": MASTER_ADDR ", host, " does not resolve (", ::gai_strerror(rc),
-              "); expected the host name or IP address of rank 0's machine, reachable from every rank.");
-  return Addresses(found, ::freeaddrinfo);
-}
-
-// A TCP socket bound to host:port and listening, or an error naming both.
-int listen_on(const std::string& host, uint16_t port) {
-  auto addresses = resolve(host, port, 0);
-  std::string error = "no address";
-  for (const addrinfo* a = addresses.get(); a != nullptr; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      error = std::strerror(errno);
-      continue;
-    }
-    const int on = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0) {
-      return fd;
-    }
-    error = std::strerror(errno);
-    ::close(fd);
-  }
-  TORCH_CHECK(false, "cannot listen on ", host, ":", port, ": ", error);
-}
 
 // Note [Initialisation deadline]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -376,70 +344,26 @@ ProcessGroup new_group(
     std::chrono::milliseconds timeout) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "lockstep::new_group: rank ", rank, " is out of range for size ",
               size, ".");
-  return make_group(store, rank, size, resolve_backend(backend, false), timeout, "127.0.0.1", 0);
+  return ProcessGroup(find_backend(backend, false).make({store, rank, size, timeout, "127.0.0.1", 0}));
 }
 
 ProcessGroup init_process_group(ProcessGroupOptions options) {
   const auto env = detail::parse_launch_env(options, [](const char* name) { return std::getenv(name); });
-  const std::string backend = resolve_backend(options.backend(), env.mpi_launcher != nullptr);
+  const Backend& backend = find_backend(options.backend(), env.mpi_launcher != nullptr);
   if (env.world_size == 1) {
     return ProcessGroup();
   }
   InitDeadline deadline(env.rank, env.timeout); // Note [Initialisation deadline]
-  if (backend == "mpi") {
-    return make_group(c10::intrusive_ptr<c10d::Store>(), static_cast<int>(env.rank), static_cast<int>(env.world_size),
-                      backend, env.timeout, "", 0);
+  BackendArgs args{{}, static_cast<int>(env.rank), static_cast<int>(env.world_size), env.timeout, env.master_addr,
+                   static_cast<int>(env.master_port)};
+  if (backend.needs_store) {
+    TORCH_CHECK(env.mpi_launcher == nullptr || !env.master_addr.empty(), "lockstep: rank ", env.rank, ": started by ",
+                env.mpi_launcher, ", the ", backend.name, " backend needs a store: set MASTER_ADDR and MASTER_PORT for "
+                "every rank (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port), or use the mpi backend (\"auto\" picks "
+                "it).");
+    args.store = detail::make_store(env, options);
   }
-  TORCH_CHECK(env.mpi_launcher == nullptr || !env.master_addr.empty(), "lockstep: rank ", env.rank, ": started by ",
-              env.mpi_launcher, ", the ", backend, " backend needs a store: set MASTER_ADDR and MASTER_PORT for every "
-              "rank (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port), or use the mpi backend (\"auto\" picks it).");
-  // lockstep-run on one node names a file for the store: then nothing listens
-  // on the network at all (see docs/design.md on TCPStore's binding).
-  const char* store_file = std::getenv("LOCKSTEP_STORE_FILE");
-  if (store_file != nullptr && *store_file != '\0' && options.master_addr().empty()) {
-    auto store = c10::make_intrusive<c10d::FileStore>(store_file, static_cast<int>(env.world_size));
-    return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, env.timeout,
-                      env.master_addr, static_cast<int>(env.master_port));
-  }
-  // Under torchrun's static rendezvous (and its c10d rendezvous in 2.x), the
-  // agent already hosts a TCPStore on MASTER_PORT and says so: then every
-  // rank is its client, as PyTorch's env:// is, and keys live under a prefix
-  // per restart attempt, because the agent's store outlives the attempts.
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<uint16_t>(env.master_port);
-  store_options.isServer = env.rank == 0 && !env.agent_store;
-  store_options.numWorkers = static_cast<size_t>(env.world_size);
-  store_options.waitWorkers = true;
-  store_options.timeout = env.timeout;
-  resolve(env.master_addr, store_options.port, env.rank);
-  if (store_options.isServer && !detail::kStoreTakesListenSocket) {
-    std::cerr << "lockstep: warning: rank 0's store listens on every interface at port " << env.master_port
-              << ", not only on MASTER_ADDR " << env.master_addr << ": LibTorch " << TORCH_VERSION
-              << "'s TCPStore cannot be bound to one address (PyTorch 2.x's can). On a shared network, keep the port "
-              << "closed to other machines.\n";
-  }
-  c10::intrusive_ptr<c10d::Store> store;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    if (store_options.isServer && detail::kStoreTakesListenSocket) {
-      // Listen on MASTER_ADDR only, not on every interface (Note [Store address]).
-      detail::set_listen_socket(store_options, listen_on(env.master_addr, store_options.port));
-    }
-    store = detail::make_tcp_store(env.master_addr, store_options);
-  } catch (const std::exception& e) {
-    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-    const bool timed_out = waited >= env.timeout;
-    TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", store_options.isServer ? "start" : "reach",
-                env.agent_store ? " torchrun's agent store" : " the store", " at ", env.master_addr, ":", env.master_port,
-                timed_out ? " within " : " (failed after ", timed_out ? env.timeout.count() : waited.count(),
-                timed_out ? " ms: did every rank start, and can it reach MASTER_ADDR?): " : " ms: is the port free?): ",
-                e.what());
-  }
-  if (env.agent_store) {
-    store = c10::make_intrusive<c10d::PrefixStore>("lockstep/attempt_" + std::to_string(env.restart_count), store);
-  }
-  return make_group(store, static_cast<int>(env.rank), static_cast<int>(env.world_size), backend, env.timeout,
-                    env.master_addr, static_cast<int>(env.master_port));
+  return ProcessGroup(backend.make(args));
 }
 
 } // namespace lockstep

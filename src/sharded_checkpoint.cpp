@@ -20,9 +20,11 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <unordered_set>
 
 namespace lockstep {
 namespace detail {
@@ -104,6 +106,26 @@ std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optim
               "RMSprop, Adagrad). Save the full state instead, under summon_full_params.");
 }
 
+// What an output archive wrote, for reading.
+torch::serialize::InputArchive readable(torch::serialize::OutputArchive& archive) {
+  std::stringstream bytes;
+  archive.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  return in;
+}
+
+// `state` (as an optimizer's param state serializes) becomes `param`'s state
+// in `optimizer`, in a state object of the optimizer's own type.
+void install_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param, torch::serialize::OutputArchive& state) {
+  auto in = readable(state);
+  auto& slot = optimizer.state()[optimizer_state_key(optimizer.state(), param)];
+  if (!slot) {
+    slot = new_state(optimizer);
+  }
+  slot->serialize(in);
+}
+
 // Old shards, read once each.
 class OldShards {
  public:
@@ -178,15 +200,7 @@ void reshard_state(OldShards& old, size_t f, const FlatParam& flat, int64_t old_
       state.write(key, value);
     }
   }
-  std::stringstream bytes;
-  state.save_to(bytes);
-  torch::serialize::InputArchive reshard;
-  reshard.load_from(bytes);
-  auto& slot = optimizer.state()[optimizer_state_key(optimizer.state(), flat.shard)];
-  if (!slot) {
-    slot = new_state(optimizer);
-  }
-  slot->serialize(reshard);
+  install_state(optimizer, flat.shard, state);
 }
 
 // Buffers and frozen parameters out of rank 0's file (Note [Sharded
@@ -218,12 +232,81 @@ void load_whole(OldShards& old, const nlohmann::json& index, const std::string& 
   }
 }
 
+// Every parameter of `flats` must be one of `full`'s, or its state would be
+// set but never used.
+void check_full_optimizer(const std::vector<FlatParam*>& flats, torch::optim::Optimizer& full) {
+  std::unordered_set<const void*> held;
+  for (const auto& group : full.param_groups()) {
+    for (const auto& p : group.params()) {
+      held.insert(p.unsafeGetTensorImpl());
+    }
+  }
+  for (const auto* flat : flats) {
+    for (size_t j = 0; j < flat->params.size(); ++j) {
+      TORCH_CHECK(held.count(flat->params[j].unsafeGetTensorImpl()) != 0, "lockstep::full_optimizer_state: parameter '",
+                  flat->names[j], "' of the wrapped module is not among the full optimizer's parameters. Make the full "
+                  "optimizer from model->module()->parameters(), as a bare model's optimizer is made.");
+    }
+  }
+}
+
 } // namespace
+
+// Note [Full optimizer state]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each state tensor with the shard's element count (Adam's exp_avg, SGD's
+// momentum) is all-gathered into the padded whole and cut into the
+// parameters' shapes; other entries (Adam's step) are the same on every
+// rank and are copied. The result is keyed by the wrapped module's
+// parameters, so the full optimizer serializes as a bare model's does.
+void ShardedCore::full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const {
+  check_full_optimizer(flats(), full);
+  for (const auto* flat : flats()) {
+    auto it = optimizer.state().find(optimizer_state_key(optimizer.state(), flat->shard));
+    if (it == optimizer.state().end()) {
+      continue; // before the first step, on every rank alike
+    }
+    torch::serialize::OutputArchive mine;
+    it->second->serialize(mine);
+    auto saved = readable(mine);
+    std::vector<std::pair<std::string, torch::Tensor>> gathered; // the whole flat, or as it is
+    std::vector<std::pair<std::string, c10::IValue>> values;
+    for (const auto& key : saved.keys()) {
+      torch::Tensor tensor;
+      if (saved.try_read(key, tensor) && tensor.numel() == flat->layout.shard) {
+        auto whole = tensor.reshape({-1});
+        if (sharded()) {
+          whole = torch::empty({flat->layout.padded}, tensor.options());
+          group_.all_gather_into_async(whole, tensor.reshape({-1}).contiguous(), "full_optimizer_state")->wait();
+        }
+        gathered.emplace_back(key, whole);
+      } else if (tensor.defined()) {
+        values.emplace_back(key, tensor);
+      } else {
+        c10::IValue value;
+        saved.read(key, value);
+        values.emplace_back(key, value);
+      }
+    }
+    for (size_t j = 0; j < flat->params.size(); ++j) {
+      torch::serialize::OutputArchive state;
+      const int64_t numel = c10::multiply_integers(flat->shapes[j]);
+      for (const auto& [key, whole] : gathered) {
+        state.write(key, whole.narrow(0, flat->offsets[j], numel).view(flat->shapes[j]).clone());
+      }
+      for (const auto& [key, value] : values) {
+        state.write(key, value);
+      }
+      install_state(full, flat->params[j], state);
+    }
+  }
+}
 
 void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
   const int world = sharded() ? group_.size() : 1;
   if (group_.rank() == 0) {
-    ::mkdir(dir.c_str(), 0755);
+    std::error_code ignored; // a folder that cannot be made is named by the write that fails in it
+    std::filesystem::create_directories(dir, ignored);
     nlohmann::json index = {{"format", 1}, {"world_size", world}, {"flats", nlohmann::json::array()},
                             {"whole", nlohmann::json::array()}};
     for (const auto* flat : flats()) {

@@ -5,6 +5,7 @@
 // (LOCKSTEP_TEST_BACKEND=mpi).
 //
 //   lockstep_fsdp_worker equivalence|no_sync|frozen|mismatch
+//   lockstep_fsdp_worker checkpoint_save|checkpoint_load DIR
 //
 // Prints "rank R: OK" and exits 0 when every check passed, "rank R: CHECK
 // FAILED: ..." for each failed one and exits 1, "rank R: ERROR: ..." and
@@ -24,7 +25,8 @@ const lockstep::ShardingStrategy kStrategies[] = {lockstep::ShardingStrategy::Fu
                                                   lockstep::ShardingStrategy::ShardGradOp,
                                                   lockstep::ShardingStrategy::NoShard};
 
-bool run(const std::string& scenario, lockstep::ProcessGroup& group, const lockstep::testing::Check& check) {
+bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessGroup& group,
+         const lockstep::testing::Check& check) {
   using lockstep::testing::OddNet;
   torch::manual_seed(0);
   if (scenario == "equivalence" || scenario == "no_sync") {
@@ -44,6 +46,11 @@ bool run(const std::string& scenario, lockstep::ProcessGroup& group, const locks
     }
   } else if (scenario == "mismatch") {
     lockstep::testing::check_model_mismatch(group, check);
+  } else if ((scenario == "checkpoint_save" || scenario == "checkpoint_load") && !dir.empty()) {
+    OddNet initial;
+    for (auto strategy : kStrategies) {
+      lockstep::testing::check_sharded_checkpoint(group, initial, strategy, dir, scenario == "checkpoint_save", check);
+    }
   } else {
     return false;
   }
@@ -53,8 +60,9 @@ bool run(const std::string& scenario, lockstep::ProcessGroup& group, const locks
 } // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch\n", argv[0]);
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch|checkpoint_save DIR|checkpoint_load DIR\n",
+                 argv[0]);
     return 2;
   }
   int rank = -1;
@@ -69,7 +77,7 @@ int main(int argc, char** argv) {
         ++failures;
       }
     };
-    if (!run(argv[1], group, check)) {
+    if (!run(argv[1], argc == 3 ? argv[2] : "", group, check)) {
       std::fprintf(stderr, "unknown scenario %s\n", argv[1]);
       return 2;
     }

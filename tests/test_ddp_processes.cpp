@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <unistd.h>
+
 #include <string>
 #include <vector>
 
@@ -18,7 +20,8 @@ using lockstep::testing::Process;
 // most `deadline`; ranks still running then are killed (exit_code -1).
 std::vector<Process> run_ranks(const std::string& scenario, int world, std::chrono::seconds deadline,
                                const std::vector<std::string>& extra_env = {},
-                               const std::string& worker = LOCKSTEP_DDP_WORKER) {
+                               const std::string& worker = LOCKSTEP_DDP_WORKER,
+                               const std::vector<std::string>& args = {}) {
   const int port = lockstep::testing::free_port();
   std::vector<Process> ranks;
   for (int r = 0; r < world; ++r) {
@@ -26,8 +29,10 @@ std::vector<Process> run_ranks(const std::string& scenario, int world, std::chro
                                  "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(world),
                                  "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=1"};
     env.insert(env.end(), extra_env.begin(), extra_env.end());
+    std::vector<std::string> command{worker, scenario};
+    command.insert(command.end(), args.begin(), args.end());
     ranks.push_back(lockstep::testing::start(
-        {worker, scenario}, env,
+        command, env,
         ::testing::TempDir() + "lockstep_ddp_" + scenario + "_" + std::to_string(r) + ".log"));
   }
   lockstep::testing::wait_all(ranks, deadline);
@@ -44,8 +49,8 @@ std::string describe(const std::vector<Process>& results) {
 }
 
 void expect_all_ok(const std::string& scenario, int world = 2, const std::vector<std::string>& env = {},
-                   const std::string& worker = LOCKSTEP_DDP_WORKER) {
-  auto results = run_ranks(scenario, world, std::chrono::seconds(120), env, worker);
+                   const std::string& worker = LOCKSTEP_DDP_WORKER, const std::vector<std::string>& args = {}) {
+  auto results = run_ranks(scenario, world, std::chrono::seconds(120), env, worker, args);
   for (size_t r = 0; r < results.size(); ++r) {
     EXPECT_EQ(results[r].exit_code, 0) << describe(results);
     EXPECT_NE(results[r].output.find("rank " + std::to_string(r) + ": OK"), std::string::npos) << describe(results);
@@ -56,6 +61,15 @@ void expect_all_ok(const std::string& scenario, int world = 2, const std::vector
 TEST(FsdpProcesses, EachStrategyMatchesOneProcessOnTwoAndThreeRanks) {
   expect_all_ok("equivalence", 2, {}, LOCKSTEP_FSDP_WORKER);
   expect_all_ok("equivalence", 3, {}, LOCKSTEP_FSDP_WORKER);
+}
+
+TEST(FsdpProcesses, ShardedCheckpointsMoveBetweenTwoAndThreeRanks) {
+  for (auto sizes : {std::make_pair(2, 3), std::make_pair(3, 2)}) {
+    const std::string dir = ::testing::TempDir() + "lockstep_fsdp_processes_" + std::to_string(getpid()) + "_" +
+                            std::to_string(sizes.first);
+    expect_all_ok("checkpoint_save", sizes.first, {}, LOCKSTEP_FSDP_WORKER, {dir});
+    expect_all_ok("checkpoint_load", sizes.second, {}, LOCKSTEP_FSDP_WORKER, {dir});
+  }
 }
 
 TEST(FsdpProcesses, NoSyncFrozenParametersAndAMismatchedModel) {

@@ -9,6 +9,8 @@
 #include "support/modules.h"
 #include "support/threads.h"
 
+#include <examples/checkpoint.h>
+
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
@@ -221,6 +223,57 @@ TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) 
   torch::load(bare, path);
   testing::expect_params_close(*bare, *reference, 1e-5, 1e-5);
   std::remove(path.c_str());
+}
+
+TEST(FullyShardedDataParallel, AFullOptimizerStateFromRankZeroLoadsIntoABareOptimizer) {
+  const std::string path = ::testing::TempDir() + "lockstep_fsdp_optimizer_" + std::to_string(getpid()) + ".pt";
+  torch::manual_seed(6);
+  OddNet initial;
+  auto reference = testing::copy_of(initial);
+  torch::optim::Adam reference_adam(reference->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < 2; ++step) {
+    auto batch = testing::global_batch(12, step);
+    reference_adam.zero_grad();
+    torch::mse_loss(reference->forward(batch.first), batch.second).backward();
+    reference_adam.step();
+  }
+  const auto want = examples::optimizer_tensors(reference_adam);
+  ASSERT_FALSE(want.empty());
+  for (auto strategy : kStrategies) {
+    SCOPED_TRACE(testing::name_of(strategy));
+    testing::spawn(3, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group, ShardingOptions().strategy(strategy));
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+      for (int step = 0; step < 2; ++step) {
+        auto batch = testing::share_of(12, step, group.rank(), 3);
+        adam.zero_grad();
+        torch::mse_loss(model->forward(batch.first), batch.second).backward();
+        adam.step();
+      }
+      torch::optim::Adam full(model->module()->parameters(), torch::optim::AdamOptions(0.01));
+      full_optimizer_state(model, adam, full);
+      if (group.rank() == 0) {
+        torch::save(full, path);
+      }
+    });
+    auto bare = testing::copy_of(initial);
+    torch::optim::Adam bare_adam(bare->parameters(), torch::optim::AdamOptions(0.01));
+    torch::load(bare_adam, path);
+    const auto got = examples::optimizer_tensors(bare_adam);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(got[i].second, want[i].second, 1e-4, 1e-6)) << "state tensor " << i;
+    }
+  }
+  std::remove(path.c_str());
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    OddNet other;
+    torch::optim::Adam wrong(other->parameters(), torch::optim::AdamOptions(0.01));
+    EXPECT_ERROR_SAYS(full_optimizer_state(model, adam, wrong), "of the wrapped module is not among the full "
+                      "optimizer's parameters", "from model->module()->parameters()");
+  });
 }
 
 // Steps [first, last) of the global batch on this rank's share, with Adam;

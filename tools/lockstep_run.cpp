@@ -36,6 +36,8 @@
 #include "process_files.h"
 #include "run_options.h"
 
+#include <lockstep/detail/sockets.h>
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -139,27 +141,20 @@ std::string summary_line(const std::string& line) {
 
 // Rank 0's node must be able to listen on the store's address and port.
 void check_port_free(const std::string& addr, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (::getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) {
+  const auto addresses = lockstep::detail::resolve_tcp(addr, port);
+  if (addresses.first() == nullptr) {
     usage_error("--master-addr " + addr + " does not resolve to an address of this machine.");
   }
-  const int fd = ::socket(found->ai_family, found->ai_socktype, found->ai_protocol);
-  const int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  const int rc = ::bind(fd, found->ai_addr, found->ai_addrlen);
-  const int error = errno;
-  ::close(fd);
-  ::freeaddrinfo(found);
-  if (rc != 0 && error == EADDRINUSE) {
+  const auto bound = lockstep::detail::bind_first(addresses, /*listen=*/false, /*reuse_address=*/true);
+  if (bound.fd >= 0) {
+    ::close(bound.fd);
+    return;
+  }
+  if (bound.error_code == EADDRINUSE) {
     usage_error("port " + std::to_string(port) + " on " + addr + " is already in use; pick another with --master-port.");
   }
-  if (rc != 0) {
-    usage_error("cannot listen on " + addr + ":" + std::to_string(port) + " (" + std::strerror(error) +
-                "); on several nodes, --master-addr must be an address of node 0.");
-  }
+  usage_error("cannot listen on " + addr + ":" + std::to_string(port) + " (" + bound.error +
+              "); on several nodes, --master-addr must be an address of node 0.");
 }
 
 std::string now_text() {

@@ -173,6 +173,10 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) {
     core_->load_sharded(optimizer, dir);
   }
+  /// See lockstep::full_optimizer_state.
+  void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const {
+    core_->full_optimizer_state(optimizer, full);
+  }
   /// Each flat parameter's unit, dtype, element count and shard size.
   std::vector<detail::ShardedCore::FlatInfo> flat_params() const {
     return core_->flat_params();
@@ -214,6 +218,23 @@ void save_sharded(const FullyShardedDataParallel<M>& model, torch::optim::Optimi
 template <typename M>
 void load_sharded(FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer, const std::string& dir) {
   model->load_sharded(optimizer, dir);
+}
+
+/// The whole model's optimizer state, gathered from every rank's shards
+/// into `full`: an optimizer of `optimizer`'s type over
+/// model->module()->parameters(), made as a bare model's optimizer is.
+/// Afterwards rank 0's `torch::save(full, path)` writes what a bare model's
+/// optimizer loads with `torch::load` (PyTorch FSDP's full_optim_state_dict;
+/// Note [Full optimizer state]). Adam, AdamW, SGD, RMSprop and Adagrad.
+/// Every rank calls it.
+///
+///   torch::optim::Adam full(model->module()->parameters(), adam_options);
+///   lockstep::full_optimizer_state(model, adam, full);
+///   if (rank == 0) torch::save(full, "optimizer.pt");
+template <typename M>
+void full_optimizer_state(const FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer,
+                          torch::optim::Optimizer& full) {
+  model->full_optimizer_state(optimizer, full);
 }
 
 } // namespace lockstep

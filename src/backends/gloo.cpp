@@ -4,6 +4,8 @@
 #include "../mapped_memory.h"
 #include "../torch_compat.h"
 
+#include <lockstep/detail/sockets.h>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <arpa/inet.h>
@@ -73,28 +75,15 @@ struct Endpoint {
 // The first of `host`'s addresses that this machine can bind, as c10d and
 // Gloo choose it; found = false if none.
 bool first_bindable(const std::string& host, Endpoint& endpoint) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (::getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) {
+  const auto addresses = resolve_tcp(host, 0);
+  const Bound bound = bind_first(addresses, /*listen=*/false, /*reuse_address=*/false);
+  if (bound.fd < 0) {
     return false;
   }
-  bool bound = false;
-  for (const addrinfo* a = found; a != nullptr && !bound; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      continue;
-    }
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0) {
-      endpoint.address = to_text(a->ai_addr);
-      endpoint.loopback = is_loopback(a->ai_addr);
-      bound = true;
-    }
-    ::close(fd);
-  }
-  ::freeaddrinfo(found);
-  return bound;
+  endpoint.address = to_text(bound.address->ai_addr);
+  endpoint.loopback = is_loopback(bound.address->ai_addr);
+  ::close(bound.fd);
+  return true;
 }
 
 // What Gloo will listen on, found the way c10d finds it for `ifname`, or
@@ -151,12 +140,9 @@ std::vector<bool> answers(const std::vector<std::string>& addresses, int port) {
   std::vector<bool> answered(addresses.size(), false);
   std::vector<int> fds(addresses.size(), -1);
   for (size_t i = 0; i < addresses.size(); ++i) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
-    addrinfo* found = nullptr;
-    if (::getaddrinfo(addresses[i].c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) {
+    const auto resolved = resolve_tcp(addresses[i], port, AI_NUMERICHOST | AI_NUMERICSERV);
+    const addrinfo* found = resolved.first();
+    if (found == nullptr) {
       continue;
     }
     const int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -171,7 +157,6 @@ std::vector<bool> answers(const std::vector<std::string>& addresses, int port) {
         ::close(fd); // no route: this machine's end of the link is down
       }
     }
-    ::freeaddrinfo(found);
   }
   const auto until = std::chrono::steady_clock::now() + kProbeTimeout;
   for (;;) {

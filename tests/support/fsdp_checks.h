@@ -113,6 +113,60 @@ inline void check_no_sync(ProcessGroup& group, OddNet initial, ShardingStrategy 
   check_full_params(model, reference, check, std::string(name_of(strategy)) + " with no_sync", 1e-6);
 }
 
+/// With `save`, 2 Adam steps saved into DIR/<strategy> with save_sharded;
+/// else loaded from there, at whatever world size saved it, and 2 more, then
+/// the whole model equals 4 steps of one process. On load, each rank's shard
+/// sizes are also checked, and rank 0's full checkpoint (under
+/// summon_full_params) loads into a bare module on every rank.
+inline void check_sharded_checkpoint(ProcessGroup& group, OddNet initial, ShardingStrategy strategy,
+                                     const std::string& dir, bool save, const Check& check) {
+  const std::string where = dir + "/" + name_of(strategy);
+  FullyShardedDataParallel<OddNet> model(copy_of(initial), group, ShardingOptions().strategy(strategy));
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+  if (!save) {
+    load_sharded(model, adam, where);
+  }
+  for (int step = save ? 0 : 2; step < (save ? 2 : 4); ++step) {
+    auto batch = share_of(12, step, group.rank(), group.size());
+    adam.zero_grad();
+    torch::mse_loss(model->forward(batch.first), batch.second).backward();
+    adam.step();
+  }
+  if (save) {
+    save_sharded(model, adam, where);
+    return;
+  }
+  const int world = strategy == ShardingStrategy::NoShard ? 1 : group.size();
+  const auto flats = model->flat_params();
+  const auto shards = model->parameters();
+  for (size_t f = 0; f < flats.size() && f < shards.size(); ++f) {
+    const int64_t want = (flats[f].numel + world - 1) / world;
+    check(shards[f].numel() == want && flats[f].shard_numel == want,
+          std::string(name_of(strategy)) + ": unit '" + flats[f].unit + "' has a shard of " +
+              std::to_string(shards[f].numel()) + " elements, expected " + std::to_string(want));
+  }
+  auto reference = train_reference(initial, 4, 12);
+  check_full_params(model, reference, check, std::string(name_of(strategy)) + " resumed from " + where + " on " +
+                    std::to_string(group.size()) + " ranks");
+  const std::string full_path = where + "/full.pt";
+  {
+    auto full = model->summon_full_params();
+    if (group.rank() == 0) {
+      torch::save(model->module(), full_path);
+    }
+  }
+  group.barrier();
+  OddNet bare(initial->hidden, initial->use_branch);
+  torch::load(bare, full_path);
+  const auto got = bare->parameters();
+  const auto want = reference->parameters();
+  bool close = got.size() == want.size();
+  for (size_t i = 0; close && i < got.size(); ++i) {
+    close = torch::allclose(got[i], want[i], 1e-5, 1e-5);
+  }
+  check(close, std::string(name_of(strategy)) + ": rank 0's full checkpoint in a bare module differs from the reference");
+}
+
 /// Rank 1 builds a wider model than rank 0: an error on every rank.
 inline void check_model_mismatch(ProcessGroup& group, const Check& check) {
   OddNet net(group.rank() == 1 ? 14 : 13);

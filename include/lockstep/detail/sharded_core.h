@@ -85,6 +85,8 @@ class ShardedCore {
   /// lockstep::save_sharded and load_sharded (src/sharded_checkpoint.cpp).
   void save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
   void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir);
+  /// lockstep::full_optimizer_state (src/sharded_checkpoint.cpp).
+  void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const;
 
  private:
   std::vector<FlatParam*> flats() const;
