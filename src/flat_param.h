@@ -29,9 +29,6 @@ struct FlatParam {
   bool gathered = false;
   std::vector<char> ready;
   size_t ready_count = 0;
-  torch::Tensor reduced;
-  std::shared_ptr<Work> reduce;
-  int64_t reduce_start_us = 0;
   std::vector<NodePtr> accumulators;
   std::vector<uintptr_t> hook_keys;
 
@@ -39,6 +36,33 @@ struct FlatParam {
     return torch::TensorOptions().dtype(dtype).device(device);
   }
 };
+
+// src/sharded_model.cpp: what ShardedCore's constructor plans.
+
+/// Every rank must shard the same parameters, or the flat buffers would not
+/// line up: the names, shapes and dtypes, hashed and compared; a different
+/// model on any rank is an error on every rank.
+void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
+                      const std::vector<torch::Tensor>& params, const std::string& where);
+
+/// The units' submodule paths: options.units(), or each direct child; a
+/// path that names no submodule is an error.
+std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOptions& options, const std::string& where);
+
+// The module's parameters, each once at its first name, with its unit; one
+// that two units share is refused.
+struct Planned {
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> params;
+  std::vector<size_t> units;
+};
+
+Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where);
+
+/// One flat parameter per unit and (dtype, device), the root's first, with
+/// its parameters and offsets; layouts and buffers come later. Frozen
+/// parameters are left out (Note [Frozen parameters]).
+std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vector<std::string>& paths);
 
 } // namespace detail
 } // namespace lockstep

@@ -30,8 +30,9 @@ namespace detail {
 // Padding has zero gradients, so Adam, SGD and weight decay leave it zero.
 //
 // One step, FullShard:
-//  - forward: every unit's buffer is all-gathered (all started, then waited
-//    in order) and the module's parameters are pointed at views of it
+//  - forward: every unit's buffer is all-gathered (a bucket of small units
+//    per all-gather, Note [Shard buckets]; all started, then waited in
+//    order) and the module's parameters are pointed at views of it
 //    (set_data keeps each parameter's TensorImpl, so the module's own
 //    members and autograd's edges see them). LibTorch's modules have no
 //    forward hooks, so a unit cannot be gathered just before it runs: all
@@ -43,10 +44,11 @@ namespace detail {
 //  - in backward, once every parameter of a flat buffer has its gradient,
 //    the gradients are copied into one padded buffer (and the parameters'
 //    .grad dropped) and reduce-scattered, averaged, into a gradient of the
-//    shard. Buffers start in a fixed order, the reverse of the units', so
-//    that every rank starts the same collectives in the same order; one
-//    whose gradients are not all there holds back the ones after it until
-//    the end of backward, where what never came is zero.
+//    shard, with the rest of its bucket. Buckets start in a fixed order,
+//    the reverse of the units', so that every rank starts the same
+//    collectives in the same order; one whose gradients are not all there
+//    holds back the ones after it until the end of backward, where what
+//    never came is zero.
 //  - at the end of backward, the shards' .grad get the results (added to
 //    what is there, as autograd accumulates), and every buffer is released:
 //    the module's parameters become empty tensors, so that nothing reads
@@ -57,12 +59,59 @@ namespace detail {
 // the whole flat buffer as the "shard" on every rank, the module's
 // parameters as views of it, and averages gradients with an allreduce.
 
+// Note [Shard buckets]
+// ~~~~~~~~~~~~~~~~~~~~
+// One collective per unit costs more than its bytes when units are small:
+// each goes through the agreement check and two thread hops, about 1.5 ms
+// on these machines, so 48 units of 256 KiB spent more time starting
+// collectives than moving data. Consecutive flat buffers of one dtype and
+// device therefore share one all-gather (in forward order) and one
+// reduce-scatter (in backward's order), as DDP's buckets share an
+// allreduce, up to kShardBucketBytes gathered. The price is a copy
+// of the bucket's parameters out of the gathered buffer, and of its
+// gradients into the reduce-scatter's input, and that buffer's transient
+// memory. A unit of at least kShardBucketBytes is a bucket of its own and
+// gathers straight into its buffer. A bucket's reduce-scatter starts when
+// its last member's gradients are in, so buckets overlap backward as units
+// did.
+constexpr int64_t kShardBucketBytes = 4 << 20;
+
 namespace {
 
 void release_storage(const torch::Tensor& t) {
   auto* storage = t.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
   storage->set_nbytes(0);
+}
+
+// Consecutive flats in `order`, one open bucket per key (dtype and device),
+// each closed before a flat would take it past `cap` bytes: a flat of `cap`
+// or more is a bucket of its own (Note [Shard buckets]).
+std::vector<std::vector<size_t>> shard_buckets(const std::vector<int64_t>& bytes, const std::vector<std::string>& keys,
+                                               int64_t cap, const std::vector<size_t>& order) {
+  std::map<std::string, std::pair<std::vector<size_t>, int64_t>> open;
+  std::vector<std::string> key_order; // for the last open buckets, in the order their keys came
+  std::vector<std::vector<size_t>> buckets;
+  for (size_t k : order) {
+    auto [it, inserted] = open.try_emplace(keys[k]);
+    if (inserted) {
+      key_order.push_back(keys[k]);
+    }
+    auto& [members, total] = it->second;
+    if (!members.empty() && total + bytes[k] > cap) {
+      buckets.push_back(std::move(members));
+      members.clear();
+      total = 0;
+    }
+    members.push_back(k);
+    total += bytes[k];
+  }
+  for (const auto& key : key_order) {
+    if (!open[key].first.empty()) {
+      buckets.push_back(std::move(open[key].first));
+    }
+  }
+  return buckets;
 }
 
 std::string shard_name(const FlatParam& flat) {
@@ -81,7 +130,17 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
   bool forwarded = false; // a forward ran whose backward has not ended
   bool sync_at_forward = true;
   bool finalize_queued = false;
-  size_t next_launch = 0; // into the reverse of `flats`
+  // Note [Shard buckets]: flat indices per all-gather (forward order), and
+  // the reduce-scatters (the reverse), each with what it started.
+  struct Bucket {
+    std::vector<size_t> members;
+    std::shared_ptr<Work> work;
+    torch::Tensor output;
+    int64_t start_us = 0;
+  };
+  std::vector<std::vector<size_t>> gather_buckets;
+  std::vector<Bucket> reduce_buckets;
+  size_t next_launch = 0; // into reduce_buckets
   bool summoned = false;
   // What is not sharded but is the model's state: buffers and frozen
   // parameters, by name, the live tensors (Note [Sharded checkpoint]).
@@ -120,34 +179,96 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
     }
   }
 
-  // Every sharded flat buffer gathered and its parameters pointed at it.
+  // The buckets (Note [Shard buckets]), by the flats' gathered bytes.
+  void plan_buckets() {
+    std::vector<int64_t> bytes;
+    std::vector<std::string> keys;
+    for (const auto& flat : flats) {
+      bytes.push_back(flat.layout.padded * static_cast<int64_t>(c10::elementSize(flat.dtype)));
+      keys.push_back(std::string(c10::toString(flat.dtype)) + "@" + flat.device.str());
+    }
+    std::vector<size_t> forward(flats.size());
+    std::iota(forward.begin(), forward.end(), size_t{0});
+    gather_buckets = shard_buckets(bytes, keys, kShardBucketBytes, forward);
+    for (auto& members : shard_buckets(bytes, keys, kShardBucketBytes, {forward.rbegin(), forward.rend()})) {
+      reduce_buckets.push_back(Bucket{std::move(members), nullptr, torch::Tensor(), 0});
+    }
+  }
+
+  std::string bucket_name(const std::vector<size_t>& members) const {
+    const std::string first = shard_name(flats[members.front()]);
+    return members.size() == 1 ? first
+                               : std::to_string(members.size()) + " units (" + first + " to " +
+            shard_name(flats[members.back()]) + ")";
+  }
+
+  // Every sharded flat buffer gathered, a bucket per all-gather, and its
+  // parameters pointed at it.
   void gather_all() {
     if (!sharded()) {
       return;
     }
-    std::vector<std::shared_ptr<Work>> works(flats.size());
-    std::vector<int64_t> starts(flats.size(), 0);
-    for (size_t i = 0; i < flats.size(); ++i) {
-      auto& flat = flats[i];
-      if (flat.gathered) {
-        continue;
+    std::vector<Bucket> started;
+    for (const auto& bucket : gather_buckets) {
+      Bucket b;
+      for (size_t i : bucket) {
+        if (!flats[i].gathered) {
+          b.members.push_back(i);
+        }
       }
-      allocate_mapped(flat.full);
-      starts[i] = timeline::enabled() ? timeline::detail::now_us() : 0;
-      works[i] = group.all_gather_into_async(flat.full, flat.shard.detach(), "all_gather of " + shard_name(flat) + " (" +
-                                             std::to_string(flat.layout.padded) + " elements)");
+      if (!b.members.empty()) {
+        b.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
+        start_gather(b);
+        started.push_back(std::move(b));
+      }
     }
-    for (size_t i = 0; i < flats.size(); ++i) {
-      if (!works[i]) {
-        continue;
-      }
-      works[i]->wait();
+    for (auto& b : started) {
+      b.work->wait();
       if (timeline::enabled()) {
-        timeline::detail::record("all_gather " + shard_name(flats[i]), starts[i], timeline::detail::now_us(),
-                                 "collectives", flats[i].full.numel() * flats[i].full.element_size());
+        timeline::detail::record("all_gather " + bucket_name(b.members), b.start_us, timeline::detail::now_us(),
+                                 "collectives", b.output.numel() * b.output.element_size());
       }
-      point_params_at(flats[i], flats[i].full);
-      flats[i].gathered = true;
+      unpack_gathered(b);
+    }
+  }
+
+  // One all-gather: straight into the flat's own buffer when it is alone,
+  // else into one buffer holding each rank's shards one after another.
+  void start_gather(Bucket& b) {
+    const std::string what = "all_gather of " + bucket_name(b.members);
+    if (b.members.size() == 1) {
+      auto& flat = flats[b.members[0]];
+      allocate_mapped(flat.full);
+      b.output = flat.full;
+      b.work = group.all_gather_into_async(flat.full, flat.shard.detach(),
+                                           what + " (" + std::to_string(flat.layout.padded) + " elements)");
+      return;
+    }
+    std::vector<torch::Tensor> shards;
+    for (size_t i : b.members) {
+      shards.push_back(flats[i].shard.detach());
+    }
+    auto input = torch::cat(shards);
+    b.output = empty_mapped(input.numel() * group.size(), input.options());
+    b.work = group.all_gather_into_async(b.output, input, what + " (" + std::to_string(b.output.numel()) + " elements)");
+  }
+
+  // Each member's part of every rank's shards copied into its own buffer.
+  void unpack_gathered(const Bucket& b) {
+    torch::NoGradGuard no_grad;
+    const int64_t world = group.size();
+    const int64_t per_rank = b.output.numel() / world;
+    int64_t offset = 0;
+    for (size_t i : b.members) {
+      auto& flat = flats[i];
+      if (b.members.size() > 1) {
+        allocate_mapped(flat.full);
+        flat.full.view({world, flat.layout.shard})
+            .copy_(b.output.view({world, per_rank}).narrow(1, offset, flat.layout.shard));
+      }
+      offset += flat.layout.shard;
+      point_params_at(flat, flat.full);
+      flat.gathered = true;
     }
   }
 
@@ -203,19 +324,21 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
   }
 
   void launch_ready() {
-    while (next_launch < flats.size()) {
-      auto& flat = flats[flats.size() - 1 - next_launch];
-      if (flat.ready_count < flat.params.size()) {
-        return;
+    while (next_launch < reduce_buckets.size()) {
+      auto& bucket = reduce_buckets[next_launch];
+      for (size_t i : bucket.members) {
+        if (flats[i].ready_count < flats[i].params.size()) {
+          return;
+        }
       }
-      launch(flat);
+      launch(bucket);
       ++next_launch;
     }
   }
 
-  // The flat buffer's gradients (zeros where none came) averaged into a
-  // gradient of its shard.
-  void launch(FlatParam& flat) {
+  // The flat buffer's gradients in one padded buffer (zeros where none
+  // came); the parameters' .grad dropped.
+  torch::Tensor padded_grads(FlatParam& flat) {
     auto grads = empty_mapped(flat.layout.padded, flat.options()).zero_();
     for (size_t j = 0; j < flat.params.size(); ++j) {
       auto& grad = flat.params[j].mutable_grad();
@@ -224,160 +347,84 @@ struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
         grad = torch::Tensor();
       }
     }
-    flat.reduce_start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
-    const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + shard_name(flat) + " (" +
-        std::to_string(flat.layout.padded) + " elements)";
-    if (sharded()) {
-      flat.reduced = torch::empty({flat.layout.shard}, grads.options());
-      flat.reduce = group.reduce_scatter_async(flat.reduced, grads, ReduceOp::Avg, what);
-    } else {
-      flat.reduced = grads;
-      flat.reduce = group.allreduce_async({grads}, ReduceOp::Avg, what);
+    return grads;
+  }
+
+  // The bucket's gradients averaged into a gradient of each member's shard:
+  // one reduce-scatter whose input holds, rank by rank, each member's part
+  // for that rank (or one allreduce of them all, NoShard).
+  void launch(Bucket& bucket) {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> grads;
+    int64_t per_rank = 0;
+    for (size_t i : bucket.members) {
+      grads.push_back(padded_grads(flats[i]));
+      per_rank += flats[i].layout.shard;
     }
+    const int64_t world = sharded() ? group.size() : 1;
+    auto input = grads[0];
+    if (grads.size() > 1) {
+      input = empty_mapped(world * per_rank, grads[0].options());
+      int64_t offset = 0;
+      for (size_t k = 0; k < grads.size(); ++k) {
+        const int64_t shard = flats[bucket.members[k]].layout.shard;
+        input.view({world, per_rank}).narrow(1, offset, shard).copy_(grads[k].view({world, shard}));
+        offset += shard;
+      }
+    }
+    bucket.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
+    const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +
+        " (" + std::to_string(input.numel()) + " elements)";
+    if (sharded()) {
+      bucket.output = torch::empty({per_rank}, input.options());
+      bucket.work = group.reduce_scatter_async(bucket.output, input, ReduceOp::Avg, what);
+    } else {
+      bucket.output = input;
+      bucket.work = group.allreduce_async({input}, ReduceOp::Avg, what);
+    }
+  }
+
+  // Waits for the bucket and adds each member's part to its shard's .grad.
+  void land(Bucket& bucket) {
+    bucket.work->wait();
+    if (timeline::enabled()) {
+      timeline::detail::record((sharded() ? "reduce_scatter " : "allreduce ") + bucket_name(bucket.members),
+                               bucket.start_us, timeline::detail::now_us(), "collectives",
+                               bucket.output.numel() * bucket.output.element_size() * (sharded() ? group.size() : 1));
+    }
+    int64_t offset = 0;
+    for (size_t i : bucket.members) {
+      auto& flat = flats[i];
+      auto reduced = bucket.output.narrow(0, offset, flat.layout.shard);
+      offset += flat.layout.shard;
+      auto& grad = flat.shard.mutable_grad();
+      if (grad.defined()) {
+        grad.add_(reduced);
+      } else {
+        grad = bucket.members.size() == 1 ? bucket.output : reduced.clone(); // no view into a shared buffer
+      }
+      std::fill(flat.ready.begin(), flat.ready.end(), 0);
+      flat.ready_count = 0;
+    }
+    bucket.work.reset();
+    bucket.output = torch::Tensor();
   }
 
   void finalize() {
     finalize_queued = false;
     forwarded = false;
     if (sync_at_forward) {
-      for (; next_launch < flats.size(); ++next_launch) {
-        launch(flats[flats.size() - 1 - next_launch]);
+      for (; next_launch < reduce_buckets.size(); ++next_launch) {
+        launch(reduce_buckets[next_launch]);
       }
-      for (auto& flat : flats) {
-        flat.reduce->wait();
-        if (timeline::enabled()) {
-          timeline::detail::record((sharded() ? "reduce_scatter " : "allreduce ") + shard_name(flat),
-                                   flat.reduce_start_us, timeline::detail::now_us(), "collectives",
-                                   flat.reduced.numel() * flat.reduced.element_size() * (sharded() ? group.size() : 1));
-        }
-        auto& grad = flat.shard.mutable_grad();
-        if (grad.defined()) {
-          grad.add_(flat.reduced);
-        } else {
-          grad = flat.reduced;
-        }
-        flat.reduce.reset();
-        flat.reduced = torch::Tensor();
-        std::fill(flat.ready.begin(), flat.ready.end(), 0);
-        flat.ready_count = 0;
+      for (auto& bucket : reduce_buckets) {
+        land(bucket);
       }
       next_launch = 0;
     }
     release_all();
   }
 };
-
-namespace {
-
-// Every rank must shard the same parameters, or the flat buffers would not
-// line up: the names, shapes and dtypes, hashed, and compared.
-void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
-                      const std::vector<torch::Tensor>& params, const std::string& where) {
-  std::ostringstream text;
-  for (size_t i = 0; i < names.size(); ++i) {
-    text << names[i] << params[i].sizes() << c10::toString(params[i].scalar_type()) << params[i].requires_grad() << ";";
-  }
-  const auto hash = static_cast<int64_t>(std::hash<std::string>()(text.str()) >> 1);
-  auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash}, torch::kLong);
-  const auto all = group.all_gather(mine);
-  for (int r = 1; r < group.size(); ++r) {
-    const auto* theirs = all[r].data_ptr<int64_t>();
-    const auto* first = all[0].data_ptr<int64_t>();
-    TORCH_CHECK(theirs[0] == first[0] && theirs[1] == first[1], where, "rank ", r,
-                " built a different model than rank 0 (", theirs[0], " against ", first[0],
-                " parameters, or different names, shapes, dtypes or requires_grad). Every rank must construct the "
-                "same module before wrapping it.");
-  }
-}
-
-// The unit paths: the options', checked, or each direct child.
-std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOptions& options, const std::string& where) {
-  std::vector<std::string> paths = options.units();
-  if (paths.empty()) {
-    for (const auto& child : module.named_children()) {
-      paths.push_back(child.key());
-    }
-  }
-  const auto submodules = module.named_modules("", /*include_self=*/false);
-  for (const auto& path : paths) {
-    TORCH_CHECK(submodules.contains(path), where, "ShardingOptions().units() names '", path,
-                "', which is not a submodule of the wrapped module. Use dotted paths as named_modules() gives them "
-                "(\"encoder\", \"layers.3\").");
-  }
-  return paths;
-}
-
-// The module's parameters, each once at its first name, with its unit; one
-// that two units share is refused.
-struct Planned {
-  std::vector<std::string> names;
-  std::vector<torch::Tensor> params;
-  std::vector<size_t> units;
-};
-
-Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where) {
-  std::vector<std::string> all_names;
-  std::vector<torch::Tensor> all_params;
-  for (const auto& named : module.named_parameters(/*recurse=*/true)) {
-    all_names.push_back(named.key());
-    all_params.push_back(named.value());
-  }
-  const auto all_units = assign_units(all_names, paths);
-  Planned planned;
-  std::unordered_map<const void*, size_t> seen;
-  for (size_t i = 0; i < all_params.size(); ++i) {
-    auto it = seen.find(all_params[i].unsafeGetTensorImpl());
-    if (it != seen.end()) {
-      TORCH_CHECK(planned.units[it->second] == all_units[i], where, "parameter '", planned.names[it->second],
-                  "' is also '", all_names[i], "': two units share it, and each unit shards its own. Put the modules "
-                  "that share a parameter in one unit (ShardingOptions().units() naming their common parent).");
-      continue;
-    }
-    seen.emplace(all_params[i].unsafeGetTensorImpl(), planned.names.size());
-    planned.names.push_back(all_names[i]);
-    planned.params.push_back(all_params[i]);
-    planned.units.push_back(all_units[i]);
-  }
-  return planned;
-}
-
-// Note [Frozen parameters]
-// ~~~~~~~~~~~~~~~~~~~~~~~~
-// Parameters that require no gradient are not sharded. They stay whole in
-// the module on every rank (rank 0's values), as they take no gradient and
-// no optimizer state; only their own memory is not divided.
-
-// One flat parameter per unit and (dtype, device), the root's first, with
-// its parameters and offsets; layouts and buffers come later.
-std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vector<std::string>& paths) {
-  std::vector<FlatParam> flats;
-  for (size_t u = 0; u <= paths.size(); ++u) {
-    std::map<std::pair<int, std::string>, size_t> by_type;
-    for (size_t i = 0; i < planned.params.size(); ++i) {
-      const auto& p = planned.params[i];
-      if (planned.units[i] != u || !p.requires_grad()) {
-        continue; // Note [Frozen parameters]
-      }
-      const auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
-      if (by_type.count(key) == 0) {
-        by_type[key] = flats.size();
-        flats.emplace_back();
-        flats.back().unit = u == 0 ? "" : paths[u - 1];
-        flats.back().dtype = p.scalar_type();
-        flats.back().device = p.device();
-      }
-      auto& flat = flats[by_type[key]];
-      flat.offsets.push_back(flat.layout.numel);
-      flat.layout.numel += p.numel();
-      flat.params.push_back(p);
-      flat.shapes.push_back(p.sizes().vec());
-      flat.names.push_back(planned.names[i]);
-    }
-  }
-  return flats;
-}
-
-} // namespace
 
 ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, ProcessGroup group,
                          const ShardingOptions& options)
@@ -412,6 +459,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   for (size_t f = 0; f < s.flats.size(); ++f) {
     shard_flat(owner, f);
   }
+  s.plan_buckets();
 }
 
 // Flat parameter f's padded buffer, this rank's shard of it (registered on

@@ -225,6 +225,87 @@ TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) 
   std::remove(path.c_str());
 }
 
+// A group of one that keeps the name of every collective it is asked for.
+class CountingGroup : public GroupImpl {
+ public:
+  explicit CountingGroup(std::vector<std::string>& log) : log_(&log) {}
+  int rank() const override {
+    return 0;
+  }
+  int size() const override {
+    return 1;
+  }
+  std::string backend() const override {
+    return "counting";
+  }
+  std::chrono::milliseconds timeout() const override {
+    return kDefaultTimeout;
+  }
+  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>&, ReduceOp, std::string what) override {
+    return done(what);
+  }
+  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>&, int, std::string what) override {
+    return done(what);
+  }
+  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
+    outputs[0].copy_(input);
+    return done(what);
+  }
+  std::shared_ptr<Work> barrier(std::string what) override {
+    return done(what);
+  }
+  std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp, std::string what) override {
+    output.copy_(input.view_as(output));
+    return done(what);
+  }
+
+ private:
+  struct Done : Work {
+    void wait() override {}
+  };
+  std::shared_ptr<Work> done(const std::string& what) {
+    log_->push_back(what);
+    return std::make_shared<Done>();
+  }
+  std::vector<std::string>* log_;
+};
+
+std::vector<std::string> starting_with(const std::vector<std::string>& log, const std::string& prefix) {
+  std::vector<std::string> found;
+  for (const auto& what : log) {
+    if (what.rfind(prefix, 0) == 0) {
+      found.push_back(what);
+    }
+  }
+  return found;
+}
+
+TEST(FullyShardedDataParallel, SmallUnitsShareTheirCollectivesAndALargeOneGoesAlone) {
+  // Six units of 1 KiB, one of 8 MiB (past the 4 MiB bucket), one of 1 KiB.
+  torch::nn::Sequential net;
+  for (int i = 0; i < 6; ++i) {
+    net->push_back(torch::nn::Linear(torch::nn::LinearOptions(16, 16).bias(false)));
+  }
+  net->push_back(torch::nn::Linear(torch::nn::LinearOptions(16, 131072).bias(false)));
+  net->push_back(torch::nn::Linear(torch::nn::LinearOptions(131072, 2).bias(false)));
+  std::vector<std::string> log;
+  FullyShardedDataParallel<torch::nn::Sequential> model(net, ProcessGroup(std::make_shared<CountingGroup>(log)));
+  log.clear();
+  auto x = torch::randn({3, 16});
+  model->forward(x).sum().backward();
+  // Before forward, and again before backward (FullShard released them).
+  const std::vector<std::string> gathers{"all_gather of 6 units (0:Float to 5:Float) (1536 elements)",
+                                         "all_gather of 6:Float (2097152 elements)",
+                                         "all_gather of 7:Float (262144 elements)"};
+  auto twice = gathers;
+  twice.insert(twice.end(), gathers.begin(), gathers.end());
+  EXPECT_EQ(starting_with(log, "all_gather of"), twice);
+  EXPECT_EQ(starting_with(log, "reduce_scatter of"),
+            (std::vector<std::string>{"reduce_scatter of 7:Float (262144 elements)",
+                                      "reduce_scatter of 6:Float (2097152 elements)",
+                                      "reduce_scatter of 6 units (5:Float to 0:Float) (1536 elements)"}));
+}
+
 TEST(FullyShardedDataParallel, AFullOptimizerStateFromRankZeroLoadsIntoABareOptimizer) {
   const std::string path = ::testing::TempDir() + "lockstep_fsdp_optimizer_" + std::to_string(getpid()) + ".pt";
   torch::manual_seed(6);

@@ -1,0 +1,117 @@
+// FullyShardedDataParallel's construction: the wrapped module's parameters
+// planned into units and flat buffers, and the check that every rank built
+// the same model (src/flat_param.h).
+
+#include <lockstep/fully_sharded_data_parallel.h>
+
+#include "flat_param.h"
+
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+namespace lockstep {
+namespace detail {
+
+// Every rank must shard the same parameters, or the flat buffers would not
+// line up: the names, shapes and dtypes, hashed, and compared.
+void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
+                      const std::vector<torch::Tensor>& params, const std::string& where) {
+  std::ostringstream text;
+  for (size_t i = 0; i < names.size(); ++i) {
+    text << names[i] << params[i].sizes() << c10::toString(params[i].scalar_type()) << params[i].requires_grad() << ";";
+  }
+  const auto hash = static_cast<int64_t>(std::hash<std::string>()(text.str()) >> 1);
+  auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash}, torch::kLong);
+  const auto all = group.all_gather(mine);
+  for (int r = 1; r < group.size(); ++r) {
+    const auto* theirs = all[r].data_ptr<int64_t>();
+    const auto* first = all[0].data_ptr<int64_t>();
+    TORCH_CHECK(theirs[0] == first[0] && theirs[1] == first[1], where, "rank ", r,
+                " built a different model than rank 0 (", theirs[0], " against ", first[0],
+                " parameters, or different names, shapes, dtypes or requires_grad). Every rank must construct the "
+                "same module before wrapping it.");
+  }
+}
+
+// The unit paths: the options', checked, or each direct child.
+std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOptions& options, const std::string& where) {
+  std::vector<std::string> paths = options.units();
+  if (paths.empty()) {
+    for (const auto& child : module.named_children()) {
+      paths.push_back(child.key());
+    }
+  }
+  const auto submodules = module.named_modules("", /*include_self=*/false);
+  for (const auto& path : paths) {
+    TORCH_CHECK(submodules.contains(path), where, "ShardingOptions().units() names '", path,
+                "', which is not a submodule of the wrapped module. Use dotted paths as named_modules() gives them "
+                "(\"encoder\", \"layers.3\").");
+  }
+  return paths;
+}
+
+Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where) {
+  std::vector<std::string> all_names;
+  std::vector<torch::Tensor> all_params;
+  for (const auto& named : module.named_parameters(/*recurse=*/true)) {
+    all_names.push_back(named.key());
+    all_params.push_back(named.value());
+  }
+  const auto all_units = assign_units(all_names, paths);
+  Planned planned;
+  std::unordered_map<const void*, size_t> seen;
+  for (size_t i = 0; i < all_params.size(); ++i) {
+    auto it = seen.find(all_params[i].unsafeGetTensorImpl());
+    if (it != seen.end()) {
+      TORCH_CHECK(planned.units[it->second] == all_units[i], where, "parameter '", planned.names[it->second],
+                  "' is also '", all_names[i], "': two units share it, and each unit shards its own. Put the modules "
+                  "that share a parameter in one unit (ShardingOptions().units() naming their common parent).");
+      continue;
+    }
+    seen.emplace(all_params[i].unsafeGetTensorImpl(), planned.names.size());
+    planned.names.push_back(all_names[i]);
+    planned.params.push_back(all_params[i]);
+    planned.units.push_back(all_units[i]);
+  }
+  return planned;
+}
+
+// Note [Frozen parameters]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Parameters that require no gradient are not sharded. They stay whole in
+// the module on every rank (rank 0's values), as they take no gradient and
+// no optimizer state; only their own memory is not divided.
+
+// One flat parameter per unit and (dtype, device), the root's first, with
+// its parameters and offsets; layouts and buffers come later.
+std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vector<std::string>& paths) {
+  std::vector<FlatParam> flats;
+  for (size_t u = 0; u <= paths.size(); ++u) {
+    std::map<std::pair<int, std::string>, size_t> by_type;
+    for (size_t i = 0; i < planned.params.size(); ++i) {
+      const auto& p = planned.params[i];
+      if (planned.units[i] != u || !p.requires_grad()) {
+        continue; // Note [Frozen parameters]
+      }
+      const auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
+      if (by_type.count(key) == 0) {
+        by_type[key] = flats.size();
+        flats.emplace_back();
+        flats.back().unit = u == 0 ? "" : paths[u - 1];
+        flats.back().dtype = p.scalar_type();
+        flats.back().device = p.device();
+      }
+      auto& flat = flats[by_type[key]];
+      flat.offsets.push_back(flat.layout.numel);
+      flat.layout.numel += p.numel();
+      flat.params.push_back(p);
+      flat.shapes.push_back(p.sizes().vec());
+      flat.names.push_back(planned.names[i]);
+    }
+  }
+  return flats;
+}
+
+} // namespace detail
+} // namespace lockstep
