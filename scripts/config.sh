@@ -26,10 +26,15 @@ case "$LOCKSTEP_SANITIZE" in
   "") ;;
   address|thread)
     build_dir=$build_dir-$LOCKSTEP_SANITIZE
-    # Benchmarks mean nothing instrumented; TSan runs only the thread tests,
-    # so its build leaves out the trainer and the process tests too.
+    # Benchmarks mean nothing instrumented; CI runs ASan without the
+    # trainer's own tests (.ci/run), and TSan on the thread tests only, so
+    # their builds leave those out too.
     torch_cmake_args+=(-DLOCKSTEP_SANITIZE="$LOCKSTEP_SANITIZE" -DLOCKSTEP_BUILD_BENCH=OFF)
-    [ "$LOCKSTEP_SANITIZE" = address ] || torch_cmake_args+=(-DLOCKSTEP_BUILD_EXAMPLES=OFF)
+    if [ "$LOCKSTEP_SANITIZE" = address ]; then
+      torch_cmake_args+=(-DLOCKSTEP_BUILD_TRAINER_TESTS=OFF)
+    else
+      torch_cmake_args+=(-DLOCKSTEP_BUILD_EXAMPLES=OFF)
+    fi
     source scripts/sanitizer_env.sh
     ;;
   *)
