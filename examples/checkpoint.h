@@ -294,6 +294,9 @@ inline void save_checkpoint(
 // killed before it leaves PATH naming the previous folder, whole, and the
 // half-written one goes at the next save. The folder reshards on loading,
 // so the run resumes at any world size and with any --sharding strategy.
+// The ranks compare the positions they read before any loads its shards
+// (load_sharded is collective), so a rank that found no checkpoint is an
+// error on every rank, not a wait.
 
 inline std::string shards_dir(const std::string& path, int64_t step) {
   return path + ".shards-" + std::to_string(step);

@@ -342,14 +342,17 @@ inline Setup sharded_setup(ConvNet& net, const Dataset& data, const DataSignatur
       net, group, lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding)));
   setup.optimizer = make_optimizer(model->parameters(), config);
   auto& optimizer = *setup.optimizer;
+  int64_t shards_step = -1;
   setup.state = resume(config, setup.plan, signature, group.rank() == 0, [&](TrainingState& state) {
-    const auto step = load_sharded_checkpoint(config.checkpoint_path, state);
-    if (step >= 0) {
-      model->load_sharded(optimizer, shards_dir(config.checkpoint_path, step));
-    }
-    return step >= 0;
+    shards_step = load_sharded_checkpoint(config.checkpoint_path, state);
+    return shards_step >= 0;
   });
+  // The ranks agree on the position first, so that none waits in
+  // load_sharded (collective) for a rank that found no checkpoint.
   check_ranks_resumed_alike(group, config, setup.state, *net, optimizer);
+  if (shards_step >= 0) {
+    model->load_sharded(optimizer, shards_dir(config.checkpoint_path, shards_step));
+  }
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
   setup.full_params = [model]() mutable {
     return std::static_pointer_cast<void>(std::make_shared<lockstep::FullParamsGuard>(model->summon_full_params()));

@@ -72,8 +72,8 @@ namespace detail {
 // gradients into the reduce-scatter's input, and that buffer's transient
 // memory. A unit of at least kShardBucketBytes is a bucket of its own and
 // gathers straight into its buffer. A bucket's reduce-scatter starts when
-// its last member's gradients are in, so buckets overlap backward as units
-// did.
+// its last member's gradients are in, so it still overlaps the backward of
+// the units before it.
 constexpr int64_t kShardBucketBytes = 4 << 20;
 
 namespace {

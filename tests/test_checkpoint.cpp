@@ -321,6 +321,18 @@ TEST(TrainerSharding, ResumesFromItsShardsAfterAFailureAndAtAnotherWorldSize) {
   EXPECT_GT(test_loss(wider.output, 3), 0) << wider.output;
   EXPECT_NEAR(test_loss(wider.output, 3), test_loss(ddp_wider.output, 3), 1e-3) << wider.output << ddp_wider.output;
 
+  // Nodes without a shared disk, where only node 0 finds the checkpoint: every
+  // rank fails, saying so, and none waits in load_sharded for the other.
+  auto nodes = run_two_nodes("sharded_nodes", [&](int node) {
+    return sharded(trainer("sharded_nodes" + std::to_string(node), node == 0 ? checkpoint : temp("nowhere_sharded.ckpt")),
+                   "full");
+  });
+  for (const auto& node : nodes) {
+    EXPECT_EQ(node.exit_code, 1) << node.output;
+    EXPECT_NE(node.output.find("rank 1 started from scratch (no checkpoint found) but rank 0 resumed at step 48"),
+              std::string::npos) << node.output;
+  }
+
   // Each kind of checkpoint refuses the other kind of run, and --sharding needs a launcher.
   auto unsharded_run = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer("mixed1", checkpoint), "mixed1");
   EXPECT_EQ(unsharded_run.exit_code, 1) << unsharded_run.output;

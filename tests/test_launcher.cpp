@@ -254,21 +254,6 @@ TEST(Launcher, StoreFilesOfDeadLaunchersAreRemoved) {
   EXPECT_EQ(access(live.c_str(), F_OK), 0) << "a running launcher's store file was removed";
 }
 
-// Two nodes of one rank each on this machine, node N running program(N); waits for both.
-std::vector<Process> run_two_nodes(const std::string& name, const std::function<std::vector<std::string>(int)>& program) {
-  const std::string master_port = port();
-  std::vector<Process> nodes;
-  for (int node = 0; node < 2; ++node) {
-    nodes.push_back(testing::start(
-        launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
-                  "127.0.0.1", "--master-port", master_port},
-                 program(node)),
-        {kOneThread}, temp(name + std::to_string(node) + ".log")));
-  }
-  testing::wait_all(nodes, kDeadline);
-  return nodes;
-}
-
 TEST(Launcher, TwoNodesOnOneMachineMatchOneNode) {
   auto nodes = run_two_nodes("node", [](int node) { return trainer("node" + std::to_string(node)); });
   ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <regex>
@@ -101,6 +102,22 @@ inline const Process& reference_run() {
 inline const std::string& reference_hash() {
   static const std::string hash = final_hash(reference_run().output);
   return hash;
+}
+
+// Two nodes of one rank each on this machine (a lockstep-run each), node N
+// running program(N); waits for both.
+inline std::vector<Process> run_two_nodes(const std::string& name, const std::function<std::vector<std::string>(int)>& program) {
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int node = 0; node < 2; ++node) {
+    nodes.push_back(testing::start(
+        launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
+                  "127.0.0.1", "--master-port", master_port},
+                 program(node)),
+        {kOneThread}, temp(name + std::to_string(node) + ".log")));
+  }
+  testing::wait_all(nodes, kDeadline);
+  return nodes;
 }
 
 // A pid that no process has now: a child that has exited and been reaped.
