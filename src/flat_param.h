@@ -26,7 +26,10 @@ struct FlatParam {
   ShardLayout layout;
   torch::Tensor shard; // registered on the wrapper
   torch::Tensor full; // the gathered buffer; its storage is released while sharded
+  std::vector<torch::Tensor> views; // the parameters' views of `full`, made once
   bool gathered = false;
+  bool pending = false; // its all-gather is in flight
+  bool used = false; // an operator read it in this forward
   std::vector<char> ready;
   size_t ready_count = 0;
   std::vector<NodePtr> accumulators;

@@ -1,10 +1,10 @@
 #include <lockstep/fully_sharded_data_parallel.h>
 
-#include "flat_param.h"
 #include "mapped_memory.h"
+#include "sharded_state.h"
+#include "storage_watch.h"
 #include "torch_compat.h"
 
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -30,33 +30,39 @@ namespace detail {
 // Padding has zero gradients, so Adam, SGD and weight decay leave it zero.
 //
 // One step, FullShard:
-//  - forward: every unit's buffer is all-gathered (a bucket of small units
-//    per all-gather, Note [Shard buckets]; all started, then waited in
-//    order) and the module's parameters are pointed at views of it
-//    (set_data keeps each parameter's TensorImpl, so the module's own
-//    members and autograd's edges see them). LibTorch's modules have no
-//    forward hooks, so a unit cannot be gathered just before it runs: all
-//    are gathered before the module's forward.
-//  - after forward, each unit's buffer except the root's has its storage
-//    released (the StorageImpl stays, so autograd's saved views of it are
-//    filled again in place), and a hook on the outputs' gradients gathers
-//    them again before any of the module's backward runs;
-//  - in backward, once every parameter of a flat buffer has its gradient,
-//    the gradients are copied into one padded buffer (and the parameters'
-//    .grad dropped) and reduce-scattered, averaged, into a gradient of the
-//    shard, with the rest of its bucket. Buckets start in a fixed order,
-//    the reverse of the units', so that every rank starts the same
-//    collectives in the same order; one whose gradients are not all there
-//    holds back the ones after it until the end of backward, where what
-//    never came is zero.
-//  - at the end of backward, the shards' .grad get the results (added to
+//  - forward: the module's parameters are views of their units' buffers,
+//    whose memory is released. The first operator that reads a unit's
+//    parameters gathers it (Note [Watching storages]): its all-gather waited
+//    for, the next unit's all-gather started, so that it moves while this
+//    unit computes, and the unit before it freed. At most two units are
+//    gathered at a time, and the root, whose parameters run around the
+//    units (an embedding, a head), stays gathered. The order is the flats'
+//    in the first forward, then the order the last forward used them in.
+//  - after forward, every unit but the root is freed (its StorageImpl stays,
+//    so autograd's saved views of it are filled again in place);
+//  - the first gradient of the outputs starts the all-gather of forward's
+//    last unit, and in backward the first operator that reads a unit's
+//    saved parameters waits for it and starts the unit before it;
+//  - once every parameter of a flat buffer has its gradient (autograd ran
+//    every use of it), its buffer is freed, and its gradients are copied
+//    into one padded buffer (the parameters' .grad dropped) and
+//    reduce-scattered, averaged, into a gradient of the shard, with the rest
+//    of its bucket. Buckets start in a fixed order, the reverse of the
+//    units', so that every rank starts the same collectives in the same
+//    order; one whose gradients are not all there holds back the ones after
+//    it until the end of backward, where what never came is zero. Starting
+//    a reduce-scatter lands the one before it, so two buckets' gradients at
+//    most are in flight.
+//  - at the end of backward, the shards' .grad have the results (added to
 //    what is there, as autograd accumulates), and every buffer is released:
 //    the module's parameters become empty tensors, so that nothing reads
 //    values the optimizer step is about to make stale.
-// ShardGradOp is the same without the release after forward, and keeps its
+// Every rank runs the same operators, so every rank gathers, prefetches and
+// frees the same units in the same order. ShardGradOp gathers the same way
+// in forward but frees nothing until the end of backward, and keeps its
 // buffers' memory from step to step (ZeRO-2: parameters whole), though its
-// module's parameters are empty outside forward and backward too. NoShard keeps
-// the whole flat buffer as the "shard" on every rank, the module's
+// module's parameters are empty outside forward and backward too. NoShard
+// keeps the whole flat buffer as the "shard" on every rank, the module's
 // parameters as views of it, and averages gradients with an allreduce.
 
 // Note [Shard buckets]
@@ -122,309 +128,264 @@ std::string shard_name(const FlatParam& flat) {
 
 } // namespace
 
-struct ShardedCore::State : std::enable_shared_from_this<ShardedCore::State> {
-  ProcessGroup group;
-  ShardingStrategy strategy = ShardingStrategy::FullShard;
-  bool reshard_after_forward = true;
-  std::vector<FlatParam> flats; // the root's first, then the units' in order
-  bool forwarded = false; // a forward ran whose backward has not ended
-  bool sync_at_forward = true;
-  bool finalize_queued = false;
-  // Note [Shard buckets]: flat indices per all-gather (forward order), and
-  // the reduce-scatters (the reverse), each with what it started.
-  struct Bucket {
-    std::vector<size_t> members;
-    std::shared_ptr<Work> work;
-    torch::Tensor output;
-    int64_t start_us = 0;
-  };
-  std::vector<std::vector<size_t>> gather_buckets;
-  std::vector<Bucket> reduce_buckets;
-  size_t next_launch = 0; // into reduce_buckets
-  bool summoned = false;
-  // What is not sharded but is the model's state: buffers and frozen
-  // parameters, by name, the live tensors (Note [Sharded checkpoint]).
-  std::vector<std::pair<std::string, torch::Tensor>> whole;
+std::string ShardedCore::State::bucket_name(const std::vector<size_t>& members) const {
+  const std::string first = shard_name(flats[members.front()]);
+  return members.size() == 1 ? first
+                             : std::to_string(members.size()) + " units (" + first + " to " +
+          shard_name(flats[members.back()]) + ")";
+}
 
-  class ReadyHook : public torch::autograd::FunctionPostHook {
-   public:
-    ReadyHook(std::weak_ptr<State> state, size_t flat, size_t index) : state_(std::move(state)), flat_(flat), index_(index) {}
-    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                              const torch::autograd::variable_list& /*inputs*/) override {
-      if (auto state = state_.lock()) {
-        state->on_ready(flat_, index_);
-      }
-      return outputs;
-    }
-
-   private:
-    std::weak_ptr<State> state_;
-    size_t flat_, index_;
-  };
-
-  std::string where() const {
-    return "lockstep::FullyShardedDataParallel: rank " + std::to_string(group.rank()) + " of " +
-        std::to_string(group.size()) + ": ";
+// The buckets (Note [Shard buckets]), by the flats' gathered bytes.
+void ShardedCore::State::plan_buckets() {
+  std::vector<int64_t> bytes;
+  std::vector<std::string> keys;
+  for (const auto& flat : flats) {
+    bytes.push_back(flat.layout.padded * static_cast<int64_t>(c10::elementSize(flat.dtype)));
+    keys.push_back(std::string(c10::toString(flat.dtype)) + "@" + flat.device.str());
   }
-
-  bool sharded() const {
-    return strategy != ShardingStrategy::NoShard;
-  }
-
-  void point_params_at(FlatParam& flat, const torch::Tensor& buffer) {
-    for (size_t j = 0; j < flat.params.size(); ++j) {
-      const auto& shape = flat.shapes[j];
-      const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
-      flat.params[j].set_data(buffer.narrow(0, flat.offsets[j], numel).view(shape));
+  std::vector<size_t> forward(flats.size());
+  std::iota(forward.begin(), forward.end(), size_t{0});
+  gather_buckets = shard_buckets(bytes, keys, kShardBucketBytes, forward);
+  bucket_of.assign(flats.size(), 0);
+  for (size_t g = 0; g < gather_buckets.size(); ++g) {
+    for (size_t i : gather_buckets[g]) {
+      bucket_of[i] = g;
     }
   }
+  for (auto& members : shard_buckets(bytes, keys, kShardBucketBytes, {forward.rbegin(), forward.rend()})) {
+    reduce_buckets.push_back(Bucket{std::move(members), nullptr, torch::Tensor(), 0});
+  }
+}
 
-  // The buckets (Note [Shard buckets]), by the flats' gathered bytes.
-  void plan_buckets() {
-    std::vector<int64_t> bytes;
-    std::vector<std::string> keys;
-    for (const auto& flat : flats) {
-      bytes.push_back(flat.layout.padded * static_cast<int64_t>(c10::elementSize(flat.dtype)));
-      keys.push_back(std::string(c10::toString(flat.dtype)) + "@" + flat.device.str());
-    }
-    std::vector<size_t> forward(flats.size());
-    std::iota(forward.begin(), forward.end(), size_t{0});
-    gather_buckets = shard_buckets(bytes, keys, kShardBucketBytes, forward);
-    for (auto& members : shard_buckets(bytes, keys, kShardBucketBytes, {forward.rbegin(), forward.rend()})) {
-      reduce_buckets.push_back(Bucket{std::move(members), nullptr, torch::Tensor(), 0});
+// set_data keeps each parameter's TensorImpl, so the module's own members
+// and autograd's edges see the views.
+void ShardedCore::State::point_params_at_views(FlatParam& flat) {
+  for (size_t j = 0; j < flat.params.size(); ++j) {
+    flat.params[j].set_data(flat.views[j]);
+  }
+}
+
+// Starts the all-gather of gather bucket g's members that are neither
+// gathered nor in flight.
+void ShardedCore::State::start_bucket(size_t g) {
+  Bucket b;
+  for (size_t i : gather_buckets[g]) {
+    if (!flats[i].gathered && !flats[i].pending) {
+      b.members.push_back(i);
+      flats[i].pending = true;
     }
   }
-
-  std::string bucket_name(const std::vector<size_t>& members) const {
-    const std::string first = shard_name(flats[members.front()]);
-    return members.size() == 1 ? first
-                               : std::to_string(members.size()) + " units (" + first + " to " +
-            shard_name(flats[members.back()]) + ")";
+  if (b.members.empty()) {
+    return;
   }
+  b.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
+  start_gather(b);
+  in_flight.push_back(std::move(b));
+}
 
-  // Every sharded flat buffer gathered, a bucket per all-gather, and its
-  // parameters pointed at it.
-  void gather_all() {
-    if (!sharded()) {
-      return;
-    }
-    std::vector<Bucket> started;
-    for (const auto& bucket : gather_buckets) {
-      Bucket b;
-      for (size_t i : bucket) {
-        if (!flats[i].gathered) {
-          b.members.push_back(i);
-        }
-      }
-      if (!b.members.empty()) {
-        b.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
-        start_gather(b);
-        started.push_back(std::move(b));
-      }
-    }
-    for (auto& b : started) {
-      b.work->wait();
-      if (timeline::enabled()) {
-        timeline::detail::record("all_gather " + bucket_name(b.members), b.start_us, timeline::detail::now_us(),
-                                 "collectives", b.output.numel() * b.output.element_size());
-      }
-      unpack_gathered(b);
-    }
+// One all-gather: straight into the flat's own buffer when it is alone,
+// else into one buffer holding each rank's shards one after another.
+void ShardedCore::State::start_gather(Bucket& b) {
+  const std::string what = "all_gather of " + bucket_name(b.members);
+  if (b.members.size() == 1) {
+    auto& flat = flats[b.members[0]];
+    allocate_mapped(flat.full);
+    b.output = flat.full;
+    b.work = group.all_gather_into_async(flat.full, flat.shard.detach(),
+                                         what + " (" + std::to_string(flat.layout.padded) + " elements)");
+    return;
   }
-
-  // One all-gather: straight into the flat's own buffer when it is alone,
-  // else into one buffer holding each rank's shards one after another.
-  void start_gather(Bucket& b) {
-    const std::string what = "all_gather of " + bucket_name(b.members);
-    if (b.members.size() == 1) {
-      auto& flat = flats[b.members[0]];
-      allocate_mapped(flat.full);
-      b.output = flat.full;
-      b.work = group.all_gather_into_async(flat.full, flat.shard.detach(),
-                                           what + " (" + std::to_string(flat.layout.padded) + " elements)");
-      return;
-    }
-    std::vector<torch::Tensor> shards;
-    for (size_t i : b.members) {
-      shards.push_back(flats[i].shard.detach());
-    }
-    auto input = torch::cat(shards);
-    b.output = empty_mapped(input.numel() * group.size(), input.options());
-    b.work = group.all_gather_into_async(b.output, input, what + " (" + std::to_string(b.output.numel()) + " elements)");
+  std::vector<torch::Tensor> shards;
+  for (size_t i : b.members) {
+    shards.push_back(flats[i].shard.detach());
   }
+  auto input = torch::cat(shards);
+  b.output = empty_mapped(input.numel() * group.size(), input.options());
+  b.work = group.all_gather_into_async(b.output, input, what + " (" + std::to_string(b.output.numel()) + " elements)");
+}
 
-  // Each member's part of every rank's shards copied into its own buffer.
-  void unpack_gathered(const Bucket& b) {
-    torch::NoGradGuard no_grad;
-    const int64_t world = group.size();
-    const int64_t per_rank = b.output.numel() / world;
-    int64_t offset = 0;
-    for (size_t i : b.members) {
-      auto& flat = flats[i];
-      if (b.members.size() > 1) {
-        allocate_mapped(flat.full);
-        flat.full.view({world, flat.layout.shard})
-            .copy_(b.output.view({world, per_rank}).narrow(1, offset, flat.layout.shard));
-      }
-      offset += flat.layout.shard;
-      point_params_at(flat, flat.full);
-      flat.gathered = true;
-    }
-  }
-
-  // The flat buffer's storage released, and with `empty` its parameters
-  // made empty tensors.
-  // ShardGradOp keeps the buffer's memory for the next gather (ZeRO-2 keeps
-  // parameters whole; refilling fresh pages every step cost a third of the
-  // MLP's step), but its parameters still become empty: the values are stale
-  // once the optimizer steps.
-  void release(FlatParam& flat, bool empty) {
-    if (!sharded()) {
-      return;
-    }
-    if (empty) {
-      for (auto& p : flat.params) {
-        p.set_data(torch::empty({0}, flat.options()));
-      }
-    }
-    if (strategy == ShardingStrategy::FullShard) {
-      release_storage(flat.full);
-    }
-    flat.gathered = false;
-  }
-
-  void release_all() {
-    for (auto& flat : flats) {
-      release(flat, /*empty=*/true);
-    }
-  }
-
-  void on_ready(size_t f, size_t j) {
-    TORCH_CHECK(forwarded, where(), "parameter '", flats[f].names[j],
-                "' received a gradient, but no forward ran through FullyShardedDataParallel since the last backward. "
-                "Run forward through the FullyShardedDataParallel (not its module()) before each backward.");
-    if (!finalize_queued) {
-      finalize_queued = true;
-      std::weak_ptr<State> weak = shared_from_this();
-      torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-        if (auto state = weak.lock()) {
-          state->finalize();
-        }
-      });
-    }
-    if (!sync_at_forward) {
-      return; // no_sync: the whole gradient stays in .grad
-    }
-    auto& flat = flats[f];
-    if (!flat.ready[j]) {
-      flat.ready[j] = 1;
-      ++flat.ready_count;
-    }
-    launch_ready();
-  }
-
-  void launch_ready() {
-    while (next_launch < reduce_buckets.size()) {
-      auto& bucket = reduce_buckets[next_launch];
-      for (size_t i : bucket.members) {
-        if (flats[i].ready_count < flats[i].params.size()) {
-          return;
-        }
-      }
-      launch(bucket);
-      ++next_launch;
-    }
-  }
-
-  // The flat buffer's gradients in one padded buffer (zeros where none
-  // came); the parameters' .grad dropped.
-  torch::Tensor padded_grads(FlatParam& flat) {
-    auto grads = empty_mapped(flat.layout.padded, flat.options()).zero_();
-    for (size_t j = 0; j < flat.params.size(); ++j) {
-      auto& grad = flat.params[j].mutable_grad();
-      if (grad.defined()) {
-        grads.narrow(0, flat.offsets[j], grad.numel()).copy_(grad.reshape({-1}));
-        grad = torch::Tensor();
-      }
-    }
-    return grads;
-  }
-
-  // The bucket's gradients averaged into a gradient of each member's shard:
-  // one reduce-scatter whose input holds, rank by rank, each member's part
-  // for that rank (or one allreduce of them all, NoShard).
-  void launch(Bucket& bucket) {
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> grads;
-    int64_t per_rank = 0;
-    for (size_t i : bucket.members) {
-      grads.push_back(padded_grads(flats[i]));
-      per_rank += flats[i].layout.shard;
-    }
-    const int64_t world = sharded() ? group.size() : 1;
-    auto input = grads[0];
-    if (grads.size() > 1) {
-      input = empty_mapped(world * per_rank, grads[0].options());
-      int64_t offset = 0;
-      for (size_t k = 0; k < grads.size(); ++k) {
-        const int64_t shard = flats[bucket.members[k]].layout.shard;
-        input.view({world, per_rank}).narrow(1, offset, shard).copy_(grads[k].view({world, shard}));
-        offset += shard;
-      }
-    }
-    bucket.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
-    const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +
-        " (" + std::to_string(input.numel()) + " elements)";
-    if (sharded()) {
-      bucket.output = torch::empty({per_rank}, input.options());
-      bucket.work = group.reduce_scatter_async(bucket.output, input, ReduceOp::Avg, what);
-    } else {
-      bucket.output = input;
-      bucket.work = group.allreduce_async({input}, ReduceOp::Avg, what);
-    }
-  }
-
-  // Waits for the bucket and adds each member's part to its shard's .grad.
-  void land(Bucket& bucket) {
-    bucket.work->wait();
+// Waits for the all-gathers in flight, in the order they started, up to the
+// one holding `flat` (all of them for kNone).
+void ShardedCore::State::wait_in_flight(size_t flat) {
+  while (!in_flight.empty()) {
+    Bucket b = std::move(in_flight.front());
+    in_flight.pop_front();
+    b.work->wait();
     if (timeline::enabled()) {
-      timeline::detail::record((sharded() ? "reduce_scatter " : "allreduce ") + bucket_name(bucket.members),
-                               bucket.start_us, timeline::detail::now_us(), "collectives",
-                               bucket.output.numel() * bucket.output.element_size() * (sharded() ? group.size() : 1));
+      timeline::detail::record("all_gather " + bucket_name(b.members), b.start_us, timeline::detail::now_us(),
+                               "collectives", b.output.numel() * b.output.element_size());
     }
-    int64_t offset = 0;
-    for (size_t i : bucket.members) {
-      auto& flat = flats[i];
-      auto reduced = bucket.output.narrow(0, offset, flat.layout.shard);
-      offset += flat.layout.shard;
-      auto& grad = flat.shard.mutable_grad();
-      if (grad.defined()) {
-        grad.add_(reduced);
-      } else {
-        grad = bucket.members.size() == 1 ? bucket.output : reduced.clone(); // no view into a shared buffer
-      }
-      std::fill(flat.ready.begin(), flat.ready.end(), 0);
-      flat.ready_count = 0;
+    unpack_gathered(b);
+    if (std::find(b.members.begin(), b.members.end(), flat) != b.members.end()) {
+      return;
     }
-    bucket.work.reset();
-    bucket.output = torch::Tensor();
   }
+}
 
-  void finalize() {
-    finalize_queued = false;
-    forwarded = false;
-    if (sync_at_forward) {
-      for (; next_launch < reduce_buckets.size(); ++next_launch) {
-        launch(reduce_buckets[next_launch]);
-      }
-      for (auto& bucket : reduce_buckets) {
-        land(bucket);
-      }
-      next_launch = 0;
+// Each member's part of every rank's shards copied into its own buffer.
+void ShardedCore::State::unpack_gathered(const Bucket& b) {
+  torch::NoGradGuard no_grad;
+  const int64_t world = group.size();
+  const int64_t per_rank = b.output.numel() / world;
+  int64_t offset = 0;
+  for (size_t i : b.members) {
+    auto& flat = flats[i];
+    if (b.members.size() > 1) {
+      allocate_mapped(flat.full);
+      flat.full.view({world, flat.layout.shard})
+          .copy_(b.output.view({world, per_rank}).narrow(1, offset, flat.layout.shard));
     }
-    release_all();
+    offset += flat.layout.shard;
+    point_params_at_views(flat);
+    flat.pending = false;
+    flat.gathered = true;
   }
-};
+}
+
+void ShardedCore::State::ensure_gathered(size_t f) {
+  if (flats[f].gathered) {
+    return;
+  }
+  if (!flats[f].pending) {
+    start_bucket(bucket_of[f]);
+  }
+  wait_in_flight(f);
+}
+
+// Every sharded flat buffer gathered: all started, then waited in order.
+void ShardedCore::State::gather_all() {
+  if (!sharded()) {
+    return;
+  }
+  for (size_t g = 0; g < gather_buckets.size(); ++g) {
+    start_bucket(g);
+  }
+  wait_in_flight();
+}
+
+// The flat buffer's storage released, and with `empty` its parameters
+// made empty tensors (outside forward and backward, so that nothing reads
+// values the optimizer step is about to make stale).
+// ShardGradOp keeps the buffer's memory for the next gather (ZeRO-2 keeps
+// parameters whole; refilling fresh pages every step cost a third of the
+// MLP's step), but its parameters still become empty.
+void ShardedCore::State::release(FlatParam& flat, bool empty) {
+  if (!sharded()) {
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(!flat.pending, "releasing a flat parameter whose all-gather is in flight");
+  if (empty) {
+    for (auto& p : flat.params) {
+      p.set_data(torch::empty({0}, flat.options()));
+    }
+  }
+  if (strategy == ShardingStrategy::FullShard) {
+    release_storage(flat.full);
+  }
+  flat.gathered = false;
+}
+
+void ShardedCore::State::release_all() {
+  wait_in_flight();
+  for (auto& flat : flats) {
+    release(flat, /*empty=*/true);
+  }
+}
+
+// FullShard's forward frees each unit an operator used once an operator
+// reads another: at most that unit and the next one's prefetch are
+// gathered (and the root, which stays for backward).
+void ShardedCore::State::release_used(const std::vector<size_t>& touched) {
+  for (size_t i = 0; i < flats.size(); ++i) {
+    auto& flat = flats[i];
+    if (flat.used && flat.gathered && !flat.unit.empty() &&
+        std::find(touched.begin(), touched.end(), i) == touched.end()) {
+      release(flat, /*empty=*/false);
+    }
+  }
+}
+
+// The gather bucket expected after g in forward: the last forward's order,
+// or the flats' own before any forward ran.
+size_t ShardedCore::State::forward_after(size_t g) const {
+  if (last_order.empty()) {
+    return g + 1 < gather_buckets.size() ? g + 1 : kNone;
+  }
+  auto it = std::find(last_order.begin(), last_order.end(), g);
+  return (it == last_order.end() || it + 1 == last_order.end()) ? kNone : *(it + 1);
+}
+
+// The gather bucket expected after g in backward: this forward's order,
+// reversed.
+size_t ShardedCore::State::backward_after(size_t g) const {
+  auto it = std::find(order.begin(), order.end(), g);
+  return (it == order.end() || it == order.begin()) ? kNone : *(it - 1);
+}
+
+// Note [Watching storages]: an operator is about to read these flats.
+void ShardedCore::State::on_touch(const std::vector<size_t>& touched) {
+  for (size_t f : touched) {
+    ensure_gathered(f);
+  }
+  const size_t g = bucket_of[touched.back()];
+  size_t next = kNone;
+  if (pass == Pass::Forward) {
+    if (std::find(order.begin(), order.end(), g) == order.end()) {
+      order.push_back(g);
+    }
+    if (strategy == ShardingStrategy::FullShard && reshard_after_forward) {
+      release_used(touched);
+    }
+    for (size_t f : touched) {
+      flats[f].used = true;
+    }
+    next = forward_after(g);
+  } else if (pass == Pass::Backward) {
+    next = backward_after(g);
+  }
+  if (next != kNone) {
+    start_bucket(next);
+  }
+}
+
+void ShardedCore::State::begin_forward() {
+  if (!watched_pass) {
+    begin_pass();
+    watched_pass = true;
+  }
+  pass = Pass::Forward;
+  order.clear();
+  for (auto& flat : flats) {
+    flat.used = false;
+    point_params_at_views(flat); // released storage: the first operator to read one gathers it
+  }
+  start_bucket(last_order.empty() ? 0 : last_order.front());
+}
+
+// The first gradient of the outputs: backward's first unit is forward's
+// last. A backward called on a thread that is not watching (another
+// thread, or a second backward through a retained graph) cannot gather on
+// demand, so everything is gathered now.
+void ShardedCore::State::begin_backward() {
+  if (pass == Pass::Backward) {
+    return;
+  }
+  pass = Pass::Backward;
+  if (!watching()) {
+    gather_all();
+  } else if (!order.empty()) {
+    start_bucket(order.back());
+  }
+}
+
+void ShardedCore::State::end_pass() {
+  release_all();
+  pass = Pass::None;
+  if (watched_pass) {
+    watched_pass = false;
+    detail::end_pass();
+  }
+}
 
 ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, ProcessGroup group,
                          const ShardingOptions& options)
@@ -488,15 +449,21 @@ void ShardedCore::shard_flat(torch::nn::Module& owner, size_t f) {
     TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
     flat.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<State::ReadyHook>(state_, f, j)));
     flat.accumulators.push_back(std::move(accumulator));
+    flat.views.push_back(whole.narrow(0, flat.offsets[j], flat.params[j].numel()).view(flat.params[j].sizes()));
   }
   if (s.sharded()) {
     s.release(flat, /*empty=*/true);
+    watch_storage(flat.full.storage().unsafeGetStorageImpl(), state_, f);
   } else {
-    s.point_params_at(flat, flat.shard.detach());
+    s.point_params_at_views(flat); // views of the shard, which is the whole
   }
 }
 
 ShardedCore::~ShardedCore() {
+  unwatch_storages(state_.get());
+  if (state_->watched_pass) {
+    detail::end_pass();
+  }
   for (auto& flat : state_->flats) {
     for (size_t j = 0; j < flat.accumulators.size(); ++j) {
       flat.accumulators[j]->del_post_hook(flat.hook_keys[j]);
@@ -507,11 +474,17 @@ ShardedCore::~ShardedCore() {
 void ShardedCore::before_forward() {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "forward inside summon_full_params(). End the guard first.");
-  s.gather_all();
+  if (s.sharded()) {
+    Unwatched unwatched;
+    s.begin_forward();
+  }
 }
 
 void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
   auto& s = *state_;
+  Unwatched unwatched;
+  s.wait_in_flight(); // a prefetch that no operator used
+  s.last_order = s.order;
   std::vector<torch::Tensor> hooked;
   for (const auto& out : outputs) {
     if (out.defined() && out.requires_grad()) {
@@ -519,30 +492,31 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
     }
   }
   if (hooked.empty()) {
-    s.release_all(); // no backward follows
+    s.end_pass(); // no backward follows
     return;
   }
   s.forwarded = true;
   s.sync_at_forward = sync_;
+  if (!s.sharded()) {
+    return;
+  }
+  s.pass = State::Pass::AfterForward;
   if (s.strategy == ShardingStrategy::FullShard && s.reshard_after_forward) {
-    // The parameters become empty too, so that nothing reads released
-    // memory if no backward follows: autograd keeps each parameter's
-    // TensorImpl, and the outputs' hook points it at its buffer again
-    // before any of the module's backward runs.
     for (auto& flat : s.flats) {
       if (!flat.unit.empty()) {
-        s.release(flat, /*empty=*/true);
+        s.release(flat, /*empty=*/false); // the next operator to read it gathers it again
       }
     }
-    std::weak_ptr<State> weak = state_;
-    for (auto& out : hooked) {
-      out.register_hook([weak](const torch::Tensor& grad) {
-        if (auto state = weak.lock()) {
-          state->gather_all();
-        }
-        return grad;
-      });
-    }
+  }
+  std::weak_ptr<State> weak = state_;
+  for (auto& out : hooked) {
+    out.register_hook([weak](const torch::Tensor& grad) {
+      if (auto state = weak.lock()) {
+        Unwatched unwatched;
+        state->begin_backward();
+      }
+      return grad;
+    });
   }
 }
 
@@ -551,12 +525,14 @@ void ShardedCore::summon() {
   TORCH_CHECK(!s.summoned, s.where(), "summon_full_params() inside another; end the first guard.");
   TORCH_CHECK(!s.forwarded, s.where(), "summon_full_params() between a forward and its backward. Call it before "
               "forward or after backward.");
+  Unwatched unwatched;
   s.gather_all();
   s.summoned = true;
 }
 
 void ShardedCore::unsummon(bool writeback) {
   auto& s = *state_;
+  Unwatched unwatched;
   s.summoned = false;
   if (writeback && s.sharded()) {
     torch::NoGradGuard no_grad;

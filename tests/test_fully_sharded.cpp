@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -131,7 +132,7 @@ TEST(FullyShardedDataParallel, ParametersAreThisRanksShardsPaddedToTheWorldSize)
 // FullShard releases the units after forward: their parameters are empty
 // until backward gathers them again, so a forward whose backward never comes
 // leaves nothing that reads released memory.
-TEST(FullyShardedDataParallel, BetweenForwardAndBackwardTheReleasedUnitsAreEmpty) {
+TEST(FullyShardedDataParallel, BetweenForwardAndBackwardAFreedUnitIsGatheredAgainWhenRead) {
   torch::manual_seed(8);
   OddNet initial;
   auto reference = testing::train_reference(initial, 1, 12);
@@ -141,11 +142,49 @@ TEST(FullyShardedDataParallel, BetweenForwardAndBackwardTheReleasedUnitsAreEmpty
     auto batch = testing::share_of(12, 0, group.rank(), 2);
     model->forward(batch.first); // no backward
     auto loss = torch::mse_loss(model->forward(batch.first), batch.second);
-    EXPECT_EQ(model->module()->fc1->weight.numel(), 0);
+    const auto& weight = model->module()->fc1->weight;
+    EXPECT_EQ(weight.storage().nbytes(), 0u) << "fc1 is freed after forward";
     EXPECT_EQ(model->module()->scale.numel(), 1) << "the root stays gathered";
+    EXPECT_TRUE(torch::equal(weight * 1, initial->fc1->weight)) << "reading it gathers it";
     loss.backward();
     adam.step();
+    EXPECT_EQ(weight.numel(), 0) << "outside forward and backward, never stale values";
     testing::check_full_params(model, reference, kCheck, "after a forward without backward");
+  });
+}
+
+// Each layer its own unit and its own all-gather (4 MiB), and a probe
+// between layers that counts the units whose memory is there, in forward
+// and, through a gradient hook, in backward.
+TEST(FullyShardedDataParallel, AtMostTwoUnitsAreGatheredAtOnceInForwardAndBackward) {
+  torch::manual_seed(3);
+  constexpr int kLayers = 6;
+  testing::spawn(2, [&](ProcessGroup& group) {
+    torch::nn::Sequential net;
+    std::vector<torch::Tensor> weights;
+    size_t most_forward = 0, most_backward = 0;
+    auto gathered = [&] {
+      return static_cast<size_t>(std::count_if(weights.begin(), weights.end(),
+                                               [](const torch::Tensor& w) { return w.storage().nbytes() > 0; }));
+    };
+    for (int i = 0; i < kLayers; ++i) {
+      torch::nn::Linear layer(torch::nn::LinearOptions(1024, 1024).bias(false));
+      weights.push_back(layer->weight);
+      net->push_back(layer);
+      net->push_back(torch::nn::Functional([&](torch::Tensor x) {
+        most_forward = std::max(most_forward, gathered());
+        x.register_hook([&](const torch::Tensor& grad) {
+          most_backward = std::max(most_backward, gathered());
+          return grad;
+        });
+        return x;
+      }));
+    }
+    FullyShardedDataParallel<torch::nn::Sequential> model(net, group);
+    model->forward(torch::randn({2, 1024})).sum().backward();
+    EXPECT_EQ(most_forward, 2u) << "a unit and the next one's prefetch";
+    EXPECT_LE(most_backward, 2u);
+    EXPECT_GE(most_backward, 1u);
   });
 }
 
@@ -293,13 +332,13 @@ TEST(FullyShardedDataParallel, SmallUnitsShareTheirCollectivesAndALargeOneGoesAl
   log.clear();
   auto x = torch::randn({3, 16});
   model->forward(x).sum().backward();
-  // Before forward, and again before backward (FullShard released them).
+  // In forward's order, then again in backward's (FullShard freed them).
   const std::vector<std::string> gathers{"all_gather of 6 units (0:Float to 5:Float) (1536 elements)",
                                          "all_gather of 6:Float (2097152 elements)",
                                          "all_gather of 7:Float (262144 elements)"};
-  auto twice = gathers;
-  twice.insert(twice.end(), gathers.begin(), gathers.end());
-  EXPECT_EQ(starting_with(log, "all_gather of"), twice);
+  auto both = gathers;
+  both.insert(both.end(), gathers.rbegin(), gathers.rend());
+  EXPECT_EQ(starting_with(log, "all_gather of"), both);
   EXPECT_EQ(starting_with(log, "reduce_scatter of"),
             (std::vector<std::string>{"reduce_scatter of 7:Float (262144 elements)",
                                       "reduce_scatter of 6:Float (2097152 elements)",

@@ -1,0 +1,168 @@
+// FullyShardedDataParallel's backward: gradients reduce-scattered into the
+// shards (Note [Sharded step] in src/fully_sharded.cpp).
+
+#include "mapped_memory.h"
+#include "sharded_state.h"
+
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+
+namespace lockstep {
+namespace detail {
+
+torch::autograd::variable_list ShardedCore::State::ReadyHook::operator()(
+    const torch::autograd::variable_list& outputs, const torch::autograd::variable_list& /*inputs*/) {
+  if (auto state = state_.lock()) {
+    Unwatched unwatched;
+    state->on_ready(flat_, index_);
+  }
+  return outputs;
+}
+
+void ShardedCore::State::on_ready(size_t f, size_t j) {
+  TORCH_CHECK(forwarded, where(), "parameter '", flats[f].names[j],
+              "' received a gradient, but no forward ran through FullyShardedDataParallel since the last backward. "
+              "Run forward through the FullyShardedDataParallel (not its module()) before each backward.");
+  if (!finalize_queued) {
+    finalize_queued = true;
+    std::weak_ptr<State> weak = shared_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto state = weak.lock()) {
+        Unwatched unwatched;
+        state->finalize();
+      }
+    });
+  }
+  if (!sync_at_forward) {
+    return; // no_sync: the whole gradient stays in .grad
+  }
+  auto& flat = flats[f];
+  if (!flat.ready[j]) {
+    flat.ready[j] = 1;
+    ++flat.ready_count;
+  }
+  if (flat.ready_count == flat.params.size() && strategy == ShardingStrategy::FullShard && pass == Pass::Backward) {
+    // Its backward is over: every use of it has given its gradient. Its
+    // prefetch may still be in flight, as when the first layer's backward
+    // never reads its weight (its input takes no gradient).
+    if (flat.pending) {
+      wait_in_flight(f);
+    }
+    release(flat, /*empty=*/false);
+  }
+  launch_ready();
+}
+
+// Buckets start in their fixed order, each once all its members' gradients
+// are in. Starting one lands the one before it, as FSDP2 waits for the
+// previous reduce-scatter: at most two buckets' padded gradients are alive.
+void ShardedCore::State::launch_ready() {
+  while (next_launch < reduce_buckets.size()) {
+    auto& bucket = reduce_buckets[next_launch];
+    for (size_t i : bucket.members) {
+      if (flats[i].ready_count < flats[i].params.size()) {
+        return;
+      }
+    }
+    launch(bucket);
+    if (next_launch > 0 && reduce_buckets[next_launch - 1].work) {
+      land(reduce_buckets[next_launch - 1]);
+    }
+    ++next_launch;
+  }
+}
+
+// The flat buffer's gradients in one padded buffer (zeros where none
+// came); the parameters' .grad dropped.
+torch::Tensor ShardedCore::State::padded_grads(FlatParam& flat) {
+  auto grads = empty_mapped(flat.layout.padded, flat.options()).zero_();
+  for (size_t j = 0; j < flat.params.size(); ++j) {
+    auto& grad = flat.params[j].mutable_grad();
+    if (grad.defined()) {
+      grads.narrow(0, flat.offsets[j], grad.numel()).copy_(grad.reshape({-1}));
+      grad = torch::Tensor();
+    }
+  }
+  return grads;
+}
+
+// The bucket's gradients averaged into a gradient of each member's shard:
+// one reduce-scatter whose input holds, rank by rank, each member's part
+// for that rank (or one allreduce of them all, NoShard).
+void ShardedCore::State::launch(Bucket& bucket) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  int64_t per_rank = 0;
+  for (size_t i : bucket.members) {
+    grads.push_back(padded_grads(flats[i]));
+    per_rank += flats[i].layout.shard;
+  }
+  const int64_t world = sharded() ? group.size() : 1;
+  auto input = grads[0];
+  if (grads.size() > 1) {
+    input = empty_mapped(world * per_rank, grads[0].options());
+    int64_t offset = 0;
+    for (size_t k = 0; k < grads.size(); ++k) {
+      const int64_t shard = flats[bucket.members[k]].layout.shard;
+      input.view({world, per_rank}).narrow(1, offset, shard).copy_(grads[k].view({world, shard}));
+      offset += shard;
+    }
+  }
+  bucket.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
+  const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +
+      " (" + std::to_string(input.numel()) + " elements)";
+  if (sharded()) {
+    bucket.output = torch::empty({per_rank}, input.options());
+    bucket.work = group.reduce_scatter_async(bucket.output, input, ReduceOp::Avg, what);
+  } else {
+    bucket.output = input;
+    bucket.work = group.allreduce_async({input}, ReduceOp::Avg, what);
+  }
+}
+
+// Waits for the bucket and adds each member's part to its shard's .grad.
+void ShardedCore::State::land(Bucket& bucket) {
+  bucket.work->wait();
+  if (timeline::enabled()) {
+    timeline::detail::record((sharded() ? "reduce_scatter " : "allreduce ") + bucket_name(bucket.members),
+                             bucket.start_us, timeline::detail::now_us(), "collectives",
+                             bucket.output.numel() * bucket.output.element_size() * (sharded() ? group.size() : 1));
+  }
+  int64_t offset = 0;
+  for (size_t i : bucket.members) {
+    auto& flat = flats[i];
+    auto reduced = bucket.output.narrow(0, offset, flat.layout.shard);
+    offset += flat.layout.shard;
+    auto& grad = flat.shard.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(reduced);
+    } else {
+      grad = bucket.members.size() == 1 ? bucket.output : reduced.clone(); // no view into a shared buffer
+    }
+    std::fill(flat.ready.begin(), flat.ready.end(), 0);
+    flat.ready_count = 0;
+  }
+  bucket.work.reset();
+  bucket.output = torch::Tensor();
+}
+
+void ShardedCore::State::finalize() {
+  finalize_queued = false;
+  forwarded = false;
+  if (sync_at_forward) {
+    for (; next_launch < reduce_buckets.size(); ++next_launch) {
+      launch(reduce_buckets[next_launch]);
+    }
+    for (auto& bucket : reduce_buckets) {
+      if (bucket.work) {
+        land(bucket);
+      }
+    }
+    next_launch = 0;
+  }
+  end_pass();
+}
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,113 @@
+#pragma once
+
+// Internal: ShardedCore's state and the steps of a sharded forward and
+// backward. The forward side (gathering, prefetch, freeing) is in
+// src/fully_sharded.cpp, the backward side (reduce-scatters) in
+// src/sharded_backward.cpp. Note [Sharded step] describes both.
+
+#include <lockstep/fully_sharded_data_parallel.h>
+
+#include "flat_param.h"
+#include "storage_watch.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<ShardedCore::State> {
+  static constexpr size_t kNone = std::numeric_limits<size_t>::max();
+  // Where the current step is: between before_forward and after_forward,
+  // between after_forward and the first gradient, in backward, or none.
+  enum class Pass { None, Forward, AfterForward, Backward };
+
+  ProcessGroup group;
+  ShardingStrategy strategy = ShardingStrategy::FullShard;
+  bool reshard_after_forward = true;
+  std::vector<FlatParam> flats; // the root's first, then the units' in order
+  Pass pass = Pass::None;
+  bool watched_pass = false; // this core began a pass of storage_watch.h
+  bool forwarded = false; // a forward ran whose backward has not ended
+  bool sync_at_forward = true;
+  bool finalize_queued = false;
+  bool summoned = false;
+  // Note [Shard buckets]: flat indices per all-gather (forward order), and
+  // the reduce-scatters (the reverse), each with what it started.
+  struct Bucket {
+    std::vector<size_t> members;
+    std::shared_ptr<Work> work;
+    torch::Tensor output;
+    int64_t start_us = 0;
+  };
+  std::vector<std::vector<size_t>> gather_buckets;
+  std::vector<size_t> bucket_of; // each flat's gather bucket
+  std::deque<Bucket> in_flight; // all-gathers started and not yet waited, in start order
+  // Gather buckets in the order this forward, and the last one, first used them.
+  std::vector<size_t> order, last_order;
+  std::vector<Bucket> reduce_buckets;
+  size_t next_launch = 0; // into reduce_buckets
+  // What is not sharded but is the model's state: buffers and frozen
+  // parameters, by name, the live tensors (Note [Sharded checkpoint]).
+  std::vector<std::pair<std::string, torch::Tensor>> whole;
+
+  std::string where() const {
+    return "lockstep::FullyShardedDataParallel: rank " + std::to_string(group.rank()) + " of " +
+        std::to_string(group.size()) + ": ";
+  }
+  bool sharded() const {
+    return strategy != ShardingStrategy::NoShard;
+  }
+  std::string bucket_name(const std::vector<size_t>& members) const;
+
+  // src/fully_sharded.cpp: gathering and freeing.
+  void plan_buckets();
+  void point_params_at_views(FlatParam& flat);
+  void start_bucket(size_t g);
+  void start_gather(Bucket& b);
+  void wait_in_flight(size_t flat = kNone);
+  void unpack_gathered(const Bucket& b);
+  void ensure_gathered(size_t f);
+  void gather_all();
+  void release(FlatParam& flat, bool empty);
+  void release_all();
+  void release_used(const std::vector<size_t>& touched);
+  size_t forward_after(size_t g) const;
+  size_t backward_after(size_t g) const;
+  void on_touch(const std::vector<size_t>& touched) override;
+  void begin_forward();
+  void begin_backward();
+  void end_pass();
+
+  // src/sharded_backward.cpp: gradients into the shards.
+  // Calls on_ready(flat, index) after autograd accumulates a parameter's
+  // gradient.
+  class ReadyHook : public torch::autograd::FunctionPostHook {
+   public:
+    ReadyHook(std::weak_ptr<State> state, size_t flat, size_t index)
+        : state_(std::move(state)), flat_(flat), index_(index) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list& inputs) override;
+
+   private:
+    std::weak_ptr<State> state_;
+    size_t flat_, index_;
+  };
+  void on_ready(size_t f, size_t j);
+  void launch_ready();
+  torch::Tensor padded_grads(FlatParam& flat);
+  void launch(Bucket& bucket);
+  void land(Bucket& bucket);
+  void finalize();
+};
+
+} // namespace detail
+} // namespace lockstep
