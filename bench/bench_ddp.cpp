@@ -3,6 +3,7 @@
 //
 //   lockstep-bench-ddp MODE MODEL STEPS
 //   lockstep-bench-ddp recorder      (the flight recorder's cost per collective)
+//   lockstep-bench-ddp collectives   (under a launcher: allreduce, all_gather, reduce_scatter of 4 MiB)
 //
 // MODE: lockstep | views (gradient_as_bucket_view) | static (static_graph) |
 // norebuild (buckets kept in reverse registration order) | norecorder (the
@@ -208,11 +209,44 @@ int time_recorder() {
   return 0;
 }
 
+// `lockstep-bench-ddp collectives`, under a launcher: milliseconds per
+// collective on 4 MiB of floats (the gathered or reduced size, as FSDP's
+// units and DDP's buckets are counted), median of 30, one after another.
+int time_collectives() {
+  at::set_num_threads(1);
+  auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("gloo"));
+  const int64_t n = (4 << 20) / 4 / group.size() * group.size();
+  auto whole = torch::ones({n});
+  auto shard = torch::ones({n / group.size()});
+  std::vector<std::pair<std::string, std::function<void()>>> kinds{
+      {"allreduce", [&] { group.allreduce_async({whole}, lockstep::ReduceOp::Sum, "allreduce")->wait(); }},
+      {"all_gather", [&] { group.all_gather_into_async(whole, shard, "all_gather")->wait(); }},
+      {"reduce_scatter", [&] { group.reduce_scatter_async(shard, whole, lockstep::ReduceOp::Sum, "reduce_scatter")->wait(); }}};
+  for (auto& [name, call] : kinds) {
+    std::vector<double> ms;
+    for (int i = 0; i < 35; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      call();
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    ms.erase(ms.begin(), ms.begin() + 5);
+    std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+    if (group.rank() == 0) {
+      std::printf("%s of 4 MiB over gloo, %d ranks: %.2f ms (median of 30)\n", name.c_str(), group.size(),
+                  ms[ms.size() / 2]);
+    }
+  }
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   if (argc == 2 && std::string(argv[1]) == "recorder") {
     return time_recorder();
+  }
+  if (argc == 2 && std::string(argv[1]) == "collectives") {
+    return time_collectives();
   }
   std::string mode;
   std::string model;

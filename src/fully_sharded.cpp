@@ -38,11 +38,13 @@ namespace detail {
 //    gathered at a time, and the root, whose parameters run around the
 //    units (an embedding, a head), stays gathered. The order is the flats'
 //    in the first forward, then the order the last forward used them in.
-//  - after forward, every unit but the root is freed (its StorageImpl stays,
-//    so autograd's saved views of it are filled again in place);
-//  - the first gradient of the outputs starts the all-gather of forward's
-//    last unit, and in backward the first operator that reads a unit's
-//    saved parameters waits for it and starts the unit before it;
+//  - after forward, every unit but the root and the last one is freed (its
+//    StorageImpl stays, so autograd's saved views of it are filled again in
+//    place); the last is the first that backward reads;
+//  - in backward, the first operator that reads a unit's saved parameters
+//    waits for it and starts the all-gather of the unit before it, unless
+//    the last backward never read that one (a first layer, whose input
+//    takes no gradient, needs only its input to compute its gradients);
 //  - once every parameter of a flat buffer has its gradient (autograd ran
 //    every use of it), its buffer is freed, and its gradients are copied
 //    into one padded buffer (the parameters' .grad dropped) and
@@ -152,6 +154,8 @@ void ShardedCore::State::plan_buckets() {
       bucket_of[i] = g;
     }
   }
+  backward_reads.assign(gather_buckets.size(), 0);
+  last_backward_reads.assign(gather_buckets.size(), 1); // before any backward, expect every one read
   for (auto& members : shard_buckets(bytes, keys, kShardBucketBytes, {forward.rbegin(), forward.rend()})) {
     reduce_buckets.push_back(Bucket{std::move(members), nullptr, torch::Tensor(), 0});
   }
@@ -341,7 +345,11 @@ void ShardedCore::State::on_touch(const std::vector<size_t>& touched) {
     }
     next = forward_after(g);
   } else if (pass == Pass::Backward) {
+    backward_reads[g] = 1;
     next = backward_after(g);
+    if (next != kNone && !last_backward_reads[next]) {
+      next = kNone; // the last backward never read it (a first layer, whose input takes no gradient)
+    }
   }
   if (next != kNone) {
     start_bucket(next);
@@ -379,6 +387,10 @@ void ShardedCore::State::begin_backward() {
 }
 
 void ShardedCore::State::end_pass() {
+  if (pass == Pass::Backward) {
+    last_backward_reads = backward_reads;
+    std::fill(backward_reads.begin(), backward_reads.end(), 0);
+  }
   release_all();
   pass = Pass::None;
   if (watched_pass) {
@@ -502,9 +514,11 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
   }
   s.pass = State::Pass::AfterForward;
   if (s.strategy == ShardingStrategy::FullShard && s.reshard_after_forward) {
-    for (auto& flat : s.flats) {
-      if (!flat.unit.empty()) {
-        s.release(flat, /*empty=*/false); // the next operator to read it gathers it again
+    // Forward's last unit stays: backward reads it first.
+    const size_t last = s.order.empty() ? State::kNone : s.order.back();
+    for (size_t i = 0; i < s.flats.size(); ++i) {
+      if (!s.flats[i].unit.empty() && s.bucket_of[i] != last) {
+        s.release(s.flats[i], /*empty=*/false); // the next operator to read it gathers it again
       }
     }
   }

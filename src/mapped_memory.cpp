@@ -7,29 +7,74 @@
 
 #include <cerrno>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 
 namespace lockstep {
 namespace detail {
 
 namespace {
 
+// Note [Pages for transient buffers]: up to kPooledBytes of freed mappings
+// are kept, by length, for the next buffer of that length. A step allocates
+// the sizes the step before did, and faulting in fresh pages for every
+// gathered unit, gradient buffer and bucket cost about a fifth of a step;
+// the cap keeps what the pool holds below two of the large units whose
+// memory sharding is there to save.
+constexpr size_t kPooledBytes = 32 << 20;
+
 struct Mapping {
   void* address;
   size_t bytes;
 };
 
-void unmap(void* context) {
-  auto* mapping = static_cast<Mapping*>(context);
-  ::munmap(mapping->address, mapping->bytes);
-  delete mapping;
+struct Pool {
+  std::mutex mutex;
+  std::multimap<size_t, void*> free; // by length
+  size_t bytes = 0;
+};
+
+Pool& pool() {
+  static auto* pool = new Pool(); // never destroyed: buffers may die during static destruction
+  return *pool;
 }
 
-// Note [Pages for transient buffers].
+void unmap(void* context) {
+  std::unique_ptr<Mapping> mapping(static_cast<Mapping*>(context));
+  {
+    auto& p = pool();
+    std::lock_guard<std::mutex> lock(p.mutex);
+    if (p.bytes + mapping->bytes <= kPooledBytes) {
+      p.free.emplace(mapping->bytes, mapping->address);
+      p.bytes += mapping->bytes;
+      return;
+    }
+  }
+  ::munmap(mapping->address, mapping->bytes);
+}
+
+void* pooled(size_t length) {
+  auto& p = pool();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  auto it = p.free.find(length);
+  if (it == p.free.end()) {
+    return nullptr;
+  }
+  void* address = it->second;
+  p.free.erase(it);
+  p.bytes -= length;
+  return address;
+}
+
 c10::DataPtr map_pages(size_t bytes) {
   const size_t length = bytes == 0 ? 1 : bytes;
-  void* address = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(address != MAP_FAILED, "lockstep: could not map ", length, " bytes for a sharded model's buffer: ",
-              std::strerror(errno), ". The machine is out of memory; use fewer or smaller units.");
+  void* address = pooled(length);
+  if (address == nullptr) {
+    address = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(address != MAP_FAILED, "lockstep: could not map ", length, " bytes for a sharded model's buffer: ",
+                std::strerror(errno), ". The machine is out of memory; use fewer or smaller units.");
+  }
   return c10::DataPtr(address, new Mapping{address, length}, &unmap, c10::Device(c10::kCPU));
 }
 

@@ -17,7 +17,9 @@ namespace detail {
 // rises to the size of the first buffers freed, later ones come from
 // per-thread arenas, and fragmentation kept up to three times DDP's resident
 // memory (docs/performance.md). Mapped pages are unmapped when the tensor
-// dies, so the memory that sharding saves is really returned.
+// dies, so the memory that sharding saves is really returned, except for a
+// small pool (32 MiB) of freed mappings that the next buffer of the same
+// length takes, since every step allocates the lengths the step before did.
 
 /// An uninitialised tensor of `numel` elements whose memory, on the CPU, is
 /// its own anonymous mapping; elsewhere, torch::empty's.

@@ -53,6 +53,8 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   std::deque<Bucket> in_flight; // all-gathers started and not yet waited, in start order
   // Gather buckets in the order this forward, and the last one, first used them.
   std::vector<size_t> order, last_order;
+  // Per gather bucket, whether this backward, and the last one, read it.
+  std::vector<char> backward_reads, last_backward_reads;
   std::vector<Bucket> reduce_buckets;
   size_t next_launch = 0; // into reduce_buckets
   // What is not sharded but is the model's state: buffers and frozen

@@ -332,17 +332,46 @@ TEST(FullyShardedDataParallel, SmallUnitsShareTheirCollectivesAndALargeOneGoesAl
   log.clear();
   auto x = torch::randn({3, 16});
   model->forward(x).sum().backward();
-  // In forward's order, then again in backward's (FullShard freed them).
+  // In forward's order, then again in backward's (FullShard freed them all
+  // but the last, which backward reads first).
   const std::vector<std::string> gathers{"all_gather of 6 units (0:Float to 5:Float) (1536 elements)",
                                          "all_gather of 6:Float (2097152 elements)",
                                          "all_gather of 7:Float (262144 elements)"};
   auto both = gathers;
-  both.insert(both.end(), gathers.rbegin(), gathers.rend());
+  both.insert(both.end(), gathers.rbegin() + 1, gathers.rend());
   EXPECT_EQ(starting_with(log, "all_gather of"), both);
   EXPECT_EQ(starting_with(log, "reduce_scatter of"),
             (std::vector<std::string>{"reduce_scatter of 7:Float (262144 elements)",
                                       "reduce_scatter of 6:Float (2097152 elements)",
                                       "reduce_scatter of 6 units (5:Float to 0:Float) (1536 elements)"}));
+}
+
+// The first layer's backward reads only its input, when the input takes no
+// gradient: its gather in backward is wasted once, then no longer
+// prefetched, and gathered on demand when a backward reads it after all.
+TEST(FullyShardedDataParallel, BackwardPrefetchesOnlyTheUnitsTheLastBackwardRead) {
+  torch::manual_seed(5);
+  torch::nn::Sequential net(torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 2));
+  auto bare = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+  std::vector<std::string> log;
+  FullyShardedDataParallel<torch::nn::Sequential> model(net, ProcessGroup(std::make_shared<CountingGroup>(log)));
+  auto gathers_of_first = [&] {
+    auto gathers = starting_with(log, "all_gather of 0:Float");
+    log.clear();
+    return gathers.size();
+  };
+  auto x = torch::randn({3, 1024});
+  log.clear();
+  model->forward(x).sum().backward();
+  EXPECT_EQ(gathers_of_first(), 2u) << "forward, and backward's prefetch";
+  model->forward(x).sum().backward();
+  EXPECT_EQ(gathers_of_first(), 1u) << "forward only";
+  auto input = x.clone().requires_grad_(true);
+  model->forward(input).sum().backward();
+  EXPECT_EQ(gathers_of_first(), 2u) << "forward, and backward's read on demand";
+  auto expected = x.clone().requires_grad_(true);
+  bare->forward(expected).sum().backward();
+  EXPECT_TRUE(torch::allclose(input.grad(), expected.grad(), 1e-5, 1e-6));
 }
 
 TEST(FullyShardedDataParallel, AFullOptimizerStateFromRankZeroLoadsIntoABareOptimizer) {

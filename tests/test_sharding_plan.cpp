@@ -1,7 +1,9 @@
-// FullyShardedDataParallel's pure planning: units and shard layouts, with no
-// tensors and no threads.
+// FullyShardedDataParallel's pure planning (units and shard layouts, with no
+// tensors), and its pool of mapped pages; no threads.
 
 #include <lockstep/detail/sharded_core.h>
+
+#include "../src/mapped_memory.h"
 
 #include <gtest/gtest.h>
 
@@ -36,6 +38,22 @@ TEST(ShardingPlan, ShardsArePaddedToAMultipleOfTheWorldSize) {
   EXPECT_EQ(tiny.shard, 1);
   EXPECT_EQ(tiny.padded, 4);
   EXPECT_EQ(shard_layout(0, 3).shard, 0);
+}
+
+// Note [Pages for transient buffers]: a step allocates the sizes the step
+// before freed, so freed mappings are kept for the next of their length.
+TEST(MappedMemory, AFreedBufferServesTheNextOfItsLength) {
+  const int64_t numel = (1 << 18) + 12345; // a length no other test allocates
+  const void* first = nullptr;
+  {
+    auto buffer = empty_mapped(numel, torch::kFloat);
+    first = buffer.data_ptr();
+    buffer.fill_(1.0);
+  }
+  auto again = empty_mapped(numel, torch::kFloat);
+  EXPECT_EQ(again.data_ptr(), first);
+  auto longer = empty_mapped(numel + 1, torch::kFloat);
+  EXPECT_NE(longer.data_ptr(), first);
 }
 
 } // namespace

@@ -319,26 +319,41 @@ void combine(torch::Tensor& into, const torch::Tensor& from, ReduceOp op) {
   }
 }
 
+// At step s rank r sends its partial sum of chunk (r-s-1) mod W and adds
+// its own input's chunk (r-s-2) mod W to the partial that rank r-1 sends.
+// Step 0 sends the input's chunk as it is and the last step receives
+// straight into `output`, so two ranks copy nothing; more ranks pass the
+// partials on through two buffers (one sent while the next arrives).
 void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, const torch::Tensor& input, ReduceOp op,
                          int first_tag) {
+  if (!input.is_cpu() || !output.is_cpu()) {
+    auto on_cpu = torch::empty({output.numel()}, output.options().device(torch::kCPU));
+    ring_reduce_scatter(group, on_cpu, input.to(torch::kCPU), op, first_tag);
+    output.copy_(on_cpu.view_as(output));
+    return;
+  }
   const int size = group.getSize();
   const int rank = group.getRank();
   const int64_t n = output.numel();
-  // Note [Pages for transient buffers]: this thread frees what it allocates.
-  auto sums = empty_mapped(input.numel(), input.options().device(torch::kCPU)).copy_(input.reshape({-1}));
-  auto incoming = empty_mapped(n, sums.options());
-  auto chunk = [&](int i) { return sums.narrow(0, ((i % size + size) % size) * n, n); };
+  const auto flat = input.reshape({-1});
+  auto chunk = [&](int i) { return flat.narrow(0, ((i % size + size) % size) * n, n); };
+  torch::Tensor partial = chunk(rank - 1);
+  torch::Tensor spare[2];
   for (int step = 0; step < size - 1; ++step) {
-    std::vector<torch::Tensor> sent{chunk(rank - step - 1)};
-    std::vector<torch::Tensor> received{incoming};
+    auto& buffer = spare[step % 2];
+    if (step < size - 2 && !buffer.defined()) {
+      buffer = empty_mapped(n, flat.options()); // Note [Pages for transient buffers]: this thread frees it
+    }
+    auto received = step == size - 2 ? output.view({-1}) : buffer;
+    std::vector<torch::Tensor> sent{partial};
+    std::vector<torch::Tensor> into{received};
     auto send = group.send(sent, (rank + 1) % size, first_tag + step);
-    auto recv = group.recv(received, (rank - 1 + size) % size, first_tag + step);
+    auto recv = group.recv(into, (rank - 1 + size) % size, first_tag + step);
     recv->wait();
     send->wait();
-    auto into = chunk(rank - step - 2);
-    combine(into, incoming, op);
+    combine(received, chunk(rank - step - 2), op);
+    partial = received;
   }
-  output.copy_(chunk(rank).view_as(output));
 }
 
 // The all-gather ring: at step s rank r passes on the shard of rank
