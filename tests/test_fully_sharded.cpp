@@ -145,7 +145,8 @@ TEST(FullyShardedDataParallel, BetweenForwardAndBackwardAFreedUnitIsGatheredAgai
     const auto& weight = model->module()->fc1->weight;
     EXPECT_EQ(weight.storage().nbytes(), 0u) << "fc1 is freed after forward";
     EXPECT_EQ(model->module()->scale.numel(), 1) << "the root stays gathered";
-    EXPECT_TRUE(torch::equal(weight * 1, initial->fc1->weight)) << "reading it gathers it";
+    EXPECT_THROW(weight.data_ptr<float>(), c10::Error) << "a raw read is no operator: refused, never garbage";
+    EXPECT_TRUE(torch::equal(weight * 1, initial->fc1->weight)) << "an operator reading it gathers it";
     loss.backward();
     adam.step();
     EXPECT_EQ(weight.numel(), 0) << "outside forward and backward, never stale values";
