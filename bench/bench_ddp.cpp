@@ -17,7 +17,7 @@
 // them) | wide (8 x Linear(2048, 2048): Adam's state dominates memory);
 // global batch 256, split over the ranks. --optimizer adam replaces SGD with
 // momentum. Rank 0 prints one line:
-//   MODE MODEL steps_per_s=X rss_mb=R0,R1
+//   MODE MODEL steps_per_s=X rss_mb=R0,R1 base_mb=B0,B1 (peak RSS, and before the model)
 
 #include <examples/blas_check.h>
 #include <examples/models.h>
@@ -83,6 +83,16 @@ bool sharded(const std::string& mode) {
   return mode.rfind("fullshard", 0) == 0 || mode.rfind("gradop", 0) == 0 || mode == "noshard";
 }
 
+double peak_rss_mb() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;
+}
+
+// The process's peak before the model is built: LibTorch, the group, and
+// (with the CUDA wheel) the CUDA libraries it maps even with no GPU.
+double base_rss_mb = 0;
+
 template <typename M>
 void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
          const std::string& optimizer_name) {
@@ -143,13 +153,16 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
   }
   group.barrier();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  auto rss = group.all_gather(torch::tensor({static_cast<double>(usage.ru_maxrss) / 1024.0}, torch::kDouble));
+  auto rss = group.all_gather(torch::tensor({peak_rss_mb()}, torch::kDouble));
+  auto base = group.all_gather(torch::tensor({base_rss_mb}, torch::kDouble));
   if (group.rank() == 0) {
     std::printf("%s %s steps_per_s=%.2f rss_mb=", mode.c_str(), model.c_str(), steps / seconds);
     for (size_t r = 0; r < rss.size(); ++r) {
       std::printf("%s%.1f", r ? "," : "", rss[r].item<double>());
+    }
+    std::printf(" base_mb=");
+    for (size_t r = 0; r < base.size(); ++r) {
+      std::printf("%s%.1f", r ? "," : "", base[r].item<double>());
     }
     std::printf("\n");
   }
@@ -288,6 +301,7 @@ int main(int argc, char** argv) {
     auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(
         mode == "mpi" || mode.find("-mpi") != std::string::npos ? "mpi" : "gloo"));
     torch::manual_seed(0);
+    base_rss_mb = peak_rss_mb();
     if (model == "reversed") {
       run(ReversedDeep(), group, mode, model, steps, optimizer);
     } else {

@@ -78,18 +78,25 @@ done
 import collections, statistics, sys
 rates = collections.defaultdict(list)
 rss = collections.defaultdict(list)
+base = collections.defaultdict(list)  # peak RSS before the model (lockstep's contenders only)
 for line in open(sys.argv[1]):
-    mode, model, sps, mem = line.split()
+    mode, model, sps, mem, *rest = line.split()
     rates[(model, mode)].append(float(sps.split("=")[1]))
     rss[(model, mode)].append(max(float(v) for v in mem.split("=")[1].split(",")))
+    for field in rest:
+        if field.startswith("base_mb="):
+            base[(model, mode)].append(max(float(v) for v in field.split("=")[1].split(",")))
 for model in sys.argv[2:]:
     med = {mode: statistics.median(rates[(model, mode)]) for (m, mode) in rates if m == model}
     print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
     known = ("lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi", "python", "naive", "nocomm",
              "gradop", "fullshard", "noshard", "gradop-mpi", "fullshard-mpi", "python-fsdp")
     for mode in [m for m in known if m in med]:
+        above = ""
+        if base[(model, mode)]:
+            above = f" ({statistics.median(rss[(model, mode)]) - statistics.median(base[(model, mode)]):.1f} above the process before the model)"
         print(f"  {mode:13s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
-              f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB")
+              f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB{above}")
     for peer in [m for m in ("python", "nocomm") if "mpi" in med and m in med]:
         print(f"  mpi/{peer} = {med['mpi'] / med[peer]:.3f}")
     # Sharded data parallelism against DDP on the same backend, and against PyTorch's FSDP.
