@@ -298,11 +298,13 @@ void ShardedCore::State::release_all() {
 
 // FullShard's forward frees each unit an operator used once an operator
 // reads another: at most that unit and the next one's prefetch are
-// gathered (and the root, which stays for backward).
+// gathered (and the root, which stays for backward). The bucket forward
+// is expected to end in stays whole: backward reads it first.
 void ShardedCore::State::release_used(const std::vector<size_t>& touched) {
+  const size_t last = last_order.empty() ? gather_buckets.size() - 1 : last_order.back();
   for (size_t i = 0; i < flats.size(); ++i) {
     auto& flat = flats[i];
-    if (flat.used && flat.gathered && !flat.unit.empty() &&
+    if (flat.used && flat.gathered && !flat.unit.empty() && bucket_of[i] != last &&
         std::find(touched.begin(), touched.end(), i) == touched.end()) {
       release(flat, /*empty=*/false);
     }

@@ -132,7 +132,7 @@ TEST(FullyShardedDataParallel, ParametersAreThisRanksShardsPaddedToTheWorldSize)
 // FullShard releases the units after forward: their parameters are empty
 // until backward gathers them again, so a forward whose backward never comes
 // leaves nothing that reads released memory.
-TEST(FullyShardedDataParallel, BetweenForwardAndBackwardAFreedUnitIsGatheredAgainWhenRead) {
+TEST(FullyShardedDataParallel, AForwardWithoutBackwardLeavesNoStaleParameters) {
   torch::manual_seed(8);
   OddNet initial;
   auto reference = testing::train_reference(initial, 1, 12);
@@ -141,16 +141,31 @@ TEST(FullyShardedDataParallel, BetweenForwardAndBackwardAFreedUnitIsGatheredAgai
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
     auto batch = testing::share_of(12, 0, group.rank(), 2);
     model->forward(batch.first); // no backward
+    EXPECT_TRUE(torch::equal(model->module()->fc1->weight * 1, initial->fc1->weight)) << "an operator reads the values";
     auto loss = torch::mse_loss(model->forward(batch.first), batch.second);
-    const auto& weight = model->module()->fc1->weight;
-    EXPECT_EQ(weight.storage().nbytes(), 0u) << "fc1 is freed after forward";
-    EXPECT_EQ(model->module()->scale.numel(), 1) << "the root stays gathered";
-    EXPECT_THROW(weight.data_ptr<float>(), c10::Error) << "a raw read is no operator: refused, never garbage";
-    EXPECT_TRUE(torch::equal(weight * 1, initial->fc1->weight)) << "an operator reading it gathers it";
     loss.backward();
     adam.step();
-    EXPECT_EQ(weight.numel(), 0) << "outside forward and backward, never stale values";
+    EXPECT_EQ(model->module()->fc1->weight.numel(), 0) << "outside forward and backward, never stale values";
     testing::check_full_params(model, reference, kCheck, "after a forward without backward");
+  });
+}
+
+// Three layers, each its own all-gather (4 MiB): forward frees the first
+// once the second runs.
+TEST(FullyShardedDataParallel, BetweenForwardAndBackwardAFreedUnitIsGatheredAgainWhenRead) {
+  torch::manual_seed(8);
+  torch::nn::Sequential net(torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 2));
+  const auto initial = net[0]->as<torch::nn::Linear>()->weight.clone();
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(
+        std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone()), group);
+    auto loss = model->forward(torch::randn({2, 1024})).sum();
+    const auto& weight = model->module()[0]->as<torch::nn::Linear>()->weight;
+    EXPECT_EQ(weight.storage().nbytes(), 0u) << "the first layer is freed after forward";
+    EXPECT_THROW(weight.data_ptr<float>(), c10::Error) << "a raw read is no operator: refused, never garbage";
+    EXPECT_TRUE(torch::equal(weight * 1, initial)) << "an operator reading it gathers it";
+    loss.backward();
+    EXPECT_EQ(weight.numel(), 0) << "outside forward and backward, never stale values";
   });
 }
 
