@@ -129,9 +129,8 @@ TEST(FullyShardedDataParallel, ParametersAreThisRanksShardsPaddedToTheWorldSize)
   });
 }
 
-// FullShard releases the units after forward: their parameters are empty
-// until backward gathers them again, so a forward whose backward never comes
-// leaves nothing that reads released memory.
+// A forward whose backward never comes: the parameters read their values
+// through operators until the next backward ends, and are empty after it.
 TEST(FullyShardedDataParallel, AForwardWithoutBackwardLeavesNoStaleParameters) {
   torch::manual_seed(8);
   OddNet initial;
@@ -147,60 +146,6 @@ TEST(FullyShardedDataParallel, AForwardWithoutBackwardLeavesNoStaleParameters) {
     adam.step();
     EXPECT_EQ(model->module()->fc1->weight.numel(), 0) << "outside forward and backward, never stale values";
     testing::check_full_params(model, reference, kCheck, "after a forward without backward");
-  });
-}
-
-// Three layers, each its own all-gather (4 MiB): forward frees the first
-// once the second runs.
-TEST(FullyShardedDataParallel, BetweenForwardAndBackwardAFreedUnitIsGatheredAgainWhenRead) {
-  torch::manual_seed(8);
-  torch::nn::Sequential net(torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 2));
-  const auto initial = net[0]->as<torch::nn::Linear>()->weight.clone();
-  testing::spawn(2, [&](ProcessGroup& group) {
-    FullyShardedDataParallel<torch::nn::Sequential> model(
-        std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone()), group);
-    auto loss = model->forward(torch::randn({2, 1024})).sum();
-    const auto& weight = model->module()[0]->as<torch::nn::Linear>()->weight;
-    EXPECT_EQ(weight.storage().nbytes(), 0u) << "the first layer is freed after forward";
-    EXPECT_THROW(weight.data_ptr<float>(), c10::Error) << "a raw read is no operator: refused, never garbage";
-    EXPECT_TRUE(torch::equal(weight * 1, initial)) << "an operator reading it gathers it";
-    loss.backward();
-    EXPECT_EQ(weight.numel(), 0) << "outside forward and backward, never stale values";
-  });
-}
-
-// Each layer its own unit and its own all-gather (4 MiB), and a probe
-// between layers that counts the units whose memory is there, in forward
-// and, through a gradient hook, in backward.
-TEST(FullyShardedDataParallel, AtMostTwoUnitsAreGatheredAtOnceInForwardAndBackward) {
-  torch::manual_seed(3);
-  constexpr int kLayers = 6;
-  testing::spawn(2, [&](ProcessGroup& group) {
-    torch::nn::Sequential net;
-    std::vector<torch::Tensor> weights;
-    size_t most_forward = 0, most_backward = 0;
-    auto gathered = [&] {
-      return static_cast<size_t>(std::count_if(weights.begin(), weights.end(),
-                                               [](const torch::Tensor& w) { return w.storage().nbytes() > 0; }));
-    };
-    for (int i = 0; i < kLayers; ++i) {
-      torch::nn::Linear layer(torch::nn::LinearOptions(1024, 1024).bias(false));
-      weights.push_back(layer->weight);
-      net->push_back(layer);
-      net->push_back(torch::nn::Functional([&](torch::Tensor x) {
-        most_forward = std::max(most_forward, gathered());
-        x.register_hook([&](const torch::Tensor& grad) {
-          most_backward = std::max(most_backward, gathered());
-          return grad;
-        });
-        return x;
-      }));
-    }
-    FullyShardedDataParallel<torch::nn::Sequential> model(net, group);
-    model->forward(torch::randn({2, 1024})).sum().backward();
-    EXPECT_EQ(most_forward, 2u) << "a unit and the next one's prefetch";
-    EXPECT_LE(most_backward, 2u);
-    EXPECT_GE(most_backward, 1u);
   });
 }
 
@@ -278,116 +223,6 @@ TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) 
   torch::load(bare, path);
   testing::expect_params_close(*bare, *reference, 1e-5, 1e-5);
   std::remove(path.c_str());
-}
-
-// A group of one that keeps the name of every collective it is asked for.
-class CountingGroup : public GroupImpl {
- public:
-  explicit CountingGroup(std::vector<std::string>& log) : log_(&log) {}
-  int rank() const override {
-    return 0;
-  }
-  int size() const override {
-    return 1;
-  }
-  std::string backend() const override {
-    return "counting";
-  }
-  std::chrono::milliseconds timeout() const override {
-    return kDefaultTimeout;
-  }
-  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>&, ReduceOp, std::string what) override {
-    return done(what);
-  }
-  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>&, int, std::string what) override {
-    return done(what);
-  }
-  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
-    outputs[0].copy_(input);
-    return done(what);
-  }
-  std::shared_ptr<Work> barrier(std::string what) override {
-    return done(what);
-  }
-  std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp, std::string what) override {
-    output.copy_(input.view_as(output));
-    return done(what);
-  }
-
- private:
-  struct Done : Work {
-    void wait() override {}
-  };
-  std::shared_ptr<Work> done(const std::string& what) {
-    log_->push_back(what);
-    return std::make_shared<Done>();
-  }
-  std::vector<std::string>* log_;
-};
-
-std::vector<std::string> starting_with(const std::vector<std::string>& log, const std::string& prefix) {
-  std::vector<std::string> found;
-  for (const auto& what : log) {
-    if (what.rfind(prefix, 0) == 0) {
-      found.push_back(what);
-    }
-  }
-  return found;
-}
-
-TEST(FullyShardedDataParallel, SmallUnitsShareTheirCollectivesAndALargeOneGoesAlone) {
-  // Six units of 1 KiB, one of 8 MiB (past the 4 MiB bucket), one of 1 KiB.
-  torch::nn::Sequential net;
-  for (int i = 0; i < 6; ++i) {
-    net->push_back(torch::nn::Linear(torch::nn::LinearOptions(16, 16).bias(false)));
-  }
-  net->push_back(torch::nn::Linear(torch::nn::LinearOptions(16, 131072).bias(false)));
-  net->push_back(torch::nn::Linear(torch::nn::LinearOptions(131072, 2).bias(false)));
-  std::vector<std::string> log;
-  FullyShardedDataParallel<torch::nn::Sequential> model(net, ProcessGroup(std::make_shared<CountingGroup>(log)));
-  log.clear();
-  auto x = torch::randn({3, 16});
-  model->forward(x).sum().backward();
-  // In forward's order, then again in backward's (FullShard freed them all
-  // but the last, which backward reads first).
-  const std::vector<std::string> gathers{"all_gather of 6 units (0:Float to 5:Float) (1536 elements)",
-                                         "all_gather of 6:Float (2097152 elements)",
-                                         "all_gather of 7:Float (262144 elements)"};
-  auto both = gathers;
-  both.insert(both.end(), gathers.rbegin() + 1, gathers.rend());
-  EXPECT_EQ(starting_with(log, "all_gather of"), both);
-  EXPECT_EQ(starting_with(log, "reduce_scatter of"),
-            (std::vector<std::string>{"reduce_scatter of 7:Float (262144 elements)",
-                                      "reduce_scatter of 6:Float (2097152 elements)",
-                                      "reduce_scatter of 6 units (5:Float to 0:Float) (1536 elements)"}));
-}
-
-// The first layer's backward reads only its input, when the input takes no
-// gradient: its gather in backward is wasted once, then no longer
-// prefetched, and gathered on demand when a backward reads it after all.
-TEST(FullyShardedDataParallel, BackwardPrefetchesOnlyTheUnitsTheLastBackwardRead) {
-  torch::manual_seed(5);
-  torch::nn::Sequential net(torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 2));
-  auto bare = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
-  std::vector<std::string> log;
-  FullyShardedDataParallel<torch::nn::Sequential> model(net, ProcessGroup(std::make_shared<CountingGroup>(log)));
-  auto gathers_of_first = [&] {
-    auto gathers = starting_with(log, "all_gather of 0:Float");
-    log.clear();
-    return gathers.size();
-  };
-  auto x = torch::randn({3, 1024});
-  log.clear();
-  model->forward(x).sum().backward();
-  EXPECT_EQ(gathers_of_first(), 2u) << "forward, and backward's prefetch";
-  model->forward(x).sum().backward();
-  EXPECT_EQ(gathers_of_first(), 1u) << "forward only";
-  auto input = x.clone().requires_grad_(true);
-  model->forward(input).sum().backward();
-  EXPECT_EQ(gathers_of_first(), 2u) << "forward, and backward's read on demand";
-  auto expected = x.clone().requires_grad_(true);
-  bare->forward(expected).sum().backward();
-  EXPECT_TRUE(torch::allclose(input.grad(), expected.grad(), 1e-5, 1e-6));
 }
 
 TEST(FullyShardedDataParallel, AFullOptimizerStateFromRankZeroLoadsIntoABareOptimizer) {
