@@ -38,18 +38,18 @@ namespace detail {
 //    gathered at a time, and the root, whose parameters run around the
 //    units (an embedding, a head), stays gathered. The order is the flats'
 //    in the first forward, then the order the last forward used them in.
-//  - after forward, every unit but the root and the last one is freed (its
-//    StorageImpl stays, so autograd's saved views of it are filled again in
-//    place); the last is the first that backward reads;
+//  - after forward, every unit is freed but the root and the bucket forward
+//    ended in, which backward reads first (a unit's StorageImpl stays, so
+//    autograd's saved views of it are filled again in place);
 //  - in backward, the first operator that reads a unit's saved parameters
 //    waits for it and starts the all-gather of the unit before it, unless
 //    the last backward never read that one (a first layer, whose input
 //    takes no gradient, needs only its input to compute its gradients);
 //  - once every parameter of a flat buffer has its gradient (autograd ran
-//    every use of it), its buffer is freed, and its gradients are copied
-//    into one padded buffer (the parameters' .grad dropped) and
-//    reduce-scattered, averaged, into a gradient of the shard, with the rest
-//    of its bucket. Buckets start in a fixed order, the reverse of the
+//    every use of it), its buffer is freed; once its whole bucket has its
+//    gradients, they are written, rank by rank and padded with zeros, into
+//    one buffer (the parameters' .grad dropped) and reduce-scattered,
+//    averaged, into a gradient of each shard. Buckets start in a fixed order, the reverse of the
 //    units', so that every rank starts the same collectives in the same
 //    order; one whose gradients are not all there holds back the ones after
 //    it until the end of backward, where what never came is zero. Starting
@@ -76,9 +76,9 @@ namespace detail {
 // device therefore share one all-gather (in forward order) and one
 // reduce-scatter (in backward's order), as DDP's buckets share an
 // allreduce, up to kShardBucketBytes gathered. The price is a copy
-// of the bucket's parameters out of the gathered buffer, and of its
-// gradients into the reduce-scatter's input, and that buffer's transient
-// memory. A unit of at least kShardBucketBytes is a bucket of its own and
+// of the bucket's parameters out of the gathered buffer into each unit's,
+// and that buffer's transient memory (gradients are written straight into
+// their places in the reduce-scatter's input). A unit of at least kShardBucketBytes is a bucket of its own and
 // gathers straight into its buffer. A bucket's reduce-scatter starts when
 // its last member's gradients are in, so it still overlaps the backward of
 // the units before it.

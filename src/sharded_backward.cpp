@@ -73,18 +73,35 @@ void ShardedCore::State::launch_ready() {
   }
 }
 
-// The flat buffer's gradients in one padded buffer (zeros where none
-// came); the parameters' .grad dropped.
-torch::Tensor ShardedCore::State::padded_grads(FlatParam& flat) {
-  auto grads = empty_mapped(flat.layout.padded, flat.options()).zero_();
+// Writes the flat buffer's gradients into `rows`, a [W, shard] view whose
+// row r is rank r's part (zeros where no gradient came, and in the
+// padding), and drops the parameters' .grad.
+void ShardedCore::State::write_grads(FlatParam& flat, const torch::Tensor& rows) {
+  const int64_t shard = flat.layout.shard;
+  // Elements [begin, end) of the flat buffer, row by row: `from` (in flat
+  // order from `begin`), or zeros when it is undefined.
+  auto write = [&](int64_t begin, int64_t end, const torch::Tensor& from) {
+    for (int64_t at = begin; at < end;) {
+      const int64_t n = std::min(end - at, shard - at % shard);
+      auto into = rows.select(0, at / shard).narrow(0, at % shard, n);
+      if (from.defined()) {
+        into.copy_(from.narrow(0, at - begin, n));
+      } else {
+        into.zero_();
+      }
+      at += n;
+    }
+  };
+  int64_t written = 0;
   for (size_t j = 0; j < flat.params.size(); ++j) {
     auto& grad = flat.params[j].mutable_grad();
-    if (grad.defined()) {
-      grads.narrow(0, flat.offsets[j], grad.numel()).copy_(grad.reshape({-1}));
-      grad = torch::Tensor();
-    }
+    const int64_t numel = flat.views[j].numel();
+    write(written, flat.offsets[j], torch::Tensor());
+    write(flat.offsets[j], flat.offsets[j] + numel, grad.defined() ? grad.reshape({-1}) : torch::Tensor());
+    written = flat.offsets[j] + numel;
+    grad = torch::Tensor();
   }
-  return grads;
+  write(written, flat.layout.padded, torch::Tensor());
 }
 
 // The bucket's gradients averaged into a gradient of each member's shard:
@@ -92,22 +109,16 @@ torch::Tensor ShardedCore::State::padded_grads(FlatParam& flat) {
 // for that rank (or one allreduce of them all, NoShard).
 void ShardedCore::State::launch(Bucket& bucket) {
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> grads;
   int64_t per_rank = 0;
   for (size_t i : bucket.members) {
-    grads.push_back(padded_grads(flats[i]));
     per_rank += flats[i].layout.shard;
   }
   const int64_t world = sharded() ? group.size() : 1;
-  auto input = grads[0];
-  if (grads.size() > 1) {
-    input = empty_mapped(world * per_rank, grads[0].options());
-    int64_t offset = 0;
-    for (size_t k = 0; k < grads.size(); ++k) {
-      const int64_t shard = flats[bucket.members[k]].layout.shard;
-      input.view({world, per_rank}).narrow(1, offset, shard).copy_(grads[k].view({world, shard}));
-      offset += shard;
-    }
+  auto input = empty_mapped(world * per_rank, flats[bucket.members[0]].options());
+  int64_t offset = 0;
+  for (size_t i : bucket.members) {
+    write_grads(flats[i], input.view({world, per_rank}).narrow(1, offset, flats[i].layout.shard));
+    offset += flats[i].layout.shard;
   }
   bucket.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
   const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +

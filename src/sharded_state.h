@@ -105,7 +105,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   };
   void on_ready(size_t f, size_t j);
   void launch_ready();
-  torch::Tensor padded_grads(FlatParam& flat);
+  void write_grads(FlatParam& flat, const torch::Tensor& rows);
   void launch(Bucket& bucket);
   void land(Bucket& bucket);
   void finalize();
