@@ -60,8 +60,9 @@ namespace detail {
 //    the module's parameters become empty tensors, so that nothing reads
 //    values the optimizer step is about to make stale.
 // Every rank runs the same operators, so every rank gathers, prefetches and
-// frees the same units in the same order. ShardGradOp gathers the same way
-// in forward but frees nothing until the end of backward, and keeps its
+// frees the same units in the same order. ShardGradOp starts every unit's
+// all-gather when forward starts and frees nothing until the end of
+// backward (operators still wait for the unit they read), and keeps its
 // buffers' memory from step to step (ZeRO-2: parameters whole), though its
 // module's parameters are empty outside forward and backward too. NoShard
 // keeps the whole flat buffer as the "shard" on every rank, the module's
@@ -369,7 +370,16 @@ void ShardedCore::State::begin_forward() {
     flat.used = false;
     point_params_at_views(flat); // released storage: the first operator to read one gathers it
   }
-  start_bucket(last_order.empty() ? 0 : last_order.front());
+  if (strategy == ShardingStrategy::FullShard) {
+    start_bucket(last_order.empty() ? 0 : last_order.front());
+    return;
+  }
+  // ShardGradOp holds every unit until the end of backward anyway: all its
+  // all-gathers start now, in the order forward will read them, so the
+  // group's thread never waits for forward to ask for the next.
+  for (size_t i = 0; i < gather_buckets.size(); ++i) {
+    start_bucket(last_order.empty() || i >= last_order.size() ? i : last_order[i]);
+  }
 }
 
 // The first gradient of the outputs: backward's first unit is forward's
