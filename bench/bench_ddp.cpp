@@ -3,7 +3,7 @@
 //
 //   lockstep-bench-ddp MODE MODEL STEPS
 //   lockstep-bench-ddp recorder      (the flight recorder's cost per collective)
-//   lockstep-bench-ddp collectives   (under a launcher: allreduce, all_gather, reduce_scatter of 4 MiB)
+//   lockstep-bench-ddp collectives [gloo|mpi]   (under a launcher: allreduce, all_gather, reduce_scatter of 4 MiB)
 //
 // MODE: lockstep | views (gradient_as_bucket_view) | static (static_graph) |
 // norebuild (buckets kept in reverse registration order) | norecorder (the
@@ -222,12 +222,12 @@ int time_recorder() {
   return 0;
 }
 
-// `lockstep-bench-ddp collectives`, under a launcher: milliseconds per
+// `lockstep-bench-ddp collectives [gloo|mpi]`, under a launcher (mpirun for mpi): milliseconds per
 // collective on 4 MiB of floats (the gathered or reduced size, as FSDP's
 // units and DDP's buckets are counted), median of 30, one after another.
-int time_collectives() {
+int time_collectives(const std::string& backend) {
   at::set_num_threads(1);
-  auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("gloo"));
+  auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(backend));
   const int64_t n = (4 << 20) / 4 / group.size() * group.size();
   auto whole = torch::ones({n});
   auto shard = torch::ones({n / group.size()});
@@ -245,8 +245,8 @@ int time_collectives() {
     ms.erase(ms.begin(), ms.begin() + 5);
     std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
     if (group.rank() == 0) {
-      std::printf("%s of 4 MiB over gloo, %d ranks: %.2f ms (median of 30)\n", name.c_str(), group.size(),
-                  ms[ms.size() / 2]);
+      std::printf("%s of 4 MiB over %s, %d ranks: %.2f ms (median of 30)\n", name.c_str(), backend.c_str(),
+                  group.size(), ms[ms.size() / 2]);
     }
   }
   return 0;
@@ -258,8 +258,8 @@ int main(int argc, char** argv) {
   if (argc == 2 && std::string(argv[1]) == "recorder") {
     return time_recorder();
   }
-  if (argc == 2 && std::string(argv[1]) == "collectives") {
-    return time_collectives();
+  if ((argc == 2 || argc == 3) && std::string(argv[1]) == "collectives") {
+    return time_collectives(argc == 3 ? argv[2] : "gloo");
   }
   std::string mode;
   std::string model;
