@@ -71,6 +71,55 @@ TEST(FullyShardedDataParallel, AtMostTwoUnitsAreGatheredAtOnceInForwardAndBackwa
   });
 }
 
+// Two units of 4 MiB (each its own all-gather), b called before and after
+// a: FullShard frees b once a runs and gathers it again for its second
+// call, and its gradient sums both uses, as one process's does.
+struct TwiceNetImpl : torch::nn::Module {
+  TwiceNetImpl() {
+    a = register_module("a", torch::nn::Linear(1024, 1024));
+    b = register_module("b", torch::nn::Linear(1024, 1024));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return b(torch::tanh(a(torch::tanh(b(x)))));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwiceNet);
+
+TEST(FullyShardedDataParallel, AUnitForwardCallsTwiceIsGatheredAgainAndMatchesOneProcess) {
+  auto make = [] {
+    torch::manual_seed(11);
+    return TwiceNet();
+  };
+  TwiceNet bare = make();
+  std::vector<TwiceNet> nets{make(), make()};
+  const auto x = torch::randn({4, 1024});
+  // Two steps: the first forward keeps b, the unit it expects to end in
+  // (the last registered); the second knows that forward ends in a.
+  torch::optim::SGD bare_sgd(bare->parameters(), 0.5);
+  for (int step = 0; step < 2; ++step) {
+    bare_sgd.zero_grad();
+    bare->forward(x).pow(2).mean().backward();
+    bare_sgd.step();
+  }
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<TwiceNet> model(nets[group.rank()], group);
+    torch::optim::SGD sgd(model->parameters(), 0.5);
+    for (int step = 0; step < 2; ++step) {
+      sgd.zero_grad();
+      model->forward(x.narrow(0, 2 * group.rank(), 2)).pow(2).mean().backward();
+      sgd.step();
+    }
+    auto full = model->summon_full_params();
+    const auto& net = model->module();
+    for (const auto& [mine, theirs] : {std::make_pair(net->a->weight, bare->a->weight),
+                                       std::make_pair(net->b->weight, bare->b->weight),
+                                       std::make_pair(net->b->bias, bare->b->bias)}) {
+      EXPECT_TRUE(torch::allclose(mine, theirs, 1e-5, 1e-6)) << (mine - theirs).abs().max().item<float>();
+    }
+  });
+}
+
 // A group of one that keeps the name of every collective it is asked for.
 class CountingGroup : public GroupImpl {
  public:
