@@ -383,15 +383,16 @@ void ShardedCore::State::begin_forward() {
 }
 
 // The first gradient of the outputs: backward's first unit is forward's
-// last. A backward called on a thread that is not watching (another
-// thread, or a second backward through a retained graph) cannot gather on
-// demand, so everything is gathered now.
+// last. A backward that no open pass watches (called on another thread, or
+// a second one through a retained graph) cannot gather on demand, so
+// everything is gathered now.
 void ShardedCore::State::begin_backward() {
   if (pass == Pass::Backward) {
     return;
   }
+  const bool watched = pass == Pass::AfterForward && watching();
   pass = Pass::Backward;
-  if (!watching()) {
+  if (!watched) {
     gather_all();
   } else if (!order.empty()) {
     start_bucket(order.back());

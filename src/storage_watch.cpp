@@ -105,6 +105,12 @@ void note(const c10::IValue& value, Hits& hits) {
 }
 
 void watch_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (passes.load() == 0) {
+    // The last pass ended where this thread's state was about to be
+    // restored (autograd's engine runs the end of backward under the state
+    // it captured): the thread stops watching at its next operator.
+    c10::impl::tls_set_dispatch_key_included(kWatchKey, false);
+  }
   Unwatched unwatched;
   if (watched.load(std::memory_order_relaxed) != 0) {
     Hits hits;
@@ -150,7 +156,8 @@ void begin_pass() {
 
 // The key stays on the threads that began passes until none is left, so a
 // thread is never unwatched under another model's pass; a thread left
-// watching costs each operator a look-up, never a wrong value.
+// watching costs each operator a look-up, never a wrong value, and drops
+// the key at its first operator once no pass is left (watch_fallback).
 void end_pass() {
   if (--passes == 0) {
     c10::impl::tls_set_dispatch_key_included(kWatchKey, false);

@@ -4,6 +4,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "../src/storage_watch.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -200,6 +201,21 @@ TEST(FullyShardedDataParallel, SmallUnitsShareTheirCollectivesAndALargeOneGoesAl
             (std::vector<std::string>{"reduce_scatter of 7:Float (262144 elements)",
                                       "reduce_scatter of 6:Float (2097152 elements)",
                                       "reduce_scatter of 6 units (5:Float to 0:Float) (1536 elements)"}));
+}
+
+// Note [Watching storages]: a thread is watched from forward to the end of
+// backward, and its operators after the step pass the dispatcher as before.
+TEST(FullyShardedDataParallel, AfterTheStepTheThreadIsNoLongerWatched) {
+  torch::nn::Sequential net(torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 2));
+  std::vector<std::string> log;
+  FullyShardedDataParallel<torch::nn::Sequential> model(net, ProcessGroup(std::make_shared<CountingGroup>(log)));
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  EXPECT_FALSE(detail::watching());
+  auto loss = model->forward(torch::randn({3, 1024})).sum();
+  EXPECT_TRUE(detail::watching()) << "between forward and backward";
+  loss.backward();
+  sgd.step(); // operators after the last pass has ended
+  EXPECT_FALSE(detail::watching());
 }
 
 // The first layer's backward reads only its input, when the input takes no
