@@ -10,7 +10,7 @@
 // an error, never a silently different model.
 
 #include <lockstep/detail/checked_file.h>
-#include <tools/process_files.h>
+#include <common/process_files.h>
 
 #include <torch/torch.h>
 
@@ -149,6 +149,7 @@ struct TrainingState {
   int64_t batch_size = 0;
   DataSignature data;
   Tally epoch_tally;
+  std::string grad_scaler; // --precision fp16: the GradScaler's archive (save()), as bytes; else empty
 };
 
 // Note [Checkpoint file]
@@ -265,6 +266,10 @@ inline void write_position(torch::serialize::OutputArchive& archive, const Train
                                     hash_tensor(state.data.seed).reshape({1})}));
   archive.write("epoch_tally", torch::tensor({state.epoch_tally.loss_sum, static_cast<double>(state.epoch_tally.correct),
                                              static_cast<double>(state.epoch_tally.rows)}, torch::kFloat64));
+  if (!state.grad_scaler.empty()) {
+    archive.write("grad_scaler", torch::tensor(std::vector<uint8_t>(state.grad_scaler.begin(), state.grad_scaler.end()),
+                                               torch::kUInt8));
+  }
 }
 
 inline void save_checkpoint(
@@ -331,7 +336,7 @@ inline void save_sharded_checkpoint(const std::string& path, const TrainingState
 /// Removes `path`'s temporary files left by saves that were killed (their
 /// writer no longer runs); a save in progress elsewhere keeps its own.
 inline void remove_stale_temporaries(const std::string& path) {
-  tools::remove_files_of_dead_processes(path + ".tmp.");
+  common::remove_files_of_dead_processes(path + ".tmp.");
 }
 
 // LibTorch's reader throws c10::Error, and on some damaged files the
@@ -371,6 +376,13 @@ inline TrainingState read_state(torch::serialize::InputArchive& archive, int64_t
                 "its epoch_tally is ", tally.sizes(), " ", tally.dtype(), ", not 3 doubles.");
     auto t = tally.accessor<double, 1>();
     state.epoch_tally = Tally{t[0], static_cast<int64_t>(t[1]), static_cast<int64_t>(t[2])};
+  }
+  torch::Tensor scaler;
+  if (archive.try_read("grad_scaler", scaler)) { // optional: written by --precision fp16 only
+    TORCH_CHECK(scaler.dim() == 1 && scaler.scalar_type() == torch::kUInt8, "its grad_scaler is ", scaler.sizes(), " ",
+                scaler.dtype(), ", not bytes.");
+    const auto* bytes = scaler.data_ptr<uint8_t>();
+    state.grad_scaler.assign(bytes, bytes + scaler.numel());
   }
   return state;
 }

@@ -5,7 +5,7 @@
 // the trainer writes next to it (curves.gp, data included), so the picture
 // can be redrawn or restyled by hand.
 
-#include <tools/process_files.h>
+#include <common/process_files.h>
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -103,7 +103,7 @@ inline std::string plot_curves(const std::string& dir) {
      << "plot $train using 1:3 with lines lw 1.5 lc 4\n"
      << "unset multiplot\n";
   gp.close();
-  if (tools::find_program("gnuplot").empty()) {
+  if (common::find_program("gnuplot").empty()) {
     return "gnuplot is not installed, so no curves.png (install gnuplot-nox, as scripts/setup.sh does, then run: "
            "gnuplot " + script + ")";
   }

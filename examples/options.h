@@ -2,12 +2,12 @@
 
 // lockstep-train's command line: its flags, their bounds, and the checks of
 // the paths and counts they name, made before anything is loaded or trained.
-// A refusal is a UsageError, which main() prints as both tools do (tools::
+// A refusal is a UsageError, which main() prints as both tools do (common::
 // kUsageError).
 
 #include "data.h"
 
-#include <tools/cli_checks.h>
+#include <common/cli_checks.h>
 
 #include <CLI/CLI.hpp>
 
@@ -46,6 +46,8 @@ struct Config {
   int64_t log_every = 50;
   int timeout_seconds = 0;
   std::string sharding; // "": DistributedDataParallel; full, grad-op or none: FullyShardedDataParallel
+  std::string precision = "fp32"; // fp32; bf16: autocast; fp16: autocast and a GradScaler
+  int64_t growth_interval = 2000;  // fp16: the GradScaler's growth_interval
 };
 
 // Bounds of the whole-number flags: beyond them a number is a typo, or would
@@ -57,7 +59,7 @@ constexpr int64_t kMaxReplicas = 1024;
 
 inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
-  using tools::whole_number;
+  using common::whole_number;
   app.add_option("--data", data.dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or "
                  "not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: " + std::string(kFashionMnist) +
                  " (Debian's dataset-fashion-mnist)")
@@ -66,20 +68,20 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
       ->group("Data");
   app.add_option("--train-samples", data.train_size, "Training samples: the first N of the data, or synthetic ones to "
                  "make (default 12000)")
-      ->check(tools::positive())->check(whole_number(1, kMaxCount))->group("Data");
+      ->check(common::positive())->check(whole_number(1, kMaxCount))->group("Data");
   app.add_option("--test-samples", data.test_size, "Test samples: the first N of the data, or synthetic ones to make "
                  "(default 2000)")
-      ->check(tools::positive())->check(whole_number(1, kMaxCount))->group("Data");
+      ->check(common::positive())->check(whole_number(1, kMaxCount))->group("Data");
   app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
                  "directory (60000/10000 samples, MNIST's own counts) and exit")
       ->check(CLI::ExistingDirectory)->group("Data");
 
-  app.add_option("--epochs", config.epochs, "Passes over the training set")->check(tools::positive())
+  app.add_option("--epochs", config.epochs, "Passes over the training set")->check(common::positive())
       ->check(whole_number(1, kMaxEpochs))
       ->capture_default_str()->group("Training");
   app.add_option("--batch-size", config.batch_size, "Global batch size, split evenly over the ranks or replicas")
-      ->check(tools::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Training");
-  app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(tools::positive())->capture_default_str()
+      ->check(common::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Training");
+  app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(common::positive())->capture_default_str()
       ->group("Training");
   app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
       ->group("Training");
@@ -87,19 +89,26 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
                  "--gamma every --step-epochs epochs) or cosine (down to 0 at the end)")
       ->check(CLI::IsMember({"constant", "step", "cosine"}))->capture_default_str()->group("Training");
   app.add_option("--warmup-steps", config.warmup_steps, "Steps of linear warmup from 0 to --lr")
-      ->check(tools::non_negative())->check(whole_number(0, kMaxCount))->capture_default_str()->group("Training");
+      ->check(common::non_negative())->check(whole_number(0, kMaxCount))->capture_default_str()->group("Training");
   app.add_option("--step-epochs", config.step_epochs, "Epochs between learning-rate steps (--schedule step)")
-      ->check(tools::positive())->check(whole_number(1, kMaxEpochs))->capture_default_str()->group("Training");
+      ->check(common::positive())->check(whole_number(1, kMaxEpochs))->capture_default_str()->group("Training");
   app.add_option("--gamma", config.gamma, "Learning-rate factor at each step (--schedule step)")
       ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group("Training");
   app.add_option("--seed", config.seed, "Seed of the model, the shuffling and the synthetic data")
-      ->check(tools::non_negative())->check(whole_number(0, UINT64_MAX))->capture_default_str()->group("Training");
+      ->check(common::non_negative())->check(whole_number(0, UINT64_MAX))->capture_default_str()->group("Training");
+  app.add_option("--precision", config.precision, "Arithmetic of forward and backward: fp32, bf16 (autocast to "
+                 "bfloat16) or fp16 (autocast to float16, with a GradScaler, saved in the checkpoint). Parameters, "
+                 "gradients and optimizer state stay fp32")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))->capture_default_str()->group("Training");
+  app.add_option("--loss-scale-growth-interval", config.growth_interval, "--precision fp16: steps without overflow "
+                 "before the loss scale doubles (GradScaler's growth_interval)")
+      ->check(common::positive())->check(common::whole_number(1, INT32_MAX))->capture_default_str()->group("Training");
   app.add_option("--threads", config.threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which "
                  "lockstep-run sets to each rank's share of the cores, else every core)")
-      ->check(tools::non_negative())->check(whole_number(0, kMaxThreads))->group("Training");
+      ->check(common::non_negative())->check(whole_number(0, kMaxThreads))->group("Training");
   app.add_option("--replicas", config.replicas, "Without a launcher: DataParallel CPU replicas (0: "
                  "lockstep::default_devices(): every GPU, or one CPU replica without one)")
-      ->check(tools::non_negative())->check(whole_number(0, kMaxReplicas))->capture_default_str()->group("Training");
+      ->check(common::non_negative())->check(whole_number(0, kMaxReplicas))->capture_default_str()->group("Training");
 
   app.add_option("--out", config.out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. "
                  "Default: runs/<the launcher's run id, else the time>")->group("Outputs");
@@ -110,12 +119,12 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
       ->group("Outputs");
   app.add_option("--checkpoint-every", config.checkpoint_every, "Optimizer steps between checkpoints, besides every "
                  "epoch")
-      ->check(tools::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Outputs");
+      ->check(common::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Outputs");
   app.add_option("--eval-every", config.eval_every, "Also evaluate on the test set every N steps (0: after each epoch "
                  "only)")
-      ->check(tools::non_negative())->check(whole_number(0, kMaxCount))->capture_default_str()->group("Outputs");
+      ->check(common::non_negative())->check(whole_number(0, kMaxCount))->capture_default_str()->group("Outputs");
   app.add_option("--log-every", config.log_every, "Steps between training records in metrics.jsonl")
-      ->check(tools::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Outputs");
+      ->check(common::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Outputs");
   app.add_option("--timeout", config.timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, "
                  "connections, each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
       ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
@@ -135,14 +144,14 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
 
 
 // A command line refused before anything runs: lockstep-train says so as
-// lockstep-run does, and exits with tools::kUsageError.
+// lockstep-run does, and exits with common::kUsageError.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
 inline int refuse(const std::string& message) {
   std::fprintf(stderr, "lockstep-train: %s\nRun 'lockstep-train --help' for usage.\n", message.c_str());
-  return tools::kUsageError;
+  return common::kUsageError;
 }
 
 // --save and --checkpoint, checked before anything is made or trained: a
@@ -198,7 +207,7 @@ inline void check_sample_counts(const DataOptions& data) {
 
 /// Parses and checks the command line into `data`, `config` and
 /// `export_dir`: -1 to go on, else the exit code (0 after --help; a refusal,
-/// printed, is tools::kUsageError).
+/// printed, is common::kUsageError).
 inline int parse_command_line(
     CLI::App& app,
     int argc,

@@ -224,6 +224,7 @@ inline void check_ranks_resumed_alike(
 // DistributedDataParallel or FullyShardedDataParallel, or DataParallel in one
 // process.
 struct Setup {
+  lockstep::ProcessGroup group; // a group of one under DataParallel
   int rank = 0;
   int world_size = 1;
   std::string description; // "DistributedDataParallel over 2 ranks (gloo)"
@@ -264,6 +265,7 @@ inline Setup launched_setup(const lockstep::ProcessGroup& group, ConvNet& net, c
   config.out_dir = agree_on_out_dir(group, config.out_dir);
   complete_paths(config);
   Setup setup;
+  setup.group = group;
   setup.rank = group.rank();
   setup.world_size = group.size();
   setup.device = group_device(group);

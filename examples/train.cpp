@@ -22,6 +22,7 @@
 #include "metrics.h"
 #include "models.h"
 #include "options.h"
+#include "precision.h"
 #include "progress.h"
 #include "sampling.h"
 #include "setup.h"
@@ -94,6 +95,7 @@ void prepare_process(int threads) {
 struct Run {
   ConvNet& net; // the bare model: evaluated and saved (whole under setup.full_params)
   torch::optim::SGD& optimizer;
+  lockstep::GradScaler& scaler; // --precision fp16; a pass-through otherwise
   const Dataset& data;
   const Setup& setup;
   const Config& config;
@@ -224,12 +226,18 @@ Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
     static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
   }
   run.optimizer.zero_grad();
-  auto logits = run.setup.forward(x);
-  auto loss = torch::cross_entropy_loss(logits, y);
-  loss.backward();
+  torch::Tensor logits;
+  torch::Tensor loss;
+  {
+    const auto autocast = lockstep::examples::autocast_for(run.config, run.setup.device);
+    logits = run.setup.forward(x);
+    loss = torch::cross_entropy_loss(logits, y);
+  }
+  run.scaler.scale(loss).backward();
   {
     lockstep::timeline::Span span("optimizer step");
-    run.optimizer.step();
+    run.scaler.step(run.optimizer); // skipped on an fp16 overflow, on every rank alike
+    run.scaler.update();
   }
   const int64_t b = index.size(0);
   return Tally{loss.item<double>() * b, logits.argmax(1).eq(y).sum().item<int64_t>(), b};
@@ -239,7 +247,9 @@ Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
 // the checkpoint is sharded).
 void checkpoint(const Run& run, const TrainingState& state) {
   if (!run.config.checkpoint_path.empty()) {
-    run.setup.save_checkpoint(state);
+    TrainingState saved = state;
+    saved.grad_scaler = lockstep::examples::scaler_bytes(run.scaler);
+    run.setup.save_checkpoint(saved);
   }
 }
 
@@ -318,9 +328,14 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
     if (log) {
       // The steps since the last record: loss, accuracy and speed over every rank.
       const Tally recent{done.loss_sum - logged.loss_sum, done.correct - logged.correct, done.rows - logged.rows};
-      metrics.write({{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", epochs_done},
-                     {"lr", lr}, {"loss", mean_loss(recent)}, {"accuracy", accuracy(recent)},
-                     {"samples_per_second", rate(recent.rows, seconds_since(logged_at))}});
+      nlohmann::json record{{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step},
+                            {"epochs_done", epochs_done}, {"lr", lr}, {"loss", mean_loss(recent)},
+                            {"accuracy", accuracy(recent)},
+                            {"samples_per_second", rate(recent.rows, seconds_since(logged_at))}};
+      if (run.scaler.is_enabled()) {
+        record["loss_scale"] = run.scaler.get_scale(); // fp16: backs off at each overflow, the same on every rank
+      }
+      metrics.write(record);
       logged = done;
       logged_at = Clock::now();
     }
@@ -380,10 +395,11 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
     outputs.push_back("curves.png");
   }
   const double samples_per_second = rate(totals.samples, totals.train_seconds);
-  std::printf("lockstep-train: %d epoch(s), %lld steps in %.1f s (%.1f s training) with %s; %.0f samples/s over all "
-              "%d rank(s), %.0f per rank\n",
+  std::printf("lockstep-train: %d epoch(s), %lld steps in %.1f s (%.1f s training) with %s in %s; %.0f samples/s "
+              "over all %d rank(s), %.0f per rank\n",
               config.epochs, static_cast<long long>(state.step), seconds, totals.train_seconds,
-              run.setup.description.c_str(), samples_per_second, world_size, samples_per_second / world_size);
+              run.setup.description.c_str(), config.precision.c_str(), samples_per_second, world_size,
+              samples_per_second / world_size);
   const Tally& last = totals.last_epoch;
   const Tally& tested = totals.tested;
   std::printf("lockstep-train: last epoch: train loss %.4f, train accuracy %s; test loss %.4f, test accuracy %s "
@@ -470,7 +486,9 @@ int main(int argc, char** argv) {
     const Setup setup = !launched                ? lockstep::examples::data_parallel_setup(net, data, signature, config)
                         : config.sharding.empty() ? lockstep::examples::distributed_setup(net, data, signature, config)
                                                   : lockstep::examples::sharded_setup(net, data, signature, config);
-    train(Run{net, *setup.optimizer, data, setup, config});
+    lockstep::examples::autocast_for(config, setup.device); // refuses here what autocast cannot run (fp16 on 1.13's CPU)
+    const auto scaler = lockstep::examples::make_scaler(config, setup.group, setup.state);
+    train(Run{net, *setup.optimizer, *scaler, data, setup, config});
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
     return 1;

@@ -6,6 +6,7 @@
 // Where a difference shows in a type, it is detected from that type; only what
 // a type cannot tell is decided by the version number.
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -87,6 +88,57 @@ inline c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c
 #endif
   return c10::make_intrusive<c10d::TCPStore>(host, options);
 }
+
+/// Autocast's state for one device type. PyTorch 2.4 made it one API that
+/// takes the device type (at::autocast::is_autocast_enabled(type), ...);
+/// before it, each device type had its own functions, CUDA's named for "the"
+/// GPU. Lockstep's guard speaks the first and maps it onto the second, for
+/// the device types both know: CPU and CUDA.
+#if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 204
+inline bool autocast_available(c10::DeviceType type) {
+  return at::autocast::is_autocast_available(type);
+}
+inline bool autocast_enabled(c10::DeviceType type) {
+  return at::autocast::is_autocast_enabled(type);
+}
+inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
+  at::autocast::set_autocast_enabled(type, enabled);
+}
+inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
+  return at::autocast::get_autocast_dtype(type);
+}
+inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(type, dtype);
+}
+/// CPU autocast to float16, which 1.13 refuses (its Python guard says "CPU
+/// Autocast only supports dtype of torch.bfloat16").
+constexpr bool kCpuAutocastTakesHalf = true;
+#else
+inline bool autocast_available(c10::DeviceType type) {
+  return type == c10::DeviceType::CPU || type == c10::DeviceType::CUDA;
+}
+inline bool autocast_enabled(c10::DeviceType type) {
+  return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+}
+inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
+  if (type == c10::DeviceType::CPU) {
+    at::autocast::set_cpu_enabled(enabled);
+  } else {
+    at::autocast::set_enabled(enabled);
+  }
+}
+inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
+  return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+}
+inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
+  if (type == c10::DeviceType::CPU) {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+}
+constexpr bool kCpuAutocastTakesHalf = false;
+#endif
 
 } // namespace detail
 } // namespace lockstep

@@ -2,6 +2,7 @@
 
 #include <lockstep/timeline.h>
 
+#include "autocast_state.h"
 #include "cpu_threads.h"
 
 #include <ATen/Parallel.h>
@@ -132,11 +133,13 @@ void run_replicas(
     const char* stage,
     const std::function<void(size_t)>& fn) {
   at::ThreadLocalState state;
+  const auto autocast = AutocastState::current(); // Note [Mixed precision] in src/amp.cpp
   if (std::any_of(which.begin(), which.end(), [&](size_t r) { return devices[r].is_cpu(); })) {
     release_idle_openmp_team(); // Note [CPU replicas and threads]
   }
   auto errors = pool.run(which, [&](size_t r) {
     at::ThreadLocalStateGuard tls(state);
+    ReplicaAutocast replica_autocast(autocast);
     c10::OptionalDeviceGuard device_guard;
     if (!devices[r].is_cpu()) {
       device_guard.reset_device(devices[r]);

@@ -4,7 +4,7 @@
 // variables) and by the Mpi.fsdp_* tests under mpirun
 // (LOCKSTEP_TEST_BACKEND=mpi).
 //
-//   lockstep_fsdp_worker equivalence|no_sync|frozen|mismatch
+//   lockstep_fsdp_worker equivalence|no_sync|frozen|mismatch|scaler
 //   lockstep_fsdp_worker checkpoint_save|checkpoint_load DIR
 //
 // Prints "rank R: OK" and exits 0 when every check passed, "rank R: CHECK
@@ -13,6 +13,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "support/amp_checks.h"
 #include "support/fsdp_checks.h"
 
 #include <cstdio>
@@ -44,6 +45,12 @@ bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessG
     for (auto strategy : kStrategies) {
       lockstep::testing::check_matches_reference(group, initial, strategy, check, 3);
     }
+  } else if (scenario == "scaler") { // support/amp_checks.h
+    lockstep::testing::check_ddp_scaler_skips_together(group, check);
+    for (auto strategy : kStrategies) {
+      lockstep::testing::check_fsdp_scaler_skips_together(group, strategy, check);
+    }
+    lockstep::testing::check_fsdp_scaler_without_group_diverges(group, check);
   } else if (scenario == "mismatch") {
     lockstep::testing::check_model_mismatch(group, check);
   } else if ((scenario == "checkpoint_save" || scenario == "checkpoint_load") && !dir.empty()) {
@@ -61,7 +68,7 @@ bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessG
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) {
-    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch|checkpoint_save DIR|checkpoint_load DIR\n",
+    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch|scaler|checkpoint_save DIR|checkpoint_load DIR\n",
                  argv[0]);
     return 2;
   }

@@ -254,11 +254,6 @@ TEST(Checkpoint, ModelFilesMoveBetweenBareDataParallelAndDdp) {
 
 // --- --sharding: FullyShardedDataParallel in the trainer ---------------------
 
-std::vector<std::string> sharded(std::vector<std::string> args, const std::string& strategy) {
-  args.insert(args.end(), {"--sharding", strategy});
-  return args;
-}
-
 std::string hash_of(torch::nn::Module& module) {
   char text[17];
   std::snprintf(text, sizeof(text), "%016llx",

@@ -656,7 +656,7 @@ TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
   EXPECT_TRUE(tools::desync_report(std::map<int, nlohmann::json>{}, {0, 1}).empty());
 }
 
-// --- command-line checks (tools/cli_checks.h) ------------------------------------
+// --- command-line checks (common/cli_checks.h) ------------------------------------
 
 // The message CLI11 gives for `value` on an option checked by `check`; empty if it takes it.
 std::string refusal(const CLI::Validator& check, const std::string& value) {
@@ -673,15 +673,15 @@ std::string refusal(const CLI::Validator& check, const std::string& value) {
 }
 
 TEST(CliChecks, RefusalsSayWhatIsWrongInWords) {
-  EXPECT_EQ(refusal(tools::positive(), "0"), "--n: must be greater than 0, got 0");
-  EXPECT_EQ(refusal(tools::positive(), "-2.5"), "--n: must be greater than 0, got -2.5");
-  EXPECT_EQ(refusal(tools::positive(), "1e5000"), "--n: expected a number greater than 0, got '1e5000'");
-  EXPECT_EQ(refusal(tools::positive(), "inf"), "--n: expected a number greater than 0, got 'inf'");
-  EXPECT_EQ(refusal(tools::positive(), "abc"), "--n: expected a number greater than 0, got 'abc'");
-  EXPECT_EQ(refusal(tools::positive(), "0.001"), "");
-  EXPECT_EQ(refusal(tools::non_negative(), "-1"), "--n: must be 0 or more, got -1");
-  EXPECT_EQ(refusal(tools::non_negative(), "nan"), "--n: expected a number 0 or more, got 'nan'");
-  EXPECT_EQ(refusal(tools::non_negative(), "0"), "");
+  EXPECT_EQ(refusal(common::positive(), "0"), "--n: must be greater than 0, got 0");
+  EXPECT_EQ(refusal(common::positive(), "-2.5"), "--n: must be greater than 0, got -2.5");
+  EXPECT_EQ(refusal(common::positive(), "1e5000"), "--n: expected a number greater than 0, got '1e5000'");
+  EXPECT_EQ(refusal(common::positive(), "inf"), "--n: expected a number greater than 0, got 'inf'");
+  EXPECT_EQ(refusal(common::positive(), "abc"), "--n: expected a number greater than 0, got 'abc'");
+  EXPECT_EQ(refusal(common::positive(), "0.001"), "");
+  EXPECT_EQ(refusal(common::non_negative(), "-1"), "--n: must be 0 or more, got -1");
+  EXPECT_EQ(refusal(common::non_negative(), "nan"), "--n: expected a number 0 or more, got 'nan'");
+  EXPECT_EQ(refusal(common::non_negative(), "0"), "");
 }
 
 TEST(CliChecks, LauncherRefusesANegativeNodeRankInWords) {
@@ -690,7 +690,7 @@ TEST(CliChecks, LauncherRefusesANegativeNodeRankInWords) {
     tools::parse_run_options(4, argv);
     ADD_FAILURE() << "--node-rank -1 was accepted";
   } catch (const tools::RunUsageError& e) {
-    EXPECT_EQ(e.exit_code, tools::kUsageError);
+    EXPECT_EQ(e.exit_code, common::kUsageError);
     EXPECT_NE(std::string(e.what()).find("--node-rank: must be 0 or more, got -1"), std::string::npos) << e.what();
   }
 }

@@ -33,7 +33,7 @@
 // non-zero.
 
 #include "desync_report.h"
-#include "process_files.h"
+#include <common/process_files.h>
 #include "run_options.h"
 
 #include <lockstep/detail/sockets.h>
@@ -70,7 +70,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-using lockstep::tools::kUsageError;
+using lockstep::common::kUsageError;
 constexpr size_t kStderrTail = 20;
 constexpr size_t kTailLineBytes = 2000; // a longer line is cut in the failure summary
 constexpr double kMaxRestartDelay = 30.0;
@@ -105,7 +105,7 @@ struct Rank {
 }
 
 // --log-dir, made with its parents as torchrun does, and --timeline, both
-// checked by opening the files they will hold (tools::open_for_append): a
+// checked by opening the files they will hold (common::open_for_append): a
 // place no one can write would otherwise lose the logs silently, or the
 // timeline at the end of the job.
 void prepare_output_paths(const Options& options) {
@@ -117,14 +117,14 @@ void prepare_output_paths(const Options& options) {
     }
     for (int local = 0; local < options.nproc_per_node; ++local) {
       const std::string name = "rank_" + std::to_string(options.node_rank * options.nproc_per_node + local) + ".log";
-      const std::string why = lockstep::tools::open_for_append(options.log_dir + "/" + name);
+      const std::string why = lockstep::common::open_for_append(options.log_dir + "/" + name);
       if (!why.empty()) {
         usage_error("--log-dir " + options.log_dir + ": cannot write " + name + " there (" + why +
                     "); pick another folder.");
       }
     }
   }
-  const std::string why = options.timeline.empty() ? "" : lockstep::tools::open_for_append(options.timeline);
+  const std::string why = options.timeline.empty() ? "" : lockstep::common::open_for_append(options.timeline);
   if (!why.empty()) {
     usage_error("--timeline " + options.timeline + ": cannot write it (" + why + "); pick another path.");
   }
@@ -177,8 +177,8 @@ std::string trace_dir_prefix() {
 // A launcher killed with SIGKILL cannot remove its store files and trace
 // folders: the next one removes those of launchers that no longer run.
 void remove_stale_store_files() {
-  lockstep::tools::remove_files_of_dead_processes(store_file_prefix());
-  lockstep::tools::remove_files_of_dead_processes(trace_dir_prefix());
+  lockstep::common::remove_files_of_dead_processes(store_file_prefix());
+  lockstep::common::remove_files_of_dead_processes(trace_dir_prefix());
 }
 
 std::string describe_status(int status) {
@@ -231,7 +231,7 @@ class Attempt {
       ::unlink(store_file_.c_str());
     }
     if (own_trace_dir_) {
-      lockstep::tools::remove_shallow(trace_dir_);
+      lockstep::common::remove_shallow(trace_dir_);
     }
   }
 
@@ -657,7 +657,7 @@ int main(int argc, char** argv) {
     }
     usage_error(e.what());
   }
-  const std::string program = lockstep::tools::find_program(options.command[0]);
+  const std::string program = lockstep::common::find_program(options.command[0]);
   if (program.empty()) {
     usage_error("program '" + options.command[0] + "' not found" +
                 (options.command[0].find('/') == std::string::npos ? " in PATH" : "") + " or not executable.");

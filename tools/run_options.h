@@ -5,7 +5,7 @@
 // a fuzzer can call it: bad input is a RunUsageError carrying the message
 // lockstep-run prints and its exit code.
 
-#include "cli_checks.h"
+#include <common/cli_checks.h>
 
 #include <CLI/CLI.hpp>
 
@@ -32,7 +32,7 @@ struct RunOptions {
   std::vector<std::string> command;
 };
 
-/// A command line lockstep-run refuses (exit_code kUsageError), or --help
+/// A command line lockstep-run refuses (exit_code common::kUsageError), or --help
 /// (exit_code 0, the help text as message).
 struct RunUsageError : std::runtime_error {
   RunUsageError(const std::string& message, int exit_code) : std::runtime_error(message), exit_code(exit_code) {}
@@ -43,7 +43,7 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   // torchrun's underscore spellings are aliases, so that its command lines work.
   app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "Ranks on this node")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--nnodes", options.nnodes, "Nodes in the job")->check(CLI::Range(1, 65536))->capture_default_str();
-  app.add_option("--node-rank,--node_rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(tools::non_negative())->capture_default_str();
+  app.add_option("--node-rank,--node_rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(common::non_negative())->capture_default_str();
   app.add_option("--master-addr,--master_addr", options.master_addr,
                  "Address of node 0, where rank 0 hosts the store; required with --nnodes > 1 (default 127.0.0.1: loopback only)");
   app.add_option("--master-port,--master_port", options.master_port, "Port of the store on node 0")->check(CLI::Range(1, 65535))->capture_default_str();
@@ -80,9 +80,9 @@ inline RunOptions parse_run_options(int argc, const char* const* argv) {
     if (e.get_exit_code() == 0) { // --help
       throw RunUsageError(app.help(), 0);
     }
-    throw RunUsageError(e.what(), kUsageError);
+    throw RunUsageError(e.what(), common::kUsageError);
   }
-  auto fail = [](const std::string& message) { throw RunUsageError(message, kUsageError); };
+  auto fail = [](const std::string& message) { throw RunUsageError(message, common::kUsageError); };
   options.command = app.remaining(); // prefix_command leaves PROGRAM and its arguments there
   if (!options.command.empty() && options.command[0] == "--") {
     options.command.erase(options.command.begin()); // "--" ends the options, as for torchrun

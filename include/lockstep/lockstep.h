@@ -1,6 +1,7 @@
 #pragma once
 
 /// Every public name of lockstep.
+#include <lockstep/amp.h>
 #include <lockstep/c10d.h>
 #include <lockstep/comm_hooks.h>
 #include <lockstep/data_parallel.h>

@@ -57,6 +57,12 @@ inline std::vector<std::string> with_flag(std::vector<std::string> args, const s
   return args;
 }
 
+/// `args` with --sharding `strategy`: FullyShardedDataParallel.
+inline std::vector<std::string> sharded(std::vector<std::string> args, const std::string& strategy) {
+  args.insert(args.end(), {"--sharding", strategy});
+  return args;
+}
+
 inline std::vector<std::string> launcher(std::vector<std::string> flags, const std::vector<std::string>& program) {
   flags.insert(flags.begin(), LOCKSTEP_RUN);
   flags.insert(flags.end(), program.begin(), program.end());

@@ -7,7 +7,7 @@
 // NaN (a learning rate of infinity trains to NaN), and whole numbers beyond
 // an option's bounds, which CLI11 would clamp to its type's limit without a
 // word (--batch-size 18446744073709551617 became 2^63-1). Shared by
-// lockstep-run and lockstep-train, included as <tools/cli_checks.h>.
+// lockstep-run and lockstep-train, included as <common/cli_checks.h>.
 
 #include <CLI/CLI.hpp>
 
@@ -18,7 +18,7 @@
 #include <string>
 
 namespace lockstep {
-namespace tools {
+namespace common {
 
 /// The exit code of both tools when they refuse a command line, before
 /// anything runs: "TOOL: what is wrong" and "Run 'TOOL --help' for usage.".
@@ -77,5 +77,5 @@ inline CLI::Validator non_negative() {
   return detail::number_check(true);
 }
 
-} // namespace tools
+} // namespace common
 } // namespace lockstep

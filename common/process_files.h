@@ -4,11 +4,9 @@
 // program as execvp would, and removing the files that a process names after
 // its pid once that process has gone.
 //
-// This header lives beside the launcher, and includes nothing of LibTorch,
-// because lockstep-run links no LibTorch: it only starts and watches
-// processes. The trainer's headers (examples/checkpoint.h, examples/metrics.h)
-// include it as <tools/process_files.h>, through the lockstep_examples_support
-// target (CMakeLists.txt).
+// It includes nothing of LibTorch, because lockstep-run links no LibTorch:
+// it only starts and watches processes. Both include it as
+// <common/process_files.h> (CMakeLists.txt).
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -22,7 +20,7 @@
 #include <string>
 
 namespace lockstep {
-namespace tools {
+namespace common {
 
 /// Opens `path` for appending, creating it if missing, and closes it: ""
 /// if that worked, else the system's reason. A check that the file can be
@@ -118,5 +116,5 @@ inline void remove_files_of_dead_processes(const std::string& path_prefix) {
   ::closedir(folder);
 }
 
-} // namespace tools
+} // namespace common
 } // namespace lockstep

@@ -1,0 +1,178 @@
+// lockstep-bench-amp: training steps (forward, backward, SGD step) of the
+// DDP benchmark's MLP and the trainer's CNN, in fp32 and under
+// lockstep::AutocastGuard to bfloat16, on this machine's CPU. Each contender
+// runs in its own process, rounds alternate the order, and the figures are
+// medians with bf16's ratio to fp32. Each row also splits a step into
+// forward, backward and optimizer, to show where bf16 gains or loses.
+//
+//   build/lockstep-bench-amp [--rounds N] [--seconds S] [--model mlp|cnn]
+
+#include <lockstep/lockstep.h>
+
+#include <examples/models.h>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+struct Phases {
+  double forward = 0, backward = 0, step = 0; // ms per step, summed then divided
+};
+
+// Trains `model` on random data for `seconds` after a warm-up; prints
+// "rate R forward F backward B step S" (samples/s, ms per step).
+template <typename Model>
+void time_contender(Model model, const std::vector<int64_t>& input_shape, bool bf16, double seconds) {
+  torch::manual_seed(0);
+  auto x = torch::randn(input_shape);
+  auto y = torch::randint(0, 10, {input_shape[0]});
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  Phases total;
+  auto one_step = [&](Phases& p) {
+    sgd.zero_grad();
+    auto t = Clock::now();
+    torch::Tensor loss;
+    {
+      std::unique_ptr<lockstep::AutocastGuard> autocast;
+      if (bf16) {
+        autocast = std::make_unique<lockstep::AutocastGuard>(torch::kCPU, torch::kBFloat16);
+      }
+      loss = torch::cross_entropy_loss(model->forward(x), y);
+    }
+    p.forward += ms_since(t);
+    t = Clock::now();
+    loss.backward();
+    p.backward += ms_since(t);
+    t = Clock::now();
+    sgd.step();
+    p.step += ms_since(t);
+  };
+  Phases warmup;
+  for (int i = 0; i < 3; ++i) {
+    one_step(warmup);
+  }
+  int64_t steps = 0;
+  const auto start = Clock::now();
+  while (ms_since(start) < seconds * 1000) {
+    one_step(total);
+    ++steps;
+  }
+  const double elapsed = ms_since(start) / 1000;
+  std::printf("rate %.3f forward %.3f backward %.3f step %.3f\n", static_cast<double>(steps * input_shape[0]) / elapsed,
+              total.forward / steps, total.backward / steps, total.step / steps);
+}
+
+struct Row {
+  std::string precision;
+  std::vector<double> rate, forward, backward, step;
+};
+
+void spawn(const std::string& self, const std::string& model, Row& row, double seconds) {
+  const std::string command = "'" + self + "' --model " + model + " --contender " + row.precision + " --seconds " +
+      std::to_string(seconds);
+  FILE* child = popen(command.c_str(), "r");
+  TORCH_CHECK(child != nullptr, "lockstep-bench-amp: could not start '", command, "'");
+  double r = 0, f = 0, b = 0, s = 0;
+  bool found = false;
+  char line[256];
+  while (std::fgets(line, sizeof(line), child) != nullptr) {
+    found = found || std::sscanf(line, "rate %lf forward %lf backward %lf step %lf", &r, &f, &b, &s) == 4;
+  }
+  const int status = pclose(child);
+  TORCH_CHECK(found && status == 0, "lockstep-bench-amp: '", command, "' failed (status ", status, ")");
+  row.rate.push_back(r);
+  row.forward.push_back(f);
+  row.backward.push_back(b);
+  row.step.push_back(s);
+}
+
+void run_model(const std::string& self, const std::string& model, int rounds, double seconds) {
+  std::vector<Row> rows = {{"fp32", {}, {}, {}, {}}, {"bf16", {}, {}, {}, {}}};
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      spawn(self, model, rows[(i + r) % rows.size()], seconds);
+    }
+  }
+  for (const auto& row : rows) {
+    std::printf("%-4s %-5s %10.1f samples/s   forward %7.2f ms   backward %7.2f ms   step %6.2f ms   (rounds:",
+                model.c_str(), row.precision.c_str(), median(row.rate), median(row.forward), median(row.backward),
+                median(row.step));
+    for (double v : row.rate) {
+      std::printf(" %.0f", v);
+    }
+    std::printf(")\n");
+  }
+  std::printf("%-4s bf16 / fp32: %.3f (forward %.3f, backward %.3f of fp32's time)\n", model.c_str(),
+              median(rows[1].rate) / median(rows[0].rate), median(rows[1].forward) / median(rows[0].forward),
+              median(rows[1].backward) / median(rows[0].backward));
+  std::fflush(stdout);
+}
+
+std::string own_path() {
+  char path[4096];
+  const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
+  TORCH_CHECK(n > 0, "lockstep-bench-amp: cannot read /proc/self/exe");
+  return std::string(path, static_cast<size_t>(n));
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  int rounds = 5;
+  double seconds = 2.0;
+  std::string only;
+  std::string contender;
+  CLI::App app{"lockstep-bench-amp: training-step throughput in fp32 and under bf16 autocast on the CPU, side by "
+               "side in one run (median samples/s and ratio of medians)."};
+  app.add_option("--rounds", rounds, "Rounds; each times every contender once")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seconds", seconds, "Seconds per contender and round")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--model", only, "Only this model (default: both)")->check(CLI::IsMember({"mlp", "cnn"}));
+  app.add_option("--contender", contender, "Time only this precision, once, in this process (needs --model)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (!contender.empty()) {
+      TORCH_CHECK(!only.empty(), "lockstep-bench-amp: --contender needs --model");
+      if (only == "mlp") {
+        time_contender(lockstep::examples::make_mlp(), {256, 784}, contender == "bf16", seconds);
+      } else {
+        time_contender(lockstep::examples::ConvNet(), {128, 1, 28, 28}, contender == "bf16", seconds);
+      }
+      return 0;
+    }
+    std::printf("lockstep-bench-amp: %d rounds of %.1f s per contender, %d intra-op threads, LibTorch %s\n", rounds,
+                seconds, at::get_num_threads(), TORCH_VERSION);
+    for (const std::string model : {"mlp", "cnn"}) {
+      if (only.empty() || only == model) {
+        run_model(own_path(), model, rounds, seconds);
+      }
+    }
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+    return 1;
+  }
+  return 0;
+}

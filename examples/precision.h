@@ -1,0 +1,64 @@
+#pragma once
+
+// lockstep-train's --precision: the autocast guard around each forward, and
+// the GradScaler of fp16, whose state travels in the checkpoint as the
+// bytes of its archive (TrainingState::grad_scaler).
+
+#include "checkpoint.h"
+#include "options.h"
+
+#include <lockstep/lockstep.h>
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <sstream>
+#include <string>
+
+namespace lockstep {
+namespace examples {
+
+// The autocast dtype of --precision; Float for fp32 (no autocast).
+inline torch::ScalarType precision_dtype(const Config& config) {
+  return config.precision == "bf16" ? torch::kBFloat16 : config.precision == "fp16" ? torch::kHalf : torch::kFloat;
+}
+
+// While it lives, forward runs in --precision on `device`; nothing for fp32.
+inline std::unique_ptr<lockstep::AutocastGuard> autocast_for(const Config& config, torch::Device device) {
+  const auto dtype = precision_dtype(config);
+  if (dtype == torch::kFloat) {
+    return nullptr;
+  }
+  return std::make_unique<lockstep::AutocastGuard>(device.type(), dtype);
+}
+
+// fp16's scaler (a pass-through otherwise), resumed from `state`. The ranks
+// agree on overflow over `group`: FullyShardedDataParallel's ranks each see
+// only their shard of the gradients (Note [Mixed precision]).
+inline std::unique_ptr<lockstep::GradScaler> make_scaler(const Config& config, const lockstep::ProcessGroup& group,
+                                                         const TrainingState& state) {
+  auto scaler = std::make_unique<lockstep::GradScaler>(
+      lockstep::GradScalerOptions().enabled(config.precision == "fp16").growth_interval(config.growth_interval).group(group));
+  if (scaler->is_enabled() && !state.grad_scaler.empty()) {
+    std::istringstream bytes(state.grad_scaler);
+    torch::serialize::InputArchive archive;
+    archive.load_from(bytes);
+    scaler->load(archive);
+  }
+  return scaler;
+}
+
+// The scaler's archive as bytes, for TrainingState::grad_scaler.
+inline std::string scaler_bytes(const lockstep::GradScaler& scaler) {
+  if (!scaler.is_enabled()) {
+    return "";
+  }
+  torch::serialize::OutputArchive archive;
+  scaler.save(archive);
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  return bytes.str();
+}
+
+} // namespace examples
+} // namespace lockstep

@@ -1,0 +1,130 @@
+#pragma once
+
+// Mixed precision for LibTorch: an autocast guard (Python's torch.autocast
+// as a scope) and a gradient scaler (torch.amp.GradScaler) that, given a
+// process group, makes every rank step or skip together. See Note [Mixed
+// precision] in src/amp.cpp, and docs/design.md for which combination suits
+// which case.
+
+#include <lockstep/process_group.h>
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <utility>
+
+namespace lockstep {
+
+/// While it lives, operators on `device_type` run under autocast to `dtype`
+/// (torch::kBFloat16 or torch::kHalf), as inside Python's
+/// `with torch.autocast(device_type, dtype)`. Guards nest: each one restores
+/// the state it found, and the outermost clears the cast cache (the
+/// low-precision copies of the weights autocast made, which an optimizer
+/// step makes stale). The state is the calling thread's; DataParallel's
+/// replicas run under their caller's. Unsupported device types and dtypes
+/// are refused here rather than silently running in fp32.
+class AutocastGuard {
+ public:
+  AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled = true, bool cache_enabled = true);
+  ~AutocastGuard();
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  c10::DeviceType device_type_;
+  bool previous_enabled_;
+  c10::ScalarType previous_dtype_;
+  bool previous_cache_enabled_;
+};
+
+/// Options of GradScaler, with torch.amp.GradScaler's defaults.
+struct GradScalerOptions {
+  /// The scale of the first iteration.
+  TORCH_ARG(double, init_scale) = 65536.0;
+  /// The scale is multiplied by this after growth_interval steps without inf or NaN.
+  TORCH_ARG(double, growth_factor) = 2.0;
+  /// The scale is multiplied by this after a step skipped for inf or NaN.
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  /// Steps without inf or NaN between two growths.
+  TORCH_ARG(int64_t, growth_interval) = 2000;
+  /// false: every call passes through (scale() returns its input, step() steps).
+  TORCH_ARG(bool, enabled) = true;
+  /// The ranks that must agree on whether a gradient overflowed: one
+  /// allreduce (Max) of one number per step. Needed where ranks see
+  /// different gradients: FullyShardedDataParallel's shards. The default,
+  /// a group of one, agrees with itself at no cost.
+  TORCH_ARG(ProcessGroup, group);
+};
+
+/// torch.amp.GradScaler for LibTorch:
+///   scaler.scale(loss).backward();
+///   scaler.unscale_(optimizer);              // optional, before clipping
+///   bool stepped = scaler.step(optimizer);   // skipped on inf or NaN
+///   scaler.update();
+/// Gradients in float16 are refused by unscale_ (keep fp32 master weights).
+class GradScaler {
+ public:
+  explicit GradScaler(GradScalerOptions options = {});
+
+  /// `outputs` times the scale. The scale lives on the device of the first
+  /// tensor scaled.
+  torch::Tensor scale(const torch::Tensor& outputs);
+  /// Divides the optimizer's gradients by the scale, in place, and records
+  /// whether any is inf or NaN. At most once per optimizer between updates.
+  void unscale_(torch::optim::Optimizer& optimizer);
+  /// Unscales (unless unscale_ did), agrees with the group, and steps unless
+  /// a gradient of any rank was inf or NaN. Returns whether it stepped.
+  bool step(torch::optim::Optimizer& optimizer);
+  /// Backs the scale off after a skipped step, grows it after
+  /// growth_interval good ones, and ends the iteration.
+  void update();
+  /// Sets the scale to `new_scale` and ends the iteration.
+  void update(double new_scale);
+
+  /// The current scale; 1.0 when disabled.
+  double get_scale() const;
+  /// Good steps since the last growth or backoff.
+  int64_t growth_tracker() const;
+  bool is_enabled() const {
+    return options_.enabled();
+  }
+  const GradScalerOptions& options() const {
+    return options_;
+  }
+
+  /// Writes the scale, the growth tracker and the factors, under
+  /// torch.amp.GradScaler.state_dict()'s names.
+  void save(torch::serialize::OutputArchive& archive) const;
+  /// Reads what save() wrote; a missing entry is an error naming it.
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  enum class Stage { Ready, Unscaled, Stepped };
+  struct PerOptimizer {
+    Stage stage = Stage::Ready;
+    torch::Tensor found_inf; // 1 element, float, on the scale's device; agreed over the group
+  };
+
+  void check_scaled(const char* call) const;
+  PerOptimizer& state_of(torch::optim::Optimizer& optimizer);
+
+  GradScalerOptions options_;
+  torch::Tensor scale_;          // float, 1 element; undefined until the first scale()
+  torch::Tensor growth_tracker_; // int32, 1 element, beside scale_
+  int32_t init_growth_tracker_ = 0; // growth_tracker_'s value when scale() creates it (load() sets it)
+  std::map<const torch::optim::Optimizer*, PerOptimizer> optimizers_;
+};
+
+namespace detail {
+/// One update of the scale, as ATen's _amp_update_scale_ kernel computes it
+/// (in float): back off on found_inf, grow after growth_interval good steps
+/// unless that overflows. Returns {scale, growth_tracker}.
+std::pair<float, int32_t> next_scale(float scale, int32_t growth_tracker, bool found_inf, double growth_factor,
+                                     double backoff_factor, int64_t growth_interval);
+} // namespace detail
+
+} // namespace lockstep

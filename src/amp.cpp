@@ -1,0 +1,348 @@
+#include <lockstep/amp.h>
+
+#include "autocast_state.h"
+#include "torch_compat.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/TensorOptions.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+// Note [Mixed precision]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Autocast is thread-local state in ATen: an enabled flag and a dtype per
+// device type, a nesting count, and a cache of the low-precision copies it
+// made of fp32 leaf weights. Python's torch.autocast sets the first two,
+// counts the nesting, and clears the cache when the outermost scope ends;
+// AutocastGuard does the same through src/torch_compat.h, which hides that
+// 1.13 has one function per device type where 2.4 and later take the type.
+//
+// The cache is why the scope matters. It is keyed by the weight's
+// TensorImpl, so after an optimizer step changes a weight in place, a cache
+// that was not cleared hands back the old copy: a silently wrong forward.
+// DataParallel's replicas run on threads of their own. at::ThreadLocalState
+// carries the enabled flags there (and, in 2.x, the dtypes), but not the
+// nesting. In 1.13 the cache is per thread too, and a replica thread, which
+// never ends a scope of its own, kept its casts from one step to the next:
+// measured, every replica computed with the weights of the step before
+// (test ReplicaThreadsDropTheirCastCacheAfterEachStep). So each replica runs
+// inside a ReplicaAutocast: its caller's state, dtypes included, one
+// nesting level, and a cleared cache at the end.
+//
+// GradScaler follows torch.amp.GradScaler, with ATen's kernels where this
+// LibTorch has them for the gradients' device (CUDA; CPU from 2.x) and the
+// same arithmetic in plain tensor ops where it does not (1.13's CPU), asked
+// of the dispatcher rather than decided by version. What it adds is
+// agreement: under FullyShardedDataParallel each rank unscales only its own
+// shard of the gradients, so only the rank that holds an overflowed element
+// sees it. Left alone, that rank would skip its step and the others would
+// take theirs, and the shards would drift apart for good. unscale_ therefore
+// ends with one allreduce (Max) of found-inf over the options' group, and
+// every rank steps or skips together, and backs its scale off together.
+
+namespace lockstep {
+
+AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled, bool cache_enabled)
+    : device_type_(device_type) {
+  TORCH_CHECK(detail::autocast_available(device_type), "lockstep::AutocastGuard: this LibTorch has no autocast for ",
+              device_type, " tensors; use torch::kCPU or torch::kCUDA");
+  TORCH_CHECK(dtype == c10::kBFloat16 || dtype == c10::kHalf, "lockstep::AutocastGuard: dtype ", dtype,
+              " is not a lower precision autocast can run in; pass torch::kBFloat16 or torch::kHalf");
+  TORCH_CHECK(device_type != c10::DeviceType::CPU || dtype != c10::kHalf || detail::kCpuAutocastTakesHalf,
+              "lockstep::AutocastGuard: CPU autocast to float16 needs PyTorch 2.4 or later, and this LibTorch is ",
+              TORCH_VERSION, "; pass torch::kBFloat16 for the CPU");
+  previous_enabled_ = detail::autocast_enabled(device_type);
+  previous_dtype_ = detail::autocast_dtype(device_type);
+  previous_cache_enabled_ = at::autocast::is_autocast_cache_enabled();
+  detail::set_autocast_enabled(device_type, enabled);
+  detail::set_autocast_dtype(device_type, dtype);
+  at::autocast::set_autocast_cache_enabled(cache_enabled);
+  at::autocast::increment_nesting();
+}
+
+AutocastGuard::~AutocastGuard() {
+  if (at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  detail::set_autocast_enabled(device_type_, previous_enabled_);
+  detail::set_autocast_dtype(device_type_, previous_dtype_);
+  at::autocast::set_autocast_cache_enabled(previous_cache_enabled_);
+}
+
+namespace detail {
+
+AutocastState AutocastState::current() {
+  AutocastState s;
+  s.cpu_enabled = autocast_enabled(c10::DeviceType::CPU);
+  s.cuda_enabled = autocast_enabled(c10::DeviceType::CUDA);
+  s.cpu_dtype = autocast_dtype(c10::DeviceType::CPU);
+  s.cuda_dtype = autocast_dtype(c10::DeviceType::CUDA);
+  s.cache_enabled = at::autocast::is_autocast_cache_enabled();
+  return s;
+}
+
+void AutocastState::apply() const {
+  set_autocast_enabled(c10::DeviceType::CPU, cpu_enabled);
+  set_autocast_enabled(c10::DeviceType::CUDA, cuda_enabled);
+  set_autocast_dtype(c10::DeviceType::CPU, cpu_dtype);
+  set_autocast_dtype(c10::DeviceType::CUDA, cuda_dtype);
+  at::autocast::set_autocast_cache_enabled(cache_enabled);
+}
+
+ReplicaAutocast::ReplicaAutocast(const AutocastState& caller) : previous_(AutocastState::current()) {
+  caller.apply();
+  at::autocast::increment_nesting();
+}
+
+ReplicaAutocast::~ReplicaAutocast() {
+  if (at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  previous_.apply();
+}
+
+std::pair<float, int32_t> next_scale(float scale, int32_t growth_tracker, bool found_inf, double growth_factor,
+                                     double backoff_factor, int64_t growth_interval) {
+  if (found_inf) {
+    return {static_cast<float>(scale * backoff_factor), 0};
+  }
+  const int32_t successful = growth_tracker + 1;
+  if (successful < growth_interval) {
+    return {scale, successful};
+  }
+  const auto grown = static_cast<float>(scale * growth_factor);
+  return {std::isfinite(grown) ? grown : scale, 0}; // never grow past float's range into inf
+}
+
+} // namespace detail
+
+namespace {
+
+// Whether ATen has `op` for tensors like `t` (Note [Mixed precision]).
+bool aten_has_kernel(const char* op, const torch::Tensor& t) {
+  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
+  return handle.hasKernelForDispatchKey(c10::computeDispatchKey(t.scalar_type(), c10::kStrided, t.device()));
+}
+
+// Gradients of one device and dtype, with the found-inf flag of that device.
+struct GradGroup {
+  torch::Device device;
+  torch::ScalarType dtype;
+  std::vector<torch::Tensor> grads;
+};
+
+std::vector<GradGroup> gradients_by_device_and_dtype(torch::optim::Optimizer& optimizer) {
+  std::vector<GradGroup> groups;
+  size_t index = 0;
+  for (auto& param_group : optimizer.param_groups()) {
+    for (auto& p : param_group.params()) {
+      ++index;
+      if (!p.grad().defined()) {
+        continue;
+      }
+      auto g = p.grad().is_sparse() ? p.grad()._values() : p.grad();
+      TORCH_CHECK(g.scalar_type() != torch::kHalf, "lockstep::GradScaler::unscale_: the gradient of the optimizer's "
+                  "parameter ", index, " (of ", p.sizes(), ") is float16: unscaling it in float16 loses what the "
+                  "scale protected. Keep the parameters the optimizer steps in float32: autocast casts them for the "
+                  "forward, and FullyShardedDataParallel's param_dtype keeps float32 shards");
+      auto it = std::find_if(groups.begin(), groups.end(), [&](const GradGroup& group) {
+        return group.device == g.device() && group.dtype == g.scalar_type();
+      });
+      if (it == groups.end()) {
+        groups.push_back(GradGroup{g.device(), g.scalar_type(), {}});
+        it = groups.end() - 1;
+      }
+      it->grads.push_back(g);
+    }
+  }
+  return groups;
+}
+
+// Multiplies `grads` by inv_scale and sets found_inf to 1 where one holds an
+// inf or NaN: ATen's kernel where it has one, else the same in tensor ops.
+void check_and_unscale(std::vector<torch::Tensor>& grads, torch::Tensor& found_inf, const torch::Tensor& inv_scale) {
+  if (aten_has_kernel("aten::_amp_foreach_non_finite_check_and_unscale_", grads.front())) {
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+    return;
+  }
+  for (auto& g : grads) {
+    if (!torch::isfinite(g).all().item<bool>()) {
+      found_inf.fill_(1.0);
+    }
+    g.mul_(inv_scale);
+  }
+}
+
+} // namespace
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(std::move(options)) {
+  const auto& o = options_;
+  TORCH_CHECK(std::isfinite(o.init_scale()) && o.init_scale() > 0, "lockstep::GradScaler: init_scale ",
+              o.init_scale(), " must be a finite number above 0");
+  TORCH_CHECK(std::isfinite(o.growth_factor()) && o.growth_factor() > 1.0, "lockstep::GradScaler: growth_factor ",
+              o.growth_factor(), " must be above 1");
+  TORCH_CHECK(o.backoff_factor() > 0 && o.backoff_factor() < 1.0, "lockstep::GradScaler: backoff_factor ",
+              o.backoff_factor(), " must be between 0 and 1");
+  TORCH_CHECK(o.growth_interval() > 0 && o.growth_interval() <= INT32_MAX, "lockstep::GradScaler: growth_interval ",
+              o.growth_interval(), " must be a positive number of steps");
+}
+
+torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
+  if (!options_.enabled()) {
+    return outputs;
+  }
+  TORCH_CHECK(outputs.defined() && outputs.is_floating_point(), "lockstep::GradScaler::scale: the tensor to scale "
+              "must be a defined floating-point tensor (the loss), not ", outputs.defined() ? outputs.toString() : "undefined");
+  if (!scale_.defined()) {
+    scale_ = torch::full({1}, options_.init_scale(), torch::dtype(torch::kFloat).device(outputs.device()));
+    growth_tracker_ = torch::full({1}, init_growth_tracker_, torch::dtype(torch::kInt).device(outputs.device()));
+  }
+  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+}
+
+void GradScaler::check_scaled(const char* call) const {
+  TORCH_CHECK(scale_.defined(), "lockstep::GradScaler::", call, ": nothing was scaled yet; call "
+              "scaler.scale(loss).backward() before scaler.", call, "()");
+}
+
+GradScaler::PerOptimizer& GradScaler::state_of(torch::optim::Optimizer& optimizer) {
+  return optimizers_[&optimizer];
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) {
+    return;
+  }
+  check_scaled("unscale_");
+  auto& state = state_of(optimizer);
+  TORCH_CHECK(state.stage != Stage::Unscaled, "lockstep::GradScaler::unscale_: unscale_() was already called for "
+              "this optimizer since the last update(); call it once per optimizer per iteration");
+  TORCH_CHECK(state.stage != Stage::Stepped, "lockstep::GradScaler::unscale_: unscale_() is being called after "
+              "step(); call it between backward() and step()");
+  const auto inv_scale = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat);
+  state.found_inf = torch::zeros({1}, scale_.options().dtype(torch::kFloat));
+  for (auto& group : gradients_by_device_and_dtype(optimizer)) {
+    auto found = torch::zeros({1}, torch::dtype(torch::kFloat).device(group.device));
+    check_and_unscale(group.grads, found, inv_scale.to(group.device));
+    state.found_inf.add_(found.to(state.found_inf.device()));
+  }
+  // Note [Mixed precision]: every rank steps or skips together.
+  const auto& group = options_.group();
+  if (group.size() > 1) {
+    auto agreed = group.supports(Collective::Allreduce, torch::kFloat, state.found_inf.device())
+        ? state.found_inf : state.found_inf.cpu();
+    group.allreduce(agreed, ReduceOp::Max);
+    state.found_inf.copy_(agreed);
+  }
+  state.stage = Stage::Unscaled;
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) {
+    optimizer.step();
+    return true;
+  }
+  auto& state = state_of(optimizer);
+  TORCH_CHECK(state.stage != Stage::Stepped, "lockstep::GradScaler::step: step() was already called for this "
+              "optimizer since the last update(); call update() once per iteration, after the steps");
+  if (state.stage == Stage::Ready) {
+    unscale_(optimizer);
+  }
+  const bool overflowed = state.found_inf.item<float>() != 0;
+  if (!overflowed) {
+    optimizer.step();
+  }
+  state.stage = Stage::Stepped;
+  return !overflowed;
+}
+
+void GradScaler::update() {
+  if (!options_.enabled()) {
+    return;
+  }
+  check_scaled("update");
+  torch::Tensor found_inf;
+  for (auto& entry : optimizers_) {
+    if (entry.second.found_inf.defined()) {
+      found_inf = found_inf.defined() ? found_inf + entry.second.found_inf : entry.second.found_inf.clone();
+    }
+  }
+  TORCH_CHECK(found_inf.defined(), "lockstep::GradScaler::update: no optimizer was unscaled or stepped since the "
+              "last update(); call scaler.step(optimizer) before scaler.update()");
+  const auto& o = options_;
+  if (aten_has_kernel("aten::_amp_update_scale_", scale_)) {
+    at::_amp_update_scale_(scale_, growth_tracker_, found_inf, o.growth_factor(), o.backoff_factor(),
+                           o.growth_interval());
+  } else {
+    auto next = detail::next_scale(scale_.item<float>(), growth_tracker_.item<int32_t>(), found_inf.item<float>() != 0,
+                                   o.growth_factor(), o.backoff_factor(), o.growth_interval());
+    scale_.fill_(next.first);
+    growth_tracker_.fill_(next.second);
+  }
+  optimizers_.clear();
+}
+
+void GradScaler::update(double new_scale) {
+  if (!options_.enabled()) {
+    return;
+  }
+  check_scaled("update");
+  TORCH_CHECK(std::isfinite(new_scale) && new_scale > 0, "lockstep::GradScaler::update: new_scale ", new_scale,
+              " must be a finite number above 0");
+  scale_.fill_(new_scale);
+  optimizers_.clear();
+}
+
+double GradScaler::get_scale() const {
+  if (!options_.enabled()) {
+    return 1.0;
+  }
+  return scale_.defined() ? scale_.item<float>() : options_.init_scale();
+}
+
+int64_t GradScaler::growth_tracker() const {
+  return growth_tracker_.defined() ? growth_tracker_.item<int32_t>() : init_growth_tracker_;
+}
+
+void GradScaler::save(torch::serialize::OutputArchive& archive) const {
+  if (!options_.enabled()) {
+    return; // as torch.amp.GradScaler.state_dict(): a disabled scaler has no state
+  }
+  const auto number = [](double v) { return torch::tensor(v, torch::kDouble); };
+  archive.write("scale", number(get_scale()), /*is_buffer=*/true);
+  archive.write("growth_factor", number(options_.growth_factor()), true);
+  archive.write("backoff_factor", number(options_.backoff_factor()), true);
+  archive.write("growth_interval", number(static_cast<double>(options_.growth_interval())), true);
+  archive.write("_growth_tracker", number(static_cast<double>(growth_tracker())), true);
+}
+
+void GradScaler::load(torch::serialize::InputArchive& archive) {
+  if (!options_.enabled()) {
+    return;
+  }
+  const auto read = [&](const char* key) {
+    torch::Tensor value;
+    TORCH_CHECK(archive.try_read(key, value, /*is_buffer=*/true) && value.numel() == 1,
+                "lockstep::GradScaler::load: the archive has no \"", key, "\": it was not written by an enabled "
+                "GradScaler's save() (a disabled one saves nothing)");
+    return value.item<double>();
+  };
+  const double scale = read("scale");
+  const double growth_factor = read("growth_factor");
+  const double backoff_factor = read("backoff_factor");
+  const auto growth_interval = static_cast<int64_t>(read("growth_interval"));
+  const auto tracker = static_cast<int32_t>(read("_growth_tracker"));
+  options_.init_scale(scale).growth_factor(growth_factor).backoff_factor(backoff_factor).growth_interval(growth_interval);
+  init_growth_tracker_ = tracker;
+  if (scale_.defined()) {
+    scale_.fill_(scale);
+    growth_tracker_.fill_(tracker);
+  }
+}
+
+} // namespace lockstep

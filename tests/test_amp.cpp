@@ -1,0 +1,213 @@
+// AutocastGuard and GradScaler in one thread (Note [Mixed precision] in
+// src/amp.cpp). Their thread and multi-rank behaviour is in
+// test_amp_threads.cpp.
+
+#include <lockstep/lockstep.h>
+
+#include "support/errors.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <limits>
+#include <sstream>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+torch::ScalarType mm_dtype() {
+  auto a = torch::randn({4, 4});
+  return torch::mm(a, a).scalar_type();
+}
+
+TEST(AutocastGuard, NestsAndRestoresTheStateItFound) {
+  ASSERT_EQ(mm_dtype(), torch::kFloat);
+  {
+    AutocastGuard outer(torch::kCPU, torch::kBFloat16);
+    EXPECT_EQ(mm_dtype(), torch::kBFloat16);
+    {
+      AutocastGuard off(torch::kCPU, torch::kBFloat16, /*enabled=*/false);
+      EXPECT_EQ(mm_dtype(), torch::kFloat);
+    }
+    EXPECT_EQ(mm_dtype(), torch::kBFloat16);
+#if TORCH_VERSION_MAJOR >= 2
+    {
+      AutocastGuard half(torch::kCPU, torch::kHalf);
+      EXPECT_EQ(mm_dtype(), torch::kHalf);
+    }
+    EXPECT_EQ(mm_dtype(), torch::kBFloat16) << "the inner guard's dtype outlived it";
+#endif
+  }
+  EXPECT_EQ(mm_dtype(), torch::kFloat);
+}
+
+// Autocast caches its bfloat16 copy of a weight while a guard is open; the
+// outermost guard's end drops it, so the next guard sees the updated weight.
+TEST(AutocastGuard, TheOutermostGuardClearsTheCastCache) {
+  auto x = torch::randn({4, 8});
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  auto fresh = [&] { return torch::mm(x.to(torch::kBFloat16), w.detach().to(torch::kBFloat16)); };
+  {
+    AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(torch::mm(x, w), fresh()));
+    torch::NoGradGuard no_grad;
+    w.add_(1.0);
+  }
+  AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(torch::mm(x, w), fresh())) << "a new guard computed with the weight before the step";
+}
+
+TEST(AutocastGuard, RefusesWhatAutocastCannotRun) {
+  EXPECT_ERROR_SAYS(AutocastGuard(torch::kCPU, torch::kFloat), "dtype Float is not a lower precision");
+  EXPECT_ERROR_SAYS(AutocastGuard(c10::DeviceType::FPGA, torch::kBFloat16), "no autocast for fpga tensors");
+#if TORCH_VERSION_MAJOR < 2
+  EXPECT_ERROR_SAYS(AutocastGuard(torch::kCPU, torch::kHalf), "CPU autocast to float16 needs PyTorch 2.4");
+#endif
+  EXPECT_EQ(mm_dtype(), torch::kFloat) << "a refused guard left autocast on";
+}
+
+// PyTorch's test_grad_scaling_update_scale: growth 2, backoff 0.25, interval 2.
+TEST(GradScaler, TheScaleSequenceOfPyTorchsUpdateScaleTest) {
+  auto s = detail::next_scale(4.0f, 0, false, 2.0, 0.25, 2);
+  EXPECT_EQ(s, std::make_pair(4.0f, 1));
+  s = detail::next_scale(s.first, s.second, false, 2.0, 0.25, 2);
+  EXPECT_EQ(s, std::make_pair(8.0f, 0));
+  s = detail::next_scale(s.first, s.second, true, 2.0, 0.25, 2);
+  EXPECT_EQ(s, std::make_pair(2.0f, 0));
+  const float largest = std::numeric_limits<float>::max();
+  EXPECT_EQ(detail::next_scale(largest, 1, false, 2.0, 0.25, 2), std::make_pair(largest, 0)) << "grew into inf";
+}
+
+// One scaled backward of sum(w * x) for a parameter w, with an inf in its
+// gradient when `overflow`, then step and update.
+bool scaled_step(GradScaler& scaler, torch::optim::Optimizer& optimizer, torch::Tensor w, bool overflow) {
+  optimizer.zero_grad();
+  auto x = torch::full({3}, overflow ? std::numeric_limits<float>::infinity() : 1.0f);
+  scaler.scale((w * x).sum()).backward();
+  const bool stepped = scaler.step(optimizer);
+  scaler.update();
+  return stepped;
+}
+
+TEST(GradScaler, FollowsTheSameSequenceThroughRealSteps) {
+  auto w = torch::ones({3}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(4.0).growth_factor(2.0).backoff_factor(0.25).growth_interval(2));
+  EXPECT_TRUE(scaled_step(scaler, sgd, w, false));
+  EXPECT_EQ(scaler.get_scale(), 4.0);
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+  EXPECT_TRUE(scaled_step(scaler, sgd, w, false));
+  EXPECT_EQ(scaler.get_scale(), 8.0);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+  EXPECT_FALSE(scaled_step(scaler, sgd, w, true));
+  EXPECT_EQ(scaler.get_scale(), 2.0);
+  EXPECT_TRUE(torch::allclose(w, torch::full({3}, 0.8f))) << "the unscaled gradient is 1, so two steps of 0.1";
+}
+
+TEST(GradScaler, ASkippedStepLeavesParametersAndOptimizerStateUntouched) {
+  auto w = torch::ones({3}, torch::requires_grad());
+  torch::optim::Adam adam({w}, 0.1);
+  GradScaler scaler;
+  ASSERT_TRUE(scaled_step(scaler, adam, w, false));
+  const auto weight = w.detach().clone();
+  std::ostringstream before;
+  {
+    torch::serialize::OutputArchive archive;
+    adam.save(archive);
+    archive.save_to(before);
+  }
+  EXPECT_FALSE(scaled_step(scaler, adam, w, true));
+  EXPECT_TRUE(torch::equal(w.detach(), weight));
+  std::ostringstream after;
+  torch::serialize::OutputArchive archive;
+  adam.save(archive);
+  archive.save_to(after);
+  EXPECT_EQ(before.str(), after.str()) << "the skipped step changed Adam's state";
+  EXPECT_EQ(scaler.get_scale(), 32768.0);
+}
+
+// unscale_, then clipping, then step: the same as clipping an unscaled step.
+TEST(GradScaler, UnscaleThenClipMatchesClippingWithoutAScale) {
+  torch::manual_seed(0);
+  torch::nn::Linear reference(6, 2);
+  torch::nn::Linear scaled(6, 2);
+  {
+    torch::NoGradGuard no_grad;
+    scaled->weight.copy_(reference->weight);
+    scaled->bias.copy_(reference->bias);
+  }
+  torch::optim::SGD ref_sgd(reference->parameters(), 0.1);
+  torch::optim::SGD sgd(scaled->parameters(), 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(1024.0));
+  auto x = torch::randn({5, 6});
+  reference->forward(x).pow(2).sum().backward();
+  torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
+  ref_sgd.step();
+  scaler.scale(scaled->forward(x).pow(2).sum()).backward();
+  scaler.unscale_(sgd);
+  torch::nn::utils::clip_grad_norm_(scaled->parameters(), 0.5);
+  EXPECT_ERROR_SAYS(scaler.unscale_(sgd), "unscale_() was already called for this optimizer");
+  EXPECT_TRUE(scaler.step(sgd));
+  EXPECT_ERROR_SAYS(scaler.step(sgd), "step() was already called for this optimizer");
+  scaler.update();
+  EXPECT_TRUE(torch::allclose(scaled->weight, reference->weight, 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(scaled->bias, reference->bias, 1e-6, 1e-6));
+}
+
+TEST(GradScaler, StateRoundTripsThroughAnArchive) {
+  auto w = torch::ones({3}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(8.0).growth_interval(3).backoff_factor(0.25));
+  scaled_step(scaler, sgd, w, true);
+  scaled_step(scaler, sgd, w, false);
+  scaled_step(scaler, sgd, w, false);
+  std::stringstream bytes;
+  torch::serialize::OutputArchive out;
+  scaler.save(out);
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  GradScaler loaded;
+  loaded.load(in);
+  EXPECT_EQ(loaded.get_scale(), 2.0);
+  EXPECT_EQ(loaded.growth_tracker(), 2);
+  EXPECT_EQ(loaded.options().growth_interval(), 3);
+  EXPECT_EQ(loaded.options().backoff_factor(), 0.25);
+  scaled_step(loaded, sgd, w, false);
+  EXPECT_EQ(loaded.get_scale(), 4.0) << "the loaded scaler did not grow on its third good step";
+
+  torch::serialize::InputArchive empty;
+  GradScaler fresh;
+  EXPECT_ERROR_SAYS(fresh.load(empty), "the archive has no \"scale\"");
+}
+
+TEST(GradScaler, DisabledEveryCallPassesThrough) {
+  auto w = torch::ones({3}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, 0.1);
+  GradScaler scaler(GradScalerOptions().enabled(false));
+  auto loss = (w * 2).sum();
+  EXPECT_TRUE(scaler.scale(loss).is_same(loss));
+  loss.backward();
+  scaler.unscale_(sgd);
+  EXPECT_TRUE(scaler.step(sgd));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 1.0);
+  EXPECT_TRUE(torch::allclose(w, torch::full({3}, 0.8f)));
+}
+
+TEST(GradScaler, RefusesMisuseWithWhatToDo) {
+  EXPECT_ERROR_SAYS(GradScaler(GradScalerOptions().growth_factor(0.5)), "growth_factor 0.5 must be above 1");
+  EXPECT_ERROR_SAYS(GradScaler(GradScalerOptions().backoff_factor(1.5)), "backoff_factor 1.5 must be between 0 and 1");
+  EXPECT_ERROR_SAYS(GradScaler(GradScalerOptions().growth_interval(0)), "growth_interval 0 must be a positive");
+  auto w = torch::ones({3}, torch::dtype(torch::kHalf).requires_grad(true));
+  torch::optim::SGD sgd({w}, 0.1);
+  GradScaler scaler;
+  EXPECT_ERROR_SAYS(scaler.step(sgd), "nothing was scaled yet; call scaler.scale(loss).backward()");
+  scaler.scale((w.to(torch::kFloat) * 2).sum()).backward();
+  EXPECT_ERROR_SAYS(scaler.unscale_(sgd), "parameter 1 (of [3]) is float16");
+}
+
+} // namespace
+} // namespace lockstep

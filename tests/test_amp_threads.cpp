@@ -1,0 +1,107 @@
+// Mixed precision where threads meet it: DataParallel's replicas under their
+// caller's autocast, and GradScaler's agreement across ranks as threads over
+// a HashStore (support/amp_checks.h; fsdp_worker.cpp runs it under mpirun).
+
+#include <lockstep/lockstep.h>
+
+#include "../src/worker_pool.h"
+#include "support/amp_checks.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+const testing::Check kCheck = [](bool ok, const std::string& what) {
+  if (!ok) {
+    ADD_FAILURE() << what;
+  }
+};
+
+TEST(AutocastGuard, IsTheCallingThreadsOnly) {
+  auto a = torch::randn({4, 4});
+  AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
+  torch::ScalarType elsewhere = torch::kBFloat16;
+  std::thread([&] { elsewhere = torch::mm(a, a).scalar_type(); }).join();
+  EXPECT_EQ(elsewhere, torch::kFloat);
+}
+
+// Under the caller's guard every replica computes in bfloat16, and after the
+// weights change no replica reuses a low-precision copy of the old ones
+// (Note [Mixed precision]): each guard's outputs match the bare module's.
+TEST(DataParallel, ReplicasRunUnderTheCallersAutocastAndNeverReuseStaleCasts) {
+  torch::manual_seed(0);
+  torch::nn::Linear bare(16, 8);
+  torch::nn::Linear wrapped(16, 8);
+  {
+    torch::NoGradGuard no_grad;
+    wrapped->weight.copy_(bare->weight);
+    wrapped->bias.copy_(bare->bias);
+  }
+  DataParallel<torch::nn::Linear> dp(wrapped, DataParallelOptions().devices(
+      std::vector<torch::Device>(2, torch::Device(torch::kCPU))));
+  const auto x = torch::randn({8, 16});
+  for (int step = 0; step < 3; ++step) {
+    torch::Tensor expected;
+    torch::Tensor got;
+    {
+      AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      expected = bare->forward(x);
+      got = dp->forward(x);
+    }
+    ASSERT_EQ(got.scalar_type(), torch::kBFloat16) << "step " << step;
+    EXPECT_TRUE(torch::allclose(got.to(torch::kFloat), expected.to(torch::kFloat), 1e-2, 1e-2))
+        << "step " << step << ": a replica's output differs from the bare module's by "
+        << (got.to(torch::kFloat) - expected.to(torch::kFloat)).abs().max().item<float>();
+    torch::NoGradGuard no_grad; // an optimizer step, as large as the weights
+    bare->weight.add_(1.0);
+    wrapped->weight.add_(1.0);
+  }
+}
+
+// The replica threads keep no cast from one step to the next: a weight that
+// is a leaf tensor, updated between two steps, is cast afresh (ATen caches
+// its casts per thread until the outermost autocast scope ends, and a worker
+// thread has none of its own).
+TEST(DataParallel, ReplicaThreadsDropTheirCastCacheAfterEachStep) {
+  detail::WorkerPool pool({1, 1});
+  const std::vector<torch::Device> devices(2, torch::Device(torch::kCPU));
+  const auto x = torch::randn({4, 8});
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  for (int step = 0; step < 2; ++step) {
+    std::vector<torch::Tensor> outputs(2);
+    {
+      AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      detail::run_replicas(pool, {0, 1}, devices, "forward", [&](size_t r) { outputs[r] = torch::mm(x, w); });
+    }
+    const auto fresh = torch::mm(x.to(torch::kBFloat16), w.detach().to(torch::kBFloat16));
+    for (size_t r = 0; r < 2; ++r) {
+      ASSERT_EQ(outputs[r].scalar_type(), torch::kBFloat16) << "replica " << r;
+      EXPECT_TRUE(torch::equal(outputs[r], fresh)) << "step " << step << ", replica " << r
+                                                   << " computed with a cast of the weight before the update";
+    }
+    torch::NoGradGuard no_grad;
+    w.add_(1.0);
+  }
+}
+
+TEST(GradScaler, UnderDdpAnInfOnOneRankSkipsOnEveryRank) {
+  testing::spawn(2, [](ProcessGroup& group) { testing::check_ddp_scaler_skips_together(group, kCheck); });
+}
+
+TEST(GradScaler, UnderFsdpTheGroupMakesEveryRankSkipAnInfInOneShard) {
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
+    testing::spawn(2, [&](ProcessGroup& group) { testing::check_fsdp_scaler_skips_together(group, strategy, kCheck); });
+  }
+  testing::spawn(2, [](ProcessGroup& group) { testing::check_fsdp_scaler_without_group_diverges(group, kCheck); });
+}
+
+} // namespace
+} // namespace lockstep
