@@ -11,7 +11,8 @@
 // the mpi backend, under mpirun) | naive (one allreduce per gradient after
 // backward) | nocomm (no communication: the limit) | fullshard, gradop,
 // noshard (FullyShardedDataParallel's strategies over Gloo) | fullshard-mpi,
-// gradop-mpi (over MPI, under mpirun).
+// gradop-mpi (over MPI, under mpirun) | fullshard-bf16 (FullShard with
+// param_dtype bf16 and reduce_dtype fp32: all-gathers of half the bytes).
 // MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)) | reversed
 // (deep, its layers registered in the reverse of the order forward uses
 // them) | wide (8 x Linear(2048, 2048): Adam's state dominates memory);
@@ -109,8 +110,11 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
     const auto strategy = mode == "noshard" ? lockstep::ShardingStrategy::NoShard
         : mode.rfind("gradop", 0) == 0      ? lockstep::ShardingStrategy::ShardGradOp
                                             : lockstep::ShardingStrategy::FullShard;
-    fsdp = std::make_shared<lockstep::FullyShardedDataParallel<M>>(net, group,
-                                                                   lockstep::ShardingOptions().strategy(strategy));
+    auto options = lockstep::ShardingOptions().strategy(strategy);
+    if (mode == "fullshard-bf16") {
+      options.param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat);
+    }
+    fsdp = std::make_shared<lockstep::FullyShardedDataParallel<M>>(net, group, options);
     forward = [fsdp](const torch::Tensor& in) { return (*fsdp)(in); };
     params = (*fsdp)->parameters();
   } else if (mode != "naive" && mode != "nocomm") {
@@ -134,7 +138,7 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
   }
   auto step = [&] {
     optimizer->zero_grad();
-    torch::cross_entropy_loss(forward(x), y).backward();
+    torch::cross_entropy_loss(forward(x).to(torch::kFloat), y).backward();
     if (mode == "naive") {
       for (auto& p : net->parameters()) {
         group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
@@ -271,7 +275,7 @@ int main(int argc, char** argv) {
                  "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward) or nocomm (no communication)")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
                                          "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
-                                         "gradop-mpi"}));
+                                         "gradop-mpi", "fullshard-bf16"}));
   app.add_option("MODEL", model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
                  "last layer first) or wide (8 x Linear(2048, 2048))")
       ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide"}));

@@ -17,7 +17,12 @@ namespace detail {
 
 struct FlatParam {
   std::string unit; // "" for the root
-  torch::ScalarType dtype = torch::kFloat;
+  torch::ScalarType dtype = torch::kFloat; // the parameters' and the shard's
+  // ShardingOptions::param_dtype for a floating-point flat, else dtype: the
+  // gathered buffer's, and so what forward and backward compute in
+  // (Note [Sharded mixed precision]).
+  torch::ScalarType compute_dtype = torch::kFloat;
+  torch::ScalarType reduce_dtype = torch::kFloat; // what its gradients are reduce-scattered in
   torch::Device device = torch::kCPU;
   std::vector<torch::Tensor> params; // the module's own
   std::vector<std::string> names;
@@ -25,7 +30,8 @@ struct FlatParam {
   std::vector<std::vector<int64_t>> shapes; // the parameters' own, kept while they are empty
   ShardLayout layout;
   torch::Tensor shard; // registered on the wrapper
-  torch::Tensor full; // the gathered buffer; its storage is released while sharded
+  torch::Tensor full; // the gathered buffer, in compute_dtype; its storage is released while sharded
+  torch::Tensor summoned; // summon_full_params() under a param_dtype: the whole buffer in dtype
   std::vector<torch::Tensor> views; // the parameters' views of `full`, made once
   bool gathered = false;
   bool pending = false; // its all-gather is in flight

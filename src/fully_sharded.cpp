@@ -196,13 +196,13 @@ void ShardedCore::State::start_gather(Bucket& b) {
     auto& flat = flats[b.members[0]];
     allocate_mapped(flat.full);
     b.output = flat.full;
-    b.work = group.all_gather_into_async(flat.full, flat.shard.detach(),
+    b.work = group.all_gather_into_async(flat.full, gather_input(flat),
                                          what + " (" + std::to_string(flat.layout.padded) + " elements)");
     return;
   }
   std::vector<torch::Tensor> shards;
   for (size_t i : b.members) {
-    shards.push_back(flats[i].shard.detach());
+    shards.push_back(gather_input(flats[i]));
   }
   auto input = torch::cat(shards);
   b.output = empty_mapped(input.numel() * group.size(), input.options());
@@ -281,7 +281,7 @@ void ShardedCore::State::release(FlatParam& flat, bool empty) {
   TORCH_INTERNAL_ASSERT(!flat.pending, "releasing a flat parameter whose all-gather is in flight");
   if (empty) {
     for (auto& p : flat.params) {
-      p.set_data(torch::empty({0}, flat.options()));
+      p.set_data(torch::empty({0}, flat.options().dtype(flat.compute_dtype)));
     }
   }
   if (strategy == ShardingStrategy::FullShard) {
@@ -434,6 +434,8 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
     }
   }
   s.flats = group_into_flats(planned, paths);
+  s.set_precision(options); // Note [Sharded mixed precision]
+  param_dtype_ = options.param_dtype();
   for (auto& named : module.named_buffers(/*recurse=*/true)) {
     s.whole.emplace_back(named.key(), named.value());
   }
@@ -464,17 +466,24 @@ void ShardedCore::shard_flat(torch::nn::Module& owner, size_t f) {
   const int rank = s.sharded() ? s.group.rank() : 0;
   auto shard = s.sharded() ? whole.narrow(0, rank * flat.layout.shard, flat.layout.shard).clone() : whole;
   flat.shard = owner.register_parameter(shard_name(flat), shard);
-  flat.full = s.sharded() ? whole : torch::Tensor();
+  flat.full = s.sharded() ? whole.to(flat.compute_dtype) : torch::Tensor();
   // The accumulators are made, and kept, while the parameters have their
-  // own shapes: autograd checks each gradient against the shape its
-  // accumulator saw when it was made.
+  // own shapes and the dtype they compute in: autograd checks each gradient
+  // against what its accumulator saw when it was made.
+  if (flat.compute_dtype != flat.dtype) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : flat.params) {
+      p.set_data(p.detach().to(flat.compute_dtype)); // Note [Sharded mixed precision]
+    }
+  }
   flat.ready.assign(flat.params.size(), 0);
   for (size_t j = 0; j < flat.params.size(); ++j) {
     auto accumulator = torch::autograd::impl::grad_accumulator(flat.params[j]);
     TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
     flat.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<State::ReadyHook>(state_, f, j)));
     flat.accumulators.push_back(std::move(accumulator));
-    flat.views.push_back(whole.narrow(0, flat.offsets[j], flat.params[j].numel()).view(flat.params[j].sizes()));
+    const auto& buffer = s.sharded() ? flat.full : whole;
+    flat.views.push_back(buffer.narrow(0, flat.offsets[j], flat.params[j].numel()).view(flat.params[j].sizes()));
   }
   if (s.sharded()) {
     s.release(flat, /*empty=*/true);
@@ -553,7 +562,9 @@ void ShardedCore::summon() {
   TORCH_CHECK(!s.forwarded, s.where(), "summon_full_params() between a forward and its backward. Call it before "
               "forward or after backward.");
   Unwatched unwatched;
-  s.gather_all();
+  if (!s.summon_in_own_dtype()) { // Note [Sharded mixed precision]
+    s.gather_all();
+  }
   s.summoned = true;
 }
 
@@ -564,10 +575,22 @@ void ShardedCore::unsummon(bool writeback) {
   if (writeback && s.sharded()) {
     torch::NoGradGuard no_grad;
     for (auto& flat : s.flats) {
-      flat.shard.detach().copy_(flat.full.narrow(0, s.group.rank() * flat.layout.shard, flat.layout.shard));
+      const auto& whole = flat.summoned.defined() ? flat.summoned : flat.full;
+      flat.shard.detach().copy_(whole.narrow(0, s.group.rank() * flat.layout.shard, flat.layout.shard));
     }
   }
   s.release_all();
+  for (auto& flat : s.flats) {
+    if (flat.summoned.defined()) {
+      flat.summoned = torch::Tensor();
+      // Their dtype changed twice (Note [Sharded mixed precision]), and
+      // set_data forgets a parameter's accumulator when its dtype changes:
+      // give back the one that carries the gradient hooks.
+      for (size_t j = 0; j < flat.params.size(); ++j) {
+        restore_grad_accumulator(flat.params[j], flat.accumulators[j]);
+      }
+    }
+  }
 }
 
 std::vector<FlatParam*> ShardedCore::flats() const {

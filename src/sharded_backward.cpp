@@ -114,7 +114,8 @@ void ShardedCore::State::launch(Bucket& bucket) {
     per_rank += flats[i].layout.shard;
   }
   const int64_t world = sharded() ? group.size() : 1;
-  auto input = empty_mapped(world * per_rank, flats[bucket.members[0]].options());
+  const auto& first = flats[bucket.members[0]];
+  auto input = empty_mapped(world * per_rank, first.options().dtype(first.reduce_dtype)); // Note [Sharded mixed precision]
   int64_t offset = 0;
   for (size_t i : bucket.members) {
     write_grads(flats[i], input.view({world, per_rank}).narrow(1, offset, flats[i].layout.shard));
@@ -148,6 +149,8 @@ void ShardedCore::State::land(Bucket& bucket) {
     auto& grad = flat.shard.mutable_grad();
     if (grad.defined()) {
       grad.add_(reduced);
+    } else if (reduced.scalar_type() != flat.dtype) {
+      grad = reduced.to(flat.dtype); // Note [Sharded mixed precision]
     } else {
       grad = bucket.members.size() == 1 ? bucket.output : reduced.clone(); // no view into a shared buffer
     }

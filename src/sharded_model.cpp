@@ -100,6 +100,8 @@ std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vecto
         flats.emplace_back();
         flats.back().unit = u == 0 ? "" : paths[u - 1];
         flats.back().dtype = p.scalar_type();
+        flats.back().compute_dtype = p.scalar_type();
+        flats.back().reduce_dtype = p.scalar_type();
         flats.back().device = p.device();
       }
       auto& flat = flats[by_type[key]];

@@ -89,6 +89,11 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   void begin_backward();
   void end_pass();
 
+  // src/sharded_precision.cpp: Note [Sharded mixed precision].
+  void set_precision(const ShardingOptions& options);
+  torch::Tensor gather_input(const FlatParam& flat) const;
+  bool summon_in_own_dtype();
+
   // src/sharded_backward.cpp: gradients into the shards.
   // Calls on_ready(flat, index) after autograd accumulates a parameter's
   // gradient.

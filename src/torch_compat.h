@@ -9,6 +9,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
@@ -23,6 +24,14 @@ namespace detail {
 
 /// How autograd holds a node: std::shared_ptr in 1.x, c10::intrusive_ptr in 2.x.
 using NodePtr = decltype(torch::autograd::Edge::function);
+
+/// Points `variable`'s gradient accumulator at `node` again: set_data with
+/// another dtype drops it. Autograd holds it weakly: a std::weak_ptr in 1.x,
+/// a c10::weak_intrusive_ptr in 2.x.
+inline void restore_grad_accumulator(const torch::Tensor& variable, const NodePtr& node) {
+  using WeakNodePtr = decltype(torch::autograd::AutogradMeta::grad_accumulator_);
+  torch::autograd::impl::set_grad_accumulator(variable, WeakNodePtr(node));
+}
 
 /// Makes an autograd node of type T, held the way this LibTorch holds nodes.
 template <typename T, typename... Args>

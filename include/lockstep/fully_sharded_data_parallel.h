@@ -46,6 +46,19 @@ struct ShardingOptions {
   /// FullShard: free each unit's gathered parameters after forward (true)
   /// or keep them until the end of backward (false).
   TORCH_ARG(bool, reshard_after_forward) = true;
+  /// Mixed precision: the dtype floating-point parameters are gathered in,
+  /// and so forward and backward compute in (torch::kBFloat16 halves every
+  /// all-gather). The shards, model->parameters(), the optimizer and its
+  /// state stay in the parameters' own dtype: fp32 master weights.
+  /// Floating-point tensor arguments of forward are cast to it; outputs stay
+  /// in it. summon_full_params() gives the parameters in their own dtype.
+  /// Unset: the parameters' own dtype. FullShard and ShardGradOp only.
+  TORCH_ARG(std::optional<torch::ScalarType>, param_dtype) = std::nullopt;
+  /// The dtype gradients are reduce-scattered (averaged) in before they are
+  /// added to the shards' gradients. Unset: param_dtype, else the
+  /// parameters' own dtype. torch::kFloat beside a bf16 param_dtype keeps
+  /// the average exact to fp32 at twice the reduce-scatter's bytes.
+  TORCH_ARG(std::optional<torch::ScalarType>, reduce_dtype) = std::nullopt;
 };
 
 /// While alive, backward keeps each parameter's whole gradient on this rank
@@ -118,6 +131,29 @@ void collect_tensors(const std::tuple<Ts...>& tuple, std::vector<torch::Tensor>&
 template <typename T>
 void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
 
+// A forward argument as FullyShardedDataParallel passes it on: a tensor in
+// ShardingOptions::param_dtype, anything else as it came.
+template <typename T>
+decltype(auto) cast_argument(const ShardedCore& core, T&& arg) {
+  if constexpr (std::is_same_v<std::decay_t<T>, torch::Tensor>) {
+    return core.cast_input(arg);
+  } else {
+    return std::forward<T>(arg);
+  }
+}
+
+// Whether Impl's forward takes `A...` (a forward that takes a tensor by
+// non-const reference cannot take a cast copy, and gets its arguments as
+// they came).
+template <typename Void, typename Impl, typename... A>
+struct ForwardTakes : std::false_type {};
+template <typename Impl, typename... A>
+struct ForwardTakes<std::void_t<decltype(std::declval<Impl&>().forward(std::declval<A>()...))>, Impl, A...>
+    : std::true_type {};
+template <typename Impl, typename... Args>
+constexpr bool kForwardTakesCastArguments =
+    ForwardTakes<void, Impl, decltype(cast_argument(std::declval<const ShardedCore&>(), std::declval<Args>()))...>::value;
+
 } // namespace detail
 
 /// Sharded data parallelism over processes. Made through the holder
@@ -144,7 +180,13 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   auto forward(Args&&... args) -> decltype(std::declval<Impl&>().forward(std::forward<Args>(args)...)) {
     timeline::Span span("forward");
     core_->before_forward();
-    auto output = module_->forward(std::forward<Args>(args)...);
+    auto output = [&]() -> decltype(auto) {
+      if constexpr (detail::kForwardTakesCastArguments<Impl, Args&&...>) {
+        return module_->forward(detail::cast_argument(*core_, std::forward<Args>(args))...);
+      } else {
+        return module_->forward(std::forward<Args>(args)...);
+      }
+    }();
     std::vector<torch::Tensor> outputs;
     detail::collect_tensors(output, outputs);
     core_->after_forward(outputs);

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +58,10 @@ class ShardedCore {
   /// that backward gathers it again first.
   void after_forward(const std::vector<torch::Tensor>& outputs);
 
+  /// A floating-point input of forward in ShardingOptions::param_dtype
+  /// (as it is without one).
+  torch::Tensor cast_input(const torch::Tensor& input) const;
+
   /// summon_full_params: every unit gathered, the module's parameters its
   /// views; then the edits copied into the shards (writeback) and resharded.
   void summon();
@@ -99,6 +104,7 @@ class ShardedCore {
   std::shared_ptr<State> state_;
   ProcessGroup group_;
   bool sync_ = true;
+  std::optional<torch::ScalarType> param_dtype_;
 };
 
 } // namespace detail

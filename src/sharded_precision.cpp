@@ -1,0 +1,94 @@
+// FullyShardedDataParallel's precision policy: ShardingOptions' param_dtype
+// and reduce_dtype (Note [Sharded mixed precision]).
+
+#include "sharded_state.h"
+
+#include <c10/core/ScalarType.h>
+
+namespace lockstep {
+namespace detail {
+
+// Note [Sharded mixed precision]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With a param_dtype, each floating-point flat keeps its shard in the
+// parameters' own dtype (fp32 master weights, which the optimizer steps),
+// and its gathered buffer in param_dtype: an all-gather casts this rank's
+// shard first, so it moves param_dtype's bytes (half of fp32's for bf16),
+// and the module's parameters are param_dtype views of that buffer from
+// forward to the end of backward. Autograd then gives their gradients in
+// param_dtype; they are written into the reduce-scatter's input in
+// reduce_dtype (param_dtype unless set), averaged there, and added to the
+// shard's fp32 gradient. summon_full_params gathers the shards as they are,
+// in their own dtype, into a buffer of its own: a writeback of bf16 values
+// would round the master weights. NoShard keeps the module's parameters as
+// views of its fp32 "shard", so it has no gathered buffer to hold another
+// dtype, and refuses a param_dtype.
+
+void ShardedCore::State::set_precision(const ShardingOptions& options) {
+  const auto& param = options.param_dtype();
+  const auto& reduce = options.reduce_dtype();
+  if (!param && !reduce) {
+    return;
+  }
+  TORCH_CHECK(!param || c10::isFloatingType(*param), where(), "ShardingOptions().param_dtype(", *param,
+              ") is not a floating-point dtype; pass torch::kBFloat16, torch::kHalf or torch::kFloat");
+  TORCH_CHECK(!reduce || c10::isFloatingType(*reduce), where(), "ShardingOptions().reduce_dtype(", *reduce,
+              ") is not a floating-point dtype; pass torch::kFloat, torch::kBFloat16 or torch::kHalf");
+  TORCH_CHECK(sharded(), where(), "ShardingOptions().param_dtype() and reduce_dtype() need FullShard or "
+              "ShardGradOp: NoShard keeps no gathered buffer to hold another dtype. Under NoShard, run forward "
+              "inside a lockstep::AutocastGuard instead");
+  for (auto& flat : flats) {
+    if (!c10::isFloatingType(flat.dtype)) {
+      continue; // integer parameters keep their dtype, as FSDP's
+    }
+    flat.compute_dtype = param.value_or(flat.dtype);
+    flat.reduce_dtype = reduce.value_or(flat.compute_dtype);
+    TORCH_CHECK(group.supports(Collective::AllGather, flat.compute_dtype, flat.device), where(), "the ",
+                group.backend(), " backend cannot all-gather ", flat.compute_dtype, " tensors on ", flat.device,
+                " (ShardingOptions().param_dtype); pick another param_dtype or backend");
+    TORCH_CHECK(group.supports(Collective::ReduceScatter, flat.reduce_dtype, flat.device), where(), "the ",
+                group.backend(), " backend cannot reduce-scatter ", flat.reduce_dtype, " tensors on ", flat.device,
+                " (ShardingOptions().reduce_dtype, else param_dtype); set reduce_dtype(torch::kFloat)");
+  }
+}
+
+// This rank's shard as the all-gather sends it: in the gathered dtype.
+torch::Tensor ShardedCore::State::gather_input(const FlatParam& flat) const {
+  auto shard = flat.shard.detach();
+  return flat.compute_dtype == flat.dtype ? shard : shard.to(flat.compute_dtype);
+}
+
+// Each flat whose gathered buffer is in another dtype than its shard:
+// gathered in the shard's dtype into a buffer of its own, the module's
+// parameters its views, for summon_full_params.
+bool ShardedCore::State::summon_in_own_dtype() {
+  bool any = false;
+  for (auto& flat : flats) {
+    any = any || flat.compute_dtype != flat.dtype;
+  }
+  if (!any) {
+    return false;
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t f = 0; f < flats.size(); ++f) {
+    auto& flat = flats[f];
+    flat.summoned = torch::empty({flat.layout.padded}, flat.options());
+    group.all_gather_into_async(flat.summoned, flat.shard.detach(), "all_gather of " + bucket_name({f}) +
+                                " for summon_full_params")->wait();
+    for (size_t j = 0; j < flat.params.size(); ++j) {
+      flat.params[j].set_data(flat.summoned.narrow(0, flat.offsets[j], flat.views[j].numel()).view(flat.views[j].sizes()));
+    }
+  }
+  return true;
+}
+
+} // namespace detail
+
+torch::Tensor detail::ShardedCore::cast_input(const torch::Tensor& input) const {
+  if (!param_dtype_ || !input.defined() || !input.is_floating_point() || input.scalar_type() == *param_dtype_) {
+    return input;
+  }
+  return input.to(*param_dtype_);
+}
+
+} // namespace lockstep

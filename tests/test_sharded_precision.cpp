@@ -1,0 +1,145 @@
+// FullyShardedDataParallel's precision policy (Note [Sharded mixed
+// precision]): parameters gathered and used in param_dtype, fp32 shards
+// stepped by the optimizer, gradients averaged in reduce_dtype; ranks as
+// threads over a HashStore.
+
+#include <lockstep/lockstep.h>
+
+#include "../src/torch_compat.h"
+#include "support/errors.h"
+#include "support/fsdp_checks.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+using testing::OddNet;
+
+// OddNet, recording the dtype its first layer's weight has in forward.
+struct ProbeImpl : torch::nn::Cloneable<ProbeImpl> {
+  ProbeImpl() {
+    reset();
+  }
+  void reset() override {
+    body = register_module("body", OddNet());
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    seen = body->fc1->weight.scalar_type();
+    return body->forward(x);
+  }
+  OddNet body{nullptr};
+  torch::ScalarType seen = torch::kFloat;
+};
+TORCH_MODULE(Probe);
+
+const auto kBf16 = ShardingOptions().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat);
+
+TEST(ShardedPrecision, ParametersComputeInParamDtypeAndTheShardsStayFloat) {
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp}) {
+    SCOPED_TRACE(testing::name_of(strategy));
+    torch::manual_seed(0);
+    OddNet initial;
+    const auto reference = testing::train_reference(initial, 5, 12);
+    testing::spawn(2, [&](ProcessGroup& group) {
+      Probe probe;
+      testing::copy_values(*initial, *probe->body);
+      FullyShardedDataParallel<Probe> model(probe, group, ShardingOptions(kBf16).strategy(strategy));
+      for (const auto& p : model->parameters()) {
+        EXPECT_EQ(p.scalar_type(), torch::kFloat) << "a shard is not fp32";
+      }
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+      for (int step = 0; step < 5; ++step) {
+        auto batch = testing::share_of(12, step, group.rank(), group.size());
+        adam.zero_grad();
+        auto out = model->forward(batch.first); // fp32 input, cast to bf16
+        EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+        EXPECT_EQ(model->module()->seen, torch::kBFloat16) << "the gathered weight is not bf16";
+        torch::mse_loss(out.to(torch::kFloat), batch.second).backward();
+        for (const auto& p : model->parameters()) {
+          ASSERT_TRUE(p.grad().defined());
+          EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
+        }
+        adam.step();
+      }
+      auto full = model->summon_full_params();
+      auto mine = model->module()->body->named_parameters();
+      auto theirs = reference->named_parameters();
+      for (size_t i = 0; i < mine.size(); ++i) {
+        EXPECT_EQ(mine[i].value().scalar_type(), torch::kFloat) << "summon_full_params gave " << mine[i].key()
+                                                                 << " in another dtype";
+        EXPECT_TRUE(torch::allclose(mine[i].value(), theirs[i].value(), 3e-2, 3e-2))
+            << mine[i].key() << " is far from fp32 training: "
+            << (mine[i].value() - theirs[i].value()).abs().max().item<float>();
+      }
+    });
+  }
+}
+
+// An fp32 value that bf16 cannot hold survives a writeback exactly, and the
+// gradient hooks survive the parameters' change of dtype in and out of
+// summon_full_params: the next backward still reaches the shards.
+TEST(ShardedPrecision, SummonIsFloatAndWritebackKeepsFloatValues) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::manual_seed(0);
+    FullyShardedDataParallel<OddNet> model(OddNet(), group, kBf16);
+    const float value = 1.0001f; // bf16 would make it 1.0
+    {
+      auto full = model->summon_full_params();
+      full.writeback(true);
+      ASSERT_EQ(model->module()->fc1->weight.scalar_type(), torch::kFloat);
+      torch::NoGradGuard no_grad;
+      model->module()->fc1->weight[0][0] = value;
+    }
+    {
+      auto full = model->summon_full_params();
+      EXPECT_EQ(model->module()->fc1->weight[0][0].item<float>(), value);
+    }
+    auto batch = testing::share_of(8, 0, group.rank(), group.size());
+    torch::mse_loss(model->forward(batch.first).to(torch::kFloat), batch.second).backward();
+    float total = 0;
+    for (const auto& p : model->parameters()) {
+      ASSERT_TRUE(p.grad().defined()) << "a shard got no gradient after summon_full_params";
+      total += p.grad().abs().sum().item<float>();
+    }
+    EXPECT_GT(total, 0);
+  });
+}
+
+TEST(ShardedPrecision, ReduceDtypeDefaultsToParamDtypeWhereTheBackendCarriesIt) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::manual_seed(0);
+    const auto options = ShardingOptions().param_dtype(torch::kBFloat16);
+    if (!detail::kGlooCarriesBFloat16AndBool) {
+      EXPECT_ERROR_SAYS(FullyShardedDataParallel<OddNet>(OddNet(), group, options),
+                        "the gloo backend cannot reduce-scatter BFloat16 tensors on cpu",
+                        "set reduce_dtype(torch::kFloat)");
+      return;
+    }
+    FullyShardedDataParallel<OddNet> model(OddNet(), group, options);
+    auto batch = testing::share_of(8, 0, group.rank(), group.size());
+    torch::mse_loss(model->forward(batch.first).to(torch::kFloat), batch.second).backward();
+    for (const auto& p : model->parameters()) {
+      ASSERT_TRUE(p.grad().defined());
+      EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
+    }
+  });
+}
+
+TEST(ShardedPrecision, WhatItCannotDoIsRefused) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<OddNet>(OddNet(), group, ShardingOptions(kBf16).strategy(
+                          ShardingStrategy::NoShard)),
+                      "param_dtype() and reduce_dtype() need FullShard or ShardGradOp", "AutocastGuard");
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<OddNet>(OddNet(), group, ShardingOptions().param_dtype(torch::kInt)),
+                      "ShardingOptions().param_dtype(Int) is not a floating-point dtype");
+  });
+}
+
+} // namespace
+} // namespace lockstep
