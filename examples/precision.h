@@ -11,6 +11,8 @@
 
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -30,6 +32,28 @@ inline std::unique_ptr<lockstep::AutocastGuard> autocast_for(const Config& confi
     return nullptr;
   }
   return std::make_unique<lockstep::AutocastGuard>(device.type(), dtype);
+}
+
+// Whether this CPU has instructions for `dtype`'s arithmetic (Linux's
+// /proc/cpuinfo flags): AVX512-BF16 or AMX for bf16, AVX512-FP16 or AMX-FP16
+// for fp16. Without them LibTorch's kernels emulate it, and an autocast step
+// is several times slower than fp32's (docs/performance.md).
+inline bool cpu_computes_natively(torch::ScalarType dtype) {
+  std::ifstream in("/proc/cpuinfo");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto has = [&](const char* flag) { return text.find(std::string(" ") + flag) != std::string::npos; };
+  return dtype == torch::kBFloat16 ? has("avx512_bf16") || has("amx_bf16") : has("avx512_fp16") || has("amx_fp16");
+}
+
+// Says so when --precision asks the CPU for arithmetic it emulates.
+inline void say_if_emulated(const Config& config, torch::Device device, bool lead) {
+  const auto dtype = precision_dtype(config);
+  if (lead && dtype != torch::kFloat && device.is_cpu() && !cpu_computes_natively(dtype)) {
+    std::fprintf(stderr, "lockstep-train: note: this CPU has no %s instructions (%s), so LibTorch emulates "
+                 "--precision %s, and a step takes several times longer than in fp32\n",
+                 config.precision.c_str(), dtype == torch::kBFloat16 ? "AVX512-BF16 or AMX" : "AVX512-FP16 or AMX-FP16",
+                 config.precision.c_str());
+  }
 }
 
 // fp16's scaler (a pass-through otherwise), resumed from `state`. The ranks

@@ -487,6 +487,7 @@ int main(int argc, char** argv) {
                         : config.sharding.empty() ? lockstep::examples::distributed_setup(net, data, signature, config)
                                                   : lockstep::examples::sharded_setup(net, data, signature, config);
     lockstep::examples::autocast_for(config, setup.device); // refuses here what autocast cannot run (fp16 on 1.13's CPU)
+    lockstep::examples::say_if_emulated(config, setup.device, setup.rank == 0);
     const auto scaler = lockstep::examples::make_scaler(config, setup.group, setup.state);
     train(Run{net, *setup.optimizer, *scaler, data, setup, config});
   } catch (const c10::Error& e) {

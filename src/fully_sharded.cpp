@@ -12,8 +12,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <map>
-#include <numeric>
 #include <sstream>
 #include <unordered_map>
 
@@ -68,59 +66,12 @@ namespace detail {
 // keeps the whole flat buffer as the "shard" on every rank, the module's
 // parameters as views of it, and averages gradients with an allreduce.
 
-// Note [Shard buckets]
-// ~~~~~~~~~~~~~~~~~~~~
-// One collective per unit costs more than its bytes when units are small:
-// each goes through the agreement check and two thread hops, about 1.5 ms
-// on these machines, so 48 units of 256 KiB spent more time starting
-// collectives than moving data. Consecutive flat buffers of one dtype and
-// device therefore share one all-gather (in forward order) and one
-// reduce-scatter (in backward's order), as DDP's buckets share an
-// allreduce, up to kShardBucketBytes gathered. The price is a copy
-// of the bucket's parameters out of the gathered buffer into each unit's,
-// and that buffer's transient memory (gradients are written straight into
-// their places in the reduce-scatter's input). A unit of at least kShardBucketBytes is a bucket of its own and
-// gathers straight into its buffer. A bucket's reduce-scatter starts when
-// its last member's gradients are in, so it still overlaps the backward of
-// the units before it.
-constexpr int64_t kShardBucketBytes = 4 << 20;
-
 namespace {
 
 void release_storage(const torch::Tensor& t) {
   auto* storage = t.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
   storage->set_nbytes(0);
-}
-
-// Consecutive flats in `order`, one open bucket per key (dtype and device),
-// each closed before a flat would take it past `cap` bytes: a flat of `cap`
-// or more is a bucket of its own (Note [Shard buckets]).
-std::vector<std::vector<size_t>> shard_buckets(const std::vector<int64_t>& bytes, const std::vector<std::string>& keys,
-                                               int64_t cap, const std::vector<size_t>& order) {
-  std::map<std::string, std::pair<std::vector<size_t>, int64_t>> open;
-  std::vector<std::string> key_order; // for the last open buckets, in the order their keys came
-  std::vector<std::vector<size_t>> buckets;
-  for (size_t k : order) {
-    auto [it, inserted] = open.try_emplace(keys[k]);
-    if (inserted) {
-      key_order.push_back(keys[k]);
-    }
-    auto& [members, total] = it->second;
-    if (!members.empty() && total + bytes[k] > cap) {
-      buckets.push_back(std::move(members));
-      members.clear();
-      total = 0;
-    }
-    members.push_back(k);
-    total += bytes[k];
-  }
-  for (const auto& key : key_order) {
-    if (!open[key].first.empty()) {
-      buckets.push_back(std::move(open[key].first));
-    }
-  }
-  return buckets;
 }
 
 std::string shard_name(const FlatParam& flat) {
@@ -136,30 +87,6 @@ std::string ShardedCore::State::bucket_name(const std::vector<size_t>& members) 
   return members.size() == 1 ? first
                              : std::to_string(members.size()) + " units (" + first + " to " +
           shard_name(flats[members.back()]) + ")";
-}
-
-// The buckets (Note [Shard buckets]), by the flats' gathered bytes.
-void ShardedCore::State::plan_buckets() {
-  std::vector<int64_t> bytes;
-  std::vector<std::string> keys;
-  for (const auto& flat : flats) {
-    bytes.push_back(flat.layout.padded * static_cast<int64_t>(c10::elementSize(flat.dtype)));
-    keys.push_back(std::string(c10::toString(flat.dtype)) + "@" + flat.device.str());
-  }
-  std::vector<size_t> forward(flats.size());
-  std::iota(forward.begin(), forward.end(), size_t{0});
-  gather_buckets = shard_buckets(bytes, keys, kShardBucketBytes, forward);
-  bucket_of.assign(flats.size(), 0);
-  for (size_t g = 0; g < gather_buckets.size(); ++g) {
-    for (size_t i : gather_buckets[g]) {
-      bucket_of[i] = g;
-    }
-  }
-  backward_reads.assign(gather_buckets.size(), 0);
-  last_backward_reads.assign(gather_buckets.size(), 1); // before any backward, expect every one read
-  for (auto& members : shard_buckets(bytes, keys, kShardBucketBytes, {forward.rbegin(), forward.rend()})) {
-    reduce_buckets.push_back(Bucket{std::move(members), nullptr, torch::Tensor(), 0});
-  }
 }
 
 // set_data keeps each parameter's TensorImpl, so the module's own members

@@ -209,5 +209,42 @@ TEST(GradScaler, RefusesMisuseWithWhatToDo) {
   EXPECT_ERROR_SAYS(scaler.unscale_(sgd), "parameter 1 (of [3]) is float16");
 }
 
+// fp16 autocast and the scaler on one GPU: ATen's CUDA kernels unscale and
+// update, the scale lives on the GPU, and an inf skips the step.
+TEST(GradScaler, Fp16AutocastAndTheScalerOnOneGpu_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  torch::manual_seed(0);
+  torch::nn::Linear net(16, 4);
+  net->to(torch::kCUDA);
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(1024.0).growth_interval(2));
+  auto x = torch::randn({8, 16}, torch::kCUDA);
+  for (int step = 0; step < 3; ++step) {
+    const bool overflow = step == 2;
+    auto input = x.clone();
+    if (overflow) {
+      input[0][0] = std::numeric_limits<float>::infinity();
+    }
+    sgd.zero_grad();
+    torch::Tensor loss;
+    {
+      AutocastGuard autocast(torch::kCUDA, torch::kHalf);
+      auto out = net->forward(input);
+      EXPECT_EQ(out.scalar_type(), torch::kHalf);
+      loss = out.to(torch::kFloat).pow(2).mean();
+    }
+    auto scaled = scaler.scale(loss);
+    EXPECT_TRUE(scaled.is_cuda());
+    scaled.backward();
+    const auto before = net->weight.detach().clone();
+    EXPECT_EQ(scaler.step(sgd), !overflow) << "step " << step;
+    scaler.update();
+    EXPECT_EQ(torch::equal(net->weight.detach(), before), overflow) << "step " << step;
+  }
+  EXPECT_EQ(scaler.get_scale(), 1024.0) << "two good steps double it, the overflow halves it";
+}
+
 } // namespace
 } // namespace lockstep

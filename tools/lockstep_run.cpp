@@ -33,8 +33,11 @@
 // non-zero.
 
 #include "desync_report.h"
-#include <common/process_files.h>
+#include "ranks.h"
 #include "run_options.h"
+#include "timeline_merge.h"
+
+#include <common/process_files.h>
 
 #include <lockstep/detail/sockets.h>
 
@@ -71,8 +74,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 using lockstep::common::kUsageError;
-constexpr size_t kStderrTail = 20;
-constexpr size_t kTailLineBytes = 2000; // a longer line is cut in the failure summary
 constexpr double kMaxRestartDelay = 30.0;
 constexpr auto kSettle = std::chrono::milliseconds(1000); // Attempt::run: before SIGTERM after a failure
 
@@ -83,21 +84,10 @@ void on_signal(int sig) {
 }
 
 using Options = lockstep::tools::RunOptions;
-
-struct Rank {
-  int local_rank = 0;
-  int global_rank = 0;
-  pid_t pid = -1;
-  int out_fd = -1;
-  int err_fd = -1;
-  std::string out_partial, err_partial;
-  std::deque<std::string> err_tail;
-  std::ofstream log;
-  bool done = false;
-  int status = 0;
-  bool running_at_stop = false; // still running when the job was stopped
-  bool killed_after_grace = false; // ignored SIGTERM: got SIGKILL
-};
+using lockstep::tools::Rank;
+using lockstep::tools::describe_status;
+using lockstep::tools::failed;
+using lockstep::tools::now_text;
 
 [[noreturn]] void usage_error(const std::string& message) {
   std::fprintf(stderr, "lockstep-run: %s\nRun 'lockstep-run --help' for usage.\n", message.c_str());
@@ -130,15 +120,6 @@ void prepare_output_paths(const Options& options) {
   }
 }
 
-// A line of a rank's stderr as the failure summary repeats it: cut short,
-// saying so, if a program wrote megabytes without a newline.
-std::string summary_line(const std::string& line) {
-  if (line.size() <= kTailLineBytes) {
-    return line;
-  }
-  return line.substr(0, kTailLineBytes) + " ... [cut: " + std::to_string(line.size()) + " bytes]";
-}
-
 // Rank 0's node must be able to listen on the store's address and port.
 void check_port_free(const std::string& addr, int port) {
   const auto addresses = lockstep::detail::resolve_tcp(addr, port);
@@ -157,13 +138,6 @@ void check_port_free(const std::string& addr, int port) {
               "); on several nodes, --master-addr must be an address of node 0.");
 }
 
-std::string now_text() {
-  const std::time_t now = std::time(nullptr);
-  char text[64];
-  std::strftime(text, sizeof(text), "%Y-%m-%d %H:%M:%S %z", std::localtime(&now));
-  return text;
-}
-
 std::string store_file_prefix() {
   const char* tmp = std::getenv("TMPDIR");
   return std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/lockstep-store-";
@@ -179,22 +153,6 @@ std::string trace_dir_prefix() {
 void remove_stale_store_files() {
   lockstep::common::remove_files_of_dead_processes(store_file_prefix());
   lockstep::common::remove_files_of_dead_processes(trace_dir_prefix());
-}
-
-std::string describe_status(int status) {
-  if (WIFEXITED(status)) {
-    return "exit code " + std::to_string(WEXITSTATUS(status));
-  }
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    const char* name = ::sigabbrev_np(sig);
-    return "killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
-  }
-  return "status " + std::to_string(status);
-}
-
-bool failed(int status) {
-  return !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
 class Attempt {
@@ -235,54 +193,17 @@ class Attempt {
     }
   }
 
-  // --timeline FILE: this node's ranks' timelines, one process track each,
-  // with times from the earliest event (Note [Timeline] in src/timeline.cpp).
-  // False if FILE could not be written (said).
+  // --timeline FILE: this node's ranks' timelines merged; false if FILE
+  // could not be written (said).
   bool merge_timeline() const {
     if (options_.timeline.empty()) {
       return true;
     }
-    nlohmann::json events = nlohmann::json::array();
-    std::vector<int> missing;
+    std::vector<std::pair<int, std::string>> parts;
     for (const auto& r : ranks_) {
-      std::ifstream in(timeline_part(r.global_rank));
-      auto part = in ? nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false) : nlohmann::json();
-      if (!part.is_object() || !part.contains("traceEvents")) {
-        missing.push_back(r.global_rank);
-        continue;
-      }
-      for (auto& e : part["traceEvents"]) {
-        events.push_back(std::move(e));
-      }
+      parts.emplace_back(r.global_rank, timeline_part(r.global_rank));
     }
-    int64_t origin = INT64_MAX;
-    for (const auto& e : events) {
-      if (e.contains("ts")) {
-        origin = std::min(origin, e["ts"].get<int64_t>());
-      }
-    }
-    for (auto& e : events) {
-      if (e.contains("ts")) {
-        e["ts"] = e["ts"].get<int64_t>() - origin;
-      }
-    }
-    errno = 0;
-    std::ofstream out(options_.timeline);
-    out << nlohmann::json({{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}}).dump() << "\n";
-    out.close();
-    if (!out) {
-      std::fprintf(stderr, "lockstep-run: --timeline %s: cannot write it (%s).\n", options_.timeline.c_str(),
-                   errno != 0 ? std::strerror(errno) : "write failed");
-      return false;
-    }
-    std::string note;
-    for (int r : missing) {
-      note += (note.empty() ? "; no timeline from rank " : ", ") + std::to_string(r);
-    }
-    std::fprintf(stderr, "lockstep-run: timeline of %zu rank(s) in %s (open it in https://ui.perfetto.dev or "
-                 "chrome://tracing)%s\n", ranks_.size() - missing.size(), options_.timeline.c_str(),
-                 note.empty() ? "" : (note + ": it was stopped before it could write one").c_str());
-    return true;
+    return lockstep::tools::merge_timelines(parts, options_.timeline);
   }
 
   // The desync report from the ranks' flight records; nothing when none wrote one.
@@ -311,7 +232,7 @@ class Attempt {
     bool stopping = false;
     bool terminated = false;
     while (true) {
-      pump(100);
+      lockstep::tools::pump(ranks_, 100);
       reap();
       if (root_cause < 0) {
         for (size_t i = 0; i < ranks_.size(); ++i) {
@@ -348,8 +269,8 @@ class Attempt {
         stop_deadline = Clock::time_point::max();
       }
     }
-    pump(0);
-    flush_partials();
+    lockstep::tools::pump(ranks_, 0);
+    lockstep::tools::flush_partials(ranks_);
     return root_cause;
   }
 
@@ -366,7 +287,7 @@ class Attempt {
       r.local_rank = local;
       r.global_rank = options_.node_rank * options_.nproc_per_node + local;
       open_log(r);
-      spawn_rank(r, child_environment(r));
+      lockstep::tools::spawn_rank(r, program_, options_.command, child_environment(r), group_);
     }
   }
 
@@ -424,134 +345,6 @@ class Attempt {
       env.emplace_back("OMP_NUM_THREADS", std::to_string(std::max(1L, cores / options_.nproc_per_node)));
     }
     return env;
-  }
-
-  // Forks rank `r` into the attempt's process group (the first rank's pid),
-  // with its stdout and stderr on pipes that pump() reads, and executes
-  // PROGRAM there with `env` added to the environment.
-  void spawn_rank(Rank& r, const std::vector<std::pair<std::string, std::string>>& env) {
-    int out[2], err[2];
-    if (::pipe(out) != 0 || ::pipe(err) != 0) {
-      std::perror("lockstep-run: pipe");
-      std::exit(1);
-    }
-    const pid_t parent = ::getpid();
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::setpgid(0, group_); // one process group per attempt: signal_all reaches every rank and its children
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) {
-        std::_Exit(1); // the launcher died between fork and prctl
-      }
-      ::dup2(out[1], 1);
-      ::dup2(err[1], 2);
-      ::close(out[0]);
-      ::close(out[1]);
-      ::close(err[0]);
-      ::close(err[1]);
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
-      ::signal(SIGHUP, SIG_DFL);
-      for (const auto& [key, value] : env) {
-        ::setenv(key.c_str(), value.c_str(), 1);
-      }
-      std::vector<char*> argv;
-      for (const auto& a : options_.command) {
-        argv.push_back(const_cast<char*>(a.c_str()));
-      }
-      argv.push_back(nullptr);
-      ::execv(program_.c_str(), argv.data());
-      std::fprintf(stderr, "lockstep-run: cannot run %s: %s\n", program_.c_str(), std::strerror(errno));
-      std::_Exit(127);
-    }
-    if (pid < 0) {
-      std::perror("lockstep-run: fork");
-      std::exit(1);
-    }
-    if (group_ == 0) {
-      group_ = pid;
-    }
-    ::setpgid(pid, group_); // also from here: no race with the first signal
-    ::close(out[1]);
-    ::close(err[1]);
-    r.pid = pid;
-    r.out_fd = out[0];
-    r.err_fd = err[0];
-  }
-
-  // Reads what the ranks wrote, for up to `timeout_ms`, and passes whole lines on.
-  void pump(int timeout_ms) {
-    std::vector<pollfd> fds;
-    std::vector<std::pair<size_t, bool>> owners; // rank, is_stderr
-    for (size_t i = 0; i < ranks_.size(); ++i) {
-      if (ranks_[i].out_fd >= 0) {
-        fds.push_back({ranks_[i].out_fd, POLLIN, 0});
-        owners.push_back({i, false});
-      }
-      if (ranks_[i].err_fd >= 0) {
-        fds.push_back({ranks_[i].err_fd, POLLIN, 0});
-        owners.push_back({i, true});
-      }
-    }
-    if (fds.empty()) {
-      if (timeout_ms > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(timeout_ms));
-      }
-      return;
-    }
-    if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) {
-      return;
-    }
-    char buffer[65536];
-    for (size_t k = 0; k < fds.size(); ++k) {
-      if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
-        continue;
-      }
-      Rank& r = ranks_[owners[k].first];
-      const bool is_err = owners[k].second;
-      const ssize_t n = ::read(fds[k].fd, buffer, sizeof(buffer));
-      if (n <= 0) {
-        ::close(fds[k].fd);
-        (is_err ? r.err_fd : r.out_fd) = -1;
-        continue;
-      }
-      std::string& partial = is_err ? r.err_partial : r.out_partial;
-      partial.append(buffer, static_cast<size_t>(n));
-      size_t newline;
-      while ((newline = partial.find('\n')) != std::string::npos) {
-        emit(r, partial.substr(0, newline), is_err);
-        partial.erase(0, newline + 1);
-      }
-    }
-  }
-
-  void emit(Rank& r, const std::string& line, bool is_err) {
-    std::FILE* stream = is_err ? stderr : stdout;
-    std::fprintf(stream, "[rank %d] %s\n", r.global_rank, line.c_str());
-    std::fflush(stream);
-    if (r.log.is_open()) {
-      r.log << line << '\n';
-      r.log.flush();
-    }
-    if (is_err) {
-      r.err_tail.push_back(summary_line(line));
-      if (r.err_tail.size() > kStderrTail) {
-        r.err_tail.pop_front();
-      }
-    }
-  }
-
-  void flush_partials() {
-    for (auto& r : ranks_) {
-      if (!r.out_partial.empty()) {
-        emit(r, r.out_partial, false);
-      }
-      if (!r.err_partial.empty()) {
-        emit(r, r.err_partial, true);
-      }
-      r.out_partial.clear();
-      r.err_partial.clear();
-    }
   }
 
   void reap() {

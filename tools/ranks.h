@@ -1,0 +1,218 @@
+#pragma once
+
+// lockstep-run's ranks as processes: how each is started (fork, its own
+// process group, pipes), how what it writes reaches the launcher's output
+// and its log line by line, and how its end is told. Attempt
+// (tools/lockstep_run.cpp) decides when; this says how.
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+namespace tools {
+
+constexpr size_t kStderrTail = 20;
+constexpr size_t kTailLineBytes = 2000; // a longer line is cut in the failure summary
+
+// One rank of this node: its process, its pipes and their unfinished
+// lines, its log, the last lines of its stderr, and how it ended.
+struct Rank {
+  int local_rank = 0;
+  int global_rank = 0;
+  pid_t pid = -1;
+  int out_fd = -1;
+  int err_fd = -1;
+  std::string out_partial, err_partial;
+  std::deque<std::string> err_tail;
+  std::ofstream log;
+  bool done = false;
+  int status = 0;
+  bool running_at_stop = false; // still running when the job was stopped
+  bool killed_after_grace = false; // ignored SIGTERM: got SIGKILL
+};
+
+// A line of a rank's stderr as the failure summary repeats it: cut short,
+// saying so, if a program wrote megabytes without a newline.
+inline std::string summary_line(const std::string& line) {
+  if (line.size() <= kTailLineBytes) {
+    return line;
+  }
+  return line.substr(0, kTailLineBytes) + " ... [cut: " + std::to_string(line.size()) + " bytes]";
+}
+
+// How a rank ended, in words.
+inline std::string describe_status(int status) {
+  if (WIFEXITED(status)) {
+    return "exit code " + std::to_string(WEXITSTATUS(status));
+  }
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = ::sigabbrev_np(sig);
+    return "killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
+  }
+  return "status " + std::to_string(status);
+}
+
+inline bool failed(int status) {
+  return !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+inline std::string now_text() {
+  const std::time_t now = std::time(nullptr);
+  char text[64];
+  std::strftime(text, sizeof(text), "%Y-%m-%d %H:%M:%S %z", std::localtime(&now));
+  return text;
+}
+
+// Forks rank `r` into process group `group` (0: a new one, whose id, the
+// first rank's pid, is stored there), with its stdout and stderr on pipes
+// that pump() reads, and executes `program` there with `command` as its
+// arguments and `env` added to the environment.
+inline void spawn_rank(Rank& r, const std::string& program, const std::vector<std::string>& command,
+                       const std::vector<std::pair<std::string, std::string>>& env, pid_t& group) {
+  int out[2], err[2];
+  if (::pipe(out) != 0 || ::pipe(err) != 0) {
+    std::perror("lockstep-run: pipe");
+    std::exit(1);
+  }
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, group); // one process group per attempt: signal_all reaches every rank and its children
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) {
+      std::_Exit(1); // the launcher died between fork and prctl
+    }
+    ::dup2(out[1], 1);
+    ::dup2(err[1], 2);
+    ::close(out[0]);
+    ::close(out[1]);
+    ::close(err[0]);
+    ::close(err[1]);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGHUP, SIG_DFL);
+    for (const auto& [key, value] : env) {
+      ::setenv(key.c_str(), value.c_str(), 1);
+    }
+    std::vector<char*> argv;
+    for (const auto& a : command) {
+      argv.push_back(const_cast<char*>(a.c_str()));
+    }
+    argv.push_back(nullptr);
+    ::execv(program.c_str(), argv.data());
+    std::fprintf(stderr, "lockstep-run: cannot run %s: %s\n", program.c_str(), std::strerror(errno));
+    std::_Exit(127);
+  }
+  if (pid < 0) {
+    std::perror("lockstep-run: fork");
+    std::exit(1);
+  }
+  if (group == 0) {
+    group = pid;
+  }
+  ::setpgid(pid, group); // also from here: no race with the first signal
+  ::close(out[1]);
+  ::close(err[1]);
+  r.pid = pid;
+  r.out_fd = out[0];
+  r.err_fd = err[0];
+}
+
+// One line of rank r's stdout or stderr: to the launcher's own, prefixed
+// with the rank, to its log, and (stderr) to the tail the failure summary
+// repeats.
+inline void emit(Rank& r, const std::string& line, bool is_err) {
+  std::FILE* stream = is_err ? stderr : stdout;
+  std::fprintf(stream, "[rank %d] %s\n", r.global_rank, line.c_str());
+  std::fflush(stream);
+  if (r.log.is_open()) {
+    r.log << line << '\n';
+    r.log.flush();
+  }
+  if (is_err) {
+    r.err_tail.push_back(summary_line(line));
+    if (r.err_tail.size() > kStderrTail) {
+      r.err_tail.pop_front();
+    }
+  }
+}
+
+// Reads what the ranks wrote, for up to `timeout_ms`, and passes whole lines on.
+inline void pump(std::vector<Rank>& ranks, int timeout_ms) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<size_t, bool>> owners; // rank, is_stderr
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i].out_fd >= 0) {
+      fds.push_back({ranks[i].out_fd, POLLIN, 0});
+      owners.push_back({i, false});
+    }
+    if (ranks[i].err_fd >= 0) {
+      fds.push_back({ranks[i].err_fd, POLLIN, 0});
+      owners.push_back({i, true});
+    }
+  }
+  if (fds.empty()) {
+    if (timeout_ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(timeout_ms));
+    }
+    return;
+  }
+  if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) {
+    return;
+  }
+  char buffer[65536];
+  for (size_t k = 0; k < fds.size(); ++k) {
+    if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
+      continue;
+    }
+    Rank& r = ranks[owners[k].first];
+    const bool is_err = owners[k].second;
+    const ssize_t n = ::read(fds[k].fd, buffer, sizeof(buffer));
+    if (n <= 0) {
+      ::close(fds[k].fd);
+      (is_err ? r.err_fd : r.out_fd) = -1;
+      continue;
+    }
+    std::string& partial = is_err ? r.err_partial : r.out_partial;
+    partial.append(buffer, static_cast<size_t>(n));
+    size_t newline;
+    while ((newline = partial.find('\n')) != std::string::npos) {
+      emit(r, partial.substr(0, newline), is_err);
+      partial.erase(0, newline + 1);
+    }
+  }
+}
+
+// What the ranks wrote after their last newline.
+inline void flush_partials(std::vector<Rank>& ranks) {
+  for (auto& r : ranks) {
+    if (!r.out_partial.empty()) {
+      emit(r, r.out_partial, false);
+    }
+    if (!r.err_partial.empty()) {
+      emit(r, r.err_partial, true);
+    }
+    r.out_partial.clear();
+    r.err_partial.clear();
+  }
+}
+
+} // namespace tools
+} // namespace lockstep
