@@ -55,8 +55,10 @@ struct GradScalerOptions {
   TORCH_ARG(bool, enabled) = true;
   /// The ranks that must agree on whether a gradient overflowed: one
   /// allreduce (Max) of one number per step. Needed where ranks see
-  /// different gradients: FullyShardedDataParallel's shards. The default,
-  /// a group of one, agrees with itself at no cost.
+  /// different gradients: FullyShardedDataParallel's shards. unscale_()
+  /// (which step() calls unless you did) is then collective: every rank
+  /// calls it for the same optimizers in the same order. The default, a
+  /// group of one, agrees with itself at no cost.
   TORCH_ARG(ProcessGroup, group);
 };
 
