@@ -144,7 +144,7 @@ DataParallelCore::DataParallelCore(
     threads.push_back(static_cast<int>(t));
   }
   if (devices.size() > 1 || output_device() != devices[0]) {
-    pool_ = std::make_shared<WorkerPool>(threads);
+    pool_ = std::make_shared<WorkerPool>(threads, /*cache_cpu_memory=*/cpu_replicas > 0);
   }
   for (size_t r = 0; r < replicas_.size(); ++r) {
     sync_params(r); // replicas on devices[0] drop their cloned storage at once

@@ -5,6 +5,9 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <numeric>
+
 namespace lockstep {
 namespace detail {
 
@@ -128,6 +131,21 @@ torch::Tensor ParallelBackward::piece(const torch::Tensor& grad, const OutputSpe
   TORCH_INTERNAL_ASSERT(false);
 }
 
+std::vector<size_t> assign_sums(const std::vector<int64_t>& numels, size_t workers) {
+  TORCH_INTERNAL_ASSERT(workers > 0);
+  std::vector<size_t> order(numels.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return numels[a] > numels[b]; });
+  std::vector<int64_t> load(workers, 0);
+  std::vector<size_t> owner(numels.size(), 0);
+  for (size_t p : order) {
+    const auto least = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[p] = least;
+    load[least] += numels[p];
+  }
+  return owner;
+}
+
 // Sums parameter gradients over replicas and puts input gradients back
 // together, in the order of this node's next edges. The sums are spread
 // over the CPU workers: the calling thread has yielded its cores to them.
@@ -142,30 +160,41 @@ variable_list ParallelBackward::combine(std::vector<variable_list>& results, con
   // set_to_none), the workers undefine it and the engine takes the sum
   // as the new .grad: the same values, no add. Reading for zeros is split
   // over the workers.
-  auto sum_params = [&](size_t first, size_t stride) {
-    for (size_t p = first; p < n_params; p += stride) {
-      for (auto& result : results) {
-        if (result.empty() || !result[p].defined()) {
-          continue;
-        }
-        auto g = result[p].to(plan_.params[p].device());
-        out[p] = out[p].defined() ? out[p].add(g) : g;
+  auto sum_param = [&](size_t p) {
+    for (auto& result : results) {
+      if (result.empty() || !result[p].defined()) {
+        continue;
       }
-      auto& grad = plan_.params[p].mutable_grad();
-      if (out[p].defined() && grad.defined() && grad.layout() == torch::kStrided && !grad.requires_grad() &&
-          !grad.any().item<bool>()) {
-        grad.reset();
-      }
+      auto g = result[p].to(plan_.params[p].device());
+      out[p] = out[p].defined() ? out[p].add(g) : g;
+    }
+    auto& grad = plan_.params[p].mutable_grad();
+    if (out[p].defined() && grad.defined() && grad.layout() == torch::kStrided && !grad.requires_grad() &&
+        !grad.any().item<bool>()) {
+      grad.reset();
     }
   };
   if (workers.size() > 1) {
+    std::vector<int64_t> numels;
+    for (const auto& param : plan_.params) {
+      numels.push_back(param.numel());
+    }
+    const auto owner = assign_sums(numels, workers.size());
     std::vector<size_t> slot(plan_.devices.size(), 0);
     for (size_t i = 0; i < workers.size(); ++i) {
       slot[workers[i]] = i;
     }
-    run_replicas(*plan_.pool, workers, plan_.devices, "backward", [&](size_t r) { sum_params(slot[r], workers.size()); });
+    run_replicas(*plan_.pool, workers, plan_.devices, "backward", [&](size_t r) {
+      for (size_t p = 0; p < n_params; ++p) {
+        if (owner[p] == slot[r]) {
+          sum_param(p);
+        }
+      }
+    });
   } else {
-    sum_params(0, 1);
+    for (size_t p = 0; p < n_params; ++p) {
+      sum_param(p);
+    }
   }
   for (size_t s = 0; s < plan_.inputs.size(); ++s) {
     const InputMeta& meta = plan_.inputs[s];

@@ -75,6 +75,11 @@ class ReplicaToModule : public torch::autograd::Node {
 /// there when it still fits.
 void link_to_module(torch::Tensor& replica, const torch::Tensor& module);
 
+/// Which of `workers` workers sums each parameter's gradients: the largest
+/// first, each to the worker with the fewest elements so far, so that one
+/// large layer does not leave one worker summing while the others wait.
+std::vector<size_t> assign_sums(const std::vector<int64_t>& numels, size_t workers);
+
 /// Splits the gradient of the gathered outputs between the replicas, runs
 /// their backward on their workers (CPU) or here (GPU), and returns the summed
 /// parameter gradients and the input gradients to the engine.

@@ -7,6 +7,7 @@
 // a type cannot tell is decided by the version number.
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/Allocator.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -148,6 +149,39 @@ inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
 }
 constexpr bool kCpuAutocastTakesHalf = false;
 #endif
+
+/// The base of a CPU allocator, which defines allocate_block. Allocator's
+/// allocate is const in 1.13 and not in 2.x, where it also asks for copy_data;
+/// the type tells which.
+template <typename Base, bool kConstAllocate = std::is_same_v<decltype(&Base::allocate), c10::DataPtr (Base::*)(size_t) const>>
+class AllocatorBase;
+
+template <typename Base>
+class AllocatorBase<Base, true> : public Base {
+ public:
+  c10::DataPtr allocate(size_t n) const override {
+    return allocate_block(n);
+  }
+
+ protected:
+  virtual c10::DataPtr allocate_block(size_t n) const = 0;
+};
+
+template <typename Base>
+class AllocatorBase<Base, false> : public Base {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    return allocate_block(n);
+  }
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    this->default_copy_data(dest, src, count);
+  }
+
+ protected:
+  virtual c10::DataPtr allocate_block(size_t n) const = 0;
+};
+
+using CpuAllocatorBase = AllocatorBase<c10::Allocator>;
 
 } // namespace detail
 } // namespace lockstep

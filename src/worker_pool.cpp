@@ -22,7 +22,8 @@ struct WorkerPool::Worker {
   bool stop = false;
 };
 
-WorkerPool::WorkerPool(const std::vector<int>& intra_op_threads) {
+WorkerPool::WorkerPool(const std::vector<int>& intra_op_threads, bool cache_cpu_memory)
+    : cache_user_(cache_cpu_memory ? std::make_unique<CpuCacheUser>() : nullptr) {
   const int caller_threads = at::get_num_threads();
   workers_.reserve(intra_op_threads.size());
   for (int threads : intra_op_threads) {
@@ -140,6 +141,7 @@ void run_replicas(
   auto errors = pool.run(which, [&](size_t r) {
     at::ThreadLocalStateGuard tls(state);
     ReplicaAutocast replica_autocast(autocast);
+    CpuCacheScope cache(devices[r].is_cpu()); // Note [CPU replicas' memory] in src/cpu_cache.cpp
     c10::OptionalDeviceGuard device_guard;
     if (!devices[r].is_cpu()) {
       device_guard.reset_device(devices[r]);

@@ -2,6 +2,8 @@
 
 // Internal: the threads that run DataParallel's replicas.
 
+#include "cpu_cache.h"
+
 #include <torch/types.h>
 
 #include <condition_variable>
@@ -24,8 +26,10 @@ class WorkerPool {
  public:
   /// Starts one worker per entry; entry i is worker i's intra-op thread count.
   /// Returns once every worker has set its count, and restores the caller's
-  /// count for threads created later.
-  explicit WorkerPool(const std::vector<int>& intra_op_threads);
+  /// count for threads created later. With `cache_cpu_memory`, the CPU memory
+  /// cache stays open while the pool lives (Note [CPU replicas' memory] in
+  /// src/cpu_cache.cpp).
+  explicit WorkerPool(const std::vector<int>& intra_op_threads, bool cache_cpu_memory = false);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -49,11 +53,12 @@ class WorkerPool {
   size_t pending_ = 0;
   size_t started_ = 0;
   std::vector<std::unique_ptr<Worker>> workers_;
+  std::unique_ptr<CpuCacheUser> cache_user_;
 };
 
 /// Runs fn(r) for each replica r in `which` on its worker, with the caller's
 /// thread-local state (grad mode, inference mode, autocast, profiler) and
-/// device. Before CPU replicas run, the caller's idle OpenMP team ends
+/// device; CPU replicas allocate from the CPU memory cache. Before CPU replicas run, the caller's idle OpenMP team ends
 /// (release_idle_openmp_team). Throws a c10::Error naming the first replica that
 /// threw, its device and `stage`.
 void run_replicas(

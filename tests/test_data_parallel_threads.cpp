@@ -3,6 +3,8 @@
 // the caller's count afterwards, and no idle OpenMP team left spinning on a
 // core that another thread needs.
 
+#include "../src/cpu_cache.h"
+
 #include <lockstep/lockstep.h>
 
 #include <gtest/gtest.h>
@@ -114,6 +116,41 @@ TEST(DataParallelThreads, ReplicasIdleOpenMpTeamsEndWithTheirWork) {
   // ... and they start again for the next call, with the replica's count.
   EXPECT_EQ(dp->map_replicas([](torch::nn::LinearImpl&) { return openmp_team_helpers().size(); }),
             (std::vector<size_t>{1, 1}));
+}
+
+// Note [CPU replicas' memory]: once the first steps have run, the replicas'
+// large allocations come from the cache, not from the system; the caller's
+// own allocations do not; and the cache gives its memory back when the last
+// DataParallel with CPU replicas ends.
+TEST(DataParallelThreads, CpuReplicasReuseTheirMemoryFromStepToStep) {
+  torch::nn::Sequential net(torch::nn::Linear(256, 512), torch::nn::ReLU(), torch::nn::Linear(512, 10));
+  const auto x = torch::randn({64, 256});
+  {
+    DataParallel<torch::nn::Sequential> dp(net, DataParallelOptions().devices(cpus(2)));
+    torch::optim::SGD optimizer(net->parameters(), 0.1);
+    auto step = [&] {
+      optimizer.zero_grad();
+      dp(x).sum().backward();
+      optimizer.step();
+    };
+    step();
+    step();
+    const auto warm = detail::cpu_cache_stats();
+    for (int i = 0; i < 3; ++i) {
+      step();
+    }
+    const auto steady = detail::cpu_cache_stats();
+    EXPECT_EQ(steady.fresh, warm.fresh) << "a steady step took fresh memory from the system";
+    EXPECT_GE(steady.reused - warm.reused, 3 * 4) << "each step reuses its weight gradients and activations";
+    EXPECT_GT(steady.idle_bytes, 0u);
+
+    auto on_caller = torch::ones({1 << 20});
+    const auto after_caller = detail::cpu_cache_stats();
+    EXPECT_EQ(after_caller.fresh, steady.fresh) << "the caller's allocation went through the cache";
+    EXPECT_EQ(after_caller.reused, steady.reused) << "the caller's allocation went through the cache";
+    EXPECT_EQ(on_caller.sum().item<float>(), float(1 << 20));
+  }
+  EXPECT_EQ(detail::cpu_cache_stats().idle_bytes, 0u) << "the cache kept its memory after the last DataParallel ended";
 }
 
 } // namespace
