@@ -202,19 +202,29 @@ DataParallelCore::DataParallelCore(
 // The caller keeps its own count, so what it runs between steps (the
 // optimizer, a bare module) has every core.
 //
-// What is left is libgomp's spin. After each parallel region a thread's idle
-// team keeps spinning for milliseconds, unless OMP_WAIT_POLICY=passive, which
-// libgomp reads once at start-up and a library cannot set. The caller's
-// optimizer step is such a region, and its spinning helpers took the cores
-// the replicas' forward needed: DataParallel ran at half its ceiling on the
-// MLP. So the idle teams end at every hand-off (release_idle_openmp_team,
-// src/cpu_threads.h, OpenMP 5.0's omp_pause_resource_all): the caller's before
-// its replicas start, and each worker's (it has one where its share is more
-// than one thread, or the replica's code set a count) before it reports its
-// replica done. No thread then spins on a core another needs. The price is
-// a team started again at the next parallel region: thread starts, not
-// milliseconds of spinning. Measured in
-// docs/performance.md ("DataParallel on CPU replicas: libgomp's spin").
+// Then libgomp's spin. After each parallel region a thread's idle team keeps
+// spinning for milliseconds, unless OMP_WAIT_POLICY=passive, which libgomp
+// reads once at start-up and a library cannot set. The caller's optimizer
+// step is such a region, and its spinning helpers took the cores the
+// replicas' forward needed. So the idle teams end at every hand-off
+// (release_idle_openmp_team, src/cpu_threads.h, OpenMP 5.0's
+// omp_pause_resource_all): the caller's before its replicas start, and each
+// worker's (it has one where its share is more than one thread, or the
+// replica's code set a count) before it reports its replica done. No thread
+// then spins on a core another needs; the price is a team started again at
+// the next parallel region, thread starts instead of milliseconds of spinning.
+// The caller's team cannot do the replicas' work instead: inside its parallel
+// region LibTorch runs every op on one thread, so with more cores than
+// replicas each replica would lose its share.
+//
+// Then memory. Each worker's glibc arena gives its free memory back to the
+// kernel every step, and the next step page-faults all of it in again: enough
+// to keep DataParallel at two thirds of its ceiling on the MLP, and to make it
+// swing from run to run. So the replicas keep their memory (Note [CPU
+// replicas' memory] in src/cpu_cache.cpp). And the gradient sums are shared
+// out by size (assign_sums), so that no worker sums the largest layers alone
+// while the others wait. Measured in docs/performance.md ("DataParallel on
+// CPU replicas").
 
 torch::Device DataParallelCore::output_device() const {
   return options_.output_device().value_or(options_.devices()[0]);

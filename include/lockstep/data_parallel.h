@@ -65,7 +65,10 @@ namespace lockstep {
 
 /// Runs a module on several devices at once: one process, one replica per
 /// device, each on its own thread. Made through the holder DataParallel<M>.
-/// See Note [DataParallel step].
+/// See Note [DataParallel step]. While one with CPU replicas exists, their
+/// large allocations come from a cache, as on a GPU, and it gives its memory
+/// back when the last one ends (Note [CPU replicas' memory] in
+/// src/cpu_cache.cpp).
 template <typename M>
 class DataParallelImpl : public detail::WrapperModule<M> {
  public:
