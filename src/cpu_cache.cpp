@@ -31,10 +31,10 @@ namespace detail {
 // (docs/performance.md). A library cannot set glibc's thresholds: they are
 // the whole process's (mallopt) or read at start-up (MALLOC_TRIM_THRESHOLD_).
 //
-// So, as LibTorch does on a GPU, the replicas keep their memory: while a
-// DataParallel with CPU replicas exists, LibTorch's CPU allocator is this
+// So, as LibTorch does on a GPU, the replicas keep their memory. From the
+// first DataParallel with CPU replicas on, LibTorch's CPU allocator is this
 // one. It serves every thread as the default allocator does (c10::alloc_cpu),
-// and on a replica's worker (CpuCacheScope, src/worker_pool.cpp) a request of
+// and while such a DataParallel exists, on a replica's worker (CpuCacheScope, src/worker_pool.cpp) a request of
 // 64 KiB or more takes an idle block of its size class first. A block
 // allocated there goes back to the cache when freed, on whatever thread: a
 // gradient made by a worker is freed by the caller's zero_grad(). What the
