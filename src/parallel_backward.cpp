@@ -147,19 +147,30 @@ std::vector<size_t> assign_sums(const std::vector<int64_t>& numels, size_t worke
 }
 
 // Sums parameter gradients over replicas and puts input gradients back
-// together, in the order of this node's next edges. The sums are spread
-// over the CPU workers: the calling thread has yielded its cores to them.
+// together, in the order of this node's next edges.
 variable_list ParallelBackward::combine(std::vector<variable_list>& results, const std::vector<size_t>& workers) const {
+  variable_list out(plan_.params.size() + plan_.inputs.size());
+  sum_param_gradients(results, workers, out);
+  for (size_t s = 0; s < plan_.inputs.size(); ++s) {
+    out[plan_.params.size() + s] = input_gradient(results, s);
+  }
+  return out;
+}
+
+// The sums go to the engine, so that tensor hooks on the parameters see every
+// gradient and AccumulateGrad runs as without the wrapper. The engine adds
+// into a defined .grad on the calling thread, alone (it gave its cores to the
+// replicas): a pass over every gradient that cost 15% of an MLP step. So when
+// .grad holds only zeros (zero_grad() without set_to_none), the workers
+// undefine it and the engine takes the sum as the new .grad: the same values,
+// no add. The sums, and the reading for zeros, are shared out over the CPU
+// workers by size (assign_sums): the calling thread has yielded its cores to
+// them.
+void ParallelBackward::sum_param_gradients(
+    std::vector<variable_list>& results,
+    const std::vector<size_t>& workers,
+    variable_list& out) const {
   const size_t n_params = plan_.params.size();
-  variable_list out(n_params + plan_.inputs.size());
-  // The sums go to the engine, so that tensor hooks on the parameters see
-  // every gradient and AccumulateGrad runs as without the wrapper. The
-  // engine adds into a defined .grad on the calling thread, alone (it gave
-  // its cores to the replicas): a pass over every gradient that cost 15% of
-  // an MLP step. So when .grad holds only zeros (zero_grad() without
-  // set_to_none), the workers undefine it and the engine takes the sum
-  // as the new .grad: the same values, no add. Reading for zeros is split
-  // over the workers.
   auto sum_param = [&](size_t p) {
     for (auto& result : results) {
       if (result.empty() || !result[p].defined()) {
@@ -174,57 +185,60 @@ variable_list ParallelBackward::combine(std::vector<variable_list>& results, con
       grad.reset();
     }
   };
-  if (workers.size() > 1) {
-    std::vector<int64_t> numels;
-    for (const auto& param : plan_.params) {
-      numels.push_back(param.numel());
-    }
-    const auto owner = assign_sums(numels, workers.size());
-    std::vector<size_t> slot(plan_.devices.size(), 0);
-    for (size_t i = 0; i < workers.size(); ++i) {
-      slot[workers[i]] = i;
-    }
-    run_replicas(*plan_.pool, workers, plan_.devices, "backward", [&](size_t r) {
-      for (size_t p = 0; p < n_params; ++p) {
-        if (owner[p] == slot[r]) {
-          sum_param(p);
-        }
-      }
-    });
-  } else {
+  if (workers.size() <= 1) {
     for (size_t p = 0; p < n_params; ++p) {
       sum_param(p);
     }
+    return;
   }
-  for (size_t s = 0; s < plan_.inputs.size(); ++s) {
-    const InputMeta& meta = plan_.inputs[s];
-    const auto device = meta.options.device();
-    if (!meta.split) {
-      for (auto& result : results) {
-        if (!result.empty() && result[n_params + s].defined()) {
-          auto g = result[n_params + s].to(device);
-          out[n_params + s] = out[n_params + s].defined() ? out[n_params + s].add(g) : g;
-        }
-      }
-      continue;
-    }
-    std::vector<torch::Tensor> pieces;
-    bool any = false;
-    for (size_t g = 0; g < results.size(); ++g) {
-      if (!results[g].empty() && results[g][n_params + s].defined()) {
-        pieces.push_back(results[g][n_params + s].to(device));
-        any = true;
-      } else {
-        auto shape = meta.shape;
-        shape[meta.dim] = meta.sizes[g];
-        pieces.push_back(torch::zeros(shape, meta.options));
+  std::vector<int64_t> numels;
+  for (const auto& param : plan_.params) {
+    numels.push_back(param.numel());
+  }
+  const auto owner = assign_sums(numels, workers.size());
+  std::vector<size_t> slot(plan_.devices.size(), 0);
+  for (size_t i = 0; i < workers.size(); ++i) {
+    slot[workers[i]] = i;
+  }
+  run_replicas(*plan_.pool, workers, plan_.devices, "backward", [&](size_t r) {
+    for (size_t p = 0; p < n_params; ++p) {
+      if (owner[p] == slot[r]) {
+        sum_param(p);
       }
     }
-    if (any) {
-      out[n_params + s] = torch::cat(pieces, meta.dim);
+  });
+}
+
+// The gradient of the caller's input s: the sum over replicas for an input
+// every replica received whole, the replicas' pieces put back together (zeros
+// for a piece without one) for a split input; undefined if no replica has one.
+torch::Tensor ParallelBackward::input_gradient(const std::vector<variable_list>& results, size_t s) const {
+  const size_t index = plan_.params.size() + s;
+  const InputMeta& meta = plan_.inputs[s];
+  const auto device = meta.options.device();
+  if (!meta.split) {
+    torch::Tensor sum;
+    for (const auto& result : results) {
+      if (!result.empty() && result[index].defined()) {
+        auto g = result[index].to(device);
+        sum = sum.defined() ? sum.add(g) : g;
+      }
+    }
+    return sum;
+  }
+  std::vector<torch::Tensor> pieces;
+  bool any = false;
+  for (size_t g = 0; g < results.size(); ++g) {
+    if (!results[g].empty() && results[g][index].defined()) {
+      pieces.push_back(results[g][index].to(device));
+      any = true;
+    } else {
+      auto shape = meta.shape;
+      shape[meta.dim] = meta.sizes[g];
+      pieces.push_back(torch::zeros(shape, meta.options));
     }
   }
-  return out;
+  return any ? torch::cat(pieces, meta.dim) : torch::Tensor();
 }
 
 } // namespace detail

@@ -98,6 +98,11 @@ class ParallelBackward : public torch::autograd::Node {
   torch::autograd::variable_list combine(
       std::vector<torch::autograd::variable_list>& results,
       const std::vector<size_t>& workers) const;
+  void sum_param_gradients(
+      std::vector<torch::autograd::variable_list>& results,
+      const std::vector<size_t>& workers,
+      torch::autograd::variable_list& out) const;
+  torch::Tensor input_gradient(const std::vector<torch::autograd::variable_list>& results, size_t s) const;
 
   BackwardPlan plan_;
   bool released_ = false;
