@@ -289,9 +289,13 @@ CpuCacheUser::~CpuCacheUser() {
   }
 }
 
-CpuCacheScope::CpuCacheScope(bool on) : previous_(t_cache_on) {
+bool set_thread_cache(bool on) {
+  const bool previous = t_cache_on;
   t_cache_on = on;
+  return previous;
 }
+
+CpuCacheScope::CpuCacheScope(bool on) : previous_(set_thread_cache(on)) {}
 
 CpuCacheScope::~CpuCacheScope() {
   t_cache_on = previous_;

@@ -81,6 +81,10 @@ class CpuCacheUser {
   CpuCacheUser& operator=(const CpuCacheUser&) = delete;
 };
 
+/// Turns caching of the calling thread's CPU allocations on or off (as
+/// CpuCacheScope does); returns whether it was on.
+bool set_thread_cache(bool on);
+
 /// While it lives, the calling thread's CPU allocations of kMinBytes or more
 /// come from the cache, when the cache is open (`on` false: a no-op).
 class CpuCacheScope {

@@ -7,6 +7,7 @@
 
 #include <lockstep/fully_sharded_data_parallel.h>
 
+#include "cpu_cache.h"
 #include "flat_param.h"
 #include "storage_watch.h"
 
@@ -18,6 +19,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,6 +38,11 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   std::vector<FlatParam> flats; // the root's first, then the units' in order
   Pass pass = Pass::None;
   bool watched_pass = false; // this core began a pass of storage_watch.h
+  // Note [A sharded step's memory]: the cache this model's CPU passes
+  // allocate from, and the thread whose caching a pass turned on.
+  std::unique_ptr<CpuCacheUser> cache_user;
+  std::thread::id cached_thread;
+  bool thread_cached_before = false;
   bool forwarded = false; // a forward ran whose backward has not ended
   bool sync_at_forward = true;
   bool finalize_queued = false;
@@ -85,6 +92,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   size_t forward_after(size_t g) const;
   size_t backward_after(size_t g) const;
   void on_touch(const std::vector<size_t>& touched) override;
+  void cache_thread_allocations(bool on);
   void begin_forward();
   void begin_backward();
   void end_pass();

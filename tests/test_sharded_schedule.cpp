@@ -4,6 +4,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "../src/cpu_cache.h"
 #include "../src/storage_watch.h"
 #include "support/threads.h"
 
@@ -244,6 +245,56 @@ TEST(FullyShardedDataParallel, BackwardPrefetchesOnlyTheUnitsTheLastBackwardRead
   auto expected = x.clone().requires_grad_(true);
   bare->forward(expected).sum().backward();
   EXPECT_TRUE(torch::allclose(input.grad(), expected.grad(), 1e-5, 1e-6));
+}
+
+// Note [A sharded step's memory]: from the second step on, the step's large
+// blocks (gathers' inputs, gradients, reduce-scatters' outputs) come from
+// the cache, the caller's thread allocates from glibc again after the step,
+// and the cache gives everything back when the last model is gone.
+TEST(FullyShardedDataParallel, ASteadyStepReusesItsMemoryAndTheCacheClosesWithTheModel) {
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp}) {
+    SCOPED_TRACE(strategy == ShardingStrategy::FullShard ? "FullShard" : "ShardGradOp");
+    torch::manual_seed(2);
+    torch::nn::Sequential net(torch::nn::Linear(256, 256), torch::nn::Linear(256, 256), torch::nn::Linear(256, 256),
+                              torch::nn::Linear(256, 10));
+    const auto x = torch::randn({64, 256});
+    testing::spawn(2, [&](ProcessGroup& group) {
+      {
+        FullyShardedDataParallel<torch::nn::Sequential> model(
+            std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone()), group,
+            ShardingOptions().strategy(strategy));
+        torch::optim::Adam adam(model->parameters(), 1e-3);
+        auto step = [&] {
+          adam.zero_grad();
+          model->forward(x).sum().backward();
+          adam.step();
+        };
+        for (int i = 0; i < 3; ++i) {
+          step();
+        }
+        group.barrier();
+        const auto warm = detail::cpu_cache_stats();
+        constexpr int kSteps = 5;
+        for (int i = 0; i < kSteps; ++i) {
+          step();
+        }
+        group.barrier();
+        const auto steady = detail::cpu_cache_stats(); // both ranks' steps: the cache is the process's
+        const auto reused = steady.reused - warm.reused, fresh = steady.fresh - warm.fresh;
+        EXPECT_GE(reused, 4 * kSteps) << "each step reuses its gradients and its gathers' inputs";
+        EXPECT_GE(reused, 9 * fresh) << "steady steps took " << fresh << " blocks fresh from the system";
+        auto on_caller = torch::ones({1 << 20});
+        group.barrier();
+        const auto after = detail::cpu_cache_stats();
+        EXPECT_EQ(after.reused + after.fresh, steady.reused + steady.fresh)
+            << "an allocation after the step went through the cache";
+        EXPECT_EQ(on_caller.sum().item<float>(), float(1 << 20));
+        group.barrier();
+      }
+      group.barrier();
+    });
+    EXPECT_EQ(detail::cpu_cache_stats().idle_bytes, 0u) << "the cache kept its memory after the model was gone";
+  }
 }
 
 
