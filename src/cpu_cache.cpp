@@ -41,7 +41,9 @@ namespace detail {
 // cache holds stays within twice the replicas' largest working set
 // (BlockCache), and it all goes back to the system when the last such
 // DataParallel ends. Small requests, and every request of the caller's
-// thread, go to glibc as before.
+// thread, go to glibc as before. A sharded model's CPU pass uses the cache
+// the same way, on the thread that runs it (Note [A sharded step's memory]
+// in src/fully_sharded.cpp).
 //
 // Each block carries a header in front of it, so that the deleter knows its
 // class; a pointer without one was allocated before the cache was installed,

@@ -39,6 +39,18 @@ namespace {
 // the next collective, or MPI_Finalize at exit, would hang. A rank that exits
 // without MPI_Finalize makes mpirun end the others.
 
+//
+// While it waits inside a collective, Open MPI's shared-memory transport
+// polls without pause. That thread is one Open MPI does not count: on a
+// machine with no core to spare (2 ranks on 2 cores) its polling took the
+// core that the rank's own compute, or the other rank's, was waiting for,
+// and a sharded model's step, whose gathers run beside forward, lost up to
+// a quarter (docs/performance.md). So when lockstep initialises MPI, it asks
+// Open MPI to yield while idle, as Open MPI does by itself when
+// oversubscribed, unless the environment already says
+// (OMPI_MCA_mpi_yield_when_idle=0 restores polling). Other MPI libraries
+// ignore the variable.
+
 std::atomic<bool> g_aborting{false};
 
 void finalize_at_exit() {
@@ -59,6 +71,7 @@ void init_mpi() {
     if (initialized) {
       MPI_Query_thread(&provided);
     } else {
+      ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0); // Note [MPI's thread and timeouts]
       TORCH_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided) == MPI_SUCCESS,
                   "lockstep: MPI_Init_thread failed; is this process started by mpirun or srun?");
       std::atexit(finalize_at_exit);
@@ -247,13 +260,17 @@ class MpiGroup : public GroupImpl {
   std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
     std::vector<torch::Tensor> inputs{input};
     auto in = on_cpu(inputs, what);
-    auto out = torch::empty({static_cast<int64_t>(size_) * in.numel()}, in.options());
     const MPI_Datatype type = mpi_type(in, what, rank_);
-    std::function<void()> finish = [outputs, out, n = in.numel()]() mutable {
-      for (size_t r = 0; r < outputs.size(); ++r) {
-        outputs[r].copy_(out.narrow(0, static_cast<int64_t>(r) * n, n).view(outputs[r].sizes()));
-      }
-    };
+    std::function<void()> finish;
+    torch::Tensor out = adjacent(outputs, in);
+    if (!out.defined()) {
+      out = torch::empty({static_cast<int64_t>(size_) * in.numel()}, in.options());
+      finish = [outputs, out, n = in.numel()]() mutable {
+        for (size_t r = 0; r < outputs.size(); ++r) {
+          outputs[r].copy_(out.narrow(0, static_cast<int64_t>(r) * n, n).view(outputs[r].sizes()));
+        }
+      };
+    }
     return start(what, std::move(finish), [this, in, out, type] {
       const int n = static_cast<int>(in.numel());
       return MPI_Allgather(in.data_ptr(), n, type, out.data_ptr(), n, type, comm_);
@@ -278,6 +295,25 @@ class MpiGroup : public GroupImpl {
   }
 
  private:
+  // The outputs as one flat tensor when they are consecutive, contiguous
+  // parts of one buffer (all_gather_into's, a sharded model's gathers), so
+  // that MPI receives straight into them; else undefined.
+  torch::Tensor adjacent(const std::vector<torch::Tensor>& outputs, const torch::Tensor& in) const {
+    const int64_t n = in.numel();
+    if (static_cast<int>(outputs.size()) != size_ || n == 0) {
+      return torch::Tensor();
+    }
+    const auto* first = static_cast<const char*>(outputs[0].data_ptr());
+    for (size_t r = 0; r < outputs.size(); ++r) {
+      const auto& out = outputs[r];
+      if (!out.device().is_cpu() || !out.is_contiguous() || out.numel() != n || out.scalar_type() != in.scalar_type() ||
+          static_cast<const char*>(out.data_ptr()) != first + static_cast<int64_t>(r) * n * in.element_size()) {
+        return torch::Tensor();
+      }
+    }
+    return torch::from_blob(outputs[0].data_ptr(), {size_ * n}, [keep = outputs](void*) {}, in.options());
+  }
+
   // The tensors as one contiguous CPU tensor that MPI can read and write.
   torch::Tensor on_cpu(const std::vector<torch::Tensor>& tensors, const std::string& what) const {
     for (const auto& t : tensors) {
