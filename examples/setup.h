@@ -109,15 +109,30 @@ inline DataSignature data_signature(const Samples& train, uint64_t seed) {
   return DataSignature{train.images.size(0), uint64_t{crc(train.images)} << 32 | crc(train.labels), seed};
 }
 
-// The checkpoint and the saved model go into the output folder unless
-// --checkpoint and --save name other files.
-inline void complete_paths(Config& config) {
+// The run's settings as every setup reads them, made once before any
+// setup: the output folder made (rank 0's, under a launcher: `group`), and
+// the checkpoint and the saved model in it unless --checkpoint and --save
+// name other files.
+inline Config settled_config(Config config, const lockstep::ProcessGroup* group) {
+  if (config.out_dir.empty()) {
+    config.out_dir = default_out_dir();
+  }
+  if (group != nullptr) {
+    TORCH_CHECK(config.batch_size % group->size() == 0, "lockstep-train: --batch-size ", config.batch_size,
+                " does not split evenly over ", group->size(), " ranks; pick a multiple of ", group->size(),
+                " (each rank takes batch-size / ranks rows).");
+    config.out_dir = agree_on_out_dir(*group, config.out_dir);
+  } else {
+    const std::string error = make_dir(config.out_dir);
+    TORCH_CHECK(error.empty(), error);
+  }
   if (config.checkpoint_path.empty()) {
     config.checkpoint_path = config.out_dir + "/checkpoint.ckpt";
   }
   if (config.save_path.empty()) {
     config.save_path = config.out_dir + "/model.pt";
   }
+  return config;
 }
 
 // ---------------------------------------------------------------------------
@@ -256,14 +271,10 @@ inline std::shared_ptr<torch::optim::SGD> make_optimizer(const std::vector<torch
 }
 
 // What every rank of a launched job does alike, under DDP or FSDP: the group,
-// rank 0's output folder, this rank's share of each global batch (Note [Data
+// this rank's share of each global batch (Note [Data
 // order]), the tallies' sum and rank 0's buffers.
-inline Setup launched_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data, Config& config) {
-  TORCH_CHECK(config.batch_size % group.size() == 0, "lockstep-train: --batch-size ", config.batch_size,
-              " does not split evenly over ", group.size(), " ranks; pick a multiple of ", group.size(),
-              " (each rank takes batch-size / ranks rows).");
-  config.out_dir = agree_on_out_dir(group, config.out_dir);
-  complete_paths(config);
+inline Setup launched_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data,
+                            const Config& config) {
   Setup setup;
   setup.group = group;
   setup.rank = group.rank();
@@ -306,8 +317,8 @@ inline lockstep::ProcessGroup launched_group(const Config& config) {
 
 // One rank of DistributedDataParallel, under lockstep-run or torchrun: the
 // ranks resume alike from rank 0's checkpoint file.
-inline Setup distributed_setup(ConvNet& net, const Dataset& data, const DataSignature& signature, Config& config) {
-  auto group = launched_group(config);
+inline Setup distributed_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data,
+                               const DataSignature& signature, const Config& config) {
   Setup setup = launched_setup(group, net, data, config);
   setup.optimizer = make_optimizer(net->parameters(), config);
   auto& optimizer = *setup.optimizer;
@@ -337,8 +348,8 @@ inline lockstep::ShardingStrategy sharding_strategy(const std::string& flag) {
 // One rank of FullyShardedDataParallel (--sharding): the optimizer steps this
 // rank's shards, and the checkpoints are sharded (Note [Sharded trainer
 // checkpoint]), so a run resumes at another world size.
-inline Setup sharded_setup(ConvNet& net, const Dataset& data, const DataSignature& signature, Config& config) {
-  auto group = launched_group(config);
+inline Setup sharded_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data,
+                           const DataSignature& signature, const Config& config) {
   Setup setup = launched_setup(group, net, data, config);
   lockstep::FullyShardedDataParallel<ConvNet> model(
       net, group, lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding)));
@@ -374,10 +385,8 @@ inline Setup sharded_setup(ConvNet& net, const Dataset& data, const DataSignatur
 
 // One process with DataParallel on --replicas CPU replicas (0: lockstep's
 // default devices), reading the global batches (Note [Data order]).
-inline Setup data_parallel_setup(ConvNet& net, const Dataset& data, const DataSignature& signature, Config& config) {
-  const std::string error = make_dir(config.out_dir);
-  TORCH_CHECK(error.empty(), error);
-  complete_paths(config);
+inline Setup data_parallel_setup(ConvNet& net, const Dataset& data, const DataSignature& signature,
+                                 const Config& config) {
   Setup setup;
   auto options = lockstep::DataParallelOptions();
   if (config.replicas > 0) {

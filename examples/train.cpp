@@ -47,8 +47,10 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -288,77 +290,115 @@ double evaluate_mid_epoch(const Run& run, const TrainingState& state, double epo
   return seconds_since(eval_start);
 }
 
-// Trains the rest of epoch `state.epoch` (all of it unless resumed mid-epoch),
-// evaluates, reports the epoch and checkpoints; `state` then stands at the
-// next epoch.
-void train_epoch(const Run& run, TrainingState& state, lockstep::examples::MetricsLog& metrics, Totals& totals) {
-  const Config& config = run.config;
-  const auto epoch_start = Clock::now();
-  const BatchPlan& plan = run.setup.plan;
-  const auto [epoch_rows, batch_count] = lockstep::examples::epoch_extent(plan);
-  const auto batches = lockstep::examples::rank_batches(plan, state.epoch, state.samples_in_epoch);
-  const int64_t total_steps = batch_count * config.epochs;
+// Where an epoch stands between its steps.
+struct Epoch {
+  Clock::time_point start = Clock::now();
+  int64_t rows = 0;         // its training rows over every rank
+  int64_t batch_count = 0;  // its steps
+  int64_t total_steps = 0;  // the whole run's
+  int64_t fold_every = 1;
+  int64_t resumed_rows = 0; // trained before this attempt resumed it
+  Tally pending;            // this rank's rows since the last fold
+  Tally logged;             // the epoch's tally at the last training record
+  Clock::time_point logged_at = Clock::now();
+  double eval_seconds = 0;  // spent on --eval-every evaluations
+};
+
+Epoch begin_epoch(const Run& run, const TrainingState& state) {
+  Epoch epoch;
+  std::tie(epoch.rows, epoch.batch_count) = lockstep::examples::epoch_extent(run.setup.plan);
+  epoch.total_steps = epoch.batch_count * run.config.epochs;
   // Every rank folds its batches into the epoch's tally at the same steps:
   // about 50 times an epoch, every --log-every steps, at checkpoints, and
   // at the epoch's end.
-  const int64_t fold_every = std::max<int64_t>(1, batch_count / 50);
-  Tally& done = state.epoch_tally; // every rank's rows up to the last fold (restored when resumed)
-  Tally pending;                   // this rank's rows since
-  const int64_t resumed_rows = done.rows;
-  lockstep::examples::Progress progress(epoch_rows, resumed_rows, static_cast<int>(state.epoch + 1), config.epochs,
-                                        run.setup.rank == 0);
-  double eval_seconds = 0;
-  Tally logged = done; // the tally at the last training record
-  auto logged_at = Clock::now();
+  epoch.fold_every = std::max<int64_t>(1, epoch.batch_count / 50);
+  epoch.resumed_rows = state.epoch_tally.rows; // restored when resumed
+  epoch.logged = state.epoch_tally;
+  return epoch;
+}
+
+// Adds every rank's rows since the last fold to the epoch's tally.
+void fold(const Run& run, TrainingState& state, Epoch& epoch, lockstep::examples::Progress& progress) {
+  Tally& done = state.epoch_tally;
+  done += run.setup.combine(epoch.pending);
+  epoch.pending = Tally{};
+  progress.update(done.rows, mean_loss(done), accuracy(done));
+}
+
+// --log-every: the steps since the last record, their loss, accuracy and
+// speed over every rank.
+void log_training(const Run& run, const TrainingState& state, Epoch& epoch, double epochs_done, double lr,
+                  lockstep::examples::MetricsLog& metrics) {
+  const Tally& done = state.epoch_tally;
+  const Tally recent{done.loss_sum - epoch.logged.loss_sum, done.correct - epoch.logged.correct,
+                     done.rows - epoch.logged.rows};
+  nlohmann::json record{{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step},
+                        {"epochs_done", epochs_done}, {"lr", lr}, {"loss", mean_loss(recent)},
+                        {"accuracy", accuracy(recent)},
+                        {"samples_per_second", rate(recent.rows, seconds_since(epoch.logged_at))}};
+  if (run.scaler.is_enabled()) {
+    record["loss_scale"] = run.scaler.get_scale(); // fp16: backs off at each overflow, the same on every rank
+  }
+  metrics.write(record);
+  epoch.logged = done;
+  epoch.logged_at = Clock::now();
+}
+
+// The epoch's end: evaluates, reports and checkpoints; `state` then stands
+// at the next epoch.
+void end_epoch(const Run& run, TrainingState& state, const Epoch& epoch, lockstep::examples::MetricsLog& metrics,
+               Totals& totals) {
+  const Tally& done = state.epoch_tally;
+  TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (",
+              run.data.train.images.size(0), " training samples); give more samples.");
+  const double seconds = seconds_since(epoch.start);
+  totals.train_seconds += seconds - epoch.eval_seconds;
+  totals.samples += done.rows - epoch.resumed_rows;
+  totals.last_epoch = done;
+  totals.tested = evaluate(run);
+  report_epoch(run, state, metrics, totals, seconds - epoch.eval_seconds, seconds,
+               lr_at(run.config, state.step - 1, epoch.batch_count, epoch.total_steps), epoch.resumed_rows);
+  ++state.epoch;
+  state.samples_in_epoch = 0;
+  state.epoch_tally = Tally{};
+  checkpoint(run, state); // every epoch, besides every --checkpoint-every steps
+}
+
+// Trains the rest of epoch `state.epoch` (all of it unless resumed
+// mid-epoch): one step per batch, folding, logging, evaluating and
+// checkpointing on the way, then the epoch's end.
+void train_epoch(const Run& run, TrainingState& state, lockstep::examples::MetricsLog& metrics, Totals& totals) {
+  const Config& config = run.config;
+  const int64_t world_size = run.setup.plan.world_size;
+  Epoch epoch = begin_epoch(run, state);
+  const auto batches = lockstep::examples::rank_batches(run.setup.plan, state.epoch, state.samples_in_epoch);
+  lockstep::examples::Progress progress(epoch.rows, epoch.resumed_rows, static_cast<int>(state.epoch + 1),
+                                        config.epochs, run.setup.rank == 0);
   for (size_t i = 0; i < batches.size(); ++i) {
     maybe_inject_fault(run.setup.rank, state.step);
-    const double lr = lr_at(config, state.step, batch_count, total_steps);
-    pending += train_step(run, batches[i], lr);
+    const double lr = lr_at(config, state.step, epoch.batch_count, epoch.total_steps);
+    epoch.pending += train_step(run, batches[i], lr);
     ++state.step;
-    state.samples_in_epoch += batches[i].size(0) * plan.world_size; // every rank takes as many rows
-    const double epochs_done = state.epoch + static_cast<double>(state.samples_in_epoch) / epoch_rows;
+    state.samples_in_epoch += batches[i].size(0) * world_size; // every rank takes as many rows
+    const double epochs_done = state.epoch + static_cast<double>(state.samples_in_epoch) / epoch.rows;
     const bool last = i + 1 == batches.size();
     const bool save = state.step % config.checkpoint_every == 0 && !last; // the epoch's end saves anyway
     const bool log = state.step % config.log_every == 0;
-    if (save || log || last || state.step % fold_every == 0) {
-      done += run.setup.combine(pending);
-      pending = Tally{};
-      progress.update(done.rows, mean_loss(done), accuracy(done));
+    if (save || log || last || state.step % epoch.fold_every == 0) {
+      fold(run, state, epoch, progress);
     }
     if (log) {
-      // The steps since the last record: loss, accuracy and speed over every rank.
-      const Tally recent{done.loss_sum - logged.loss_sum, done.correct - logged.correct, done.rows - logged.rows};
-      nlohmann::json record{{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step},
-                            {"epochs_done", epochs_done}, {"lr", lr}, {"loss", mean_loss(recent)},
-                            {"accuracy", accuracy(recent)},
-                            {"samples_per_second", rate(recent.rows, seconds_since(logged_at))}};
-      if (run.scaler.is_enabled()) {
-        record["loss_scale"] = run.scaler.get_scale(); // fp16: backs off at each overflow, the same on every rank
-      }
-      metrics.write(record);
-      logged = done;
-      logged_at = Clock::now();
+      log_training(run, state, epoch, epochs_done, lr, metrics);
     }
     if (config.eval_every > 0 && state.step % config.eval_every == 0 && !last) {
-      eval_seconds += evaluate_mid_epoch(run, state, epochs_done, metrics);
-      logged_at = Clock::now(); // not a training step's time
+      epoch.eval_seconds += evaluate_mid_epoch(run, state, epochs_done, metrics);
+      epoch.logged_at = Clock::now(); // not a training step's time
     }
     if (save) {
       checkpoint(run, state);
     }
   }
-  TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (",
-              run.data.train.images.size(0), " training samples); give more samples.");
-  totals.train_seconds += seconds_since(epoch_start) - eval_seconds;
-  totals.samples += done.rows - resumed_rows;
-  totals.last_epoch = done;
-  totals.tested = evaluate(run);
-  report_epoch(run, state, metrics, totals, seconds_since(epoch_start) - eval_seconds, seconds_since(epoch_start),
-               lr_at(config, state.step - 1, batch_count, total_steps), resumed_rows);
-  ++state.epoch;
-  state.samples_in_epoch = 0;
-  state.epoch_tally = Tally{};
-  checkpoint(run, state); // every epoch, besides every --checkpoint-every steps
+  end_epoch(run, state, epoch, metrics, totals);
 }
 
 // A checkpoint of a run that trained every epoch: evaluated again (on every
@@ -454,38 +494,41 @@ int main(int argc, char** argv) {
                "Evaluates on the whole test set after each epoch, and writes metrics.jsonl, the model, a checkpoint "
                "and curves.png into --out."};
   DataOptions data_options;
-  Config config;
+  Config parsed;
   std::string export_dir;
-  const int exit_code = lockstep::examples::parse_command_line(app, argc, argv, data_options, config, export_dir);
+  const int exit_code = lockstep::examples::parse_command_line(app, argc, argv, data_options, parsed, export_dir);
   if (exit_code >= 0) {
     return exit_code; // --help, or a refusal
   }
   try {
-    prepare_process(config.threads);
+    prepare_process(parsed.threads);
     if (!export_dir.empty()) {
-      lockstep::examples::export_synthetic(export_dir, config.seed);
+      lockstep::examples::export_synthetic(export_dir, parsed.seed);
       std::printf("lockstep-train: wrote the synthetic dataset (seed %llu) as MNIST IDX files in %s\n",
-                  static_cast<unsigned long long>(config.seed), export_dir.c_str());
+                  static_cast<unsigned long long>(parsed.seed), export_dir.c_str());
       return 0;
     }
-    const Dataset data = lockstep::examples::load_dataset(data_options, config.seed);
-    const DataSignature signature = lockstep::examples::data_signature(data.train, config.seed);
+    const Dataset data = lockstep::examples::load_dataset(data_options, parsed.seed);
+    const DataSignature signature = lockstep::examples::data_signature(data.train, parsed.seed);
 
-    torch::manual_seed(config.seed);
+    torch::manual_seed(parsed.seed);
     ConvNet net;
-    if (config.out_dir.empty()) {
-      config.out_dir = lockstep::examples::default_out_dir();
-    }
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.
     const bool launched = lockstep::launched_by_launcher();
-    TORCH_CHECK(launched || config.sharding.empty(), "lockstep-train: --sharding ", config.sharding, " shards over "
+    TORCH_CHECK(launched || parsed.sharding.empty(), "lockstep-train: --sharding ", parsed.sharding, " shards over "
                 "ranks, one process each: run it under lockstep-run (or torchrun, mpirun, srun), for example "
-                "lockstep-run --nproc-per-node 2 lockstep-train --sharding ", config.sharding, ". Alone, lockstep-train "
+                "lockstep-run --nproc-per-node 2 lockstep-train --sharding ", parsed.sharding, ". Alone, lockstep-train "
                 "trains with DataParallel, which does not shard.");
-    const Setup setup = !launched                ? lockstep::examples::data_parallel_setup(net, data, signature, config)
-                        : config.sharding.empty() ? lockstep::examples::distributed_setup(net, data, signature, config)
-                                                  : lockstep::examples::sharded_setup(net, data, signature, config);
+    std::optional<lockstep::ProcessGroup> group;
+    if (launched) {
+      group = lockstep::examples::launched_group(parsed);
+    }
+    const Config config = lockstep::examples::settled_config(parsed, group ? &*group : nullptr);
+    const Setup setup = !launched ? lockstep::examples::data_parallel_setup(net, data, signature, config)
+                        : config.sharding.empty()
+                            ? lockstep::examples::distributed_setup(*group, net, data, signature, config)
+                            : lockstep::examples::sharded_setup(*group, net, data, signature, config);
     lockstep::examples::autocast_for(config, setup.device); // refuses here what autocast cannot run (fp16 on 1.13's CPU)
     lockstep::examples::say_if_emulated(config, setup.device, setup.rank == 0);
     const auto scaler = lockstep::examples::make_scaler(config, setup.group, setup.state);
