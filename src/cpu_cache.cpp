@@ -242,15 +242,21 @@ class CachingCpuAllocator final : public CpuAllocatorBase {
   }
 };
 
+// Made at static initialisation, before the program starts a thread, and
+// never destroyed: once installed, every thread that allocates calls it,
+// and c10's table of allocators, which publishes it, takes no lock, so it
+// must not be made by whichever thread installs it (ranks as threads may
+// allocate while another installs it).
+CachingCpuAllocator* const g_allocator = new CachingCpuAllocator;
+
 // Whether the cache is LibTorch's CPU allocator: installed on first use, over
 // the default allocator only.
 bool installed() {
   static const bool done = [] {
-    static auto* allocator = new CachingCpuAllocator;
     if (c10::GetCPUAllocator() == c10::GetDefaultCPUAllocator()) {
-      c10::SetCPUAllocator(allocator);
+      c10::SetCPUAllocator(g_allocator);
     }
-    return c10::GetCPUAllocator() == allocator;
+    return c10::GetCPUAllocator() == g_allocator;
   }();
   return done;
 }

@@ -46,6 +46,12 @@ int main(int argc, char** argv) {
       lockstep::testing::check_local_refusal(group, check);
       lockstep::testing::check_bfloat16_and_bool(group, check);
       lockstep::testing::check_all_gather_in_inference_mode(group, check);
+      if (group.backend() == "mpi") {
+        // Note [MPI's thread and timeouts]: lockstep initialised MPI, and
+        // asked Open MPI to yield while idle (mpirun sets no such variable).
+        const char* yield = std::getenv("OMPI_MCA_mpi_yield_when_idle");
+        check(yield != nullptr && std::string(yield) == "1", "Open MPI was asked to yield while idle");
+      }
     } else if (scenario == "size_mismatch") {
       lockstep::testing::check_size_mismatch(group, check);
     } else {

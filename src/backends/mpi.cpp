@@ -38,7 +38,6 @@ namespace {
 // let the program go on: its communication thread is still inside MPI, and
 // the next collective, or MPI_Finalize at exit, would hang. A rank that exits
 // without MPI_Finalize makes mpirun end the others.
-
 //
 // While it waits inside a collective, Open MPI's shared-memory transport
 // polls without pause. That thread is one Open MPI does not count: on a
