@@ -116,24 +116,31 @@ void ShardedCore::State::start_bucket(size_t g) {
 }
 
 // One all-gather: straight into the flat's own buffer when it is alone,
-// else into one buffer holding each rank's shards one after another.
+// else into one buffer holding each rank's shards one after another. This
+// rank's shards are copied (cast to the gathered dtype: Note [Sharded mixed
+// precision]) into its own part of that buffer, and the all-gather sends
+// them from there, in place: no buffer of their own to fill and copy again.
 void ShardedCore::State::start_gather(Bucket& b) {
-  const std::string what = "all_gather of " + bucket_name(b.members);
-  if (b.members.size() == 1) {
-    auto& flat = flats[b.members[0]];
-    allocate_mapped(flat.full);
-    b.output = flat.full;
-    b.work = group.all_gather_into_async(flat.full, gather_input(flat),
-                                         what + " (" + std::to_string(flat.layout.padded) + " elements)");
-    return;
-  }
-  std::vector<torch::Tensor> shards;
+  torch::NoGradGuard no_grad;
+  int64_t per_rank = 0;
   for (size_t i : b.members) {
-    shards.push_back(gather_input(flats[i]));
+    per_rank += flats[i].layout.shard;
   }
-  auto input = torch::cat(shards);
-  b.output = empty_mapped(input.numel() * group.size(), input.options());
-  b.work = group.all_gather_into_async(b.output, input, what + " (" + std::to_string(b.output.numel()) + " elements)");
+  const auto& first = flats[b.members[0]];
+  if (b.members.size() == 1) {
+    allocate_mapped(first.full);
+    b.output = first.full;
+  } else {
+    b.output = empty_mapped(per_rank * group.size(), first.options().dtype(first.compute_dtype));
+  }
+  auto mine = b.output.narrow(0, group.rank() * per_rank, per_rank);
+  int64_t offset = 0;
+  for (size_t i : b.members) {
+    mine.narrow(0, offset, flats[i].layout.shard).copy_(flats[i].shard.detach());
+    offset += flats[i].layout.shard;
+  }
+  b.work = group.all_gather_into_async(b.output, mine, "all_gather of " + bucket_name(b.members) + " (" +
+                                       std::to_string(b.output.numel()) + " elements)");
 }
 
 // Waits for the all-gathers in flight, in the order they started, up to the

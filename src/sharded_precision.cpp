@@ -52,12 +52,6 @@ void ShardedCore::State::set_precision(const ShardingOptions& options) {
   }
 }
 
-// This rank's shard as the all-gather sends it: in the gathered dtype.
-torch::Tensor ShardedCore::State::gather_input(const FlatParam& flat) const {
-  auto shard = flat.shard.detach();
-  return flat.compute_dtype == flat.dtype ? shard : shard.to(flat.compute_dtype);
-}
-
 // Each flat whose gathered buffer is in another dtype than its shard:
 // gathered in the shard's dtype into a buffer of its own, the module's
 // parameters its views, for summon_full_params.

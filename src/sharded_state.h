@@ -99,7 +99,6 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
 
   // src/sharded_precision.cpp: Note [Sharded mixed precision].
   void set_precision(const ShardingOptions& options);
-  torch::Tensor gather_input(const FlatParam& flat) const;
   bool summon_in_own_dtype();
 
   // src/sharded_backward.cpp: gradients into the shards.

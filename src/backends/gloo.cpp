@@ -364,7 +364,9 @@ void ring_all_gather(c10d::ProcessGroupGloo& group, std::vector<torch::Tensor> o
                      int first_tag) {
   const int size = group.getSize();
   const int rank = group.getRank();
-  outputs[rank].copy_(input.view_as(outputs[rank]));
+  if (outputs[rank].data_ptr() != input.data_ptr()) { // else in place: this rank's part is there
+    outputs[rank].copy_(input.view_as(outputs[rank]));
+  }
   auto slot = [&](int i) { return outputs[(i % size + size) % size]; };
   for (int step = 0; step < size - 1; ++step) {
     std::vector<torch::Tensor> sent{slot(rank - step)};

@@ -270,9 +270,11 @@ class MpiGroup : public GroupImpl {
         }
       };
     }
-    return start(what, std::move(finish), [this, in, out, type] {
+    // In place when the input is this rank's part of the output already.
+    const bool in_place = in.data_ptr() == static_cast<char*>(out.data_ptr()) + rank_ * in.numel() * in.element_size();
+    return start(what, std::move(finish), [this, in, out, type, in_place] {
       const int n = static_cast<int>(in.numel());
-      return MPI_Allgather(in.data_ptr(), n, type, out.data_ptr(), n, type, comm_);
+      return MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), n, type, out.data_ptr(), n, type, comm_);
     });
   }
 
