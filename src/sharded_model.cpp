@@ -120,19 +120,24 @@ std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vecto
 // Note [Shard buckets]
 // ~~~~~~~~~~~~~~~~~~~~
 // One collective per unit costs more than its bytes when units are small:
-// each goes through the agreement check and two thread hops, about 1.5 ms
-// on these machines, so 48 units of 256 KiB spent more time starting
-// collectives than moving data. Consecutive flat buffers of one dtype and
-// device therefore share one all-gather (in forward order) and one
-// reduce-scatter (in backward's order), as DDP's buckets share an
-// allreduce, up to kShardBucketBytes gathered. The price is a copy
-// of the bucket's parameters out of the gathered buffer into each unit's,
-// and that buffer's transient memory (gradients are written straight into
-// their places in the reduce-scatter's input). A unit of at least kShardBucketBytes is a bucket of its own and
+// each goes through the agreement check (a round trip) and two thread hops,
+// about 1.5 ms on these machines, so 48 units of 256 KiB spent more time
+// starting collectives than moving data. Consecutive flat buffers of one
+// dtype and device therefore share one all-gather (in forward order) and
+// one reduce-scatter (in backward's order), as DDP's buckets share an
+// allreduce, up to kShardBucketBytes gathered. The price is a copy of the
+// bucket's parameters out of the gathered buffer into each unit's, and that
+// buffer's transient memory (gradients are written straight into their
+// places in the reduce-scatter's input); FullShard holds at most two
+// buckets gathered, so a model smaller than the cap is gathered whole. A
+// unit bigger than half the cap can share with nothing bigger than the
+// rest, and one of kShardBucketBytes or more is a bucket of its own and
 // gathers straight into its buffer. A bucket's reduce-scatter starts when
 // its last member's gradients are in, so it still overlaps the backward of
-// the units before it.
-constexpr int64_t kShardBucketBytes = 4 << 20;
+// the units before it. On the deep benchmark model (48 units of 256 KiB),
+// 8 MiB against 4 took FullShard from 0.78-0.85 of DDP's speed over Gloo
+// to 0.94-0.96, and 2 MiB to 0.72 (docs/performance.md).
+constexpr int64_t kShardBucketBytes = 8 << 20;
 
 namespace {
 

@@ -38,7 +38,8 @@ TEST(FullyShardedDataParallel, BetweenForwardAndBackwardAFreedUnitIsGatheredAgai
   });
 }
 
-// Each layer its own unit and its own all-gather (4 MiB), and a probe
+// Each layer its own unit and its own all-gather (just over 4 MiB, so that
+// no two share a bucket of at most 8 MiB: Note [Shard buckets]), and a probe
 // between layers that counts the units whose memory is there, in forward
 // and, through a gradient hook, in backward.
 TEST(FullyShardedDataParallel, AtMostTwoUnitsAreGatheredAtOnceInForwardAndBackward) {
@@ -53,7 +54,7 @@ TEST(FullyShardedDataParallel, AtMostTwoUnitsAreGatheredAtOnceInForwardAndBackwa
                                                [](const torch::Tensor& w) { return w.storage().nbytes() > 0; }));
     };
     for (int i = 0; i < kLayers; ++i) {
-      torch::nn::Linear layer(torch::nn::LinearOptions(1024, 1024).bias(false));
+      torch::nn::Linear layer(torch::nn::LinearOptions(1024, 1024));
       weights.push_back(layer->weight);
       net->push_back(layer);
       net->push_back(torch::nn::Functional([&](torch::Tensor x) {
