@@ -137,16 +137,28 @@ std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vecto
 // the units before it. On the deep benchmark model (48 units of 256 KiB),
 // 8 MiB against 4 took FullShard from 0.78-0.85 of DDP's speed over Gloo
 // to 0.94-0.96, and 2 MiB to 0.72 (docs/performance.md).
+//
+// The first bucket of forward holds at most kFirstShardBucketBytes, as
+// DDP's first bucket does: nothing computes while forward waits for it, and
+// its reduce-scatter is backward's last, which nothing hides. The
+// reduce-scatters take the all-gathers' buckets in reverse.
 constexpr int64_t kShardBucketBytes = 8 << 20;
+constexpr int64_t kFirstShardBucketBytes = 1 << 20;
 
 namespace {
 
 // Consecutive flats in `order`, one open bucket per key (dtype and device),
-// each closed before a flat would take it past `cap` bytes: a flat of `cap`
-// or more is a bucket of its own (Note [Shard buckets]).
+// each closed before a flat would take it past `cap` bytes (`first_cap` for
+// a key's first bucket): a flat of that size or more is a bucket of its own
+// (Note [Shard buckets]).
 std::vector<std::vector<size_t>> shard_buckets(const std::vector<int64_t>& bytes, const std::vector<std::string>& keys,
-                                               int64_t cap, const std::vector<size_t>& order) {
-  std::map<std::string, std::pair<std::vector<size_t>, int64_t>> open;
+                                               int64_t first_cap, int64_t cap, const std::vector<size_t>& order) {
+  struct Open {
+    std::vector<size_t> members;
+    int64_t total = 0;
+    bool first = true;
+  };
+  std::map<std::string, Open> open;
   std::vector<std::string> key_order; // for the last open buckets, in the order their keys came
   std::vector<std::vector<size_t>> buckets;
   for (size_t k : order) {
@@ -154,18 +166,17 @@ std::vector<std::vector<size_t>> shard_buckets(const std::vector<int64_t>& bytes
     if (inserted) {
       key_order.push_back(keys[k]);
     }
-    auto& [members, total] = it->second;
-    if (!members.empty() && total + bytes[k] > cap) {
-      buckets.push_back(std::move(members));
-      members.clear();
-      total = 0;
+    auto& bucket = it->second;
+    if (!bucket.members.empty() && bucket.total + bytes[k] > (bucket.first ? first_cap : cap)) {
+      buckets.push_back(std::move(bucket.members));
+      bucket = Open{{}, 0, false};
     }
-    members.push_back(k);
-    total += bytes[k];
+    bucket.members.push_back(k);
+    bucket.total += bytes[k];
   }
   for (const auto& key : key_order) {
-    if (!open[key].first.empty()) {
-      buckets.push_back(std::move(open[key].first));
+    if (!open[key].members.empty()) {
+      buckets.push_back(std::move(open[key].members));
     }
   }
   return buckets;
@@ -183,7 +194,7 @@ void ShardedCore::State::plan_buckets() {
   }
   std::vector<size_t> forward(flats.size());
   std::iota(forward.begin(), forward.end(), size_t{0});
-  gather_buckets = shard_buckets(bytes, keys, kShardBucketBytes, forward);
+  gather_buckets = shard_buckets(bytes, keys, kFirstShardBucketBytes, kShardBucketBytes, forward);
   bucket_of.assign(flats.size(), 0);
   for (size_t g = 0; g < gather_buckets.size(); ++g) {
     for (size_t i : gather_buckets[g]) {
@@ -192,8 +203,8 @@ void ShardedCore::State::plan_buckets() {
   }
   backward_reads.assign(gather_buckets.size(), 0);
   last_backward_reads.assign(gather_buckets.size(), 1); // before any backward, expect every one read
-  for (auto& members : shard_buckets(bytes, keys, kShardBucketBytes, {forward.rbegin(), forward.rend()})) {
-    reduce_buckets.push_back(Bucket{std::move(members), nullptr, torch::Tensor(), 0});
+  for (auto g = gather_buckets.rbegin(); g != gather_buckets.rend(); ++g) {
+    reduce_buckets.push_back(Bucket{{g->rbegin(), g->rend()}, nullptr, torch::Tensor(), 0});
   }
 }
 
