@@ -179,7 +179,7 @@ std::vector<std::string> starting_with(const std::vector<std::string>& log, cons
 }
 
 TEST(FullyShardedDataParallel, SmallUnitsShareTheirCollectivesAndALargeOneGoesAlone) {
-  // Six units of 1 KiB, one of 8 MiB (past the 4 MiB bucket), one of 1 KiB.
+  // Six units of 1 KiB, one of 8 MiB (a bucket of its own), one of 1 MiB.
   torch::nn::Sequential net;
   for (int i = 0; i < 6; ++i) {
     net->push_back(torch::nn::Linear(torch::nn::LinearOptions(16, 16).bias(false)));
@@ -203,6 +203,27 @@ TEST(FullyShardedDataParallel, SmallUnitsShareTheirCollectivesAndALargeOneGoesAl
             (std::vector<std::string>{"reduce_scatter of 7:Float (262144 elements)",
                                       "reduce_scatter of 6:Float (2097152 elements)",
                                       "reduce_scatter of 6 units (5:Float to 0:Float) (1536 elements)"}));
+}
+
+// Note [Shard buckets]: forward's first bucket holds at most 1 MiB, the
+// others up to 8 MiB, and the reduce-scatters take the same buckets in
+// reverse. Seven units of 512 KiB.
+TEST(FullyShardedDataParallel, TheFirstBucketIsSmallAndTheReduceScattersTakeTheBucketsInReverse) {
+  torch::nn::Sequential net;
+  for (int i = 0; i < 7; ++i) {
+    net->push_back(torch::nn::Linear(torch::nn::LinearOptions(i % 2 ? 512 : 256, i % 2 ? 256 : 512).bias(false)));
+  }
+  std::vector<std::string> log;
+  FullyShardedDataParallel<torch::nn::Sequential> model(net, ProcessGroup(std::make_shared<CountingGroup>(log)));
+  log.clear();
+  model->forward(torch::randn({3, 256})).sum().backward();
+  EXPECT_EQ(starting_with(log, "all_gather of"),
+            (std::vector<std::string>{"all_gather of 2 units (0:Float to 1:Float) (262144 elements)",
+                                      "all_gather of 5 units (2:Float to 6:Float) (655360 elements)",
+                                      "all_gather of 2 units (0:Float to 1:Float) (262144 elements)"}));
+  EXPECT_EQ(starting_with(log, "reduce_scatter of"),
+            (std::vector<std::string>{"reduce_scatter of 5 units (6:Float to 2:Float) (655360 elements)",
+                                      "reduce_scatter of 2 units (1:Float to 0:Float) (262144 elements)"}));
 }
 
 // Note [Watching storages]: a thread is watched from forward to the end of
