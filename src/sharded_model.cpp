@@ -129,19 +129,19 @@ std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vecto
 // bucket's parameters out of the gathered buffer into each unit's, and that
 // buffer's transient memory (gradients are written straight into their
 // places in the reduce-scatter's input); FullShard holds at most two
-// buckets gathered, so a model smaller than the cap is gathered whole. A
-// unit bigger than half the cap can share with nothing bigger than the
-// rest, and one of kShardBucketBytes or more is a bucket of its own and
-// gathers straight into its buffer. A bucket's reduce-scatter starts when
-// its last member's gradients are in, so it still overlaps the backward of
-// the units before it. On the deep benchmark model (48 units of 256 KiB),
-// 8 MiB against 4 took FullShard from 0.78-0.85 of DDP's speed over Gloo
-// to 0.94-0.96, and 2 MiB to 0.72 (docs/performance.md).
+// buckets gathered. A unit of kShardBucketBytes or more is a bucket of its
+// own and gathers straight into its buffer. A bucket's reduce-scatter
+// starts when its last member's gradients are in, so it still overlaps the
+// backward of the units before it. On the deep benchmark model (48 units of
+// 256 KiB), 8 MiB against 4 took FullShard from 0.78-0.85 of DDP's speed
+// over Gloo to 0.92-0.96, and 2 MiB to 0.72 (docs/performance.md).
 //
 // The first bucket of forward holds at most kFirstShardBucketBytes, as
 // DDP's first bucket does: nothing computes while forward waits for it, and
-// its reduce-scatter is backward's last, which nothing hides. The
-// reduce-scatters take the all-gathers' buckets in reverse.
+// its reduce-scatter is backward's last, which nothing hides; over MPI,
+// whose collectives cost little, those two exposed ends are what the bucket
+// size decides. The reduce-scatters take the all-gathers' buckets in
+// reverse.
 constexpr int64_t kShardBucketBytes = 8 << 20;
 constexpr int64_t kFirstShardBucketBytes = 1 << 20;
 
