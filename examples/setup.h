@@ -271,8 +271,8 @@ inline std::shared_ptr<torch::optim::SGD> make_optimizer(const std::vector<torch
 }
 
 // What every rank of a launched job does alike, under DDP or FSDP: the group,
-// this rank's share of each global batch (Note [Data
-// order]), the tallies' sum and rank 0's buffers.
+// this rank's share of each global batch (Note [Data order]), the tallies'
+// sum and rank 0's buffers.
 inline Setup launched_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data,
                             const Config& config) {
   Setup setup;
