@@ -10,6 +10,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/ddp_models.h"
+#include "support/powersgd_checks.h"
 #include "support/worker.h"
 
 #include <torch/torch.h>
@@ -665,7 +666,7 @@ int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
     std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
                  "early_exit|syncbn|syncbn_cuda|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
-                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ [TAG]\n", argv[0]);
+                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ|powersgd [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
@@ -742,6 +743,11 @@ int main(int argc, char** argv) {
       lockstep::testing::wrapped_twice(group);
     } else if (scenario == "options_differ") {
       lockstep::testing::options_differ(group);
+    } else if (scenario == "powersgd") { // support/powersgd_checks.h
+      const lockstep::testing::Check checked = [rank](bool ok, const std::string& what) { check(ok, what, rank); };
+      lockstep::testing::check_powersgd_averages_exactly_at_the_rank(group, checked);
+      lockstep::testing::check_powersgd_ranks_agree(group, false, checked);
+      lockstep::testing::check_powersgd_ranks_agree(group, true, checked);
     } else {
       std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
       return 2;

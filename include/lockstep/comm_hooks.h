@@ -30,6 +30,11 @@ struct GradBucket {
   std::vector<size_t> parameters;
   /// "bucket 2 (5 parameters, 1.0 MiB)": names the bucket in errors.
   std::string name;
+  /// Views of `buffer`, one per parameter in `parameters`, shaped as the
+  /// parameter (PyTorch's GradBucket::gradients): for layer-wise hooks.
+  std::vector<torch::Tensor> gradients;
+  /// Whether this is the iteration's last bucket (PyTorch's is_last).
+  bool last = false;
 };
 
 /// What a communication hook returns: the bucket averaged over ranks, now or

@@ -8,6 +8,7 @@
 #include <lockstep/data_parallel_options.h>
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/fully_sharded_data_parallel.h>
+#include <lockstep/powersgd.h>
 #include <lockstep/process_group.h>
 #include <lockstep/scatter_gather.h>
 #include <lockstep/sync_batch_norm.h>

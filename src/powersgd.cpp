@@ -1,0 +1,395 @@
+#include <lockstep/powersgd.h>
+
+#include "powersgd_plan.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <deque>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+// Note [PowerSGD]
+// ~~~~~~~~~~~~~~~
+// One bucket, once compression has started (PyTorch's powerSGD_hook):
+//  1. Error feedback: what compression lost from this rank's gradients last
+//     iteration is added to them, and a copy of the sum is kept.
+//  2. The bucket's gradients split in two (plan_powersgd): matrices worth
+//     compressing, M (n x m, a parameter viewed as size(0) x the rest), and
+//     the rest, sent whole. Each M gets Q (m x r): last iteration's under
+//     warm start, else drawn from the seed (the same on every rank), then
+//     orthonormalised; and P = M Q.
+//  3. One allreduce carries the whole gradients and every P together
+//     (PyTorch sends them as two; one round trip fewer matters on a slow
+//     link).
+//  4. Once it is done: the whole gradients are averaged into the bucket;
+//     each P (a sum over ranks: the same on every rank) is orthonormalised,
+//     Q = M^T P, and a second allreduce sums the Q's.
+//  5. M = P Q^T / world size goes into the bucket; the error is the kept
+//     copy minus that.
+// Step 4 needs step 3's result, and every rank must issue its collectives
+// in the same order, so it cannot run whenever step 3 happens to finish.
+// It runs when the reducer waits for the first bucket at the end of
+// backward, for every bucket whose step 3 was issued, in bucket order; the
+// Q allreduces then go out back to back, and each bucket's wait finishes
+// with step 5. So the P round trips overlap backward, and the Q round trips
+// overlap each other.
+//
+// The first iterations (start_iteration) are plain allreduces: DDP
+// rebuilds its buckets after the first, and compressing early gradients
+// costs accuracy. A zero column of P or Q (a layer with no gradient) stays
+// zero where PyTorch's orthogonalisation divides by its zero norm.
+
+namespace lockstep {
+namespace detail {
+
+bool worth_compressing(int64_t rows, int64_t cols, int64_t rank, double min_rate) {
+  return static_cast<double>((rows + cols) * rank) * min_rate < static_cast<double>(rows * cols);
+}
+
+namespace {
+
+// Where `gradient` starts in `buffer`, in elements.
+int64_t offset_in(const torch::Tensor& gradient, const torch::Tensor& buffer, const GradBucket& bucket, size_t i) {
+  const int64_t offset = gradient.storage_offset() - buffer.storage_offset();
+  TORCH_CHECK(gradient.is_alias_of(buffer) && gradient.is_contiguous() && offset >= 0 &&
+                  offset + gradient.numel() <= buffer.numel(),
+              "lockstep::PowerSGD: gradient ", i, " of ", bucket.name, " is not a contiguous view of the bucket's "
+              "buffer; GradBucket::gradients must view GradBucket::buffer, as DistributedDataParallel's do.");
+  return offset;
+}
+
+void add_whole(PowerSGDPlan& plan, int64_t offset, int64_t numel) {
+  if (numel == 0) {
+    return;
+  }
+  if (!plan.whole.empty() && plan.whole.back().first + plan.whole.back().second == offset) {
+    plan.whole.back().second += numel;
+  } else {
+    plan.whole.emplace_back(offset, numel);
+  }
+  plan.whole_elements += numel;
+}
+
+class Round;
+
+} // namespace
+
+PowerSGDPlan plan_powersgd(const GradBucket& bucket, int64_t rank, double min_rate) {
+  const auto& buffer = bucket.buffer;
+  TORCH_CHECK(buffer.dim() == 1 && buffer.is_contiguous(), "lockstep::PowerSGD: the buffer of ", bucket.name,
+              " must be flat and contiguous, but is ", buffer.sizes(), ".");
+  std::vector<std::pair<int64_t, size_t>> order; // (offset, gradient)
+  for (size_t i = 0; i < bucket.gradients.size(); ++i) {
+    order.emplace_back(offset_in(bucket.gradients[i], buffer, bucket, i), i);
+  }
+  std::sort(order.begin(), order.end());
+  PowerSGDPlan plan;
+  plan.bucket_elements = buffer.numel();
+  int64_t cursor = 0;
+  for (const auto& [offset, i] : order) {
+    const auto& g = bucket.gradients[i];
+    TORCH_CHECK(offset >= cursor, "lockstep::PowerSGD: gradients of ", bucket.name, " overlap at element ", offset, ".");
+    add_whole(plan, cursor, offset - cursor);
+    cursor = offset + g.numel();
+    const int64_t rows = g.dim() >= 2 ? g.size(0) : 0;
+    const int64_t cols = rows > 0 ? g.numel() / rows : 0;
+    const int64_t r = std::min({rows, cols, rank});
+    if (g.dim() < 2 || g.numel() == 0 || !worth_compressing(rows, cols, r, min_rate)) {
+      add_whole(plan, offset, g.numel());
+      continue;
+    }
+    plan.matrices.push_back(PowerSGDMatrix{i, rows, cols, r, plan.p_elements, plan.q_elements});
+    plan.p_elements += rows * r;
+    plan.q_elements += cols * r;
+  }
+  plan.parameter_elements = cursor;
+  add_whole(plan, cursor, buffer.numel() - cursor);
+  return plan;
+}
+
+void orthogonalize_(torch::Tensor matrix) {
+  const int64_t columns = matrix.size(1);
+  for (int64_t i = 0; i < columns; ++i) {
+    auto column = matrix.narrow(1, i, 1);
+    if (i > 0) {
+      // Twice: when the matrix has rank below r, what one pass leaves of a
+      // column is rounding noise, not orthogonal to the others.
+      auto done = matrix.narrow(1, 0, i);
+      for (int pass = 0; pass < 2; ++pass) {
+        column.sub_(torch::matmul(done, torch::matmul(done.t(), column)));
+      }
+    }
+    column.div_(column.norm().clamp_min(std::numeric_limits<float>::min()));
+  }
+}
+
+struct BucketMemory {
+  torch::Tensor error; // this rank's loss from compression, over the parameters' elements
+  torch::Tensor q;     // every Q of the bucket, flat: the next iteration's start under warm start
+};
+
+struct PowerSGDState {
+  explicit PowerSGDState(PowerSGDOptions o) : options(std::move(o)) {}
+  PowerSGDOptions options;
+  std::mutex mutex;
+  int64_t iteration = 0;
+  int64_t draws = 0; // Q's drawn: the next draw's seed is (options.seed, draws)
+  double compression_rate = 0;
+  std::map<size_t, BucketMemory> memory; // by bucket index
+  std::deque<std::shared_ptr<Round>> unfinished; // step 3 issued, step 4 not yet
+};
+
+namespace {
+
+uint64_t mix(uint64_t x) { // splitmix64: seeds far apart for consecutive draws
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// One bucket's compression in one iteration (steps 2 to 5 of Note [PowerSGD]).
+class Round : public PendingReduction {
+ public:
+  Round(std::shared_ptr<PowerSGDState> state, const ProcessGroup& group, GradBucket& bucket, PowerSGDPlan plan)
+      : state_(std::move(state)), group_(group), buffer_(bucket.buffer), index_(bucket.index), name_(bucket.name),
+        plan_(std::move(plan)) {}
+
+  // Steps 1 to 3, under the state's lock.
+  void start(const std::vector<torch::Tensor>& gradients);
+  // Step 4, under the state's lock.
+  void exchange_qs();
+  torch::Tensor wait() override;
+
+ private:
+  void draw_qs(BucketMemory& memory);
+  void finish();
+
+  std::shared_ptr<PowerSGDState> state_;
+  ProcessGroup group_;
+  torch::Tensor buffer_;
+  size_t index_;
+  std::string name_;
+  PowerSGDPlan plan_;
+  std::vector<torch::Tensor> matrices_, ps_, qs_, whole_; // views: bucket, first_, q memory, bucket
+  torch::Tensor first_;     // the whole gradients, then every P
+  torch::Tensor q_memory_;  // every Q
+  torch::Tensor kept_;      // the gradients with the error added, for the next error
+  std::shared_ptr<Work> first_work_, second_work_;
+  bool done_ = false;
+};
+
+void Round::draw_qs(BucketMemory& memory) {
+  auto generator = at::detail::createCPUGenerator(mix(state_->options.seed() ^ mix(static_cast<uint64_t>(state_->draws++))));
+  auto drawn = torch::randn({plan_.q_elements}, generator, torch::kFloat);
+  memory.q = drawn.to(buffer_.options());
+}
+
+void Round::start(const std::vector<torch::Tensor>& gradients) {
+  torch::NoGradGuard no_grad;
+  auto& memory = state_->memory[index_];
+  auto parameters = buffer_.narrow(0, 0, plan_.parameter_elements);
+  if (state_->options.error_feedback()) {
+    if (memory.error.defined()) {
+      TORCH_CHECK(memory.error.numel() == plan_.parameter_elements, "lockstep::PowerSGD: the error feedback of ",
+                  name_, " holds ", memory.error.numel(), " elements, but the bucket's gradients have ",
+                  plan_.parameter_elements, ": the state was loaded from another model or bucket layout; load the "
+                  "state this model saved, or none.");
+      parameters.add_(memory.error.to(buffer_.device()));
+    }
+    kept_ = parameters.clone();
+  }
+  if (memory.q.defined() && state_->options.warm_start()) {
+    TORCH_CHECK(memory.q.numel() == plan_.q_elements, "lockstep::PowerSGD: the warm-start Q's of ", name_, " hold ",
+                memory.q.numel(), " elements, but this bucket needs ", plan_.q_elements, " (rank ",
+                state_->options.rank(), "): the state was saved with another rank or model.");
+    memory.q = memory.q.to(buffer_.options());
+  } else {
+    draw_qs(memory);
+  }
+  q_memory_ = memory.q;
+  first_ = torch::empty({plan_.whole_elements + plan_.p_elements}, buffer_.options());
+  int64_t at = 0;
+  for (const auto& [offset, numel] : plan_.whole) {
+    first_.narrow(0, at, numel).copy_(buffer_.narrow(0, offset, numel));
+    whole_.push_back(buffer_.narrow(0, offset, numel));
+    at += numel;
+  }
+  for (const auto& m : plan_.matrices) {
+    matrices_.push_back(gradients[m.gradient].view({m.rows, m.cols}));
+    ps_.push_back(first_.narrow(0, at + m.p_offset, m.rows * m.rank).view({m.rows, m.rank}));
+    qs_.push_back(q_memory_.narrow(0, m.q_offset, m.cols * m.rank).view({m.cols, m.rank}));
+    orthogonalize_(qs_.back());
+    torch::matmul_out(ps_.back(), matrices_.back(), qs_.back());
+  }
+  first_work_ = group_.allreduce_async({first_}, ReduceOp::Sum, "PowerSGD's P allreduce of " + name_);
+}
+
+void Round::exchange_qs() {
+  torch::NoGradGuard no_grad;
+  first_work_->wait();
+  const double world = group_.size();
+  int64_t at = 0;
+  for (auto& whole : whole_) {
+    whole.copy_(first_.narrow(0, at, whole.numel()).div_(world));
+    at += whole.numel();
+  }
+  for (size_t i = 0; i < matrices_.size(); ++i) {
+    orthogonalize_(ps_[i]);
+    torch::matmul_out(qs_[i], matrices_[i].t(), ps_[i]);
+  }
+  second_work_ = group_.allreduce_async({q_memory_}, ReduceOp::Sum, "PowerSGD's Q allreduce of " + name_);
+}
+
+void Round::finish() {
+  torch::NoGradGuard no_grad;
+  second_work_->wait();
+  q_memory_.div_(group_.size());
+  for (size_t i = 0; i < matrices_.size(); ++i) {
+    torch::matmul_out(matrices_[i], ps_[i], qs_[i].t());
+  }
+  auto& memory = state_->memory[index_];
+  if (state_->options.error_feedback()) {
+    memory.error = kept_.sub_(buffer_.narrow(0, 0, plan_.parameter_elements));
+  }
+  if (!state_->options.warm_start()) {
+    memory.q = torch::Tensor();
+  }
+  done_ = true;
+}
+
+torch::Tensor Round::wait() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (!done_) {
+    // Step 4 of every bucket issued so far, in bucket order (Note [PowerSGD]).
+    while (!second_work_) {
+      TORCH_INTERNAL_ASSERT(!state_->unfinished.empty());
+      auto next = state_->unfinished.front();
+      state_->unfinished.pop_front();
+      next->exchange_qs();
+    }
+    finish();
+  }
+  return buffer_;
+}
+
+} // namespace
+} // namespace detail
+
+PowerSGD::PowerSGD(PowerSGDOptions options) {
+  TORCH_CHECK(options.rank() >= 1, "lockstep::PowerSGDOptions: rank must be at least 1, but got ", options.rank(), ".");
+  TORCH_CHECK(options.start_iteration() >= 0, "lockstep::PowerSGDOptions: start_iteration must be >= 0, but got ",
+              options.start_iteration(), ".");
+  TORCH_CHECK(options.min_compression_rate() > 0, "lockstep::PowerSGDOptions: min_compression_rate must be > 0, but "
+              "got ", options.min_compression_rate(), ".");
+  TORCH_CHECK(options.start_iteration() > 1 || !(options.error_feedback() || options.warm_start()),
+              "lockstep::PowerSGDOptions: start_iteration is ", options.start_iteration(), ", but error_feedback and "
+              "warm_start need it to be at least 2: DistributedDataParallel rebuilds its buckets after the first "
+              "iteration, which would mismatch the state kept per bucket. Set start_iteration(2) or more, or turn "
+              "both off.");
+  state_ = std::make_shared<detail::PowerSGDState>(std::move(options));
+}
+
+std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group, GradBucket& bucket) const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  const bool compress = state_->iteration >= state_->options.start_iteration();
+  if (bucket.index == 0) {
+    state_->unfinished.clear(); // rounds an exception left behind in an earlier iteration
+  }
+  if (bucket.last) {
+    ++state_->iteration;
+  }
+  if (!compress) {
+    return comm_hooks::allreduce(group, bucket);
+  }
+  auto plan = detail::plan_powersgd(bucket, state_->options.rank(), state_->options.min_compression_rate());
+  state_->compression_rate = plan.rate();
+  auto round = std::make_shared<detail::Round>(state_, group, bucket, std::move(plan));
+  round->start(bucket.gradients);
+  state_->unfinished.push_back(round);
+  return round;
+}
+
+const PowerSGDOptions& PowerSGD::options() const {
+  return state_->options;
+}
+
+int64_t PowerSGD::iteration() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->iteration;
+}
+
+double PowerSGD::compression_rate() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->compression_rate;
+}
+
+void PowerSGD::save(torch::serialize::OutputArchive& archive) const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  archive.write("iteration", torch::tensor(state_->iteration));
+  archive.write("draws", torch::tensor(state_->draws));
+  std::vector<int64_t> indices;
+  for (const auto& [index, memory] : state_->memory) {
+    indices.push_back(static_cast<int64_t>(index));
+    const std::string key = "bucket." + std::to_string(index);
+    if (memory.error.defined()) {
+      archive.write(key + ".error", memory.error.cpu());
+    }
+    if (memory.q.defined()) {
+      archive.write(key + ".q", memory.q.cpu());
+    }
+  }
+  archive.write("buckets", torch::tensor(indices, torch::kInt64));
+}
+
+namespace {
+
+void load_state(detail::PowerSGDState& state, torch::serialize::InputArchive& archive, bool errors) {
+  torch::Tensor iteration, draws, buckets;
+  archive.read("iteration", iteration);
+  archive.read("draws", draws);
+  archive.read("buckets", buckets);
+  TORCH_CHECK(iteration.numel() == 1 && draws.numel() == 1 && buckets.dim() == 1 &&
+                  buckets.scalar_type() == torch::kInt64,
+              "lockstep::PowerSGD::load: the archive does not hold a PowerSGD state (iteration ", iteration.sizes(),
+              ", buckets ", buckets.sizes(), ").");
+  std::map<size_t, detail::BucketMemory> memory;
+  for (int64_t i = 0; i < buckets.numel(); ++i) {
+    const auto index = buckets[i].item<int64_t>();
+    const std::string key = "bucket." + std::to_string(index);
+    auto& m = memory[static_cast<size_t>(index)];
+    archive.try_read(key + ".q", m.q); // absent without warm start
+    if (errors) {
+      archive.try_read(key + ".error", m.error); // absent without error feedback
+    }
+  }
+  state.iteration = iteration.item<int64_t>();
+  state.draws = draws.item<int64_t>();
+  state.memory = std::move(memory);
+  state.unfinished.clear();
+}
+
+} // namespace
+
+void PowerSGD::load(torch::serialize::InputArchive& archive) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  load_state(*state_, archive, true);
+}
+
+void PowerSGD::load_shared(torch::serialize::InputArchive& archive) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  load_state(*state_, archive, false);
+}
+
+namespace comm_hooks {
+PowerSGD powersgd(PowerSGDOptions options) {
+  return PowerSGD(std::move(options));
+}
+} // namespace comm_hooks
+
+} // namespace lockstep

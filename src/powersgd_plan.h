@@ -1,0 +1,56 @@
+#pragma once
+
+// The pure parts of PowerSGD (Note [PowerSGD] in src/powersgd.cpp): which of
+// a bucket's gradients are compressed, where each P and Q lives, and the
+// orthonormalisation. Unit-tested in tests/test_powersgd.cpp.
+
+#include <lockstep/comm_hooks.h>
+
+#include <torch/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+// One gradient compressed: viewed as rows x cols, with P (rows x rank) at
+// p_offset of the P's and Q (cols x rank) at q_offset of the Q's.
+struct PowerSGDMatrix {
+  size_t gradient = 0; // index in GradBucket::gradients
+  int64_t rows = 0, cols = 0, rank = 0;
+  int64_t p_offset = 0, q_offset = 0;
+};
+
+struct PowerSGDPlan {
+  // Ranges of the bucket's buffer sent whole, (offset, elements), in order,
+  // adjacent ones merged: the gradients not worth compressing, and whatever
+  // follows the gradients (the static_graph flag).
+  std::vector<std::pair<int64_t, int64_t>> whole;
+  std::vector<PowerSGDMatrix> matrices;
+  int64_t parameter_elements = 0; // where the last gradient ends: what error feedback covers
+  int64_t bucket_elements = 0;
+  int64_t whole_elements = 0, p_elements = 0, q_elements = 0;
+  // The bucket's elements over the elements sent.
+  double rate() const {
+    const int64_t sent = whole_elements + p_elements + q_elements;
+    return sent == 0 ? 1.0 : static_cast<double>(bucket_elements) / static_cast<double>(sent);
+  }
+};
+
+// PyTorch's _should_compress: (n + m) * r * min_rate < n * m.
+bool worth_compressing(int64_t rows, int64_t cols, int64_t rank, double min_rate);
+
+// Which gradients of `bucket` are compressed at `rank`. The gradients must be
+// contiguous views of the buffer that do not overlap.
+PowerSGDPlan plan_powersgd(const GradBucket& bucket, int64_t rank, double min_rate);
+
+// Gram-Schmidt on the columns of `matrix` (n x r), in place: PyTorch's
+// _orthogonalize, with each projection done twice so that a matrix of rank
+// below r still comes out orthonormal; a zero column stays zero.
+void orthogonalize_(torch::Tensor matrix);
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,98 @@
+#pragma once
+
+// PowerSGD across ranks, as checks that run the same on ranks as threads
+// (test_powersgd_threads.cpp, Gloo) and under mpirun (ddp_worker.cpp
+// powersgd): the compressed average is the ranks' average where it can be
+// exact, and every rank ends each step with the same parameters.
+
+#include <lockstep/lockstep.h>
+
+#include "collective_contract.h"
+#include "ddp_models.h"
+
+#include <torch/torch.h>
+
+#include <string>
+
+namespace lockstep {
+namespace testing {
+
+/// A bucket as DistributedDataParallel builds it: the gradients' views of one
+/// flat buffer, then `extra` trailing elements (static_graph's flag).
+inline GradBucket bucket_of(const std::vector<torch::Tensor>& gradients, int64_t extra = 0) {
+  int64_t total = extra;
+  for (const auto& g : gradients) {
+    total += g.numel();
+  }
+  GradBucket bucket{0, torch::empty({total}), {}, "bucket 0", {}, true};
+  int64_t offset = 0;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    bucket.parameters.push_back(i);
+    auto view = bucket.buffer.narrow(0, offset, gradients[i].numel()).view(gradients[i].sizes());
+    view.copy_(gradients[i]);
+    bucket.gradients.push_back(view);
+    offset += gradients[i].numel();
+  }
+  bucket.buffer.narrow(0, offset, extra).fill_(1);
+  return bucket;
+}
+
+/// Rank k holds A (B + k)^T, rank 3 with A common to every rank, so the
+/// average is rank 3 too: PowerSGD at rank 3 must return it (to rounding),
+/// and the vector and the trailing flag are plain averages.
+inline void check_powersgd_averages_exactly_at_the_rank(ProcessGroup& group, const Check& check) {
+  const int k = group.rank();
+  const double world = group.size();
+  auto generator = at::detail::createCPUGenerator(5); // the same A and B on every rank
+  auto a = torch::randn({16, 3}, generator, torch::kFloat);
+  auto b = torch::randn({10, 3}, generator, torch::kFloat);
+  auto mine = torch::matmul(a, (b + k).t());
+  auto mean = torch::matmul(a, (b + (world - 1) / 2).t());
+  auto bucket = bucket_of({mine, torch::full({5}, k + 1.0)}, 1);
+  bucket.buffer[-1].fill_(static_cast<double>(k));
+  PowerSGD powersgd(PowerSGDOptions().rank(3).start_iteration(0).error_feedback(false).warm_start(false));
+  auto result = powersgd(group, bucket)->wait();
+  const double error = (bucket.gradients[0] - mean).abs().max().item<double>();
+  check(error < 1e-4 * mean.abs().max().item<double>(), "rank " + std::to_string(k) + ": the compressed average of "
+        "rank-3 matrices at rank 3 is off by " + std::to_string(error));
+  check(torch::allclose(bucket.gradients[1], torch::full({5}, (world + 1) / 2)), "the vector is averaged whole");
+  check(result[-1].item<double>() == (world - 1) / 2, "the trailing element is averaged whole");
+  check(powersgd.compression_rate() > 1, "some of the bucket was compressed");
+}
+
+/// DDP with PowerSGD, compressing from the third iteration, with a no_sync
+/// micro-batch in the middle: every rank holds the same parameters after
+/// every step, and under static_graph no rank sees a surprise (the flag
+/// passes through untouched by error feedback).
+inline void check_powersgd_ranks_agree(ProcessGroup& group, bool static_graph, const Check& check) {
+  torch::manual_seed(10 + group.rank()); // DDP broadcasts rank 0's values
+  OddNet net;
+  auto powersgd = comm_hooks::powersgd(PowerSGDOptions().rank(1).start_iteration(2));
+  DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().comm_hook(powersgd).static_graph(static_graph));
+  torch::optim::SGD optimizer(ddp->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const int world = group.size();
+  for (int step = 0; step < 8; ++step) {
+    auto batch = global_batch(4 * world, step);
+    auto x = batch.first.narrow(0, 4 * group.rank(), 4);
+    auto y = batch.second.narrow(0, 4 * group.rank(), 4);
+    optimizer.zero_grad();
+    if (step == 5) {
+      auto guard = ddp->no_sync();
+      torch::mse_loss(ddp(x * 0.5), y).backward();
+    }
+    torch::mse_loss(ddp(x), y).backward();
+    optimizer.step();
+    for (const auto& p : net->named_parameters()) {
+      auto all = group.all_gather(p.value().detach());
+      for (size_t r = 1; r < all.size(); ++r) {
+        check(torch::equal(all[0], all[r]), "step " + std::to_string(step) + ": '" + p.key() + "' differs on rank " +
+              std::to_string(r) + (static_graph ? " (static_graph)" : ""));
+      }
+    }
+  }
+  check(powersgd.iteration() == 8, "8 reducing iterations counted, got " + std::to_string(powersgd.iteration()));
+  check(powersgd.compression_rate() > 1, "the gradients were compressed");
+}
+
+} // namespace testing
+} // namespace lockstep

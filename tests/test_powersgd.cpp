@@ -1,0 +1,199 @@
+// PowerSGD's numerics on a group of one, without threads: the plan of a
+// bucket, the orthonormalisation, exactness at the matrix's rank, error
+// feedback, the start iteration, and the state's round trip. Ported in
+// spirit from PyTorch's test_powerSGD_ddp_comm_hook_nccl and its hook
+// tests; the ranks' agreement is in test_powersgd_threads.cpp.
+
+#include <lockstep/lockstep.h>
+
+#include "../src/powersgd_plan.h"
+#include "support/errors.h"
+#include "support/powersgd_checks.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sstream>
+
+namespace lockstep {
+namespace {
+
+using testing::bucket_of;
+using testing::error_of;
+
+// M = A B^T with A (rows x rank) and B (cols x rank) drawn from `seed`: a
+// matrix of that rank.
+torch::Tensor of_rank(int64_t rows, int64_t cols, int64_t rank, uint64_t seed = 0) {
+  auto generator = at::detail::createCPUGenerator(seed);
+  auto a = torch::randn({rows, rank}, generator, torch::kFloat);
+  auto b = torch::randn({cols, rank}, generator, torch::kFloat);
+  return torch::matmul(a, b.t());
+}
+
+TEST(PowerSGD, PlanCompressesTheMatricesWorthItAndSendsTheRestWhole) {
+  auto bucket = bucket_of({torch::zeros({64, 32}), torch::zeros({64}), torch::zeros({3, 2}), torch::zeros({8, 3, 3, 3}),
+                           torch::zeros({40, 5, 2})},
+                          1);
+  auto plan = detail::plan_powersgd(bucket, 4, 2.0);
+  // 64 x 32: (64 + 32) * 4 * 2 = 768 < 2048. 8 x 27: (8 + 27) * 4 * 2 = 280 > 216. 40 x 10: 400 = 400, not less.
+  ASSERT_EQ(plan.matrices.size(), 1u);
+  EXPECT_EQ(plan.matrices[0].gradient, 0u);
+  EXPECT_EQ(plan.matrices[0].rows, 64);
+  EXPECT_EQ(plan.matrices[0].cols, 32);
+  EXPECT_EQ(plan.p_elements, 64 * 4);
+  EXPECT_EQ(plan.q_elements, 32 * 4);
+  // Everything after the matrix, trailing flag included, is one range.
+  ASSERT_EQ(plan.whole.size(), 1u);
+  EXPECT_EQ(plan.whole[0].first, 2048);
+  EXPECT_EQ(plan.whole[0].second, 64 + 6 + 216 + 400 + 1);
+  EXPECT_EQ(plan.parameter_elements, bucket.buffer.numel() - 1);
+  EXPECT_NEAR(plan.rate(), 2735.0 / (687 + 256 + 128), 1e-9);
+  // At rank 2 the conv weight is worth it as well; the rank never exceeds a side.
+  auto wider = detail::plan_powersgd(bucket, 2, 2.0);
+  ASSERT_EQ(wider.matrices.size(), 3u);
+  EXPECT_EQ(wider.matrices[1].gradient, 3u);
+  EXPECT_EQ(wider.matrices[1].q_offset, 32 * 2);
+  EXPECT_EQ(wider.whole.size(), 2u); // the vector and 3 x 2 merged, then the flag
+  auto thin = detail::plan_powersgd(bucket_of({torch::zeros({2, 50})}), 8, 0.5);
+  ASSERT_EQ(thin.matrices.size(), 1u);
+  EXPECT_EQ(thin.matrices[0].rank, 2);
+}
+
+TEST(PowerSGD, GradientsThatDoNotViewTheBufferAreRefused) {
+  auto bucket = bucket_of({torch::zeros({4, 4})});
+  bucket.gradients[0] = torch::zeros({4, 4});
+  EXPECT_NE(error_of([&] { detail::plan_powersgd(bucket, 1, 2.0); }).find("gradient 0 of bucket 0 is not a contiguous "
+                                                                            "view of the bucket's buffer"),
+            std::string::npos);
+}
+
+TEST(PowerSGD, OrthogonalizeGivesOrthonormalColumnsAndKeepsAZeroColumnZero) {
+  for (int64_t rank : {3, 2}) { // rank 2: the third column is what rounding leaves
+    auto m = of_rank(20, 3, rank);
+    detail::orthogonalize_(m);
+    EXPECT_TRUE(torch::allclose(torch::matmul(m.t(), m), torch::eye(3), 1e-5, 1e-5)) << torch::matmul(m.t(), m);
+  }
+  auto zero = torch::zeros({6, 2});
+  zero.narrow(1, 1, 1).fill_(2);
+  detail::orthogonalize_(zero);
+  EXPECT_FALSE(zero.isnan().any().item<bool>());
+  EXPECT_EQ(zero.narrow(1, 0, 1).abs().sum().item<float>(), 0.0f);
+  EXPECT_NEAR(zero.narrow(1, 1, 1).norm().item<float>(), 1.0f, 1e-6);
+}
+
+TEST(PowerSGD, RankRMatrixIsExactAtRankRAndNotBelow) {
+  ProcessGroup one;
+  for (int64_t rank : {3, 5, 2}) {
+    auto m = of_rank(48, 24, 3); // worth compressing at each rank: (48 + 24) * 5 * 2 < 48 * 24
+    auto bucket = bucket_of({m, torch::ones({24})});
+    PowerSGD powersgd(PowerSGDOptions().rank(rank).start_iteration(0).error_feedback(false).warm_start(false));
+    powersgd(one, bucket)->wait();
+    const double error = (bucket.gradients[0] - m).abs().max().item<double>();
+    if (rank >= 3) {
+      EXPECT_LT(error, 1e-4) << "rank " << rank;
+    } else {
+      EXPECT_GT(error, 1e-2) << "rank 2 cannot hold a rank-3 matrix";
+    }
+    EXPECT_TRUE(torch::equal(bucket.gradients[1], torch::ones({24})));
+  }
+}
+
+TEST(PowerSGD, ErrorFeedbackCarriesTheResidualIntoTheNextIteration) {
+  ProcessGroup one;
+  PowerSGD powersgd(PowerSGDOptions().rank(1).start_iteration(2));
+  auto m = of_rank(16, 8, 3);
+  auto sent = torch::zeros({16, 8});
+  for (int i = 0; i < 2; ++i) { // plain allreduces: the gradient comes back as it was
+    auto bucket = bucket_of({m});
+    powersgd(one, bucket)->wait();
+    EXPECT_TRUE(torch::equal(bucket.gradients[0], m));
+  }
+  // Then m once and zeros after: what comes out, plus what is still owed,
+  // adds up to m (the error telescopes), and what is owed shrinks.
+  double owed = 0;
+  for (int i = 0; i < 4; ++i) {
+    auto bucket = bucket_of({i == 0 ? m : torch::zeros({16, 8})});
+    powersgd(one, bucket)->wait();
+    sent += bucket.gradients[0];
+    std::stringstream bytes;
+    torch::serialize::OutputArchive out;
+    powersgd.save(out);
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    torch::Tensor error;
+    in.read("bucket.0.error", error);
+    EXPECT_TRUE(torch::allclose(sent + error.view({16, 8}), m, 1e-4, 1e-5)) << "iteration " << i;
+    const double norm = error.norm().item<double>();
+    if (i > 0) {
+      EXPECT_LT(norm, owed) << "iteration " << i;
+    }
+    owed = norm;
+  }
+  EXPECT_EQ(powersgd.iteration(), 6);
+}
+
+TEST(PowerSGD, TheFirstIterationsArePlainAndOnlyTheLastBucketCounts) {
+  ProcessGroup one;
+  PowerSGD powersgd(PowerSGDOptions().rank(1).start_iteration(2));
+  auto m = of_rank(16, 8, 4);
+  for (int i = 0; i < 3; ++i) {
+    auto first = bucket_of({m});
+    first.last = false;
+    powersgd(one, first)->wait();
+    auto last = bucket_of({m});
+    last.index = 1;
+    powersgd(one, last)->wait();
+    EXPECT_EQ(powersgd.iteration(), i + 1);
+    EXPECT_EQ(torch::equal(first.gradients[0], m), i < 2) << "iteration " << i;
+  }
+}
+
+TEST(PowerSGD, SavedStateResumesExactly) {
+  ProcessGroup one;
+  auto options = PowerSGDOptions().rank(2).start_iteration(2).seed(7);
+  PowerSGD running(options);
+  auto gradient = [](int i) { return of_rank(12, 10, 4, static_cast<uint64_t>(i)); };
+  for (int i = 0; i < 5; ++i) {
+    auto bucket = bucket_of({gradient(i), torch::ones({3})});
+    running(one, bucket)->wait();
+  }
+  std::stringstream bytes;
+  torch::serialize::OutputArchive out;
+  running.save(out);
+  out.save_to(bytes);
+  PowerSGD resumed(options);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  resumed.load(in);
+  EXPECT_EQ(resumed.iteration(), 5);
+  for (int i = 5; i < 8; ++i) {
+    auto a = bucket_of({gradient(i), torch::ones({3})});
+    auto b = bucket_of({gradient(i), torch::ones({3})});
+    running(one, a)->wait();
+    resumed(one, b)->wait();
+    EXPECT_TRUE(torch::equal(a.buffer, b.buffer)) << "iteration " << i;
+  }
+  // The same state in a hook of another rank is refused when it is used.
+  PowerSGD other(PowerSGDOptions().rank(3).min_compression_rate(1).start_iteration(2).seed(7));
+  bytes.seekg(0);
+  torch::serialize::InputArchive again;
+  again.load_from(bytes);
+  other.load(again);
+  auto bucket = bucket_of({gradient(0), torch::ones({3})});
+  EXPECT_NE(error_of([&] { other(one, bucket); }).find("the warm-start Q's of bucket 0 hold 20 elements, but this "
+                                                        "bucket needs 30 (rank 3)"),
+            std::string::npos);
+}
+
+TEST(PowerSGD, OptionsThatCannotWorkAreRefused) {
+  EXPECT_NE(error_of([] { PowerSGD(PowerSGDOptions().start_iteration(1)); })
+                .find("error_feedback and warm_start need it to be at least 2"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { PowerSGD(PowerSGDOptions().rank(0)); }).find("rank must be at least 1, but got 0"),
+            std::string::npos);
+  PowerSGD(PowerSGDOptions().start_iteration(0).error_feedback(false).warm_start(false)); // allowed
+}
+
+} // namespace
+} // namespace lockstep
