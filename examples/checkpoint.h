@@ -150,7 +150,25 @@ struct TrainingState {
   DataSignature data;
   Tally epoch_tally;
   std::string grad_scaler; // --precision fp16: the GradScaler's archive (save()), as bytes; else empty
+  std::vector<std::string> comm_hook_states; // --comm-hook powersgd: each rank's PowerSGD::save(), as bytes
 };
+
+inline torch::Tensor bytes_tensor(const std::string& bytes) {
+  return torch::tensor(std::vector<uint8_t>(bytes.begin(), bytes.end()), torch::kUInt8);
+}
+
+// The bytes a checkpoint keeps under `key`, if it has them.
+inline bool try_read_bytes(torch::serialize::InputArchive& archive, const std::string& key, std::string& bytes) {
+  torch::Tensor t;
+  if (!archive.try_read(key, t)) {
+    return false;
+  }
+  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == torch::kUInt8, "its ", key, " is ", t.sizes(), " ", t.dtype(),
+              ", not bytes.");
+  const auto* data = t.data_ptr<uint8_t>();
+  bytes.assign(data, data + t.numel());
+  return true;
+}
 
 // Note [Checkpoint file]
 // ~~~~~~~~~~~~~~~~~~~~~~
@@ -267,8 +285,10 @@ inline void write_position(torch::serialize::OutputArchive& archive, const Train
   archive.write("epoch_tally", torch::tensor({state.epoch_tally.loss_sum, static_cast<double>(state.epoch_tally.correct),
                                              static_cast<double>(state.epoch_tally.rows)}, torch::kFloat64));
   if (!state.grad_scaler.empty()) {
-    archive.write("grad_scaler", torch::tensor(std::vector<uint8_t>(state.grad_scaler.begin(), state.grad_scaler.end()),
-                                               torch::kUInt8));
+    archive.write("grad_scaler", bytes_tensor(state.grad_scaler));
+  }
+  for (size_t r = 0; r < state.comm_hook_states.size(); ++r) {
+    archive.write("comm_hook." + std::to_string(r), bytes_tensor(state.comm_hook_states[r]));
   }
 }
 
@@ -377,12 +397,10 @@ inline TrainingState read_state(torch::serialize::InputArchive& archive, int64_t
     auto t = tally.accessor<double, 1>();
     state.epoch_tally = Tally{t[0], static_cast<int64_t>(t[1]), static_cast<int64_t>(t[2])};
   }
-  torch::Tensor scaler;
-  if (archive.try_read("grad_scaler", scaler)) { // optional: written by --precision fp16 only
-    TORCH_CHECK(scaler.dim() == 1 && scaler.scalar_type() == torch::kUInt8, "its grad_scaler is ", scaler.sizes(), " ",
-                scaler.dtype(), ", not bytes.");
-    const auto* bytes = scaler.data_ptr<uint8_t>();
-    state.grad_scaler.assign(bytes, bytes + scaler.numel());
+  try_read_bytes(archive, "grad_scaler", state.grad_scaler); // optional: written by --precision fp16 only
+  std::string hook; // optional: written by --comm-hook powersgd only, one per rank
+  while (try_read_bytes(archive, "comm_hook." + std::to_string(state.comm_hook_states.size()), hook)) {
+    state.comm_hook_states.push_back(hook);
   }
   return state;
 }

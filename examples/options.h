@@ -48,6 +48,9 @@ struct Config {
   std::string sharding; // "": DistributedDataParallel; full, grad-op or none: FullyShardedDataParallel
   std::string precision = "fp32"; // fp32; bf16: autocast; fp16: autocast and a GradScaler
   int64_t growth_interval = 2000;  // fp16: the GradScaler's growth_interval
+  std::string comm_hook = "none";  // DDP's bucket reduction: none, fp16, bf16 or powersgd
+  int64_t powersgd_rank = 4;
+  int64_t powersgd_start = 10;     // plain allreduce for this many steps first
 };
 
 // Bounds of the whole-number flags: beyond them a number is a typo, or would
@@ -103,6 +106,16 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
   app.add_option("--loss-scale-growth-interval", config.growth_interval, "--precision fp16: steps without overflow "
                  "before the loss scale doubles (GradScaler's growth_interval)")
       ->check(common::positive())->check(common::whole_number(1, INT32_MAX))->capture_default_str()->group("Training");
+  app.add_option("--comm-hook", config.comm_hook, "Under DDP: how each bucket of gradients is reduced: none (a "
+                 "plain allreduce), fp16 or bf16 (sent as 16-bit values), or powersgd (low-rank compression with "
+                 "error feedback, for slow links; its state is saved in the checkpoint)")
+      ->check(CLI::IsMember({"none", "fp16", "bf16", "powersgd"}))->capture_default_str()->group("Distributed");
+  app.add_option("--powersgd-rank", config.powersgd_rank, "--comm-hook powersgd: rank of each gradient matrix's "
+                 "approximation (lower sends less)")
+      ->check(common::positive())->check(whole_number(1, 1024))->capture_default_str()->group("Distributed");
+  app.add_option("--powersgd-start", config.powersgd_start, "--comm-hook powersgd: steps of plain allreduce before "
+                 "compression starts (at least 2; about a tenth of the run is a good start)")
+      ->check(whole_number(2, kMaxCount))->capture_default_str()->group("Distributed");
   app.add_option("--threads", config.threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which "
                  "lockstep-run sets to each rank's share of the cores, else every core)")
       ->check(common::non_negative())->check(whole_number(0, kMaxThreads))->group("Training");

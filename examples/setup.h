@@ -7,6 +7,7 @@
 // from.
 
 #include "checkpoint.h"
+#include "comm_hook.h"
 #include "data.h"
 #include "models.h"
 #include "options.h"
@@ -322,17 +323,27 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, ConvNet& net
   Setup setup = launched_setup(group, net, data, config);
   setup.optimizer = make_optimizer(net->parameters(), config);
   auto& optimizer = *setup.optimizer;
+  TrainerHook hook = make_comm_hook(config);
   setup.state = resume(config, setup.plan, signature, group.rank() == 0, [&](TrainingState& state) {
-    return load_checkpoint(config.checkpoint_path, *net, optimizer, state);
+    const bool found = load_checkpoint(config.checkpoint_path, *net, optimizer, state);
+    if (found && hook.powersgd) {
+      load_powersgd(*hook.powersgd, state, group.rank(), group.size(), group.rank() == 0);
+    }
+    return found;
   });
   check_ranks_resumed_alike(group, config, setup.state, *net, optimizer);
-  lockstep::DistributedDataParallel<ConvNet> model(net, group);
+  lockstep::DistributedDataParallel<ConvNet> model(net, group, lockstep::DistributedOptions().comm_hook(hook.hook));
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
-  setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() + ")";
-  setup.save_checkpoint = [rank = group.rank(), path = config.checkpoint_path, net, optimizer = setup.optimizer](
-                              const TrainingState& state) mutable {
-    if (rank == 0) {
-      save_checkpoint(path, *net, *optimizer, state);
+  setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() +
+                      ")" + hook.description;
+  setup.save_checkpoint = [group, path = config.checkpoint_path, net, optimizer = setup.optimizer,
+                           powersgd = hook.powersgd, device = setup.device](const TrainingState& state) mutable {
+    TrainingState saved = state;
+    if (powersgd) {
+      saved.comm_hook_states = powersgd_states(*powersgd, group, device); // a collective: before rank 0 alone writes
+    }
+    if (group.rank() == 0) {
+      save_checkpoint(path, *net, *optimizer, saved);
     }
   };
   say_launched_setup(setup, data, config);

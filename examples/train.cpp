@@ -520,6 +520,10 @@ int main(int argc, char** argv) {
                 "ranks, one process each: run it under lockstep-run (or torchrun, mpirun, srun), for example "
                 "lockstep-run --nproc-per-node 2 lockstep-train --sharding ", parsed.sharding, ". Alone, lockstep-train "
                 "trains with DataParallel, which does not shard.");
+    TORCH_CHECK(parsed.comm_hook == "none" || (launched && parsed.sharding.empty()), "lockstep-train: --comm-hook ",
+                parsed.comm_hook, " sets how DistributedDataParallel reduces its buckets: run it under a launcher "
+                "(lockstep-run, torchrun, mpirun, srun) and without --sharding", launched ? "" : ", for example "
+                "lockstep-run --nproc-per-node 2 lockstep-train --comm-hook " + parsed.comm_hook, ".");
     std::optional<lockstep::ProcessGroup> group;
     if (launched) {
       group = lockstep::examples::launched_group(parsed);

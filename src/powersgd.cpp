@@ -83,12 +83,16 @@ PowerSGDPlan plan_powersgd(const GradBucket& bucket, int64_t rank, double min_ra
   const auto& buffer = bucket.buffer;
   TORCH_CHECK(buffer.dim() == 1 && buffer.is_contiguous(), "lockstep::PowerSGD: the buffer of ", bucket.name,
               " must be flat and contiguous, but is ", buffer.sizes(), ".");
+  TORCH_CHECK(bucket.parameters.size() == bucket.gradients.size(), "lockstep::PowerSGD: ", bucket.name, " has ",
+              bucket.gradients.size(), " gradients for ", bucket.parameters.size(), " parameters; GradBucket::gradients "
+              "holds one view per entry of GradBucket::parameters.");
+  PowerSGDPlan plan;
   std::vector<std::pair<int64_t, size_t>> order; // (offset, gradient)
   for (size_t i = 0; i < bucket.gradients.size(); ++i) {
-    order.emplace_back(offset_in(bucket.gradients[i], buffer, bucket, i), i);
+    plan.offsets.push_back(offset_in(bucket.gradients[i], buffer, bucket, i));
+    order.emplace_back(plan.offsets.back(), i);
   }
   std::sort(order.begin(), order.end());
-  PowerSGDPlan plan;
   plan.bucket_elements = buffer.numel();
   int64_t cursor = 0;
   for (const auto& [offset, i] : order) {
@@ -128,9 +132,11 @@ void orthogonalize_(torch::Tensor matrix) {
   }
 }
 
-struct BucketMemory {
-  torch::Tensor error; // this rank's loss from compression, over the parameters' elements
-  torch::Tensor q;     // every Q of the bucket, flat: the next iteration's start under warm start
+// Kept by parameter, not by bucket: DistributedDataParallel lays its
+// buckets out anew after the first iteration, and again in a resumed run.
+struct ParameterMemory {
+  torch::Tensor error; // this rank's loss from compressing the parameter's gradient
+  torch::Tensor q;     // its Q, flat: where the next power step starts under warm start
 };
 
 struct PowerSGDState {
@@ -138,9 +144,9 @@ struct PowerSGDState {
   PowerSGDOptions options;
   std::mutex mutex;
   int64_t iteration = 0;
-  int64_t draws = 0; // Q's drawn: the next draw's seed is (options.seed, draws)
+  int64_t draws = 0; // rounds that drew Q's: the next one's seed is (options.seed, draws)
   double compression_rate = 0;
-  std::map<size_t, BucketMemory> memory; // by bucket index
+  std::map<size_t, ParameterMemory> memory; // by GradBucket::parameters' index
   std::deque<std::shared_ptr<Round>> unfinished; // step 3 issued, step 4 not yet
 };
 
@@ -153,81 +159,96 @@ uint64_t mix(uint64_t x) { // splitmix64: seeds far apart for consecutive draws
   return x ^ (x >> 31);
 }
 
-// One bucket's compression in one iteration (steps 2 to 5 of Note [PowerSGD]).
+// One bucket's compression in one iteration (steps 1 to 5 of Note [PowerSGD]).
 class Round : public PendingReduction {
  public:
-  Round(std::shared_ptr<PowerSGDState> state, const ProcessGroup& group, GradBucket& bucket, PowerSGDPlan plan)
-      : state_(std::move(state)), group_(group), buffer_(bucket.buffer), index_(bucket.index), name_(bucket.name),
-        plan_(std::move(plan)) {}
+  Round(std::shared_ptr<PowerSGDState> state, const ProcessGroup& group, const GradBucket& bucket, PowerSGDPlan plan)
+      : state_(std::move(state)), group_(group), bucket_(bucket), plan_(std::move(plan)) {}
 
   // Steps 1 to 3, under the state's lock.
-  void start(const std::vector<torch::Tensor>& gradients);
+  void start();
   // Step 4, under the state's lock.
   void exchange_qs();
   torch::Tensor wait() override;
 
  private:
-  void draw_qs(BucketMemory& memory);
+  void add_errors();
+  void start_qs();
   void finish();
+  ParameterMemory& memory_of(size_t gradient) {
+    return state_->memory[bucket_.parameters[gradient]];
+  }
 
   std::shared_ptr<PowerSGDState> state_;
   ProcessGroup group_;
-  torch::Tensor buffer_;
-  size_t index_;
-  std::string name_;
+  GradBucket bucket_;
   PowerSGDPlan plan_;
-  std::vector<torch::Tensor> matrices_, ps_, qs_, whole_; // views: bucket, first_, q memory, bucket
-  torch::Tensor first_;     // the whole gradients, then every P
-  torch::Tensor q_memory_;  // every Q
-  torch::Tensor kept_;      // the gradients with the error added, for the next error
+  std::vector<torch::Tensor> matrices_, ps_, qs_; // views: bucket, first_, q_memory_
+  torch::Tensor first_;    // the whole gradients, then every P
+  torch::Tensor q_memory_; // every Q
+  torch::Tensor kept_;     // the gradients with the error added, for the next error
   std::shared_ptr<Work> first_work_, second_work_;
   bool done_ = false;
 };
 
-void Round::draw_qs(BucketMemory& memory) {
-  auto generator = at::detail::createCPUGenerator(mix(state_->options.seed() ^ mix(static_cast<uint64_t>(state_->draws++))));
-  auto drawn = torch::randn({plan_.q_elements}, generator, torch::kFloat);
-  memory.q = drawn.to(buffer_.options());
+void Round::add_errors() {
+  for (size_t i = 0; i < bucket_.gradients.size(); ++i) {
+    auto& gradient = bucket_.gradients[i];
+    const auto& error = memory_of(i).error;
+    if (!error.defined()) {
+      continue;
+    }
+    TORCH_CHECK(error.numel() == gradient.numel(), "lockstep::PowerSGD: the error feedback of parameter ",
+                bucket_.parameters[i], " (in ", bucket_.name, ") holds ", error.numel(), " elements, but its gradient "
+                "has ", gradient.numel(), ": the state was loaded from another model; load the state this model "
+                "saved, or none.");
+    gradient.add_(error.to(gradient.device()).view_as(gradient));
+  }
+  kept_ = bucket_.buffer.narrow(0, 0, plan_.parameter_elements).clone();
 }
 
-void Round::start(const std::vector<torch::Tensor>& gradients) {
-  torch::NoGradGuard no_grad;
-  auto& memory = state_->memory[index_];
-  auto parameters = buffer_.narrow(0, 0, plan_.parameter_elements);
-  if (state_->options.error_feedback()) {
-    if (memory.error.defined()) {
-      TORCH_CHECK(memory.error.numel() == plan_.parameter_elements, "lockstep::PowerSGD: the error feedback of ",
-                  name_, " holds ", memory.error.numel(), " elements, but the bucket's gradients have ",
-                  plan_.parameter_elements, ": the state was loaded from another model or bucket layout; load the "
-                  "state this model saved, or none.");
-      parameters.add_(memory.error.to(buffer_.device()));
+// Each matrix's Q: last iteration's under warm start, else drawn (the same
+// on every rank: every rank draws for the same buckets in the same order).
+void Round::start_qs() {
+  q_memory_ = torch::empty({plan_.q_elements}, bucket_.buffer.options());
+  c10::optional<at::Generator> generator;
+  for (const auto& m : plan_.matrices) {
+    qs_.push_back(q_memory_.narrow(0, m.q_offset, m.cols * m.rank).view({m.cols, m.rank}));
+    const auto& kept = memory_of(m.gradient).q;
+    if (kept.defined() && state_->options.warm_start()) {
+      TORCH_CHECK(kept.numel() == m.cols * m.rank, "lockstep::PowerSGD: the warm-start Q of parameter ",
+                  bucket_.parameters[m.gradient], " (in ", bucket_.name, ") holds ", kept.numel(), " elements, but "
+                  "rank ", m.rank, " needs ", m.cols * m.rank, ": the state was saved with another rank or model.");
+      qs_.back().copy_(kept.view_as(qs_.back()));
+      continue;
     }
-    kept_ = parameters.clone();
+    if (!generator) {
+      generator = at::detail::createCPUGenerator(mix(state_->options.seed() ^ mix(static_cast<uint64_t>(state_->draws++))));
+    }
+    qs_.back().copy_(torch::randn({m.cols, m.rank}, *generator, torch::kFloat));
   }
-  if (memory.q.defined() && state_->options.warm_start()) {
-    TORCH_CHECK(memory.q.numel() == plan_.q_elements, "lockstep::PowerSGD: the warm-start Q's of ", name_, " hold ",
-                memory.q.numel(), " elements, but this bucket needs ", plan_.q_elements, " (rank ",
-                state_->options.rank(), "): the state was saved with another rank or model.");
-    memory.q = memory.q.to(buffer_.options());
-  } else {
-    draw_qs(memory);
+}
+
+void Round::start() {
+  torch::NoGradGuard no_grad;
+  if (state_->options.error_feedback()) {
+    add_errors();
   }
-  q_memory_ = memory.q;
-  first_ = torch::empty({plan_.whole_elements + plan_.p_elements}, buffer_.options());
+  start_qs();
+  first_ = torch::empty({plan_.whole_elements + plan_.p_elements}, bucket_.buffer.options());
   int64_t at = 0;
   for (const auto& [offset, numel] : plan_.whole) {
-    first_.narrow(0, at, numel).copy_(buffer_.narrow(0, offset, numel));
-    whole_.push_back(buffer_.narrow(0, offset, numel));
+    first_.narrow(0, at, numel).copy_(bucket_.buffer.narrow(0, offset, numel));
     at += numel;
   }
-  for (const auto& m : plan_.matrices) {
-    matrices_.push_back(gradients[m.gradient].view({m.rows, m.cols}));
+  for (size_t i = 0; i < plan_.matrices.size(); ++i) {
+    const auto& m = plan_.matrices[i];
+    matrices_.push_back(bucket_.gradients[m.gradient].view({m.rows, m.cols}));
     ps_.push_back(first_.narrow(0, at + m.p_offset, m.rows * m.rank).view({m.rows, m.rank}));
-    qs_.push_back(q_memory_.narrow(0, m.q_offset, m.cols * m.rank).view({m.cols, m.rank}));
-    orthogonalize_(qs_.back());
-    torch::matmul_out(ps_.back(), matrices_.back(), qs_.back());
+    orthogonalize_(qs_[i]);
+    torch::matmul_out(ps_[i], matrices_[i], qs_[i]);
   }
-  first_work_ = group_.allreduce_async({first_}, ReduceOp::Sum, "PowerSGD's P allreduce of " + name_);
+  first_work_ = group_.allreduce_async({first_}, ReduceOp::Sum, "PowerSGD's P allreduce of " + bucket_.name);
 }
 
 void Round::exchange_qs() {
@@ -235,15 +256,15 @@ void Round::exchange_qs() {
   first_work_->wait();
   const double world = group_.size();
   int64_t at = 0;
-  for (auto& whole : whole_) {
-    whole.copy_(first_.narrow(0, at, whole.numel()).div_(world));
-    at += whole.numel();
+  for (const auto& [offset, numel] : plan_.whole) {
+    bucket_.buffer.narrow(0, offset, numel).copy_(first_.narrow(0, at, numel).div_(world));
+    at += numel;
   }
   for (size_t i = 0; i < matrices_.size(); ++i) {
     orthogonalize_(ps_[i]);
     torch::matmul_out(qs_[i], matrices_[i].t(), ps_[i]);
   }
-  second_work_ = group_.allreduce_async({q_memory_}, ReduceOp::Sum, "PowerSGD's Q allreduce of " + name_);
+  second_work_ = group_.allreduce_async({q_memory_}, ReduceOp::Sum, "PowerSGD's Q allreduce of " + bucket_.name);
 }
 
 void Round::finish() {
@@ -252,13 +273,13 @@ void Round::finish() {
   q_memory_.div_(group_.size());
   for (size_t i = 0; i < matrices_.size(); ++i) {
     torch::matmul_out(matrices_[i], ps_[i], qs_[i].t());
+    memory_of(plan_.matrices[i].gradient).q = state_->options.warm_start() ? qs_[i].reshape({-1}) : torch::Tensor();
   }
-  auto& memory = state_->memory[index_];
   if (state_->options.error_feedback()) {
-    memory.error = kept_.sub_(buffer_.narrow(0, 0, plan_.parameter_elements));
-  }
-  if (!state_->options.warm_start()) {
-    memory.q = torch::Tensor();
+    auto errors = kept_.sub_(bucket_.buffer.narrow(0, 0, plan_.parameter_elements));
+    for (size_t i = 0; i < bucket_.gradients.size(); ++i) {
+      memory_of(i).error = errors.narrow(0, plan_.offsets[i], bucket_.gradients[i].numel());
+    }
   }
   done_ = true;
 }
@@ -275,7 +296,7 @@ torch::Tensor Round::wait() {
     }
     finish();
   }
-  return buffer_;
+  return bucket_.buffer;
 }
 
 } // namespace
@@ -310,7 +331,7 @@ std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group
   auto plan = detail::plan_powersgd(bucket, state_->options.rank(), state_->options.min_compression_rate());
   state_->compression_rate = plan.rate();
   auto round = std::make_shared<detail::Round>(state_, group, bucket, std::move(plan));
-  round->start(bucket.gradients);
+  round->start();
   state_->unfinished.push_back(round);
   return round;
 }
@@ -336,7 +357,7 @@ void PowerSGD::save(torch::serialize::OutputArchive& archive) const {
   std::vector<int64_t> indices;
   for (const auto& [index, memory] : state_->memory) {
     indices.push_back(static_cast<int64_t>(index));
-    const std::string key = "bucket." + std::to_string(index);
+    const std::string key = "parameter." + std::to_string(index);
     if (memory.error.defined()) {
       archive.write(key + ".error", memory.error.cpu());
     }
@@ -344,24 +365,22 @@ void PowerSGD::save(torch::serialize::OutputArchive& archive) const {
       archive.write(key + ".q", memory.q.cpu());
     }
   }
-  archive.write("buckets", torch::tensor(indices, torch::kInt64));
+  archive.write("parameters", torch::tensor(indices, torch::kInt64));
 }
 
 namespace {
 
 void load_state(detail::PowerSGDState& state, torch::serialize::InputArchive& archive, bool errors) {
-  torch::Tensor iteration, draws, buckets;
-  archive.read("iteration", iteration);
-  archive.read("draws", draws);
-  archive.read("buckets", buckets);
-  TORCH_CHECK(iteration.numel() == 1 && draws.numel() == 1 && buckets.dim() == 1 &&
-                  buckets.scalar_type() == torch::kInt64,
-              "lockstep::PowerSGD::load: the archive does not hold a PowerSGD state (iteration ", iteration.sizes(),
-              ", buckets ", buckets.sizes(), ").");
-  std::map<size_t, detail::BucketMemory> memory;
-  for (int64_t i = 0; i < buckets.numel(); ++i) {
-    const auto index = buckets[i].item<int64_t>();
-    const std::string key = "bucket." + std::to_string(index);
+  torch::Tensor iteration, draws, parameters;
+  const bool found = archive.try_read("iteration", iteration) && archive.try_read("draws", draws) &&
+                     archive.try_read("parameters", parameters);
+  TORCH_CHECK(found && iteration.numel() == 1 && draws.numel() == 1 && parameters.dim() == 1 &&
+                  parameters.scalar_type() == torch::kInt64,
+              "lockstep::PowerSGD::load: the archive does not hold a PowerSGD state; load what PowerSGD::save wrote.");
+  std::map<size_t, detail::ParameterMemory> memory;
+  for (int64_t i = 0; i < parameters.numel(); ++i) {
+    const auto index = parameters[i].item<int64_t>();
+    const std::string key = "parameter." + std::to_string(index);
     auto& m = memory[static_cast<size_t>(index)];
     archive.try_read(key + ".q", m.q); // absent without warm start
     if (errors) {

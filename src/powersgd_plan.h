@@ -30,6 +30,7 @@ struct PowerSGDPlan {
   // follows the gradients (the static_graph flag).
   std::vector<std::pair<int64_t, int64_t>> whole;
   std::vector<PowerSGDMatrix> matrices;
+  std::vector<int64_t> offsets; // of each gradient in the buffer
   int64_t parameter_elements = 0; // where the last gradient ends: what error feedback covers
   int64_t bucket_elements = 0;
   int64_t whole_elements = 0, p_elements = 0, q_elements = 0;

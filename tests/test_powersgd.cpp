@@ -122,7 +122,7 @@ TEST(PowerSGD, ErrorFeedbackCarriesTheResidualIntoTheNextIteration) {
     torch::serialize::InputArchive in;
     in.load_from(bytes);
     torch::Tensor error;
-    in.read("bucket.0.error", error);
+    in.read("parameter.0.error", error);
     EXPECT_TRUE(torch::allclose(sent + error.view({16, 8}), m, 1e-4, 1e-5)) << "iteration " << i;
     const double norm = error.norm().item<double>();
     if (i > 0) {
@@ -181,8 +181,8 @@ TEST(PowerSGD, SavedStateResumesExactly) {
   again.load_from(bytes);
   other.load(again);
   auto bucket = bucket_of({gradient(0), torch::ones({3})});
-  EXPECT_NE(error_of([&] { other(one, bucket); }).find("the warm-start Q's of bucket 0 hold 20 elements, but this "
-                                                        "bucket needs 30 (rank 3)"),
+  EXPECT_NE(error_of([&] { other(one, bucket); }).find("the warm-start Q of parameter 0 (in bucket 0) holds 20 "
+                                                        "elements, but rank 3 needs 30"),
             std::string::npos);
 }
 

@@ -7,6 +7,8 @@
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
 
 namespace lockstep {
 namespace {
@@ -29,6 +31,23 @@ TEST(PowerSGDThreads, RanksHoldTheSameParametersWithNoSyncAndStaticGraph) {
       testing::check_powersgd_ranks_agree(group, static_graph, kCheck);
     });
   }
+}
+
+// NCCL refuses two ranks on one GPU: a group of one checks the hook's
+// collectives and arithmetic on the device.
+TEST(PowerSGDThreads, OneGpuOverNcclIsExactAtTheMatrixRank_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  auto group = new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "nccl");
+  auto generator = at::detail::createCPUGenerator(3);
+  auto m = torch::matmul(torch::randn({64, 2}, generator, torch::kFloat), torch::randn({2, 32}, generator, torch::kFloat));
+  auto bucket = testing::bucket_of({m.cuda(), torch::ones({7}).cuda()}, 0, torch::kCUDA);
+  PowerSGD powersgd(PowerSGDOptions().rank(2).start_iteration(0).error_feedback(false).warm_start(false));
+  auto result = powersgd(group, bucket)->wait();
+  EXPECT_TRUE(result.is_cuda());
+  EXPECT_LT((bucket.gradients[0].cpu() - m).abs().max().item<double>(), 1e-3);
+  EXPECT_TRUE(torch::equal(bucket.gradients[1].cpu(), torch::ones({7})));
 }
 
 } // namespace
