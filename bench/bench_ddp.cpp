@@ -3,7 +3,7 @@
 //
 //   lockstep-bench-ddp MODE MODEL STEPS
 //   lockstep-bench-ddp recorder      (the flight recorder's cost per collective)
-//   lockstep-bench-ddp collectives [gloo|mpi]   (under a launcher: allreduce, all_gather, reduce_scatter of 4 MiB)
+//   lockstep-bench-ddp collectives [gloo|mpi] [MiB]   (under a launcher: allreduce, all_gather, reduce_scatter of 4 MiB)
 //
 // MODE: lockstep | views (gradient_as_bucket_view) | static (static_graph) |
 // norebuild (buckets kept in reverse registration order) | norecorder (the
@@ -12,7 +12,10 @@
 // backward) | nocomm (no communication: the limit) | fullshard, gradop,
 // noshard (FullyShardedDataParallel's strategies over Gloo) | fullshard-mpi,
 // gradop-mpi (over MPI, under mpirun) | fullshard-bf16 (FullShard with
-// param_dtype bf16 and reduce_dtype fp32: all-gathers of half the bytes).
+// param_dtype bf16 and reduce_dtype fp32: all-gathers of half the bytes) |
+// powersgd (DDP with PowerSGD at --powersgd-rank, compressing from the
+// third step) | comm (communication alone: each step allreduces buffers of
+// the sizes of DDP's buckets, with no compute).
 // MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)) | reversed
 // (deep, its layers registered in the reverse of the order forward uses
 // them) | wide (8 x Linear(2048, 2048): Adam's state dominates memory);
@@ -94,9 +97,38 @@ double peak_rss_mb() {
 // (with the CUDA wheel) the CUDA libraries it maps even with no GPU.
 double base_rss_mb = 0;
 
+struct BenchOptions {
+  std::string optimizer = "sgd";
+  double bucket_cap_mb = 25;
+  int64_t powersgd_rank = 4;
+};
+
+// `comm`: the allreduces DDP would issue, one buffer per bucket.
+std::function<void()> communication_alone(const std::vector<std::vector<size_t>>& buckets,
+                                          const std::vector<torch::Tensor>& params, const lockstep::ProcessGroup& group) {
+  std::vector<torch::Tensor> buffers;
+  for (const auto& bucket : buckets) {
+    int64_t numel = 0;
+    for (size_t i : bucket) {
+      numel += params[i].numel();
+    }
+    buffers.push_back(torch::ones({numel}));
+  }
+  return [buffers, group] {
+    std::vector<std::shared_ptr<lockstep::Work>> works;
+    for (const auto& b : buffers) {
+      works.push_back(group.allreduce_async({b}, lockstep::ReduceOp::Sum, "allreduce of a bucket"));
+    }
+    for (auto& w : works) {
+      w->wait();
+    }
+  };
+}
+
 template <typename M>
 void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
-         const std::string& optimizer_name) {
+         const BenchOptions& bench) {
+  const std::string& optimizer_name = bench.optimizer;
   const int64_t batch = 256 / group.size();
   const int64_t features = model == "mlp" ? 784 : 256;
   auto x = torch::randn({batch, features});
@@ -118,12 +150,16 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
     forward = [fsdp](const torch::Tensor& in) { return (*fsdp)(in); };
     params = (*fsdp)->parameters();
   } else if (mode != "naive" && mode != "nocomm") {
-    ddp = std::make_shared<lockstep::DistributedDataParallel<M>>(
-        net, group,
-        lockstep::DistributedOptions()
-            .gradient_as_bucket_view(mode == "views")
-            .static_graph(mode == "static")
-            .rebuild_buckets(mode != "norebuild"));
+    auto options = lockstep::DistributedOptions()
+                       .gradient_as_bucket_view(mode == "views")
+                       .static_graph(mode == "static")
+                       .rebuild_buckets(mode != "norebuild")
+                       .bucket_cap_mb(bench.bucket_cap_mb);
+    if (mode == "powersgd") {
+      options.comm_hook(lockstep::comm_hooks::powersgd(
+          lockstep::PowerSGDOptions().rank(bench.powersgd_rank).start_iteration(2)));
+    }
+    ddp = std::make_shared<lockstep::DistributedDataParallel<M>>(net, group, options);
     forward = [ddp](const torch::Tensor& in) { return (*ddp)(in); };
   } else if (mode == "naive") {
     for (auto& p : net->parameters()) { // the initial broadcast naive code often forgets
@@ -136,7 +172,15 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
   } else {
     optimizer = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9));
   }
+  std::function<void()> comm_step;
+  if (mode == "comm") {
+    comm_step = communication_alone((*ddp)->buckets(), net->parameters(), group);
+  }
   auto step = [&] {
+    if (comm_step) {
+      comm_step();
+      return;
+    }
     optimizer->zero_grad();
     torch::cross_entropy_loss(forward(x).to(torch::kFloat), y).backward();
     if (mode == "naive") {
@@ -229,10 +273,10 @@ int time_recorder() {
 // `lockstep-bench-ddp collectives [gloo|mpi]`, under a launcher (mpirun for mpi): milliseconds per
 // collective on 4 MiB of floats (the gathered or reduced size, as FSDP's
 // units and DDP's buckets are counted), median of 30, one after another.
-int time_collectives(const std::string& backend) {
+int time_collectives(const std::string& backend, int64_t mib) {
   at::set_num_threads(1);
   auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(backend));
-  const int64_t n = (4 << 20) / 4 / group.size() * group.size();
+  const int64_t n = (mib << 20) / 4 / group.size() * group.size();
   auto whole = torch::ones({n});
   auto shard = torch::ones({n / group.size()});
   std::vector<std::pair<std::string, std::function<void()>>> kinds{
@@ -249,8 +293,13 @@ int time_collectives(const std::string& backend) {
     ms.erase(ms.begin(), ms.begin() + 5);
     std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
     if (group.rank() == 0) {
-      std::printf("%s of 4 MiB over %s, %d ranks: %.2f ms (median of 30)\n", name.c_str(), backend.c_str(),
-                  group.size(), ms[ms.size() / 2]);
+      // Bus bandwidth, as nccl-tests count it: the bytes each rank sends,
+      // 2(p-1)/p n for an allreduce and (p-1)/p n for the others, per second.
+      const double p = group.size();
+      const double sent = (name == "allreduce" ? 2 : 1) * (p - 1) / p * static_cast<double>(n) * 4;
+      std::printf("%s of %lld MiB over %s, %d ranks: %.2f ms (median of 30), bus bandwidth %.3f Gb/s\n", name.c_str(),
+                  static_cast<long long>(mib), backend.c_str(), group.size(), ms[ms.size() / 2],
+                  sent * 8 / (ms[ms.size() / 2] / 1e3) / 1e9);
     }
   }
   return 0;
@@ -262,24 +311,26 @@ int main(int argc, char** argv) {
   if (argc == 2 && std::string(argv[1]) == "recorder") {
     return time_recorder();
   }
-  if ((argc == 2 || argc == 3) && std::string(argv[1]) == "collectives") {
-    return time_collectives(argc == 3 ? argv[2] : "gloo");
+  if (argc >= 2 && argc <= 4 && std::string(argv[1]) == "collectives") {
+    return time_collectives(argc >= 3 ? argv[2] : "gloo", argc == 4 ? std::atoll(argv[3]) : 4);
   }
   std::string mode;
   std::string model;
   int steps = 0;
-  std::string optimizer = "sgd";
+  BenchOptions bench;
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
   app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
                  "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward) or nocomm (no communication)")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
                                          "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
-                                         "gradop-mpi", "fullshard-bf16"}));
+                                         "gradop-mpi", "fullshard-bf16", "powersgd", "comm"}));
   app.add_option("MODEL", model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
                  "last layer first) or wide (8 x Linear(2048, 2048))")
       ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide"}));
-  app.add_option("--optimizer", optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  app.add_option("--optimizer", bench.optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  app.add_option("--bucket-cap-mb", bench.bucket_cap_mb, "DDP's bucket_cap_mb")->check(CLI::PositiveNumber);
+  app.add_option("--powersgd-rank", bench.powersgd_rank, "powersgd: the approximation's rank")->check(CLI::PositiveNumber);
   app.add_option("STEPS", steps, "Timed optimizer steps, after 5 untimed ones")->required()->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
@@ -307,9 +358,9 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     base_rss_mb = peak_rss_mb();
     if (model == "reversed") {
-      run(ReversedDeep(), group, mode, model, steps, optimizer);
+      run(ReversedDeep(), group, mode, model, steps, bench);
     } else {
-      run(make_model(model), group, mode, model, steps, optimizer);
+      run(make_model(model), group, mode, model, steps, bench);
     }
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace());

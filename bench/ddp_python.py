@@ -5,6 +5,13 @@ model, batch, optimizer and thread count as bench/bench_ddp.cpp.
     python3 bench/ddp_python.py MODEL STEPS PORT [OPTIMIZER]
 
 Rank 0 prints: python MODEL steps_per_s=X rss_mb=R0,R1
+
+With RANK and WORLD_SIZE set (torchrun's variables, as lockstep-run sets
+them), this process is that one rank, at MASTER_ADDR:MASTER_PORT, instead of
+spawning two: how bench/netlab_bench.sh runs it across the lab's hosts.
+BENCH_HOOK=powersgd registers PyTorch's powerSGD_hook (rank
+BENCH_POWERSGD_RANK, default 4, from the third step); BENCH_BUCKET_CAP_MB
+sets bucket_cap_mb.
 """
 import os
 import resource
@@ -29,7 +36,7 @@ def make_model(name):
 
 
 def join_group(rank, world, port):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -70,11 +77,23 @@ def time_training(label, net, model_name, steps, rank, world, optimizer):
 
 def run(rank, world, model_name, steps, port, optimizer):
     join_group(rank, world, port)
-    net = nn.parallel.DistributedDataParallel(make_model(model_name))
-    time_training("python", net, model_name, steps, rank, world, optimizer)
+    net = nn.parallel.DistributedDataParallel(make_model(model_name),
+                                              bucket_cap_mb=float(os.environ.get("BENCH_BUCKET_CAP_MB", "25")))
+    label = "python"
+    if os.environ.get("BENCH_HOOK") == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+        state = powersgd.PowerSGDState(process_group=None,
+                                       matrix_approximation_rank=int(os.environ.get("BENCH_POWERSGD_RANK", "4")),
+                                       start_powerSGD_iter=2)
+        net.register_comm_hook(state, powersgd.powerSGD_hook)
+        label = "python-powersgd"
+    time_training(label, net, model_name, steps, rank, world, optimizer)
 
 
 if __name__ == "__main__":
     model_name, steps, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     optimizer = sys.argv[4] if len(sys.argv) > 4 else "sgd"
-    mp.spawn(run, args=(2, model_name, steps, port, optimizer), nprocs=2)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), model_name, steps, port, optimizer)
+    else:
+        mp.spawn(run, args=(2, model_name, steps, port, optimizer), nprocs=2)

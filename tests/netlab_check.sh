@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The network lab's own test (scripts/netlab.sh): two hosts at 1 Gb/s, one
+# lockstep-run per host (--nnodes 2), run the collectives benchmark across
+# the link. The allreduce's bus bandwidth must come within [0.5, 1.05] of
+# the profile's rate, and every lab must be gone afterwards: after a command
+# that fails, and after the script is killed.
+#
+#   tests/netlab_check.sh NETLAB LOCKSTEP_RUN LOCKSTEP_BENCH_DDP
+set -uo pipefail
+netlab=$1 run=$2 bench=$3
+"$netlab" check || exit 77
+fail() { echo "FAILED: $*"; exit 1; }
+labs() { "$netlab" list | wc -l; }
+before=$(labs)
+
+out=$(RUN=$run BENCH=$bench "$netlab" run 2 1gbit -- bash -c '
+  for i in 0 1; do
+    "$NETLAB" exec "$LAB" $i "$RUN" --nnodes 2 --node-rank $i --nproc-per-node 1 --master-addr 10.77.0.1 \
+      --master-port 29611 "$BENCH" collectives gloo 8 &
+    pids[$i]=$!
+  done
+  wait ${pids[0]} && wait ${pids[1]}' 2>&1) || fail "the benchmark across the lab failed: $out"
+echo "$out" | grep -E "bus bandwidth"
+gbps=$(echo "$out" | sed -n 's/.*allreduce of 8 MiB.*bus bandwidth \([0-9.]*\) Gb\/s.*/\1/p' | head -1)
+[ -n "$gbps" ] || fail "no allreduce figure in: $out"
+awk -v g="$gbps" 'BEGIN { exit !(g >= 0.5 && g <= 1.05) }' || fail "allreduce at $gbps Gb/s on a 1 Gb/s link"
+[ "$(labs)" -eq "$before" ] || fail "the lab is still there after its command ended"
+
+"$netlab" run 2 1gbit -- false && fail "a failing command's status was lost"
+[ "$(labs)" -eq "$before" ] || fail "the lab is still there after its command failed"
+
+"$netlab" run 2 1gbit -- sleep 60 > /dev/null 2>&1 &
+script=$!
+for _ in $(seq 50); do [ "$(labs)" -gt "$before" ] && break; sleep 0.1; done
+[ "$(labs)" -gt "$before" ] || fail "no lab appeared"
+kill -TERM "$script"
+wait "$script"
+[ "$(labs)" -eq "$before" ] || fail "the lab is still there after SIGTERM"
+
+# The command sleeps on a host, where removing the lab kills it; its output
+# goes elsewhere, or ctest would wait for whoever holds the pipe.
+"$netlab" run 2 1gbit -- bash -c '"$NETLAB" exec "$LAB" 0 sleep 60' > /dev/null 2>&1 &
+script=$!
+for _ in $(seq 50); do [ "$(labs)" -gt "$before" ] && break; sleep 0.1; done
+kill -KILL "$script"
+wait "$script" 2>/dev/null
+"$netlab" run 1 1gbit -- true # removes the orphan of the killed run
+[ "$(labs)" -eq "$before" ] || fail "the lab of a killed run was not removed by the next"
+echo "netlab: OK"
