@@ -273,10 +273,10 @@ int time_recorder() {
 // `lockstep-bench-ddp collectives [gloo|mpi]`, under a launcher (mpirun for mpi): milliseconds per
 // collective on 4 MiB of floats (the gathered or reduced size, as FSDP's
 // units and DDP's buckets are counted), median of 30, one after another.
-int time_collectives(const std::string& backend, int64_t mib) {
+int time_collectives(const std::string& backend, double mib) {
   at::set_num_threads(1);
   auto group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend(backend));
-  const int64_t n = (mib << 20) / 4 / group.size() * group.size();
+  const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(mib * (1 << 20) / 4 / group.size())) * group.size();
   auto whole = torch::ones({n});
   auto shard = torch::ones({n / group.size()});
   std::vector<std::pair<std::string, std::function<void()>>> kinds{
@@ -297,8 +297,8 @@ int time_collectives(const std::string& backend, int64_t mib) {
       // 2(p-1)/p n for an allreduce and (p-1)/p n for the others, per second.
       const double p = group.size();
       const double sent = (name == "allreduce" ? 2 : 1) * (p - 1) / p * static_cast<double>(n) * 4;
-      std::printf("%s of %lld MiB over %s, %d ranks: %.2f ms (median of 30), bus bandwidth %.3f Gb/s\n", name.c_str(),
-                  static_cast<long long>(mib), backend.c_str(), group.size(), ms[ms.size() / 2],
+      std::printf("%s of %g MiB over %s, %d ranks: %.2f ms (median of 30), bus bandwidth %.3f Gb/s\n", name.c_str(),
+                  static_cast<double>(n) * 4 / (1 << 20), backend.c_str(), group.size(), ms[ms.size() / 2],
                   sent * 8 / (ms[ms.size() / 2] / 1e3) / 1e9);
     }
   }
@@ -312,7 +312,7 @@ int main(int argc, char** argv) {
     return time_recorder();
   }
   if (argc >= 2 && argc <= 4 && std::string(argv[1]) == "collectives") {
-    return time_collectives(argc >= 3 ? argv[2] : "gloo", argc == 4 ? std::atoll(argv[3]) : 4);
+    return time_collectives(argc >= 3 ? argv[2] : "gloo", argc == 4 ? std::atof(argv[3]) : 4);
   }
   std::string mode;
   std::string model;
