@@ -114,8 +114,8 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
                  "approximation (lower sends less)")
       ->check(common::positive())->check(whole_number(1, 1024))->capture_default_str()->group("Distributed");
   app.add_option("--powersgd-start", config.powersgd_start, "--comm-hook powersgd: steps of plain allreduce before "
-                 "compression starts (at least 2; about a tenth of the run is a good start)")
-      ->check(whole_number(2, kMaxCount))->capture_default_str()->group("Distributed");
+                 "compression starts (about a tenth of the run is a good start)")
+      ->check(whole_number(0, kMaxCount))->capture_default_str()->group("Distributed");
   app.add_option("--threads", config.threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which "
                  "lockstep-run sets to each rank's share of the cores, else every core)")
       ->check(common::non_negative())->check(whole_number(0, kMaxThreads))->group("Training");

@@ -40,9 +40,10 @@
 // finishes with step 5. So the P round trips overlap backward, and the Q's
 // cost one round trip a step, however many buckets there are.
 //
-// The first iterations (start_iteration) are plain allreduces: DDP
-// rebuilds its buckets after the first, and compressing early gradients
-// costs accuracy. A zero column of P or Q (a layer with no gradient) stays
+// The first iterations (start_iteration) are plain allreduces:
+// compressing early gradients costs accuracy. The state is kept by
+// parameter, not by bucket, so compression may start at once: DDP's
+// rebuilt buckets, and a resumed run's, find it. A zero column of P or Q (a layer with no gradient) stays
 // zero where PyTorch's orthogonalisation divides by its zero norm.
 
 namespace lockstep {
@@ -349,11 +350,6 @@ PowerSGD::PowerSGD(PowerSGDOptions options) {
               options.start_iteration(), ".");
   TORCH_CHECK(options.min_compression_rate() > 0, "lockstep::PowerSGDOptions: min_compression_rate must be > 0, but "
               "got ", options.min_compression_rate(), ".");
-  TORCH_CHECK(options.start_iteration() > 1 || !(options.error_feedback() || options.warm_start()),
-              "lockstep::PowerSGDOptions: start_iteration is ", options.start_iteration(), ", but error_feedback and "
-              "warm_start need it to be at least 2: DistributedDataParallel rebuilds its buckets after the first "
-              "iteration, which would mismatch the state kept per bucket. Set start_iteration(2) or more, or turn "
-              "both off.");
   state_ = std::make_shared<detail::PowerSGDState>(std::move(options));
 }
 

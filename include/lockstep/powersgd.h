@@ -32,8 +32,8 @@ struct PowerSGDOptions {
   TORCH_ARG(int64_t, rank) = 1;
   /// Iterations of plain allreduce before compression starts
   /// (start_powerSGD_iter): early training is sensitive to coarse gradients.
-  /// At least 2 with error_feedback or warm_start, because DDP rebuilds its
-  /// buckets after the first iteration.
+  /// Any value from 0 works: the state is kept by parameter, so DDP's
+  /// rebuilt buckets find it (PyTorch's, kept by bucket, needs 2).
   TORCH_ARG(int64_t, start_iteration) = 1000;
   /// A matrix is compressed only when its compressed size, (n + m) * r, is
   /// at least this many times smaller than n * m; other gradients, and every
