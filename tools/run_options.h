@@ -9,6 +9,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cerrno>
+#include <cstdlib>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -18,7 +21,9 @@ namespace tools {
 
 struct RunOptions {
   int nproc_per_node = 1;
-  int nnodes = 1;
+  std::string nnodes_text = "1"; // --nnodes N or MIN:MAX
+  int nnodes = 1;                // N; MAX for MIN:MAX
+  int min_nodes = 1;
   int node_rank = 0;
   std::string master_addr;
   int master_port = 29500;
@@ -30,6 +35,21 @@ struct RunOptions {
   int timeout_seconds = 0; // 0: the ranks' own (LOCKSTEP_TIMEOUT, else lockstep's default)
   std::string run_id;      // LOCKSTEP_RUN_ID: the same for every attempt
   std::vector<std::string> command;
+  // Elastic rendezvous (Note [Elastic rendezvous] in tools/rendezvous.h)
+  std::string rdzv_backend = "static";
+  std::string rdzv_endpoint;
+  std::string rdzv_host;
+  int rdzv_port = 29400; // torchrun's default
+  std::string rdzv_id;
+  std::string rdzv_conf;
+  double join_timeout = 600, last_call_timeout = 30, keep_alive_interval = 5; // seconds, torchrun's defaults
+  int keep_alive_max_attempt = 3;
+  double monitor_interval = 0.1;
+
+  /// Whether the nodes meet in rounds (c10d) rather than by --node-rank (static).
+  bool elastic() const {
+    return rdzv_backend == "c10d";
+  }
 };
 
 /// A command line lockstep-run refuses (exit_code common::kUsageError), or --help
@@ -42,7 +62,8 @@ struct RunUsageError : std::runtime_error {
 inline void describe_run_options(CLI::App& app, RunOptions& options) {
   // torchrun's underscore spellings are aliases, so that its command lines work.
   app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "Ranks on this node")->check(CLI::Range(1, 1024))->capture_default_str();
-  app.add_option("--nnodes", options.nnodes, "Nodes in the job")->check(CLI::Range(1, 65536))->capture_default_str();
+  app.add_option("--nnodes", options.nnodes_text, "Nodes in the job: N, or MIN:MAX for an elastic job (which needs "
+                 "--rdzv-endpoint)")->capture_default_str();
   app.add_option("--node-rank,--node_rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(common::non_negative())->capture_default_str();
   app.add_option("--master-addr,--master_addr", options.master_addr,
                  "Address of node 0, where rank 0 hosts the store; required with --nnodes > 1 (default 127.0.0.1: loopback only)");
@@ -62,8 +83,114 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
                  "Seconds a rank waits for the others (store, connections, each collective) before failing; sets "
                  "LOCKSTEP_TIMEOUT for the ranks. Default: theirs, else 300")
       ->check(CLI::Range(1, 7 * 24 * 3600));
+  app.add_option("--rdzv-backend,--rdzv_backend", options.rdzv_backend, "static: the nodes are given --node-rank and "
+                 "meet at --master-addr; c10d: they meet in rounds at --rdzv-endpoint, ranks are assigned, and the job "
+                 "goes on when nodes leave or join (default: c10d for --nnodes MIN:MAX, else static)");
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", options.rdzv_endpoint, "HOST[:PORT] of the rendezvous store: the "
+                 "launcher on HOST serves it, the others reach it (default port 29400)");
+  app.add_option("--rdzv-id,--rdzv_id", options.rdzv_id, "The job's id, the same on every node (default: the first "
+                 "node's start time)");
+  app.add_option("--rdzv-conf,--rdzv_conf", options.rdzv_conf, "KEY=SECONDS,...: join_timeout (600), last_call_timeout "
+                 "(30), keep_alive_interval (5), keep_alive_max_attempt (3, a count)");
+  app.add_option("--monitor-interval,--monitor_interval", options.monitor_interval, "Seconds between the elastic "
+                 "launcher's looks at the rendezvous store")->check(CLI::Range(0.01, 60.0))->capture_default_str();
   app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
   app.prefix_command(); // everything from PROGRAM on belongs to PROGRAM
+}
+
+using Fail = std::function<void(const std::string&)>;
+
+inline int parse_count(const std::string& text, const std::string& what, const Fail& fail) {
+  char* end = nullptr;
+  errno = 0;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno != 0 || value < 1 || value > 65536) {
+    fail(what + ": '" + text + "' is not a whole number from 1 to 65536.");
+  }
+  return static_cast<int>(value);
+}
+
+// --nnodes N or MIN:MAX; a range means an elastic job.
+inline void parse_nnodes(RunOptions& options, const Fail& fail) {
+  const std::string& text = options.nnodes_text;
+  const size_t colon = text.find(':');
+  const std::string what = "--nnodes " + text;
+  options.min_nodes = parse_count(text.substr(0, colon), what, fail);
+  options.nnodes = colon == std::string::npos ? options.min_nodes : parse_count(text.substr(colon + 1), what, fail);
+  if (options.min_nodes > options.nnodes) {
+    fail(what + ": MIN is above MAX; expected MIN:MAX with MIN <= MAX.");
+  }
+  if (options.rdzv_backend != "static" && options.rdzv_backend != "c10d") {
+    fail("--rdzv-backend " + options.rdzv_backend + " is not supported; lockstep-run has static and c10d.");
+  }
+  if (options.min_nodes < options.nnodes || !options.rdzv_endpoint.empty()) {
+    options.rdzv_backend = "c10d";
+  }
+}
+
+// One KEY=VALUE of --rdzv-conf.
+inline void parse_rdzv_setting(RunOptions& options, const std::string& item, const Fail& fail) {
+  const size_t eq = item.find('=');
+  const std::string key = item.substr(0, eq);
+  const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
+  char* end = nullptr;
+  const double number = std::strtod(value.c_str(), &end);
+  if (value.empty() || *end != '\0' || !(number > 0) || number > 7 * 24 * 3600) {
+    fail("--rdzv-conf " + item + ": expected KEY=VALUE with a positive number of seconds (a count for "
+         "keep_alive_max_attempt).");
+  }
+  if (key == "join_timeout") {
+    options.join_timeout = number;
+  } else if (key == "last_call_timeout") {
+    options.last_call_timeout = number;
+  } else if (key == "keep_alive_interval") {
+    options.keep_alive_interval = number;
+  } else if (key == "keep_alive_max_attempt" && number == static_cast<int>(number)) {
+    options.keep_alive_max_attempt = static_cast<int>(number);
+  } else {
+    fail("--rdzv-conf " + item + ": unknown key or not a whole count; expected join_timeout, last_call_timeout, "
+         "keep_alive_interval (seconds) or keep_alive_max_attempt (a count).");
+  }
+}
+
+// --rdzv-endpoint HOST[:PORT] ([IPV6]:PORT) and --rdzv-conf.
+inline void parse_rendezvous(RunOptions& options, const Fail& fail) {
+  std::string endpoint = options.rdzv_endpoint;
+  if (endpoint.empty()) {
+    if (options.nnodes > 1) {
+      fail("--nnodes " + options.nnodes_text + " needs --rdzv-endpoint HOST[:PORT]: the address of the node that "
+           "serves the rendezvous, which every node can reach.");
+    }
+    endpoint = "127.0.0.1";
+  }
+  std::string port;
+  if (endpoint[0] == '[') {
+    const size_t close = endpoint.find(']');
+    options.rdzv_host = endpoint.substr(1, close == std::string::npos ? std::string::npos : close - 1);
+    port = close != std::string::npos && close + 1 < endpoint.size() && endpoint[close + 1] == ':' ? endpoint.substr(close + 2) : "";
+  } else {
+    const size_t colon = endpoint.rfind(':');
+    const bool has_port = colon != std::string::npos && endpoint.find(':') == colon;
+    options.rdzv_host = has_port ? endpoint.substr(0, colon) : endpoint;
+    port = has_port ? endpoint.substr(colon + 1) : "";
+  }
+  if (options.rdzv_host.empty()) {
+    fail("--rdzv-endpoint " + endpoint + " has no host; expected HOST[:PORT].");
+  }
+  if (!port.empty()) {
+    char* end = nullptr;
+    const long value = std::strtol(port.c_str(), &end, 10);
+    if (*end != '\0' || value < 1 || value > 65535) {
+      fail("--rdzv-endpoint " + endpoint + ": port '" + port + "' is not a port number (1 to 65535).");
+    }
+    options.rdzv_port = static_cast<int>(value);
+  }
+  std::string item;
+  for (size_t start = 0; start <= options.rdzv_conf.size() && !options.rdzv_conf.empty();) {
+    const size_t comma = options.rdzv_conf.find(',', start);
+    parse_rdzv_setting(options, options.rdzv_conf.substr(start, comma - start), fail);
+    start = comma == std::string::npos ? options.rdzv_conf.size() + 1 : comma + 1;
+  }
 }
 
 /// The options of `argv` (argv[0] is the program's name), checked against
@@ -92,6 +219,11 @@ inline RunOptions parse_run_options(int argc, const char* const* argv) {
   }
   if (options.command.empty()) {
     fail("PROGRAM is missing.");
+  }
+  parse_nnodes(options, fail);
+  if (options.elastic()) {
+    parse_rendezvous(options, fail);
+    return options;
   }
   if (options.node_rank >= options.nnodes) {
     fail("--node-rank " + std::to_string(options.node_rank) + " is out of range for --nnodes " +

@@ -1,0 +1,344 @@
+#pragma once
+
+// lockstep-run's elastic agent (--rdzv-backend c10d, --nnodes MIN:MAX): this
+// node's side of Note [Elastic rendezvous], round after round, with an
+// Attempt of its ranks in each.
+
+#include "attempt.h"
+#include "kv_store.h"
+#include "rendezvous.h"
+
+#include <lockstep/detail/sockets.h>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace lockstep {
+namespace tools {
+
+using Millis = std::chrono::milliseconds;
+
+inline Millis seconds_to_ms(double seconds) {
+  return Millis(static_cast<int64_t>(seconds * 1000));
+}
+
+inline RendezvousSettings rendezvous_settings(const Options& options) {
+  RendezvousSettings s;
+  s.min_nodes = options.min_nodes;
+  s.max_nodes = options.nnodes;
+  s.id = options.rdzv_id.empty() ? "job" : options.rdzv_id;
+  s.join_timeout = seconds_to_ms(options.join_timeout);
+  s.last_call = seconds_to_ms(options.last_call_timeout);
+  s.keep_alive_interval = seconds_to_ms(options.keep_alive_interval);
+  s.keep_alive_max_attempt = options.keep_alive_max_attempt;
+  return s;
+}
+
+/// The store's server, when --rdzv-endpoint is an address of this machine
+/// and its port is free; nullptr when another launcher serves it.
+inline std::unique_ptr<KvServer> serve_rendezvous(const Options& options) {
+  const auto bound = detail::bind_first(detail::resolve_tcp(options.rdzv_host, options.rdzv_port), /*listen=*/true,
+                                        /*reuse_address=*/true);
+  if (bound.fd < 0) {
+    return nullptr; // not this machine's address, or its port is taken: the store's launcher is elsewhere
+  }
+  return std::make_unique<KvServer>(bound.fd);
+}
+
+/// The address this machine reaches `host` from (a UDP "connection" sends
+/// nothing), and a free TCP port there for the workers' store.
+inline std::pair<std::string, int> local_address_toward(const std::string& host, int port) {
+  const auto addresses = detail::resolve_tcp(host, port);
+  const addrinfo* a = addresses.first();
+  if (a == nullptr) {
+    throw KvError("--rdzv-endpoint " + host + " does not resolve: " + addresses.error);
+  }
+  sockaddr_storage local{};
+  socklen_t length = sizeof(local);
+  const int udp = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  const bool found = udp >= 0 && ::connect(udp, a->ai_addr, a->ai_addrlen) == 0 &&
+      ::getsockname(udp, reinterpret_cast<sockaddr*>(&local), &length) == 0;
+  if (udp >= 0) {
+    ::close(udp);
+  }
+  if (!found) {
+    throw KvError("no route to --rdzv-endpoint " + host);
+  }
+  char text[NI_MAXHOST];
+  ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text, sizeof(text), nullptr, 0, NI_NUMERICHOST);
+  const auto bound = detail::bind_first(detail::resolve_tcp(text, 0, AI_NUMERICHOST), /*listen=*/false, false);
+  int free_port = 0;
+  if (bound.fd >= 0) {
+    sockaddr_storage mine{};
+    socklen_t size = sizeof(mine);
+    ::getsockname(bound.fd, reinterpret_cast<sockaddr*>(&mine), &size);
+    free_port = ntohs(mine.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&mine)->sin6_port
+                                                 : reinterpret_cast<sockaddr_in*>(&mine)->sin_port);
+    ::close(bound.fd);
+  }
+  return {text, free_port};
+}
+
+/// One node of an elastic job. See Note [Elastic rendezvous].
+class ElasticAgent {
+ public:
+  ElasticAgent(const Options& options, const std::string& program, KeyValue& kv, bool serves_store)
+      : options_(options), program_(program), kv_(kv), s_(rendezvous_settings(options)), serves_store_(serves_store) {}
+
+  /// The job's exit code on this node.
+  int run() {
+    me_.id = kv_.add(s_.key("nodes"), 1);
+    me_.nproc = options_.nproc_per_node;
+    std::tie(me_.addr, me_.port) = local_address_toward(options_.rdzv_host, options_.rdzv_port);
+    agree_on_run_id();
+    for (int attempt = 0;; ++attempt) {
+      const auto joined = join();
+      if (!joined) {
+        return g_launcher_signal != 0 ? stopped_by_signal() : 0;
+      }
+      const Assignment a = *joined;
+      if (a.restarts > options_.max_restarts) {
+        std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options_.max_restarts);
+        return 1;
+      }
+      const int code = run_round(a, attempt);
+      if (code >= 0) {
+        return code;
+      }
+    }
+  }
+
+ private:
+  // The run id, the same on every node (lockstep-train's default output
+  // folder): --rdzv-id, else the first node's.
+  void agree_on_run_id() {
+    if (!options_.rdzv_id.empty()) {
+      run_id_ = options_.rdzv_id;
+      return;
+    }
+    if (me_.id == 1) {
+      kv_.set(s_.key("run_id"), options_.run_id);
+    }
+    const auto deadline = Clock::now() + s_.join_timeout;
+    std::optional<std::string> id;
+    while (!(id = kv_.get(s_.key("run_id"))) && Clock::now() < deadline && g_launcher_signal == 0) {
+      std::this_thread::sleep_for(Millis(20));
+    }
+    run_id_ = id.value_or(options_.run_id);
+  }
+
+  // This node's place in the next round that takes it; nullopt when the job
+  // completed without it, or on a signal.
+  std::optional<Assignment> join() {
+    RoundJoin join(kv_, s_, me_, Clock::now());
+    std::fprintf(stderr, "lockstep-run: node %lld joins round %lld of the rendezvous at %s:%d (%d to %d nodes)\n",
+                 static_cast<long long>(me_.id), static_cast<long long>(join.round()), options_.rdzv_host.c_str(),
+                 options_.rdzv_port, s_.min_nodes, s_.max_nodes);
+    bool said_waiting = false;
+    while (g_launcher_signal == 0) {
+      const auto status = join.poll(Clock::now());
+      if (status == RoundJoin::Status::kJoined) {
+        return join.assignment();
+      }
+      if (status == RoundJoin::Status::kJobComplete) {
+        std::fprintf(stderr, "lockstep-run: the job completed while this node waited to join; nothing to do.\n");
+        return std::nullopt;
+      }
+      if (join.waiting() && !said_waiting) {
+        std::fprintf(stderr, "lockstep-run: round %lld runs without this node; waiting for the next round.\n",
+                     static_cast<long long>(join.round()));
+      }
+      said_waiting = join.waiting();
+      std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
+    }
+    return std::nullopt;
+  }
+
+  int stopped_by_signal() const {
+    std::fprintf(stderr, "lockstep-run: stopped by signal %d; every rank was stopped.\n",
+                 static_cast<int>(g_launcher_signal));
+    return 128 + g_launcher_signal;
+  }
+
+  Placement placement(const Assignment& a, int attempt) const {
+    Placement p;
+    p.group_rank = a.group_rank;
+    p.group_world_size = a.group_world_size;
+    p.rank_offset = a.rank_offset;
+    p.world_size = a.world_size;
+    p.restart_count = static_cast<int>(a.restarts);
+    p.attempt = attempt;
+    p.master_addr = a.master_addr;
+    p.master_port = a.master_port;
+    p.round_text = ", round " + std::to_string(a.round);
+    return p;
+  }
+
+  void say_round(const Assignment& a) const {
+    std::fprintf(stderr, "lockstep-run: round %lld: %d node(s), %d rank(s); this node is node %d, ranks %d to %d "
+                 "(restarts so far: %lld)\n", static_cast<long long>(a.round), a.group_world_size, a.world_size,
+                 a.group_rank, a.rank_offset, a.rank_offset + options_.nproc_per_node - 1,
+                 static_cast<long long>(a.restarts));
+    if (last_world_size_ != 0 && last_world_size_ != a.world_size) {
+      std::fprintf(stderr, "lockstep-run: membership changed: world size %d -> %d\n", last_world_size_, a.world_size);
+    }
+  }
+
+  // Runs this node's ranks in round `a`. Returns the job's exit code, or -1
+  // to join the next round.
+  int run_round(const Assignment& a, int attempt) {
+    say_round(a);
+    last_world_size_ = a.world_size;
+    Options options = options_;
+    options.run_id = run_id_;
+    Attempt run(options, program_, placement(a, attempt));
+    RoundWatch watch(kv_, s_, a, me_.id, Clock::now());
+    RoundEnd ended = RoundEnd::kNone;
+    bool over = false; // another node ended the round
+    auto next_look = Clock::now();
+    const int root_cause = run.run([&] {
+      if (ended != RoundEnd::kNone || over || Clock::now() < next_look) {
+        return ended == RoundEnd::kNone && !over;
+      }
+      next_look = Clock::now() + seconds_to_ms(options_.monitor_interval);
+      const auto verdict = watch.check(Clock::now());
+      over = verdict == RoundWatch::Verdict::kRoundOver;
+      if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
+        say_change(verdict, watch);
+        ended = watch.end(RoundEnd::kMembership, s_.liveness_window());
+      }
+      return ended == RoundEnd::kNone && !over;
+    });
+    run.merge_timeline();
+    if (g_launcher_signal != 0) {
+      return stopped_by_signal();
+    }
+    if (root_cause < 0 && ended == RoundEnd::kNone && !over) {
+      return finish(watch);
+    }
+    if (root_cause >= 0) {
+      print_root_cause(run.rank(root_cause));
+      print_stalled_ranks(run, root_cause, options_.nproc_per_node, options_.grace_seconds);
+      run.print_desync_report();
+      ended = classify_failure(watch);
+    } else if (ended == RoundEnd::kNone) {
+      ended = watch.reason_of(s_.liveness_window());
+    }
+    return after_round(ended);
+  }
+
+  void say_change(RoundWatch::Verdict verdict, const RoundWatch& watch) const {
+    if (verdict == RoundWatch::Verdict::kMemberLost) {
+      std::fprintf(stderr, "lockstep-run: node %lld is lost: no heartbeat for %.1f s; starting a new round without it.\n",
+                   static_cast<long long>(watch.lost()), s_.liveness_window().count() / 1000.0);
+    } else {
+      std::fprintf(stderr, "lockstep-run: a node waits to join; starting a new round with it.\n");
+    }
+  }
+
+  // A rank of this node failed: a change of membership if, within one
+  // liveness window, a node is lost or another node ends the round as one
+  // (its ranks then fail too); else a failure.
+  RoundEnd classify_failure(RoundWatch& watch) {
+    const auto until = Clock::now() + s_.liveness_window() + s_.keep_alive_interval;
+    while (Clock::now() < until && g_launcher_signal == 0) {
+      const auto verdict = watch.check(Clock::now());
+      if (verdict == RoundWatch::Verdict::kRoundOver) {
+        return watch.reason_of(s_.liveness_window());
+      }
+      if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
+        say_change(verdict, watch);
+        return watch.end(RoundEnd::kMembership, s_.liveness_window());
+      }
+      std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
+    }
+    return watch.end(RoundEnd::kFailure, s_.liveness_window());
+  }
+
+  // After a round ended: -1 to join the next, or the exit code.
+  int after_round(RoundEnd ended) {
+    if (g_launcher_signal != 0) {
+      return stopped_by_signal();
+    }
+    if (ended == RoundEnd::kMembership) {
+      std::fprintf(stderr, "lockstep-run: the membership changed; not counted as a restart.\n");
+      return -1;
+    }
+    const int64_t restarts = kv_.add(s_.key("restarts"), 0);
+    if (restarts > options_.max_restarts) {
+      std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options_.max_restarts);
+      return 1;
+    }
+    std::fprintf(stderr, "lockstep-run: restarting every rank in a new round (restart %lld of %d).\n",
+                 static_cast<long long>(restarts), options_.max_restarts);
+    return -1;
+  }
+
+  // This node's ranks all succeeded. The node that serves the store keeps
+  // it until every other member is done or lost, then tells waiting nodes.
+  int finish(RoundWatch& watch) {
+    watch.mark_done();
+    if (!serves_store_) {
+      return 0;
+    }
+    while (g_launcher_signal == 0 && !watch.others_finished(Clock::now())) {
+      watch.beat_if_due(Clock::now());
+      std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
+    }
+    kv_.set(s_.key("complete"), "1");
+    std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3); // let waiting nodes read it
+    return 0;
+  }
+
+  const Options& options_;
+  std::string program_;
+  KeyValue& kv_;
+  RendezvousSettings s_;
+  bool serves_store_;
+  NodeDesc me_;
+  std::string run_id_;
+  int last_world_size_ = 0;
+};
+
+/// An elastic job on this node: serves the rendezvous store if
+/// --rdzv-endpoint is here, then runs the agent. Every store failure is an
+/// error that names the store.
+inline int run_elastic(const Options& options, const std::string& program) {
+  const auto server = serve_rendezvous(options);
+  const auto store_timeout = std::max(Millis(2000), seconds_to_ms(options.keep_alive_interval * options.keep_alive_max_attempt));
+  try {
+    std::unique_ptr<KvClient> kv;
+    const auto deadline = Clock::now() + seconds_to_ms(options.join_timeout);
+    while (!kv) { // the node that serves the store may start after this one
+      try {
+        kv = std::make_unique<KvClient>(options.rdzv_host, options.rdzv_port, store_timeout);
+      } catch (const KvError&) {
+        if (Clock::now() > deadline || g_launcher_signal != 0) {
+          throw;
+        }
+        std::this_thread::sleep_for(Millis(200));
+      }
+    }
+    ElasticAgent agent(options, program, *kv, server != nullptr);
+    return agent.run();
+  } catch (const KvError& e) {
+    std::fprintf(stderr, "lockstep-run: %s. The launcher on --rdzv-endpoint %s:%d serves the rendezvous: it has "
+                 "stopped, or this node lost its link to it, so the job cannot go on here.\n", e.what(),
+                 options.rdzv_host.c_str(), options.rdzv_port);
+  } catch (const RendezvousError& e) {
+    std::fprintf(stderr, "lockstep-run: %s\n", e.what());
+  }
+  return 1;
+}
+
+} // namespace tools
+} // namespace lockstep

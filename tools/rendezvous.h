@@ -1,0 +1,405 @@
+#pragma once
+
+// Elastic membership for lockstep-run: the rendezvous rounds and the watch
+// over a running round, as pure logic over a KeyValue store and a clock the
+// caller passes in, so that tests drive several nodes without threads.
+//
+// Note [Elastic rendezvous]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// The launchers of a job meet in a store that one of them serves on
+// --rdzv-endpoint (tools/kv_store.h); all keys are under --rdzv-id. Each
+// launcher takes a node id once, from the counter "nodes": the order of the
+// ids is the order of the ranks, so the nodes that stay keep their order and
+// a node that joins comes after them.
+//
+// Rounds. The counter "round" is the round that is open or running. A node
+// joins round R by taking a place (counter "R/joined") and writing its
+// description there ("R/node/<place>": id, ranks, address, a free port). The
+// round closes as soon as --nnodes MAX nodes are in, or when last_call has
+// passed since MIN were: the first node to see that takes "R/close" and
+// writes the members ("R/members", with the failure count "restarts"). A node
+// that is not among them, because it came late or the round was full, is
+// waiting: it says so ("R/waiting") and joins the next round.
+//
+// A running round. Every member counts its heartbeat up ("R/hb/<id>") every
+// keep_alive_interval; a member whose count has not moved for
+// keep_alive_interval x keep_alive_max_attempt is lost. The first member to
+// see a lost member, or a waiting node while the round has room, ends the
+// round (takes "R/end", writes "R/reason", counts "round" up); every member
+// sees "round" move, stops its workers and joins the next round. A member
+// whose own worker failed waits out one liveness window first: a worker that
+// failed because a peer's node died is a change of membership, not a
+// failure. Only failures count against --max-restarts ("restarts").
+//
+// The end. A member whose workers all succeeded says so ("R/done/<id>"); the
+// node that serves the store waits for every member to be done or lost, then
+// writes "complete" so that waiting nodes exit too. The store lives in one
+// launcher: if that node is lost, every other node fails with an error that
+// names the store (a replicated store would survive it; this one is simple
+// and its failure is loud).
+
+#include "kv_store.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lockstep {
+namespace tools {
+
+using RdzvClock = std::chrono::steady_clock;
+
+/// A rendezvous that cannot go on: a clear error for every node.
+struct RendezvousError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// --nnodes MIN:MAX, --rdzv-id and --rdzv-conf's timings (torchrun's names).
+struct RendezvousSettings {
+  int min_nodes = 1;
+  int max_nodes = 1;
+  std::string id = "none";
+  std::chrono::milliseconds join_timeout{600000};
+  std::chrono::milliseconds last_call{30000};
+  std::chrono::milliseconds keep_alive_interval{5000};
+  int keep_alive_max_attempt = 3;
+
+  std::chrono::milliseconds liveness_window() const {
+    return keep_alive_interval * keep_alive_max_attempt;
+  }
+  std::string key(const std::string& name) const {
+    return id + "/" + name;
+  }
+  std::string key(int64_t round, const std::string& name) const {
+    return id + "/r" + std::to_string(round) + "/" + name;
+  }
+};
+
+/// A node as the others see it: its id, its ranks, the address it reaches
+/// the store from, and a free port there for its workers' store.
+struct NodeDesc {
+  int64_t id = 0;
+  int nproc = 1;
+  std::string addr;
+  int port = 0;
+
+  std::string encode() const {
+    return std::to_string(id) + "," + std::to_string(nproc) + "," + addr + "," + std::to_string(port);
+  }
+  static NodeDesc decode(const std::string& text) {
+    NodeDesc d;
+    std::istringstream in(text);
+    std::string field;
+    std::getline(in, field, ',');
+    d.id = std::stoll(field);
+    std::getline(in, field, ',');
+    d.nproc = std::stoi(field);
+    std::getline(in, d.addr, ',');
+    std::getline(in, field, ',');
+    d.port = std::stoi(field);
+    return d;
+  }
+};
+
+/// A closed round: its members in rank order, and the failures so far.
+struct RoundRecord {
+  int64_t round = 0;
+  int64_t restarts = 0;
+  std::vector<NodeDesc> nodes;
+
+  std::string encode() const {
+    std::string text = std::to_string(restarts);
+    for (const auto& n : nodes) {
+      text += ";" + n.encode();
+    }
+    return text;
+  }
+  static RoundRecord decode(int64_t round, const std::string& text) {
+    RoundRecord r;
+    r.round = round;
+    std::istringstream in(text);
+    std::string field;
+    std::getline(in, field, ';');
+    r.restarts = std::stoll(field);
+    while (std::getline(in, field, ';')) {
+      r.nodes.push_back(NodeDesc::decode(field));
+    }
+    return r;
+  }
+};
+
+/// Where one node stands in a closed round: what its workers are told.
+struct Assignment {
+  int64_t round = 0;
+  int64_t restarts = 0;
+  int group_rank = -1; // -1: not a member
+  int group_world_size = 0;
+  int rank_offset = 0; // the global rank of its first worker
+  int world_size = 0;
+  std::string master_addr; // group rank 0's address and port: rank 0's store
+  int master_port = 0;
+  std::vector<int64_t> members;
+};
+
+inline Assignment assign(const RoundRecord& record, int64_t node_id) {
+  Assignment a;
+  a.round = record.round;
+  a.restarts = record.restarts;
+  a.group_world_size = static_cast<int>(record.nodes.size());
+  for (size_t i = 0; i < record.nodes.size(); ++i) {
+    const NodeDesc& n = record.nodes[i];
+    if (n.id == node_id) {
+      a.group_rank = static_cast<int>(i);
+      a.rank_offset = a.world_size;
+    }
+    a.world_size += n.nproc;
+    a.members.push_back(n.id);
+  }
+  if (!record.nodes.empty()) {
+    a.master_addr = record.nodes[0].addr;
+    a.master_port = record.nodes[0].port;
+  }
+  return a;
+}
+
+/// One node's way into a round, a step at a time: poll() until it returns
+/// the node's assignment. A node left out of a round waits for the next.
+class RoundJoin {
+ public:
+  enum class Status { kPending, kJoined, kJobComplete };
+
+  RoundJoin(KeyValue& kv, const RendezvousSettings& settings, NodeDesc me, RdzvClock::time_point now)
+      : kv_(kv), s_(settings), me_(std::move(me)) {
+    enter(kv_.add(s_.key("round"), 0), now);
+  }
+
+  /// One step. kJoined: assignment() holds the round; kJobComplete: the job
+  /// finished while this node waited. Throws RendezvousError after join_timeout.
+  Status poll(RdzvClock::time_point now) {
+    if (kv_.get(s_.key("complete"))) {
+      return Status::kJobComplete;
+    }
+    if (waiting_) {
+      const int64_t current = kv_.add(s_.key("round"), 0);
+      if (current != round_) {
+        enter(current, now);
+      }
+      return Status::kPending;
+    }
+    if (const auto members = kv_.get(s_.key(round_, "members"))) {
+      assignment_ = assign(RoundRecord::decode(round_, *members), me_.id);
+      if (assignment_.group_rank >= 0) {
+        return Status::kJoined;
+      }
+      wait_for_next_round();
+      return Status::kPending;
+    }
+    maybe_close(now);
+    if (now - round_started_ > s_.join_timeout) {
+      throw RendezvousError("round " + std::to_string(round_) + " of the rendezvous did not close within join_timeout (" +
+                            std::to_string(s_.join_timeout.count() / 1000) + " s): " + std::to_string(joined_) + " of " +
+                            "at least " + std::to_string(s_.min_nodes) + " node(s) joined. Start the missing nodes, or " +
+                            "lower MIN in --nnodes MIN:MAX.");
+    }
+    return Status::kPending;
+  }
+
+  const Assignment& assignment() const {
+    return assignment_;
+  }
+  int64_t round() const {
+    return round_;
+  }
+  bool waiting() const {
+    return waiting_;
+  }
+
+ private:
+  void enter(int64_t round, RdzvClock::time_point now) {
+    round_ = round;
+    round_started_ = now;
+    min_seen_.reset();
+    waiting_ = false;
+    if (kv_.get(s_.key(round_, "members"))) { // closed already: wait for the next
+      wait_for_next_round();
+      return;
+    }
+    place_ = kv_.add(s_.key(round_, "joined"), 1);
+    kv_.set(s_.key(round_, "node/" + std::to_string(place_)), me_.encode());
+  }
+
+  void wait_for_next_round() {
+    waiting_ = true;
+    kv_.add(s_.key(round_, "waiting"), 1);
+  }
+
+  // Closes the round if it is full, or if last_call has passed since MIN joined.
+  void maybe_close(RdzvClock::time_point now) {
+    joined_ = kv_.add(s_.key(round_, "joined"), 0);
+    if (joined_ >= s_.min_nodes && !min_seen_) {
+      min_seen_ = now;
+    }
+    const bool full = joined_ >= s_.max_nodes;
+    if (!full && !(min_seen_ && now - *min_seen_ >= s_.last_call)) {
+      return;
+    }
+    if (kv_.add(s_.key(round_, "close"), 1) != 1) {
+      return; // another node closes it
+    }
+    RoundRecord record;
+    record.round = round_;
+    record.restarts = kv_.add(s_.key("restarts"), 0);
+    for (int64_t place = 1; place <= std::min<int64_t>(joined_, s_.max_nodes); ++place) {
+      // A node between taking its place and describing itself is left for the next round.
+      if (const auto desc = kv_.get(s_.key(round_, "node/" + std::to_string(place)))) {
+        record.nodes.push_back(NodeDesc::decode(*desc));
+      }
+    }
+    std::sort(record.nodes.begin(), record.nodes.end(), [](const NodeDesc& a, const NodeDesc& b) { return a.id < b.id; });
+    kv_.set(s_.key(round_, "members"), record.encode());
+  }
+
+  KeyValue& kv_;
+  const RendezvousSettings& s_;
+  NodeDesc me_;
+  RdzvClock::time_point round_started_;
+  std::optional<RdzvClock::time_point> min_seen_;
+  int64_t round_ = 0;
+  int64_t place_ = 0;
+  int64_t joined_ = 0;
+  bool waiting_ = false;
+  Assignment assignment_;
+};
+
+/// Why a running round ends.
+enum class RoundEnd { kNone, kMembership, kFailure };
+
+inline const char* to_string(RoundEnd reason) {
+  return reason == RoundEnd::kFailure ? "failure" : reason == RoundEnd::kMembership ? "membership" : "none";
+}
+
+/// A member's watch over its running round: its own heartbeat, the others',
+/// nodes waiting to join, and the round's end. check() is one step.
+class RoundWatch {
+ public:
+  enum class Verdict { kHealthy, kRoundOver, kMemberLost, kNodeWaiting, kMembersDone };
+
+  RoundWatch(KeyValue& kv, const RendezvousSettings& settings, const Assignment& a, int64_t me, RdzvClock::time_point now)
+      : kv_(kv), s_(settings), a_(a), me_(me) {
+    for (int64_t id : a_.members) {
+      if (id != me_) {
+        beats_[id] = {-1, now};
+      }
+    }
+    beat(now);
+  }
+
+  /// This member's heartbeat, when one is due.
+  void beat_if_due(RdzvClock::time_point now) {
+    if (now >= next_beat_) {
+      beat(now);
+    }
+  }
+
+  Verdict check(RdzvClock::time_point now) {
+    beat_if_due(now);
+    if (kv_.add(s_.key("round"), 0) != a_.round) {
+      return Verdict::kRoundOver;
+    }
+    bool any_done = false;
+    for (auto& [id, beat] : beats_) {
+      const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value();
+      any_done = any_done || done;
+      const int64_t count = kv_.add(s_.key(a_.round, "hb/" + std::to_string(id)), 0);
+      if (count != beat.first) {
+        beat = {count, now};
+      } else if (!done && now - beat.second > s_.liveness_window()) {
+        lost_ = id;
+        return Verdict::kMemberLost;
+      }
+    }
+    if (any_done) {
+      return Verdict::kMembersDone; // the job is ending: no new round for joiners
+    }
+    if (a_.group_world_size < s_.max_nodes && kv_.add(s_.key(a_.round, "waiting"), 0) > 0) {
+      return Verdict::kNodeWaiting;
+    }
+    return Verdict::kHealthy;
+  }
+
+  /// Whether every other member is done, or lost.
+  bool others_finished(RdzvClock::time_point now) {
+    for (auto& [id, beat] : beats_) {
+      const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value();
+      const int64_t count = kv_.add(s_.key(a_.round, "hb/" + std::to_string(id)), 0);
+      if (count != beat.first) {
+        beat = {count, now};
+      }
+      if (!done && now - beat.second <= s_.liveness_window()) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void mark_done() {
+    kv_.set(s_.key(a_.round, "done/" + std::to_string(me_)), "1");
+  }
+
+  /// Ends the round for `reason` unless another member ended it first, and
+  /// returns the reason it ended for (waiting up to `timeout` for the first
+  /// member to write it).
+  RoundEnd end(RoundEnd reason, std::chrono::milliseconds timeout) {
+    if (kv_.add(s_.key(a_.round, "end"), 1) == 1) {
+      kv_.set(s_.key(a_.round, "reason"), to_string(reason));
+      if (reason == RoundEnd::kFailure) {
+        kv_.add(s_.key("restarts"), 1);
+      }
+      kv_.add(s_.key("round"), 1);
+      return reason;
+    }
+    return reason_of(timeout);
+  }
+
+  /// Why the round ended (someone else ended it).
+  RoundEnd reason_of(std::chrono::milliseconds timeout) {
+    const auto deadline = RdzvClock::now() + timeout;
+    while (true) {
+      if (const auto text = kv_.get(s_.key(a_.round, "reason"))) {
+        return *text == "failure" ? RoundEnd::kFailure : RoundEnd::kMembership;
+      }
+      if (RdzvClock::now() > deadline) {
+        throw RendezvousError("round " + std::to_string(a_.round) + " was ended, but no node said why within " +
+                              std::to_string(timeout.count()) + " ms");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  int64_t lost() const {
+    return lost_;
+  }
+
+ private:
+  void beat(RdzvClock::time_point now) {
+    kv_.add(s_.key(a_.round, "hb/" + std::to_string(me_)), 1);
+    next_beat_ = now + s_.keep_alive_interval;
+  }
+
+  KeyValue& kv_;
+  const RendezvousSettings& s_;
+  Assignment a_;
+  int64_t me_;
+  std::map<int64_t, std::pair<int64_t, RdzvClock::time_point>> beats_; // id: last count, when it last moved
+  RdzvClock::time_point next_beat_;
+  int64_t lost_ = -1;
+};
+
+} // namespace tools
+} // namespace lockstep
