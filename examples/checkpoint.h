@@ -151,6 +151,16 @@ struct TrainingState {
   Tally epoch_tally;
   std::string grad_scaler; // --precision fp16: the GradScaler's archive (save()), as bytes; else empty
   std::vector<std::string> comm_hook_states; // --comm-hook powersgd: each rank's PowerSGD::save(), as bytes
+  // How often each training row was trained, over every rank, up to `step`
+  // (int32, one per row; undefined when resumed from a checkpoint that
+  // predates the counts). A resume shows each row trained once per epoch,
+  // whatever changed between the runs (Note [Data order] in sampling.h).
+  torch::Tensor sample_counts;
+  // This rank's rows since `sample_counts`, summed over the ranks at each
+  // checkpoint (sync_sample_counts in train.cpp); not saved.
+  torch::Tensor unsynced_counts;
+  // The world size of the run this one resumed from; 0 when not resumed. Not saved.
+  int64_t resumed_world_size = 0;
 };
 
 inline torch::Tensor bytes_tensor(const std::string& bytes) {
@@ -269,6 +279,12 @@ inline TrainingState read_position(torch::serialize::InputArchive& archive, int6
   state.data.rows = d[0];
   std::memcpy(&state.data.checksum, &d[1], sizeof(uint64_t));
   std::memcpy(&state.data.seed, &d[2], sizeof(uint64_t));
+  torch::Tensor counts;
+  if (archive.try_read("sample_counts", counts)) {
+    TORCH_CHECK(counts.dim() == 1 && counts.numel() == state.data.rows && counts.scalar_type() == torch::kInt32,
+                "its sample_counts are ", counts.sizes(), " ", counts.dtype(), ", not ", state.data.rows, " int32s.");
+    state.sample_counts = counts;
+  }
   return state;
 }
 
@@ -284,6 +300,9 @@ inline void write_position(torch::serialize::OutputArchive& archive, const Train
                                     hash_tensor(state.data.seed).reshape({1})}));
   archive.write("epoch_tally", torch::tensor({state.epoch_tally.loss_sum, static_cast<double>(state.epoch_tally.correct),
                                              static_cast<double>(state.epoch_tally.rows)}, torch::kFloat64));
+  if (state.sample_counts.defined()) {
+    archive.write("sample_counts", state.sample_counts);
+  }
   if (!state.grad_scaler.empty()) {
     archive.write("grad_scaler", bytes_tensor(state.grad_scaler));
   }

@@ -167,6 +167,14 @@ inline std::string resume_differences(const TrainingState& there, const BatchPla
 
 // `state` as this run writes it into its checkpoints.
 inline TrainingState this_run(TrainingState state, const BatchPlan& plan, const DataSignature& data) {
+  if (state.step == 0 && state.epoch == 0) {
+    state.sample_counts = torch::zeros({plan.samples}, torch::kInt32);
+  } else if (state.sample_counts.defined() && state.sample_counts.numel() != plan.samples) {
+    state.sample_counts = torch::Tensor(); // counts of other training data: this run's are unknown
+  }
+  if (state.sample_counts.defined()) {
+    state.unsynced_counts = torch::zeros_like(state.sample_counts);
+  }
   state.world_size = plan.world_size;
   state.batch_size = plan.batch_size;
   state.data = data;
@@ -185,6 +193,7 @@ inline TrainingState resume(
   if (config.checkpoint_path.empty() || !load(state)) {
     return this_run(state, plan, data);
   }
+  state.resumed_world_size = state.world_size;
   if (report) {
     std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, sample %lld of %lld)%s\n",
                  config.checkpoint_path.c_str(), static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1),
@@ -253,6 +262,8 @@ struct Setup {
   BatchPlan plan;
   // Sums every rank's tally (a tiny allreduce under DDP; as is with one process).
   std::function<Tally(const Tally&)> combine;
+  // Sums a CPU tensor over every rank, in place (as is with one process).
+  std::function<void(torch::Tensor&)> sum_over_ranks = [](torch::Tensor&) {};
   // Gives every rank rank 0's buffers (BatchNorm's running statistics).
   std::function<void()> sync_buffers;
   // Called on every rank: while what it returns lives, the bare model holds
@@ -291,6 +302,11 @@ inline Setup launched_setup(const lockstep::ProcessGroup& group, ConvNet& net, c
     sums = sums.cpu();
     auto s = sums.accessor<double, 1>();
     return Tally{s[0], static_cast<int64_t>(s[1]), static_cast<int64_t>(s[2])};
+  };
+  setup.sum_over_ranks = [group, device = setup.device](torch::Tensor& t) {
+    auto on_device = t.to(device);
+    group.allreduce(on_device);
+    t.copy_(on_device);
   };
   setup.sync_buffers = [group, net] {
     for (auto& buffer : net->buffers()) {

@@ -247,7 +247,18 @@ Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
 
 // Writes where training stands (every rank calls it; rank 0 writes unless
 // the checkpoint is sharded).
-void checkpoint(const Run& run, const TrainingState& state) {
+// Adds every rank's rows trained since the last call to the state's sample
+// counts. Called on every rank: a collective.
+void sync_sample_counts(const Run& run, TrainingState& state) {
+  if (state.sample_counts.defined()) {
+    run.setup.sum_over_ranks(state.unsynced_counts);
+    state.sample_counts += state.unsynced_counts;
+    state.unsynced_counts.zero_();
+  }
+}
+
+void checkpoint(const Run& run, TrainingState& state) {
+  sync_sample_counts(run, state);
   if (!run.config.checkpoint_path.empty()) {
     TrainingState saved = state;
     saved.grad_scaler = lockstep::examples::scaler_bytes(run.scaler);
@@ -378,6 +389,9 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
     maybe_inject_fault(run.setup.rank, state.step);
     const double lr = lr_at(config, state.step, epoch.batch_count, epoch.total_steps);
     epoch.pending += train_step(run, batches[i], lr);
+    if (state.unsynced_counts.defined()) {
+      state.unsynced_counts.index_add_(0, batches[i], torch::ones({batches[i].size(0)}, torch::kInt32));
+    }
     ++state.step;
     state.samples_in_epoch += batches[i].size(0) * world_size; // every rank takes as many rows
     const double epochs_done = state.epoch + static_cast<double>(state.samples_in_epoch) / epoch.rows;
@@ -419,6 +433,23 @@ void report_finished_run(const Run& run, const TrainingState& state) {
 
 // Rank 0's last words: saves the model, draws the curves, and prints the
 // summary and the list of outputs.
+// Whether every training row was trained once per epoch, through every
+// resume and change of world size (TrainingState::sample_counts).
+std::string describe_sample_counts(const torch::Tensor& counts, int epochs) {
+  if (!counts.defined()) {
+    return "sample counts: unknown (resumed from a checkpoint written without them)";
+  }
+  const int64_t low = counts.min().item<int64_t>();
+  const int64_t high = counts.max().item<int64_t>();
+  if (low == epochs && high == epochs) {
+    return "sample counts: each of the " + std::to_string(counts.numel()) + " training samples trained " +
+           std::to_string(epochs) + " time(s), once per epoch";
+  }
+  return "sample counts: the " + std::to_string(counts.numel()) + " training samples trained from " +
+         std::to_string(low) + " to " + std::to_string(high) + " time(s), not once per epoch (" +
+         std::to_string(epochs) + "): " + std::to_string((counts != epochs).sum().item<int64_t>()) + " differ";
+}
+
 void report_summary(const Run& run, const TrainingState& state, const Totals& totals, double seconds) {
   const Config& config = run.config;
   const int world_size = run.setup.world_size;
@@ -446,6 +477,7 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
               "(%lld of %lld test images, over %d rank(s))\n",
               mean_loss(last), percent(last).c_str(), mean_loss(tested), percent(tested).c_str(),
               static_cast<long long>(tested.correct), static_cast<long long>(tested.rows), world_size);
+  std::printf("lockstep-train: %s\n", describe_sample_counts(state.sample_counts, config.epochs).c_str());
   std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*run.net)));
   std::string listed;
   for (const auto& o : outputs) {
@@ -456,6 +488,23 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
   if (!no_curves.empty()) {
     std::printf("lockstep-train: %s\n", no_curves.c_str());
   }
+}
+
+// A run resumed at another world size (an elastic job that shrank or grew):
+// said, and recorded in metrics.jsonl.
+void report_membership_change(const Run& run, const TrainingState& state, lockstep::examples::MetricsLog& metrics) {
+  const int64_t before = state.resumed_world_size;
+  const int64_t now = run.setup.world_size;
+  if (before == 0 || before == now) {
+    return;
+  }
+  std::printf("lockstep-train: membership change: world size %lld -> %lld at step %lld; the global batch stays %lld "
+              "(%lld rows per rank)\n", static_cast<long long>(before), static_cast<long long>(now),
+              static_cast<long long>(state.step), static_cast<long long>(run.config.batch_size),
+              static_cast<long long>(run.config.batch_size / now));
+  std::fflush(stdout);
+  metrics.write({{"kind", "membership"}, {"step", state.step}, {"epoch", state.epoch + 1},
+                 {"samples_in_epoch", state.samples_in_epoch}, {"old_world_size", before}, {"new_world_size", now}});
 }
 
 // Trains from where the setup starts to the last epoch, then reports.
@@ -469,6 +518,7 @@ void train(const Run& run) {
     // nodes, another node's rank would remove a save in progress.
     lockstep::examples::remove_stale_temporaries(run.config.checkpoint_path);
     metrics = lockstep::examples::MetricsLog(run.config.out_dir + "/metrics.jsonl", state.step);
+    report_membership_change(run, state, metrics);
   }
   if (state.epoch >= run.config.epochs) {
     report_finished_run(run, state);

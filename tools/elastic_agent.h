@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <ctime>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -103,16 +104,16 @@ class ElasticAgent {
     for (int attempt = 0;; ++attempt) {
       const auto joined = join();
       if (!joined) {
-        return g_launcher_signal != 0 ? stopped_by_signal() : 0;
+        return leave(g_launcher_signal != 0 ? stopped_by_signal() : 0);
       }
-      const Assignment a = *joined;
-      if (a.restarts > options_.max_restarts) {
+      last_ = *joined;
+      if (last_->restarts > options_.max_restarts) {
         std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options_.max_restarts);
-        return 1;
+        return leave(1);
       }
-      const int code = run_round(a, attempt);
+      const int code = run_round(*last_, attempt);
       if (code >= 0) {
-        return code;
+        return leave(code);
       }
     }
   }
@@ -299,6 +300,31 @@ class ElasticAgent {
     return 0;
   }
 
+  // Says this node leaves the job with `code`. The node that serves the
+  // store first waits, for two liveness windows at most, until the other
+  // members of the last round have left too: they may still have to read how
+  // the round ended.
+  int leave(int code) {
+    if (!last_) {
+      return code;
+    }
+    try {
+      kv_.set(s_.key(last_->round, "left/" + std::to_string(me_.id)), std::to_string(code));
+      const auto until = Clock::now() + 2 * s_.liveness_window();
+      for (size_t i = 0; serves_store_ && i < last_->members.size() && Clock::now() < until;) {
+        const int64_t id = last_->members[i];
+        if (id == me_.id || kv_.get(s_.key(last_->round, "left/" + std::to_string(id)))) {
+          ++i;
+        } else {
+          std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
+        }
+      }
+    } catch (const KvError&) {
+      // The store is gone: nobody is left to tell.
+    }
+    return code;
+  }
+
   const Options& options_;
   std::string program_;
   KeyValue& kv_;
@@ -307,6 +333,7 @@ class ElasticAgent {
   NodeDesc me_;
   std::string run_id_;
   int last_world_size_ = 0;
+  std::optional<Assignment> last_; // the last round this node was a member of
 };
 
 /// An elastic job on this node: serves the rendezvous store if

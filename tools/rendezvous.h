@@ -192,7 +192,12 @@ class RoundJoin {
       }
       return Status::kPending;
     }
-    if (const auto members = kv_.get(s_.key(round_, "members"))) {
+    auto members = kv_.get(s_.key(round_, "members"));
+    if (!members) {
+      maybe_close(now);
+      members = kv_.get(s_.key(round_, "members"));
+    }
+    if (members) {
       assignment_ = assign(RoundRecord::decode(round_, *members), me_.id);
       if (assignment_.group_rank >= 0) {
         return Status::kJoined;
@@ -200,7 +205,6 @@ class RoundJoin {
       wait_for_next_round();
       return Status::kPending;
     }
-    maybe_close(now);
     if (now - round_started_ > s_.join_timeout) {
       throw RendezvousError("round " + std::to_string(round_) + " of the rendezvous did not close within join_timeout (" +
                             std::to_string(s_.join_timeout.count() / 1000) + " s): " + std::to_string(joined_) + " of " +

@@ -1,0 +1,306 @@
+// Elastic jobs on one machine: lockstep-run launchers at --nnodes MIN:MAX
+// meeting at one --rdzv-endpoint, with lockstep-train under them. Ports of
+// TorchElastic's agent tests (test_double_agent_fault_tolerance,
+// test_double_agent_elastic), a node that joins, a failure that counts, the
+// store's host lost, and torchrun's own elastic agent running lockstep.
+
+#include "support/launch.h"
+#include "support/processes.h"
+
+#include <tools/kv_store.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+using namespace testing::jobs;
+using testing::Process;
+
+// Short timings, so that a lost node is seen within a second.
+const std::vector<std::string> kQuickRendezvous{
+    "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=4,join_timeout=60"};
+
+// A job long enough to be interrupted: 8192 samples, 2 epochs, a checkpoint every 4 steps.
+std::vector<std::string> long_trainer(const std::string& name) {
+  return with_flag(trainer(name, temp(name + ".ckpt")), "--train-samples", "8192");
+}
+
+struct ElasticJob {
+  ElasticJob(std::string name, std::string nnodes) : name(std::move(name)), nnodes(std::move(nnodes)) {}
+  std::string name;
+  std::string nnodes;
+  std::string endpoint = "127.0.0.1:" + port();
+  std::vector<std::string> extra; // more launcher flags
+  std::vector<Process> nodes;
+
+  // Starts one more node: a lockstep-run of one rank of lockstep-train.
+  Process& start_node(const std::vector<std::string>& env = {}) {
+    std::vector<std::string> flags{"--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+                                   "--rdzv-id", name};
+    flags.insert(flags.end(), kQuickRendezvous.begin(), kQuickRendezvous.end());
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    std::vector<std::string> all_env{kOneThread};
+    all_env.insert(all_env.end(), env.begin(), env.end());
+    nodes.push_back(testing::start(launcher(flags, long_trainer(name)), all_env,
+                                   temp(name + "_node" + std::to_string(nodes.size()) + ".log")));
+    return nodes.back();
+  }
+  std::string checkpoint() const {
+    return temp(name + ".ckpt");
+  }
+};
+
+// Waits until `path` exists: the job has trained some steps.
+bool wait_for_file(const std::string& path, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < until) {
+    struct stat st;
+    if (stat(path.c_str(), &st) == 0) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+// SIGKILL to a node's launcher alone: its ranks die with it (PR_SET_PDEATHSIG), as on a lost machine.
+void kill_node(Process& p) {
+  kill(p.pid, SIGKILL);
+  waitpid(p.pid, nullptr, 0);
+  p.pid = 0;
+}
+
+std::string sample_counts(const std::string& output) {
+  std::smatch m;
+  return std::regex_search(output, m, std::regex("sample counts: [^\n]*")) ? m[0].str() : "";
+}
+
+const std::string kEverySampleTwice = "sample counts: each of the 8192 training samples trained 2 time(s), once per epoch";
+
+// The same job uninterrupted: 2 ranks on one node.
+const std::string& uninterrupted_hash() {
+  static const std::string hash = [] {
+    auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, long_trainer("elastic_reference"),
+                    "elastic_reference", {kOneThread});
+    EXPECT_EQ(p.exit_code, 0) << p.output;
+    return final_hash(p.output);
+  }();
+  return hash;
+}
+
+// test_double_agent_fault_tolerance: two nodes of a 2:2 job; one is killed
+// mid-run and started again. Both finish, and the job is the uninterrupted
+// one bit for bit: the new round resumes from the checkpoint at world size 2.
+TEST(Elastic, DoubleAgentFaultTolerance) {
+  ElasticJob job("fault_tolerance", "2:2");
+  job.start_node();
+  job.start_node();
+  ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
+  kill_node(job.nodes[1]);
+  job.nodes.erase(job.nodes.begin() + 1);
+  job.start_node();
+  testing::wait_all(job.nodes, kDeadline);
+  for (const auto& node : job.nodes) {
+    EXPECT_EQ(node.exit_code, 0) << node.output;
+  }
+  const std::string& survivor = job.nodes[0].output;
+  EXPECT_TRUE(std::regex_search(survivor, std::regex("lockstep-run: node [0-9]+ is lost: no heartbeat for 1.0 s")))
+      << survivor;
+  EXPECT_NE(survivor.find("the membership changed; not counted as a restart."), std::string::npos) << survivor;
+  EXPECT_NE(survivor.find("round 1: 2 node(s), 2 rank(s)"), std::string::npos) << survivor;
+  const std::string both = survivor + job.nodes[1].output; // rank 0 is on either
+  EXPECT_NE(both.find("lockstep-train: resumed from " + job.checkpoint()), std::string::npos) << both;
+  EXPECT_EQ(sample_counts(both), kEverySampleTwice) << both;
+  EXPECT_EQ(final_hash(both), uninterrupted_hash()) << both;
+  EXPECT_FALSE(uninterrupted_hash().empty());
+}
+
+// test_double_agent_elastic: a 1:2 job loses a node for good; the other
+// finishes alone, from the checkpoint, at world size 1, and says so.
+TEST(Elastic, DoubleAgentElasticShrinksToTheSurvivor) {
+  ElasticJob job("elastic_shrink", "1:2");
+  job.start_node();
+  job.start_node();
+  ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
+  kill_node(job.nodes[1]);
+  testing::wait_all(job.nodes, kDeadline);
+  const std::string& survivor = job.nodes[0].output;
+  EXPECT_EQ(job.nodes[0].exit_code, 0) << survivor;
+  EXPECT_NE(survivor.find("lockstep-run: membership changed: world size 2 -> 1"), std::string::npos) << survivor;
+  EXPECT_NE(survivor.find("round 1: 1 node(s), 1 rank(s)"), std::string::npos) << survivor;
+  EXPECT_NE(survivor.find("restarts so far: 0"), std::string::npos) << survivor;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(survivor, m, std::regex("membership change: world size 2 -> 1 at step ([0-9]+); the "
+                                                        "global batch stays 64 \\(64 rows per rank\\)"))) << survivor;
+  EXPECT_EQ(sample_counts(survivor), kEverySampleTwice) << survivor;
+  // metrics.jsonl keeps the change as an event.
+  std::ifstream metrics(temp("elastic_shrink_out") + "/metrics.jsonl");
+  int events = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record["kind"] == "membership") {
+      ++events;
+      EXPECT_EQ(record["old_world_size"], 2);
+      EXPECT_EQ(record["new_world_size"], 1);
+      EXPECT_EQ(record["step"].get<int64_t>(), std::stoll(m[1].str()));
+    }
+  }
+  EXPECT_EQ(events, 1);
+}
+
+// A node that arrives while a 1:2 job runs alone waits; the running node
+// sees it and starts a round with both.
+TEST(Elastic, NodeJoiningARunningJobGrowsIt) {
+  ElasticJob job("elastic_grow", "1:2");
+  job.start_node();
+  ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
+  job.start_node();
+  testing::wait_all(job.nodes, kDeadline);
+  for (const auto& node : job.nodes) {
+    EXPECT_EQ(node.exit_code, 0) << node.output;
+  }
+  const std::string& first = job.nodes[0].output;
+  EXPECT_NE(first.find("lockstep-run: a node waits to join; starting a new round with it."), std::string::npos) << first;
+  EXPECT_NE(first.find("membership change: world size 1 -> 2 at step"), std::string::npos) << first;
+  EXPECT_NE(job.nodes[1].output.find("round 0 runs without this node; waiting for the next round."), std::string::npos)
+      << job.nodes[1].output;
+  EXPECT_EQ(sample_counts(first), kEverySampleTwice) << first;
+}
+
+// A rank that fails is a failure, not a change of membership: it counts
+// against --max-restarts, on every node, and the restarted round (restart
+// count 1) runs without the injected fault.
+TEST(Elastic, RankFailureCountsAsARestartOnEveryNode) {
+  ElasticJob job("elastic_failure", "2:2");
+  job.extra = {"--max-restarts", "1"};
+  job.start_node({"LOCKSTEP_FAULT=1:6"});
+  job.start_node({"LOCKSTEP_FAULT=1:6"});
+  testing::wait_all(job.nodes, kDeadline);
+  for (const auto& node : job.nodes) {
+    EXPECT_EQ(node.exit_code, 0) << node.output;
+    EXPECT_NE(node.output.find("restarting every rank in a new round (restart 1 of 1)"), std::string::npos) << node.output;
+    EXPECT_NE(node.output.find("round 1: 2 node(s), 2 rank(s)"), std::string::npos) << node.output;
+    EXPECT_NE(node.output.find("(restarts so far: 1)"), std::string::npos) << node.output;
+  }
+  // Rank 0, on either node, reports the counts.
+  EXPECT_EQ(sample_counts(job.nodes[0].output + job.nodes[1].output), kEverySampleTwice)
+      << job.nodes[0].output << job.nodes[1].output;
+}
+
+TEST(Elastic, FailureBeyondMaxRestartsEndsEveryNode) {
+  ElasticJob job("elastic_give_up", "2:2");
+  job.start_node({"LOCKSTEP_FAULT=1:6"});
+  job.start_node({"LOCKSTEP_FAULT=1:6"});
+  testing::wait_all(job.nodes, kDeadline);
+  for (const auto& node : job.nodes) {
+    EXPECT_EQ(node.exit_code, 1) << node.output;
+    EXPECT_NE(node.output.find("lockstep-run: giving up after 0 restart(s)."), std::string::npos) << node.output;
+  }
+}
+
+// The store lives in the launcher on --rdzv-endpoint: when that node is
+// lost, the other fails within the store's timeout, naming the store.
+TEST(Elastic, LosingTheRendezvousHostEndsEveryNodeNamingTheStore) {
+  ElasticJob job("elastic_host_lost", "1:2");
+  job.start_node();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300)); // the first node serves the store
+  job.start_node();
+  ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
+  kill_node(job.nodes[0]);
+  job.nodes.erase(job.nodes.begin());
+  testing::wait_all(job.nodes, std::chrono::seconds(30));
+  const std::string& other = job.nodes[0].output;
+  EXPECT_EQ(job.nodes[0].exit_code, 1) << other;
+  EXPECT_NE(other.find("lockstep-run: the rendezvous store at " + job.endpoint + ": "), std::string::npos) << other;
+  EXPECT_NE(other.find("serves the rendezvous: it has stopped, or this node lost its link to it"), std::string::npos)
+      << other;
+  EXPECT_LT(job.nodes[0].seconds, 60) << other;
+  EXPECT_TRUE(testing::processes_with(temp("elastic_host_lost")).empty()) << "a rank outlived its launcher";
+}
+
+// A store client whose server is gone fails within its timeout, and says
+// where the store was.
+TEST(Elastic, StoreClientFailsWithinItsTimeoutWhenTheServerStops) {
+  const int store_port = testing::free_port();
+  const auto bound = detail::bind_first(detail::resolve_tcp("127.0.0.1", store_port), true, true);
+  ASSERT_GE(bound.fd, 0);
+  auto server = std::make_unique<tools::KvServer>(bound.fd);
+  tools::KvClient client("127.0.0.1", store_port, std::chrono::milliseconds(1000));
+  EXPECT_EQ(client.add("k", 2), 2);
+  client.set("v", "x y");
+  EXPECT_EQ(client.get("v").value_or(""), "x y");
+  EXPECT_FALSE(client.get("none").has_value());
+  server.reset();
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    client.add("k", 1);
+    ADD_FAILURE() << "the store answered after its server stopped";
+  } catch (const tools::KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("the rendezvous store at 127.0.0.1:" + std::to_string(store_port) + ": "),
+              std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
+}
+
+int parent_of(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')'); // after the command's name, which may hold spaces
+  int ppid = -1;
+  char state = 0;
+  std::sscanf(text.c_str() + (close == std::string::npos ? 0 : close + 1), " %c %d", &state, &ppid);
+  return ppid;
+}
+
+// torchrun's own elastic agent (c10d rendezvous, --nnodes 1:2) running
+// lockstep-train: two agents of one rank each, one killed mid-run; the
+// survivor's agent restarts its rank at world size 1, which resumes.
+TEST(Torchrun, ElasticAgentRunsLockstepWorkersAndSurvivesALostNode) {
+  const std::string endpoint = "127.0.0.1:" + port();
+  const std::string name = "torchrun_elastic";
+  std::vector<Process> agents;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::string> args{LOCKSTEP_PYTHON, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
+                                  "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", name,
+                                  "--rdzv_conf", "last_call_timeout=1",
+                                  "--max_restarts", "3", "--monitor_interval", "0.2", "--redirects", "1", "--tee", "1",
+                                  "--log_dir", temp(name + "_logs" + std::to_string(i)), "--no_python"};
+    const auto program = long_trainer(name);
+    args.insert(args.end(), program.begin(), program.end());
+    agents.push_back(testing::start(args, {kOneThread}, temp(name + std::to_string(i) + ".log")));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500)); // the first agent hosts the store
+  }
+  ASSERT_TRUE(wait_for_file(temp(name + ".ckpt"), 90)) << "the job never wrote its first checkpoint";
+  // The agent and its worker, as on a lost machine (torchrun starts its
+  // workers in sessions of their own, and they outlive a killed agent).
+  for (const int pid : testing::processes_with(temp(name))) {
+    if (parent_of(pid) == agents[1].pid) {
+      kill(pid, SIGKILL);
+    }
+  }
+  kill(agents[1].pid, SIGKILL);
+  waitpid(agents[1].pid, nullptr, 0);
+  agents.pop_back();
+  testing::wait_all(agents, kDeadline);
+  const std::string& survivor = agents[0].output;
+  EXPECT_EQ(agents[0].exit_code, 0) << survivor;
+  EXPECT_NE(survivor.find("membership change: world size 2 -> 1 at step"), std::string::npos) << survivor;
+  EXPECT_EQ(sample_counts(survivor), kEverySampleTwice) << survivor;
+}
+
+} // namespace
+} // namespace lockstep

@@ -1,0 +1,320 @@
+// The elastic rendezvous as pure logic (Note [Elastic rendezvous] in
+// tools/rendezvous.h): several nodes driven a step at a time over one
+// in-memory store, with a clock the test moves. No threads, no sockets.
+
+#include <tools/rendezvous.h>
+#include <tools/run_options.h>
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+using tools::Assignment;
+using tools::MemoryKeyValue;
+using tools::NodeDesc;
+using tools::RdzvClock;
+using tools::RendezvousError;
+using tools::RendezvousSettings;
+using tools::RoundEnd;
+using tools::RoundJoin;
+using tools::RoundWatch;
+using Status = RoundJoin::Status;
+using Verdict = RoundWatch::Verdict;
+using std::chrono::milliseconds;
+
+RendezvousSettings settings(int min_nodes, int max_nodes) {
+  RendezvousSettings s;
+  s.min_nodes = min_nodes;
+  s.max_nodes = max_nodes;
+  s.id = "test";
+  s.join_timeout = milliseconds(10000);
+  s.last_call = milliseconds(1000);
+  s.keep_alive_interval = milliseconds(100);
+  s.keep_alive_max_attempt = 3;
+  return s;
+}
+
+NodeDesc node(MemoryKeyValue& kv, const RendezvousSettings& s, int nproc = 1) {
+  NodeDesc d;
+  d.id = kv.add(s.key("nodes"), 1);
+  d.nproc = nproc;
+  d.addr = "10.0.0." + std::to_string(d.id);
+  d.port = 1000 + static_cast<int>(d.id);
+  return d;
+}
+
+// Polls every join once at `now`; the assignments of those that joined.
+std::vector<Assignment> poll_all(std::vector<std::unique_ptr<RoundJoin>>& joins, RdzvClock::time_point now) {
+  std::vector<Assignment> joined;
+  for (auto& j : joins) {
+    if (j->poll(now) == Status::kJoined) {
+      joined.push_back(j->assignment());
+    }
+  }
+  return joined;
+}
+
+TEST(KvStore, WireProtocolAddsSetsGetsAndRefusesNonsense) {
+  MemoryKeyValue kv;
+  EXPECT_EQ(kv.serve("ADD a 2"), "V 2");
+  EXPECT_EQ(kv.serve("ADD a 3"), "V 5");
+  EXPECT_EQ(kv.serve("ADD a 0"), "V 5");
+  EXPECT_EQ(kv.serve("SET b 1,2 and more"), "OK");
+  EXPECT_EQ(kv.serve("GET b"), "V 1,2 and more");
+  EXPECT_EQ(kv.serve("GET c"), "NONE");
+  EXPECT_EQ(kv.serve("ADD b 1"), "ERR not a counter");
+  EXPECT_EQ(kv.serve("ADD a x"), "ERR not a counter");
+  EXPECT_EQ(kv.serve("ADD"), "ERR no key");
+  EXPECT_EQ(kv.serve("DROP a"), "ERR unknown operation DROP");
+  EXPECT_EQ(kv.serve("GET a"), "V 5");
+}
+
+TEST(Rendezvous, RoundClosesAtOnceWhenMaxNodesJoinAndRanksFollowTheNodeOrder) {
+  MemoryKeyValue kv;
+  const auto s = settings(1, 2);
+  const auto t0 = RdzvClock::now();
+  const NodeDesc a = node(kv, s, 2), b = node(kv, s, 1);
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, b, t0)); // b arrives first: the order is still a, b
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, a, t0));
+  const auto joined = poll_all(joins, t0);
+  ASSERT_EQ(joined.size(), 2u);
+  const Assignment& of_b = joined[0];
+  const Assignment& of_a = joined[1];
+  EXPECT_EQ(of_a.group_rank, 0);
+  EXPECT_EQ(of_a.rank_offset, 0);
+  EXPECT_EQ(of_b.group_rank, 1);
+  EXPECT_EQ(of_b.rank_offset, 2);
+  EXPECT_EQ(of_b.world_size, 3);
+  EXPECT_EQ(of_b.group_world_size, 2);
+  EXPECT_EQ(of_b.master_addr, "10.0.0.1"); // node a's address and port: its rank 0 hosts the workers' store
+  EXPECT_EQ(of_b.master_port, 1001);
+  EXPECT_EQ(of_b.round, 0);
+  EXPECT_EQ(of_b.restarts, 0);
+}
+
+TEST(Rendezvous, BelowMaxTheRoundClosesOnlyAfterTheLastCall) {
+  MemoryKeyValue kv;
+  const auto s = settings(2, 3);
+  const auto t0 = RdzvClock::now();
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, node(kv, s), t0));
+  EXPECT_TRUE(poll_all(joins, t0 + milliseconds(5000)).empty()) << "one node is below MIN: no round";
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, node(kv, s), t0 + milliseconds(5000)));
+  EXPECT_TRUE(poll_all(joins, t0 + milliseconds(5000)).empty()) << "MIN is in: the last call (1 s) begins";
+  EXPECT_TRUE(poll_all(joins, t0 + milliseconds(5900)).empty()) << "MIN is in, but the last call has not passed";
+  const auto joined = poll_all(joins, t0 + milliseconds(6000)); // the first to see it pass closes the round
+  ASSERT_EQ(joined.size(), 2u);
+  EXPECT_EQ(joined[0].world_size, 2);
+}
+
+TEST(Rendezvous, RoundBelowMinFailsAfterTheJoinTimeoutSayingHowManyCame) {
+  MemoryKeyValue kv;
+  const auto s = settings(3, 3);
+  const auto t0 = RdzvClock::now();
+  RoundJoin join(kv, s, node(kv, s), t0);
+  EXPECT_EQ(join.poll(t0 + milliseconds(9000)), Status::kPending);
+  try {
+    join.poll(t0 + milliseconds(10001));
+    ADD_FAILURE() << "no error after the join timeout";
+  } catch (const RendezvousError& e) {
+    EXPECT_STREQ(e.what(), "round 0 of the rendezvous did not close within join_timeout (10 s): 1 of at least 3 "
+                           "node(s) joined. Start the missing nodes, or lower MIN in --nnodes MIN:MAX.");
+  }
+}
+
+// Round 0 closes with nodes 1 and 2. Node 3 comes late: it waits, the
+// members see it, end the round as a change of membership, and round 1
+// closes at once with all three, in id order.
+TEST(Rendezvous, LateNodeWaitsAndTheMembersStartARoundWithIt) {
+  MemoryKeyValue kv;
+  const auto s = settings(2, 3);
+  auto now = RdzvClock::now();
+  std::vector<NodeDesc> nodes{node(kv, s), node(kv, s), node(kv, s)};
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, nodes[0], now));
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, nodes[1], now));
+  poll_all(joins, now);
+  now += milliseconds(1500);
+  poll_all(joins, now);
+  auto round0 = poll_all(joins, now);
+  ASSERT_EQ(round0.size(), 2u);
+  RoundWatch watch0(kv, s, round0[0], nodes[0].id, now), watch1(kv, s, round0[1], nodes[1].id, now);
+  EXPECT_EQ(watch0.check(now), Verdict::kHealthy);
+
+  auto late = std::make_unique<RoundJoin>(kv, s, nodes[2], now);
+  EXPECT_EQ(late->poll(now), Status::kPending);
+  EXPECT_TRUE(late->waiting());
+  EXPECT_EQ(watch1.check(now), Verdict::kNodeWaiting);
+  EXPECT_EQ(watch1.end(RoundEnd::kMembership, milliseconds(100)), RoundEnd::kMembership);
+  EXPECT_EQ(watch0.check(now), Verdict::kRoundOver);
+  EXPECT_EQ(watch0.reason_of(milliseconds(100)), RoundEnd::kMembership);
+
+  joins.clear();
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, nodes[1], now));
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, nodes[0], now));
+  EXPECT_EQ(late->poll(now), Status::kPending); // sees round 1 open and takes its place
+  joins.push_back(std::move(late));
+  poll_all(joins, now);
+  const auto round1 = poll_all(joins, now);
+  ASSERT_EQ(round1.size(), 3u);
+  for (const auto& a : round1) {
+    EXPECT_EQ(a.round, 1);
+    EXPECT_EQ(a.world_size, 3);
+    EXPECT_EQ(a.restarts, 0) << "a change of membership is not a restart";
+  }
+  EXPECT_EQ(round1[0].group_rank, 1);
+  EXPECT_EQ(round1[1].group_rank, 0);
+  EXPECT_EQ(round1[2].group_rank, 2);
+}
+
+// Two nodes in a round: the one that stops beating is lost after the
+// liveness window, not before; one that said it is done never is.
+TEST(Rendezvous, SilentMemberIsLostAfterTheLivenessWindowAndADoneOneNever) {
+  MemoryKeyValue kv;
+  const auto s = settings(2, 2);
+  auto now = RdzvClock::now();
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  const NodeDesc a = node(kv, s), b = node(kv, s);
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, a, now));
+  joins.push_back(std::make_unique<RoundJoin>(kv, s, b, now));
+  const auto joined = poll_all(joins, now);
+  ASSERT_EQ(joined.size(), 2u);
+  RoundWatch watch_a(kv, s, joined[0], a.id, now), watch_b(kv, s, joined[1], b.id, now);
+  for (int i = 0; i < 10; ++i) { // both beat for a second
+    now += milliseconds(100);
+    EXPECT_EQ(watch_a.check(now), Verdict::kHealthy);
+    EXPECT_EQ(watch_b.check(now), Verdict::kHealthy);
+  }
+  now += milliseconds(250); // a sees b's last beat
+  EXPECT_EQ(watch_a.check(now), Verdict::kHealthy);
+  now += milliseconds(300); // b has been silent for the window (300 ms), not more
+  EXPECT_EQ(watch_a.check(now), Verdict::kHealthy);
+  now += milliseconds(1);
+  EXPECT_EQ(watch_a.check(now), Verdict::kMemberLost);
+  EXPECT_EQ(watch_a.lost(), b.id);
+
+  watch_b.mark_done(); // had b said it was done, a would not lose it
+  now += milliseconds(1000);
+  EXPECT_EQ(watch_a.check(now), Verdict::kMembersDone);
+  EXPECT_TRUE(watch_a.others_finished(now));
+}
+
+// A failure counts once however many members end the round for it, and the
+// next round's members read the count; a change of membership does not count.
+TEST(Rendezvous, OnlyFailuresCountAsRestartsAndTheFirstReasonWins) {
+  MemoryKeyValue kv;
+  const auto s = settings(2, 2);
+  auto now = RdzvClock::now();
+  const NodeDesc a = node(kv, s), b = node(kv, s);
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::unique_ptr<RoundJoin>> joins;
+    joins.push_back(std::make_unique<RoundJoin>(kv, s, a, now));
+    joins.push_back(std::make_unique<RoundJoin>(kv, s, b, now));
+    const auto joined = poll_all(joins, now);
+    ASSERT_EQ(joined.size(), 2u);
+    EXPECT_EQ(joined[0].round, round);
+    EXPECT_EQ(joined[0].restarts, round == 0 ? 0 : 1);
+    RoundWatch watch_a(kv, s, joined[0], a.id, now), watch_b(kv, s, joined[1], b.id, now);
+    const RoundEnd first = round == 0 ? RoundEnd::kFailure : RoundEnd::kMembership;
+    const RoundEnd second = round == 0 ? RoundEnd::kMembership : RoundEnd::kFailure;
+    EXPECT_EQ(watch_a.end(first, milliseconds(100)), first);
+    EXPECT_EQ(watch_b.end(second, milliseconds(100)), first) << "the member that ended the round first says why";
+  }
+  EXPECT_EQ(kv.add(s.key("restarts"), 0), 1);
+}
+
+TEST(Rendezvous, FullRoundLeavesTheNodeAboveMaxWaitingAndDoesNotEndForIt) {
+  MemoryKeyValue kv;
+  const auto s = settings(1, 2);
+  const auto now = RdzvClock::now();
+  std::vector<NodeDesc> nodes{node(kv, s), node(kv, s), node(kv, s)};
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  for (const auto& n : nodes) {
+    joins.push_back(std::make_unique<RoundJoin>(kv, s, n, now));
+  }
+  const auto joined = poll_all(joins, now);
+  ASSERT_EQ(joined.size(), 2u);
+  EXPECT_TRUE(joins[2]->waiting());
+  RoundWatch watch(kv, s, joined[0], nodes[0].id, now);
+  EXPECT_EQ(watch.check(now), Verdict::kHealthy) << "the round is full: a waiting node does not end it";
+}
+
+TEST(Rendezvous, WaitingNodeLearnsThatTheJobCompleted) {
+  MemoryKeyValue kv;
+  const auto s = settings(1, 1);
+  const auto now = RdzvClock::now();
+  RoundJoin first(kv, s, node(kv, s), now);
+  ASSERT_EQ(first.poll(now), Status::kJoined);
+  RoundJoin late(kv, s, node(kv, s), now);
+  EXPECT_EQ(late.poll(now), Status::kPending);
+  kv.set(s.key("complete"), "1");
+  EXPECT_EQ(late.poll(now), Status::kJobComplete);
+}
+
+// --- the command line ---------------------------------------------------------
+
+tools::RunOptions parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "lockstep-run");
+  args.push_back("prog");
+  std::vector<const char*> argv;
+  for (const auto& a : args) {
+    argv.push_back(a.c_str());
+  }
+  return tools::parse_run_options(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string refusal(const std::vector<std::string>& args) {
+  try {
+    parse(args);
+  } catch (const tools::RunUsageError& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(ElasticOptions, TorchrunsFlagsInBothSpellingsMakeAnElasticJob) {
+  const auto o = parse({"--nnodes", "2:4", "--rdzv_backend", "c10d", "--rdzv_endpoint", "node0:1234", "--rdzv_id", "job7",
+                        "--rdzv_conf", "join_timeout=20,last_call_timeout=0.5,keep_alive_interval=1,keep_alive_max_attempt=4",
+                        "--monitor_interval", "0.2"});
+  EXPECT_TRUE(o.elastic());
+  EXPECT_EQ(o.min_nodes, 2);
+  EXPECT_EQ(o.nnodes, 4);
+  EXPECT_EQ(o.rdzv_host, "node0");
+  EXPECT_EQ(o.rdzv_port, 1234);
+  EXPECT_EQ(o.rdzv_id, "job7");
+  EXPECT_EQ(o.join_timeout, 20);
+  EXPECT_EQ(o.last_call_timeout, 0.5);
+  EXPECT_EQ(o.keep_alive_interval, 1);
+  EXPECT_EQ(o.keep_alive_max_attempt, 4);
+  const auto range = parse({"--nnodes", "1:2", "--rdzv-endpoint", "[::1]"});
+  EXPECT_TRUE(range.elastic()) << "a range means c10d";
+  EXPECT_EQ(range.rdzv_host, "::1");
+  EXPECT_EQ(range.rdzv_port, 29400);
+  EXPECT_FALSE(parse({"--nnodes", "2", "--master-addr", "h"}).elastic());
+}
+
+TEST(ElasticOptions, BadElasticCommandLinesSayWhatIsWrong) {
+  EXPECT_EQ(refusal({"--nnodes", "1:2"}), "--nnodes 1:2 needs --rdzv-endpoint HOST[:PORT]: the address of the node that "
+                                          "serves the rendezvous, which every node can reach.");
+  EXPECT_EQ(refusal({"--nnodes", "3:2", "--rdzv-endpoint", "h"}), "--nnodes 3:2: MIN is above MAX; expected MIN:MAX with MIN <= MAX.");
+  EXPECT_EQ(refusal({"--nnodes", "0:2"}), "--nnodes 0:2: '0' is not a whole number from 1 to 65536.");
+  EXPECT_EQ(refusal({"--nnodes", "two"}), "--nnodes two: 'two' is not a whole number from 1 to 65536.");
+  EXPECT_EQ(refusal({"--rdzv-backend", "etcd"}), "--rdzv-backend etcd is not supported; lockstep-run has static and c10d.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h:99999"}), "--rdzv-endpoint h:99999: port '99999' is not a port number (1 to 65535).");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", ":5"}), "--rdzv-endpoint :5 has no host; expected HOST[:PORT].");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "timeout=5"}),
+            "--rdzv-conf timeout=5: unknown key or not a whole count; expected join_timeout, last_call_timeout, "
+            "keep_alive_interval (seconds) or keep_alive_max_attempt (a count).");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "join_timeout=-1"}),
+            "--rdzv-conf join_timeout=-1: expected KEY=VALUE with a positive number of seconds (a count for "
+            "keep_alive_max_attempt).");
+}
+
+} // namespace
+} // namespace lockstep
