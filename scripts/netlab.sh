@@ -85,6 +85,7 @@ down() {
   for ns in $(ip netns list | awk '{print $1}' | grep -E "^$name-(sw|h[0-9]+)$" || true); do
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$ns"
+    rm -rf "/etc/netns/$ns" # files a host's namespace mounts over /etc (scripts/slurm_cluster.sh's hosts)
   done
 }
 

@@ -29,24 +29,30 @@ namespace {
 // process where it stands in variables of their own. When torchrun's RANK and
 // WORLD_SIZE are absent, these are read instead, and the job is an MPI job:
 // "auto" then picks the mpi backend for CPU tensors, and no store is needed.
+//
+// A Slurm batch script also has SLURM_PROCID and SLURM_NTASKS (the whole
+// allocation's), but it is one process, not a task of a step: a program
+// started there directly, not by srun, would wait for ranks that never come.
+// So Slurm's variables count only inside a step (SLURM_STEP_ID).
 struct MpiLauncher {
   const char* name;
   const char* rank;
   const char* size;
   const char* local_rank;
   const char* local_size; // may be unset even under this launcher
+  const char* inside;     // set only in the launcher's processes; nullptr: rank and size suffice
 };
 constexpr MpiLauncher kMpiLaunchers[] = {
     {"Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"},
-    {"Slurm's srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
-    {"MPICH's mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+     "OMPI_COMM_WORLD_LOCAL_SIZE", nullptr},
+    {"Slurm's srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_ID"},
+    {"MPICH's mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", nullptr},
 };
 
 // The launcher whose rank and size variables are both set, or nullptr.
 const MpiLauncher* mpi_launcher_of(const std::function<const char*(const char*)>& get) {
   for (const auto& l : kMpiLaunchers) {
-    if (get(l.size) != nullptr && get(l.rank) != nullptr) {
+    if (get(l.size) != nullptr && get(l.rank) != nullptr && (l.inside == nullptr || get(l.inside) != nullptr)) {
       return &l;
     }
   }

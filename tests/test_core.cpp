@@ -446,9 +446,15 @@ TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
   EXPECT_STREQ(env.mpi_launcher, "Open MPI's mpirun");
   EXPECT_TRUE(env.master_addr.empty()); // no store, no MASTER_ADDR needed
   env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"},
-                                                                  {"SLURM_LOCALID", "1"}}));
+                                                                  {"SLURM_LOCALID", "1"}, {"SLURM_STEP_ID", "0"}}));
   EXPECT_EQ(env.rank, 5);
   EXPECT_EQ(env.local_rank, 1);
+  // A batch script has Slurm's rank and size too, but is no task of a step:
+  // one process, which must not wait for 7 others.
+  const auto batch = env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"}});
+  EXPECT_EQ(detail::find_mpi_launcher(batch), nullptr);
+  EXPECT_NE(error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), batch); })
+                .find("environment variable WORLD_SIZE is not set"), std::string::npos);
   // torchrun's variables win over a launcher's.
   env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"},
                                                                   {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));

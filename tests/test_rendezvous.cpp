@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -314,6 +315,63 @@ TEST(ElasticOptions, BadElasticCommandLinesSayWhatIsWrong) {
   EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "join_timeout=-1"}),
             "--rdzv-conf join_timeout=-1: expected KEY=VALUE with a positive number of seconds (a count for "
             "keep_alive_max_attempt).");
+}
+
+// --- lockstep-run under srun (Note [lockstep-run under srun]) ----------------
+
+TEST(SlurmStep, FirstHostOfANodeList) {
+  EXPECT_EQ(tools::first_host("node[01-04,07],gpu3"), "node01");
+  EXPECT_EQ(tools::first_host("node[0-1]"), "node0");
+  EXPECT_EQ(tools::first_host("rack[1-2]-n[5-6]"), "rack1-n5");
+  EXPECT_EQ(tools::first_host("alpha,beta"), "alpha");
+  EXPECT_EQ(tools::first_host("solo"), "solo");
+  EXPECT_EQ(tools::first_host("n[7]"), "n7");
+}
+
+tools::RunOptions parse_with(std::vector<std::string> args, const std::map<std::string, std::string>& env) {
+  args.insert(args.begin(), "lockstep-run");
+  args.push_back("prog");
+  std::vector<const char*> argv;
+  for (const auto& a : args) {
+    argv.push_back(a.c_str());
+  }
+  return tools::parse_run_options(static_cast<int>(argv.size()), argv.data(), [&env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+const std::map<std::string, std::string> kStepOnNode1{{"SLURM_STEP_ID", "0"}, {"SLURM_NNODES", "2"},
+                                                      {"SLURM_NODEID", "1"}, {"SLURM_NTASKS", "2"},
+                                                      {"SLURM_JOB_NODELIST", "node[0-1]"}};
+
+TEST(SlurmStep, NodeCountNodeRankAndMasterComeFromTheStep) {
+  const auto o = parse_with({"--nproc-per-node", "2"}, kStepOnNode1);
+  EXPECT_EQ(o.nnodes, 2);
+  EXPECT_EQ(o.node_rank, 1);
+  EXPECT_EQ(o.master_addr, "node0");
+  EXPECT_FALSE(o.elastic());
+  const auto given = parse_with({"--nnodes", "1", "--node-rank", "0", "--master-addr", "10.0.0.9"}, kStepOnNode1);
+  EXPECT_EQ(given.nnodes, 1) << "the command line wins";
+  EXPECT_EQ(given.node_rank, 0);
+  EXPECT_EQ(given.master_addr, "10.0.0.9");
+  auto batch = kStepOnNode1; // a batch script: no step
+  batch.erase("SLURM_STEP_ID");
+  const auto alone = parse_with({}, batch);
+  EXPECT_EQ(alone.nnodes, 1);
+  EXPECT_EQ(alone.master_addr, "127.0.0.1");
+}
+
+TEST(SlurmStep, MoreTasksThanNodesIsAClearError) {
+  auto step = kStepOnNode1;
+  step["SLURM_NTASKS"] = "4";
+  try {
+    parse_with({}, step);
+    ADD_FAILURE() << "4 tasks on 2 nodes were accepted";
+  } catch (const tools::RunUsageError& e) {
+    EXPECT_STREQ(e.what(), "under srun, lockstep-run starts each node's ranks itself, so it runs once per node (srun "
+                           "--ntasks-per-node=1 lockstep-run --nproc-per-node N ...); this step has 4 tasks on 2 node(s).");
+  }
 }
 
 } // namespace

@@ -211,7 +211,7 @@ int run_static(const Options& options, const std::string& program) {
 int main(int argc, char** argv) {
   Options options;
   try {
-    options = lockstep::tools::parse_run_options(argc, argv);
+    options = lockstep::tools::parse_run_options(argc, argv, [](const char* name) { return std::getenv(name); });
   } catch (const lockstep::tools::RunUsageError& e) {
     if (e.exit_code == 0) {
       std::fputs(e.what(), stdout);
@@ -239,8 +239,11 @@ int main(int argc, char** argv) {
   // One id for the whole job, so that a restarted program finds what the
   // attempt before wrote (lockstep-train's default output folder).
   const char* run_id = std::getenv("LOCKSTEP_RUN_ID");
+  const char* slurm_job = std::getenv("SLURM_JOB_ID");
   if (run_id != nullptr && *run_id != '\0') {
     options.run_id = run_id;
+  } else if (slurm_job != nullptr && *slurm_job != '\0') {
+    options.run_id = std::string("slurm-") + slurm_job; // the same on every node of the job
   } else {
     const std::time_t now = std::time(nullptr);
     char text[32];

@@ -193,9 +193,73 @@ inline void parse_rendezvous(RunOptions& options, const Fail& fail) {
   }
 }
 
+/// The first host of a Slurm host list: "node[01-04,07],gpu3" is node01,
+/// "rack[1-2]-n[5-6]" is rack1-n5.
+inline std::string first_host(const std::string& list) {
+  std::string host;
+  bool in_brackets = false, first_item = false;
+  for (char c : list) {
+    if (!in_brackets && c == ',') {
+      break;
+    }
+    if (c == '[' || c == ']') {
+      in_brackets = c == '[';
+      first_item = in_brackets;
+    } else if (!in_brackets) {
+      host += c;
+    } else if (c == '-' || c == ',') {
+      first_item = false;
+    } else if (first_item) {
+      host += c;
+    }
+  }
+  return host;
+}
+
+using GetEnv = std::function<const char*(const char*)>;
+
+// Note [lockstep-run under srun]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// `srun --ntasks-per-node=1 lockstep-run ...` starts one launcher per node:
+// in a Slurm step (SLURM_STEP_ID set), --nnodes, --node-rank and
+// --master-addr default to the step's node count, this node's index and the
+// first host of the step's node list. A batch script outside srun has
+// SLURM_NODEID too, but no step: there lockstep-run is one node, as anywhere.
+inline void apply_slurm_step(RunOptions& options, const CLI::App& app, const GetEnv& get, const Fail& fail) {
+  const char* nodes = get("SLURM_STEP_NUM_NODES") ? get("SLURM_STEP_NUM_NODES") : get("SLURM_NNODES");
+  const char* node_id = get("SLURM_NODEID");
+  const char* list = get("SLURM_STEP_NODELIST") ? get("SLURM_STEP_NODELIST") : get("SLURM_JOB_NODELIST");
+  if (get("SLURM_STEP_ID") == nullptr || nodes == nullptr || node_id == nullptr || list == nullptr || options.elastic()) {
+    return;
+  }
+  const char* tasks = get("SLURM_STEP_NUM_TASKS") ? get("SLURM_STEP_NUM_TASKS") : get("SLURM_NTASKS");
+  if (tasks != nullptr && std::string(tasks) != nodes) {
+    fail(std::string("under srun, lockstep-run starts each node's ranks itself, so it runs once per node (srun "
+         "--ntasks-per-node=1 lockstep-run --nproc-per-node N ...); this step has ") + tasks + " tasks on " + nodes +
+         " node(s).");
+  }
+  if (app.count("--nnodes") == 0) {
+    options.nnodes_text = nodes;
+  }
+  if (app.count("--node-rank") == 0) {
+    char* end = nullptr;
+    const long id = std::strtol(node_id, &end, 10);
+    if (*node_id == '\0' || *end != '\0' || id < 0 || id >= 65536) {
+      fail(std::string("SLURM_NODEID=") + node_id + " is not a node index; give --node-rank.");
+    }
+    options.node_rank = static_cast<int>(id);
+  }
+  if (app.count("--master-addr") == 0) {
+    options.master_addr = first_host(list);
+  }
+}
+
 /// The options of `argv` (argv[0] is the program's name), checked against
-/// each other. Throws RunUsageError.
-inline RunOptions parse_run_options(int argc, const char* const* argv) {
+/// each other, with Slurm's defaults from `get` (Note [lockstep-run under
+/// srun]). Throws RunUsageError.
+inline RunOptions parse_run_options(int argc, const char* const* argv, const GetEnv& get = [](const char*) -> const char* {
+  return nullptr;
+}) {
   RunOptions options;
   CLI::App app{"lockstep-run: starts N ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
                "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
@@ -220,6 +284,8 @@ inline RunOptions parse_run_options(int argc, const char* const* argv) {
   if (options.command.empty()) {
     fail("PROGRAM is missing.");
   }
+  parse_nnodes(options, fail);
+  apply_slurm_step(options, app, get, fail);
   parse_nnodes(options, fail);
   if (options.elastic()) {
     parse_rendezvous(options, fail);
