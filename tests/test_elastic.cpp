@@ -39,6 +39,20 @@ std::vector<std::string> long_trainer(const std::string& name) {
   return with_flag(trainer(name, temp(name + ".ckpt")), "--train-samples", "8192");
 }
 
+// Waits until something listens on HOST:PORT (a TCP connection succeeds).
+bool wait_for_listener(const std::string& endpoint) {
+  const int store_port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+  for (int i = 0; i < 400; ++i) {
+    try {
+      tools::KvClient probe("127.0.0.1", store_port, std::chrono::milliseconds(500)); // connects, sends nothing
+      return true;
+    } catch (const tools::KvError&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  return false;
+}
+
 struct ElasticJob {
   ElasticJob(std::string name, std::string nnodes) : name(std::move(name)), nnodes(std::move(nnodes)) {}
   std::string name;
@@ -58,6 +72,12 @@ struct ElasticJob {
     nodes.push_back(testing::start(launcher(flags, long_trainer(name)), all_env,
                                    temp(name + "_node" + std::to_string(nodes.size()) + ".log")));
     return nodes.back();
+  }
+  // Starts the first node and waits until it serves the store: the node the
+  // tests kill must not be the store's.
+  void start_host() {
+    start_node();
+    EXPECT_TRUE(wait_for_listener(endpoint)) << "the first node never served the store at " << endpoint;
   }
   std::string checkpoint() const {
     return temp(name + ".ckpt");
@@ -107,7 +127,7 @@ const std::string& uninterrupted_hash() {
 // one bit for bit: the new round resumes from the checkpoint at world size 2.
 TEST(Elastic, DoubleAgentFaultTolerance) {
   ElasticJob job("fault_tolerance", "2:2");
-  job.start_node();
+  job.start_host();
   job.start_node();
   ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
   kill_node(job.nodes[1]);
@@ -133,7 +153,7 @@ TEST(Elastic, DoubleAgentFaultTolerance) {
 // finishes alone, from the checkpoint, at world size 1, and says so.
 TEST(Elastic, DoubleAgentElasticShrinksToTheSurvivor) {
   ElasticJob job("elastic_shrink", "1:2");
-  job.start_node();
+  job.start_host();
   job.start_node();
   ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
   kill_node(job.nodes[1]);
@@ -166,7 +186,7 @@ TEST(Elastic, DoubleAgentElasticShrinksToTheSurvivor) {
 // sees it and starts a round with both.
 TEST(Elastic, NodeJoiningARunningJobGrowsIt) {
   ElasticJob job("elastic_grow", "1:2");
-  job.start_node();
+  job.start_host();
   ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
   job.start_node();
   testing::wait_all(job.nodes, kDeadline);
@@ -216,8 +236,7 @@ TEST(Elastic, FailureBeyondMaxRestartsEndsEveryNode) {
 // lost, the other fails within the store's timeout, naming the store.
 TEST(Elastic, LosingTheRendezvousHostEndsEveryNodeNamingTheStore) {
   ElasticJob job("elastic_host_lost", "1:2");
-  job.start_node();
-  std::this_thread::sleep_for(std::chrono::milliseconds(300)); // the first node serves the store
+  job.start_host();
   job.start_node();
   ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
   kill_node(job.nodes[0]);
@@ -282,7 +301,7 @@ TEST(Torchrun, ElasticAgentRunsLockstepWorkersAndSurvivesALostNode) {
     const auto program = long_trainer(name);
     args.insert(args.end(), program.begin(), program.end());
     agents.push_back(testing::start(args, {kOneThread}, temp(name + std::to_string(i) + ".log")));
-    std::this_thread::sleep_for(std::chrono::milliseconds(500)); // the first agent hosts the store
+    ASSERT_TRUE(i > 0 || wait_for_listener(endpoint)) << "the first agent never hosted the store";
   }
   ASSERT_TRUE(wait_for_file(temp(name + ".ckpt"), 90)) << "the job never wrote its first checkpoint";
   // The agent and its worker, as on a lost machine (torchrun starts its
