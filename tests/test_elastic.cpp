@@ -295,7 +295,7 @@ TEST(Torchrun, ElasticAgentRunsLockstepWorkersAndSurvivesALostNode) {
   for (int i = 0; i < 2; ++i) {
     std::vector<std::string> args{LOCKSTEP_PYTHON, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
                                   "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", name,
-                                  "--rdzv_conf", "last_call_timeout=1",
+                                  "--rdzv_conf", "last_call_timeout=10", // both agents make the first round
                                   "--max_restarts", "3", "--monitor_interval", "0.2", "--redirects", "1", "--tee", "1",
                                   "--log_dir", temp(name + "_logs" + std::to_string(i)), "--no_python"};
     const auto program = long_trainer(name);
