@@ -5,6 +5,7 @@
 // and its log line by line, and how its end is told. Attempt
 // (tools/lockstep_run.cpp) decides when; this says how.
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -80,45 +81,71 @@ inline std::string now_text() {
   return text;
 }
 
+// The environment a rank starts with: the launcher's, with `extra` added
+// (replacing variables of the same name), as execve takes it.
+inline std::vector<std::string> rank_environment(const std::vector<std::pair<std::string, std::string>>& extra) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('='));
+    bool replaced = false;
+    for (const auto& [key, value] : extra) {
+      replaced = replaced || key == name;
+    }
+    if (!replaced) {
+      env.push_back(entry);
+    }
+  }
+  for (const auto& [key, value] : extra) {
+    env.push_back(key + "=" + value);
+  }
+  return env;
+}
+
 // Forks rank `r` into process group `group` (0: a new one, whose id, the
 // first rank's pid, is stored there), with its stdout and stderr on pipes
 // that pump() reads, and executes `program` there with `command` as its
-// arguments and `env` added to the environment.
+// arguments and `env` added to the environment. Everything the child needs
+// is made before fork(): an elastic launcher has a thread (its store's
+// server), and after fork a child of a threaded process may only call
+// async-signal-safe functions until it executes (no malloc, no stdio).
 inline void spawn_rank(Rank& r, const std::string& program, const std::vector<std::string>& command,
                        const std::vector<std::pair<std::string, std::string>>& env, pid_t& group) {
   int out[2], err[2];
-  if (::pipe(out) != 0 || ::pipe(err) != 0) {
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
     std::perror("lockstep-run: pipe");
     std::exit(1);
   }
+  const std::vector<std::string> env_strings = rank_environment(env);
+  std::vector<char*> envp, argv;
+  for (const auto& e : env_strings) {
+    envp.push_back(const_cast<char*>(e.c_str()));
+  }
+  envp.push_back(nullptr);
+  for (const auto& a : command) {
+    argv.push_back(const_cast<char*>(a.c_str()));
+  }
+  argv.push_back(nullptr);
+  const std::string cannot_run = "lockstep-run: cannot run " + program + ": ";
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::setpgid(0, group); // one process group per attempt: signal_all reaches every rank and its children
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) {
-      std::_Exit(1); // the launcher died between fork and prctl
+      ::_exit(1); // the launcher died between fork and prctl
     }
-    ::dup2(out[1], 1);
+    ::dup2(out[1], 1); // dup2 clears O_CLOEXEC on the copies; the originals close at exec
     ::dup2(err[1], 2);
-    ::close(out[0]);
-    ::close(out[1]);
-    ::close(err[0]);
-    ::close(err[1]);
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
     ::signal(SIGHUP, SIG_DFL);
-    for (const auto& [key, value] : env) {
-      ::setenv(key.c_str(), value.c_str(), 1);
-    }
-    std::vector<char*> argv;
-    for (const auto& a : command) {
-      argv.push_back(const_cast<char*>(a.c_str()));
-    }
-    argv.push_back(nullptr);
-    ::execv(program.c_str(), argv.data());
-    std::fprintf(stderr, "lockstep-run: cannot run %s: %s\n", program.c_str(), std::strerror(errno));
-    std::_Exit(127);
+    ::execve(program.c_str(), argv.data(), envp.data());
+    const char* why = ::strerror(errno);
+    (void)!::write(2, cannot_run.data(), cannot_run.size());
+    (void)!::write(2, why, ::strlen(why));
+    (void)!::write(2, "\n", 1);
+    ::_exit(127);
   }
   if (pid < 0) {
     std::perror("lockstep-run: fork");
