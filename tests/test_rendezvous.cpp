@@ -114,6 +114,17 @@ TEST(Rendezvous, BelowMaxTheRoundClosesOnlyAfterTheLastCall) {
   EXPECT_EQ(joined[0].world_size, 2);
 }
 
+TEST(Rendezvous, LastCallLongerThanTheJoinTimeoutStillClosesTheRound) {
+  MemoryKeyValue kv;
+  auto s = settings(1, 2);
+  s.join_timeout = milliseconds(500); // below the last call (1 s): MIN is in, so it does not apply
+  const auto t0 = RdzvClock::now();
+  RoundJoin join(kv, s, node(kv, s), t0);
+  EXPECT_EQ(join.poll(t0), Status::kPending);
+  EXPECT_EQ(join.poll(t0 + milliseconds(700)), Status::kPending);
+  EXPECT_EQ(join.poll(t0 + milliseconds(1000)), Status::kJoined);
+}
+
 TEST(Rendezvous, RoundBelowMinFailsAfterTheJoinTimeoutSayingHowManyCame) {
   MemoryKeyValue kv;
   const auto s = settings(3, 3);

@@ -245,6 +245,7 @@ class Attempt {
         {"MASTER_PORT", std::to_string(placement_.master_port)},
         {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_)},
         {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts)},
+        {"TORCHELASTIC_RUN_ID", options_.run_id},
         {"LOCKSTEP_RESTART_COUNT", std::to_string(restart_count_)},
     };
     if (!store_file_.empty()) {

@@ -345,12 +345,17 @@ inline int run_elastic(const Options& options, const std::string& program) {
   try {
     std::unique_ptr<KvClient> kv;
     const auto deadline = Clock::now() + seconds_to_ms(options.join_timeout);
-    while (!kv) { // the node that serves the store may start after this one
+    for (bool said = false; !kv;) { // the node that serves the store may start after this one
       try {
         kv = std::make_unique<KvClient>(options.rdzv_host, options.rdzv_port, store_timeout);
-      } catch (const KvError&) {
+      } catch (const KvError& e) {
         if (Clock::now() > deadline || g_launcher_signal != 0) {
           throw;
+        }
+        if (!said) {
+          std::fprintf(stderr, "lockstep-run: waiting up to join_timeout (%.0f s) for %s (the launcher on that machine "
+                       "serves it)\n", options.join_timeout, e.what());
+          said = true;
         }
         std::this_thread::sleep_for(Millis(200));
       }
