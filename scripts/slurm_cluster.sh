@@ -2,8 +2,9 @@
 # A Slurm cluster on one machine: NODES nodes, each a host of the network
 # lab (scripts/netlab.sh) at 10.77.0.(i+1), running its own slurmd named
 # nodeI; slurmctld runs on node0, munged on the machine (its socket is a
-# file, which every namespace sees). Debian's Slurm packages (slurmctld,
-# slurmd, slurm-client, munge) and PMIx, installed when missing.
+# file, which every namespace sees; started and stopped here if none runs).
+# Debian's Slurm packages (slurmctld, slurmd, slurm-client, munge) and PMIx,
+# installed when missing.
 #
 #   scripts/slurm_cluster.sh check                  exit 0 if a cluster can be made here, else say why and exit 77
 #   scripts/slurm_cluster.sh run NODES -- COMMAND   make the cluster, run COMMAND on node0 with SLURM_CONF set
@@ -118,7 +119,11 @@ run() {
   [ $# -gt 0 ] || die "run: give the command after --"
   [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 8 ] || die "NODES must be 1 to 8, got '$nodes'"
   install_slurm
-  pgrep -x munged > /dev/null || { mkdir -p /run/munge && chown munge:munge /run/munge && su -s /bin/sh munge -c munged; }
+  local started_munge=0
+  if ! pgrep -x munged > /dev/null; then # a munged of this script's own, stopped at the end
+    mkdir -p /run/munge && chown munge:munge /run/munge && su -s /bin/sh munge -c munged
+    started_munge=1
+  fi
   local dir
   dir=$(mktemp -d /var/tmp/lockstep-slurm.XXXXXX) # not under /tmp, which each node has its own of
   chmod 755 "$dir"
@@ -126,6 +131,7 @@ run() {
   local status=0
   "$here/netlab.sh" run "$nodes" 10gbit -- "$here/slurm_cluster.sh" inside "$nodes" "$dir" "$@" || status=$?
   rm -rf "$dir"
+  [ "$started_munge" -eq 0 ] || pkill -x munged || true
   return "$status"
 }
 
@@ -133,5 +139,5 @@ case "${1:-}" in
   check) check ;;
   run) [ $# -ge 4 ] || die "usage: run NODES -- COMMAND..."; shift; run "$@" ;;
   inside) shift; inside "$@" ;;
-  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

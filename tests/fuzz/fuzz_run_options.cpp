@@ -31,9 +31,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   argv.push_back(nullptr);
   try {
     const auto o = lockstep::tools::parse_run_options(static_cast<int>(args.size()), argv.data());
-    if (o.command.empty() || o.master_addr.empty() || o.nproc_per_node < 1 || o.nnodes < 1 || o.node_rank < 0 ||
-        o.node_rank >= o.nnodes || o.master_port < 1 || o.master_port > 65535 || o.max_restarts < 0 ||
+    if (o.command.empty() || o.nproc_per_node < 1 || o.nnodes < 1 || o.max_restarts < 0 ||
         !(o.grace_seconds >= 0) || !(o.restart_delay >= 0) || o.timeout_seconds < 0) {
+      std::abort();
+    }
+    if (o.elastic()) { // the nodes meet at the rendezvous: no node rank, no master address
+      if (o.rdzv_host.empty() || o.rdzv_port < 1 || o.rdzv_port > 65535 || o.min_nodes < 1 || o.min_nodes > o.nnodes ||
+          !(o.join_timeout > 0) || !(o.last_call_timeout > 0) || !(o.keep_alive_interval > 0) ||
+          o.keep_alive_max_attempt < 1 || !(o.monitor_interval > 0)) {
+        std::abort();
+      }
+    } else if (o.master_addr.empty() || o.node_rank < 0 || o.node_rank >= o.nnodes || o.master_port < 1 ||
+               o.master_port > 65535 || o.min_nodes != o.nnodes) {
       std::abort();
     }
   } catch (const lockstep::tools::RunUsageError& e) {
