@@ -112,6 +112,11 @@ inside() {
   "$NETLAB" exec "$LAB" 0 env SLURM_CONF="$SLURM_CONF" SLURM_LAB="$LAB" SLURM_DIR="$dir" "$@"
 }
 
+stop_munged() {
+  pkill -x munged || true
+  for _ in $(seq 50); do pgrep -x munged > /dev/null || return 0; sleep 0.1; done
+}
+
 run() {
   local nodes=$1
   shift
@@ -120,9 +125,11 @@ run() {
   [[ "$nodes" =~ ^[0-9]+$ ]] && [ "$nodes" -ge 1 ] && [ "$nodes" -le 8 ] || die "NODES must be 1 to 8, got '$nodes'"
   install_slurm
   local started_munge=0
-  if ! pgrep -x munged > /dev/null; then # a munged of this script's own, stopped at the end
+  if ! munge -n > /dev/null 2>&1; then # no munged answers: one of this script's own, stopped at the end
+    stop_munged # one on its way out
     mkdir -p /run/munge && chown munge:munge /run/munge && su -s /bin/sh munge -c munged
     started_munge=1
+    for _ in $(seq 50); do munge -n > /dev/null 2>&1 && break; sleep 0.1; done # the daemons need it answering
   fi
   local dir
   dir=$(mktemp -d /var/tmp/lockstep-slurm.XXXXXX) # not under /tmp, which each node has its own of
@@ -131,7 +138,7 @@ run() {
   local status=0
   "$here/netlab.sh" run "$nodes" 10gbit -- "$here/slurm_cluster.sh" inside "$nodes" "$dir" "$@" || status=$?
   rm -rf "$dir"
-  [ "$started_munge" -eq 0 ] || pkill -x munged || true
+  [ "$started_munge" -eq 0 ] || stop_munged
   return "$status"
 }
 
