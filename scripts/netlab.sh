@@ -16,10 +16,14 @@
 #   scripts/netlab.sh down NAME
 #   scripts/netlab.sh list                       the labs that exist (a killed `up` leaves one: `down` it)
 #
-# RATE is tc's: 100mbit, 1gbit, 10gbit. This kernel has no netem, so the lab
-# adds no latency: a link's latency is the veth pair's and the bridge's own,
-# which a small allreduce measures (docs/scaling.md has the figures).
-# Needs root and iproute2 (ip, tc).
+# RATE is tc's: 100mbit, 1gbit, 10gbit, optionally with a latency after a
+# slash: 1gbit/100us, 10gbit/50us, 100mbit/2ms. The latency is added to every
+# packet a host sends (so a round trip between two hosts gains twice it), by
+# lockstep-netlab-delay behind an iptables NFQUEUE rule, since this kernel
+# has no netem (Note [Latency without netem] in tools/netlab_delay.cpp);
+# NETLAB_DELAY_BIN names the program, else LOCKSTEP_TORCH's build folder has
+# it. Without one, a link's latency is the veth pair's and the bridge's own.
+# Needs root and iproute2 (ip, tc); a latency also iptables.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
@@ -59,11 +63,52 @@ shape() { # NAMESPACE DEVICE RATE
   tc -n "$1" qdisc add dev "$2" root tbf rate "$3" burst "$(burst_of "$3")" latency 100ms
 }
 
+# A profile's latency in microseconds: 0 for "1gbit", 100 for "1gbit/100us",
+# 2000 for "1gbit/2ms".
+delay_us_of() {
+  local profile=$1
+  [[ "$profile" == */* ]] || { echo 0; return; }
+  local delay=${profile#*/}
+  case "$delay" in
+    *us) [[ "${delay%us}" =~ ^[0-9]+$ ]] && { echo "${delay%us}"; return; } ;;
+    *ms) [[ "${delay%ms}" =~ ^[0-9]+$ ]] && { echo $(( ${delay%ms} * 1000 )); return; } ;;
+  esac
+  die "latency '$delay' in '$profile': give it as Nus or Nms (for example 1gbit/100us)"
+}
+
+delay_bin() {
+  local bin=${NETLAB_DELAY_BIN:-}
+  if [ -z "$bin" ]; then
+    bin=$(cd "$here/.." && source scripts/config.sh && echo "$PWD/$build_dir/lockstep-netlab-delay")
+  fi
+  [ -x "$bin" ] || die "a latency needs lockstep-netlab-delay, not found at $bin: build it (it needs libnetfilter-queue-dev, which scripts/setup.sh installs) or set NETLAB_DELAY_BIN"
+  command -v iptables-legacy >/dev/null || die "a latency needs iptables: apt-get install iptables"
+  echo "$bin"
+}
+
+# Holds every packet host NAMESPACE sends on eth0 for US microseconds: the
+# program first, then the rule that queues packets to it (a rule with no
+# program bound would drop them).
+delay() { # NAMESPACE US BIN
+  local log="/tmp/netlab-$1.delay"
+  ip netns exec "$1" setsid "$3" 0 "$2" > "$log" 2>&1 < /dev/null &
+  local pid=$! i
+  for i in $(seq 100); do
+    grep -q "lockstep-netlab-delay: queue" "$log" 2>/dev/null && break
+    kill -0 "$pid" 2>/dev/null || die "the delay of host $1 did not start: $(cat "$log")"
+    sleep 0.05
+  done
+  grep -q "lockstep-netlab-delay: queue" "$log" || die "the delay of host $1 did not start within 5 s"
+  ip netns exec "$1" iptables-legacy -w -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0
+}
+
 up() {
-  local hosts=$1 rate=$2 name=$3
+  local hosts=$1 rate=${2%%/*} name=$3 us bin=""
   [[ "$hosts" =~ ^[0-9]+$ ]] && [ "$hosts" -ge 1 ] && [ "$hosts" -le 16 ] || die "HOSTS must be 1 to 16, got '$hosts'"
   [ "${#name}" -le 8 ] || die "lab name '$name' is longer than 8 characters"
   burst_of "$rate" >/dev/null
+  us=$(delay_us_of "$2")
+  [ "$us" -eq 0 ] || bin=$(delay_bin)
   ip netns add "$name-sw"
   ip -n "$name-sw" link add br0 type bridge
   ip -n "$name-sw" link set br0 up
@@ -77,6 +122,7 @@ up() {
     ip -n "$name-h$i" link set eth0 up
     shape "$name-h$i" eth0 "$rate"
     shape "$name-sw" "p$i" "$rate"
+    [ -z "$bin" ] || delay "$name-h$i" "$us" "$bin"
   done
 }
 
@@ -85,7 +131,8 @@ down() {
   for ns in $(ip netns list | awk '{print $1}' | grep -E "^$name-(sw|h[0-9]+)$" || true); do
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$ns"
-    rm -rf "/etc/netns/$ns" # files a host's namespace mounts over /etc (scripts/slurm_cluster.sh's hosts)
+    # the files a host mounts over /etc (scripts/slurm_cluster.sh), and its delay's log
+    rm -rf "/etc/netns/$ns" "/tmp/netlab-$ns.delay"
   done
 }
 

@@ -9,8 +9,9 @@ source scripts/config.sh
 packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcli11-dev zlib1g-dev nlohmann-json3-dev
   # the main job's data (/usr/share/datasets/fashion-mnist) and its curves.png
   dataset-fashion-mnist gnuplot-nox
-  # the two-machine tests run ranks in network namespaces
-  iproute2
+  # the two-machine tests run ranks in network namespaces; the lab's latency
+  # queues packets to a process (tools/netlab_delay.cpp)
+  iproute2 iptables libnetfilter-queue-dev
   # the mpi backend, and mpirun for its tests
   libopenmpi-dev openmpi-bin
   # Gloo's own headers, which c10d's include and PyTorch's wheels lack
