@@ -93,6 +93,7 @@ delay() { # NAMESPACE US BIN
   local log="/tmp/netlab-$1.delay"
   ip netns exec "$1" setsid "$3" 0 "$2" > "$log" 2>&1 < /dev/null &
   local pid=$! i
+  disown "$pid" # down kills it; no "Killed" from this shell then
   for i in $(seq 100); do
     grep -q "lockstep-netlab-delay: queue" "$log" 2>/dev/null && break
     kill -0 "$pid" 2>/dev/null || die "the delay of host $1 did not start: $(cat "$log")"

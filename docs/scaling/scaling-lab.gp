@@ -5,7 +5,7 @@ set xlabel 'ranks (one per host)'
 set ylabel 'scaling efficiency (%)'
 set yrange [0:105]
 set key outside right
-set title 'Deep model (48 x Linear(256, 256)), ring collectives, alpha 390 us'
+set title 'Deep model (48 x Linear(256, 256)), ring collectives, alpha 830 us'
 plot 'projection-lab.dat' using 1:(100*$2) with linespoints dt 1 lc 1 title 'DDP, 10 Gb/s', \
      'projection-lab.dat' using 1:(100*$3) with linespoints dt 1 lc 2 title 'PowerSGD, 10 Gb/s', \
      'projection-lab.dat' using 1:(100*$4) with linespoints dt 1 lc 3 title 'FullShard, 10 Gb/s', \
