@@ -1,0 +1,288 @@
+// lockstep::DataParallel's scalar outputs, edge cases, errors and CUDA
+// devices (test_data_parallel.cpp has the numerical equivalence).
+
+#include <lockstep/lockstep.h>
+
+#include "support/errors.h"
+#include "support/dp_models.h"
+#include "support/modules.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstdio>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <thread>
+
+namespace lockstep {
+namespace {
+
+using namespace testing::dp_models;
+
+using testing::deep_copy;
+using testing::expect_buffers_close;
+using testing::expect_params_close;
+using testing::error_of;
+using testing::same_answer;
+
+// --- scalars ---------------------------------------------------------------
+
+TEST(DataParallel, ScalarOutputs) {
+  LossNet bare;
+  auto x = torch::randn({7, 3});
+  auto y = torch::randn({7, 1});
+  auto expected = bare(x, y);
+
+  DataParallel<LossNet> stack(deep_copy(bare), DataParallelOptions().devices(cpus(2)));
+  auto stacked = stack(x, y);
+  EXPECT_EQ(stacked.sizes(), torch::IntArrayRef({2}));
+
+  LossNet mean_net = deep_copy(bare);
+  DataParallel<LossNet> mean(mean_net, DataParallelOptions().devices(cpus(2)).scalar_outputs(ScalarGather::Mean));
+  auto m = mean(x, y);
+  EXPECT_EQ(m.dim(), 0);
+  EXPECT_TRUE(torch::allclose(m, expected, 1e-5, 1e-6));
+  expected.backward();
+  m.backward();
+  EXPECT_TRUE(torch::allclose(bare->fc->weight.grad(), mean_net->fc->weight.grad(), 1e-5, 1e-6));
+
+  DataParallel<LossNet> sum(deep_copy(bare), DataParallelOptions().devices(cpus(2)).scalar_outputs(ScalarGather::Sum));
+  EXPECT_TRUE(torch::allclose(sum(x, y), stacked.sum(), 1e-5, 1e-6));
+}
+
+// --- edge cases and errors ---------------------------------------------------
+
+TEST(DataParallel, ChunksFollowWeightsAndSmallBatchesUseFewerReplicas) {
+  Counter net;
+  DataParallel<Counter> dp(net, DataParallelOptions().devices(cpus(3)).weights({3, 1, 4}));
+  dp(torch::randn({16, 4}));
+  EXPECT_EQ(dp->map_replicas([](CounterImpl& m) { return m.rows_seen; }), (std::vector<int64_t>{6, 2, 8}));
+
+  Counter net2;
+  DataParallel<Counter> dp2(net2, DataParallelOptions().devices(cpus(3)));
+  auto x = torch::randn({2, 4});
+  auto out = dp2(x);
+  EXPECT_EQ(out.size(0), 2);
+  EXPECT_TRUE(same_answer(out, net2(x)));
+  // net2(x) ran the wrapped module itself, which is not replica 0 (Note [Replica 0]).
+  EXPECT_EQ(dp2->map_replicas([](CounterImpl& m) { return m.calls; }), (std::vector<int64_t>{1, 1, 0}));
+  EXPECT_EQ(net2->calls, 1);
+}
+
+TEST(DataParallel, OneRowOnTwoReplicasTrainsLikeBareModule) {
+  torch::manual_seed(8);
+  auto x = torch::randn({1, 16});
+  auto y = torch::randn({1, 4});
+  expect_same_training(Mlp(), DataParallelOptions().devices(cpus(2)), 3, [&](int, auto&& run) {
+    return torch::mse_loss(run(x), y);
+  });
+  // Sum of a single running replica's scalar is that scalar itself.
+  LossNet bare;
+  LossNet net = deep_copy(bare);
+  DataParallel<LossNet> dp(net, DataParallelOptions().devices(cpus(3)).scalar_outputs(ScalarGather::Sum));
+  auto loss = dp(torch::randn({1, 3}), torch::randn({1, 1}));
+  loss.backward();
+  EXPECT_TRUE(net->fc->weight.grad().defined());
+}
+
+TEST(DataParallel, MismatchedBatchSizesAreAClearError) {
+  TwoInput net;
+  DataParallel<TwoInput> dp(net, DataParallelOptions().devices(cpus(2)));
+  auto message = error_of([&] { dp(torch::randn({10, 8}), torch::randn({1, 8})); });
+  EXPECT_NE(message.find("argument 0 has size 10 along dim 0 but argument 1 has size 1"), std::string::npos) << message;
+  EXPECT_NE(message.find("lockstep::broadcast"), std::string::npos) << message;
+  // With the hint, the batch-1 tensor goes whole to every replica and the output keeps all 10 rows.
+  EXPECT_EQ(dp(torch::randn({10, 8}), broadcast(torch::randn({1, 8}))).size(0), 10);
+}
+
+TEST(DataParallel, ReplicaErrorNamesReplicaAndDeviceAndStaysUsable) {
+  Counter net;
+  DataParallel<Counter> dp(net, DataParallelOptions().devices(cpus(2)));
+  auto x = torch::randn({4, 4});
+  x[3][0] = -1000; // row 3 belongs to replica 1
+  auto message = error_of([&] { dp(x); });
+  EXPECT_NE(message.find("replica 1 on cpu failed in forward"), std::string::npos) << message;
+  EXPECT_NE(message.find("bad input row"), std::string::npos) << message;
+  auto good = torch::randn({4, 4});
+  auto out = dp(good);
+  // Two rows per replica against four in the bare module: 2.x's GEMM may
+  // round differently by batch size, so values near 0 need an absolute slack.
+  EXPECT_TRUE(torch::allclose(out, net(good), 1e-5, 1e-6));
+}
+
+TEST(DataParallel, StateKeptOnReplicasSumsToBareCount) {
+  Counter bare;
+  Counter net = deep_copy(bare);
+  DataParallel<Counter> dp(net, DataParallelOptions().devices(cpus(3)));
+  for (int64_t rows : {5, 9, 2, 12}) {
+    auto x = torch::randn({rows, 4});
+    bare(x);
+    dp(x);
+  }
+  auto per_replica = dp->map_replicas([](CounterImpl& m) { return m.rows_seen; });
+  EXPECT_EQ(per_replica.size(), 3u);
+  EXPECT_EQ(std::accumulate(per_replica.begin(), per_replica.end(), int64_t{0}), bare->rows_seen);
+  // Replica 0 is a clone sharing the module's parameters (Note [Replica 0]):
+  // C++ member state lives on the replicas, not on the wrapped module.
+  EXPECT_EQ(dp->module()->rows_seen, 0);
+  EXPECT_EQ(dp->replicas().size(), 3u);
+  EXPECT_NE(dp->replicas()[0].ptr(), net.ptr());
+  EXPECT_EQ(dp->replicas()[0]->parameters()[0].data_ptr(), net->parameters()[0].data_ptr());
+  dp->map_replicas([](CounterImpl& m) { m.rows_seen = 0; });
+  EXPECT_EQ(dp->replicas()[2]->rows_seen, 0);
+}
+
+TEST(DataParallel, OptimizerStepIsSeenByEveryReplica) {
+  Mlp net;
+  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
+  torch::optim::SGD opt(dp->parameters(), 0.5);
+  dp(torch::randn({4, 16})).sum().backward();
+  opt.step();
+  auto replicas = dp->replicas();
+  EXPECT_TRUE(torch::equal(replicas[1]->fc1->weight, net->fc1->weight));
+  // CPU replicas share storage with the wrapped module: nothing is copied.
+  EXPECT_EQ(replicas[1]->fc1->weight.data_ptr(), net->fc1->weight.data_ptr());
+  EXPECT_FALSE(replicas[1]->fc1->weight.is_same(net->fc1->weight));
+  EXPECT_EQ(dp->parameters().size(), net->parameters().size());
+}
+
+TEST(DataParallel, SaveAndLoadBetweenWrappedAndBareModule) {
+  const std::string path = ::testing::TempDir() + "lockstep_dp_checkpoint.pt";
+  Mlp source;
+  DataParallel<Mlp> dp(source, DataParallelOptions().devices(cpus(2)));
+  torch::save(dp, path);
+  Mlp bare;
+  torch::load(bare, path);
+  expect_params_close(*bare, *source, 0, 0);
+  for (const auto& p : dp->named_parameters()) {
+    EXPECT_EQ(p.key().rfind("module.", 0), 0u); // the prefix lives in names only, not in files
+  }
+
+  Mlp other;
+  torch::save(other, path);
+  torch::load(dp, path);
+  expect_params_close(*other, *source, 0, 0);
+  auto x = torch::randn({6, 16});
+  EXPECT_TRUE(same_answer(dp(x), other(x))); // replica 1 sees the loaded values too
+  std::remove(path.c_str());
+}
+
+TEST(DataParallel, ModesAndInference) {
+  Cnn net;
+  DataParallel<Cnn> dp(net, DataParallelOptions().devices(cpus(2)));
+  dp->eval();
+  EXPECT_FALSE(net->is_training());
+  EXPECT_FALSE(dp->replicas()[1]->is_training());
+  auto x = torch::randn({4, 1, 6, 6});
+  torch::NoGradGuard no_grad;
+  auto out = dp(x);
+  EXPECT_FALSE(out.requires_grad());
+  EXPECT_TRUE(torch::allclose(out, net(x), 1e-5, 1e-6));
+}
+
+TEST(DataParallel, ToDoubleMovesReplicasToo) {
+  Mlp net;
+  DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
+  dp->to(torch::kFloat64);
+  auto x = torch::randn({4, 16}, torch::kFloat64);
+  auto out = dp(x);
+  EXPECT_EQ(out.scalar_type(), torch::kFloat64);
+  EXPECT_TRUE(same_answer(out, net(x)));
+}
+
+TEST(DataParallel, OneDeviceRunsTheModuleDirectly) {
+  Counter net;
+  DataParallel<Counter> dp(net, DataParallelOptions().devices(cpus(1)));
+  auto x = torch::randn({3, 4});
+  EXPECT_TRUE(torch::equal(dp(x), net(x)));
+  EXPECT_EQ(dp->map_replicas([](CounterImpl& m) { return m.calls; }), (std::vector<int64_t>{2}));
+}
+
+TEST(DataParallel, SequentialAndDefaultDevices) {
+  torch::nn::Sequential seq(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+  seq->to(default_devices()[0]); // every GPU where there are some: the module goes on the first
+  DataParallel<torch::nn::Sequential> dp(seq);
+  EXPECT_EQ(dp->devices(), default_devices());
+  auto x = torch::randn({5, 4}).to(default_devices()[0]);
+  EXPECT_TRUE(torch::allclose(dp->forward(x), seq->forward(x), 1e-6, 1e-6));
+}
+
+TEST(DataParallel, BadOptionsAreClearErrors) {
+  auto message = error_of([] { DataParallel<Mlp> dp(Mlp(), DataParallelOptions().devices(cpus(2)).weights({1})); });
+  EXPECT_NE(message.find("weights has 1 entries but there are 2 devices"), std::string::npos) << message;
+  if (!torch::cuda::is_available()) {
+    message = error_of([] {
+      DataParallel<Mlp> dp(Mlp(), DataParallelOptions().devices({torch::kCPU, torch::Device(torch::kCUDA, 0)}));
+    });
+    EXPECT_NE(message.find("devices[1] is cuda:0 but this process sees 0 CUDA device(s)"), std::string::npos) << message;
+  }
+}
+
+// A parameter on a device other than devices[0], on any machine.
+struct OffDeviceImpl : torch::nn::Cloneable<OffDeviceImpl> {
+  OffDeviceImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(4, 4));
+    extra = register_parameter("extra", torch::empty({4}, torch::kMeta));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc(x);
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor extra;
+};
+TORCH_MODULE(OffDevice);
+
+TEST(DataParallel, ParameterOffFirstDeviceIsAClearError) {
+  auto message = error_of([&] { DataParallel<OffDevice> dp(OffDevice(), DataParallelOptions().devices(cpus(2))); });
+  EXPECT_NE(message.find("parameter 'extra' is on meta but devices[0] is cpu"), std::string::npos) << message;
+  EXPECT_NE(message.find("call module->to(cpu)"), std::string::npos) << message;
+}
+
+// --- CUDA ----------------------------------------------------------------------
+
+TEST(DataParallel, ParameterOffFirstDeviceIsAClearError_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  Mlp net;
+  net->fc2->to(torch::Device(torch::kCUDA, 0));
+  auto message = error_of([&] { DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2))); });
+  EXPECT_NE(message.find("parameter 'fc2.weight' is on cuda:0 but devices[0] is cpu"), std::string::npos) << message;
+}
+
+TEST(DataParallel, MlpMatchesBareModule_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  Mlp bare;
+  bare->to(gpu);
+  auto x = torch::randn({10, 16}, gpu);
+  auto y = torch::randn({10, 4}, gpu);
+  expect_same_training(bare, DataParallelOptions().devices({gpu, gpu}), 4, [&](int, auto&& run) {
+    return torch::mse_loss(run(x), y);
+  });
+}
+
+TEST(DataParallel, MlpMatchesBareModuleOnTwoGpus_MultiCUDA) {
+  if (torch::cuda::device_count() < 2) {
+    GTEST_SKIP() << "fewer than 2 CUDA devices";
+  }
+  const torch::Device gpu0(torch::kCUDA, 0), gpu1(torch::kCUDA, 1);
+  Mlp bare;
+  bare->to(gpu0);
+  auto x = torch::randn({10, 16}, gpu0);
+  auto y = torch::randn({10, 4}, gpu0);
+  expect_same_training(bare, DataParallelOptions().devices({gpu0, gpu1}), 4, [&](int, auto&& run) {
+    return torch::mse_loss(run(x), y);
+  });
+}
+
+} // namespace
+} // namespace lockstep
