@@ -34,6 +34,9 @@ class ForwardingGroup : public GroupImpl {
   bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
     return inner_->supports(op, dtype, device);
   }
+  bool cheap_collective_starts() const override {
+    return inner_->cheap_collective_starts();
+  }
 
  protected:
   std::shared_ptr<GroupImpl> inner_;

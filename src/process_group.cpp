@@ -215,6 +215,10 @@ bool ProcessGroup::supports(Collective op, torch::ScalarType dtype, torch::Devic
   return detail::carrier_of(*impl_, op, dtype, device) != torch::ScalarType::Undefined;
 }
 
+bool ProcessGroup::cheap_collective_starts() const {
+  return impl_->cheap_collective_starts();
+}
+
 bool launched_by_launcher() {
   auto get = [](const char* name) { return std::getenv(name); };
   return get("WORLD_SIZE") != nullptr || detail::find_mpi_launcher(get) != nullptr;

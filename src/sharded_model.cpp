@@ -138,10 +138,14 @@ std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vecto
 //
 // The first bucket of forward holds at most kFirstShardBucketBytes, as
 // DDP's first bucket does: nothing computes while forward waits for it, and
-// its reduce-scatter is backward's last, which nothing hides; over MPI,
-// whose collectives cost little, those two exposed ends are what the bucket
-// size decides. The reduce-scatters take the all-gathers' buckets in
-// reverse.
+// its reduce-scatter is backward's last, which nothing hides. Where the
+// backend starts collectives cheaply (GroupImpl::cheap_collective_starts:
+// MPI on one machine, NCCL), the caps after it double (1, 2, 4, then
+// 8 MiB), so that forward computes each bucket while the next, twice its
+// size, arrives: on 1.13's deep model that took ShardGradOp over MPI from
+// 0.86-0.89 of DDP's speed to 0.97, and on Gloo, whose every collective
+// costs a round trip, it cost FullShard on the MLP (docs/performance.md).
+// The reduce-scatters take the all-gathers' buckets in reverse.
 constexpr int64_t kShardBucketBytes = 8 << 20;
 constexpr int64_t kFirstShardBucketBytes = 1 << 20;
 
@@ -149,14 +153,16 @@ namespace {
 
 // Consecutive flats in `order`, one open bucket per key (dtype and device),
 // each closed before a flat would take it past `cap` bytes (`first_cap` for
-// a key's first bucket): a flat of that size or more is a bucket of its own
+// a key's first bucket, and with `doubling` twice the cap before it for the
+// next, up to `cap`): a flat of that size or more is a bucket of its own
 // (Note [Shard buckets]).
 std::vector<std::vector<size_t>> shard_buckets(const std::vector<int64_t>& bytes, const std::vector<std::string>& keys,
-                                               int64_t first_cap, int64_t cap, const std::vector<size_t>& order) {
+                                               int64_t first_cap, int64_t cap, bool doubling,
+                                               const std::vector<size_t>& order) {
   struct Open {
     std::vector<size_t> members;
     int64_t total = 0;
-    bool first = true;
+    int closed = 0; // buckets of this key before this one
   };
   std::map<std::string, Open> open;
   std::vector<std::string> key_order; // for the last open buckets, in the order their keys came
@@ -167,9 +173,11 @@ std::vector<std::vector<size_t>> shard_buckets(const std::vector<int64_t>& bytes
       key_order.push_back(keys[k]);
     }
     auto& bucket = it->second;
-    if (!bucket.members.empty() && bucket.total + bytes[k] > (bucket.first ? first_cap : cap)) {
+    const int shifts = doubling ? std::min(bucket.closed, 30) : (bucket.closed > 0 ? 30 : 0);
+    const int64_t limit = std::min(cap, first_cap << shifts);
+    if (!bucket.members.empty() && bucket.total + bytes[k] > limit) {
       buckets.push_back(std::move(bucket.members));
-      bucket = Open{{}, 0, false};
+      bucket = Open{{}, 0, bucket.closed + 1};
     }
     bucket.members.push_back(k);
     bucket.total += bytes[k];
@@ -194,7 +202,8 @@ void ShardedCore::State::plan_buckets() {
   }
   std::vector<size_t> forward(flats.size());
   std::iota(forward.begin(), forward.end(), size_t{0});
-  gather_buckets = shard_buckets(bytes, keys, kFirstShardBucketBytes, kShardBucketBytes, forward);
+  gather_buckets =
+      shard_buckets(bytes, keys, kFirstShardBucketBytes, kShardBucketBytes, group.cheap_collective_starts(), forward);
   bucket_of.assign(flats.size(), 0);
   for (size_t g = 0; g < gather_buckets.size(); ++g) {
     for (size_t i : gather_buckets[g]) {

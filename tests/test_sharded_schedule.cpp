@@ -126,7 +126,11 @@ TEST(FullyShardedDataParallel, AUnitForwardCallsTwiceIsGatheredAgainAndMatchesOn
 // A group of one that keeps the name of every collective it is asked for.
 class CountingGroup : public GroupImpl {
  public:
-  explicit CountingGroup(std::vector<std::string>& log) : log_(&log) {}
+  explicit CountingGroup(std::vector<std::string>& log, bool cheap_starts = false)
+      : log_(&log), cheap_starts_(cheap_starts) {}
+  bool cheap_collective_starts() const override {
+    return cheap_starts_;
+  }
   int rank() const override {
     return 0;
   }
@@ -166,6 +170,7 @@ class CountingGroup : public GroupImpl {
     return std::make_shared<Done>();
   }
   std::vector<std::string>* log_;
+  bool cheap_starts_;
 };
 
 std::vector<std::string> starting_with(const std::vector<std::string>& log, const std::string& prefix) {
@@ -224,6 +229,33 @@ TEST(FullyShardedDataParallel, TheFirstBucketIsSmallAndTheReduceScattersTakeTheB
   EXPECT_EQ(starting_with(log, "reduce_scatter of"),
             (std::vector<std::string>{"reduce_scatter of 5 units (6:Float to 2:Float) (655360 elements)",
                                       "reduce_scatter of 2 units (1:Float to 0:Float) (262144 elements)"}));
+}
+
+// Note [Shard buckets]: where the backend starts collectives cheaply, the
+// caps after the first double (1, 2, 4, then 8 MiB); elsewhere every bucket
+// after the first holds up to 8 MiB. Fifteen units of 512 KiB.
+TEST(FullyShardedDataParallel, WhereCollectivesStartCheaplyTheBucketCapsDouble) {
+  auto gathers_with = [](bool cheap_starts) {
+    torch::nn::Sequential net;
+    for (int i = 0; i < 15; ++i) {
+      net->push_back(torch::nn::Linear(torch::nn::LinearOptions(i % 2 ? 512 : 256, i % 2 ? 256 : 512).bias(false)));
+    }
+    std::vector<std::string> log;
+    FullyShardedDataParallel<torch::nn::Sequential> model(
+        net, ProcessGroup(std::make_shared<CountingGroup>(log, cheap_starts)),
+        ShardingOptions().strategy(ShardingStrategy::ShardGradOp));
+    log.clear();
+    model->forward(torch::randn({3, 256})).sum().backward();
+    return starting_with(log, "all_gather of");
+  };
+  EXPECT_EQ(gathers_with(true),
+            (std::vector<std::string>{"all_gather of 2 units (0:Float to 1:Float) (262144 elements)",
+                                      "all_gather of 4 units (2:Float to 5:Float) (524288 elements)",
+                                      "all_gather of 8 units (6:Float to 13:Float) (1048576 elements)",
+                                      "all_gather of 14:Float (131072 elements)"}));
+  EXPECT_EQ(gathers_with(false),
+            (std::vector<std::string>{"all_gather of 2 units (0:Float to 1:Float) (262144 elements)",
+                                      "all_gather of 13 units (2:Float to 14:Float) (1703936 elements)"}));
 }
 
 // Note [Watching storages]: a thread is watched from forward to the end of

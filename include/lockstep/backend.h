@@ -81,6 +81,14 @@ class GroupImpl {
     (void)op, (void)dtype, (void)device;
     return true;
   }
+  /// Whether starting a collective costs little beside moving its bytes
+  /// (shared memory, NCCL's kernels), rather than a network round trip and
+  /// thread hops (Gloo over TCP). FullyShardedDataParallel then cuts its
+  /// collectives finer, so that compute waits less for each (Note [Shard
+  /// buckets]).
+  virtual bool cheap_collective_starts() const {
+    return false;
+  }
 };
 
 } // namespace lockstep

@@ -101,6 +101,9 @@ class ProcessGroup {
   /// backend does, or for a broadcast or all_gather, bit for bit through a
   /// type of the same width (bool as bytes, bfloat16 as 16-bit values).
   bool supports(Collective op, torch::ScalarType dtype, torch::Device device = torch::kCPU) const;
+  /// Whether the backend starts a collective for little beside its bytes
+  /// (GroupImpl::cheap_collective_starts).
+  bool cheap_collective_starts() const;
 
  private:
   std::shared_ptr<GroupImpl> impl_;

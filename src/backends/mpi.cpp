@@ -185,6 +185,12 @@ class MpiGroup : public GroupImpl {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    MPI_Comm node;
+    MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node);
+    int on_node = 0;
+    MPI_Comm_size(node, &on_node);
+    MPI_Comm_free(&node);
+    one_node_ = on_node == size_;
     thread_ = std::thread([this] { loop(); });
   }
 
@@ -213,6 +219,12 @@ class MpiGroup : public GroupImpl {
   }
   std::chrono::milliseconds timeout() const override {
     return timeout_;
+  }
+  // Between ranks of one machine Open MPI goes through shared memory, where
+  // a collective costs little beside its bytes; across machines each is a
+  // network round trip.
+  bool cheap_collective_starts() const override {
+    return one_node_;
   }
   // The types mpi_type maps, on the CPU. MPI reduces MPI_C_BOOL only with
   // its logical operations, so bools are reduced as bytes (Note [One tensor
@@ -385,6 +397,7 @@ class MpiGroup : public GroupImpl {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
+  bool one_node_ = false;
   std::mutex mutex_;
   std::condition_variable queued_;
   std::deque<std::function<void()>> queue_;

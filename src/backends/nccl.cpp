@@ -17,6 +17,10 @@ class NcclGroup final : public C10dGroup<c10d::ProcessGroupNCCL> {
   bool supports(Collective, torch::ScalarType, torch::Device device) const override {
     return device.is_cuda();
   }
+  // A collective is a kernel on a stream: its start costs microseconds.
+  bool cheap_collective_starts() const override {
+    return true;
+  }
   std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what)
       override {
     if (output.numel() == 0) {
