@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
 # Two builds of lockstep-bench-ddp side by side: before and after a change.
 # Each round runs both (alternating which goes first) as 2 ranks of one core
-# over Gloo on this machine, for each model; then medians and the ratio.
+# over Gloo on this machine (under mpirun for a MODE over MPI: mpi,
+# gradop-mpi, ...), for each model; then medians and the ratio.
 #
 #   bench/ab_ddp.sh BEFORE_BUILD_DIR AFTER_BUILD_DIR [ROUNDS] [MODE]
 #
-# MODE is lockstep-bench-ddp's (default lockstep: DDP with default options).
+# MODE is lockstep-bench-ddp's (default lockstep: DDP with default options);
+# OPTIMIZER=adam steps Adam instead of SGD.
 set -euo pipefail
 before=${1:?usage: bench/ab_ddp.sh BEFORE_BUILD_DIR AFTER_BUILD_DIR [ROUNDS] [MODE]}
 after=${2:?usage: bench/ab_ddp.sh BEFORE_BUILD_DIR AFTER_BUILD_DIR [ROUNDS] [MODE]}
 rounds=${3:-7}
 mode=${4:-lockstep}
+optimizer=${OPTIMIZER:-sgd}
 out=$(mktemp)
 run_pair() { # LABEL BUILD MODEL STEPS
   local port=$((20000 + RANDOM % 20000)) pids=()
+  if [ "$mode" = mpi ] || [ "${mode%-mpi}" != "$mode" ]; then
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 120 mpirun -np 2 --bind-to none \
+      -x OMP_NUM_THREADS=1 "$2/lockstep-bench-ddp" "$mode" "$3" "$4" --optimizer "$optimizer" | sed "s/^/$1 /" >>"$out"
+    return
+  fi
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
-      timeout -k 5 120 "$2/lockstep-bench-ddp" "$mode" "$3" "$4" | sed "s/^/$1 /" >>"$out" &
+      timeout -k 5 120 "$2/lockstep-bench-ddp" "$mode" "$3" "$4" --optimizer "$optimizer" | sed "s/^/$1 /" >>"$out" &
     pids+=($!)
   done
   wait "${pids[@]}"
