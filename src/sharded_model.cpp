@@ -173,8 +173,10 @@ std::vector<std::vector<size_t>> shard_buckets(const std::vector<int64_t>& bytes
       key_order.push_back(keys[k]);
     }
     auto& bucket = it->second;
-    const int shifts = doubling ? std::min(bucket.closed, 30) : (bucket.closed > 0 ? 30 : 0);
-    const int64_t limit = std::min(cap, first_cap << shifts);
+    int64_t limit = first_cap; // this key's first bucket
+    if (bucket.closed > 0) {
+      limit = doubling ? std::min(cap, first_cap << std::min(bucket.closed, 30)) : cap;
+    }
     if (!bucket.members.empty() && bucket.total + bytes[k] > limit) {
       buckets.push_back(std::move(bucket.members));
       bucket = Open{{}, 0, bucket.closed + 1};

@@ -17,7 +17,7 @@
 // per 64 KiB segment. A timer slack of 1 us keeps the kernel from rounding
 // the waits up by its default 50 us. The delay is measured from when this
 // process reads the packet, so it is a lower bound that a busy machine
-// stretches; tests/netlab_check.sh checks that it holds.
+// stretches; tests/netlab_latency.sh checks that it holds.
 #include <libnetfilter_queue/libnetfilter_queue.h>
 #include <arpa/inet.h>
 #include <linux/netfilter.h>
@@ -94,6 +94,34 @@ nfq_q_handle* open_queue(nfq_handle* handle, int number, Delay& state) {
   return queue;
 }
 
+// Waits until the first held packet is due or a packet comes, then reads
+// every packet that came (on_packet holds each).
+void wait_and_read(nfq_handle* handle, const Delay& state) {
+  static char buffer[1 << 16];
+  timespec wait{};
+  timespec* timeout = nullptr;
+  if (!state.held.empty()) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(state.held.front().due - Clock::now()).count();
+    wait.tv_sec = ns > 0 ? ns / 1000000000 : 0;
+    wait.tv_nsec = ns > 0 ? ns % 1000000000 : 0;
+    timeout = &wait;
+  }
+  pollfd fd{nfq_fd(handle), POLLIN, 0};
+  if (ppoll(&fd, 1, timeout, nullptr) < 0 && errno != EINTR) {
+    die("poll");
+  }
+  for (;;) {
+    const ssize_t got = recv(fd.fd, buffer, sizeof(buffer), MSG_DONTWAIT);
+    if (got < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+        return;
+      }
+      die(errno == ENOBUFS ? "packets were lost to a full netlink buffer" : "receiving from the queue");
+    }
+    nfq_handle_packet(handle, buffer, static_cast<int>(got));
+  }
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -113,30 +141,8 @@ int main(int argc, char** argv) {
   nfq_q_handle* queue = open_queue(handle, static_cast<int>(number), state);
   std::printf("lockstep-netlab-delay: queue %ld, %ld us\n", number, delay_us);
   std::fflush(stdout); // scripts/netlab.sh waits for this line before it queues packets here
-  char buffer[1 << 16];
-  pollfd fd{nfq_fd(handle), POLLIN, 0};
   for (;;) {
     release_due(queue, state);
-    timespec wait{};
-    timespec* timeout = nullptr;
-    if (!state.held.empty()) {
-      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(state.held.front().due - Clock::now());
-      wait.tv_sec = ns.count() > 0 ? ns.count() / 1000000000 : 0;
-      wait.tv_nsec = ns.count() > 0 ? ns.count() % 1000000000 : 0;
-      timeout = &wait;
-    }
-    if (ppoll(&fd, 1, timeout, nullptr) < 0 && errno != EINTR) {
-      die("poll");
-    }
-    for (;;) {
-      const ssize_t got = recv(fd.fd, buffer, sizeof(buffer), MSG_DONTWAIT);
-      if (got < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-          break;
-        }
-        die(errno == ENOBUFS ? "packets were lost to a full netlink buffer" : "receiving from the queue");
-      }
-      nfq_handle_packet(handle, buffer, static_cast<int>(got));
-    }
+    wait_and_read(handle, state);
   }
 }
