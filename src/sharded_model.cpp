@@ -143,8 +143,9 @@ std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vecto
 // MPI on one machine, NCCL), the caps after it double (1, 2, 4, then
 // 8 MiB), so that forward computes each bucket while the next, twice its
 // size, arrives: on 1.13's deep model that made ShardGradOp over MPI 4-10%
-// faster side by side, and on Gloo, whose every collective costs a round
-// trip, it cost FullShard on the MLP a fifth (docs/performance.md).
+// faster side by side (about 3% slower on 2.15's, whose slower compute
+// hides the gathers anyway), and on Gloo, whose every collective costs a
+// round trip, it cost FullShard on the MLP a fifth (docs/performance.md).
 // The reduce-scatters take the all-gathers' buckets in reverse.
 constexpr int64_t kShardBucketBytes = 8 << 20;
 constexpr int64_t kFirstShardBucketBytes = 1 << 20;
