@@ -33,6 +33,10 @@ struct FlatParam {
   torch::Tensor full; // the gathered buffer, in compute_dtype; its storage is released while sharded
   torch::Tensor summoned; // summon_full_params() under a param_dtype: the whole buffer in dtype
   std::vector<torch::Tensor> views; // the parameters' views of `full`, made once
+  // Under no_sync, where reduce_dtype is wider than compute_dtype: each
+  // parameter's gradients summed so far, in reduce_dtype (Note [Sharded
+  // mixed precision]); undefined where none came.
+  std::vector<torch::Tensor> accumulated;
   bool gathered = false;
   bool pending = false; // its all-gather is in flight
   bool used = false; // an operator read it in this forward

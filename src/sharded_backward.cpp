@@ -75,7 +75,7 @@ void ShardedCore::State::launch_ready() {
 
 // Writes the flat buffer's gradients into `rows`, a [W, shard] view whose
 // row r is rank r's part (zeros where no gradient came, and in the
-// padding), and drops the parameters' .grad.
+// padding), and drops the parameters' .grad and what no_sync accumulated.
 void ShardedCore::State::write_grads(FlatParam& flat, const torch::Tensor& rows) {
   const int64_t shard = flat.layout.shard;
   // Elements [begin, end) of the flat buffer, row by row: `from` (in flat
@@ -94,12 +94,11 @@ void ShardedCore::State::write_grads(FlatParam& flat, const torch::Tensor& rows)
   };
   int64_t written = 0;
   for (size_t j = 0; j < flat.params.size(); ++j) {
-    auto& grad = flat.params[j].mutable_grad();
+    const auto grad = take_gradient(flat, j);
     const int64_t numel = flat.views[j].numel();
     write(written, flat.offsets[j], torch::Tensor());
     write(flat.offsets[j], flat.offsets[j] + numel, grad.defined() ? grad.reshape({-1}) : torch::Tensor());
     written = flat.offsets[j] + numel;
-    grad = torch::Tensor();
   }
   write(written, flat.layout.padded, torch::Tensor());
 }
@@ -174,6 +173,8 @@ void ShardedCore::State::finalize() {
       }
     }
     next_launch = 0;
+  } else {
+    accumulate_in_reduce_dtype();
   }
   end_pass();
 }

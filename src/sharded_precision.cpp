@@ -18,7 +18,12 @@ namespace detail {
 // forward to the end of backward. Autograd then gives their gradients in
 // param_dtype; they are written into the reduce-scatter's input in
 // reduce_dtype (param_dtype unless set), averaged there, and added to the
-// shard's fp32 gradient. summon_full_params gathers the shards as they are,
+// shard's fp32 gradient. Under no_sync, where reduce_dtype is the wider
+// (fp32 beside bf16), each backward's gradients are moved off the
+// parameters into a sum in reduce_dtype, as FSDP2 upcasts its unsharded
+// gradients: autograd would add them up in param_dtype, where bf16's 8 bits
+// lose every micro-batch's gradient smaller than 1/256 of the sum so far.
+// summon_full_params gathers the shards as they are,
 // in their own dtype, into a buffer of its own: a writeback of bf16 values
 // would round the master weights. NoShard keeps the module's parameters as
 // views of its fp32 "shard", so it has no gathered buffer to hold another
@@ -74,6 +79,39 @@ bool ShardedCore::State::summon_in_own_dtype() {
     }
   }
   return true;
+}
+
+// Under no_sync, at the end of backward: each parameter's .grad (in
+// compute_dtype) added to its sum in reduce_dtype, where that is wider.
+void ShardedCore::State::accumulate_in_reduce_dtype() {
+  torch::NoGradGuard no_grad;
+  for (auto& flat : flats) {
+    if (flat.reduce_dtype == flat.compute_dtype || c10::promoteTypes(flat.compute_dtype, flat.reduce_dtype) != flat.reduce_dtype) {
+      continue;
+    }
+    flat.accumulated.resize(flat.params.size());
+    for (size_t j = 0; j < flat.params.size(); ++j) {
+      auto& grad = flat.params[j].mutable_grad();
+      if (grad.defined()) {
+        auto& sum = flat.accumulated[j];
+        sum = sum.defined() ? sum.add_(grad) : grad.to(flat.reduce_dtype);
+        grad = torch::Tensor();
+      }
+    }
+  }
+}
+
+// Parameter j's whole gradient, taken off it: its .grad, plus what no_sync
+// accumulated in reduce_dtype; undefined where neither is.
+torch::Tensor ShardedCore::State::take_gradient(FlatParam& flat, size_t j) {
+  auto grad = std::move(flat.params[j].mutable_grad());
+  flat.params[j].mutable_grad() = torch::Tensor();
+  if (j >= flat.accumulated.size() || !flat.accumulated[j].defined()) {
+    return grad;
+  }
+  auto sum = std::move(flat.accumulated[j]);
+  flat.accumulated[j] = torch::Tensor();
+  return grad.defined() ? sum.add_(grad) : sum;
 }
 
 } // namespace detail

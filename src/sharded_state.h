@@ -100,6 +100,8 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // src/sharded_precision.cpp: Note [Sharded mixed precision].
   void set_precision(const ShardingOptions& options);
   bool summon_in_own_dtype();
+  void accumulate_in_reduce_dtype();
+  static torch::Tensor take_gradient(FlatParam& flat, size_t j);
 
   // src/sharded_backward.cpp: gradients into the shards.
   // Calls on_ready(flat, index) after autograd accumulates a parameter's

@@ -111,6 +111,53 @@ TEST(ShardedPrecision, SummonIsFloatAndWritebackKeepsFloatValues) {
   });
 }
 
+// One unit, Linear(4, 1) without bias: with loss = out.sum() and one row
+// of x per rank, each weight's gradient is x's value.
+struct SumNetImpl : torch::nn::Cloneable<SumNetImpl> {
+  SumNetImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(4, 1).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc->forward(x);
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(SumNet);
+
+// Gradient accumulation under no_sync sums in reduce_dtype, as FSDP2 does:
+// a first micro-batch's gradient of 1, then eight of 2^-9. In bf16 each
+// 1 + 2^-9 rounds back to 1; in fp32 the sum is 1 + 8 * 2^-9.
+TEST(ShardedPrecision, NoSyncAccumulatesInReduceDtype) {
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp}) {
+    SCOPED_TRACE(testing::name_of(strategy));
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<SumNet> model(SumNet(), group, ShardingOptions(kBf16).strategy(strategy));
+      const float small = 1.0f / 512;
+      auto micro_batch = [&](float value) {
+        model->forward(torch::full({1, 4}, value)).to(torch::kFloat).sum().backward();
+      };
+      {
+        auto guard = model->no_sync();
+        micro_batch(1.0f);
+        for (int i = 0; i < 7; ++i) {
+          micro_batch(small);
+        }
+      }
+      micro_batch(small);
+      for (const auto& p : model->parameters()) {
+        ASSERT_TRUE(p.grad().defined());
+        ASSERT_EQ(p.grad().scalar_type(), torch::kFloat);
+        const auto weights = p.grad().narrow(0, 0, std::min<int64_t>(p.numel(), 4 / group.size()));
+        EXPECT_TRUE(torch::equal(weights, torch::full_like(weights, 1.0f + 8 * small)))
+            << "accumulated gradient " << weights << ", want " << 1.0f + 8 * small;
+      }
+    });
+  }
+}
+
 TEST(ShardedPrecision, ReduceDtypeDefaultsToParamDtypeWhereTheBackendCarriesIt) {
   testing::spawn(2, [](ProcessGroup& group) {
     torch::manual_seed(0);
