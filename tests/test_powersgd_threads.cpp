@@ -33,6 +33,12 @@ TEST(PowerSGDThreads, RanksHoldTheSameParametersWithNoSyncAndStaticGraph) {
   }
 }
 
+TEST(PowerSGDThreads, UnderJoinARankThatRanOutShadowsTheHookWithZeros) {
+  for (int world : {2, 3}) {
+    testing::spawn(world, [](ProcessGroup& group) { testing::check_powersgd_under_join(group, kCheck); });
+  }
+}
+
 // NCCL refuses two ranks on one GPU: a group of one checks the hook's
 // collectives and arithmetic on the device.
 TEST(PowerSGDThreads, OneGpuOverNcclIsExactAtTheMatrixRank_CUDA) {

@@ -12,7 +12,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 namespace lockstep {
 namespace testing {
@@ -93,6 +95,65 @@ inline void check_powersgd_ranks_agree(ProcessGroup& group, bool static_graph, c
   }
   check(powersgd.iteration() == 8, "8 reducing iterations counted, got " + std::to_string(powersgd.iteration()));
   check(powersgd.compression_rate() > 1, "the gradients were compressed");
+}
+
+/// DDP with PowerSGD under join(), compressing from the fourth iteration:
+/// rank k has counts[k % 3] of {5, 2, 4} batches. A rank that has run out
+/// runs every bucket through the hook with zeros, so the final parameters
+/// equal those of a run without join in which it trains on zero gradients
+/// (the same collectives, the same PowerSGD state), and every rank's hook
+/// counts every iteration, its shadowed ones too, or the ranks would leave
+/// plain allreduce for compression at different iterations.
+inline void check_powersgd_under_join(ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  const int world = group.size();
+  const std::vector<int> counts = {5, 2, 4};
+  const int mine = counts[r % 3];
+  int most = 0;
+  for (int k = 0; k < world; ++k) {
+    most = std::max(most, counts[k % 3]);
+  }
+  torch::manual_seed(20 + r); // DDP broadcasts rank 0's
+  OddNet initial;
+  auto train = [&](bool joined) {
+    OddNet net(std::dynamic_pointer_cast<OddNetImpl>(initial->clone()));
+    auto powersgd = comm_hooks::powersgd(PowerSGDOptions().rank(1).start_iteration(3));
+    DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().comm_hook(powersgd));
+    torch::optim::SGD optimizer(ddp->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    auto step = [&](int b, double scale) {
+      auto batch = global_batch(4 * world, b);
+      optimizer.zero_grad();
+      (torch::mse_loss(ddp(batch.first.narrow(0, 4 * r, 4)), batch.second.narrow(0, 4 * r, 4)) * scale).backward();
+      optimizer.step();
+    };
+    if (joined) {
+      auto guard = ddp->join();
+      for (int b = 0; b < mine; ++b) {
+        step(b, 1.0);
+      }
+      guard.finish();
+    } else {
+      for (int b = 0; b < most; ++b) {
+        step(b, b < mine ? 1.0 : 0.0);
+      }
+    }
+    check(powersgd.iteration() == most, "rank " + std::to_string(r) + (joined ? " under join" : "") + ": " +
+          std::to_string(most) + " iterations counted, got " + std::to_string(powersgd.iteration()));
+    check(powersgd.compression_rate() > 1, "the gradients were compressed");
+    return net;
+  };
+  auto under_join = train(true);
+  auto with_zeros = train(false);
+  // Rank 0 trains to the end in both runs, and join ends with its parameters.
+  auto expected = with_zeros->named_parameters();
+  auto got = under_join->named_parameters();
+  for (size_t i = 0; i < got.size(); ++i) {
+    auto want = expected[i].value().detach().clone();
+    group.broadcast(want, 0);
+    const bool close = torch::allclose(got[i].value(), want, 1e-5, 1e-7);
+    check(close, "rank " + std::to_string(r) + ": '" + got[i].key() + "' after join differs from training on zero "
+          "gradients" + (close ? std::string() : " by " + std::to_string((got[i].value() - want).abs().max().item<double>())));
+  }
 }
 
 } // namespace testing
