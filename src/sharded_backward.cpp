@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace lockstep {
 namespace detail {
@@ -180,4 +181,48 @@ void ShardedCore::State::finalize() {
 }
 
 } // namespace detail
+
+// Note [Clipping sharded gradients]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each rank holds a slice of the model's gradient, so a norm over
+// parameters() is a norm of that slice: clipping by it scales each rank's
+// slice by its own factor, and the model's parameters drift from any
+// single-process run without an error. As FSDP1's clip_grad_norm_, each
+// rank sums |g|^p over its shards (their padding's gradient is zero), one
+// allreduce adds the sums (takes the max, for the inf-norm) and every rank
+// scales by the same max_norm / (norm + 1e-6), capped at 1. NoShard's
+// "shards" hold the whole averaged gradient on every rank: its local norm
+// is already the model's.
+torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_type) {
+  TORCH_CHECK(norm_type > 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ", group_.rank(), ": norm_type ",
+              norm_type, " is not a norm; pass 2.0 (the default), 1.0, or std::numeric_limits<double>::infinity()");
+  const bool largest = std::isinf(norm_type);
+  std::vector<torch::Tensor> grads;
+  torch::Device device = torch::kCPU;
+  for (auto* flat : flats()) {
+    device = flat->device;
+    if (flat->shard.grad().defined()) {
+      grads.push_back(flat->shard.grad());
+    }
+  }
+  torch::NoGradGuard no_grad;
+  auto local = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(device));
+  for (const auto& g : grads) {
+    if (g.numel() > 0) {
+      auto magnitude = g.detach().to(local.options()).abs();
+      local = largest ? torch::maximum(local, magnitude.max()) : local + magnitude.pow(norm_type).sum();
+    }
+  }
+  if (sharded()) {
+    group_.allreduce_async({local}, largest ? ReduceOp::Max : ReduceOp::Sum, "clip_grad_norm_'s allreduce of the "
+                           "shards' gradient norms")->wait();
+  }
+  auto total = largest ? local : local.pow(1.0 / norm_type);
+  auto scale = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  for (auto& g : grads) {
+    g.mul_(scale.to(g.options()));
+  }
+  return total.squeeze(0);
+}
+
 } // namespace lockstep

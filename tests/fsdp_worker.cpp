@@ -4,7 +4,7 @@
 // variables) and by the Mpi.fsdp_* tests under mpirun
 // (LOCKSTEP_TEST_BACKEND=mpi).
 //
-//   lockstep_fsdp_worker equivalence|no_sync|frozen|mismatch|scaler
+//   lockstep_fsdp_worker equivalence|no_sync|frozen|mismatch|scaler|clip
 //   lockstep_fsdp_worker checkpoint_save|checkpoint_load DIR
 //
 // Prints "rank R: OK" and exits 0 when every check passed, "rank R: CHECK
@@ -18,6 +18,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 namespace {
@@ -51,6 +52,13 @@ bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessG
       lockstep::testing::check_fsdp_scaler_skips_together(group, strategy, check);
     }
     lockstep::testing::check_fsdp_scaler_without_group_diverges(group, check);
+  } else if (scenario == "clip") {
+    OddNet initial;
+    for (auto strategy : kStrategies) {
+      for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+        lockstep::testing::check_clip_grad_norm(group, initial, strategy, norm_type, check);
+      }
+    }
   } else if (scenario == "mismatch") {
     lockstep::testing::check_model_mismatch(group, check);
   } else if ((scenario == "checkpoint_save" || scenario == "checkpoint_load") && !dir.empty()) {
@@ -68,7 +76,7 @@ bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessG
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) {
-    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch|scaler|checkpoint_save DIR|checkpoint_load DIR\n",
+    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch|scaler|clip|checkpoint_save DIR|checkpoint_load DIR\n",
                  argv[0]);
     return 2;
   }

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -103,6 +104,22 @@ TEST(FullyShardedDataParallel, EachStrategyMatchesOneProcessOnTwoAndThreeRanks) 
       testing::spawn(size, [&](ProcessGroup& group) { testing::check_matches_reference(group, initial, strategy, kCheck); });
     }
   }
+}
+
+TEST(FullyShardedDataParallel, ClipGradNormClipsByTheWholeModelsNorm) {
+  torch::manual_seed(0);
+  OddNet initial;
+  for (auto strategy : kStrategies) {
+    for (double norm_type : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
+      testing::spawn(3, [&](ProcessGroup& group) {
+        testing::check_clip_grad_norm(group, initial, strategy, norm_type, kCheck);
+      });
+    }
+  }
+  testing::spawn(2, [](ProcessGroup& group) {
+    FullyShardedDataParallel<OddNet> model(OddNet(), group);
+    EXPECT_ERROR_SAYS(model->clip_grad_norm_(1.0, 0.0), "norm_type 0 is not a norm");
+  });
 }
 
 TEST(FullyShardedDataParallel, ParametersAreThisRanksShardsPaddedToTheWorldSize) {

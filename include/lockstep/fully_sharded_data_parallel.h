@@ -208,6 +208,17 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   const ProcessGroup& group() const {
     return core_->group();
   }
+  /// Scales the shards' gradients so that the whole model's gradient has a
+  /// norm of at most `max_norm`, as torch::nn::utils::clip_grad_norm_ does
+  /// on one process, and returns that norm before clipping (the same on
+  /// every rank). Every rank calls it, after backward. Use it instead of
+  /// torch::nn::utils::clip_grad_norm_(parameters()), which sees only this
+  /// rank's shards and would clip each rank's share by a different factor.
+  /// `norm_type` is p of the p-norm; std::numeric_limits<double>::infinity()
+  /// for the largest magnitude.
+  torch::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0) {
+    return core_->clip_grad_norm_(max_norm, norm_type);
+  }
   /// See lockstep::save_sharded and load_sharded.
   void save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
     core_->save_sharded(optimizer, dir);

@@ -12,7 +12,9 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <string>
+#include <vector>
 
 namespace lockstep {
 namespace testing {
@@ -88,6 +90,43 @@ inline void check_matches_reference(ProcessGroup& group, OddNet initial, Shardin
   }
   check_full_params(model, reference, check, std::string(name_of(strategy)) + " after " + std::to_string(steps) +
                     " Adam steps on " + std::to_string(group.size()) + " ranks");
+}
+
+/// 3 SGD steps, each after model->clip_grad_norm_(0.05, p), equal 3 on the
+/// whole batch after torch::nn::utils::clip_grad_norm_ in one process: the
+/// norm returned is the whole model's on every rank, and every shard is
+/// scaled by the same factor (Note [Clipping sharded gradients]).
+inline void check_clip_grad_norm(ProcessGroup& group, OddNet initial, ShardingStrategy strategy, double norm_type,
+                                 const Check& check) {
+  const double max_norm = 0.05;
+  auto reference = copy_of(initial);
+  torch::optim::SGD ref_sgd(reference->parameters(), 0.1);
+  FullyShardedDataParallel<OddNet> model(copy_of(initial), group, ShardingOptions().strategy(strategy));
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  const std::string what = std::string(name_of(strategy)) + ", norm_type " + std::to_string(norm_type);
+  for (int step = 0; step < 3; ++step) {
+    auto batch = global_batch(12, step);
+    ref_sgd.zero_grad();
+    torch::mse_loss(reference->forward(batch.first), batch.second).backward();
+    std::vector<torch::Tensor> nonempty; // LibTorch's inf-norm takes max() of each, which an empty one refuses
+    for (const auto& p : reference->parameters()) {
+      if (p.numel() > 0) {
+        nonempty.push_back(p);
+      }
+    }
+    const double expected = torch::nn::utils::clip_grad_norm_(nonempty, max_norm, norm_type);
+    ref_sgd.step();
+    auto share = share_of(12, step, group.rank(), group.size());
+    sgd.zero_grad();
+    torch::mse_loss(model->forward(share.first), share.second).backward();
+    const double norm = model->clip_grad_norm_(max_norm, norm_type).item<double>();
+    sgd.step();
+    check(expected > max_norm, what + ": the reference's gradient norm " + std::to_string(expected) +
+          " is small enough not to clip");
+    check(std::abs(norm - expected) <= 1e-5 * expected, what + ": clip_grad_norm_ returned " + std::to_string(norm) +
+          " on rank " + std::to_string(group.rank()) + ", the whole model's norm is " + std::to_string(expected));
+  }
+  check_full_params(model, reference, check, what + " after 3 clipped SGD steps");
 }
 
 /// A backward under no_sync, then one outside it, then a step: the same as

@@ -87,6 +87,9 @@ class ShardedCore {
   };
   std::vector<FlatInfo> flat_params() const;
 
+  /// FullyShardedDataParallelImpl::clip_grad_norm_ (src/sharded_backward.cpp).
+  torch::Tensor clip_grad_norm_(double max_norm, double norm_type);
+
   /// lockstep::save_sharded and load_sharded (src/sharded_checkpoint.cpp).
   void save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
   void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir);
