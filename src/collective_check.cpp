@@ -50,13 +50,34 @@ namespace detail {
 // checked there, having no CUDA tensor to check with (NCCL's own watchdog
 // catches a barrier that some rank never joins).
 
+// Note [Collective tags]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Sizes alone cannot tell two collectives of equal size apart. When
+// FullyShardedDataParallel's units have equal sizes and one rank's forward
+// reads them in another order than another rank's (a branch on the rank or
+// on the data), each rank gathers a different unit at the same point: the
+// sizes agree, and every rank silently receives the others' shards of
+// another unit. So a caller that knows which collective it means (FSDP: the
+// bucket) tags it, the tag joins the fingerprint, and ranks whose tags
+// differ stop with an error instead. Untagged collectives carry 0; tags
+// are not taken from `what`, which may name rank-specific things.
+thread_local int64_t current_tag = 0;
+
+CollectiveTag::CollectiveTag(int64_t tag) : previous_(current_tag) {
+  current_tag = tag;
+}
+
+CollectiveTag::~CollectiveTag() {
+  current_tag = previous_;
+}
+
 namespace {
 
 enum Kind : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3, kReduceScatter = 4 };
-using Fingerprint = std::array<int64_t, 4>; // kind, reduction or root, dtype, elements
+using Fingerprint = std::array<int64_t, 5>; // kind, reduction or root, dtype, elements, tag
 
 Fingerprint fingerprint_of(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) {
-  Fingerprint f{kind, arg, -1, 0};
+  Fingerprint f{kind, arg, -1, 0, current_tag};
   if (!tensors.empty()) {
     f[2] = static_cast<int64_t>(tensors[0].scalar_type());
   }
@@ -82,6 +103,9 @@ std::string describe(const int64_t* f) {
   }
   if (f[0] != kBarrier) {
     out << " of " << f[3] << " " << c10::toString(static_cast<c10::ScalarType>(f[2])) << " elements";
+  }
+  if (f[4] != 0) {
+    out << " tagged " << f[4];
   }
   return out.str();
 }
@@ -263,9 +287,12 @@ class CheckedGroup : public ForwardingGroup {
     const auto reference = all[0].cpu();
     for (int r = 1; r < size(); ++r) {
       const auto theirs = all[r].cpu();
+      const bool only_tags = torch::equal(theirs.narrow(0, 0, 4), reference.narrow(0, 0, 4));
       TORCH_CHECK(torch::equal(theirs, reference), "lockstep: rank ", rank(), " of ", size(), ": ", job.what,
                   ": ranks disagree on this collective, so none of them sent it: rank 0 runs ",
                   describe(reference.data_ptr<int64_t>()), " but rank ", r, " runs ", describe(theirs.data_ptr<int64_t>()),
+                  only_tags ? " (the same sizes, but another collective: Note [Collective tags]; under "
+                  "FullyShardedDataParallel, a forward that reads its units in another order on some rank)" : "",
                   ". Every rank must call the same collectives in the same order, with tensors of the same sizes and "
                   "dtypes: look for a branch, a batch, a model or DistributedOptions (bucket_cap_mb) that differ between "
                   "ranks. LOCKSTEP_DEBUG=detail also compares shapes and numbers the collectives.");

@@ -6,6 +6,7 @@
 
 #include <lockstep/process_group.h>
 
+#include <cstdint>
 #include <memory>
 
 namespace lockstep {
@@ -15,6 +16,21 @@ namespace detail {
 /// sent, on a thread of the group's own, so that the caller does not wait;
 /// `impl` itself for a group of one.
 std::shared_ptr<GroupImpl> checked(std::shared_ptr<GroupImpl> impl);
+
+/// While alive, collectives this thread starts carry `tag` in the check's
+/// fingerprint (Note [Collective tags] in src/collective_check.cpp): two
+/// ranks at the same point with the same sizes but different tags are an
+/// error on every rank. `tag` must name the same collective on every rank.
+class CollectiveTag {
+ public:
+  explicit CollectiveTag(int64_t tag);
+  ~CollectiveTag();
+  CollectiveTag(const CollectiveTag&) = delete;
+  CollectiveTag& operator=(const CollectiveTag&) = delete;
+
+ private:
+  int64_t previous_;
+};
 
 } // namespace detail
 } // namespace lockstep

@@ -1,5 +1,6 @@
 #include <lockstep/fully_sharded_data_parallel.h>
 
+#include "collective_check.h"
 #include "mapped_memory.h"
 #include "sharded_state.h"
 #include "storage_watch.h"
@@ -139,6 +140,7 @@ void ShardedCore::State::start_gather(Bucket& b) {
     mine.narrow(0, offset, flats[i].layout.shard).copy_(flats[i].shard.detach());
     offset += flats[i].layout.shard;
   }
+  CollectiveTag tag(1 + static_cast<int64_t>(bucket_of[b.members[0]])); // Note [Collective tags]
   b.work = group.all_gather_into_async(b.output, mine, "all_gather of " + bucket_name(b.members) + " (" +
                                        std::to_string(b.output.numel()) + " elements)");
 }

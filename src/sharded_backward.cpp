@@ -1,6 +1,7 @@
 // FullyShardedDataParallel's backward: gradients reduce-scattered into the
 // shards (Note [Sharded step] in src/fully_sharded.cpp).
 
+#include "collective_check.h"
 #include "mapped_memory.h"
 #include "sharded_state.h"
 
@@ -124,6 +125,7 @@ void ShardedCore::State::launch(Bucket& bucket) {
   bucket.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
   const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +
       " (" + std::to_string(input.numel()) + " elements)";
+  CollectiveTag tag(1 + (&bucket - reduce_buckets.data())); // Note [Collective tags]
   if (sharded()) {
     bucket.output = torch::empty({per_rank}, input.options());
     bucket.work = group.reduce_scatter_async(bucket.output, input, ReduceOp::Avg, what);

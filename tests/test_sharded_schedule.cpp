@@ -6,6 +6,7 @@
 
 #include "../src/cpu_cache.h"
 #include "../src/storage_watch.h"
+#include "support/errors.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -121,6 +122,44 @@ TEST(FullyShardedDataParallel, AUnitForwardCallsTwiceIsGatheredAgainAndMatchesOn
       EXPECT_TRUE(torch::allclose(mine, theirs, 1e-5, 1e-6)) << (mine - theirs).abs().max().item<float>();
     }
   });
+}
+
+// Two units of one size, which forward reads in another order on rank 1.
+struct OrderNetImpl : torch::nn::Module {
+  explicit OrderNetImpl(bool swap) : swap(swap) {
+    a = register_module("a", torch::nn::Linear(1024, 1024)); // 4 MiB: a bucket each
+    b = register_module("b", torch::nn::Linear(1024, 1024));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return swap ? a(torch::tanh(b(x))) : b(torch::tanh(a(x)));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  bool swap;
+};
+TORCH_MODULE(OrderNet);
+
+// Each rank gathers the unit its forward reads first. With equal sizes the
+// all-gathers' sizes agree, and without a tag every rank would take the
+// other's shards of another unit into its own (0.06 off one process after
+// 3 steps); each bucket's tag makes it an error on every rank (Note
+// [Collective tags]).
+TEST(FullyShardedDataParallel, UnitsReadInAnotherOrderOnOneRankAreAnErrorOnEveryRank) {
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp}) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      torch::manual_seed(11);
+      FullyShardedDataParallel<OrderNet> model(OrderNet(group.rank() == 1), group, ShardingOptions().strategy(strategy));
+      torch::optim::SGD sgd(model->parameters(), 0.5);
+      auto train = [&] {
+        for (int step = 0; step < 3; ++step) {
+          sgd.zero_grad();
+          model->forward(torch::randn({2, 1024})).pow(2).mean().backward();
+          sgd.step();
+        }
+      };
+      EXPECT_ERROR_SAYS(train(), "ranks disagree on this collective", "the same sizes, but another collective",
+          "a forward that reads its units in another order on some rank");
+    }, std::chrono::seconds(20));
+  }
 }
 
 // A group of one that keeps the name of every collective it is asked for.
