@@ -524,43 +524,6 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
   }
 }
 
-void ShardedCore::summon() {
-  auto& s = *state_;
-  TORCH_CHECK(!s.summoned, s.where(), "summon_full_params() inside another; end the first guard.");
-  TORCH_CHECK(!s.forwarded, s.where(), "summon_full_params() between a forward and its backward. Call it before "
-              "forward or after backward.");
-  Unwatched unwatched;
-  if (!s.summon_in_own_dtype()) { // Note [Sharded mixed precision]
-    s.gather_all();
-  }
-  s.summoned = true;
-}
-
-void ShardedCore::unsummon(bool writeback) {
-  auto& s = *state_;
-  Unwatched unwatched;
-  s.summoned = false;
-  if (writeback && s.sharded()) {
-    torch::NoGradGuard no_grad;
-    for (auto& flat : s.flats) {
-      const auto& whole = flat.summoned.defined() ? flat.summoned : flat.full;
-      flat.shard.detach().copy_(whole.narrow(0, s.group.rank() * flat.layout.shard, flat.layout.shard));
-    }
-  }
-  s.release_all();
-  for (auto& flat : s.flats) {
-    if (flat.summoned.defined()) {
-      flat.summoned = torch::Tensor();
-      // Their dtype changed twice (Note [Sharded mixed precision]), and
-      // set_data forgets a parameter's accumulator when its dtype changes:
-      // give back the one that carries the gradient hooks.
-      for (size_t j = 0; j < flat.params.size(); ++j) {
-        restore_grad_accumulator(flat.params[j], flat.accumulators[j]);
-      }
-    }
-  }
-}
-
 std::vector<FlatParam*> ShardedCore::flats() const {
   std::vector<FlatParam*> flats;
   for (auto& flat : state_->flats) {

@@ -217,6 +217,49 @@ TEST(FullyShardedDataParallel, WritebackCopiesEditsIntoTheShards) {
   });
 }
 
+// torch::load replaces each parameter's tensor (set_) rather than writing
+// into the gathered buffer it views: without Note [Replaced parameters]
+// the writeback copied the old values (FullShard, ShardGradOp), and NoShard
+// went on computing with tensors its optimizer never stepped.
+TEST(FullyShardedDataParallel, AFullCheckpointLoadedUnderSummonReachesTheShards) {
+  const std::string path = ::testing::TempDir() + "lockstep_fsdp_load_" + std::to_string(getpid()) + ".pt";
+  const std::string wider = path + ".wider";
+  torch::manual_seed(4);
+  OddNet saved;
+  torch::save(saved, path);
+  torch::save(OddNet(14), wider);
+  auto reference = testing::train_reference(saved, 2, 12);
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<OddNet> model(OddNet(), group, ShardingOptions().strategy(strategy));
+      {
+        auto full = model->summon_full_params();
+        full.writeback(true);
+        OddNet module = model->module();
+        torch::load(module, path);
+      }
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+      for (int step = 0; step < 2; ++step) {
+        auto batch = testing::share_of(12, step, group.rank(), 2);
+        adam.zero_grad();
+        torch::mse_loss(model->forward(batch.first), batch.second).backward();
+        adam.step();
+      }
+      testing::check_full_params(model, reference, kCheck, std::string(testing::name_of(strategy)) +
+                                 ": loaded under summon_full_params, then 2 Adam steps");
+      EXPECT_ERROR_SAYS(([&] {
+                          auto full = model->summon_full_params();
+                          full.writeback(true);
+                          OddNet module = model->module();
+                          torch::load(module, wider);
+                        }()),
+                        "parameter 'fc1.weight' was given a tensor of shape [14, 7]", "the sharded model's is [13, 7]");
+    });
+  }
+  std::remove(path.c_str());
+  std::remove(wider.c_str());
+}
+
 TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) {
   const std::string path = ::testing::TempDir() + "lockstep_fsdp_full_" + std::to_string(getpid()) + ".pt";
   torch::manual_seed(3);

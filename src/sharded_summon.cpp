@@ -1,0 +1,83 @@
+// FullyShardedDataParallel's summon_full_params: every unit gathered, the
+// module's parameters its views, then edits written back into the shards.
+
+#include "sharded_state.h"
+
+namespace lockstep {
+namespace detail {
+
+// Note [Replaced parameters]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Inside summon_full_params the module's parameters view the gathered
+// buffer, and the writeback copies from that buffer. torch::load, and
+// anything else that calls set_ or set_data on a parameter, gives it storage
+// of its own instead of writing into the buffer: the loaded values would be
+// lost at the writeback, and under NoShard, whose parameters view the shard
+// itself, the module would go on computing with tensors the optimizer never
+// steps. So when the guard ends, each parameter that no longer views its
+// buffer is copied into it (with writeback; a parameter whose shape changed
+// is an error naming it) and made to view it again.
+void ShardedCore::State::adopt_replaced_params(bool writeback) {
+  torch::NoGradGuard no_grad;
+  for (auto& flat : flats) {
+    for (size_t j = 0; j < flat.params.size(); ++j) {
+      auto& param = flat.params[j];
+      // flat.views view the gathered buffer (NoShard's: the shard itself).
+      const auto shape = flat.views[j].sizes();
+      auto view = flat.summoned.defined() ? flat.summoned.narrow(0, flat.offsets[j], flat.views[j].numel()).view(shape)
+                                          : flat.views[j];
+      if (param.is_alias_of(view)) {
+        continue;
+      }
+      if (writeback) {
+        TORCH_CHECK(param.sizes() == shape, where(), "parameter '", flat.names[j], "' was given a tensor of shape ",
+                    param.sizes(), " inside summon_full_params(), but the sharded model's is ", shape,
+                    ". Load a checkpoint of this model (torch::load replaces each parameter by the one in the file).");
+        view.copy_(param);
+      }
+      param.set_data(view);
+      restore_grad_accumulator(param, flat.accumulators[j]); // set_data forgets it when the dtype changed
+    }
+  }
+}
+
+void ShardedCore::summon() {
+  auto& s = *state_;
+  TORCH_CHECK(!s.summoned, s.where(), "summon_full_params() inside another; end the first guard.");
+  TORCH_CHECK(!s.forwarded, s.where(), "summon_full_params() between a forward and its backward. Call it before "
+              "forward or after backward.");
+  Unwatched unwatched;
+  if (!s.summon_in_own_dtype()) { // Note [Sharded mixed precision]
+    s.gather_all();
+  }
+  s.summoned = true;
+}
+
+void ShardedCore::unsummon(bool writeback) {
+  auto& s = *state_;
+  Unwatched unwatched;
+  s.summoned = false;
+  s.adopt_replaced_params(writeback); // Note [Replaced parameters]
+  if (writeback && s.sharded()) {
+    torch::NoGradGuard no_grad;
+    for (auto& flat : s.flats) {
+      const auto& whole = flat.summoned.defined() ? flat.summoned : flat.full;
+      flat.shard.detach().copy_(whole.narrow(0, s.group.rank() * flat.layout.shard, flat.layout.shard));
+    }
+  }
+  s.release_all();
+  for (auto& flat : s.flats) {
+    if (flat.summoned.defined()) {
+      flat.summoned = torch::Tensor();
+      // Their dtype changed twice (Note [Sharded mixed precision]), and
+      // set_data forgets a parameter's accumulator when its dtype changes:
+      // give back the one that carries the gradient hooks.
+      for (size_t j = 0; j < flat.params.size(); ++j) {
+        restore_grad_accumulator(flat.params[j], flat.accumulators[j]);
+      }
+    }
+  }
+}
+
+} // namespace detail
+} // namespace lockstep
