@@ -124,6 +124,61 @@ TEST(FullyShardedDataParallel, AUnitForwardCallsTwiceIsGatheredAgainAndMatchesOn
   });
 }
 
+struct ThreeUnitsImpl : torch::nn::Cloneable<ThreeUnitsImpl> {
+  ThreeUnitsImpl() {
+    reset();
+  }
+  void reset() override {
+    a = register_module("a", torch::nn::Linear(1024, 1024)); // 4 MiB: buckets of their own
+    b = register_module("b", torch::nn::Linear(1024, 1024));
+    c = register_module("c", torch::nn::Linear(1024, 8));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return c(torch::tanh(b(torch::tanh(a(x)))));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(ThreeUnits);
+
+// Two forwards, then one backward through both (a siamese loss), as
+// PyTorch's test_fsdp_multiple_forward: FullShard has freed and gathered
+// the units again between them, and backward refills both forwards' saved
+// views of each unit.
+TEST(FullyShardedDataParallel, TwoForwardsThenOneBackwardMatchOneProcess) {
+  torch::manual_seed(3);
+  ThreeUnits initial;
+  const auto x1 = torch::randn({4, 1024});
+  const auto x2 = torch::randn({4, 1024});
+  auto copy = [&] { return ThreeUnits(std::dynamic_pointer_cast<ThreeUnitsImpl>(initial->clone())); };
+  auto reference = copy();
+  torch::optim::SGD reference_sgd(reference->parameters(), 0.1);
+  for (int step = 0; step < 2; ++step) {
+    reference_sgd.zero_grad();
+    (reference->forward(x1).pow(2).mean() + reference->forward(x2).pow(2).mean()).backward();
+    reference_sgd.step();
+  }
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
+    std::vector<ThreeUnits> nets{copy(), copy()};
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<ThreeUnits> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      for (int step = 0; step < 2; ++step) {
+        sgd.zero_grad();
+        auto first = model->forward(x1.narrow(0, 2 * group.rank(), 2)).pow(2).mean();
+        auto second = model->forward(x2.narrow(0, 2 * group.rank(), 2)).pow(2).mean();
+        (first + second).backward();
+        sgd.step();
+      }
+      auto full = model->summon_full_params();
+      auto mine = model->module()->named_parameters();
+      auto theirs = reference->named_parameters();
+      for (size_t i = 0; i < mine.size(); ++i) {
+        EXPECT_TRUE(torch::allclose(mine[i].value(), theirs[i].value(), 1e-5, 1e-6)) << mine[i].key();
+      }
+    });
+  }
+}
+
 // Two units of one size, which forward reads in another order on rank 1.
 struct OrderNetImpl : torch::nn::Module {
   explicit OrderNetImpl(bool swap) : swap(swap) {
