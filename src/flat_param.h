@@ -37,6 +37,10 @@ struct FlatParam {
   // parameter's gradients summed so far, in reduce_dtype (Note [Sharded
   // mixed precision]); undefined where none came.
   std::vector<torch::Tensor> accumulated;
+  // Note [Edits outside summon_full_params]: whether its parameters are
+  // empty tensors at rest, and their version counters since.
+  bool resting = false;
+  std::vector<int64_t> rest_versions;
   bool gathered = false;
   bool pending = false; // its all-gather is in flight
   bool used = false; // an operator read it in this forward

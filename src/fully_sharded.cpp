@@ -216,9 +216,12 @@ void ShardedCore::State::release(FlatParam& flat, bool empty) {
   }
   TORCH_INTERNAL_ASSERT(!flat.pending, "releasing a flat parameter whose all-gather is in flight");
   if (empty) {
+    flat.rest_versions.clear();
     for (auto& p : flat.params) {
       p.set_data(torch::empty({0}, flat.options().dtype(flat.compute_dtype)));
+      flat.rest_versions.push_back(p._version()); // Note [Edits outside summon_full_params]
     }
+    flat.resting = true;
   }
   if (strategy == ShardingStrategy::FullShard) {
     release_storage(flat.full);
@@ -476,6 +479,7 @@ ShardedCore::~ShardedCore() {
 void ShardedCore::before_forward() {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "forward inside summon_full_params(). End the guard first.");
+  s.check_untouched_at_rest();
   if (s.sharded()) {
     Unwatched unwatched;
     s.begin_forward();

@@ -103,6 +103,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
 
   // src/sharded_summon.cpp: Note [Replaced parameters].
   void adopt_replaced_params(bool writeback);
+  void check_untouched_at_rest();
   void accumulate_in_reduce_dtype();
   static torch::Tensor take_gradient(FlatParam& flat, size_t j);
 

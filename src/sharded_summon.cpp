@@ -41,11 +41,45 @@ void ShardedCore::State::adopt_replaced_params(bool writeback) {
   }
 }
 
+// Note [Edits outside summon_full_params]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Outside forward, backward and summon_full_params, FullShard's and
+// ShardGradOp's module parameters are empty tensors, and the next forward
+// points them at the gathered buffer again. An in-place change made to one
+// there (an init's normal_() or zero_() through module()->apply(), a
+// copy_, torch::load's set_) changes nothing and raises nothing in
+// LibTorch: the model trains from its old values. Each such change moves
+// the parameter's version counter, which our own set_data does not, so the
+// next forward or summon_full_params compares the counters with those noted
+// when the parameters were emptied and refuses, naming the parameter.
+// (LibTorch's optimizers update through .data(), which the counter does not
+// see; an optimizer over the module's own parameters finds no gradient on
+// them anyway, and is documented, not caught.) NoShard's parameters view
+// its shard, so edits there take effect, and are not checked.
+// The error is raised once: the parameters leave rest either way.
+void ShardedCore::State::check_untouched_at_rest() {
+  const std::string* changed = nullptr;
+  for (auto& flat : flats) {
+    for (size_t j = 0; flat.resting && j < flat.params.size(); ++j) {
+      if (changed == nullptr && flat.params[j]._version() != flat.rest_versions[j]) {
+        changed = &flat.names[j];
+      }
+    }
+    flat.resting = false;
+  }
+  TORCH_CHECK(changed == nullptr, where(), "parameter '", *changed,
+              "' of the wrapped module was changed in place outside forward, backward and summon_full_params() "
+              "(an init such as normal_() or zero_(), a copy_, torch::load?). There it is an empty tensor and the "
+              "values live in the shards, so the change is lost. Make it inside { auto full = "
+              "model->summon_full_params(); full.writeback(true); ... }, or before wrapping the module.");
+}
+
 void ShardedCore::summon() {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "summon_full_params() inside another; end the first guard.");
   TORCH_CHECK(!s.forwarded, s.where(), "summon_full_params() between a forward and its backward. Call it before "
               "forward or after backward.");
+  s.check_untouched_at_rest();
   Unwatched unwatched;
   if (!s.summon_in_own_dtype()) { // Note [Sharded mixed precision]
     s.gather_all();

@@ -260,6 +260,44 @@ TEST(FullyShardedDataParallel, AFullCheckpointLoadedUnderSummonReachesTheShards)
   std::remove(wider.c_str());
 }
 
+// An init after wrapping writes into FullShard's and ShardGradOp's empty
+// parameters, and LibTorch says nothing: it was lost (Note [Edits outside
+// summon_full_params]). Now the next forward, or summon_full_params, is an
+// error naming the parameter; NoShard's parameters view its shard, and the
+// edit takes effect.
+TEST(FullyShardedDataParallel, AnEditOutsideSummonIsAnErrorWhereItWouldBeLost) {
+  const std::string path = ::testing::TempDir() + "lockstep_fsdp_edit_" + std::to_string(getpid()) + ".pt";
+  torch::save(OddNet(), path);
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<OddNet> model(OddNet(), group, ShardingOptions().strategy(strategy));
+      auto init = [&] {
+        torch::NoGradGuard no_grad;
+        model->module()->fc2->weight.normal_(0, 0.02);
+      };
+      auto forward = [&] {
+        torch::NoGradGuard no_grad; // no backward follows: the parameters rest again
+        model->forward(torch::ones({2, 7}));
+      };
+      if (strategy == ShardingStrategy::NoShard) {
+        init();
+        forward();
+        auto full = model->summon_full_params();
+        EXPECT_LT(model->module()->fc2->weight.abs().max().item<float>(), 0.2) << "NoShard's edit took no effect";
+        return;
+      }
+      init();
+      EXPECT_ERROR_SAYS(forward(), "parameter 'fc2.weight' of the wrapped module was changed in place outside forward",
+                        "full.writeback(true)");
+      forward(); // the check has spoken: training goes on from the shards' values
+      OddNet module = model->module();
+      torch::load(module, path);
+      EXPECT_ERROR_SAYS(model->summon_full_params(), "of the wrapped module was changed in place");
+    });
+  }
+  std::remove(path.c_str());
+}
+
 TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) {
   const std::string path = ::testing::TempDir() + "lockstep_fsdp_full_" + std::to_string(getpid()) + ".pt";
   torch::manual_seed(3);
