@@ -196,8 +196,9 @@ void ShardedCore::State::finalize() {
 // "shards" hold the whole averaged gradient on every rank: its local norm
 // is already the model's.
 torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_type) {
-  TORCH_CHECK(norm_type > 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ", group_.rank(), ": norm_type ",
-              norm_type, " is not a norm; pass 2.0 (the default), 1.0, or std::numeric_limits<double>::infinity()");
+  TORCH_CHECK(norm_type > 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ", group_.rank(),
+              ": norm_type ", norm_type, " is not a norm; pass 2.0 (the default), 1.0, or "
+              "std::numeric_limits<double>::infinity()");
   const bool largest = std::isinf(norm_type);
   std::vector<torch::Tensor> grads;
   torch::Device device = torch::kCPU;

@@ -23,8 +23,8 @@ namespace detail {
 // parameters into a sum in reduce_dtype, as FSDP2 upcasts its unsharded
 // gradients: autograd would add them up in param_dtype, where bf16's 8 bits
 // lose every micro-batch's gradient smaller than 1/256 of the sum so far.
-// summon_full_params gathers the shards as they are,
-// in their own dtype, into a buffer of its own: a writeback of bf16 values
+// summon_full_params gathers the shards as they are, in their own dtype,
+// into a buffer of its own: a writeback of bf16 values
 // would round the master weights. NoShard keeps the module's parameters as
 // views of its fp32 "shard", so it has no gathered buffer to hold another
 // dtype, and refuses a param_dtype.
@@ -86,7 +86,9 @@ bool ShardedCore::State::summon_in_own_dtype() {
 void ShardedCore::State::accumulate_in_reduce_dtype() {
   torch::NoGradGuard no_grad;
   for (auto& flat : flats) {
-    if (flat.reduce_dtype == flat.compute_dtype || c10::promoteTypes(flat.compute_dtype, flat.reduce_dtype) != flat.reduce_dtype) {
+    const bool wider = flat.reduce_dtype != flat.compute_dtype &&
+        c10::promoteTypes(flat.compute_dtype, flat.reduce_dtype) == flat.reduce_dtype;
+    if (!wider) {
       continue;
     }
     flat.accumulated.resize(flat.params.size());

@@ -100,12 +100,13 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // src/sharded_precision.cpp: Note [Sharded mixed precision].
   void set_precision(const ShardingOptions& options);
   bool summon_in_own_dtype();
-
-  // src/sharded_summon.cpp: Note [Replaced parameters].
-  void adopt_replaced_params(bool writeback);
-  void check_untouched_at_rest();
   void accumulate_in_reduce_dtype();
   static torch::Tensor take_gradient(FlatParam& flat, size_t j);
+
+  // src/sharded_summon.cpp: Note [Replaced parameters] and Note [Edits
+  // outside summon_full_params].
+  void adopt_replaced_params(bool writeback);
+  void check_untouched_at_rest();
 
   // src/sharded_backward.cpp: gradients into the shards.
   // Calls on_ready(flat, index) after autograd accumulates a parameter's

@@ -151,8 +151,9 @@ inline void check_powersgd_under_join(ProcessGroup& group, const Check& check) {
     auto want = expected[i].value().detach().clone();
     group.broadcast(want, 0);
     const bool close = torch::allclose(got[i].value(), want, 1e-5, 1e-7);
+    const std::string by = close ? "" : " by " + std::to_string((got[i].value() - want).abs().max().item<double>());
     check(close, "rank " + std::to_string(r) + ": '" + got[i].key() + "' after join differs from training on zero "
-          "gradients" + (close ? std::string() : " by " + std::to_string((got[i].value() - want).abs().max().item<double>())));
+          "gradients" + by);
   }
 }
 
