@@ -239,12 +239,7 @@ TEST(FullyShardedDataParallel, AFullCheckpointLoadedUnderSummonReachesTheShards)
         torch::load(module, path);
       }
       torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-      for (int step = 0; step < 2; ++step) {
-        auto batch = testing::share_of(12, step, group.rank(), 2);
-        adam.zero_grad();
-        torch::mse_loss(model->forward(batch.first), batch.second).backward();
-        adam.step();
-      }
+      testing::train_shares(model, adam, group, 0, 2);
       testing::check_full_params(model, reference, kCheck, std::string(testing::name_of(strategy)) +
                                  ": loaded under summon_full_params, then 2 Adam steps");
       EXPECT_ERROR_SAYS(([&] {
@@ -306,12 +301,7 @@ TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) 
   testing::spawn(2, [&](ProcessGroup& group) {
     FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group);
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-    for (int step = 0; step < 2; ++step) {
-      auto batch = testing::share_of(12, step, group.rank(), 2);
-      adam.zero_grad();
-      torch::mse_loss(model->forward(batch.first), batch.second).backward();
-      adam.step();
-    }
+    testing::train_shares(model, adam, group, 0, 2);
     auto full = model->summon_full_params();
     if (group.rank() == 0) {
       torch::save(model->module(), path);
@@ -342,12 +332,7 @@ TEST(FullyShardedDataParallel, AFullOptimizerStateFromRankZeroLoadsIntoABareOpti
     testing::spawn(3, [&](ProcessGroup& group) {
       FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group, ShardingOptions().strategy(strategy));
       torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-      for (int step = 0; step < 2; ++step) {
-        auto batch = testing::share_of(12, step, group.rank(), 3);
-        adam.zero_grad();
-        torch::mse_loss(model->forward(batch.first), batch.second).backward();
-        adam.step();
-      }
+      testing::train_shares(model, adam, group, 0, 2);
       torch::optim::Adam full(model->module()->parameters(), torch::optim::AdamOptions(0.01));
       full_optimizer_state(model, adam, full);
       if (group.rank() == 0) {
@@ -383,12 +368,7 @@ void train_steps(ProcessGroup& group, OddNet initial, ShardingStrategy strategy,
   if (!load.empty()) {
     load_sharded(model, adam, load);
   }
-  for (int step = first; step < last; ++step) {
-    auto batch = testing::share_of(12, step, group.rank(), group.size());
-    adam.zero_grad();
-    torch::mse_loss(model->forward(batch.first), batch.second).backward();
-    adam.step();
-  }
+  testing::train_shares(model, adam, group, first, last);
   if (!save.empty()) {
     save_sharded(model, adam, save);
   }
@@ -505,12 +485,7 @@ void expect_fullshard_on_gpu(ProcessGroup& group, OddNet initial, OddNet referen
   net->to(gpu);
   FullyShardedDataParallel<OddNet> model(net, group);
   torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-  for (int step = 0; step < 3; ++step) {
-    auto batch = testing::share_of(12, step, group.rank(), group.size());
-    adam.zero_grad();
-    torch::mse_loss(model->forward(batch.first.to(gpu)), batch.second.to(gpu)).backward();
-    adam.step();
-  }
+  testing::train_shares(model, adam, group, 0, 3, gpu);
   auto full = model->summon_full_params();
   auto mine = model->module()->parameters();
   auto theirs = reference->parameters();

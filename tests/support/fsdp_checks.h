@@ -75,6 +75,18 @@ inline OddNet train_reference(OddNet initial, int steps, int64_t rows) {
   return net;
 }
 
+/// Steps [first, last) of this rank's share of the 12-row batches that
+/// train_reference takes whole.
+inline void train_shares(FullyShardedDataParallel<OddNet>& model, torch::optim::Optimizer& optimizer,
+                         const ProcessGroup& group, int first, int last, torch::Device device = torch::kCPU) {
+  for (int step = first; step < last; ++step) {
+    auto batch = share_of(12, step, group.rank(), group.size());
+    optimizer.zero_grad();
+    torch::mse_loss(model->forward(batch.first.to(device)), batch.second.to(device)).backward();
+    optimizer.step();
+  }
+}
+
 /// 5 Adam steps of each rank's share equal 5 on the whole batch (12 rows,
 /// odd layer sizes that no world size divides).
 inline void check_matches_reference(ProcessGroup& group, OddNet initial, ShardingStrategy strategy, const Check& check,
@@ -82,12 +94,7 @@ inline void check_matches_reference(ProcessGroup& group, OddNet initial, Shardin
   auto reference = train_reference(initial, steps, 12);
   FullyShardedDataParallel<OddNet> model(copy_of(initial), group, ShardingOptions().strategy(strategy));
   torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-  for (int step = 0; step < steps; ++step) {
-    auto batch = share_of(12, step, group.rank(), group.size());
-    adam.zero_grad();
-    torch::mse_loss(model->forward(batch.first), batch.second).backward();
-    adam.step();
-  }
+  train_shares(model, adam, group, 0, steps);
   check_full_params(model, reference, check, std::string(name_of(strategy)) + " after " + std::to_string(steps) +
                     " Adam steps on " + std::to_string(group.size()) + " ranks");
 }
@@ -165,12 +172,7 @@ inline void check_sharded_checkpoint(ProcessGroup& group, OddNet initial, Shardi
   if (!save) {
     load_sharded(model, adam, where);
   }
-  for (int step = save ? 0 : 2; step < (save ? 2 : 4); ++step) {
-    auto batch = share_of(12, step, group.rank(), group.size());
-    adam.zero_grad();
-    torch::mse_loss(model->forward(batch.first), batch.second).backward();
-    adam.step();
-  }
+  train_shares(model, adam, group, save ? 0 : 2, save ? 2 : 4);
   if (save) {
     save_sharded(model, adam, where);
     return;
