@@ -219,7 +219,10 @@ void ShardedCore::State::release(FlatParam& flat, bool empty) {
     flat.rest_versions.clear();
     for (auto& p : flat.params) {
       p.set_data(torch::empty({0}, flat.options().dtype(flat.compute_dtype)));
-      flat.rest_versions.push_back(p._version()); // Note [Edits outside summon_full_params]
+      if (!p.grad().defined()) {
+        p.mutable_grad() = torch::empty({0}, p.options()); // Note [Edits outside summon_full_params]
+      }
+      flat.rest_versions.push_back(p._version());
     }
     flat.resting = true;
   }

@@ -48,30 +48,43 @@ void ShardedCore::State::adopt_replaced_params(bool writeback) {
 // points them at the gathered buffer again. An in-place change made to one
 // there (an init's normal_() or zero_() through module()->apply(), a
 // copy_, torch::load's set_) changes nothing and raises nothing in
-// LibTorch: the model trains from its old values. Each such change moves
-// the parameter's version counter, which our own set_data does not, so the
-// next forward or summon_full_params compares the counters with those noted
-// when the parameters were emptied and refuses, naming the parameter.
-// (LibTorch's optimizers update through .data(), which the counter does not
-// see; an optimizer over the module's own parameters finds no gradient on
-// them anyway, and is documented, not caught.) NoShard's parameters view
-// its shard, so edits there take effect, and are not checked.
+// LibTorch: the model trains from its old values. So is an optimizer made
+// from module()->parameters(), or from the module's own parameters before
+// wrapping (DDP's habit): the shards take the gradients. Each in-place
+// change moves the parameter's version counter, which our own set_data does
+// not, so the next forward or summon_full_params compares the counters with
+// those noted when the parameters were emptied and refuses, naming the
+// parameter. For the optimizer to show itself, each emptied parameter
+// without a gradient gets an empty one to match: LibTorch's optimizers
+// skip a parameter without a gradient, and Adam, AdamW, RMSprop and
+// Adagrad write into it in place (SGD writes through .data(), which the
+// counter does not see, and stays undetected). Those empty gradients are
+// dropped when the parameters leave rest, whatever zero_grad() made of
+// them, so that autograd never adds to them. NoShard's parameters view its
+// shard, so edits there take effect, and are not checked.
 // The error is raised once: the parameters leave rest either way.
 void ShardedCore::State::check_untouched_at_rest() {
   const std::string* changed = nullptr;
   for (auto& flat : flats) {
     for (size_t j = 0; flat.resting && j < flat.params.size(); ++j) {
-      if (changed == nullptr && flat.params[j]._version() != flat.rest_versions[j]) {
+      auto& param = flat.params[j];
+      if (changed == nullptr && param._version() != flat.rest_versions[j]) {
         changed = &flat.names[j];
+      }
+      auto& grad = param.mutable_grad();
+      if (grad.defined() && grad.numel() == 0) {
+        grad = torch::Tensor(); // the empty gradient rest gave it, or zero_grad()'s copy of it
       }
     }
     flat.resting = false;
   }
   TORCH_CHECK(changed == nullptr, where(), "parameter '", *changed,
-              "' of the wrapped module was changed in place outside forward, backward and summon_full_params() "
-              "(an init such as normal_() or zero_(), a copy_, torch::load?). There it is an empty tensor and the "
-              "values live in the shards, so the change is lost. Make it inside { auto full = "
-              "model->summon_full_params(); full.writeback(true); ... }, or before wrapping the module.");
+              "' of the wrapped module was changed in place outside forward, backward and summon_full_params(): "
+              "by an optimizer made from model->module()->parameters() (or the module's, before wrapping), an init "
+              "such as normal_() or zero_(), a copy_ or torch::load? There it is an empty tensor and the values live "
+              "in the shards, so the change is lost. Make optimizers from model->parameters() (this rank's shards), "
+              "and make edits inside { auto full = model->summon_full_params(); full.writeback(true); ... } or "
+              "before wrapping the module.");
 }
 
 void ShardedCore::summon() {

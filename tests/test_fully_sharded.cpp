@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <string>
 #include <unistd.h>
@@ -291,6 +292,36 @@ TEST(FullyShardedDataParallel, AnEditOutsideSummonIsAnErrorWhereItWouldBeLost) {
     });
   }
   std::remove(path.c_str());
+}
+
+// DDP's habit, an optimizer over the module's own parameters, stepped
+// nothing (the shards take the gradients) and said nothing. Those that
+// write into their parameters in place now make the next forward an error.
+TEST(FullyShardedDataParallel, AnOptimizerOverTheModulesOwnParametersIsAnError) {
+  using Make = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+  const std::vector<std::pair<std::string, Make>> optimizers = {
+      {"Adam", [](auto p) { return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01)); }},
+      {"AdamW", [](auto p) { return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(0.01)); }},
+      {"RMSprop", [](auto p) { return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(0.01)); }},
+      {"Adagrad", [](auto p) { return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.01)); }}};
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp}) {
+    for (const auto& [name, make] : optimizers) {
+      SCOPED_TRACE(std::string(testing::name_of(strategy)) + ", " + name);
+      testing::spawn(2, [&](ProcessGroup& group) {
+        OddNet net;
+        FullyShardedDataParallel<OddNet> model(net, group, ShardingOptions().strategy(strategy));
+        auto wrong = make(net->parameters());
+        auto step = [&] {
+          wrong->zero_grad();
+          torch::mse_loss(model->forward(torch::ones({2, 7})), torch::zeros({2, 3})).backward();
+          wrong->step();
+        };
+        step(); // writes into the empty parameters: the next forward sees it
+        EXPECT_ERROR_SAYS(step(), "by an optimizer made from model->module()->parameters()",
+                          "Make optimizers from model->parameters()");
+      });
+    }
+  }
 }
 
 TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) {
