@@ -162,9 +162,9 @@ constexpr bool kForwardTakesCastArguments =
 /// parameters() are this rank's shards, one leaf per unit and dtype, so any
 /// torch::optim optimizer made from them steps this rank's share only. An
 /// optimizer made from module()->parameters() (or the wrapped module's,
-/// before wrapping) would step nothing: Adam, AdamW, RMSprop and Adagrad
-/// there make the next forward an error; SGD goes unseen. Make it from
-/// parameters().
+/// before wrapping) would step nothing: under FullShard and ShardGradOp,
+/// Adam, AdamW, RMSprop and Adagrad there make the next forward an error;
+/// SGD, and NoShard, go unseen. Make it from parameters().
 /// module() is the wrapped module; outside forward and backward (and
 /// summon_full_params) its trainable parameters of FullShard and
 /// ShardGradOp are empty tensors, never stale values.
