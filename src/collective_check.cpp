@@ -57,10 +57,12 @@ namespace detail {
 // reads them in another order than another rank's (a branch on the rank or
 // on the data), each rank gathers a different unit at the same point: the
 // sizes agree, and every rank silently receives the others' shards of
-// another unit. So a caller that knows which collective it means (FSDP: the
-// bucket) tags it, the tag joins the fingerprint, and ranks whose tags
-// differ stop with an error instead. Untagged collectives carry 0; tags
-// are not taken from `what`, which may name rank-specific things.
+// another unit. SyncBatchNorm layers of equal width run in another order
+// swap statistics the same way. So a caller that knows which collective it
+// means (FSDP: the bucket; SyncBatchNorm: the layer's number) tags it, the
+// tag joins the fingerprint, and ranks whose tags differ stop with an error
+// instead. Untagged collectives carry 0; tags are not taken from `what`,
+// which may name rank-specific things.
 thread_local int64_t current_tag = 0;
 
 CollectiveTag::CollectiveTag(int64_t tag) : previous_(current_tag) {
@@ -292,7 +294,8 @@ class CheckedGroup : public ForwardingGroup {
                   ": ranks disagree on this collective, so none of them sent it: rank 0 runs ",
                   describe(reference.data_ptr<int64_t>()), " but rank ", r, " runs ", describe(theirs.data_ptr<int64_t>()),
                   only_tags ? " (the same sizes, but another collective: Note [Collective tags]; under "
-                  "FullyShardedDataParallel, a forward that reads its units in another order on some rank)" : "",
+                  "FullyShardedDataParallel, a forward that reads its units in another order on some rank; with "
+                  "SyncBatchNorm, layers run in another order on some rank)" : "",
                   ". Every rank must call the same collectives in the same order, with tensors of the same sizes and "
                   "dtypes: look for a branch, a batch, a model or DistributedOptions (bucket_cap_mb) that differ between "
                   "ranks. LOCKSTEP_DEBUG=detail also compares shapes and numbers the collectives.");

@@ -178,6 +178,7 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   Reducer::check_not_reduced(params, names, group_.rank());
   verify_same_parameters(group_, names, params, describe(options));
   buffers_ = unique_tensors(module.buffers());
+  detail::label_sync_batch_norms(module);
   broadcast_coalesced(group_, parameters_and_buffers(), 0, "the broadcast of rank 0's parameters and buffers");
   reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
 }

@@ -1,4 +1,5 @@
 #include <lockstep/fully_sharded_data_parallel.h>
+#include <lockstep/sync_batch_norm.h>
 
 #include "collective_check.h"
 #include "mapped_memory.h"
@@ -392,6 +393,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   const auto paths = unit_paths(module, options, s.where());
   const auto planned = plan_parameters(module, paths, s.where());
   check_same_model(s.group, planned.names, planned.params, s.where());
+  detail::label_sync_batch_norms(module);
   {
     torch::NoGradGuard no_grad; // rank 0's values everywhere
     for (auto& p : planned.params) {

@@ -1,5 +1,7 @@
 #include <lockstep/sync_batch_norm.h>
 
+#include "collective_check.h"
+
 #include <torch/torch.h>
 
 #include <string>
@@ -20,16 +22,21 @@ namespace lockstep {
 // values. The input's gradient then equals the one BatchNorm computes on the
 // concatenated batch; the weight and bias gradients are this rank's sums,
 // which add up over ranks to the concatenated batch's, and which
-// DistributedDataParallel's reduction combines. Every rank calls both
-// collectives in the same order, since every rank runs the same layers; the
-// collectives run on the group given at construction, which may be the one
-// DDP uses.
+// DistributedDataParallel's reduction combines. The collectives run on the
+// group given at construction, which may be the one DDP uses, and every rank
+// must call them in the same order. Two layers of equal width that one rank
+// runs in another order (a branch on the rank or the data) would agree in
+// size and silently swap statistics, so the wrappers number their layers
+// (detail::label_sync_batch_norms) and each layer's collectives carry its
+// number as a tag (Note [Collective tags]): an error on every rank instead.
 
 namespace {
 
 struct GroupCapsule : torch::CustomClassHolder {
-  explicit GroupCapsule(ProcessGroup g) : group(std::move(g)) {}
+  GroupCapsule(ProcessGroup g, int64_t t, std::string l) : group(std::move(g)), tag(t), label(std::move(l)) {}
   ProcessGroup group;
+  int64_t tag; // Note [Collective tags]
+  std::string label; // the layer, for the collectives' names
 };
 
 // Sums over every dimension but the channel one.
@@ -79,8 +86,11 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
       stats.narrow(0, channels, channels).copy_(squares + mean.square() * static_cast<double>(n));
       stats[2 * channels].fill_(static_cast<double>(n));
     }
-    group.allreduce_async({stats}, ReduceOp::Sum, "SyncBatchNorm's statistics (" + std::to_string(channels) + " channels)")
-        ->wait();
+    {
+      detail::CollectiveTag tag(capsule->tag);
+      group.allreduce_async({stats}, ReduceOp::Sum, capsule->label + "'s statistics (" + std::to_string(channels) +
+                            " channels)")->wait();
+    }
     const double total = stats[2 * channels].item<double>();
     TORCH_CHECK(total > 1, where(group), "expected more than 1 value per channel in training, but every rank's batch "
                 "together has ", static_cast<int64_t>(total), " (input ", input.sizes(), " on this rank). Train on "
@@ -125,8 +135,11 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     // Every rank reduces, whether or not its input needs a gradient: the
     // others wait for it.
     auto sums = torch::cat({local_sum_dy, local_sum_dy_xmu});
-    group.allreduce_async({sums}, ReduceOp::Sum, "SyncBatchNorm's gradient sums (" + std::to_string(channels) + " channels)")
-        ->wait();
+    {
+      detail::CollectiveTag tag(capsule->tag);
+      group.allreduce_async({sums}, ReduceOp::Sum, capsule->label + "'s gradient sums (" + std::to_string(channels) +
+                            " channels)")->wait();
+    }
     const auto mean_dy = (sums.narrow(0, 0, channels) / total).to(x.scalar_type());
     const auto mean_dy_xmu = (sums.narrow(0, channels, channels) / total).to(x.scalar_type());
 
@@ -290,8 +303,9 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
                                                      is_training() || !options.track_running_stats(), factor,
                                                      options.eps());
   }
+  auto label = path_.empty() ? std::string("SyncBatchNorm") : "SyncBatchNorm '" + path_ + "'";
   return SyncBatchNormFunction::apply(input, weight, bias, running_mean, running_var, options.eps(), factor,
-                                      c10::make_intrusive<GroupCapsule>(group));
+                                      c10::make_intrusive<GroupCapsule>(group, tag_, std::move(label)));
 }
 
 void SyncBatchNormImpl::pretty_print(std::ostream& stream) const {
@@ -307,5 +321,19 @@ size_t convert_sync_batchnorm(torch::nn::Module& module, const ProcessGroup& gro
   check_convertible(module, "");
   return convert(module, group);
 }
+
+namespace detail {
+
+void label_sync_batch_norms(torch::nn::Module& root) {
+  int64_t number = 0;
+  for (const auto& named : root.named_modules()) {
+    if (auto* sync = named.value()->as<SyncBatchNormImpl>()) {
+      sync->tag_ = ++number; // 0 is every untagged collective's
+      sync->path_ = named.key();
+    }
+  }
+}
+
+} // namespace detail
 
 } // namespace lockstep

@@ -277,6 +277,47 @@ TEST(DdpThreads, BuffersFollowRankZeroBeforeEachForward) {
   }
 }
 
+// Two SyncBatchNorm layers of one width that rank 1 runs in the other order:
+// their collectives agree in size, so only the layers' numbers keep the
+// ranks from swapping statistics (Note [Collective tags]).
+struct SwappedNormsImpl : torch::nn::Module {
+  SwappedNormsImpl(bool swapped, const ProcessGroup& group) : swapped_(swapped) {
+    fc = register_module("fc", torch::nn::Linear(4, 4));
+    first = register_module("first", SyncBatchNorm(torch::nn::BatchNormOptions(4), group));
+    second = register_module("second", SyncBatchNorm(torch::nn::BatchNormOptions(4), group));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = fc(x);
+    return swapped_ ? first(second(y)) : second(first(y));
+  }
+  bool swapped_;
+  torch::nn::Linear fc{nullptr};
+  SyncBatchNorm first{nullptr};
+  SyncBatchNorm second{nullptr};
+};
+TORCH_MODULE(SwappedNorms);
+
+TEST(DdpThreads, SyncBatchNormsRunInAnotherOrderOnOneRankAreAnErrorOnEveryRank) {
+  for (bool sharded : {false, true}) {
+    testing::spawn(2, [sharded](ProcessGroup& group) {
+      torch::manual_seed(3);
+      SwappedNorms net(group.rank() == 1, group);
+      auto forward = [&] {
+        if (sharded) {
+          FullyShardedDataParallel<SwappedNorms> fsdp(net, group);
+          fsdp->forward(torch::randn({6, 4}));
+        } else {
+          DistributedDataParallel<SwappedNorms> ddp(net, group);
+          ddp->forward(torch::randn({6, 4}));
+        }
+      };
+      EXPECT_ERROR_SAYS(forward(), "ranks disagree on this collective", "the same sizes, but another collective",
+                        "with SyncBatchNorm, layers run in another order", group.rank() == 0 ? "SyncBatchNorm 'first'" :
+                        "SyncBatchNorm 'second'");
+    }, std::chrono::seconds(20));
+  }
+}
+
 TEST(DdpThreads, CompressionHooksRoundToTheirType) {
   testing::spawn(2, [](ProcessGroup& group) {
     // 1 + 2^-12 is exact in float32 but not in float16 (11-bit significand)

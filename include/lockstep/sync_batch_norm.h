@@ -13,9 +13,22 @@
 #include <torch/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <ostream>
+#include <string>
 
 namespace lockstep {
+
+class SyncBatchNormImpl;
+
+namespace detail {
+/// Numbers the SyncBatchNorm layers under `root` in module order and names
+/// them by their paths, so that ranks that run two of them in different
+/// orders stop with an error naming both instead of mixing their statistics
+/// (Note [Collective tags]). DistributedDataParallel and
+/// FullyShardedDataParallel call it on the module they wrap.
+void label_sync_batch_norms(torch::nn::Module& root);
+} // namespace detail
 
 /// Batch normalisation over input of shape (N, C, *), any number of trailing
 /// dimensions. In training, the mean and variance are those of every rank's
@@ -70,6 +83,12 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   };
   Adopted adopted_;
   bool adopting_ = false;
+  // Set by detail::label_sync_batch_norms; 0 and empty for a layer that no
+  // wrapper has numbered.
+  int64_t tag_ = 0;
+  std::string path_;
+
+  friend void detail::label_sync_batch_norms(torch::nn::Module& root);
 };
 
 /// `lockstep::SyncBatchNorm bn(torch::nn::BatchNormOptions(C), group);`
