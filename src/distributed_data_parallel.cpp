@@ -245,7 +245,9 @@ std::string rank_list(const std::vector<int>& ranks) {
 } // namespace
 
 void DistributedCore::before_forward() {
-  const bool reduce = sync_ && torch::GradMode::is_enabled();
+  reducer_->check_last_backward_finished();
+  const bool grad = torch::GradMode::is_enabled();
+  const bool reduce = sync_ && grad;
   int root = 0;
   if (joining_) {
     const auto round = join_round(true, reduce);
@@ -263,7 +265,13 @@ void DistributedCore::before_forward() {
   if (broadcast_buffers_ && sync_) {
     broadcast_coalesced(group_, buffers_, root, "the broadcast of rank " + std::to_string(root) + "'s buffers");
   }
-  reducer_->prepare_for_backward(reduce);
+  if (grad) {
+    reducer_->prepare_for_backward(reduce);
+  }
+  // A forward without autograd makes no backward, so it leaves the reducer
+  // as it was: a backward still to come from an earlier forward reduces as
+  // that forward set (a target computed under NoGradGuard between a forward
+  // and its backward, as PyTorch's DDP).
 }
 
 void DistributedCore::begin_join(bool divide_by_initial_world_size, bool throw_on_early_termination) {

@@ -484,6 +484,12 @@ ShardedCore::~ShardedCore() {
 void ShardedCore::before_forward() {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "forward inside summon_full_params(). End the guard first.");
+  // The callback that ends a backward is queued by its first hook; an
+  // exception inside backward drops it, and with it the reduce-scatters.
+  TORCH_CHECK(!s.finalize_queued, s.where(), "the last backward stopped with an error before its end, so its "
+              "gradients never reached the shards, and some of its collectives may have reached the other ranks and "
+              "some not. This FullyShardedDataParallel cannot go on from there: let the error end the job (the "
+              "launcher restarts it from the last checkpoint), or make a new one on every rank.");
   s.check_untouched_at_rest();
   if (s.sharded()) {
     Unwatched unwatched;
@@ -502,12 +508,17 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
       hooked.push_back(out);
     }
   }
-  if (hooked.empty()) {
+  if (hooked.empty() && !s.forwarded) {
     s.end_pass(); // no backward follows
     return;
   }
-  s.forwarded = true;
-  s.sync_at_forward = sync_;
+  // A forward without autograd (a target under NoGradGuard) while an
+  // earlier forward's backward is still to come leaves the units as that
+  // forward did: its backward reads them, and reduces as it was set to.
+  if (!hooked.empty()) {
+    s.forwarded = true;
+    s.sync_at_forward = sync_;
+  }
   if (!s.sharded()) {
     return;
   }

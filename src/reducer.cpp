@@ -227,6 +227,15 @@ void Reducer::set_divisor(int64_t divisor) {
   state_->divisor = divisor;
 }
 
+void Reducer::check_last_backward_finished() const {
+  // The callback that ends a backward is queued by its first hook; an
+  // exception inside backward drops it, and with it the end of the step.
+  TORCH_CHECK(!state_->finalize_queued, state_->where(), "the last backward stopped with an error before its end, "
+              "so its gradients were never averaged, and some of its collectives may have reached the other ranks "
+              "and some not. This DistributedDataParallel cannot go on from there: let the error end the job (the "
+              "launcher restarts it from the last checkpoint), or make a new DistributedDataParallel on every rank.");
+}
+
 void Reducer::prepare_for_backward(bool sync) {
   State& s = *state_;
   s.phase = sync ? State::Phase::Expecting : State::Phase::Unsynced;

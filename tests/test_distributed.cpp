@@ -277,6 +277,49 @@ TEST(DdpThreads, BuffersFollowRankZeroBeforeEachForward) {
   }
 }
 
+// A target computed under NoGradGuard between a forward and its backward
+// (TD learning, self-distillation): the backward still averages, as PyTorch's
+// DDP does.
+TEST(DdpThreads, ANoGradForwardBeforeTheBackwardLeavesItsReduction) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::manual_seed(2);
+    OddNet net;
+    DistributedDataParallel<OddNet> ddp(net, group);
+    auto x = torch::full({2, 7}, static_cast<float>(group.rank() + 1));
+    auto out = ddp(x);
+    torch::Tensor target;
+    {
+      torch::NoGradGuard no_grad;
+      target = ddp(x * 2);
+    }
+    torch::mse_loss(out, target).backward();
+    OddNet local = std::dynamic_pointer_cast<testing::OddNetImpl>(net->clone());
+    local->zero_grad();
+    torch::mse_loss(local(x), target).backward();
+    auto all = group.all_gather(local->fc2->weight.grad());
+    EXPECT_TRUE(torch::allclose(net->fc2->weight.grad(), (all[0] + all[1]) / 2, 1e-5, 1e-6));
+    EXPECT_FALSE(torch::allclose(all[0], all[1])); // so the average differs from each rank's own
+  });
+}
+
+// A comm hook that throws ends backward early, before the callback that
+// would end the step: the next forward says so instead of averaging nothing.
+TEST(DdpThreads, ABackwardStoppedByAnErrorIsAnErrorAtTheNextForward) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    int calls = 0;
+    auto failing_once = [&calls](const ProcessGroup& g, GradBucket& b) {
+      TORCH_CHECK(++calls > 1, "the hook fails once");
+      return comm_hooks::allreduce(g, b);
+    };
+    OddNet net;
+    DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().comm_hook(failing_once));
+    auto x = torch::randn({2, 7});
+    EXPECT_ERROR_SAYS(ddp(x).sum().backward(), "the hook fails once");
+    EXPECT_ERROR_SAYS(ddp(x), "the last backward stopped with an error before its end",
+                      "make a new DistributedDataParallel on every rank");
+  });
+}
+
 // Two SyncBatchNorm layers of one width that rank 1 runs in the other order:
 // their collectives agree in size, so only the layers' numbers keep the
 // ranks from swapping statistics (Note [Collective tags]).

@@ -179,6 +179,53 @@ TEST(FullyShardedDataParallel, TwoForwardsThenOneBackwardMatchOneProcess) {
   }
 }
 
+// A target computed under NoGradGuard between a forward and its backward
+// leaves that backward's reduce-scatter, as PyTorch's FSDP does; and an
+// exception inside backward, which drops the callback that ends the step,
+// makes the next forward an error instead of a step that reduces nothing.
+TEST(FullyShardedDataParallel, ANoGradForwardBeforeBackwardReducesAndAnErrorInBackwardIsCaught) {
+  torch::manual_seed(5);
+  ThreeUnits initial;
+  const auto x = torch::randn({4, 1024});
+  auto copy = [&] { return ThreeUnits(std::dynamic_pointer_cast<ThreeUnitsImpl>(initial->clone())); };
+  auto reference = copy();
+  auto target = [](ThreeUnits& net, const torch::Tensor& input) {
+    torch::NoGradGuard no_grad;
+    return net->forward(input * 2);
+  };
+  auto out = reference->forward(x);
+  torch::mse_loss(out, target(reference, x)).backward();
+  torch::optim::SGD(reference->parameters(), 0.1).step();
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
+    std::vector<ThreeUnits> nets{copy(), copy()};
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<ThreeUnits> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      const auto mine = x.narrow(0, 2 * group.rank(), 2);
+      auto y = model->forward(mine);
+      torch::Tensor t;
+      {
+        torch::NoGradGuard no_grad;
+        t = model->forward(mine * 2);
+      }
+      torch::mse_loss(y, t).backward();
+      sgd.step();
+      {
+        auto full = model->summon_full_params();
+        auto params = model->module()->named_parameters();
+        auto expected = reference->named_parameters();
+        for (size_t i = 0; i < params.size(); ++i) {
+          EXPECT_TRUE(torch::allclose(params[i].value(), expected[i].value(), 1e-5, 1e-6)) << params[i].key();
+        }
+      }
+      auto input = mine.clone().requires_grad_(true); // its gradient comes after every unit's
+      input.register_hook([](const torch::Tensor&) -> torch::Tensor { TORCH_CHECK(false, "the hook fails"); });
+      EXPECT_ERROR_SAYS(model->forward(input).sum().backward(), "the hook fails");
+      EXPECT_ERROR_SAYS(model->forward(mine), "the last backward stopped with an error before its end");
+    });
+  }
+}
+
 // Two units of one size, which forward reads in another order on rank 1.
 struct OrderNetImpl : torch::nn::Module {
   explicit OrderNetImpl(bool swap) : swap(swap) {

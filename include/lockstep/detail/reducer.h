@@ -57,6 +57,10 @@ class Reducer {
   /// Called at each forward: the next backward reduces if `sync`, and
   /// leaves .grad to accumulate locally otherwise (no_sync).
   void prepare_for_backward(bool sync);
+  /// Throws if the last backward that reached this reducer stopped before
+  /// its end (an exception inside backward): its gradients were never
+  /// averaged, and a new step would silently average nothing.
+  void check_last_backward_finished() const;
 
   /// Whether a reducing backward has recorded the order its gradients became
   /// ready in, and the buckets are still to be rebuilt in that order.
