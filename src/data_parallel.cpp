@@ -116,12 +116,14 @@ DataParallelCore::DataParallelCore(
     buffer_names_.push_back(named.key());
     source_buffers_.push_back(named.value());
   }
+  source_modules_ = source_->modules();
   for (const auto& replica : replicas_) {
+    replica_modules_.push_back(replica->modules());
+    TORCH_INTERNAL_ASSERT(replica_modules_.back().size() == source_modules_.size());
     params_.push_back(replica->parameters());
     buffers_.push_back(replica->buffers());
     TORCH_INTERNAL_ASSERT(params_.back().size() == param_names_.size());
     TORCH_INTERNAL_ASSERT(buffers_.back().size() == buffer_names_.size());
-    synced_versions_.emplace_back(param_names_.size(), -1);
   }
   check_on_first_device();
 
@@ -259,14 +261,16 @@ void DataParallelCore::sync_params(size_t r) {
     auto& target = params_[r][i];
     if (target.device() == source.device()) {
       alias(target, source);
-    } else if (synced_versions_[r][i] != source._version() || target.sizes() != source.sizes() ||
-               target.dtype() != source.dtype()) {
-      if (target.sizes() == source.sizes() && target.dtype() == source.dtype()) {
-        target.copy_(source);
-      } else {
-        target.set_data(source.to(target.device(), source.scalar_type(), false, /*copy=*/true));
-      }
-      synced_versions_[r][i] = source._version();
+    } else if (target.sizes() == source.sizes() && target.dtype() == source.dtype()) {
+      // Every call, as PyTorch's DataParallel broadcasts every forward: no
+      // counter tells when to skip it, since LibTorch's SGD and torch::load
+      // write through .data() and set_data, which move no version counter.
+      // Through .data() itself, so that a forward that saved this tensor for
+      // a backward still to come (two forwards, one backward) is not told
+      // it was modified in place by a copy of the same values.
+      target.data().copy_(source);
+    } else {
+      target.set_data(source.to(target.device(), source.scalar_type(), false, /*copy=*/true));
     }
     link_to_module(target, source);
   }
@@ -289,7 +293,7 @@ void DataParallelCore::sync_buffers(size_t r, bool all) {
       continue;
     }
     if (target.sizes() == source.sizes() && target.dtype() == source.dtype()) {
-      target.copy_(source);
+      target.data().copy_(source); // .data(): as sync_params, for two forwards before one backward
     } else {
       target.set_data(source.to(target.device(), source.scalar_type(), false, /*copy=*/true));
     }
@@ -297,12 +301,24 @@ void DataParallelCore::sync_buffers(size_t r, bool all) {
   }
 }
 
+// Each module's train()/eval(), not only the root's: fine-tuning often
+// freezes BatchNorm with net->bn->eval() inside a model in training mode. In
+// pre-order, a module set after its parent keeps its own mode.
+void DataParallelCore::mirror_modes(size_t r) {
+  const auto& theirs = replica_modules_[r];
+  for (size_t i = 0; i < source_modules_.size(); ++i) {
+    const bool training = source_modules_[i]->is_training();
+    if (theirs[i]->is_training() != training) {
+      theirs[i]->train(training);
+    }
+  }
+}
+
 void DataParallelCore::prepare_forward(const Plan& plan) {
   check_on_first_device();
-  const bool training = source_->is_training();
   for (size_t r : plan.used) {
-    if (replicas_[r]->is_training() != training) {
-      replicas_[r]->train(training);
+    if (replicas_[r] != source_) {
+      mirror_modes(r);
     }
     sync_params(r);
     if (r == 0) {

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <numeric>
+#include <unordered_set>
+#include <vector>
 
 namespace lockstep {
 namespace detail {
@@ -171,7 +173,19 @@ void ParallelBackward::sum_param_gradients(
     const std::vector<size_t>& workers,
     variable_list& out) const {
   const size_t n_params = plan_.params.size();
+  // A parameter two modules share appears once per name, and autograd::grad
+  // gives each entry the whole gradient: only the first passes it on (the
+  // others' edges lead to the same tensor, which would take it twice), and
+  // only the first touches .grad, whatever worker each entry goes to.
+  std::vector<char> first(n_params, 0);
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (size_t p = 0; p < n_params; ++p) {
+    first[p] = seen.insert(plan_.params[p].unsafeGetTensorImpl()).second ? 1 : 0;
+  }
   auto sum_param = [&](size_t p) {
+    if (!first[p]) {
+      return;
+    }
     for (auto& result : results) {
       if (result.empty() || !result[p].defined()) {
         continue;
@@ -192,8 +206,8 @@ void ParallelBackward::sum_param_gradients(
     return;
   }
   std::vector<int64_t> numels;
-  for (const auto& param : plan_.params) {
-    numels.push_back(param.numel());
+  for (size_t p = 0; p < n_params; ++p) {
+    numels.push_back(first[p] ? plan_.params[p].numel() : 0);
   }
   const auto owner = assign_sums(numels, workers.size());
   std::vector<size_t> slot(plan_.devices.size(), 0);

@@ -338,5 +338,87 @@ TEST(DataParallel, BufferSyncOffKeepsReplicaBuffers) {
   EXPECT_EQ(replicas[1]->bn->num_batches_tracked.item<int64_t>(), 1);
 }
 
+// A BatchNorm frozen alone for fine-tuning (net->bn->eval() in a model in
+// training mode) keeps its mode in every replica: with running statistics
+// and no dropout, DataParallel equals the bare module on the whole batch,
+// and the running statistics stay as they were.
+TEST(DataParallel, ASubmoduleSwitchedAloneKeepsItsModeInTheReplicas) {
+  torch::manual_seed(4);
+  Cnn bare;
+  Cnn copy = deep_copy(bare);
+  DataParallel<Cnn> dp(copy, DataParallelOptions().devices(cpus(2)));
+  for (Cnn* net : {&bare, &copy}) {
+    (*net)->train();
+    (*net)->bn->eval();
+  }
+  const auto mean = copy->bn->running_mean.clone();
+  auto x = torch::randn({8, 1, 6, 6});
+  EXPECT_TRUE(torch::allclose(bare(x), dp(x), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::equal(copy->bn->running_mean, mean));
+  copy->bn->train(); // and back
+  bare->bn->train();
+  dp(x);
+  EXPECT_FALSE(torch::equal(copy->bn->running_mean, mean));
+}
+
+// Two forwards, then one backward through both (a siamese or contrastive
+// loss), with BatchNorm: copying the buffers into the replicas before the
+// second forward must not count as an in-place change of what the first
+// forward saved.
+TEST(DataParallel, TwoForwardsThenOneBackwardWithBatchNorm) {
+  for (auto sync : {BufferSync::Broadcast, BufferSync::Average}) {
+    torch::manual_seed(6);
+    Cnn bare;
+    Cnn copy = deep_copy(bare);
+    DataParallel<Cnn> dp(copy, DataParallelOptions().devices(cpus(2)).buffers(sync));
+    bare->eval(); // running statistics: the bare module on the whole batch is the reference
+    dp->eval();
+    auto x1 = torch::randn({6, 1, 6, 6});
+    auto x2 = torch::randn({6, 1, 6, 6});
+    (bare(x1).pow(2).sum() + bare(x2).sum()).backward();
+    (dp(x1).pow(2).sum() + dp(x2).sum()).backward();
+    testing::expect_grads_close(*bare, *copy);
+    dp->train();
+    EXPECT_NO_THROW((dp(x1).pow(2).sum() + dp(x2).sum()).backward());
+  }
+}
+
+// A block registered twice (shared weights): its gradient is the sum over
+// both uses, and the two entries of one tensor never touch its .grad from
+// two workers at once (zero_grad(false) keeps zeros, which backward resets).
+struct SharedBlockImpl : torch::nn::Cloneable<SharedBlockImpl> {
+  SharedBlockImpl() {
+    reset();
+  }
+  void reset() override {
+    block = torch::nn::Linear(6, 6);
+    register_module("first", block);
+    register_module("second", block);
+    head = register_module("head", torch::nn::Linear(6, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(block(torch::tanh(block(x))));
+  }
+  torch::nn::Linear block{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(SharedBlock);
+
+TEST(DataParallel, ABlockRegisteredTwiceGetsTheSumOfItsGradients) {
+  torch::manual_seed(9);
+  SharedBlock bare;
+  SharedBlock copy = deep_copy(bare);
+  ASSERT_EQ(copy->named_parameters().size(), 6u) << "the shared block's parameters appear under both names";
+  DataParallel<SharedBlock> dp(copy, DataParallelOptions().devices(cpus(2)));
+  for (int step = 0; step < 3; ++step) {
+    bare->zero_grad(false);
+    copy->zero_grad(false);
+    auto x = torch::randn({8, 6});
+    bare(x).pow(2).sum().backward();
+    dp(x).pow(2).sum().backward();
+    testing::expect_grads_close(*bare, *copy);
+  }
+}
+
 } // namespace
 } // namespace lockstep

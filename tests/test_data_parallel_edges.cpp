@@ -270,6 +270,22 @@ TEST(DataParallel, MlpMatchesBareModule_CUDA) {
   });
 }
 
+// A replica on another device than the module is a copy: LibTorch's SGD
+// steps through .data(), which moves no version counter, so a copy made
+// only when the counter moved kept the CPU replica on the first weights.
+TEST(DataParallel, SgdReachesAReplicaOnAnotherDevice_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  Mlp bare;
+  bare->to(gpu);
+  auto x = torch::randn({10, 16}, gpu);
+  auto y = torch::randn({10, 4}, gpu);
+  expect_same_training(bare, DataParallelOptions().devices({gpu, torch::Device(torch::kCPU)}), 4,
+                       [&](int, auto&& run) { return torch::mse_loss(run(x), y); });
+}
+
 TEST(DataParallel, MlpMatchesBareModuleOnTwoGpus_MultiCUDA) {
   if (torch::cuda::device_count() < 2) {
     GTEST_SKIP() << "fewer than 2 CUDA devices";

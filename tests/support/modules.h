@@ -67,6 +67,19 @@ inline void expect_params_close(torch::nn::Module& a, torch::nn::Module& b, doub
   }
 }
 
+/// Every parameter's .grad of `a` defined and close to the same one of `b`.
+inline void expect_grads_close(torch::nn::Module& a, torch::nn::Module& b, double rtol = 1e-5, double atol = 1e-6) {
+  auto pa = a.named_parameters();
+  auto pb = b.named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    const auto& ga = pa[i].value().grad();
+    const auto& gb = pb[i].value().grad();
+    ASSERT_TRUE(ga.defined() && gb.defined()) << pa[i].key();
+    EXPECT_TRUE(torch::allclose(ga, gb, rtol, atol)) << pa[i].key() << " differs by " << (ga - gb).abs().max().item<double>();
+  }
+}
+
 /// Every buffer of `a` close to the same buffer of `b`, compared in double.
 inline void expect_buffers_close(torch::nn::Module& a, torch::nn::Module& b, double rtol = 1e-5, double atol = 1e-6) {
   auto ba = a.named_buffers();

@@ -117,12 +117,15 @@ class DataParallelCore {
  private:
   torch::Device output_device() const;
   void check_on_first_device() const;
+  void mirror_modes(size_t replica);
   void sync_params(size_t replica);
   void sync_buffers(size_t replica, bool all);
   void alias_replica0_buffers();
 
   std::shared_ptr<torch::nn::Module> source_; // the wrapped module
   std::vector<std::shared_ptr<torch::nn::Module>> replicas_;
+  std::vector<std::shared_ptr<torch::nn::Module>> source_modules_; // pre-order, the root first
+  std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> replica_modules_; // [replica], as source_modules_
   DataParallelOptions options_;
   std::vector<std::string> param_names_;
   std::vector<std::string> buffer_names_;
@@ -130,7 +133,6 @@ class DataParallelCore {
   std::vector<torch::Tensor> source_buffers_;
   std::vector<std::vector<torch::Tensor>> params_; // [replica][param]
   std::vector<std::vector<torch::Tensor>> buffers_; // [replica][buffer]
-  std::vector<std::vector<int64_t>> synced_versions_; // [replica][param], copied params only
   std::shared_ptr<WorkerPool> pool_; // shared with pending backward nodes
 };
 
