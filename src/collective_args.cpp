@@ -167,6 +167,9 @@ class FinishedWork : public Work {
       return; // a second wait() must not divide or copy again
     }
     finished_ = true;
+    // The results are data: a collective over a parameter that requires a
+    // gradient writes into it in place, as an optimizer does.
+    torch::NoGradGuard no_grad;
     if (divisor_ > 0) {
       // Note [Average] in src/process_group.cpp.
       if (c10::isIntegralType(packed_.flat.scalar_type(), /*includeBool=*/false)) {

@@ -104,9 +104,12 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
     }
     if (const char* v = get("LOCAL_RANK")) {
       env.local_rank = parse_int("LOCAL_RANK", v, 0, 1 << 20, "a whole number in [0, LOCAL_WORLD_SIZE)");
-      TORCH_CHECK(env.local_rank < env.local_world_size, "lockstep: environment variable LOCAL_RANK=", env.local_rank,
-                  " is out of range for LOCAL_WORLD_SIZE=", env.local_world_size,
-                  "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
+      // Only against a LOCAL_WORLD_SIZE that was given: launchers that set
+      // LOCAL_RANK alone (DeepSpeed's, hand-written scripts) are valid, as
+      // PyTorch's init_process_group, which reads neither, takes them.
+      TORCH_CHECK(get("LOCAL_WORLD_SIZE") == nullptr || env.local_rank < env.local_world_size,
+                  "lockstep: environment variable LOCAL_RANK=", env.local_rank, " is out of range for LOCAL_WORLD_SIZE=",
+                  env.local_world_size, "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
     }
   }
   TORCH_CHECK(

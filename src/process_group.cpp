@@ -154,12 +154,18 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(torch::Tensor output, t
     op = op == ReduceOp::Sum ? ReduceOp::Max : op; // Note [Average]
   }
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::ReduceScatter, output, what);
-  auto sent_out = carrier == output.scalar_type() ? output : output.view(carrier);
+  // An output inside the input (this rank's slice of it, the in-place form
+  // NCCL takes) would be written while the backend still reads that slice:
+  // the result goes to a tensor of its own, copied into the output at wait().
+  const bool in_place = output.is_alias_of(input);
+  auto target = in_place ? torch::empty({output.numel()}, output.options()) : output;
+  auto sent_out = carrier == target.scalar_type() ? target : target.view(carrier);
   auto sent_in = carrier == input.scalar_type() ? input : input.view(carrier);
   auto work = impl_->reduce_scatter(sent_out, sent_in, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
   detail::Packed packed;
   packed.tensors = {output};
-  packed.flat = output;
+  packed.flat = target;
+  packed.copied = in_place;
   packed.sent = sent_out;
   return detail::finish_after(std::move(work), std::move(packed), op == ReduceOp::Avg ? size() : 0);
 }

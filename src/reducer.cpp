@@ -338,7 +338,12 @@ void Reducer::State::copy_in(size_t index) {
     }
   } else {
     if (built_in) {
-      at::mul_out(view, grad, at::scalar_tensor(1.0 / static_cast<double>(divisor), grad.options()));
+      // 1/divisor as a wrapped double, as c10d's reducer passes it: a
+      // scalar_tensor of bfloat16 is 0.333984 for 1/3, a bias of 0.2% on
+      // every gradient.
+      auto scale = c10::scalar_to_tensor(1.0 / static_cast<double>(divisor));
+      scale.unsafeGetTensorImpl()->set_wrapped_number(true);
+      at::mul_out(view, grad, scale);
     } else {
       view.copy_(grad);
     }

@@ -51,7 +51,9 @@ c10::intrusive_ptr<c10d::Store> make_store(const LaunchEnv& env, const ProcessGr
   // on the network at all (see docs/design.md on TCPStore's binding).
   const char* store_file = std::getenv("LOCKSTEP_STORE_FILE");
   if (store_file != nullptr && *store_file != '\0' && options.master_addr().empty()) {
-    return c10::make_intrusive<c10d::FileStore>(store_file, static_cast<int>(env.world_size));
+    auto store = c10::make_intrusive<c10d::FileStore>(store_file, static_cast<int>(env.world_size));
+    store->setTimeout(env.timeout); // c10d's default is 300 s, whatever the group's timeout
+    return store;
   }
   // Under torchrun's static rendezvous (and its c10d rendezvous in 2.x), the
   // agent already hosts a TCPStore on MASTER_PORT and says so: then every

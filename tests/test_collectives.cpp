@@ -63,6 +63,12 @@ TEST(ProcessGroupContract, AllGatherWorksInInferenceMode) {
   on_ranks(2, testing::check_all_gather_in_inference_mode);
 }
 
+TEST(ProcessGroupContract, InPlaceReduceScatterAndCollectivesOverParameters) {
+  on_ranks(1, testing::check_in_place_and_parameters);
+  on_ranks(2, testing::check_in_place_and_parameters);
+  on_ranks(3, testing::check_in_place_and_parameters);
+}
+
 TEST(ProcessGroupContract, RanksPassingDifferentSizesAllFailAndNoneDies) {
   on_ranks(2, testing::check_size_mismatch, std::chrono::seconds(10));
   on_ranks(3, testing::check_size_mismatch, std::chrono::seconds(10));

@@ -95,6 +95,15 @@ TEST(LaunchEnv, ReadsTorchrunVariables) {
   EXPECT_EQ(env.master_port, 29500);
 }
 
+// DeepSpeed's launcher and hand-written scripts set LOCAL_RANK without
+// LOCAL_WORLD_SIZE; PyTorch's init_process_group takes them.
+TEST(LaunchEnv, LocalRankWithoutLocalWorldSizeIsTaken) {
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
+                                                                     {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}));
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.local_rank, 1);
+}
+
 TEST(LaunchEnv, TorchrunsAgentStoreMakesEveryRankAClient) {
   std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
   EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);

@@ -76,7 +76,8 @@ class ProcessGroup {
   /// receives the reduction by `op` of every rank's input elements
   /// [r*n, (r+1)*n). `input` holds size()*n elements of output's dtype, on
   /// its device; both are dense and contiguous (the shape does not matter).
-  /// `input` is left as it was. Each backend moves (size()-1)/size() of the
+  /// `output` may be this rank's slice of `input` (in place, as NCCL's);
+  /// `input` is otherwise left as it was. Each backend moves (size()-1)/size() of the
   /// input per rank, as a ring does, not an allreduce's twice that.
   std::shared_ptr<Work> reduce_scatter_async(
       torch::Tensor output,

@@ -189,6 +189,34 @@ inline void check_all_gather_in_inference_mode(const ProcessGroup& group, const 
   });
 }
 
+// A reduce-scatter whose output is this rank's slice of its input
+// (NCCL's in-place form) gives the reduction, not the slice added to itself;
+// and collectives over parameters that require a gradient write into them,
+// as an optimizer does, instead of raising autograd's in-place error.
+inline void check_in_place_and_parameters(const ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  const int n = group.size();
+  const int64_t k = 3;
+  for (auto op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg}) {
+    auto input = torch::arange(n * k, torch::kFloat) + 100.0f * r;
+    auto output = input.narrow(0, r * k, k);
+    group.reduce_scatter_async(output, input, op, "in-place reduce-scatter")->wait();
+    const auto mine = torch::arange(r * k, (r + 1) * k, torch::kFloat);
+    const auto expected = op == ReduceOp::Sum ? mine * n + 100.0f * n * (n - 1) / 2
+        : op == ReduceOp::Max                 ? mine + 100.0f * (n - 1)
+                                              : mine + 100.0f * (n - 1) / 2;
+    check(torch::allclose(output, expected), "in-place reduce-scatter (op " + std::to_string(static_cast<int>(op)) +
+          ") on rank " + std::to_string(r));
+  }
+  auto weight = torch::full({2, 3}, static_cast<float>(r + 1)).requires_grad_(true);
+  auto bias = torch::full({3}, static_cast<float>(r)).requires_grad_(true);
+  group.allreduce_async({weight}, ReduceOp::Avg, "a parameter's average")->wait();
+  check(torch::equal(weight.detach(), torch::full({2, 3}, (n + 1) / 2.0f)), "the average of a parameter");
+  group.broadcast_async({weight, bias}, n - 1, "parameters from the last rank")->wait();
+  check(torch::equal(bias.detach(), torch::full({3}, static_cast<float>(n - 1))) && weight.requires_grad(),
+        "a list of parameters broadcast from the last rank");
+}
+
 // Item 4: rank 0 reduces 4 elements, the others 1000. Every rank ends with
 // an error naming the collective and both sizes, none dies; the group then
 // goes on working.
