@@ -9,6 +9,7 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include "../src/store.h"
 #include "support/errors.h"
 
 #include <tools/desync_report.h>
@@ -17,6 +18,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -102,6 +105,21 @@ TEST(LaunchEnv, LocalRankWithoutLocalWorldSizeIsTaken) {
                                                                      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}));
   EXPECT_EQ(env.rank, 1);
   EXPECT_EQ(env.local_rank, 1);
+}
+
+// lockstep-run's one-node store waits as long as the group does, not
+// c10d's 300 s default (NCCL fetches its id through it at the first
+// collective, and user code may wait on it).
+TEST(LaunchEnv, LockstepRunsFileStoreTakesTheGroupsTimeout) {
+  const std::string path = ::testing::TempDir() + "lockstep_store_timeout";
+  std::remove(path.c_str());
+  ASSERT_EQ(setenv("LOCKSTEP_STORE_FILE", path.c_str(), 1), 0);
+  detail::LaunchEnv env;
+  env.timeout = std::chrono::milliseconds(1500);
+  auto store = detail::make_store(env, ProcessGroupOptions());
+  unsetenv("LOCKSTEP_STORE_FILE");
+  EXPECT_EQ(store->getTimeout(), std::chrono::milliseconds(1500));
+  std::remove(path.c_str());
 }
 
 TEST(LaunchEnv, TorchrunsAgentStoreMakesEveryRankAClient) {
