@@ -46,6 +46,18 @@
 // rebuilt buckets, and a resumed run's, find it. A zero column of P or Q (a layer with no gradient) stays
 // zero where PyTorch's orthogonalisation divides by its zero norm.
 
+// Note [PowerSGD's state]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Two results must not become the state kept for the next iteration: a Q
+// with a zero column, which warm start would keep forever (Q = 0 gives
+// P = M Q = 0 and Q = M^T P = 0 whatever M is, so a layer whose gradient
+// was once zero on every rank, as LoRA's A while B = 0, would never train
+// again), and anything not finite, which a loss scaler's overflow brings
+// (float16 training skips such steps, but an error of inf - inf = NaN
+// added to every later gradient would make every step overflow). Both are
+// decided on what the allreduces made the same on every rank, so every
+// rank keeps or drops the same state.
+
 namespace lockstep {
 namespace detail {
 
@@ -318,7 +330,18 @@ void Round::finish() {
   q_memory_.div_(group_.size());
   for (size_t i = 0; i < matrices_.size(); ++i) {
     torch::matmul_out(matrices_[i], ps_[i], qs_[i].t());
-    memory_of(plan_.matrices[i].gradient).q = state_->options.warm_start() ? qs_[i].reshape({-1}) : torch::Tensor();
+  }
+  // Note [PowerSGD's state]: the averaged gradients and every Q are the
+  // same on every rank, so is this decision.
+  if (!torch::isfinite(bucket_.buffer.narrow(0, 0, plan_.parameter_elements)).all().item<bool>() ||
+      !torch::isfinite(q_memory_).all().item<bool>()) {
+    done_ = true; // last iteration's Q and error stay
+    return;
+  }
+  for (size_t i = 0; i < matrices_.size(); ++i) {
+    const bool degenerate = (qs_[i].abs().amax(0) == 0).any().item<bool>();
+    memory_of(plan_.matrices[i].gradient).q =
+        state_->options.warm_start() && !degenerate ? qs_[i].reshape({-1}) : torch::Tensor(); // else drawn anew
   }
   if (state_->options.error_feedback()) {
     auto errors = kept_.sub_(bucket_.buffer.narrow(0, 0, plan_.parameter_elements));

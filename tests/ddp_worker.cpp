@@ -456,6 +456,7 @@ int main(int argc, char** argv) {
       lockstep::testing::check_powersgd_averages_exactly_at_the_rank(group, checked);
       lockstep::testing::check_powersgd_ranks_agree(group, false, checked);
       lockstep::testing::check_powersgd_ranks_agree(group, true, checked);
+      lockstep::testing::check_powersgd_recovers_from_zero_and_inf(group, checked);
     } else {
       std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
       return 2;

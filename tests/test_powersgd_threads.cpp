@@ -25,6 +25,12 @@ TEST(PowerSGDThreads, TheAverageOfRankRMatricesIsExactAtRankR) {
   }
 }
 
+TEST(PowerSGDThreads, AZeroGradientAndAnOverflowDoNotBecomeTheState) {
+  for (int world : {2, 3}) {
+    testing::spawn(world, [](ProcessGroup& group) { testing::check_powersgd_recovers_from_zero_and_inf(group, kCheck); });
+  }
+}
+
 TEST(PowerSGDThreads, RanksHoldTheSameParametersWithNoSyncAndStaticGraph) {
   for (bool static_graph : {false, true}) {
     testing::spawn(2, [static_graph](ProcessGroup& group) {

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,39 @@ inline void check_powersgd_averages_exactly_at_the_rank(ProcessGroup& group, con
   check(torch::allclose(bucket.gradients[1], torch::full({5}, (world + 1) / 2)), "the vector is averaged whole");
   check(result[-1].item<double>() == (world - 1) / 2, "the trailing element is averaged whole");
   check(powersgd.compression_rate() > 1, "some of the bucket was compressed");
+}
+
+/// Note [PowerSGD's state]: a matrix whose gradient is zero on every rank
+/// in one iteration (its Q comes out zero), then an iteration where one
+/// rank's gradient overflows to inf, must leave warm start and error
+/// feedback able to compress the next gradients: each later iteration of
+/// a rank-3 matrix common to every rank returns it (to rounding).
+inline void check_powersgd_recovers_from_zero_and_inf(ProcessGroup& group, const Check& check) {
+  const int k = group.rank();
+  auto generator = at::detail::createCPUGenerator(7); // the same on every rank
+  auto m = torch::matmul(torch::randn({16, 3}, generator, torch::kFloat), torch::randn({3, 10}, generator, torch::kFloat));
+  PowerSGD powersgd(PowerSGDOptions().rank(3).start_iteration(0)); // warm start and error feedback on
+  auto run = [&](const torch::Tensor& gradient) {
+    auto bucket = bucket_of({gradient, torch::ones({5})});
+    powersgd(group, bucket)->wait();
+    return bucket.gradients[0].clone();
+  };
+  run(torch::zeros({16, 10}));
+  auto after_zero = run(m);
+  check((after_zero - m).abs().max().item<double>() < 1e-3 * m.abs().max().item<double>(),
+        "rank " + std::to_string(k) + ": after a zero gradient, a rank-3 gradient comes back whole (max error " +
+            std::to_string((after_zero - m).abs().max().item<double>()) + ")");
+  auto overflowed = m.clone();
+  if (k == 0) {
+    overflowed[2][3] = std::numeric_limits<float>::infinity();
+  }
+  check(!torch::isfinite(run(overflowed)).all().item<bool>(), "an overflow on rank 0 reaches every rank's result");
+  for (int step = 0; step < 2; ++step) {
+    auto after_inf = run(m);
+    check(torch::isfinite(after_inf).all().item<bool>() &&
+              (after_inf - m).abs().max().item<double>() < 1e-3 * m.abs().max().item<double>(),
+          "rank " + std::to_string(k) + ": the iterations after an overflow compress again");
+  }
 }
 
 /// DDP with PowerSGD, compressing from the third iteration, with a no_sync
