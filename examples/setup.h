@@ -11,6 +11,7 @@
 #include "data.h"
 #include "models.h"
 #include "options.h"
+#include "run_id.h"
 #include "sampling.h"
 
 #include <lockstep/lockstep.h>
@@ -36,14 +37,12 @@ namespace examples {
 // Output folder and checkpoint paths
 // ---------------------------------------------------------------------------
 
-// runs/<id>: the launcher's run id, the same for every attempt of a job, so
-// that a restarted job finds its checkpoint; else the time.
+// runs/<id>: the job's id, the same for every attempt of a job, so that a
+// restarted job finds its checkpoint (run_id.h); else the time.
 inline std::string default_out_dir() {
-  for (const char* name : {"LOCKSTEP_RUN_ID", "TORCHELASTIC_RUN_ID"}) {
-    const char* id = std::getenv(name);
-    if (id != nullptr && *id != '\0' && std::string(id) != "none") {
-      return std::string("runs/") + id;
-    }
+  const std::string id = job_id([](const char* name) { return std::getenv(name); }, parent_process_id());
+  if (!id.empty()) {
+    return "runs/" + id;
   }
   const std::time_t now = std::time(nullptr);
   char text[32];

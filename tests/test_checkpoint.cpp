@@ -12,12 +12,14 @@
 #include <examples/checkpoint.h>
 #include <examples/idx.h>
 #include <examples/models.h>
+#include <examples/run_id.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <functional>
@@ -30,6 +32,31 @@ namespace {
 
 using namespace testing::jobs;
 using testing::Process;
+
+// The default output folder is the job's, the same for every attempt, so
+// that a restart finds its checkpoint: under torchrun without --rdzv-id
+// (whose run id is then "none") it was the time, and each restart trained
+// from step 0 in a folder of its own.
+TEST(Checkpoint, EveryAttemptOfAJobNamesTheSameOutputFolder) {
+  using Vars = std::map<std::string, std::string>;
+  auto id = [](const Vars& vars, const std::string& agent) {
+    return examples::job_id(
+        [&](const char* name) {
+          auto it = vars.find(name);
+          return it == vars.end() ? static_cast<const char*>(nullptr) : it->second.c_str();
+        },
+        agent);
+  };
+  const Vars torchrun{{"TORCHELASTIC_RUN_ID", "none"}, {"TORCHELASTIC_RESTART_COUNT", "1"}};
+  EXPECT_EQ(id(torchrun, "4242-99"), "torchrun-4242-99");
+  EXPECT_EQ(id({{"TORCHELASTIC_RUN_ID", "job7"}, {"TORCHELASTIC_RESTART_COUNT", "0"}}, "4242-99"), "job7");
+  EXPECT_EQ(id({{"LOCKSTEP_RUN_ID", "mine"}, {"TORCHELASTIC_RUN_ID", "job7"}}, ""), "mine");
+  EXPECT_EQ(id({{"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "2"}}, "1-1"), "slurm-77.2");
+  EXPECT_EQ(id({}, "4242-99"), "") << "no launcher: the time names the folder";
+  const std::string parent = examples::parent_process_id();
+  EXPECT_EQ(parent.rfind(std::to_string(::getppid()) + "-", 0), 0u) << parent;
+  EXPECT_EQ(parent, examples::parent_process_id());
+}
 
 TEST(Checkpoint, KilledSavesTemporariesAreRemovedAndAFinishedRunSaysSo) {
   const std::string checkpoint = temp("finished.ckpt");
