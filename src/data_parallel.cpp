@@ -314,6 +314,13 @@ void DataParallelCore::mirror_modes(size_t r) {
   }
 }
 
+DataParallelCore::ForwardGuard::ForwardGuard(std::atomic<bool>& running) : running_(running) {
+  TORCH_CHECK(!running_.exchange(true), "lockstep::DataParallel: forward was called while another forward of this "
+              "DataParallel runs (from another thread, or from inside its own module's forward). Its replicas hold "
+              "one step's parameters, buffers and inputs at a time: call it from one thread, or give each thread a "
+              "DataParallel over a module of its own.");
+}
+
 void DataParallelCore::prepare_forward(const Plan& plan) {
   check_on_first_device();
   for (size_t r : plan.used) {

@@ -249,16 +249,6 @@ void Reducer::prepare_for_backward(bool sync) {
     b.pending = b.params.size();
     b.result.reset();
   }
-  if (sync && s.static_recorded) {
-    // Note [Static graph]: what the first iteration left without a gradient
-    // is ready now, as zeros.
-    for (size_t i = 0; i < s.params.size(); ++i) {
-      if (s.static_unused[i]) {
-        s.copy_in_unused(i);
-        s.mark_ready(i);
-      }
-    }
-  }
 }
 
 void Reducer::shadow_backward() {
@@ -302,6 +292,17 @@ void Reducer::State::autograd_hook(size_t index) {
         state->finalize_backward();
       }
     });
+    if (static_recorded) {
+      // Note [Static graph]: what the first iteration left without a
+      // gradient is ready now, as backward starts (as c10d's): its .grad is
+      // read here, not at forward, since a zero_grad() may come between.
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (static_unused[i]) {
+          copy_in_unused(i);
+          mark_ready(i);
+        }
+      }
+    }
   }
   if (static_recorded && static_unused[index]) {
     // Note [Static graph]: its bucket may be gone already; every rank learns

@@ -420,5 +420,42 @@ TEST(DataParallel, ABlockRegisteredTwiceGetsTheSumOfItsGradients) {
   }
 }
 
+// The replicas hold one step at a time: a forward that starts while another
+// runs (here from inside the module's own forward; from a second thread
+// alike) is an error, and the DataParallel works again afterwards.
+struct ReentrantImpl : torch::nn::Cloneable<ReentrantImpl> {
+  ReentrantImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(3, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (inner) {
+      inner();
+    }
+    return fc(x);
+  }
+  std::function<void()> inner;
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Reentrant);
+
+TEST(DataParallel, AForwardWhileAnotherRunsIsAnError) {
+  Reentrant net;
+  auto calls = std::make_shared<std::function<void()>>();
+  net->inner = [calls] {
+    if (*calls) {
+      (*calls)();
+    }
+  };
+  DataParallel<Reentrant> dp(net, DataParallelOptions().devices(cpus(2)));
+  const auto x = torch::randn({4, 3});
+  *calls = [&] { dp(x); };
+  EXPECT_ERROR_SAYS(dp(x), "forward was called while another forward of this DataParallel runs");
+  *calls = nullptr;
+  EXPECT_TRUE(torch::allclose(dp(x), net->fc(x), 1e-5, 1e-6));
+}
+
 } // namespace
 } // namespace lockstep

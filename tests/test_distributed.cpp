@@ -305,6 +305,48 @@ TEST(DdpThreads, HalfGradientsAreDividedByTheWorldSizeWithoutBias) {
   });
 }
 
+// Under static_graph, a parameter that only rank 0 uses is marked ready as
+// its backward starts, with the .grad it has then: in ImageNet's order
+// (forward, zero_grad, backward) reading it at forward sent rank 1's stale
+// gradient of the step before into the average.
+struct BranchNetImpl : torch::nn::Cloneable<BranchNetImpl> {
+  explicit BranchNetImpl(bool use_b) : use_b_(use_b) {
+    reset();
+  }
+  void reset() override {
+    a = register_module("a", torch::nn::Linear(4, 4));
+    b = register_module("b", torch::nn::Linear(4, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = a(x);
+    return use_b_ ? b(y) : y;
+  }
+  bool use_b_;
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(BranchNet);
+
+TEST(DdpThreads, StaticGraphReadsAnUnusedGradientWhenBackwardStarts) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    BranchNet net(group.rank() == 0);
+    DistributedDataParallel<BranchNet> ddp(net, group, DistributedOptions().static_graph(true));
+    torch::optim::SGD sgd(ddp->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      const auto x = torch::linspace(-1, 1, 12).view({3, 4}) + group.rank() + step;
+      auto loss = ddp(x).pow(2).sum();
+      sgd.zero_grad(); // after forward, as PyTorch's ImageNet example
+      BranchNet local = std::dynamic_pointer_cast<BranchNetImpl>(net->clone());
+      local->zero_grad();
+      local(x).pow(2).sum().backward();
+      const auto mine = local->b->weight.grad().defined() ? local->b->weight.grad() : torch::zeros({4, 4});
+      loss.backward();
+      auto all = group.all_gather(mine);
+      EXPECT_TRUE(torch::allclose(net->b->weight.grad(), (all[0] + all[1]) / 2, 1e-5, 1e-6)) << "step " << step;
+      sgd.step();
+    }
+  });
+}
+
 // A target computed under NoGradGuard between a forward and its backward
 // (TD learning, self-distillation): the backward still averages, as PyTorch's
 // DDP does.

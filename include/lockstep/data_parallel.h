@@ -111,6 +111,7 @@ class DataParallelImpl : public detail::WrapperModule<M> {
       identity.identity = true;
       return module_->forward(detail::Scatter<std::decay_t<Args>>::apply(args, identity)...);
     }
+    detail::DataParallelCore::ForwardGuard running(core_->forward_running());
     // Note [DataParallel step], one line per stage.
     const detail::Plan plan = core_->plan(detail::find_split_sites(options.dim(), args...));
     core_->prepare_forward(plan);

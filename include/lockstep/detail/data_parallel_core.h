@@ -11,6 +11,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -77,6 +78,25 @@ class DataParallelCore {
   const DataParallelOptions& options() const {
     return options_;
   }
+
+  /// While alive, a forward runs: another thread's forward meanwhile is an
+  /// error, since the replicas hold one step's parameters, buffers and
+  /// inputs at a time.
+  class ForwardGuard {
+   public:
+    explicit ForwardGuard(std::atomic<bool>& running);
+    ~ForwardGuard() {
+      running_ = false;
+    }
+    ForwardGuard(const ForwardGuard&) = delete;
+    ForwardGuard& operator=(const ForwardGuard&) = delete;
+
+   private:
+    std::atomic<bool>& running_;
+  };
+  std::atomic<bool>& forward_running() {
+    return forward_running_;
+  }
   size_t size() const {
     return replicas_.size();
   }
@@ -134,6 +154,7 @@ class DataParallelCore {
   std::vector<std::vector<torch::Tensor>> params_; // [replica][param]
   std::vector<std::vector<torch::Tensor>> buffers_; // [replica][buffer]
   std::shared_ptr<WorkerPool> pool_; // shared with pending backward nodes
+  std::atomic<bool> forward_running_{false};
 };
 
 } // namespace detail
