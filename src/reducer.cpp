@@ -339,12 +339,15 @@ void Reducer::State::copy_in(size_t index) {
     }
   } else {
     if (built_in) {
-      // 1/divisor as a wrapped double, as c10d's reducer passes it: a
-      // scalar_tensor of bfloat16 is 0.333984 for 1/3, a bias of 0.2% on
-      // every gradient.
-      auto scale = c10::scalar_to_tensor(1.0 / static_cast<double>(divisor));
-      scale.unsafeGetTensorImpl()->set_wrapped_number(true);
-      at::mul_out(view, grad, scale);
+      // 16-bit gradients are divided in float: 1/3 rounded to bfloat16 is
+      // 0.333984, a bias of 0.2% on every gradient (float16: -0.024%), and
+      // LibTorch 1.13 rounds a scalar to the tensor's dtype.
+      const double scale = 1.0 / static_cast<double>(divisor);
+      if (grad.scalar_type() == torch::kHalf || grad.scalar_type() == torch::kBFloat16) {
+        view.copy_(grad.to(torch::kFloat).mul_(scale));
+      } else {
+        at::mul_out(view, grad, at::scalar_tensor(scale, grad.options()));
+      }
     } else {
       view.copy_(grad);
     }

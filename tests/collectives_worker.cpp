@@ -52,6 +52,13 @@ int main(int argc, char** argv) {
         // asked Open MPI to yield while idle (mpirun sets no such variable).
         const char* yield = std::getenv("OMPI_MCA_mpi_yield_when_idle");
         check(yield != nullptr && std::string(yield) == "1", "Open MPI was asked to yield while idle");
+        // MPI's counts are ints: 2^32 + 8 bytes (never touched: refused
+        // before MPI reads them), which a cast made 8, are an error on
+        // every rank, not a sum of the first 8.
+        auto huge = torch::empty({(int64_t{1} << 32) + 8}, torch::kByte);
+        lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
+          group.allreduce_async({huge}, lockstep::ReduceOp::Max, "4 GiB")->wait();
+        }), {"the mpi backend moves at most 2147483647 elements per rank", "this one has 4294967304"}, "4 GiB");
       }
     } else if (scenario == "size_mismatch") {
       lockstep::testing::check_size_mismatch(group, check);

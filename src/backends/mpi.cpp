@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -80,6 +81,16 @@ void init_mpi() {
                 "): its collectives run on a communication thread. If your program calls MPI_Init itself, call "
                 "MPI_Init_thread with MPI_THREAD_SERIALIZED or higher instead.");
   });
+}
+
+// MPI's counts are ints: the cast of a larger count would cut the
+// collective short without a word.
+int mpi_count(const torch::Tensor& t, const std::string& what, int rank) {
+  TORCH_CHECK(t.numel() <= std::numeric_limits<int>::max(), "lockstep: rank ", rank, ": ", what, ": the mpi backend "
+              "moves at most ", std::numeric_limits<int>::max(), " elements per rank in one collective (MPI's counts "
+              "are ints), but this one has ", t.numel(), ". Split the tensor into parts below that, or use the gloo "
+              "backend.");
+  return static_cast<int>(t.numel());
 }
 
 MPI_Datatype mpi_type(const torch::Tensor& t, const std::string& what, int rank) {
@@ -253,18 +264,20 @@ class MpiGroup : public GroupImpl {
     auto flat = on_cpu(tensors, what);
     const MPI_Datatype type = mpi_type(flat, what, rank_);
     const MPI_Op mpi = mpi_op(op);
+    const int count = mpi_count(flat, what, rank_);
     std::function<void()> finish = [tensors, flat]() mutable { copy_back(flat, tensors); };
-    return start(what, std::move(finish), [this, flat, type, mpi] {
-      return MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), static_cast<int>(flat.numel()), type, mpi, comm_);
+    return start(what, std::move(finish), [this, flat, type, mpi, count] {
+      return MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), count, type, mpi, comm_);
     });
   }
 
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
     auto flat = on_cpu(tensors, what);
     const MPI_Datatype type = mpi_type(flat, what, rank_);
+    const int count = mpi_count(flat, what, rank_);
     std::function<void()> finish = [tensors, flat]() mutable { copy_back(flat, tensors); };
-    return start(what, std::move(finish), [this, flat, type, root] {
-      return MPI_Bcast(flat.data_ptr(), static_cast<int>(flat.numel()), type, root, comm_);
+    return start(what, std::move(finish), [this, flat, type, root, count] {
+      return MPI_Bcast(flat.data_ptr(), count, type, root, comm_);
     });
   }
 
@@ -272,6 +285,7 @@ class MpiGroup : public GroupImpl {
     std::vector<torch::Tensor> inputs{input};
     auto in = on_cpu(inputs, what);
     const MPI_Datatype type = mpi_type(in, what, rank_);
+    const int n = mpi_count(in, what, rank_);
     std::function<void()> finish;
     torch::Tensor out = adjacent(outputs, in);
     if (!out.defined()) {
@@ -284,8 +298,7 @@ class MpiGroup : public GroupImpl {
     }
     // In place when the input is this rank's part of the output already.
     const bool in_place = in.data_ptr() == static_cast<char*>(out.data_ptr()) + rank_ * in.numel() * in.element_size();
-    return start(what, std::move(finish), [this, in, out, type, in_place] {
-      const int n = static_cast<int>(in.numel());
+    return start(what, std::move(finish), [this, in, out, type, in_place, n] {
       return MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), n, type, out.data_ptr(), n, type, comm_);
     });
   }
@@ -302,8 +315,9 @@ class MpiGroup : public GroupImpl {
     auto out = on_cpu(outputs, what);
     const MPI_Datatype type = mpi_type(in, what, rank_);
     const MPI_Op mpi = mpi_op(op);
-    return start(what, nullptr, [this, in, out, type, mpi] {
-      return MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), static_cast<int>(out.numel()), type, mpi, comm_);
+    const int count = mpi_count(out, what, rank_);
+    return start(what, nullptr, [this, in, out, type, mpi, count] {
+      return MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, type, mpi, comm_);
     });
   }
 
