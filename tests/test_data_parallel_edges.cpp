@@ -256,18 +256,23 @@ TEST(DataParallel, ParameterOffFirstDeviceIsAClearError_CUDA) {
   EXPECT_NE(message.find("parameter 'fc2.weight' is on cuda:0 but devices[0] is cpu"), std::string::npos) << message;
 }
 
+// 4 SGD steps of an Mlp on devices[0] through DataParallel over `devices`
+// equal 4 of the bare module.
+void expect_mlp_trains_as_bare(const std::vector<torch::Device>& devices) {
+  Mlp bare;
+  bare->to(devices[0]);
+  auto x = torch::randn({10, 16}, devices[0]);
+  auto y = torch::randn({10, 4}, devices[0]);
+  expect_same_training(bare, DataParallelOptions().devices(devices), 4,
+                       [&](int, auto&& run) { return torch::mse_loss(run(x), y); });
+}
+
 TEST(DataParallel, MlpMatchesBareModule_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device";
   }
   const torch::Device gpu(torch::kCUDA, 0);
-  Mlp bare;
-  bare->to(gpu);
-  auto x = torch::randn({10, 16}, gpu);
-  auto y = torch::randn({10, 4}, gpu);
-  expect_same_training(bare, DataParallelOptions().devices({gpu, gpu}), 4, [&](int, auto&& run) {
-    return torch::mse_loss(run(x), y);
-  });
+  expect_mlp_trains_as_bare({gpu, gpu});
 }
 
 // A replica on another device than the module is a copy: LibTorch's SGD
@@ -277,27 +282,14 @@ TEST(DataParallel, SgdReachesAReplicaOnAnotherDevice_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device";
   }
-  const torch::Device gpu(torch::kCUDA, 0);
-  Mlp bare;
-  bare->to(gpu);
-  auto x = torch::randn({10, 16}, gpu);
-  auto y = torch::randn({10, 4}, gpu);
-  expect_same_training(bare, DataParallelOptions().devices({gpu, torch::Device(torch::kCPU)}), 4,
-                       [&](int, auto&& run) { return torch::mse_loss(run(x), y); });
+  expect_mlp_trains_as_bare({torch::Device(torch::kCUDA, 0), torch::Device(torch::kCPU)});
 }
 
 TEST(DataParallel, MlpMatchesBareModuleOnTwoGpus_MultiCUDA) {
   if (torch::cuda::device_count() < 2) {
     GTEST_SKIP() << "fewer than 2 CUDA devices";
   }
-  const torch::Device gpu0(torch::kCUDA, 0), gpu1(torch::kCUDA, 1);
-  Mlp bare;
-  bare->to(gpu0);
-  auto x = torch::randn({10, 16}, gpu0);
-  auto y = torch::randn({10, 4}, gpu0);
-  expect_same_training(bare, DataParallelOptions().devices({gpu0, gpu1}), 4, [&](int, auto&& run) {
-    return torch::mse_loss(run(x), y);
-  });
+  expect_mlp_trains_as_bare({torch::Device(torch::kCUDA, 0), torch::Device(torch::kCUDA, 1)});
 }
 
 } // namespace
