@@ -59,9 +59,10 @@ struct ElasticJob {
   std::string nnodes;
   std::string endpoint = "127.0.0.1:" + port();
   std::vector<std::string> extra; // more launcher flags
+  std::vector<std::string> program; // the rank's command line; empty: lockstep-train
   std::vector<Process> nodes;
 
-  // Starts one more node: a lockstep-run of one rank of lockstep-train.
+  // Starts one more node: a lockstep-run of one rank of `program`.
   Process& start_node(const std::vector<std::string>& env = {}) {
     std::vector<std::string> flags{"--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
                                    "--rdzv-id", name};
@@ -69,7 +70,7 @@ struct ElasticJob {
     flags.insert(flags.end(), extra.begin(), extra.end());
     std::vector<std::string> all_env{kOneThread};
     all_env.insert(all_env.end(), env.begin(), env.end());
-    nodes.push_back(testing::start(launcher(flags, long_trainer(name)), all_env,
+    nodes.push_back(testing::start(launcher(flags, program.empty() ? long_trainer(name) : program), all_env,
                                    temp(name + "_node" + std::to_string(nodes.size()) + ".log")));
     return nodes.back();
   }
@@ -219,6 +220,28 @@ TEST(Elastic, RankFailureCountsAsARestartOnEveryNode) {
   // Rank 0, on either node, reports the counts.
   EXPECT_EQ(sample_counts(job.nodes[0].output + job.nodes[1].output), kEverySampleTwice)
       << job.nodes[0].output << job.nodes[1].output;
+}
+
+// A rank that fails after another node has finished the job (a crash at
+// exit, a last write) cannot be restarted: that node is gone. The failing
+// node exits 1 rather than restart, wait for a round nobody joins, find the
+// job complete and exit 0; the node that serves the store reports it too.
+TEST(Elastic, AFailureAfterAnotherNodeFinishedFailsTheJob) {
+  ElasticJob job("elastic_late_failure", "2:2");
+  job.extra = {"--max-restarts", "2"};
+  job.program = {"/bin/sh", "-c", "if [ -n \"$LATE_FAILURE\" ]; then sleep 2; exit 3; fi"};
+  job.start_host();
+  job.start_node({"LATE_FAILURE=1"});
+  testing::wait_all(job.nodes, kDeadline);
+  const auto& host = job.nodes[0];
+  const auto& failing = job.nodes[1];
+  EXPECT_EQ(failing.exit_code, 1) << failing.output;
+  EXPECT_NE(failing.output.find("had finished the job; a restart cannot bring them back"), std::string::npos)
+      << failing.output;
+  EXPECT_EQ(failing.output.find("restarting every rank"), std::string::npos) << failing.output;
+  EXPECT_EQ(host.exit_code, 1) << host.output;
+  EXPECT_NE(host.output.find("left the job with a failure (see their logs); the job failed."), std::string::npos)
+      << host.output;
 }
 
 TEST(Elastic, FailureBeyondMaxRestartsEndsEveryNode) {

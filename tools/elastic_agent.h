@@ -230,7 +230,11 @@ class ElasticAgent {
       print_root_cause(run.rank(root_cause));
       print_stalled_ranks(run, root_cause, options_.nproc_per_node, options_.grace_seconds);
       run.print_desync_report();
-      ended = classify_failure(watch);
+      const auto failure = classify_failure(watch);
+      if (!failure) {
+        return failed_after_others_finished(watch);
+      }
+      ended = *failure;
     } else if (ended == RoundEnd::kNone) {
       ended = watch.reason_of(s_.liveness_window());
     }
@@ -248,13 +252,17 @@ class ElasticAgent {
 
   // A rank of this node failed: a change of membership if, within one
   // liveness window, a node is lost or another node ends the round as one
-  // (its ranks then fail too); else a failure.
-  RoundEnd classify_failure(RoundWatch& watch) {
+  // (its ranks then fail too); else a failure. nullopt when another member
+  // has already finished the job: no round can restart it.
+  std::optional<RoundEnd> classify_failure(RoundWatch& watch) {
     const auto until = Clock::now() + s_.liveness_window() + s_.keep_alive_interval;
     while (Clock::now() < until && g_launcher_signal == 0) {
       const auto verdict = watch.check(Clock::now());
       if (verdict == RoundWatch::Verdict::kRoundOver) {
         return watch.reason_of(s_.liveness_window());
+      }
+      if (verdict == RoundWatch::Verdict::kMembersDone) {
+        return std::nullopt;
       }
       if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
         say_change(verdict, watch);
@@ -263,6 +271,22 @@ class ElasticAgent {
       std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
     }
     return watch.end(RoundEnd::kFailure, s_.liveness_window());
+  }
+
+  // Note [A failure after the job finished elsewhere]: a member whose ranks
+  // all succeeded has left the job for good (its outputs are written), so a
+  // restart would run this node's part again alone, or wait for a round the
+  // others never join and then find the job "complete" and exit 0. Neither
+  // is what happened: the job failed here. This node exits 1; the node that
+  // serves the store, which waits for every member (leave), reports it too.
+  int failed_after_others_finished(const RoundWatch& watch) const {
+    std::string done;
+    for (int64_t id : watch.done_members()) {
+      done += (done.empty() ? "" : ", ") + std::to_string(id);
+    }
+    std::fprintf(stderr, "lockstep-run: a rank of this node failed after node(s) %s had finished the job; a restart "
+                 "cannot bring them back, so the job ends here as a failure (not restarted).\n", done.c_str());
+    return 1;
   }
 
   // After a round ended: -1 to join the next, or the exit code.
@@ -303,24 +327,35 @@ class ElasticAgent {
   // Says this node leaves the job with `code`. The node that serves the
   // store first waits, for two liveness windows at most, until the other
   // members of the last round have left too: they may still have to read how
-  // the round ended.
+  // the round ended. It exits 1 if one of them left with a failure (Note [A
+  // failure after the job finished elsewhere]).
   int leave(int code) {
     if (!last_) {
       return code;
     }
+    std::string failed;
     try {
       kv_.set(s_.key(last_->round, "left/" + std::to_string(me_.id)), std::to_string(code));
       const auto until = Clock::now() + 2 * s_.liveness_window();
       for (size_t i = 0; serves_store_ && i < last_->members.size() && Clock::now() < until;) {
         const int64_t id = last_->members[i];
-        if (id == me_.id || kv_.get(s_.key(last_->round, "left/" + std::to_string(id)))) {
-          ++i;
-        } else {
+        const auto left = id == me_.id ? std::optional<std::string>("0") : kv_.get(s_.key(last_->round, "left/" + std::to_string(id)));
+        if (!left) {
           std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
+          continue;
         }
+        if (*left != "0") {
+          failed += (failed.empty() ? "" : ", ") + std::to_string(id);
+        }
+        ++i;
       }
     } catch (const KvError&) {
       // The store is gone: nobody is left to tell.
+    }
+    if (code == 0 && !failed.empty()) {
+      std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s left the job with a failure "
+                   "(see their logs); the job failed.\n", failed.c_str());
+      return 1;
     }
     return code;
   }

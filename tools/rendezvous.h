@@ -32,8 +32,10 @@
 // failure. Only failures count against --max-restarts ("restarts").
 //
 // The end. A member whose workers all succeeded says so ("R/done/<id>"); the
-// node that serves the store waits for every member to be done or lost, then
-// writes "complete" so that waiting nodes exit too. The store lives in one
+// node that serves the store waits for every member to be done, gone or
+// lost, then writes "complete" so that waiting nodes exit too. A member whose
+// worker fails after another is done does not restart: the job failed (Note
+// [A failure after the job finished elsewhere] in elastic_agent.h). The store lives in one
 // launcher: if that node is lost, every other node fails with an error that
 // names the store (a replicated store would survive it; this one is simple
 // and its failure is loud).
@@ -337,10 +339,11 @@ class RoundWatch {
     return Verdict::kHealthy;
   }
 
-  /// Whether every other member is done, or lost.
+  /// Whether every other member is done, has left the job, or is lost.
   bool others_finished(RdzvClock::time_point now) {
     for (auto& [id, beat] : beats_) {
-      const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value();
+      const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value() ||
+          kv_.get(s_.key(a_.round, "left/" + std::to_string(id))).has_value();
       const int64_t count = kv_.add(s_.key(a_.round, "hb/" + std::to_string(id)), 0);
       if (count != beat.first) {
         beat = {count, now};
@@ -350,6 +353,17 @@ class RoundWatch {
       }
     }
     return true;
+  }
+
+  /// The other members whose ranks all succeeded.
+  std::vector<int64_t> done_members() const {
+    std::vector<int64_t> done;
+    for (const auto& entry : beats_) {
+      if (kv_.get(s_.key(a_.round, "done/" + std::to_string(entry.first)))) {
+        done.push_back(entry.first);
+      }
+    }
+    return done;
   }
 
   void mark_done() {
