@@ -29,6 +29,15 @@ namespace lockstep {
 // size and silently swap statistics, so the wrappers number their layers
 // (detail::label_sync_batch_norms) and each layer's collectives carry its
 // number as a tag (Note [Collective tags]): an error on every rank instead.
+//
+// A 16-bit input is normalised with float statistics, as ATen's batch norm
+// kernels do (their accumulate type), and the output and input gradient
+// come back in the input's dtype. In the input's own dtype, fp16's
+// invstd^2 overflows past 65504 for a channel of variance under about 5e-6
+// (invstd reaches 316 with eps 1e-5): a constant channel's input gradient
+// was inf * 0 = NaN, every step, and GradScaler backed off for ever; and a
+// mean rounded to bf16 (spacing 1/64 near 3) shifted a narrow channel's
+// whole output by a tenth of its deviation.
 
 namespace {
 
@@ -55,6 +64,12 @@ torch::Tensor per_channel(const torch::Tensor& v, const torch::Tensor& input) {
   return v.view(shape);
 }
 
+// The dtype the arithmetic runs in: float for 16-bit inputs.
+torch::ScalarType accumulate_type(const torch::Tensor& x) {
+  const auto type = x.scalar_type();
+  return type == torch::kHalf || type == torch::kBFloat16 ? torch::kFloat : type;
+}
+
 std::string where(const ProcessGroup& group) {
   return "lockstep::SyncBatchNorm: rank " + std::to_string(group.rank()) + " of " + std::to_string(group.size()) + ": ";
 }
@@ -77,11 +92,13 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     const int64_t channels = x.size(1);
     const int64_t n = x.numel() / std::max<int64_t>(channels, 1);
     const auto dbl = x.options().dtype(torch::kDouble);
+    const auto acc = accumulate_type(x);
+    const auto xa = x.to(acc);
     auto stats = torch::zeros({2 * channels + 1}, dbl);
     if (n > 0) {
       auto sum = x.sum(dims, false, torch::kDouble);
       auto mean = sum / static_cast<double>(n);
-      auto squares = (x - per_channel(mean.to(x.scalar_type()), x)).square().sum(dims, false, torch::kDouble);
+      auto squares = (xa - per_channel(mean.to(acc), x)).square().sum(dims, false, torch::kDouble);
       stats.narrow(0, 0, channels).copy_(sum);
       stats.narrow(0, channels, channels).copy_(squares + mean.square() * static_cast<double>(n));
       stats[2 * channels].fill_(static_cast<double>(n));
@@ -104,16 +121,16 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
       running_mean.mul_(1 - momentum).add_(mean.to(running_mean.scalar_type()), momentum);
       running_var.mul_(1 - momentum).add_((var * (total / (total - 1))).to(running_var.scalar_type()), momentum);
     }
-    const auto mean_x = mean.to(x.scalar_type());
-    const auto invstd_x = invstd.to(x.scalar_type());
-    auto out = (x - per_channel(mean_x, x)) * per_channel(invstd_x, x);
+    const auto mean_acc = mean.to(acc);
+    const auto invstd_acc = invstd.to(acc);
+    auto out = (xa - per_channel(mean_acc, x)) * per_channel(invstd_acc, x);
     if (weight.defined()) {
-      out = out * per_channel(weight, x) + per_channel(bias, x);
+      out = out * per_channel(weight.to(acc), x) + per_channel(bias.to(acc), x);
     }
-    ctx->save_for_backward({x, weight, mean_x, invstd_x});
+    ctx->save_for_backward({x, weight, mean_acc, invstd_acc});
     ctx->saved_data["total"] = total;
     ctx->saved_data["group"] = c10::IValue::make_capsule(capsule);
-    return out;
+    return out.to(x.scalar_type());
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
@@ -128,8 +145,9 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     const auto dims = reduced_dims(x);
     const int64_t channels = x.size(1);
 
-    const auto dy = grads[0].defined() ? grads[0].contiguous() : torch::zeros_like(x);
-    const auto xmu = x - per_channel(mean, x);
+    const auto acc = mean.scalar_type(); // accumulate_type(x), as forward saved it
+    const auto dy = grads[0].defined() ? grads[0].contiguous().to(acc) : torch::zeros_like(x, x.options().dtype(acc));
+    const auto xmu = x.to(acc) - per_channel(mean, x);
     const auto local_sum_dy = dy.sum(dims, false, torch::kDouble);
     const auto local_sum_dy_xmu = (dy * xmu).sum(dims, false, torch::kDouble);
     // Every rank reduces, whether or not its input needs a gradient: the
@@ -140,12 +158,12 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
       group.allreduce_async({sums}, ReduceOp::Sum, capsule->label + "'s gradient sums (" + std::to_string(channels) +
                             " channels)")->wait();
     }
-    const auto mean_dy = (sums.narrow(0, 0, channels) / total).to(x.scalar_type());
-    const auto mean_dy_xmu = (sums.narrow(0, channels, channels) / total).to(x.scalar_type());
+    const auto mean_dy = (sums.narrow(0, 0, channels) / total).to(acc);
+    const auto mean_dy_xmu = (sums.narrow(0, channels, channels) / total).to(acc);
 
-    auto scale = weight.defined() ? invstd * weight : invstd;
-    auto grad_input = (dy - per_channel(mean_dy, x) - xmu * per_channel(invstd * invstd * mean_dy_xmu, x)) *
-        per_channel(scale, x);
+    auto scale = weight.defined() ? invstd * weight.to(acc) : invstd;
+    auto grad_input = ((dy - per_channel(mean_dy, x) - xmu * per_channel(invstd * invstd * mean_dy_xmu, x)) *
+                       per_channel(scale, x)).to(x.scalar_type());
     torch::Tensor grad_weight, grad_bias;
     if (weight.defined()) {
       grad_weight = (local_sum_dy_xmu * invstd.to(torch::kDouble)).to(weight.scalar_type());

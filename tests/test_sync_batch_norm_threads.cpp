@@ -1,0 +1,71 @@
+// SyncBatchNorm over ranks as threads in one process: its statistics and
+// gradients against BatchNorm on the whole batch in float64. (The group of
+// one is in test_core.cpp; DDP's SyncBatchNorm over processes in
+// test_ddp_processes.cpp.)
+
+#include <lockstep/lockstep.h>
+
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace lockstep {
+namespace {
+
+// Largest |a - b| over the largest |b|.
+double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  const auto reference = b.to(torch::kDouble);
+  return (a.to(torch::kDouble) - reference).abs().max().item<double>() / reference.abs().max().item<double>();
+}
+
+// The layer under autocast (a conv's fp16 or bf16 output, float weights) on
+// two ranks. A constant channel (a dead filter) has variance 0: its invstd
+// is 316, whose square overflowed fp16 and made the channel's input
+// gradient NaN. A narrow channel far from zero lost a tenth of its
+// deviation to a mean rounded to bf16. Both are exact here up to the
+// output's own rounding, in the input's dtype.
+TEST(SyncBatchNormThreads, SixteenBitInputsMatchTheWholeBatchInDouble) {
+  for (const auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    torch::manual_seed(0);
+    auto values = torch::empty({8, 3, 5});
+    values.select(1, 0).fill_(0.5);
+    values.select(1, 1).copy_(3.1 + 0.05 * torch::randn({8, 5}));
+    values.select(1, 2).copy_(torch::randn({8, 5}));
+    const auto whole = values.to(dtype);
+    const auto dy = torch::randn({8, 3, 5}).to(dtype);
+    const auto weight = torch::rand({3}) + 0.5;
+    const auto bias = torch::randn({3});
+
+    auto reference_input = whole.to(torch::kDouble).requires_grad_();
+    auto reference_weight = weight.to(torch::kDouble).requires_grad_();
+    const auto reference = torch::batch_norm(reference_input, reference_weight, bias.to(torch::kDouble), {}, {},
+                                             /*training=*/true, 0.1, 1e-5, /*cudnn_enabled=*/false);
+    reference.backward(dy.to(torch::kDouble));
+
+    testing::spawn(2, [&](ProcessGroup& group) {
+      SyncBatchNorm norm(torch::nn::BatchNormOptions(3), group);
+      {
+        torch::NoGradGuard no_grad;
+        norm->weight.copy_(weight);
+        norm->bias.copy_(bias);
+      }
+      const auto rows = torch::indexing::Slice(4 * group.rank(), 4 * group.rank() + 4);
+      auto x = whole.index({rows}).clone().requires_grad_();
+      const auto out = norm->forward(x);
+      out.backward(dy.index({rows}));
+      EXPECT_EQ(out.scalar_type(), dtype) << "the output takes the input's dtype, as BatchNorm's";
+      EXPECT_EQ(x.grad().scalar_type(), dtype);
+      EXPECT_TRUE(torch::isfinite(x.grad().to(torch::kDouble)).all().item<bool>()) << x.grad();
+      EXPECT_LT(relative_error(out, reference.index({rows})), 0.01) << out;
+      EXPECT_LT(relative_error(x.grad(), reference_input.grad().index({rows})), 0.01) << x.grad();
+      auto weight_grad = norm->weight.grad().clone(); // this rank's share, as BatchNorm's on its rows
+      group.allreduce_async({weight_grad}, ReduceOp::Sum, "the test's weight gradients")->wait();
+      EXPECT_LT(relative_error(weight_grad, reference_weight.grad()), 1e-4) << weight_grad;
+    });
+  }
+}
+
+} // namespace
+} // namespace lockstep
