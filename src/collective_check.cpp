@@ -30,11 +30,12 @@ namespace detail {
 // buffer, or wait for good. So no rank may send a collective before it knows
 // that every rank sends the same one.
 //
-// Before each collective, every rank all_gathers a fingerprint of four
-// integers (operation, reduction or root, dtype, element count) and compares
-// them: when they differ, every rank sees the same difference and throws it
-// from wait(), naming rank 0's and the first differing rank's collective,
-// and none sends it. Fingerprints have one size, so a rank's check can only
+// Before each collective, every rank all_gathers a fingerprint of a few
+// integers (operation, reduction or root, dtype, element count, a tag, and
+// the number and shapes of the caller's tensors: Note [The caller's
+// collective]) and compares them: when they differ, every rank sees the
+// same difference and throws it from wait(), naming rank 0's and the first
+// differing rank's collective, and none sends it. Fingerprints have one size, so a rank's check can only
 // meet another rank's check, and the ranks stay paired for what follows.
 //
 // The check must complete before the collective starts, but the caller must
@@ -73,18 +74,71 @@ CollectiveTag::~CollectiveTag() {
   current_tag = previous_;
 }
 
+// Note [The caller's collective]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ProcessGroup packs a list into one flat tensor, sends a dtype the backend
+// lacks as one of its width, and runs Avg as a Sum divided afterwards
+// (Note [Average]), so the backend, and this check behind it, see less than
+// the caller asked for. Two ranks that call allreduce({a[2], b[3]}) and
+// allreduce({a[3], b[2]}), or Avg and Sum, or half and bfloat16, would agree
+// on "a sum of 5 elements" and each get numbers that mean something else. So
+// ProcessGroup describes the caller's call (CallerView) for the fingerprint:
+// the reduction asked for, the caller's dtype, the number of tensors, and a
+// hash of their shapes.
+struct CallerCall {
+  bool set = false;
+  int64_t op = -1, dtype = -1, count = 0, layout = 0;
+};
+thread_local CallerCall current_call;
+
+// FNV-1a over each tensor's dimensions, the same on every rank.
+int64_t layout_of(const std::vector<torch::Tensor>& tensors) {
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&](int64_t v) {
+    hash = (hash ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  };
+  for (const auto& t : tensors) {
+    mix(t.dim());
+    for (int64_t size : t.sizes()) {
+      mix(size);
+    }
+  }
+  return static_cast<int64_t>(hash >> 1);
+}
+
+CallerView::CallerView(const std::vector<torch::Tensor>& tensors, int64_t op)
+    : previous_{current_call.set, current_call.op, current_call.dtype, current_call.count, current_call.layout} {
+  current_call.set = true;
+  current_call.op = op;
+  current_call.dtype = tensors.empty() ? -1 : static_cast<int64_t>(tensors[0].scalar_type());
+  current_call.count = static_cast<int64_t>(tensors.size());
+  current_call.layout = layout_of(tensors);
+}
+
+CallerView::~CallerView() {
+  current_call = CallerCall{previous_.set, previous_.op, previous_.dtype, previous_.count, previous_.layout};
+}
+
 namespace {
 
 enum Kind : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3, kReduceScatter = 4 };
-using Fingerprint = std::array<int64_t, 5>; // kind, reduction or root, dtype, elements, tag
+enum Field : size_t { kKind, kArg, kDtype, kElements, kTag, kCount, kLayout, kFields };
+// kind, reduction or root, dtype, elements, tag, tensors, shapes' hash
+using Fingerprint = std::array<int64_t, kFields>;
 
 Fingerprint fingerprint_of(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) {
-  Fingerprint f{kind, arg, -1, 0, current_tag};
+  Fingerprint f{kind, arg, -1, 0, current_tag, static_cast<int64_t>(tensors.size()), layout_of(tensors)};
   if (!tensors.empty()) {
-    f[2] = static_cast<int64_t>(tensors[0].scalar_type());
+    f[kDtype] = static_cast<int64_t>(tensors[0].scalar_type());
   }
   for (const auto& t : tensors) {
-    f[3] += t.numel();
+    f[kElements] += t.numel();
+  }
+  if (current_call.set) { // Note [The caller's collective]
+    f[kArg] = current_call.op >= 0 ? current_call.op : arg;
+    f[kDtype] = current_call.dtype;
+    f[kCount] = current_call.count;
+    f[kLayout] = current_call.layout;
   }
   return f;
 }
@@ -93,7 +147,8 @@ std::string describe(const int64_t* f) {
   static const char* kKinds[] = {"allreduce", "broadcast", "all_gather", "barrier", "reduce_scatter"};
   static const char* kReductions[] = {"sum", "avg", "max", "min"};
   const bool reduces = f[0] == kAllreduce || f[0] == kReduceScatter;
-  if (f[0] < kAllreduce || f[0] > kReduceScatter || (reduces && (f[1] < 0 || f[1] > 3))) {
+  if (f[0] < kAllreduce || f[0] > kReduceScatter || (reduces && (f[1] < 0 || f[1] > 3)) || f[kDtype] < -1 ||
+      f[kDtype] >= static_cast<int64_t>(c10::ScalarType::NumOptions)) {
     return "a collective lockstep does not know";
   }
   std::ostringstream out;
@@ -103,13 +158,35 @@ std::string describe(const int64_t* f) {
   } else if (f[0] == kBroadcast) {
     out << " from rank " << f[1];
   }
-  if (f[0] != kBarrier) {
-    out << " of " << f[3] << " " << c10::toString(static_cast<c10::ScalarType>(f[2])) << " elements";
+  if (f[kKind] != kBarrier) {
+    out << " of " << f[kElements] << " " << c10::toString(static_cast<c10::ScalarType>(f[kDtype])) << " elements";
+    if (f[kCount] > 1) {
+      out << " in " << f[kCount] << " tensors";
+    }
   }
-  if (f[4] != 0) {
-    out << " tagged " << f[4];
+  if (f[kTag] != 0) {
+    out << " tagged " << f[kTag];
   }
   return out.str();
+}
+
+// What two fingerprints that differ differ in, beyond what describe() shows.
+std::string difference_hint(const int64_t* a, const int64_t* b) {
+  bool only_tags = true, only_shapes = true;
+  for (size_t i = 0; i < kFields; ++i) {
+    only_tags = only_tags && (a[i] == b[i] || i == kTag);
+    only_shapes = only_shapes && (a[i] == b[i] || i == kLayout);
+  }
+  if (only_tags) {
+    return " (the same sizes, but another collective: Note [Collective tags]; under FullyShardedDataParallel, a "
+           "forward that reads its units in another order on some rank; with SyncBatchNorm, layers run in another "
+           "order on some rank)";
+  }
+  if (only_shapes) {
+    return " (as many elements, but in tensors of other shapes: a list split differently, or a tensor reshaped, on "
+           "some rank; their elements would be matched by position and mean other things)";
+  }
+  return "";
 }
 
 // One collective: its check, then its start, both by the group's thread.
@@ -281,6 +358,7 @@ class CheckedGroup : public ForwardingGroup {
     }
     const auto& f = job.fingerprint;
     auto mine = torch::tensor(std::vector<int64_t>(f.begin(), f.end()), torch::kLong).to(job.device);
+    static_assert(sizeof(Fingerprint) == kFields * sizeof(int64_t), "one size on every rank");
     std::vector<torch::Tensor> all;
     for (int r = 0; r < size(); ++r) {
       all.push_back(torch::empty_like(mine));
@@ -289,14 +367,10 @@ class CheckedGroup : public ForwardingGroup {
     const auto reference = all[0].cpu();
     for (int r = 1; r < size(); ++r) {
       const auto theirs = all[r].cpu();
-      const bool only_tags = torch::equal(theirs.narrow(0, 0, 4), reference.narrow(0, 0, 4));
       TORCH_CHECK(torch::equal(theirs, reference), "lockstep: rank ", rank(), " of ", size(), ": ", job.what,
                   ": ranks disagree on this collective, so none of them sent it: rank 0 runs ",
                   describe(reference.data_ptr<int64_t>()), " but rank ", r, " runs ", describe(theirs.data_ptr<int64_t>()),
-                  only_tags ? " (the same sizes, but another collective: Note [Collective tags]; under "
-                  "FullyShardedDataParallel, a forward that reads its units in another order on some rank; with "
-                  "SyncBatchNorm, layers run in another order on some rank)" : "",
-                  ". Every rank must call the same collectives in the same order, with tensors of the same sizes and "
+                  difference_hint(reference.data_ptr<int64_t>(), theirs.data_ptr<int64_t>()), ". Every rank must call the same collectives in the same order, with tensors of the same sizes and "
                   "dtypes: look for a branch, a batch, a model or DistributedOptions (bucket_cap_mb) that differ between "
                   "ranks. LOCKSTEP_DEBUG=detail also compares shapes and numbers the collectives.");
     }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace lockstep {
 namespace detail {
@@ -30,6 +31,24 @@ class CollectiveTag {
 
  private:
   int64_t previous_;
+};
+
+/// While alive, collectives this thread starts are fingerprinted as the
+/// caller made them (Note [The caller's collective] in
+/// src/collective_check.cpp): `tensors` before ProcessGroup packed them into
+/// one flat tensor, and `op` (a ReduceOp, or -1) before Avg became a Sum.
+class CallerView {
+ public:
+  CallerView(const std::vector<torch::Tensor>& tensors, int64_t op);
+  ~CallerView();
+  CallerView(const CallerView&) = delete;
+  CallerView& operator=(const CallerView&) = delete;
+
+ private:
+  struct Saved {
+    bool set;
+    int64_t op, dtype, count, layout;
+  } previous_;
 };
 
 } // namespace detail

@@ -1,5 +1,6 @@
 #include "flight_recorder.h"
 
+#include "collective_check.h"
 #include "forwarding_group.h"
 
 #include <torch/types.h>
@@ -358,6 +359,7 @@ class RecordedGroup : public ForwardingGroup {
     for (int r = 0; r < inner_->size(); ++r) {
       outputs.push_back(torch::empty_like(input));
     }
+    CallerView own({input}, -1); // this all_gather's, not the collective's it checks (Note [The caller's collective])
     inner_->all_gather(outputs, input, "LOCKSTEP_DEBUG=detail's check before collective #" + std::to_string(v[0]))->wait();
     const auto reference = outputs[0].cpu();
     for (int r = 1; r < inner_->size(); ++r) {

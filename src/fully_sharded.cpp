@@ -493,7 +493,32 @@ void ShardedCore::before_forward() {
   s.check_untouched_at_rest();
   if (s.sharded()) {
     Unwatched unwatched;
+    if (s.forwarded) {
+      s.forget_gathered(); // Note [A forward without its backward]
+    }
     s.begin_forward();
+  }
+}
+
+// Note [A forward without its backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A forward whose backward has not come (a prediction logged, a target under
+// NoGradGuard, a microbatch dropped) leaves units gathered: FullShard's
+// root and last bucket, every unit of ShardGradOp. An optimizer step or a
+// load_sharded may change the shards before the next forward, and a unit
+// still gathered would skip its all-gather and compute, and take gradients,
+// at the old values. Since nothing tells a step apart from no step (SGD
+// writes through .data(), which moves no version counter), such a forward
+// gathers every unit again; the buffers stay where they are, so an earlier
+// forward's graph, whose backward may still come, reads the same values.
+// The price is one more all-gather of what was left gathered, in a pattern
+// that already runs a forward more.
+void ShardedCore::State::forget_gathered() {
+  wait_in_flight();
+  for (auto& flat : flats) {
+    if (flat.gathered) {
+      release(flat, /*empty=*/false);
+    }
   }
 }
 

@@ -127,6 +127,7 @@ std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> t
     op = op == ReduceOp::Sum ? ReduceOp::Max : op; // Note [Average]
   }
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::Allreduce, tensors[0], what);
+  detail::CallerView caller(tensors, static_cast<int64_t>(op)); // Note [The caller's collective]
   auto packed = detail::pack(tensors, carrier);
   std::vector<torch::Tensor> sent{packed.sent};
   auto work = impl_->allreduce(sent, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
@@ -138,6 +139,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast_async(std::vector<torch::Tensor> t
               size(), ".");
   detail::check_tensor_list(*impl_, tensors, what);
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::Broadcast, tensors[0], what);
+  detail::CallerView caller(tensors, -1);
   auto packed = detail::pack(tensors, carrier);
   std::vector<torch::Tensor> sent{packed.sent};
   auto work = impl_->broadcast(sent, root, std::move(what));
@@ -154,6 +156,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(torch::Tensor output, t
     op = op == ReduceOp::Sum ? ReduceOp::Max : op; // Note [Average]
   }
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::ReduceScatter, output, what);
+  detail::CallerView caller({input}, static_cast<int64_t>(op));
   // An output inside the input (this rank's slice of it, the in-place form
   // NCCL takes) would be written while the backend still reads that slice:
   // the result goes to a tensor of its own, copied into the output at wait().
@@ -174,6 +177,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather_into_async(torch::Tensor output, 
     const {
   detail::check_flat_pair(*impl_, output, input, what);
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::AllGather, input, what);
+  detail::CallerView caller({input}, -1);
   auto flat = (carrier == output.scalar_type() ? output : output.view(carrier)).view({-1});
   auto sent_input = (carrier == input.scalar_type() ? input : input.view(carrier)).view({-1});
   const int64_t n = input.numel();
@@ -209,6 +213,7 @@ std::vector<torch::Tensor> ProcessGroup::all_gather(const torch::Tensor& tensor)
   }
   auto input = tensor.contiguous();
   auto sent_input = carrier == input.scalar_type() ? input : input.view(carrier);
+  detail::CallerView caller({tensor}, -1);
   impl_->all_gather(sent, sent_input, what)->wait();
   return outputs;
 }

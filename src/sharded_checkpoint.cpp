@@ -17,12 +17,16 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <optional>
+#include <random>
 #include <sstream>
 #include <unordered_set>
 
@@ -129,7 +133,10 @@ void install_state(torch::optim::Optimizer& optimizer, const torch::Tensor& para
 // Old shards, read once each.
 class OldShards {
  public:
-  OldShards(std::string dir, int world) : dir_(std::move(dir)), world_(world) {}
+  // `save_id`: the index's (Note [Sharded checkpoint files]), or nullopt
+  // for an index written before saves had one.
+  OldShards(std::string dir, int world, std::optional<int64_t> save_id)
+      : dir_(std::move(dir)), world_(world), save_id_(save_id) {}
   torch::serialize::InputArchive& archive(int rank) {
     auto it = archives_.find(rank);
     if (it == archives_.end()) {
@@ -137,6 +144,12 @@ class OldShards {
       std::istringstream payload(read_framed(path));
       it = archives_.emplace(rank, torch::serialize::InputArchive()).first;
       it->second.load_from(payload);
+      torch::Tensor id;
+      TORCH_CHECK(!save_id_ || (it->second.try_read("save_id", id) && id.item<int64_t>() == *save_id_),
+                  "lockstep::load_sharded: ", path, " was written by another save than ", dir_, "/index.json: a save "
+                  "stopped halfway in a folder that held an earlier one. Its files are of two saves and cannot be "
+                  "loaded together; load an older checkpoint, or save to a new folder each time and remove the old "
+                  "one after.");
     }
     return it->second;
   }
@@ -147,8 +160,27 @@ class OldShards {
  private:
   std::string dir_;
   int world_;
+  std::optional<int64_t> save_id_;
   std::map<int, torch::serialize::InputArchive> archives_;
 };
+
+// The saved flat parameter holds the same parameters, in the same order and
+// shapes: as many elements in another layout (two layers swapped) would load
+// each one's values into the other.
+void check_same_parameters(const nlohmann::json& saved, const FlatParam& flat, const std::string& index_path, size_t f) {
+  const auto names = saved.at("names").get<std::vector<std::string>>();
+  const auto shapes = saved.contains("shapes") ? saved.at("shapes").get<std::vector<std::vector<int64_t>>>() : flat.shapes;
+  for (size_t j = 0; j < std::max(names.size(), flat.names.size()); ++j) {
+    const bool same = j < names.size() && j < flat.names.size() && names[j] == flat.names[j] &&
+        j < shapes.size() && shapes[j] == flat.shapes[j];
+    TORCH_CHECK(same, "lockstep::load_sharded: ", index_path, ": flat parameter ", f, "'s parameter ", j, " was '",
+                j < names.size() ? names[j] : std::string("(none)"), "' of shape ",
+                j < shapes.size() ? c10::IntArrayRef(shapes[j]) : c10::IntArrayRef(), ", but here it is '",
+                j < flat.names.size() ? flat.names[j] : std::string("(none)"), "' of shape ",
+                j < flat.shapes.size() ? c10::IntArrayRef(flat.shapes[j]) : c10::IntArrayRef(),
+                ". Load it into the model that saved it, with the same layers in the same order.");
+  }
+}
 
 // Elements [begin, end) of flat parameter f's `key` (a tensor of the old
 // shard's size in each old file, or of a sub-archive's `sub`), zeros past
@@ -302,73 +334,111 @@ void ShardedCore::full_optimizer_state(torch::optim::Optimizer& optimizer, torch
   }
 }
 
+namespace {
+
+// Runs `step` on every rank, then every rank learns whether every other got
+// through it, so that none waits for one that failed: the failing rank
+// throws its own error, the others one naming it and `failure`.
+void on_every_rank(const ProcessGroup& group, const std::string& failure, const std::function<void()>& step) {
+  std::exception_ptr error;
+  try {
+    step();
+  } catch (const std::exception&) { // c10::Error, and a malformed index's json error
+    error = std::current_exception();
+  }
+  auto failed = torch::full({group.size()}, 0, torch::kLong);
+  failed[group.rank()] = error ? 1 : 0;
+  group.allreduce(failed, ReduceOp::Max);
+  if (error) {
+    std::rethrow_exception(error);
+  }
+  for (int r = 0; r < group.size(); ++r) {
+    TORCH_CHECK(failed[r].item<int64_t>() == 0, "lockstep::", failure, " on rank ", r,
+                " failed; its own error names the file and what is wrong with it.");
+  }
+}
+
+// A number that tells one save from another, the same on every rank.
+int64_t new_save_id(const ProcessGroup& group) {
+  auto id = torch::full({1}, 0, torch::kLong);
+  if (group.rank() == 0) {
+    std::random_device random;
+    const auto now = std::chrono::system_clock::now().time_since_epoch().count();
+    id.fill_(static_cast<int64_t>(((static_cast<uint64_t>(random()) << 31) ^ static_cast<uint64_t>(now)) >> 1));
+  }
+  group.broadcast(id, 0);
+  return id.item<int64_t>();
+}
+
+} // namespace
+
+// Note [Sharded checkpoint files]: every rank writes its shards, then rank 0
+// the index, each file atomically; all carry one save's id. A save stopped
+// halfway in a folder that held an earlier one (a job preempted while it
+// saves to "latest/") leaves the earlier index, or shards of two saves,
+// which load_sharded refuses, naming the file, instead of mixing them.
 void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
   const int world = sharded() ? group_.size() : 1;
   if (group_.rank() == 0) {
     std::error_code ignored; // a folder that cannot be made is named by the write that fails in it
     std::filesystem::create_directories(dir, ignored);
-    nlohmann::json index = {{"format", 1}, {"world_size", world}, {"flats", nlohmann::json::array()},
-                            {"whole", nlohmann::json::array()}};
-    for (const auto* flat : flats()) {
-      index["flats"].push_back({{"unit", flat->unit}, {"dtype", c10::toString(flat->dtype)},
-                                {"numel", flat->layout.numel}, {"shard", flat->layout.shard}, {"names", flat->names}});
-    }
-    for (const auto& named : whole()) {
-      index["whole"].push_back(named.first);
-    }
-    std::ostringstream text;
-    text << index.dump(1) << "\n";
-    write_framed(dir + "/index.json", text.str());
   }
-  group_.barrier(); // the folder exists
-  if (group_.rank() < world) {
-    torch::serialize::OutputArchive archive;
-    const auto all = flats();
-    for (size_t f = 0; f < all.size(); ++f) {
-      torch::serialize::OutputArchive flat;
-      flat.write("values", all[f]->shard.detach());
-      auto it = optimizer.state().find(optimizer_state_key(optimizer.state(), all[f]->shard));
-      if (it != optimizer.state().end()) {
-        torch::serialize::OutputArchive state;
-        it->second->serialize(state);
-        flat.write("state", state);
-      }
-      archive.write("f" + std::to_string(f), flat);
+  const int64_t save_id = new_save_id(group_); // also: the folder exists
+  on_every_rank(group_, "save_sharded's shard file", [&] {
+    if (group_.rank() < world) {
+      write_framed(shard_file(dir, group_.rank(), world), shard_payload(optimizer, save_id));
     }
+  });
+  on_every_rank(group_, "save_sharded's index", [&] {
     if (group_.rank() == 0) {
-      torch::serialize::OutputArchive rest;
-      for (size_t i = 0; i < whole().size(); ++i) {
-        rest.write("w" + std::to_string(i), whole()[i].second.detach());
+      nlohmann::json index = {{"format", 1}, {"world_size", world}, {"save_id", save_id},
+                              {"flats", nlohmann::json::array()}, {"whole", nlohmann::json::array()}};
+      for (const auto* flat : flats()) {
+        index["flats"].push_back({{"unit", flat->unit}, {"dtype", c10::toString(flat->dtype)},
+                                  {"numel", flat->layout.numel}, {"shard", flat->layout.shard}, {"names", flat->names},
+                                  {"shapes", flat->shapes}});
       }
-      archive.write("whole", rest);
+      for (const auto& named : whole()) {
+        index["whole"].push_back(named.first);
+      }
+      std::ostringstream text;
+      text << index.dump(1) << "\n";
+      write_framed(dir + "/index.json", text.str());
     }
-    std::ostringstream payload;
-    archive.save_to(payload);
-    write_framed(shard_file(dir, group_.rank(), world), payload.str());
-  }
-  group_.barrier(); // every file is in place
+  });
 }
 
-// Every rank learns whether every other could load, so that none waits for
-// one that failed: the failing rank throws its own error, the others one
-// naming it.
+// This rank's file: its shard of every flat parameter, with the optimizer's
+// state for it, and on rank 0 what is kept whole.
+std::string ShardedCore::shard_payload(torch::optim::Optimizer& optimizer, int64_t save_id) const {
+  torch::serialize::OutputArchive archive;
+  archive.write("save_id", torch::full({1}, save_id, torch::kLong));
+  const auto all = flats();
+  for (size_t f = 0; f < all.size(); ++f) {
+    torch::serialize::OutputArchive flat;
+    flat.write("values", all[f]->shard.detach());
+    auto it = optimizer.state().find(optimizer_state_key(optimizer.state(), all[f]->shard));
+    if (it != optimizer.state().end()) {
+      torch::serialize::OutputArchive state;
+      it->second->serialize(state);
+      flat.write("state", state);
+    }
+    archive.write("f" + std::to_string(f), flat);
+  }
+  if (group_.rank() == 0) {
+    torch::serialize::OutputArchive rest;
+    for (size_t i = 0; i < whole().size(); ++i) {
+      rest.write("w" + std::to_string(i), whole()[i].second.detach());
+    }
+    archive.write("whole", rest);
+  }
+  std::ostringstream payload;
+  archive.save_to(payload);
+  return payload.str();
+}
+
 void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) {
-  std::exception_ptr error;
-  try {
-    load_local(optimizer, dir);
-  } catch (const c10::Error&) {
-    error = std::current_exception();
-  }
-  auto failed = torch::full({group_.size()}, 0, torch::kLong);
-  failed[group_.rank()] = error ? 1 : 0;
-  group_.allreduce(failed, ReduceOp::Max);
-  if (error) {
-    std::rethrow_exception(error);
-  }
-  for (int r = 0; r < group_.size(); ++r) {
-    TORCH_CHECK(failed[r].item<int64_t>() == 0, "lockstep::load_sharded: rank ", r, " could not load ", dir,
-                "; its own error names the file and what is wrong with it.");
-  }
+  on_every_rank(group_, "load_sharded of " + dir, [&] { load_local(optimizer, dir); });
 }
 
 void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::string& dir) {
@@ -383,7 +453,8 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
   TORCH_CHECK(index.at("flats").size() == all.size(), "lockstep::load_sharded: ", index_path, " holds ",
               index.at("flats").size(), " flat parameters, but this model has ", all.size(),
               ". Load it into the model that saved it, wrapped with the same units.");
-  OldShards old(dir, index.at("world_size").get<int>());
+  OldShards old(dir, index.at("world_size").get<int>(),
+                index.contains("save_id") ? std::optional<int64_t>(index.at("save_id").get<int64_t>()) : std::nullopt);
   const int rank = sharded() ? group_.rank() : 0;
   torch::NoGradGuard no_grad;
   for (size_t f = 0; f < all.size(); ++f) {
@@ -395,6 +466,7 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
                 saved.at("unit").get<std::string>(), "' of ", saved.at("numel").get<int64_t>(), " ",
                 saved.at("dtype").get<std::string>(), " elements, but here it is unit '", flat.unit, "' of ",
                 flat.layout.numel, " ", c10::toString(flat.dtype), ". Load it into the model that saved it.");
+    check_same_parameters(saved, flat, index_path, f);
     const int64_t old_shard = saved.at("shard").get<int64_t>();
     const int64_t begin = rank * flat.layout.shard;
     const int64_t end = begin + flat.layout.shard;

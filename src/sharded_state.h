@@ -88,6 +88,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   void gather_all();
   void release(FlatParam& flat, bool empty);
   void release_all();
+  void forget_gathered();
   void release_used(const std::vector<size_t>& touched);
   size_t forward_after(size_t g) const;
   size_t backward_after(size_t g) const;

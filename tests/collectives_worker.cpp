@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
       }
     } else if (scenario == "size_mismatch") {
       lockstep::testing::check_size_mismatch(group, check);
+      lockstep::testing::check_meaning_mismatch(group, check);
     } else {
       std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
       return 2;

@@ -74,6 +74,11 @@ TEST(ProcessGroupContract, RanksPassingDifferentSizesAllFailAndNoneDies) {
   on_ranks(3, testing::check_size_mismatch, std::chrono::seconds(10));
 }
 
+TEST(ProcessGroupContract, RanksWhoseCallsMeanOtherThingsAllFail) {
+  on_ranks(2, testing::check_meaning_mismatch, std::chrono::seconds(10));
+  on_ranks(3, testing::check_meaning_mismatch, std::chrono::seconds(10));
+}
+
 // The reducer's view of the same fault: ranks that disagree on bucket_cap_mb
 // reduce buckets of different sizes. Every rank ends with an error naming
 // the bucket's allreduce, none dies.

@@ -147,24 +147,31 @@ TEST(FullyShardedDataParallel, ParametersAreThisRanksShardsPaddedToTheWorldSize)
   });
 }
 
-// A forward whose backward never comes: the parameters read their values
-// through operators until the next backward ends, and are empty after it.
+// Forwards whose backward never comes (a logged prediction), one of them
+// before a step: every forward reads the shards' current values, and the
+// parameters are empty again after the next backward.
 TEST(FullyShardedDataParallel, AForwardWithoutBackwardLeavesNoStaleParameters) {
   torch::manual_seed(8);
   OddNet initial;
-  auto reference = testing::train_reference(initial, 1, 12);
-  testing::spawn(2, [&](ProcessGroup& group) {
-    FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group);
-    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-    auto batch = testing::share_of(12, 0, group.rank(), 2);
-    model->forward(batch.first); // no backward
-    EXPECT_TRUE(torch::equal(model->module()->fc1->weight * 1, initial->fc1->weight)) << "an operator reads the values";
-    auto loss = torch::mse_loss(model->forward(batch.first), batch.second);
-    loss.backward();
-    adam.step();
-    EXPECT_EQ(model->module()->fc1->weight.numel(), 0) << "outside forward and backward, never stale values";
-    testing::check_full_params(model, reference, kCheck, "after a forward without backward");
-  });
+  auto reference = testing::train_reference(initial, 2, 12);
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group, ShardingOptions().strategy(strategy));
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+      auto batch = testing::share_of(12, 0, group.rank(), 2);
+      model->forward(batch.first);
+      EXPECT_TRUE(torch::equal(model->module()->fc1->weight * 1, initial->fc1->weight)) << "an operator reads the values";
+      torch::mse_loss(model->forward(batch.first), batch.second).backward();
+      model->forward(batch.first);
+      adam.step();
+      testing::train_shares(model, adam, group, 1, 2);
+      if (strategy != ShardingStrategy::NoShard) {
+        EXPECT_EQ(model->module()->fc1->weight.numel(), 0) << "outside forward and backward, never stale values";
+      }
+      testing::check_full_params(model, reference, kCheck, std::string(testing::name_of(strategy)) +
+                                 ": two steps with forwards without backward");
+    });
+  }
 }
 
 TEST(FullyShardedDataParallel, NamedUnitsTakeTheirSubmodulesAndTheRootTheRest) {
@@ -503,7 +510,7 @@ TEST(FullyShardedDataParallel, ADamagedShardIsAnErrorNamingTheFile) {
                         "is damaged: its checksum does not match");
     } else {
       EXPECT_ERROR_SAYS(train_steps(group, initial, ShardingStrategy::FullShard, 0, 0, dir, ""),
-                        "rank 1 could not load", "its own error names the file");
+                        "on rank 1 failed", "its own error names the file");
     }
   });
 }

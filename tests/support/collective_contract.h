@@ -234,5 +234,37 @@ inline void check_size_mismatch(const ProcessGroup& group, const Check& check) {
   check(torch::equal(after, torch::full({3}, n * (n - 1) / 2.0f)), "an allreduce after the mismatch");
 }
 
+// Ranks whose calls agree in their element count but not in what they
+// mean: a list split differently, a tensor reshaped, Avg against Sum, half
+// against bfloat16 (which a backend may carry as one 16-bit type). Each
+// would have gone through, matching elements by position; every rank now
+// ends with an error naming both calls, and the group goes on working.
+inline void check_meaning_mismatch(const ProcessGroup& group, const Check& check) {
+  const int r = group.rank();
+  const bool odd = r % 2 == 1;
+  const std::string who = "rank " + std::to_string(r) + ": ";
+  auto a = torch::ones({odd ? 3 : 2});
+  auto b = torch::ones({odd ? 2 : 3});
+  check_says(check, message_of([&] { group.allreduce_async({a, b}, ReduceOp::Sum, "the split list")->wait(); }),
+             {"the split list", "ranks disagree", "of 5 Float elements in 2 tensors", "in tensors of other shapes"},
+             who + "a list split differently");
+  auto grid = odd ? torch::ones({3, 2}) : torch::ones({2, 3});
+  check_says(check, message_of([&] { group.all_gather(grid); }), {"ranks disagree", "in tensors of other shapes"},
+             who + "an all_gather of a reshaped tensor");
+  auto t = torch::ones({4});
+  check_says(check, message_of([&] {
+               group.allreduce_async({t}, odd ? ReduceOp::Sum : ReduceOp::Avg, "the average")->wait();
+             }),
+             {"ranks disagree", "rank 0 runs allreduce (avg) of 4 Float elements but rank 1 runs allreduce (sum)"},
+             who + "Avg against Sum");
+  auto h = torch::ones({4}, odd ? torch::kBFloat16 : torch::kHalf);
+  check_says(check, message_of([&] { group.broadcast_async({h}, 0, "the 16-bit broadcast")->wait(); }),
+             {"ranks disagree", "of 4 Half elements", "of 4 BFloat16 elements"}, who + "half against bfloat16");
+  auto after = torch::full({3}, static_cast<float>(r));
+  group.allreduce(after);
+  const int n = group.size();
+  check(torch::equal(after, torch::full({3}, n * (n - 1) / 2.0f)), who + "an allreduce after the mismatches");
+}
+
 } // namespace testing
 } // namespace lockstep

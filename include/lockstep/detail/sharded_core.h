@@ -102,6 +102,7 @@ class ShardedCore {
   const std::vector<std::pair<std::string, torch::Tensor>>& whole() const;
   bool sharded() const;
   void load_local(torch::optim::Optimizer& optimizer, const std::string& dir);
+  std::string shard_payload(torch::optim::Optimizer& optimizer, int64_t save_id) const;
   void shard_flat(torch::nn::Module& owner, size_t f);
   struct State;
   std::shared_ptr<State> state_;

@@ -1,0 +1,91 @@
+// save_sharded and load_sharded when something goes wrong, ranks as
+// threads: a layer of another shape, the files of two saves in one
+// folder, a rank that cannot write its file. (Checkpoints that work, at
+// another world size too, are in test_fully_sharded.cpp.)
+
+#include <lockstep/lockstep.h>
+
+#include "support/errors.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <string>
+
+#include <unistd.h>
+
+namespace lockstep {
+namespace {
+
+using Net = torch::nn::Sequential;
+
+// One unit (the layer "0") of 12 elements either way, in other shapes.
+Net one_layer(bool reshaped) {
+  return Net(torch::nn::Linear(torch::nn::LinearOptions(reshaped ? 3 : 6, reshaped ? 4 : 2).bias(false)));
+}
+
+std::string fresh_dir(const std::string& name) {
+  const auto dir = ::testing::TempDir() + "lockstep_ckpt_" + name + "_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+void save(ProcessGroup& group, const std::string& dir) {
+  FullyShardedDataParallel<Net> model(one_layer(false), group);
+  torch::optim::Adam adam(model->parameters());
+  save_sharded(model, adam, dir);
+}
+
+TEST(ShardedCheckpoint, ALayerOfAnotherShapeIsAnErrorNamingTheParameter) {
+  const auto dir = fresh_dir("reshaped");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    save(group, dir);
+    FullyShardedDataParallel<Net> model(one_layer(/*reshaped=*/true), group);
+    torch::optim::Adam adam(model->parameters());
+    EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), "'s parameter 0 was '0.weight' of shape [2, 6], but here it is "
+                      "'0.weight' of shape [4, 3]", "with the same layers in the same order");
+  });
+}
+
+// A save stopped halfway into a folder that held an earlier save: rank 1's
+// file is the earlier save's. Every rank refuses; rank 1 names the file.
+TEST(ShardedCheckpoint, FilesOfTwoSavesAreAnErrorNamingTheFile) {
+  const auto earlier = fresh_dir("earlier");
+  const auto later = fresh_dir("later");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    save(group, earlier);
+    save(group, later);
+  });
+  std::filesystem::copy_file(earlier + "/shard-1-of-2.pt", later + "/shard-1-of-2.pt",
+                             std::filesystem::copy_options::overwrite_existing);
+  const std::string mixed = later + "/shard-1-of-2.pt was written by another save than";
+  const std::string named = "load_sharded of " + later + " on rank 1 failed";
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::Adam adam(model->parameters());
+    if (group.rank() == 1) {
+      EXPECT_ERROR_SAYS(load_sharded(model, adam, later), mixed.c_str(), "load an older checkpoint");
+    } else {
+      EXPECT_ERROR_SAYS(load_sharded(model, adam, later), named.c_str(), "its own error names the file");
+    }
+  });
+}
+
+// Rank 1 cannot write its file (a folder stands in its place): every rank
+// ends with an error at once, none waits for the collective timeout.
+TEST(ShardedCheckpoint, ARankThatCannotWriteIsAnErrorOnEveryRank) {
+  const auto dir = fresh_dir("unwritable");
+  std::filesystem::create_directories(dir + "/shard-1-of-2.pt");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    if (group.rank() == 1) {
+      EXPECT_ERROR_SAYS(save(group, dir), "shard-1-of-2.pt");
+    } else {
+      EXPECT_ERROR_SAYS(save(group, dir), "save_sharded's shard file on rank 1 failed", "its own error names the file");
+    }
+  }, std::chrono::seconds(20));
+}
+
+} // namespace
+} // namespace lockstep
