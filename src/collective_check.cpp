@@ -35,8 +35,9 @@ namespace detail {
 // the number and shapes of the caller's tensors: Note [The caller's
 // collective]) and compares them: when they differ, every rank sees the
 // same difference and throws it from wait(), naming rank 0's and the first
-// differing rank's collective, and none sends it. Fingerprints have one size, so a rank's check can only
-// meet another rank's check, and the ranks stay paired for what follows.
+// differing rank's collective, and none sends it. Fingerprints have one
+// size, so a rank's check can only meet another rank's check, and the ranks
+// stay paired for what follows.
 //
 // The check must complete before the collective starts, but the caller must
 // not wait for it (DDP starts a bucket's allreduce from inside backward). So
