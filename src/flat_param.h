@@ -58,7 +58,8 @@ struct FlatParam {
 
 /// Every rank must shard the same parameters, or the flat buffers would not
 /// line up: the names, shapes and dtypes, hashed and compared; a different
-/// model on any rank is an error on every rank.
+/// model on any rank, or one whose parameters are on several devices, is an
+/// error on every rank.
 void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
                       const std::vector<torch::Tensor>& params, const std::string& where);
 

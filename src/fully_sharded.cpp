@@ -542,6 +542,7 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
   // forward did: its backward reads them, and reduces as it was set to.
   if (!hooked.empty()) {
     s.forwarded = true;
+    s.loaded_since_forward = false;
     s.sync_at_forward = sync_;
   }
   if (!s.sharded()) {

@@ -23,6 +23,9 @@ torch::autograd::variable_list ShardedCore::State::ReadyHook::operator()(
 }
 
 void ShardedCore::State::on_ready(size_t f, size_t j) {
+  TORCH_CHECK(forwarded || !loaded_since_forward, where(), "parameter '", flats[f].names[j],
+              "' received a gradient from a forward made before load_sharded(): it would give the loaded parameters "
+              "gradients computed at the old ones. Run forward again after loading.");
   TORCH_CHECK(forwarded, where(), "parameter '", flats[f].names[j],
               "' received a gradient, but no forward ran through FullyShardedDataParallel since the last backward. "
               "Run forward through the FullyShardedDataParallel (not its module()) before each backward.");

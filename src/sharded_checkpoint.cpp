@@ -6,6 +6,7 @@
 #include <lockstep/detail/checked_file.h>
 
 #include "flat_param.h"
+#include "sharded_state.h"
 
 #include <torch/optim.h>
 #include <torch/serialize.h>
@@ -217,7 +218,10 @@ void reshard_state(OldShards& old, size_t f, const FlatParam& flat, int64_t old_
   old.archive(0).read("f" + std::to_string(f), first);
   torch::serialize::InputArchive saved_state;
   if (!first.try_read("state", saved_state)) {
-    return; // saved before the optimizer's first step
+    // Saved before the optimizer's first step: as load_state_dict, the
+    // optimizer starts again from no state, not from the one it has now.
+    optimizer.state().erase(optimizer_state_key(optimizer.state(), flat.shard));
+    return;
   }
   torch::serialize::OutputArchive state;
   for (const auto& key : saved_state.keys()) {
@@ -437,7 +441,28 @@ std::string ShardedCore::shard_payload(torch::optim::Optimizer& optimizer, int64
   return payload.str();
 }
 
+// Note [Loading between forward and backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Inside summon_full_params the guard's end would copy the summoned values
+// over what was loaded (writeback), or leave the module's parameters at the
+// old ones until then: an error. After a forward whose backward has not
+// come, the load is allowed (the forward may have been a prediction whose
+// graph was dropped), but what the forward gathered is forgotten, so that
+// the next forward gathers the loaded values, and a backward of that
+// forward, which would give the loaded parameters gradients computed at
+// the old ones, is an error (ShardedCore::State::on_ready).
 void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) {
+  auto& s = *state_;
+  TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
+              "(writeback) or hide what it loads. End the guard first.");
+  if (s.forwarded) {
+    Unwatched unwatched;
+    if (s.sharded()) {
+      s.forget_gathered();
+    }
+    s.forwarded = false;
+    s.loaded_since_forward = true;
+  }
   on_every_rank(group_, "load_sharded of " + dir, [&] { load_local(optimizer, dir); });
 }
 

@@ -7,6 +7,7 @@
 #include "flat_param.h"
 #include "sharded_state.h"
 
+#include <algorithm>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -15,8 +16,25 @@
 namespace lockstep {
 namespace detail {
 
+// The first parameter on each device, named: "'0.weight' on cpu, ...".
+std::string devices_of(const std::vector<std::string>& names, const std::vector<torch::Tensor>& params,
+                       int64_t& count) {
+  std::vector<torch::Device> seen;
+  std::string text;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (std::find(seen.begin(), seen.end(), params[i].device()) == seen.end()) {
+      seen.push_back(params[i].device());
+      text += (text.empty() ? "'" : ", '") + names[i] + "' on " + params[i].device().str();
+    }
+  }
+  count = static_cast<int64_t>(seen.size());
+  return text;
+}
+
 // Every rank must shard the same parameters, or the flat buffers would not
-// line up: the names, shapes and dtypes, hashed, and compared.
+// line up: the names, shapes and dtypes, hashed, and compared. Each rank's
+// must be on one device, as FSDP1 requires: with two, two of autograd's
+// device threads would run the gradient hooks, which share the reduce state.
 void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
                       const std::vector<torch::Tensor>& params, const std::string& where) {
   std::ostringstream text;
@@ -24,7 +42,9 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
     text << names[i] << params[i].sizes() << c10::toString(params[i].scalar_type()) << params[i].requires_grad() << ";";
   }
   const auto hash = static_cast<int64_t>(std::hash<std::string>()(text.str()) >> 1);
-  auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash}, torch::kLong);
+  int64_t devices = 0;
+  const std::string on = devices_of(names, params, devices);
+  auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash, devices}, torch::kLong);
   const auto all = group.all_gather(mine);
   for (int r = 1; r < group.size(); ++r) {
     const auto* theirs = all[r].data_ptr<int64_t>();
@@ -34,6 +54,14 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
                 " parameters, or different names, shapes, dtypes or requires_grad). Every rank must construct the "
                 "same module before wrapping it.");
   }
+  int several = devices > 1 ? group.rank() : -1; // this rank's own first: it can name them
+  for (int r = 0; r < group.size() && several < 0; ++r) {
+    several = all[r].data_ptr<int64_t>()[2] > 1 ? r : -1;
+  }
+  TORCH_CHECK(several < 0, where, "rank ", several, "'s parameters are on ", all[several].data_ptr<int64_t>()[2],
+              " devices", several == group.rank() ? " (" + on + ")" : std::string(), ", but FullyShardedDataParallel "
+              "shards the parameters of one device per rank. Move the module to one device (module->to(device)) "
+              "before wrapping it.");
 }
 
 // The unit paths: the options', checked, or each direct child.

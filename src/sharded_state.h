@@ -44,6 +44,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   std::thread::id cached_thread;
   bool thread_cached_before = false;
   bool forwarded = false; // a forward ran whose backward has not ended
+  bool loaded_since_forward = false; // Note [Loading between forward and backward]
   bool sync_at_forward = true;
   bool finalize_queued = false;
   bool summoned = false;

@@ -3,6 +3,8 @@
 
 #include "sharded_state.h"
 
+#include <cstdio>
+
 namespace lockstep {
 namespace detail {
 
@@ -123,6 +125,28 @@ void ShardedCore::unsummon(bool writeback) {
         restore_grad_accumulator(flat.params[j], flat.accumulators[j]);
       }
     }
+  }
+}
+
+// Note [A summon ended by an exception]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A FullParamsGuard's block that throws (a torch::load of another model's
+// file, which replaces some parameters and then misses one) ends the guard
+// while the exception unwinds, and a destructor that throws then ends the
+// process: writeback's own check of a replaced parameter's shape would do
+// just that. So an abandoned guard writes nothing back: the edits of a
+// block that did not complete are dropped, the shards keep the values they
+// had before it, and the module's parameters view the buffers again, ready
+// for the next forward; the caller's exception goes on. (Under NoShard the
+// module's parameters view the shards themselves, so an in-place edit made
+// before the exception stays; a replaced parameter is dropped.) Anything
+// that still fails here can only be said on stderr.
+void ShardedCore::abandon_summon() noexcept {
+  try {
+    unsummon(/*writeback=*/false);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%ssummon_full_params() ended by an exception could not restore the module's parameters: "
+                 "%s\n", state_->where().c_str(), e.what());
   }
 }
 

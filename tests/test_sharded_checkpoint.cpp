@@ -1,7 +1,8 @@
 // save_sharded and load_sharded when something goes wrong, ranks as
 // threads: a layer of another shape, the files of two saves in one
-// folder, a rank that cannot write its file. (Checkpoints that work, at
-// another world size too, are in test_fully_sharded.cpp.)
+// folder, a rank that cannot write its file, a save without optimizer
+// state. (Checkpoints that work, at another world size too, are in
+// test_fully_sharded.cpp.)
 
 #include <lockstep/lockstep.h>
 
@@ -85,6 +86,31 @@ TEST(ShardedCheckpoint, ARankThatCannotWriteIsAnErrorOnEveryRank) {
       EXPECT_ERROR_SAYS(save(group, dir), "save_sharded's shard file on rank 1 failed", "its own error names the file");
     }
   }, std::chrono::seconds(20));
+}
+
+// A checkpoint saved before the optimizer's first step holds no optimizer
+// state. Loading it into an optimizer that has stepped used to keep that
+// optimizer's moments and step count; as load_state_dict, it starts again
+// from none, so the next step is the first step's again.
+TEST(ShardedCheckpoint, ASaveBeforeTheFirstStepLoadsAsNoOptimizerState) {
+  const auto dir = fresh_dir("before_step");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::Adam adam(model->parameters(), 0.1);
+    auto step = [&] {
+      adam.zero_grad();
+      model(torch::ones({3, 6})).pow(2).sum().backward();
+      adam.step();
+    };
+    save_sharded(model, adam, dir);
+    step();
+    const auto first = model->parameters()[0].detach().clone();
+    step();
+    load_sharded(model, adam, dir);
+    EXPECT_TRUE(adam.state().empty()) << "the stepped optimizer's state outlived the load";
+    step();
+    EXPECT_TRUE(torch::equal(model->parameters()[0], first)) << "the step after the load is not the first step";
+  });
 }
 
 } // namespace

@@ -14,6 +14,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <exception>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -88,20 +89,28 @@ class ShardedNoSyncGuard {
 
 /// While alive, module()'s parameters are the whole, current parameters on
 /// every rank. With writeback(true), edits made to them are copied into the
-/// shards when the guard ends. Every rank makes and ends it together.
+/// shards when the guard ends. Every rank makes and ends it together. A
+/// guard ended by an exception writes nothing back: the shards keep the
+/// values they had before it (Note [A summon ended by an exception]).
 class FullParamsGuard {
  public:
-  explicit FullParamsGuard(detail::ShardedCore& core) : core_(&core) {
+  explicit FullParamsGuard(detail::ShardedCore& core) : core_(&core), exceptions_(std::uncaught_exceptions()) {
     core_->summon();
   }
-  FullParamsGuard(FullParamsGuard&& other) noexcept : core_(other.core_), writeback_(other.writeback_) {
+  FullParamsGuard(FullParamsGuard&& other) noexcept
+      : core_(other.core_), writeback_(other.writeback_), exceptions_(other.exceptions_) {
     other.core_ = nullptr;
   }
   FullParamsGuard(const FullParamsGuard&) = delete;
   FullParamsGuard& operator=(const FullParamsGuard&) = delete;
   FullParamsGuard& operator=(FullParamsGuard&&) = delete;
   ~FullParamsGuard() noexcept(false) {
-    if (core_ != nullptr) {
+    if (core_ == nullptr) {
+      return;
+    }
+    if (std::uncaught_exceptions() > exceptions_) {
+      core_->abandon_summon(); // unwinding: throwing now would end the process
+    } else {
       core_->unsummon(writeback_);
     }
   }
@@ -114,6 +123,7 @@ class FullParamsGuard {
  private:
   detail::ShardedCore* core_;
   bool writeback_ = false;
+  int exceptions_; // std::uncaught_exceptions() when made
 };
 
 namespace detail {

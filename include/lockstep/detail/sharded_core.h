@@ -66,6 +66,9 @@ class ShardedCore {
   /// views; then the edits copied into the shards (writeback) and resharded.
   void summon();
   void unsummon(bool writeback);
+  /// unsummon(false) for a guard ended by an exception: never throws
+  /// (Note [A summon ended by an exception]).
+  void abandon_summon() noexcept;
 
   bool sync() const {
     return sync_;

@@ -1,0 +1,152 @@
+// FullyShardedDataParallel used in ways that cannot work: each is a clear
+// error on every rank, and the model stays usable; never a crash, and never
+// parameters that silently hold other values. Ranks as threads.
+
+#include <lockstep/lockstep.h>
+
+#include "support/errors.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+namespace lockstep {
+namespace {
+
+using Net = torch::nn::Sequential;
+
+const ShardingStrategy kStrategies[] = {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
+                                        ShardingStrategy::NoShard};
+
+Net two_layers() {
+  torch::manual_seed(0);
+  return Net(torch::nn::Linear(5, 3), torch::nn::Linear(3, 2));
+}
+
+std::vector<torch::Tensor> full_params(FullyShardedDataParallel<Net>& model) {
+  auto full = model->summon_full_params();
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model->module()->parameters()) {
+    out.push_back(p.detach().clone());
+  }
+  return out;
+}
+
+bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  bool equal = a.size() == b.size();
+  for (size_t i = 0; equal && i < a.size(); ++i) {
+    equal = torch::equal(a[i], b[i]);
+  }
+  return equal;
+}
+
+std::string fresh_dir(const std::string& name) {
+  const auto dir = ::testing::TempDir() + "lockstep_misuse_" + name + "_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+void adam_step(FullyShardedDataParallel<Net>& model, torch::optim::Optimizer& optimizer) {
+  optimizer.zero_grad();
+  model(torch::ones({4, 5})).sum().backward();
+  optimizer.step();
+}
+
+// A summon_full_params block that throws after replacing parameters (a
+// torch::load of another model's file replaces each, then misses a name),
+// one by a tensor of another shape: ending the guard used to throw from its
+// destructor while the exception unwound, which ends the process. Now the
+// caller's exception goes on, nothing is written back, and the model
+// trains on.
+TEST(ShardedMisuse, ASummonEndedByAnExceptionKeepsTheShardsAndRethrows) {
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [strategy](ProcessGroup& group) {
+      FullyShardedDataParallel<Net> model(two_layers(), group, ShardingOptions().strategy(strategy));
+      const auto before = full_params(model);
+      try {
+        auto full = model->summon_full_params();
+        full.writeback(true);
+        torch::NoGradGuard no_grad;
+        auto params = model->module()->named_parameters();
+        params["0.bias"].set_data(torch::ones({3}));
+        params["0.weight"].set_data(torch::zeros({7, 7}));
+        throw std::runtime_error("the block failed");
+      } catch (const std::runtime_error& e) {
+        EXPECT_EQ(std::string(e.what()), "the block failed");
+      }
+      EXPECT_TRUE(same(full_params(model), before)) << "a block that threw wrote its edits back";
+      torch::optim::Adam adam(model->parameters(), 0.1);
+      adam_step(model, adam);
+      EXPECT_FALSE(same(full_params(model), before)) << "the model does not train after the failed block";
+    });
+  }
+}
+
+TEST(ShardedMisuse, LoadShardedInsideSummonFullParamsIsAnError) {
+  const auto dir = fresh_dir("summon");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(two_layers(), group);
+    torch::optim::Adam adam(model->parameters(), 0.1);
+    save_sharded(model, adam, dir);
+    adam_step(model, adam);
+    const auto stepped = full_params(model);
+    {
+      auto full = model->summon_full_params();
+      full.writeback(true); // its end would copy the stepped values over the loaded ones
+      EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), "load_sharded() inside summon_full_params()",
+                        "End the guard first");
+    }
+    EXPECT_TRUE(same(full_params(model), stepped));
+  });
+}
+
+// A load between a forward and its backward: that backward would give the
+// loaded parameters gradients taken at the old ones, so it is an error; a
+// forward after the load trains from the loaded values, exactly as if the
+// earlier forward had never run.
+TEST(ShardedMisuse, ABackwardOfAForwardMadeBeforeLoadShardedIsAnError) {
+  for (auto strategy : kStrategies) {
+    const auto dir = fresh_dir("forward");
+    testing::spawn(2, [&](ProcessGroup& group) {
+      const auto options = ShardingOptions().strategy(strategy);
+      FullyShardedDataParallel<Net> model(two_layers(), group, options);
+      torch::optim::Adam adam(model->parameters(), 0.1);
+      save_sharded(model, adam, dir);
+      adam_step(model, adam);
+
+      auto stale = model(torch::ones({4, 5})).sum();
+      load_sharded(model, adam, dir);
+      EXPECT_ERROR_SAYS(stale.backward(), "received a gradient from a forward made before load_sharded()",
+                        "Run forward again after loading");
+      adam_step(model, adam);
+
+      FullyShardedDataParallel<Net> fresh(two_layers(), group, options);
+      torch::optim::Adam fresh_adam(fresh->parameters(), 0.1);
+      load_sharded(fresh, fresh_adam, dir);
+      adam_step(fresh, fresh_adam);
+      EXPECT_TRUE(same(full_params(model), full_params(fresh))) << "the step after the load used stale values";
+    });
+  }
+}
+
+// Parameters of one rank on two devices (here the CPU and the meta device,
+// which every build has) would run the gradient hooks on two of autograd's
+// device threads at once: refused on every rank, naming the devices.
+TEST(ShardedMisuse, ParametersOnTwoDevicesAreAnErrorOnEveryRank) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    auto net = two_layers();
+    net->ptr(1)->register_parameter("extra", torch::empty({2}, torch::TensorOptions().device(torch::kMeta)));
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<Net>(net, group), "'s parameters are on 2 devices",
+                      "('0.weight' on cpu, '1.extra' on meta)", "Move the module to one device");
+  });
+}
+
+} // namespace
+} // namespace lockstep
