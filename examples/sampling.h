@@ -77,6 +77,17 @@ inline std::pair<int64_t, int64_t> epoch_extent(const BatchPlan& plan) {
   return {rows, steps};
 }
 
+/// The optimizer steps `plan` takes before sample `at` of epoch `epoch`
+/// (from 0): where a run resumed there stands in its schedule (Note [The
+/// schedule after a resume] in train.cpp).
+inline int64_t steps_before(const BatchPlan& plan, int64_t epoch, int64_t at) {
+  int64_t steps = epoch * epoch_extent(plan).second;
+  for (int64_t i = 0, b = batch_rows_at(plan, i); i < at && b > 0; i += b, b = batch_rows_at(plan, i)) {
+    ++steps;
+  }
+  return steps;
+}
+
 /// The order of epoch `epoch`'s rows (Note [Data order]).
 inline torch::Tensor epoch_order(const BatchPlan& plan, int64_t epoch) {
   const uint64_t seed = mix_bits(mix_bits(plan.seed) ^ static_cast<uint64_t>(epoch));

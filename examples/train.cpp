@@ -142,6 +142,17 @@ uint64_t parameter_hash(torch::nn::Module& module) {
 // warmup, then constant, divided by `gamma` every `step_epochs` epochs, or a
 // cosine down to 0. A function of the step alone, so a resumed run follows
 // the same schedule.
+//
+// Note [The schedule after a resume]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A run resumed with another --batch-size (or over a world size that
+// rounds its batches otherwise) takes another number of steps per epoch,
+// and its schedule (warmup, step epochs, the cosine's end) counts in those.
+// The optimizer steps the checkpoint counted were of the old size: 4 steps
+// of 128 samples are 8 of 64, and taking them as 4 would put the run
+// behind in its warmup and cosine for good. So the schedule's step is where
+// this run's batches would have reached the checkpoint's sample
+// (steps_before), while the step counter (checkpoints, logs) goes on.
 double lr_at(const Config& c, int64_t step, int64_t steps_per_epoch, int64_t total) {
   if (step < c.warmup_steps) {
     return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
@@ -307,6 +318,9 @@ struct Epoch {
   int64_t rows = 0;         // its training rows over every rank
   int64_t batch_count = 0;  // its steps
   int64_t total_steps = 0;  // the whole run's
+  // The schedule's step less the optimizer's: not 0 when the run resumed
+  // under another batch or world size (Note [The schedule after a resume]).
+  int64_t schedule_shift = 0;
   int64_t fold_every = 1;
   int64_t resumed_rows = 0; // trained before this attempt resumed it
   Tally pending;            // this rank's rows since the last fold
@@ -319,6 +333,8 @@ Epoch begin_epoch(const Run& run, const TrainingState& state) {
   Epoch epoch;
   std::tie(epoch.rows, epoch.batch_count) = lockstep::examples::epoch_extent(run.setup.plan);
   epoch.total_steps = epoch.batch_count * run.config.epochs;
+  epoch.schedule_shift =
+      lockstep::examples::steps_before(run.setup.plan, state.epoch, state.samples_in_epoch) - state.step;
   // Every rank folds its batches into the epoch's tally at the same steps:
   // about 50 times an epoch, every --log-every steps, at checkpoints, and
   // at the epoch's end.
@@ -368,7 +384,8 @@ void end_epoch(const Run& run, TrainingState& state, const Epoch& epoch, lockste
   totals.last_epoch = done;
   totals.tested = evaluate(run);
   report_epoch(run, state, metrics, totals, seconds - epoch.eval_seconds, seconds,
-               lr_at(run.config, state.step - 1, epoch.batch_count, epoch.total_steps), epoch.resumed_rows);
+               lr_at(run.config, state.step - 1 + epoch.schedule_shift, epoch.batch_count, epoch.total_steps),
+               epoch.resumed_rows);
   ++state.epoch;
   state.samples_in_epoch = 0;
   state.epoch_tally = Tally{};
@@ -387,7 +404,7 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
                                         config.epochs, run.setup.rank == 0);
   for (size_t i = 0; i < batches.size(); ++i) {
     maybe_inject_fault(run.setup.rank, state.step);
-    const double lr = lr_at(config, state.step, epoch.batch_count, epoch.total_steps);
+    const double lr = lr_at(config, state.step + epoch.schedule_shift, epoch.batch_count, epoch.total_steps);
     epoch.pending += train_step(run, batches[i], lr);
     if (state.unsynced_counts.defined()) {
       state.unsynced_counts.index_add_(0, batches[i], torch::ones({batches[i].size(0)}, torch::kInt32));

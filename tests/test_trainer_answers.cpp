@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -80,13 +81,14 @@ TEST(TrainerOrder, TheRestOfAnEpochJoinsItsLastWholeBatch) {
   EXPECT_EQ(epoch_rows(plan, 0).size(), 102u);
 }
 
-TEST(TrainerResume, AnotherBatchSizeTrainsEachSampleOnce) {
+TEST(TrainerResume, AnotherBatchSizeTrainsEachSampleOnceAndKeepsTheSchedule) {
   // Stopped after step 4 at batch 128 (512 of 1024 samples), resumed at 64:
   // 8 more steps, not 12 (batch 4 of 64 onwards re-trained 256 samples).
   const std::string checkpoint = temp("rebatch.ckpt");
   const std::string out = temp("rebatch_out");
   auto args = with_flag(with_flag(with_flag(trainer("rebatch", checkpoint), "--epochs", "1"), "--batch-size", "128"),
                         "--out", out);
+  args.insert(args.end(), {"--warmup-steps", "8", "--schedule", "cosine"});
   auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "rebatch1", {kOneThread, "LOCKSTEP_FAULT=0:5"});
   ASSERT_NE(p.exit_code, 0) << p.output;
   auto q = launch({"--nproc-per-node", "2", "--master-port", port()}, with_flag(args, "--batch-size", "64"), "rebatch2",
@@ -98,6 +100,11 @@ TEST(TrainerResume, AnotherBatchSizeTrainsEachSampleOnce) {
   const auto epochs = records(out, "epoch");
   ASSERT_EQ(epochs.size(), 1u);
   EXPECT_EQ(epochs[0].value("samples", int64_t{-1}), 1024) << epochs[0];
+  // The schedule ends where an uninterrupted epoch at 64 ends: its last
+  // step is 15 of 16, 7 of the cosine's 8 (the old 4 steps at 128 counted
+  // as 4 at 64 left it at step 11, 3 of 8).
+  const double cosine_at_7_of_8 = 0.1 * 0.5 * (1 + std::cos(M_PI * 7 / 8));
+  EXPECT_NEAR(epochs[0].value("lr", -1.0), cosine_at_7_of_8, 1e-9) << epochs[0];
 }
 
 // `args` with `flag` set to `value`: replaced if there, else added.
