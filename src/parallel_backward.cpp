@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -61,6 +62,30 @@ void ParallelBackward::release_variables() {
   released_ = true;
 }
 
+// Note [Shared parameters in replicas]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A tensor the module holds under several names (a block used twice, tied
+// weights) may or may not be one tensor in a replica: a clone shares what
+// reset() shares, but Sequential, ModuleList and ModuleDict clone each
+// entry on its own, so Sequential(b, tanh, b) becomes two blocks there.
+// autograd::grad gives a tensor asked for under two names its whole
+// gradient at each, and two tensors each their own use's. So each replica
+// keeps the first entry of each of its own tensors (drop_repeated_params),
+// and the module's tensor takes the sum over all its names' entries.
+namespace {
+
+void drop_repeated_params(const ReplicaGraph& graph, variable_list& result) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (size_t p = 0; p < graph.params.size() && p < result.size(); ++p) {
+    if (!seen.insert(graph.params[p].unsafeGetTensorImpl()).second) {
+      result[p] = torch::Tensor();
+    }
+  }
+}
+
+} // namespace
+
+
 variable_list ParallelBackward::apply(variable_list&& grads) {
   TORCH_CHECK(
       !released_,
@@ -91,6 +116,7 @@ variable_list ParallelBackward::apply(variable_list&& grads) {
       return;
     }
     results[g] = torch::autograd::grad(outputs, inputs, grad_outputs, keep_graph, create_graph, /*allow_unused=*/true);
+    drop_repeated_params(graph, results[g]);
   };
 
   // CPU replicas run their backward on their own workers, in parallel. The
@@ -173,25 +199,28 @@ void ParallelBackward::sum_param_gradients(
     const std::vector<size_t>& workers,
     variable_list& out) const {
   const size_t n_params = plan_.params.size();
-  // A parameter two modules share appears once per name, and autograd::grad
-  // gives each entry the whole gradient: only the first passes it on (the
-  // others' edges lead to the same tensor, which would take it twice), and
-  // only the first touches .grad, whatever worker each entry goes to.
-  std::vector<char> first(n_params, 0);
-  std::unordered_set<const c10::TensorImpl*> seen;
+  // Note [Shared parameters in replicas]: a tensor of the module under
+  // several names takes the sum over its names' entries, passed on by its
+  // first name alone (the others' edges lead to the same tensor, which
+  // would take it twice); only the first touches .grad, whatever worker
+  // each entry goes to.
+  std::vector<std::vector<size_t>> names(n_params); // at each tensor's first name: all its names
+  std::unordered_map<const c10::TensorImpl*, size_t> first_name;
   for (size_t p = 0; p < n_params; ++p) {
-    first[p] = seen.insert(plan_.params[p].unsafeGetTensorImpl()).second ? 1 : 0;
+    names[first_name.emplace(plan_.params[p].unsafeGetTensorImpl(), p).first->second].push_back(p);
   }
   auto sum_param = [&](size_t p) {
-    if (!first[p]) {
+    if (names[p].empty()) {
       return;
     }
     for (auto& result : results) {
-      if (result.empty() || !result[p].defined()) {
-        continue;
+      for (size_t q : names[p]) {
+        if (result.empty() || !result[q].defined()) {
+          continue;
+        }
+        auto g = result[q].to(plan_.params[p].device());
+        out[p] = out[p].defined() ? out[p].add(g) : g;
       }
-      auto g = result[p].to(plan_.params[p].device());
-      out[p] = out[p].defined() ? out[p].add(g) : g;
     }
     auto& grad = plan_.params[p].mutable_grad();
     if (out[p].defined() && grad.defined() && grad.layout() == torch::kStrided && !grad.requires_grad() &&
@@ -207,7 +236,7 @@ void ParallelBackward::sum_param_gradients(
   }
   std::vector<int64_t> numels;
   for (size_t p = 0; p < n_params; ++p) {
-    numels.push_back(first[p] ? plan_.params[p].numel() : 0);
+    numels.push_back(names[p].empty() ? 0 : plan_.params[p].numel() * static_cast<int64_t>(names[p].size()));
   }
   const auto owner = assign_sums(numels, workers.size());
   std::vector<size_t> slot(plan_.devices.size(), 0);

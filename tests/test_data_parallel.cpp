@@ -420,6 +420,29 @@ TEST(DataParallel, ABlockRegisteredTwiceGetsTheSumOfItsGradients) {
   }
 }
 
+// Sequential (as ModuleList and ModuleDict) clones each entry on its own, so
+// in a replica the block used twice is two blocks, each with its own use's
+// gradient: the module's block takes the sum of both (it took the first's).
+TEST(DataParallel, ABlockUsedTwiceInASequentialGetsTheSumOfItsGradients) {
+  auto make = [] {
+    torch::manual_seed(4);
+    torch::nn::Linear block(6, 6);
+    return torch::nn::Sequential(block, torch::nn::Tanh(), block);
+  };
+  auto bare = make();
+  auto copy = make();
+  ASSERT_TRUE(copy[0]->parameters()[0].is_same(copy[2]->parameters()[0]));
+  DataParallel<torch::nn::Sequential> dp(copy, DataParallelOptions().devices(cpus(2)));
+  for (int step = 0; step < 2; ++step) {
+    bare->zero_grad(false);
+    copy->zero_grad(false);
+    auto x = torch::randn({8, 6});
+    bare->forward(x).pow(2).sum().backward();
+    dp(x).pow(2).sum().backward();
+    testing::expect_grads_close(*bare, *copy);
+  }
+}
+
 // The replicas hold one step at a time: a forward that starts while another
 // runs (here from inside the module's own forward; from a second thread
 // alike) is an error, and the DataParallel works again afterwards.
