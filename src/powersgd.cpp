@@ -132,6 +132,8 @@ PowerSGDPlan plan_powersgd(const GradBucket& bucket, int64_t rank, double min_ra
 
 void orthogonalize_(torch::Tensor matrix) {
   const int64_t columns = matrix.size(1);
+  const double tiny = matrix.scalar_type() == torch::kHalf ? static_cast<double>(std::numeric_limits<c10::Half>::min())
+                                                            : static_cast<double>(std::numeric_limits<float>::min());
   for (int64_t i = 0; i < columns; ++i) {
     auto column = matrix.narrow(1, i, 1);
     if (i > 0) {
@@ -142,7 +144,9 @@ void orthogonalize_(torch::Tensor matrix) {
         column.sub_(torch::matmul(done, torch::matmul(done.t(), column)));
       }
     }
-    column.div_(column.norm().clamp_min(std::numeric_limits<float>::min()));
+    // A zero column stays zero: the norm is clamped to the dtype's smallest
+    // normal (float16's is above float32's, which it would round to 0).
+    column.div_(column.norm().clamp_min(tiny));
   }
 }
 
@@ -160,6 +164,7 @@ struct PowerSGDState {
   int64_t iteration = 0;
   int64_t draws = 0; // rounds that drew Q's: the next one's seed is (options.seed, draws)
   double compression_rate = 0;
+  int64_t elements = 0, sent = 0; // this iteration's buckets, so far
   std::map<size_t, ParameterMemory> memory; // by GradBucket::parameters' index
   std::deque<std::shared_ptr<Round>> unfinished; // step 3 issued, step 4 not yet
 };
@@ -294,27 +299,39 @@ void Round::compute_qs() {
   }
 }
 
+// One allreduce carries the Qs of every unfinished round of a dtype and
+// device (a collective carries one of each), in the order the rounds came,
+// which every rank shares.
 void Round::exchange_qs(PowerSGDState& state) {
-  std::vector<std::shared_ptr<Round>> rounds;
-  std::vector<torch::Tensor> qs;
-  std::string names;
+  struct Batch {
+    std::vector<std::shared_ptr<Round>> rounds;
+    std::vector<torch::Tensor> qs;
+    std::string names;
+  };
+  std::vector<Batch> batches;
   while (!state.unfinished.empty()) {
-    rounds.push_back(state.unfinished.front());
+    auto round = state.unfinished.front();
     state.unfinished.pop_front();
-    auto& round = *rounds.back();
-    round.compute_qs();
-    round.exchanged_ = true;
-    if (round.q_memory_.numel() > 0) {
-      qs.push_back(round.q_memory_);
-      names += (names.empty() ? "" : ", ") + round.bucket_.name;
+    round->compute_qs();
+    round->exchanged_ = true;
+    const auto& q = round->q_memory_;
+    if (q.numel() == 0) {
+      continue;
     }
+    auto batch = std::find_if(batches.begin(), batches.end(), [&](const Batch& b) {
+      return b.qs[0].scalar_type() == q.scalar_type() && b.qs[0].device() == q.device();
+    });
+    if (batch == batches.end()) {
+      batch = batches.insert(batches.end(), Batch{});
+    }
+    batch->rounds.push_back(round);
+    batch->qs.push_back(q);
+    batch->names += (batch->names.empty() ? "" : ", ") + round->bucket_.name;
   }
-  if (qs.empty()) {
-    return;
-  }
-  auto work = rounds.front()->group_.allreduce_async(qs, ReduceOp::Sum, "PowerSGD's Q allreduce of " + names);
-  for (auto& round : rounds) {
-    if (round->q_memory_.numel() > 0) {
+  for (auto& batch : batches) {
+    auto work = batch.rounds.front()->group_.allreduce_async(batch.qs, ReduceOp::Sum,
+                                                             "PowerSGD's Q allreduce of " + batch.names);
+    for (auto& round : batch.rounds) {
       round->second_work_ = work;
     }
   }
@@ -389,7 +406,15 @@ std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group
     return comm_hooks::allreduce(group, bucket);
   }
   auto plan = detail::plan_powersgd(bucket, state_->options.rank(), state_->options.min_compression_rate());
-  state_->compression_rate = plan.rate();
+  if (bucket.index == 0) {
+    state_->elements = state_->sent = 0;
+  }
+  state_->elements += plan.bucket_elements;
+  state_->sent += plan.sent();
+  if (bucket.last) { // over the whole iteration, as compression_rate() says
+    state_->compression_rate =
+        state_->sent == 0 ? 1.0 : static_cast<double>(state_->elements) / static_cast<double>(state_->sent);
+  }
   auto round = std::make_shared<detail::Round>(state_, group, bucket, std::move(plan));
   round->start();
   state_->unfinished.push_back(round);

@@ -34,10 +34,12 @@ struct PowerSGDPlan {
   int64_t parameter_elements = 0; // where the last gradient ends: what error feedback covers
   int64_t bucket_elements = 0;
   int64_t whole_elements = 0, p_elements = 0, q_elements = 0;
+  int64_t sent() const {
+    return whole_elements + p_elements + q_elements;
+  }
   // The bucket's elements over the elements sent.
   double rate() const {
-    const int64_t sent = whole_elements + p_elements + q_elements;
-    return sent == 0 ? 1.0 : static_cast<double>(bucket_elements) / static_cast<double>(sent);
+    return sent() == 0 ? 1.0 : static_cast<double>(bucket_elements) / static_cast<double>(sent());
   }
 };
 

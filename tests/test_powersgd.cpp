@@ -73,12 +73,16 @@ TEST(PowerSGD, OrthogonalizeGivesOrthonormalColumnsAndKeepsAZeroColumnZero) {
     detail::orthogonalize_(m);
     EXPECT_TRUE(torch::allclose(torch::matmul(m.t(), m), torch::eye(3), 1e-5, 1e-5)) << torch::matmul(m.t(), m);
   }
-  auto zero = torch::zeros({6, 2});
-  zero.narrow(1, 1, 1).fill_(2);
-  detail::orthogonalize_(zero);
-  EXPECT_FALSE(zero.isnan().any().item<bool>());
-  EXPECT_EQ(zero.narrow(1, 0, 1).abs().sum().item<float>(), 0.0f);
-  EXPECT_NEAR(zero.narrow(1, 1, 1).norm().item<float>(), 1.0f, 1e-6);
+  // In every dtype a bucket may have: float16's smallest normal is far
+  // above float32's, which it rounds to 0, and 0 / 0 is NaN.
+  for (auto dtype : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16}) {
+    auto zero = torch::zeros({6, 2}, dtype);
+    zero.narrow(1, 1, 1).fill_(2);
+    detail::orthogonalize_(zero);
+    EXPECT_FALSE(zero.isnan().any().item<bool>()) << dtype;
+    EXPECT_EQ(zero.narrow(1, 0, 1).abs().sum().item<float>(), 0.0f) << dtype;
+    EXPECT_NEAR(zero.narrow(1, 1, 1).norm().item<float>(), 1.0f, 1e-2) << dtype;
+  }
 }
 
 TEST(PowerSGD, RankRMatrixIsExactAtRankRAndNotBelow) {
@@ -96,6 +100,43 @@ TEST(PowerSGD, RankRMatrixIsExactAtRankRAndNotBelow) {
     }
     EXPECT_TRUE(torch::equal(bucket.gradients[1], torch::ones({24})));
   }
+}
+
+// Buckets of two dtypes (a model with float32 and float64 layers; DDP makes
+// a bucket per dtype): their Qs go in one allreduce per dtype, as one
+// collective carries one dtype. All of them in one threw at every step.
+TEST(PowerSGD, BucketsOfTwoDtypesAreEachExactAtTheirRank) {
+  ProcessGroup one;
+  PowerSGD powersgd(PowerSGDOptions().rank(3).start_iteration(0).error_feedback(false).warm_start(false));
+  const auto m = of_rank(48, 24, 3);
+  auto first = bucket_of({m});
+  first.last = false;
+  auto second = bucket_of({m});
+  second.index = 1;
+  second.buffer = second.buffer.to(torch::kDouble);
+  second.gradients[0] = second.buffer.view({48, 24});
+  auto first_work = powersgd(one, first);
+  auto second_work = powersgd(one, second);
+  first_work->wait();
+  second_work->wait();
+  EXPECT_LT((first.gradients[0] - m).abs().max().item<double>(), 1e-4);
+  EXPECT_LT((second.gradients[0] - m.to(torch::kDouble)).abs().max().item<double>(), 1e-4);
+  EXPECT_EQ(second.gradients[0].scalar_type(), torch::kDouble);
+}
+
+// The rate is the whole iteration's: a last bucket of biases alone, sent
+// whole, does not make it 1.
+TEST(PowerSGD, CompressionRateCountsEveryBucketOfTheIteration) {
+  ProcessGroup one;
+  PowerSGD powersgd(PowerSGDOptions().rank(1).start_iteration(0));
+  auto matrix = bucket_of({of_rank(48, 24, 1)});
+  matrix.last = false;
+  auto biases = bucket_of({torch::ones({10})});
+  biases.index = 1;
+  biases.parameters = {1};
+  powersgd(one, matrix)->wait();
+  powersgd(one, biases)->wait();
+  EXPECT_DOUBLE_EQ(powersgd.compression_rate(), (48.0 * 24 + 10) / ((48 + 24) * 1 + 10));
 }
 
 TEST(PowerSGD, ErrorFeedbackCarriesTheResidualIntoTheNextIteration) {
