@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -136,13 +137,17 @@ struct GradGroup {
   std::vector<torch::Tensor> grads;
 };
 
+// Each parameter once: LibTorch's Module::parameters() lists a tensor held
+// under two names (tied weights) twice, and its gradient must be unscaled
+// once, not divided by the scale twice.
 std::vector<GradGroup> gradients_by_device_and_dtype(torch::optim::Optimizer& optimizer) {
   std::vector<GradGroup> groups;
+  std::unordered_set<const c10::TensorImpl*> seen;
   size_t index = 0;
   for (auto& param_group : optimizer.param_groups()) {
     for (auto& p : param_group.params()) {
       ++index;
-      if (!p.grad().defined()) {
+      if (!p.grad().defined() || !seen.insert(p.unsafeGetTensorImpl()).second) {
         continue;
       }
       auto g = p.grad().is_sparse() ? p.grad()._values() : p.grad();
@@ -174,7 +179,7 @@ void check_and_unscale(std::vector<torch::Tensor>& grads, torch::Tensor& found_i
     if (!torch::isfinite(g).all().item<bool>()) {
       found_inf.fill_(1.0);
     }
-    g.mul_(inv_scale);
+    g.mul_(inv_scale.reshape({})); // a 0-dim gradient cannot take a [1] in place
   }
 }
 
@@ -202,7 +207,7 @@ torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
     scale_ = torch::full({1}, options_.init_scale(), torch::dtype(torch::kFloat).device(outputs.device()));
     growth_tracker_ = torch::full({1}, init_growth_tracker_, torch::dtype(torch::kInt).device(outputs.device()));
   }
-  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true).reshape({}); // keeps a 0-dim loss 0-dim
 }
 
 void GradScaler::check_scaled(const char* call) const {

@@ -128,6 +128,33 @@ TEST(GradScaler, ASkippedStepLeavesParametersAndOptimizerStateUntouched) {
   EXPECT_EQ(scaler.get_scale(), 32768.0);
 }
 
+// LibTorch's parameters() lists a tied weight once per name, so the
+// optimizer holds it twice: its gradient is unscaled once (it was divided
+// by the scale twice, and the weight barely trained).
+TEST(GradScaler, AWeightTheOptimizerHoldsTwiceIsUnscaledOnce) {
+  auto w = torch::ones({4}, torch::requires_grad());
+  torch::optim::SGD sgd({w, w}, 0.0);
+  GradScaler scaler(GradScalerOptions().init_scale(4));
+  scaler.scale(w.sum()).backward();
+  scaler.unscale_(sgd);
+  EXPECT_TRUE(torch::allclose(w.grad(), torch::ones({4}))) << w.grad();
+}
+
+// A 0-dim parameter (CLIP's logit scale): the loss stays 0-dim, and its
+// gradient unscales where ATen has no kernel for it (LibTorch 1.13's CPU),
+// which threw "output with shape [] doesn't match the broadcast shape [1]".
+TEST(GradScaler, AZeroDimParameterStepsAndTheLossStaysZeroDim) {
+  auto p = torch::ones({}, torch::requires_grad());
+  torch::optim::SGD sgd({p}, 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(8));
+  auto scaled = scaler.scale(p * 3);
+  EXPECT_EQ(scaled.dim(), 0);
+  scaled.backward();
+  scaler.step(sgd);
+  scaler.update();
+  EXPECT_NEAR(p.item<float>(), 0.7f, 1e-6);
+}
+
 // unscale_, then clipping, then step: the same as clipping an unscaled step.
 TEST(GradScaler, UnscaleThenClipMatchesClippingWithoutAScale) {
   torch::manual_seed(0);
