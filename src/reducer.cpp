@@ -331,6 +331,9 @@ void Reducer::State::copy_in(size_t index) {
   // The built-in allreduce sums what the ranks put in: put in grad / divisor,
   // in the same pass as the copy.
   const bool built_in = !options.comm_hook();
+  TORCH_CHECK(!grad.defined() || grad.layout() == torch::kStrided, where(), "parameter '", names[index],
+              "' received a sparse gradient (an Embedding or EmbeddingBag with sparse(true)?), but "
+              "DistributedDataParallel reduces dense gradients only. Construct that layer with sparse(false).");
   if (!grad.defined()) {
     view.zero_();
   } else if (options.gradient_as_bucket_view() && grad.data_ptr() == view.data_ptr()) {

@@ -390,6 +390,20 @@ TEST(DdpThreads, ABackwardStoppedByAnErrorIsAnErrorAtTheNextForward) {
   });
 }
 
+// A sparse gradient (Embedding's sparse(true)) is an error naming the
+// parameter, on every rank; ATen's "not a sparse tensor" internal assert
+// asked the user to report a bug to PyTorch.
+TEST(DdpThreads, ASparseGradientIsAnErrorNamingTheParameter) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::nn::Sequential net(torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 3).sparse(true)),
+                              torch::nn::Linear(3, 1));
+    DistributedDataParallel<torch::nn::Sequential> ddp(net, group);
+    auto ids = torch::tensor({1, 4, 4}, torch::kLong);
+    EXPECT_ERROR_SAYS(ddp(ids).sum().backward(), "parameter '0.weight' received a sparse gradient",
+                      "Construct that layer with sparse(false)");
+  });
+}
+
 // Two SyncBatchNorm layers of one width that rank 1 runs in the other order:
 // their collectives agree in size, so only the layers' numbers keep the
 // ranks from swapping statistics (Note [Collective tags]).

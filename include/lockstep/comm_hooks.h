@@ -26,7 +26,9 @@ struct GradBucket {
   /// Under DistributedOptions::static_graph, the last bucket has one more
   /// element at the end, a flag: reduce it like the rest.
   torch::Tensor buffer;
-  /// Indices of the bucket's parameters among the module's parameters.
+  /// Indices of the bucket's parameters among the reduced parameters: the
+  /// module's parameters() that require a gradient, a shared one once, at
+  /// its first name (DistributedDataParallel's buckets()).
   std::vector<size_t> parameters;
   /// "bucket 2 (5 parameters, 1.0 MiB)": names the bucket in errors.
   std::string name;
