@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace lockstep {
 
@@ -385,7 +386,11 @@ torch::Tensor gather_one(
     spec.kind = OutputSpec::Kind::Weighted;
     for (size_t i = 0; i < parts.size(); ++i) {
       spec.weights.push_back(scalars == ScalarGather::Mean ? shares[i] : 1.0);
-      auto term = parts[i] * spec.weights.back();
+      // A Sum keeps an integer count an integer, as torch::sum does (a bool
+      // one counts as int64); a Mean is fractional.
+      auto term = scalars == ScalarGather::Mean ? parts[i] * spec.weights.back()
+          : parts[i].scalar_type() == torch::kBool ? parts[i].to(torch::kLong)
+                                                   : parts[i];
       gathered = gathered.defined() ? gathered + term : term;
     }
   }
@@ -458,9 +463,21 @@ void DataParallelCore::average_buffers(const Plan& plan) {
     return;
   }
   torch::NoGradGuard no_grad;
+  // A submodule in eval mode inside a training one (a frozen BatchNorm)
+  // keeps its statistics: averaging equal copies by shares would still
+  // move them by a rounding each step.
+  std::unordered_set<const c10::TensorImpl*> frozen;
+  for (const auto& module : source_->modules(/*include_self=*/false)) {
+    if (!module->is_training()) {
+      for (const auto& buffer : module->buffers(/*recurse=*/false)) {
+        frozen.insert(buffer.unsafeGetTensorImpl());
+      }
+    }
+  }
   for (size_t b = 0; b < source_buffers_.size(); ++b) {
     auto& target = source_buffers_[b];
-    if (!at::isFloatingType(target.scalar_type()) || target.requires_grad()) {
+    if (!at::isFloatingType(target.scalar_type()) || target.requires_grad() ||
+        frozen.count(target.unsafeGetTensorImpl()) > 0) {
       // Counters such as num_batches_tracked move in step on every replica;
       // a buffer that needs a gradient is a leaf forward cannot change.
       continue;

@@ -341,24 +341,38 @@ TEST(DataParallel, BufferSyncOffKeepsReplicaBuffers) {
 // A BatchNorm frozen alone for fine-tuning (net->bn->eval() in a model in
 // training mode) keeps its mode in every replica: with running statistics
 // and no dropout, DataParallel equals the bare module on the whole batch,
-// and the running statistics stay as they were.
+// and the running statistics stay as they were, bit for bit, also under
+// BufferSync::Average (whose average of equal copies by shares 4/7 and 3/7
+// moved them by a rounding each step).
 TEST(DataParallel, ASubmoduleSwitchedAloneKeepsItsModeInTheReplicas) {
-  torch::manual_seed(4);
-  Cnn bare;
-  Cnn copy = deep_copy(bare);
-  DataParallel<Cnn> dp(copy, DataParallelOptions().devices(cpus(2)));
-  for (Cnn* net : {&bare, &copy}) {
-    (*net)->train();
-    (*net)->bn->eval();
+  for (auto sync : {BufferSync::Broadcast, BufferSync::Average}) {
+    torch::manual_seed(4);
+    Cnn bare;
+    {
+      torch::NoGradGuard no_grad;
+      bare->bn->running_mean.uniform_(-1, 1);
+      bare->bn->running_var.uniform_(0.5, 2);
+    }
+    Cnn copy = deep_copy(bare);
+    DataParallel<Cnn> dp(copy, DataParallelOptions().devices(cpus(2)).buffers(sync));
+    for (Cnn* net : {&bare, &copy}) {
+      (*net)->train();
+      (*net)->bn->eval();
+    }
+    const auto mean = copy->bn->running_mean.clone();
+    const auto var = copy->bn->running_var.clone();
+    auto x = torch::randn({7, 1, 6, 6});
+    EXPECT_TRUE(torch::allclose(bare(x), dp(x), 1e-5, 1e-6));
+    for (int step = 0; step < 20; ++step) {
+      dp(x);
+    }
+    EXPECT_TRUE(torch::equal(copy->bn->running_mean, mean)) << static_cast<int>(sync);
+    EXPECT_TRUE(torch::equal(copy->bn->running_var, var)) << static_cast<int>(sync);
+    copy->bn->train(); // and back
+    bare->bn->train();
+    dp(x);
+    EXPECT_FALSE(torch::equal(copy->bn->running_mean, mean));
   }
-  const auto mean = copy->bn->running_mean.clone();
-  auto x = torch::randn({8, 1, 6, 6});
-  EXPECT_TRUE(torch::allclose(bare(x), dp(x), 1e-5, 1e-6));
-  EXPECT_TRUE(torch::equal(copy->bn->running_mean, mean));
-  copy->bn->train(); // and back
-  bare->bn->train();
-  dp(x);
-  EXPECT_FALSE(torch::equal(copy->bn->running_mean, mean));
 }
 
 // Two forwards, then one backward through both (a siamese or contrastive

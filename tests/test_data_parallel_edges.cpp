@@ -53,6 +53,33 @@ TEST(DataParallel, ScalarOutputs) {
   EXPECT_TRUE(torch::allclose(sum(x, y), stacked.sum(), 1e-5, 1e-6));
 }
 
+// A count summed over the replicas stays an integer (it came back float32,
+// exact only up to 2^24); a bool one counts as int64, as torch::sum does.
+struct CountsImpl : torch::nn::Cloneable<CountsImpl> {
+  CountsImpl() {
+    reset();
+  }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(3, 1));
+  }
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward(const torch::Tensor& x) {
+    return {fc(x), (x > 0).sum(), (x > 100).any()};
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Counts);
+
+TEST(DataParallel, SummedIntegerAndBoolScalarsStayCounts) {
+  Counts net;
+  DataParallel<Counts> dp(net, DataParallelOptions().devices(cpus(2)).scalar_outputs(ScalarGather::Sum));
+  auto x = torch::randn({7, 3});
+  auto [out, positive, huge] = dp(x);
+  EXPECT_EQ(positive.scalar_type(), torch::kLong);
+  EXPECT_EQ(positive.item<int64_t>(), (x > 0).sum().item<int64_t>());
+  EXPECT_EQ(huge.scalar_type(), torch::kLong);
+  EXPECT_EQ(huge.item<int64_t>(), 0);
+}
+
 // --- edge cases and errors ---------------------------------------------------
 
 TEST(DataParallel, ChunksFollowWeightsAndSmallBatchesUseFewerReplicas) {
