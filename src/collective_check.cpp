@@ -190,6 +190,37 @@ std::string difference_hint(const int64_t* a, const int64_t* b) {
   return "";
 }
 
+// Note [A group whose collective failed]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A check's all_gather, or a collective, that fails or times out leaves the
+// ranks unpaired: some sent it and some did not, or a peer is stuck. What
+// is queued behind it must not be sent into that group: on a backend that
+// keeps its connections after a timeout, each would wait for the same peer
+// in turn, a timeout each (and the destructor, which drains the queue, as
+// long); on Gloo, which closes them, each failed with an error of its own
+// that did not say the first one was the cause. So the first such failure
+// breaks the group: every collective not yet checked fails at once, naming
+// it. A disagreement (the ranks' checks met and differ) or a refusal on
+// this rank before sending leaves the ranks paired, and the group goes on.
+class Broken {
+ public:
+  void record(const std::string& what, const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (first_.empty()) {
+      first_ = what + ": " + (error != nullptr ? error->what_without_backtrace() : e.what());
+    }
+  }
+  std::string first() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return first_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::string first_; // the first failure: what, then its error
+};
+
 // One collective: its check, then its start, both by the group's thread.
 struct Job {
   Fingerprint fingerprint{};
@@ -202,6 +233,7 @@ struct Job {
   bool done = false; // checked and started, or failed
   std::shared_ptr<Work> work; // the backend's
   std::exception_ptr error;
+  std::shared_ptr<Broken> broken; // the group's
 };
 
 class QueuedWork : public Work {
@@ -217,7 +249,12 @@ class QueuedWork : public Work {
       }
       work = job_->work;
     }
-    work->wait();
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      job_->broken->record(job_->what, e); // Note [A group whose collective failed]
+      throw;
+    }
   }
   bool started() const override {
     std::lock_guard<std::mutex> lock(job_->mutex);
@@ -303,6 +340,7 @@ class CheckedGroup : public ForwardingGroup {
   std::shared_ptr<Work> enqueue(Fingerprint fingerprint, torch::Device device, std::string what,
                                 std::function<std::shared_ptr<Work>(const std::string&)> start) {
     auto job = std::make_shared<Job>();
+    job->broken = broken_;
     job->fingerprint = fingerprint;
     job->device = device;
     job->what = std::move(what);
@@ -338,6 +376,11 @@ class CheckedGroup : public ForwardingGroup {
     std::shared_ptr<Work> work;
     std::exception_ptr error;
     try {
+      const std::string broken = broken_->first(); // Note [A group whose collective failed]
+      TORCH_CHECK(broken.empty(), "lockstep: rank ", rank(), " of ", size(), ": ", job.what, " was not sent: an "
+                  "earlier collective of this group failed, so its ranks can no longer be kept in step. Let the "
+                  "error end the job (a launcher restarts it from the last checkpoint), or make a new group on every "
+                  "rank. The first failure: ", broken);
       agree(job);
       work = job.start(job.what);
     } catch (...) {
@@ -364,7 +407,12 @@ class CheckedGroup : public ForwardingGroup {
     for (int r = 0; r < size(); ++r) {
       all.push_back(torch::empty_like(mine));
     }
-    inner_->all_gather(all, mine, job.what)->wait();
+    try {
+      inner_->all_gather(all, mine, job.what)->wait();
+    } catch (const std::exception& e) {
+      broken_->record(job.what, e);
+      throw;
+    }
     const auto reference = all[0].cpu();
     for (int r = 1; r < size(); ++r) {
       const auto theirs = all[r].cpu();
@@ -381,6 +429,7 @@ class CheckedGroup : public ForwardingGroup {
   std::condition_variable queued_;
   std::deque<std::shared_ptr<Job>> queue_;
   bool stop_ = false;
+  std::shared_ptr<Broken> broken_ = std::make_shared<Broken>();
   std::thread thread_; // last: started once the rest exists
 };
 

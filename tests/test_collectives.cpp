@@ -5,12 +5,15 @@
 #include <lockstep/lockstep.h>
 
 #include "support/collective_contract.h"
+#include "support/errors.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <future>
 #include <mutex>
 #include <string>
 
@@ -104,6 +107,39 @@ TEST(ProcessGroupContract, DdpWhoseRanksDisagreeOnBucketSizesFailsOnEveryRank) {
     EXPECT_NE(errors[r].find("rank 1's DistributedOptions differ from rank 0's: rank 0 has bucket_bytes=1,"),
               std::string::npos) << "rank " << r << ": " << errors[r];
   }
+}
+
+// Rank 1 is alive but never joins (stuck elsewhere). Rank 0's first
+// collective fails after the timeout; the three queued behind it fail at
+// once, naming it as the cause, and are never sent (Note [A group whose
+// collective failed]); so does the next one started.
+TEST(ProcessGroupContract, CollectivesBehindAFailedOneFailAtOnceNamingIt) {
+  const auto timeout = std::chrono::seconds(2);
+  std::promise<void> done;
+  auto finished = done.get_future().share();
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        if (group.rank() == 1) {
+          finished.wait();
+          return;
+        }
+        std::vector<std::shared_ptr<Work>> works;
+        for (int i = 0; i < 4; ++i) {
+          works.push_back(group.allreduce_async({torch::ones({4})}, ReduceOp::Sum, "bucket " + std::to_string(i)));
+        }
+        const auto start = std::chrono::steady_clock::now();
+        EXPECT_ERROR_SAYS(works[0]->wait(), "bucket 0 failed or did not complete within the group's timeout");
+        for (int i = 1; i < 4; ++i) {
+          EXPECT_ERROR_SAYS(works[i]->wait(), "was not sent: an earlier collective of this group failed",
+                            "The first failure: bucket 0");
+        }
+        EXPECT_ERROR_SAYS(group.allreduce_async({torch::ones({4})})->wait(), "The first failure: bucket 0");
+        const auto waited = std::chrono::steady_clock::now() - start;
+        EXPECT_LT(waited, 2 * timeout) << "the queued collectives waited a timeout each";
+        done.set_value();
+      },
+      timeout);
 }
 
 TEST(ProcessGroupContract, NcclGroupOfOneKeepsTheContract_CUDA) {
