@@ -83,6 +83,20 @@ void drop_repeated_params(const ReplicaGraph& graph, variable_list& result) {
   }
 }
 
+// Which of `params`' .grad the current backward adds to: every one for a
+// plain backward(), those of backward(inputs) for it, none for
+// autograd::grad, after which a zero .grad must still be there. Read on
+// the engine's thread: the graph task is that thread's.
+std::vector<char> accumulated(const std::vector<torch::Tensor>& params) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  std::vector<char> accumulates(params.size(), 1);
+  for (size_t p = 0; exec_info != nullptr && !exec_info->empty() && p < params.size(); ++p) {
+    auto it = exec_info->find(torch::autograd::impl::gradient_edge(params[p]).function.get());
+    accumulates[p] = it != exec_info->end() && it->second.needed_;
+  }
+  return accumulates;
+}
+
 } // namespace
 
 
@@ -189,9 +203,9 @@ variable_list ParallelBackward::combine(std::vector<variable_list>& results, con
 // gradient and AccumulateGrad runs as without the wrapper. The engine adds
 // into a defined .grad on the calling thread, alone (it gave its cores to the
 // replicas): a pass over every gradient that cost 15% of an MLP step. So when
-// .grad holds only zeros (zero_grad() without set_to_none), the workers
-// undefine it and the engine takes the sum as the new .grad: the same values,
-// no add. The sums, and the reading for zeros, are shared out over the CPU
+// .grad holds only zeros (zero_grad() without set_to_none) and this backward
+// adds to it, the workers undefine it and the engine takes the sum as the
+// new .grad: the same values, no add. The sums, and the reading for zeros, are shared out over the CPU
 // workers by size (assign_sums): the calling thread has yielded its cores to
 // them.
 void ParallelBackward::sum_param_gradients(
@@ -209,6 +223,7 @@ void ParallelBackward::sum_param_gradients(
   for (size_t p = 0; p < n_params; ++p) {
     names[first_name.emplace(plan_.params[p].unsafeGetTensorImpl(), p).first->second].push_back(p);
   }
+  const auto accumulates = accumulated(plan_.params);
   auto sum_param = [&](size_t p) {
     if (names[p].empty()) {
       return;
@@ -223,8 +238,8 @@ void ParallelBackward::sum_param_gradients(
       }
     }
     auto& grad = plan_.params[p].mutable_grad();
-    if (out[p].defined() && grad.defined() && grad.layout() == torch::kStrided && !grad.requires_grad() &&
-        !grad.any().item<bool>()) {
+    if (accumulates[p] && out[p].defined() && grad.defined() && grad.layout() == torch::kStrided &&
+        !grad.requires_grad() && !grad.any().item<bool>()) {
       grad.reset();
     }
   };

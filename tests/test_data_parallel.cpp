@@ -457,6 +457,31 @@ TEST(DataParallel, ABlockUsedTwiceInASequentialGetsTheSumOfItsGradients) {
   }
 }
 
+// A backward that does not add to a parameter's .grad (autograd::grad, or
+// backward(inputs) without it) leaves a zeroed .grad defined: it came back
+// undefined, and LibTorch's optimizers skip a parameter without a gradient
+// (no momentum, no weight decay). A plain backward still replaces it.
+TEST(DataParallel, ABackwardThatDoesNotAccumulateLeavesAZeroGradDefined) {
+  torch::nn::Sequential net(torch::nn::Linear(4, 2));
+  DataParallel<torch::nn::Sequential> dp(net, DataParallelOptions().devices(cpus(2)));
+  auto x = torch::randn({6, 4}, torch::requires_grad());
+  const auto weight = net[0]->parameters()[0];
+  dp(x).sum().backward();
+  const auto full = weight.grad().clone();
+  for (int way = 0; way < 2; ++way) {
+    net->zero_grad(/*set_to_none=*/false);
+    if (way == 0) {
+      torch::autograd::grad({dp(x).sum()}, {x});
+    } else {
+      dp(x).sum().backward({}, false, false, {x});
+    }
+    ASSERT_TRUE(weight.grad().defined()) << "way " << way;
+    EXPECT_TRUE(torch::equal(weight.grad(), torch::zeros_like(weight))) << "way " << way;
+  }
+  dp(x).sum().backward();
+  EXPECT_TRUE(torch::allclose(weight.grad(), full));
+}
+
 // The replicas hold one step at a time: a forward that starts while another
 // runs (here from inside the module's own forward; from a second thread
 // alike) is an error, and the DataParallel works again afterwards.
