@@ -131,9 +131,16 @@ PowerSGDPlan plan_powersgd(const GradBucket& bucket, int64_t rank, double min_ra
 }
 
 void orthogonalize_(torch::Tensor matrix) {
+  if (matrix.scalar_type() == torch::kHalf || matrix.scalar_type() == torch::kBFloat16) {
+    // In float: float16 rounds float32's smallest normal, the clamp below,
+    // to 0 (a zero column became 0 / 0 = NaN), and Gram-Schmidt in 8 or 11
+    // bits leaves columns far from orthogonal.
+    auto wide = matrix.to(torch::kFloat);
+    orthogonalize_(wide);
+    matrix.copy_(wide);
+    return;
+  }
   const int64_t columns = matrix.size(1);
-  const double tiny = matrix.scalar_type() == torch::kHalf ? static_cast<double>(std::numeric_limits<c10::Half>::min())
-                                                            : static_cast<double>(std::numeric_limits<float>::min());
   for (int64_t i = 0; i < columns; ++i) {
     auto column = matrix.narrow(1, i, 1);
     if (i > 0) {
@@ -144,9 +151,7 @@ void orthogonalize_(torch::Tensor matrix) {
         column.sub_(torch::matmul(done, torch::matmul(done.t(), column)));
       }
     }
-    // A zero column stays zero: the norm is clamped to the dtype's smallest
-    // normal (float16's is above float32's, which it would round to 0).
-    column.div_(column.norm().clamp_min(tiny));
+    column.div_(column.norm().clamp_min(std::numeric_limits<float>::min())); // a zero column stays zero
   }
 }
 

@@ -73,8 +73,8 @@ TEST(PowerSGD, OrthogonalizeGivesOrthonormalColumnsAndKeepsAZeroColumnZero) {
     detail::orthogonalize_(m);
     EXPECT_TRUE(torch::allclose(torch::matmul(m.t(), m), torch::eye(3), 1e-5, 1e-5)) << torch::matmul(m.t(), m);
   }
-  // In every dtype a bucket may have: float16's smallest normal is far
-  // above float32's, which it rounds to 0, and 0 / 0 is NaN.
+  // In every dtype a bucket may have: float16 rounds float32's smallest
+  // normal to 0, and 0 / 0 is NaN.
   for (auto dtype : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16}) {
     auto zero = torch::zeros({6, 2}, dtype);
     zero.narrow(1, 1, 1).fill_(2);
