@@ -154,6 +154,18 @@ Packed pack(const std::vector<torch::Tensor>& tensors, torch::ScalarType carrier
   return packed;
 }
 
+bool divides_first(const torch::Tensor& t, ReduceOp op) {
+  return op == ReduceOp::Avg && t.scalar_type() == torch::kHalf;
+}
+
+void divide_first(Packed& packed, int divisor) {
+  torch::NoGradGuard no_grad;
+  const auto carrier = packed.sent.scalar_type();
+  packed.flat = packed.flat / divisor;
+  packed.sent = carrier == packed.flat.scalar_type() ? packed.flat : packed.flat.view(carrier);
+  packed.copied = true;
+}
+
 namespace {
 
 class FinishedWork : public Work {

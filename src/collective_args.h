@@ -49,6 +49,15 @@ struct Packed {
 /// Packs `tensors` (checked by check_tensor_list) for a backend.
 Packed pack(const std::vector<torch::Tensor>& tensors, torch::ScalarType carrier);
 
+/// Whether Avg divides before the sum (Note [Average] in
+/// src/process_group.cpp): for float16, whose sum may overflow.
+bool divides_first(const torch::Tensor& t, ReduceOp op);
+
+/// `packed` divided by `divisor` into a copy of its own, sent in its place
+/// and copied back at the end: the caller's tensors keep their values until
+/// the collective is done.
+void divide_first(Packed& packed, int divisor);
+
 /// A backend's Work, then, once it is done: Avg's division (divisor > 0)
 /// and the copy back into the caller's tensors, once.
 std::shared_ptr<Work> finish_after(std::shared_ptr<Work> work, Packed packed, int divisor);

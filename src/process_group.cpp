@@ -116,6 +116,10 @@ ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
 // every other reduction, and a sum of -1 over two ranks averages to -1, not
 // 0. A bool has no average; its Sum is a logical or, its Max (as NCCL's c10d
 // makes it), so that no backend adds bytes into values a bool cannot hold.
+// float16 divides first (as NCCL's own average of 16-bit types does, and
+// FSDP's gradient pre-division): two ranks' 40000 sum to inf in float16,
+// whose largest value is 65504, and inf / 2 stays inf. bfloat16 has float32's
+// range, and keeps the division after the sum.
 
 std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> tensors, ReduceOp op, std::string what) const {
   detail::check_tensor_list(*impl_, tensors, what);
@@ -129,9 +133,13 @@ std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> t
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::Allreduce, tensors[0], what);
   detail::CallerView caller(tensors, static_cast<int64_t>(op)); // Note [The caller's collective]
   auto packed = detail::pack(tensors, carrier);
+  const bool first = detail::divides_first(tensors[0], op);
+  if (first) {
+    detail::divide_first(packed, size());
+  }
   std::vector<torch::Tensor> sent{packed.sent};
   auto work = impl_->allreduce(sent, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
-  return detail::finish_after(std::move(work), std::move(packed), op == ReduceOp::Avg ? size() : 0);
+  return detail::finish_after(std::move(work), std::move(packed), op == ReduceOp::Avg && !first ? size() : 0);
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast_async(std::vector<torch::Tensor> tensors, int root, std::string what) const {
@@ -163,14 +171,21 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(torch::Tensor output, t
   const bool in_place = output.is_alias_of(input);
   auto target = in_place ? torch::empty({output.numel()}, output.options()) : output;
   auto sent_out = carrier == target.scalar_type() ? target : target.view(carrier);
-  auto sent_in = carrier == input.scalar_type() ? input : input.view(carrier);
+  const bool first = detail::divides_first(input, op);
+  torch::Tensor divided;
+  if (first) {
+    torch::NoGradGuard no_grad;
+    divided = input / size(); // Note [Average]; the input keeps its values
+  }
+  const auto& in = first ? divided : input;
+  auto sent_in = carrier == in.scalar_type() ? in : in.view(carrier);
   auto work = impl_->reduce_scatter(sent_out, sent_in, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
   detail::Packed packed;
   packed.tensors = {output};
   packed.flat = target;
   packed.copied = in_place;
   packed.sent = sent_out;
-  return detail::finish_after(std::move(work), std::move(packed), op == ReduceOp::Avg ? size() : 0);
+  return detail::finish_after(std::move(work), std::move(packed), op == ReduceOp::Avg && !first ? size() : 0);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather_into_async(torch::Tensor output, torch::Tensor input, std::string what)

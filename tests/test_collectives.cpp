@@ -109,6 +109,26 @@ TEST(ProcessGroupContract, DdpWhoseRanksDisagreeOnBucketSizesFailsOnEveryRank) {
   }
 }
 
+// float16's Avg of two 40000s is 40000, not the inf their float16 sum
+// (above 65504) divided by 2; the inputs keep their values until the end.
+TEST(ProcessGroupContract, HalfAveragesDoNotOverflowWhereTheAverageFits) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    const auto big = torch::full({4}, 40000.0, torch::kHalf);
+    auto t = big.clone();
+    group.allreduce_async({t}, ReduceOp::Avg)->wait();
+    EXPECT_TRUE(torch::equal(t, big)) << t;
+    auto a = big.clone();
+    auto b = big.narrow(0, 0, 2).clone();
+    group.allreduce_async({a, b}, ReduceOp::Avg)->wait();
+    EXPECT_TRUE(torch::equal(b, big.narrow(0, 0, 2))) << b;
+    const auto input = big.clone();
+    auto out = torch::empty({2}, torch::kHalf);
+    group.reduce_scatter_async(out, input, ReduceOp::Avg)->wait();
+    EXPECT_TRUE(torch::equal(out, big.narrow(0, 0, 2))) << out;
+    EXPECT_TRUE(torch::equal(input, big)) << "the input was changed";
+  });
+}
+
 // Rank 1 is alive but never joins (stuck elsewhere). Rank 0's first
 // collective fails after the timeout; the three queued behind it fail at
 // once, naming it as the cause, and are never sent (Note [A group whose
