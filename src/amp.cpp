@@ -48,7 +48,8 @@
 
 namespace lockstep {
 
-AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled, bool cache_enabled)
+AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled,
+                             std::optional<bool> cache_enabled)
     : device_type_(device_type) {
   TORCH_CHECK(detail::autocast_available(device_type), "lockstep::AutocastGuard: this LibTorch has no autocast for ",
               device_type, " tensors; use torch::kCPU or torch::kCUDA");
@@ -62,7 +63,7 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype,
   previous_cache_enabled_ = at::autocast::is_autocast_cache_enabled();
   detail::set_autocast_enabled(device_type, enabled);
   detail::set_autocast_dtype(device_type, dtype);
-  at::autocast::set_autocast_cache_enabled(cache_enabled);
+  at::autocast::set_autocast_cache_enabled(cache_enabled.value_or(previous_cache_enabled_));
   at::autocast::increment_nesting();
 }
 

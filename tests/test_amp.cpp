@@ -6,6 +6,7 @@
 
 #include "support/errors.h"
 
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -57,6 +58,25 @@ TEST(AutocastGuard, TheOutermostGuardClearsTheCastCache) {
   }
   AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
   EXPECT_TRUE(torch::equal(torch::mm(x, w), fresh())) << "a new guard computed with the weight before the step";
+}
+
+// A guard without cache_enabled keeps what it found, as Python's
+// cache_enabled=None: inside an outer guard that turned the cache off, a
+// nested one (a library's own) must not turn it back on, and ends with it
+// as it found it.
+TEST(AutocastGuard, ANestedGuardInheritsTheCacheSetting) {
+  ASSERT_TRUE(at::autocast::is_autocast_cache_enabled());
+  {
+    AutocastGuard outer(torch::kCPU, torch::kBFloat16, /*enabled=*/true, /*cache_enabled=*/false);
+    {
+      AutocastGuard inner(torch::kCPU, torch::kBFloat16);
+      EXPECT_FALSE(at::autocast::is_autocast_cache_enabled()) << "the nested guard turned the cache back on";
+    }
+    EXPECT_FALSE(at::autocast::is_autocast_cache_enabled());
+  }
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
+  AutocastGuard top(torch::kCPU, torch::kBFloat16);
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled()) << "a guard alone keeps the default, on";
 }
 
 TEST(AutocastGuard, RefusesWhatAutocastCannotRun) {

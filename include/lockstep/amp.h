@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <utility>
 
 namespace lockstep {
@@ -26,10 +27,13 @@ namespace lockstep {
 /// low-precision copies of the weights autocast made, which an optimizer
 /// step makes stale). The state is the calling thread's; DataParallel's
 /// replicas run under their caller's. Unsupported device types and dtypes
-/// are refused here rather than silently running in fp32.
+/// are refused here rather than silently running in fp32. Without
+/// `cache_enabled`, the cast cache stays as the guard found it (on, unless
+/// an enclosing guard turned it off), as Python's cache_enabled=None.
 class AutocastGuard {
  public:
-  AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled = true, bool cache_enabled = true);
+  AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled = true,
+                std::optional<bool> cache_enabled = std::nullopt);
   ~AutocastGuard();
   AutocastGuard(const AutocastGuard&) = delete;
   AutocastGuard& operator=(const AutocastGuard&) = delete;
