@@ -311,6 +311,28 @@ TEST(ElasticOptions, TorchrunsFlagsInBothSpellingsMakeAnElasticJob) {
   EXPECT_FALSE(parse({"--nnodes", "2", "--master-addr", "h"}).elastic());
 }
 
+// torchrun's static form with an endpoint: the nodes keep the numbers
+// given them, and meet at the endpoint. It became an elastic job whose
+// nodes were numbered as they joined, ignoring --node-rank (Note
+// [--node-rank and the rendezvous]); without a backend it is refused.
+TEST(ElasticOptions, AStaticJobAtAnEndpointKeepsItsNodeRank) {
+  const auto o = parse({"--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static", "--rdzv-endpoint",
+                        "node0:29555"});
+  EXPECT_FALSE(o.elastic());
+  EXPECT_EQ(o.node_rank, 1);
+  EXPECT_EQ(o.master_addr, "node0");
+  EXPECT_EQ(o.master_port, 29555);
+  EXPECT_NE(refusal({"--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "node0:29555"}).find(
+                "--node-rank 1 with --rdzv-endpoint: by default the nodes meet in c10d rounds"),
+            std::string::npos);
+  EXPECT_TRUE(parse({"--nnodes", "2", "--rdzv-endpoint", "node0"}).elastic()) << "without --node-rank, c10d";
+  EXPECT_TRUE(parse({"--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0"})
+                  .elastic()) << "an explicit c10d numbers the nodes as they join, as torchrun's";
+  EXPECT_NE(refusal({"--nnodes", "1:2", "--rdzv-backend", "static", "--rdzv-endpoint", "h"}).find(
+                "is a range of nodes, which the static rendezvous cannot take"),
+            std::string::npos);
+}
+
 TEST(ElasticOptions, BadElasticCommandLinesSayWhatIsWrong) {
   EXPECT_EQ(refusal({"--nnodes", "1:2"}), "--nnodes 1:2 needs --rdzv-endpoint HOST[:PORT]: the address of the node that "
                                           "serves the rendezvous, which every node can reach.");

@@ -36,7 +36,7 @@ struct RunOptions {
   std::string run_id;      // LOCKSTEP_RUN_ID: the same for every attempt
   std::vector<std::string> command;
   // Elastic rendezvous (Note [Elastic rendezvous] in tools/rendezvous.h)
-  std::string rdzv_backend = "static";
+  std::string rdzv_backend; // static or c10d; empty until parse_nnodes picks one
   std::string rdzv_endpoint;
   std::string rdzv_host;
   int rdzv_port = 29400; // torchrun's default
@@ -85,7 +85,8 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
       ->check(CLI::Range(1, 7 * 24 * 3600));
   app.add_option("--rdzv-backend,--rdzv_backend", options.rdzv_backend, "static: the nodes are given --node-rank and "
                  "meet at --master-addr; c10d: they meet in rounds at --rdzv-endpoint, ranks are assigned, and the job "
-                 "goes on when nodes leave or join (default: c10d for --nnodes MIN:MAX, else static)");
+                 "goes on when nodes leave or join (default: c10d for --nnodes MIN:MAX or with --rdzv-endpoint, else "
+                 "static; a static job with --rdzv-endpoint and no --master-addr meets there)");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", options.rdzv_endpoint, "HOST[:PORT] of the rendezvous store: the "
                  "launcher on HOST serves it, the others reach it (default port 29400)");
   app.add_option("--rdzv-id,--rdzv_id", options.rdzv_id, "The job's id, the same on every node (default: the first "
@@ -120,11 +121,33 @@ inline void parse_nnodes(RunOptions& options, const Fail& fail) {
   if (options.min_nodes > options.nnodes) {
     fail(what + ": MIN is above MAX; expected MIN:MAX with MIN <= MAX.");
   }
-  if (options.rdzv_backend != "static" && options.rdzv_backend != "c10d") {
+  const bool range = options.min_nodes < options.nnodes;
+  if (options.rdzv_backend.empty()) {
+    options.rdzv_backend = range || !options.rdzv_endpoint.empty() ? "c10d" : "static";
+  } else if (options.rdzv_backend != "static" && options.rdzv_backend != "c10d") {
     fail("--rdzv-backend " + options.rdzv_backend + " is not supported; lockstep-run has static and c10d.");
+  } else if (options.rdzv_backend == "static" && range) {
+    fail(what + " is a range of nodes, which the static rendezvous cannot take: drop --rdzv-backend static (a range "
+         "meets in c10d rounds), or give one number of nodes.");
   }
-  if (options.min_nodes < options.nnodes || !options.rdzv_endpoint.empty()) {
-    options.rdzv_backend = "c10d";
+}
+
+// Note [--node-rank and the rendezvous]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torchrun's default rendezvous is static: `--nnodes 2 --node-rank 1
+// --rdzv-endpoint host:port` numbers the nodes by hand and meets at the
+// endpoint. lockstep-run's default with an endpoint is c10d, whose nodes
+// are numbered in the order they join: taking that command line there
+// would silently give node 1 GROUP_RANK 0 (and rank 0) if it came first,
+// and a node's data shard or checkpoint files follow its number. So an
+// explicit --rdzv-backend static is honoured (the endpoint is the master's
+// address when --master-addr is not given), and a --node-rank that the
+// default c10d would ignore is refused, saying which backend to pick.
+inline void check_node_rank(const RunOptions& options, bool node_rank_given, bool backend_given, const Fail& fail) {
+  if (options.elastic() && node_rank_given && !backend_given) {
+    fail("--node-rank " + std::to_string(options.node_rank) + " with --rdzv-endpoint: by default the nodes meet in "
+         "c10d rounds and are numbered in the order they join, so --node-rank would be ignored. Pass --rdzv-backend "
+         "static to number the nodes by hand (torchrun's default), or drop --node-rank.");
   }
 }
 
@@ -284,12 +307,22 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
   if (options.command.empty()) {
     fail("PROGRAM is missing.");
   }
+  const bool backend_given = !options.rdzv_backend.empty();
   parse_nnodes(options, fail);
   apply_slurm_step(options, app, get, fail);
+  if (!backend_given) {
+    options.rdzv_backend.clear(); // picked again from what Slurm's step added
+  }
   parse_nnodes(options, fail);
+  check_node_rank(options, app.count("--node-rank") > 0, backend_given, fail); // Note [--node-rank and the rendezvous]
   if (options.elastic()) {
     parse_rendezvous(options, fail);
     return options;
+  }
+  if (options.master_addr.empty() && !options.rdzv_endpoint.empty()) {
+    parse_rendezvous(options, fail); // a static job meeting at --rdzv-endpoint, as torchrun's
+    options.master_addr = options.rdzv_host;
+    options.master_port = options.rdzv_port;
   }
   if (options.node_rank >= options.nnodes) {
     fail("--node-rank " + std::to_string(options.node_rank) + " is out of range for --nnodes " +
