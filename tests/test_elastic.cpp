@@ -244,6 +244,23 @@ TEST(Elastic, AFailureAfterAnotherNodeFinishedFailsTheJob) {
       << host.output;
 }
 
+// The node that serves the store finished its ranks and waits for the other
+// node's; a SIGTERM then (scancel, a time limit) ends it with 143, not the
+// 0 of a completed job, and the other node, losing the store, fails too.
+TEST(Elastic, ASignalToTheStoresNodeWaitingForTheOthersIsAFailure) {
+  ElasticJob job("elastic_stopped_host", "2:2");
+  job.program = {"/bin/sh", "-c", "[ \"$ROLE\" = host ] && exit 0; sleep 30"};
+  job.start_node({"ROLE=host"});
+  ASSERT_TRUE(wait_for_listener(job.endpoint));
+  job.start_node();
+  std::this_thread::sleep_for(std::chrono::seconds(4)); // the round runs; the host's rank is done
+  kill(job.nodes[0].pid, SIGTERM);
+  testing::wait_all(job.nodes, kDeadline);
+  EXPECT_EQ(job.nodes[0].exit_code, 128 + SIGTERM) << job.nodes[0].output;
+  EXPECT_NE(job.nodes[0].output.find("the job did not complete"), std::string::npos) << job.nodes[0].output;
+  EXPECT_NE(job.nodes[1].exit_code, 0) << job.nodes[1].output;
+}
+
 TEST(Elastic, FailureBeyondMaxRestartsEndsEveryNode) {
   ElasticJob job("elastic_give_up", "2:2");
   job.start_node({"LOCKSTEP_FAULT=1:6"});

@@ -319,6 +319,13 @@ class ElasticAgent {
       watch.beat_if_due(Clock::now());
       std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
     }
+    if (g_launcher_signal != 0) {
+      // Stopped before the others finished: the job is not complete, and
+      // this launcher says so, as one stopped while its ranks run does.
+      std::fprintf(stderr, "lockstep-run: stopped by signal %d while the other nodes of the round were still "
+                   "running; the job did not complete.\n", static_cast<int>(g_launcher_signal));
+      return stopped_by_signal();
+    }
     kv_.set(s_.key("complete"), "1");
     std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3); // let waiting nodes read it
     return 0;
