@@ -84,6 +84,11 @@ const char* find_mpi_launcher(const std::function<const char*(const char*)>& get
   return l != nullptr ? l->name : nullptr;
 }
 
+void check_timeout(std::chrono::milliseconds timeout, const char* what) {
+  TORCH_CHECK(timeout.count() > 0 && timeout <= kMaxTimeout, "lockstep: ", what, " is ", timeout.count(),
+              " ms; expected a positive duration of at most 7 days (", kMaxTimeout.count(), " ms).");
+}
+
 LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get) {
   LaunchEnv env;
   const bool from_mpi = options.world_size() <= 0 && options.rank() < 0 && get("WORLD_SIZE") == nullptr &&
@@ -118,6 +123,7 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
   TORCH_CHECK(options.timeout().count() >= 0, "lockstep: ProcessGroupOptions::timeout is ", options.timeout().count(),
               " ms; expected a positive duration, or 0 for $LOCKSTEP_TIMEOUT (else ", kDefaultTimeout.count(), " ms).");
   if (options.timeout().count() > 0) {
+    check_timeout(options.timeout(), "ProcessGroupOptions::timeout");
     env.timeout = options.timeout();
   } else if (const char* v = get("LOCKSTEP_TIMEOUT")) {
     env.timeout = std::chrono::seconds(parse_int("LOCKSTEP_TIMEOUT", v, 1, 7 * 24 * 3600, "whole seconds, 1 or more"));

@@ -374,6 +374,7 @@ ProcessGroup new_group(
     std::chrono::milliseconds timeout) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "lockstep::new_group: rank ", rank, " is out of range for size ",
               size, ".");
+  detail::check_timeout(timeout, "new_group's timeout");
   return ProcessGroup(find_backend(backend, false).make({store, rank, size, timeout, "127.0.0.1", 0}));
 }
 

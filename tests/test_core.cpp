@@ -16,6 +16,7 @@
 #include <tools/run_options.h>
 
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -170,6 +171,18 @@ TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
     detail::parse_launch_env(ProcessGroupOptions().timeout(std::chrono::milliseconds(-1)), env_of(vars));
   });
   EXPECT_NE(message.find("ProcessGroupOptions::timeout is -1 ms"), std::string::npos) << message;
+  // Longer than LOCKSTEP_TIMEOUT's 7 days overflowed the init deadline into
+  // about 2 s, and MPI's waits into none at all.
+  message = error_of([&] {
+    detail::parse_launch_env(ProcessGroupOptions().timeout(std::chrono::milliseconds::max()), env_of(vars));
+  });
+  EXPECT_NE(message.find("ProcessGroupOptions::timeout is 9223372036854775807 ms; expected a positive duration of "
+                         "at most 7 days"), std::string::npos) << message;
+  for (auto bad : {std::chrono::milliseconds(0), std::chrono::milliseconds(-5)}) {
+    message = error_of([&] { new_group(c10::make_intrusive<c10d::HashStore>(), 0, 2, "gloo", bad); });
+    EXPECT_NE(message.find("new_group's timeout is " + std::to_string(bad.count()) + " ms"), std::string::npos)
+        << message;
+  }
 }
 
 TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {

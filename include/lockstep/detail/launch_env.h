@@ -14,6 +14,14 @@
 namespace lockstep {
 namespace detail {
 
+/// The longest timeout a group takes (LOCKSTEP_TIMEOUT's bound too): longer
+/// ones would overflow the deadlines computed from it.
+constexpr std::chrono::milliseconds kMaxTimeout{std::chrono::hours(7 * 24)};
+
+/// `timeout`, checked: above 0 and at most kMaxTimeout, else an error
+/// naming `what`.
+void check_timeout(std::chrono::milliseconds timeout, const char* what);
+
 /// torchrun's variables, or an MPI launcher's, parsed. A variable that is unset or malformed is a
 /// c10::Error naming it and the expected form.
 struct LaunchEnv {
@@ -32,6 +40,7 @@ struct LaunchEnv {
   /// TORCHELASTIC_RESTART_COUNT: which attempt of the job this is.
   int64_t restart_count = 0;
   /// The options' timeout, else LOCKSTEP_TIMEOUT's, else kDefaultTimeout.
+  /// At most kMaxTimeout.
   std::chrono::milliseconds timeout = kDefaultTimeout;
 };
 
