@@ -59,6 +59,12 @@ int main(int argc, char** argv) {
         lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
           group.allreduce_async({huge}, lockstep::ReduceOp::Max, "4 GiB")->wait();
         }), {"the mpi backend moves at most 2147483647 elements per rank", "this one has 4294967304"}, "4 GiB");
+        // A second group would call MPI from a second thread while this
+        // one's does, under MPI_THREAD_SERIALIZED: refused, on this rank
+        // alone, before it calls MPI.
+        lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
+          lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
+        }), {"the mpi backend takes one group per process at a time, and one is alive"}, "a second mpi group");
       }
     } else if (scenario == "size_mismatch") {
       lockstep::testing::check_size_mismatch(group, check);

@@ -188,6 +188,32 @@ class MpiWork : public Work {
   std::function<void()> finish_;
 };
 
+// One MpiGroup alive per process: each has a communication thread that
+// calls MPI, and under MPI_THREAD_SERIALIZED two threads must never be in
+// MPI at once; two groups' threads would be, whenever their collectives
+// overlap (undefined behaviour in Open MPI: crashes, hangs, wrong data).
+class TheProcessGroup {
+ public:
+  TheProcessGroup() {
+    bool free = false;
+    TORCH_CHECK(taken().compare_exchange_strong(free, true), "lockstep: the mpi backend takes one group per process "
+                "at a time, and one is alive: its communication thread calls MPI under MPI_THREAD_SERIALIZED, and a "
+                "second group's would call it at the same moment. Run every collective over the live group, or "
+                "destroy it before making another.");
+  }
+  ~TheProcessGroup() {
+    taken() = false;
+  }
+  TheProcessGroup(const TheProcessGroup&) = delete;
+  TheProcessGroup& operator=(const TheProcessGroup&) = delete;
+
+ private:
+  static std::atomic<bool>& taken() {
+    static std::atomic<bool> flag{false};
+    return flag;
+  }
+};
+
 class MpiGroup : public GroupImpl {
  public:
   explicit MpiGroup(std::chrono::milliseconds timeout) : timeout_(timeout) {
@@ -407,6 +433,7 @@ class MpiGroup : public GroupImpl {
     }
   }
 
+  TheProcessGroup the_one_; // first: claimed before anything calls MPI, released after all
   std::chrono::milliseconds timeout_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
