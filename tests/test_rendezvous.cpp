@@ -348,6 +348,15 @@ TEST(ElasticOptions, BadElasticCommandLinesSayWhatIsWrong) {
   EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "join_timeout=-1"}),
             "--rdzv-conf join_timeout=-1: expected KEY=VALUE with a positive number of seconds (a count for "
             "keep_alive_max_attempt).");
+  // A space split the store's "ADD KEY VALUE" line: the job ended naming a lost store.
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-id", "my run"}),
+            "--rdzv-id 'my run' holds a space or a control character; use letters, digits and punctuation.");
+  // Beats come from the monitor loop: one slower than half the liveness
+  // window lost live nodes; a keep-alive under 1 ms was truncated to 0.
+  EXPECT_NE(refusal({"--rdzv-endpoint", "h", "--monitor-interval", "20"}).find(
+                "--monitor-interval 20 is more than half the liveness window (15 s"), std::string::npos);
+  EXPECT_NE(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "keep_alive_interval=0.0004"}).find(
+                "keep_alive_interval=0.000400 is below 1 ms"), std::string::npos);
 }
 
 // --- lockstep-run under srun (Note [lockstep-run under srun]) ----------------

@@ -9,7 +9,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <stdexcept>
@@ -176,6 +178,25 @@ inline void parse_rdzv_setting(RunOptions& options, const std::string& item, con
   }
 }
 
+// A node beats from its monitor loop, at most every --monitor-interval,
+// and is lost once it has not beaten for keep_alive_interval x
+// keep_alive_max_attempt: a loop slower than half that window would have
+// live nodes taken for lost, round after round.
+inline void check_rendezvous_timing(const RunOptions& options, const Fail& fail) {
+  const double window = options.keep_alive_interval * options.keep_alive_max_attempt;
+  if (options.keep_alive_interval < 0.001) {
+    fail("--rdzv-conf keep_alive_interval=" + std::to_string(options.keep_alive_interval) + " is below 1 ms; give "
+         "seconds, for example keep_alive_interval=5.");
+  }
+  if (2 * options.monitor_interval > window) {
+    char text[160];
+    std::snprintf(text, sizeof(text), "--monitor-interval %g is more than half the liveness window (%g s: "
+                  "keep_alive_interval x keep_alive_max_attempt)", options.monitor_interval, window);
+    fail(std::string(text) + ": a node beats once per look, so live nodes would be taken for lost. Lower "
+         "--monitor-interval, or raise keep_alive_interval or keep_alive_max_attempt in --rdzv-conf.");
+  }
+}
+
 // --rdzv-endpoint HOST[:PORT] ([IPV6]:PORT) and --rdzv-conf.
 inline void parse_rendezvous(RunOptions& options, const Fail& fail) {
   std::string endpoint = options.rdzv_endpoint;
@@ -213,6 +234,13 @@ inline void parse_rendezvous(RunOptions& options, const Fail& fail) {
     const size_t comma = options.rdzv_conf.find(',', start);
     parse_rdzv_setting(options, options.rdzv_conf.substr(start, comma - start), fail);
     start = comma == std::string::npos ? options.rdzv_conf.size() + 1 : comma + 1;
+  }
+  check_rendezvous_timing(options, fail);
+  for (unsigned char c : options.rdzv_id) {
+    if (std::isspace(c) || std::iscntrl(c)) { // the store's keys are words of its line protocol
+      fail("--rdzv-id '" + options.rdzv_id + "' holds a space or a control character; use letters, digits and "
+           "punctuation.");
+    }
   }
 }
 
