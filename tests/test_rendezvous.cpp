@@ -140,6 +140,27 @@ TEST(Rendezvous, RoundBelowMinFailsAfterTheJoinTimeoutSayingHowManyCame) {
   }
 }
 
+// A node that took its place but has not described itself yet (or died
+// between the two) does not count toward MIN: the round stays open, instead
+// of closing with one node of a 2:2 job, and fails after join_timeout if
+// the node never comes.
+TEST(Rendezvous, APlaceTakenButNotDescribedDoesNotCloseTheRoundBelowMin) {
+  MemoryKeyValue kv;
+  const auto s = settings(2, 2);
+  const auto t0 = RdzvClock::now();
+  RoundJoin join(kv, s, node(kv, s), t0);
+  kv.add(s.key(0, "joined"), 1); // the second node's place, without its description
+  EXPECT_EQ(join.poll(t0), Status::kPending);
+  EXPECT_EQ(join.poll(t0 + milliseconds(5000)), Status::kPending);
+  EXPECT_FALSE(kv.get(s.key(0, "members"))) << "the round closed with one node of a 2:2 job";
+  try {
+    join.poll(t0 + milliseconds(10001));
+    ADD_FAILURE() << "no error after the join timeout";
+  } catch (const RendezvousError& e) {
+    EXPECT_NE(std::string(e.what()).find("1 of at least 2 node(s) joined"), std::string::npos) << e.what();
+  }
+}
+
 // Round 0 closes with nodes 1 and 2. Node 3 comes late: it waits, the
 // members see it, end the round as a change of membership, and round 1
 // closes at once with all three, in id order.

@@ -255,18 +255,26 @@ class RoundJoin {
     if (!full && !(min_seen_ && now - *min_seen_ >= s_.last_call)) {
       return;
     }
+    // A node between taking its place and describing itself (or one that
+    // died there) is left for the next round; but the round closes only
+    // with MIN nodes described, or it would run below MIN (until join_timeout).
+    std::vector<NodeDesc> described;
+    for (int64_t place = 1; place <= std::min<int64_t>(joined_, s_.max_nodes); ++place) {
+      if (const auto desc = kv_.get(s_.key(round_, "node/" + std::to_string(place)))) {
+        described.push_back(NodeDesc::decode(*desc));
+      }
+    }
+    if (static_cast<int64_t>(described.size()) < s_.min_nodes) {
+      joined_ = static_cast<int64_t>(described.size());
+      return;
+    }
     if (kv_.add(s_.key(round_, "close"), 1) != 1) {
       return; // another node closes it
     }
     RoundRecord record;
     record.round = round_;
     record.restarts = kv_.add(s_.key("restarts"), 0);
-    for (int64_t place = 1; place <= std::min<int64_t>(joined_, s_.max_nodes); ++place) {
-      // A node between taking its place and describing itself is left for the next round.
-      if (const auto desc = kv_.get(s_.key(round_, "node/" + std::to_string(place)))) {
-        record.nodes.push_back(NodeDesc::decode(*desc));
-      }
-    }
+    record.nodes = std::move(described);
     std::sort(record.nodes.begin(), record.nodes.end(), [](const NodeDesc& a, const NodeDesc& b) { return a.id < b.id; });
     kv_.set(s_.key(round_, "members"), record.encode());
   }
