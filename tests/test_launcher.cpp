@@ -385,6 +385,24 @@ TEST(Launcher, KillingTheLauncherTakesEveryRankWithIt) {
   EXPECT_TRUE(testing::processes_with(temp(marker)).empty()) << "a rank outlived a launcher killed with SIGKILL";
 }
 
+// Each attempt's pipes are closed at its end, even when a child of the rank
+// (here one in a session of its own) still holds them open: the launcher's
+// open files stay the same from attempt to attempt (they grew by 2 each).
+TEST(Launcher, EveryAttemptsPipesAreClosedAtItsEnd) {
+  auto p = launch({"--nproc-per-node", "1", "--master-port", port(), "--max-restarts", "3", "--restart-delay", "0"},
+                  {"/bin/sh", "-c", "echo fds=$(ls /proc/$PPID/fd | wc -l) >&2; setsid sleep 2 & exit 1"}, "pipes");
+  EXPECT_NE(p.exit_code, 0) << p.output;
+  std::vector<std::string> counts;
+  const std::regex fds("\\[rank 0\\] fds=([0-9]+)");
+  for (auto it = std::sregex_iterator(p.output.begin(), p.output.end(), fds); it != std::sregex_iterator(); ++it) {
+    counts.push_back((*it)[1].str());
+  }
+  ASSERT_EQ(counts.size(), 4u) << p.output;
+  for (const auto& count : counts) {
+    EXPECT_EQ(count, counts[0]) << p.output;
+  }
+}
+
 TEST(Launcher, BadCommandLinesAreOneLineErrors) {
   struct Case {
     std::vector<std::string> args;

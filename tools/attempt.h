@@ -187,6 +187,7 @@ class Attempt {
     }
     lockstep::tools::pump(ranks_, 0);
     lockstep::tools::flush_partials(ranks_);
+    lockstep::tools::close_pipes(ranks_);
     return root_cause;
   }
 

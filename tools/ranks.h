@@ -227,6 +227,21 @@ inline void pump(std::vector<Rank>& ranks, int timeout_ms) {
   }
 }
 
+// Closes the pipes still open at the end of an attempt: a rank's last
+// output read in the final pump, or a child of a rank that keeps them open,
+// leaves its read ends here, and each attempt and each round would leak
+// two (until pipe2 fails after enough restarts).
+inline void close_pipes(std::vector<Rank>& ranks) {
+  for (auto& r : ranks) {
+    for (int* fd : {&r.out_fd, &r.err_fd}) {
+      if (*fd >= 0) {
+        ::close(*fd);
+        *fd = -1;
+      }
+    }
+  }
+}
+
 // What the ranks wrote after their last newline.
 inline void flush_partials(std::vector<Rank>& ranks) {
   for (auto& r : ranks) {
