@@ -16,6 +16,8 @@
 #include <torch/version.h>
 
 #include <nlohmann/json.hpp>
+#include <poll.h>
+#include <pty.h>
 #include <sys/stat.h>
 #include <zlib.h>
 
@@ -401,6 +403,44 @@ TEST(Launcher, EveryAttemptsPipesAreClosedAtItsEnd) {
   for (const auto& count : counts) {
     EXPECT_EQ(count, counts[0]) << p.output;
   }
+}
+
+// Under a terminal (an interactive shell), a rank that reads stdin was
+// stopped by SIGTTIN with its process group, and the launcher waited for
+// good, silently. It now reads end of file and the job ends.
+TEST(Launcher, ARankReadingATerminalDoesNotFreezeTheJob) {
+  auto argv = launcher({"--nproc-per-node", "1", "--master-port", port()},
+                       {"/bin/sh", "-c", "read x; echo read-status=$?"});
+  std::vector<char*> args;
+  for (auto& a : argv) {
+    args.push_back(a.data());
+  }
+  args.push_back(nullptr);
+  int terminal = -1;
+  const pid_t pid = forkpty(&terminal, nullptr, nullptr, nullptr);
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  std::string output;
+  bool ended = false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!ended && std::chrono::steady_clock::now() < until) {
+    ended = waitpid(pid, nullptr, WNOHANG) == pid;
+    pollfd ready{terminal, POLLIN, 0};
+    char buffer[4096];
+    if (poll(&ready, 1, 100) > 0) { // keep the terminal drained
+      const ssize_t n = read(terminal, buffer, sizeof(buffer));
+      output.append(buffer, n > 0 ? static_cast<size_t>(n) : 0);
+    }
+  }
+  if (!ended) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+  close(terminal);
+  EXPECT_TRUE(ended) << "the launcher still waits for a rank stopped reading the terminal: " << output;
 }
 
 TEST(Launcher, BadCommandLinesAreOneLineErrors) {

@@ -116,6 +116,12 @@ inline void spawn_rank(Rank& r, const std::string& program, const std::vector<st
     std::perror("lockstep-run: pipe");
     std::exit(1);
   }
+  // A terminal on stdin stays the launcher's: the ranks run in a process
+  // group of their own, in the background of the terminal's session, and
+  // the first to read it would be stopped (SIGTTIN) with its whole group,
+  // silently, while the launcher waited for good. They read /dev/null
+  // (end of file) instead; a pipe or a file on stdin stays shared.
+  const int null_in = ::isatty(0) ? ::open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
   const std::vector<std::string> env_strings = rank_environment(env);
   std::vector<char*> envp, argv;
   for (const auto& e : env_strings) {
@@ -137,6 +143,9 @@ inline void spawn_rank(Rank& r, const std::string& program, const std::vector<st
     }
     ::dup2(out[1], 1); // dup2 clears O_CLOEXEC on the copies; the originals close at exec
     ::dup2(err[1], 2);
+    if (null_in >= 0) {
+      ::dup2(null_in, 0);
+    }
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
     ::signal(SIGHUP, SIG_DFL);
@@ -157,6 +166,9 @@ inline void spawn_rank(Rank& r, const std::string& program, const std::vector<st
   ::setpgid(pid, group); // also from here: no race with the first signal
   ::close(out[1]);
   ::close(err[1]);
+  if (null_in >= 0) {
+    ::close(null_in);
+  }
   r.pid = pid;
   r.out_fd = out[0];
   r.err_fd = err[0];
