@@ -77,9 +77,19 @@ inline std::pair<int64_t, int64_t> epoch_extent(const BatchPlan& plan) {
   return {rows, steps};
 }
 
+// Note [The schedule after a resume]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A run resumed with another --batch-size (or over a world size that
+// rounds its batches otherwise) takes another number of steps per epoch,
+// and its learning-rate schedule (warmup, step epochs, the cosine's end)
+// counts in those. The optimizer steps the checkpoint counted were of the
+// old size: 4 steps of 128 samples are 8 of 64, and taking them as 4 would
+// put the run behind in its warmup and cosine for good. So the schedule's
+// step is where this run's batches would have reached the checkpoint's
+// sample (steps_before), while the step counter (checkpoints, logs) goes on.
+
 /// The optimizer steps `plan` takes before sample `at` of epoch `epoch`
-/// (from 0): where a run resumed there stands in its schedule (Note [The
-/// schedule after a resume] in train.cpp).
+/// (from 0): where a run resumed there stands in its schedule.
 inline int64_t steps_before(const BatchPlan& plan, int64_t epoch, int64_t at) {
   int64_t steps = epoch * epoch_extent(plan).second;
   for (int64_t i = 0, b = batch_rows_at(plan, i); i < at && b > 0; i += b, b = batch_rows_at(plan, i)) {

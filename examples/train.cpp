@@ -141,18 +141,7 @@ uint64_t parameter_hash(torch::nn::Module& module) {
 // The learning rate of optimizer step `step` (from 0) of `total`: a linear
 // warmup, then constant, divided by `gamma` every `step_epochs` epochs, or a
 // cosine down to 0. A function of the step alone, so a resumed run follows
-// the same schedule.
-//
-// Note [The schedule after a resume]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A run resumed with another --batch-size (or over a world size that
-// rounds its batches otherwise) takes another number of steps per epoch,
-// and its schedule (warmup, step epochs, the cosine's end) counts in those.
-// The optimizer steps the checkpoint counted were of the old size: 4 steps
-// of 128 samples are 8 of 64, and taking them as 4 would put the run
-// behind in its warmup and cosine for good. So the schedule's step is where
-// this run's batches would have reached the checkpoint's sample
-// (steps_before), while the step counter (checkpoints, logs) goes on.
+// the same schedule (Note [The schedule after a resume] in sampling.h).
 double lr_at(const Config& c, int64_t step, int64_t steps_per_epoch, int64_t total) {
   if (step < c.warmup_steps) {
     return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
