@@ -104,7 +104,7 @@ class ElasticAgent {
     for (int attempt = 0;; ++attempt) {
       const auto joined = join();
       if (!joined) {
-        return leave(g_launcher_signal != 0 ? stopped_by_signal() : 0);
+        return leave(g_launcher_signal != 0 ? stopped_by_signal() : ended_code_);
       }
       last_ = *joined;
       if (last_->restarts > options_.max_restarts) {
@@ -150,9 +150,8 @@ class ElasticAgent {
       if (status == RoundJoin::Status::kJoined) {
         return join.assignment();
       }
-      if (status == RoundJoin::Status::kJobComplete) {
-        std::fprintf(stderr, "lockstep-run: the job completed while this node waited to join; nothing to do.\n");
-        return std::nullopt;
+      if (status == RoundJoin::Status::kJobComplete || status == RoundJoin::Status::kJobFailed) {
+        return ended_while_waiting(join);
       }
       if (join.waiting() && !said_waiting) {
         std::fprintf(stderr, "lockstep-run: round %lld runs without this node; waiting for the next round.\n",
@@ -160,6 +159,24 @@ class ElasticAgent {
       }
       said_waiting = join.waiting();
       std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
+    }
+    return std::nullopt;
+  }
+
+  // The job ended while this node waited to join (Note [The job ends while
+  // a node waits]): nullopt, with exit code 0 or 1 in ended_code_. The node
+  // that serves the store tells the other waiting nodes before it stops.
+  std::optional<Assignment> ended_while_waiting(const RoundJoin& join) {
+    if (join.failed_nodes().empty()) {
+      std::fprintf(stderr, "lockstep-run: the job completed while this node waited to join; nothing to do.\n");
+    } else {
+      std::fprintf(stderr, "lockstep-run: the job ended while this node waited to join: node(s) %s left it with a "
+                   "failure (see their logs).\n", join.failed_nodes().c_str());
+      ended_code_ = 1;
+    }
+    if (serves_store_) {
+      kv_.set(s_.key("complete"), join.failed_nodes().empty() ? "1" : join.failed_nodes());
+      std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3); // let waiting nodes read it
     }
     return std::nullopt;
   }
@@ -375,6 +392,7 @@ class ElasticAgent {
   NodeDesc me_;
   std::string run_id_;
   int last_world_size_ = 0;
+  int ended_code_ = 0; // the job's end, seen while waiting to join
   std::optional<Assignment> last_; // the last round this node was a member of
 };
 

@@ -33,7 +33,9 @@
 //
 // The end. A member whose workers all succeeded says so ("R/done/<id>"); the
 // node that serves the store waits for every member to be done, gone or
-// lost, then writes "complete" so that waiting nodes exit too. A member whose
+// lost, then writes "complete" so that waiting nodes exit too; when it is
+// itself waiting, each waiting node sees the end in the members' "R/left/<id>"
+// (Note [The job ends while a node waits]). A member whose
 // worker fails after another is done does not restart: the job failed (Note
 // [A failure after the job finished elsewhere] in elastic_agent.h). The store lives in one
 // launcher: if that node is lost, every other node fails with an error that
@@ -174,7 +176,7 @@ inline Assignment assign(const RoundRecord& record, int64_t node_id) {
 /// the node's assignment. A node left out of a round waits for the next.
 class RoundJoin {
  public:
-  enum class Status { kPending, kJoined, kJobComplete };
+  enum class Status { kPending, kJoined, kJobComplete, kJobFailed };
 
   RoundJoin(KeyValue& kv, const RendezvousSettings& settings, NodeDesc me, RdzvClock::time_point now)
       : kv_(kv), s_(settings), me_(std::move(me)) {
@@ -182,17 +184,20 @@ class RoundJoin {
   }
 
   /// One step. kJoined: assignment() holds the round; kJobComplete: the job
-  /// finished while this node waited. Throws RendezvousError after join_timeout.
+  /// finished while this node waited; kJobFailed: it ended with a failure
+  /// on failed_nodes(). Throws RendezvousError after join_timeout.
   Status poll(RdzvClock::time_point now) {
-    if (kv_.get(s_.key("complete"))) {
-      return Status::kJobComplete;
+    if (const auto complete = kv_.get(s_.key("complete"))) { // "1", or the nodes that failed
+      failed_nodes_ = *complete == "1" ? "" : *complete;
+      return failed_nodes_.empty() ? Status::kJobComplete : Status::kJobFailed;
     }
     if (waiting_) {
       const int64_t current = kv_.add(s_.key("round"), 0);
       if (current != round_) {
         enter(current, now);
+        return Status::kPending;
       }
-      return Status::kPending;
+      return ended_without_this_node();
     }
     auto members = kv_.get(s_.key(round_, "members"));
     if (!members) {
@@ -225,8 +230,38 @@ class RoundJoin {
   bool waiting() const {
     return waiting_;
   }
+  /// After kJobFailed: the ids of the nodes that left the job with a failure.
+  const std::string& failed_nodes() const {
+    return failed_nodes_;
+  }
 
  private:
+  // Note [The job ends while a node waits]: "complete" is written by the
+  // node that serves the store, once it finished as a member. When that
+  // node is the one waiting (it joined after MAX others), nobody writes it;
+  // so a waiting node reads the round it waits behind itself, and the job
+  // has ended once every member of that round has left it (each writes
+  // left/ID with its exit code). Members that restart move to a new round,
+  // which the waiting node then joins.
+  Status ended_without_this_node() {
+    const auto members = kv_.get(s_.key(round_, "members"));
+    if (!members) {
+      return Status::kPending;
+    }
+    std::string failed;
+    for (const auto& n : RoundRecord::decode(round_, *members).nodes) {
+      const auto left = kv_.get(s_.key(round_, "left/" + std::to_string(n.id)));
+      if (!left) {
+        return Status::kPending;
+      }
+      if (*left != "0") {
+        failed += (failed.empty() ? "" : ", ") + std::to_string(n.id);
+      }
+    }
+    failed_nodes_ = failed;
+    return failed.empty() ? Status::kJobComplete : Status::kJobFailed;
+  }
+
   void enter(int64_t round, RdzvClock::time_point now) {
     round_ = round;
     round_started_ = now;
@@ -288,6 +323,7 @@ class RoundJoin {
   int64_t place_ = 0;
   int64_t joined_ = 0;
   bool waiting_ = false;
+  std::string failed_nodes_;
   Assignment assignment_;
 };
 
