@@ -266,8 +266,12 @@ void SyncBatchNormImpl::reset() {
   const bool adopt = adopting_;
   adopting_ = false;
   if (options.affine()) {
-    weight = register_parameter("weight", adopt ? adopted_.weight : torch::empty({c}));
-    bias = register_parameter("bias", adopt ? adopted_.bias : torch::empty({c}));
+    // An adopted (converted) BatchNorm's frozen weight stays frozen, as
+    // PyTorch's convert_sync_batchnorm keeps it: register_parameter would
+    // otherwise set requires_grad on the shared tensor.
+    weight = register_parameter("weight", adopt ? adopted_.weight : torch::empty({c}),
+                                !adopt || adopted_.weight.requires_grad());
+    bias = register_parameter("bias", adopt ? adopted_.bias : torch::empty({c}), !adopt || adopted_.bias.requires_grad());
   } else {
     weight = register_parameter("weight", torch::Tensor(), /*requires_grad=*/false);
     bias = register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);

@@ -331,6 +331,22 @@ TEST(SyncBatchNorm, ConvertReplacesContainerEntriesSharingTheirTensors) {
   EXPECT_FALSE(torch::equal(before, sync->weight));
 }
 
+// A frozen BatchNorm (a fine-tuned backbone's) stays frozen once converted,
+// as with PyTorch's convert_sync_batchnorm; a trained one still trains.
+TEST(SyncBatchNorm, ConvertKeepsFrozenParametersFrozen) {
+  ContainersNet net;
+  auto* frozen = net->seq[1]->as<torch::nn::BatchNorm1dImpl>();
+  frozen->weight.set_requires_grad(false);
+  frozen->bias.set_requires_grad(false);
+  EXPECT_EQ(convert_sync_batchnorm(net, ProcessGroup()), 3u);
+  auto* sync = net->seq[1]->as<SyncBatchNormImpl>();
+  ASSERT_NE(sync, nullptr);
+  EXPECT_FALSE(sync->weight.requires_grad());
+  EXPECT_FALSE(sync->bias.requires_grad());
+  EXPECT_TRUE(net->list[0]->as<SyncBatchNormImpl>()->weight.requires_grad());
+  EXPECT_TRUE(net->list[0]->as<SyncBatchNormImpl>()->bias.requires_grad());
+}
+
 struct OuterNetImpl : torch::nn::Module {
   OuterNetImpl() {
     inner = register_module("inner", MemberNet());
