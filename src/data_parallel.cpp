@@ -459,10 +459,22 @@ Gathered DataParallelCore::gather(const Plan& plan, const std::vector<std::vecto
 }
 
 void DataParallelCore::average_buffers(const Plan& plan) {
+  torch::NoGradGuard no_grad;
+  const size_t first = plan.used.front();
+  if (options_.buffers() == BufferSync::Broadcast && first != 0) {
+    // Under Broadcast the module keeps replica 0's updates, through the
+    // storage they share; with weights replica 0 can get no rows, and the
+    // first replica that ran stands in for it.
+    for (size_t b = 0; b < source_buffers_.size(); ++b) {
+      if (!source_buffers_[b].requires_grad()) {
+        source_buffers_[b].data().copy_(buffers_[first][b]);
+      }
+    }
+    return;
+  }
   if (options_.buffers() != BufferSync::Average || !source_->is_training()) {
     return;
   }
-  torch::NoGradGuard no_grad;
   // A submodule in eval mode inside a training one (a frozen BatchNorm)
   // keeps its statistics: averaging equal copies by shares would still
   // move them by a rounding each step.

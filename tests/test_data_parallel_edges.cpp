@@ -99,6 +99,24 @@ TEST(DataParallel, ChunksFollowWeightsAndSmallBatchesUseFewerReplicas) {
   EXPECT_EQ(net2->calls, 1);
 }
 
+// With weights, replica 0 can get no rows: under Broadcast the module keeps
+// the statistics of the first replica that ran instead of skipping the step.
+TEST(DataParallel, BatchNormStatisticsMoveWhenReplicaZeroGetsNoRows) {
+  torch::manual_seed(3);
+  const auto x = torch::randn({3, 4}) * 2 + 1;
+  torch::nn::BatchNorm1d bare(4);
+  torch::nn::BatchNorm1d wrapped(4);
+  DataParallel<torch::nn::BatchNorm1d> dp(wrapped, DataParallelOptions().devices(cpus(2)).weights({0.01, 1}));
+  for (int step = 0; step < 2; ++step) {
+    bare(x);
+    dp(x);
+  }
+  ASSERT_EQ(chunk_sizes(3, 2, {0.01, 1}), (std::vector<int64_t>{0, 3})) << "replica 0 was meant to get no rows";
+  EXPECT_TRUE(torch::allclose(wrapped->running_mean, bare->running_mean, 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(wrapped->running_var, bare->running_var, 1e-6, 1e-6));
+  EXPECT_EQ(wrapped->num_batches_tracked.item<int64_t>(), 2);
+}
+
 TEST(DataParallel, OneRowOnTwoReplicasTrainsLikeBareModule) {
   torch::manual_seed(8);
   auto x = torch::randn({1, 16});

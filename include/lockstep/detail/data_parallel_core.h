@@ -116,7 +116,8 @@ class DataParallelCore {
   Gathered gather(const Plan& plan, const std::vector<std::vector<torch::Tensor>>& flat) const;
 
   /// After stage 4, with BufferSync::Average in training: the wrapped module's
-  /// floating-point buffers become the replicas', weighted by rows.
+  /// floating-point buffers become the replicas', weighted by rows. With
+  /// Broadcast, when replica 0 got no rows: the first used replica's.
   void average_buffers(const Plan& plan);
 
   /// Stage 5, prepared: gives the differentiable gathered tensors one
