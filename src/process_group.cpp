@@ -9,6 +9,7 @@
 
 #include <lockstep/detail/launch_env.h>
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
 #include <c10/core/InferenceMode.h>
@@ -375,7 +376,15 @@ ProcessGroup new_group(
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "lockstep::new_group: rank ", rank, " is out of range for size ",
               size, ".");
   detail::check_timeout(timeout, "new_group's timeout");
-  return ProcessGroup(find_backend(backend, false).make({store, rank, size, timeout, "127.0.0.1", 0}));
+  // A TCPStore says where the job lives: Gloo binds toward its host, as
+  // under init_process_group, so that ranks on other machines reach it.
+  // Any other store (HashStore, FileStore) is one machine's: loopback.
+  BackendArgs args{store, rank, size, timeout, "127.0.0.1", 0};
+  if (const auto* tcp = dynamic_cast<const c10d::TCPStore*>(store.get())) {
+    args.master_addr = tcp->getHost();
+    args.master_port = tcp->getPort();
+  }
+  return ProcessGroup(find_backend(backend, false).make(args));
 }
 
 ProcessGroup init_process_group(ProcessGroupOptions options) {

@@ -13,6 +13,7 @@
 #include "support/powersgd_checks.h"
 #include "support/worker.h"
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -368,13 +369,33 @@ void timeline_steps(const ProcessGroup& group) {
   std::printf("rank %d: buckets: %zu\n", group.rank(), ddp->buckets().size());
 }
 
+// The "tcp_store" scenario's group: lockstep::new_group over a TCPStore this
+// program makes at MASTER_ADDR:MASTER_PORT (rank 0 serves it), as a program
+// that manages its own store does.
+ProcessGroup group_over_own_tcp_store() {
+  const auto env = [](const char* name) {
+    const char* value = std::getenv(name);
+    TORCH_CHECK(value != nullptr, name, " is not set");
+    return std::string(value);
+  };
+  const int rank = std::stoi(env("RANK"));
+  const int size = std::stoi(env("WORLD_SIZE"));
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(std::stoi(env("MASTER_PORT")));
+  options.isServer = rank == 0;
+  options.numWorkers = size;
+  options.timeout = std::chrono::seconds(20);
+  auto store = c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR"), options);
+  return lockstep::new_group(store, rank, size, "gloo", std::chrono::seconds(10));
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
     std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
                  "early_exit|syncbn|syncbn_cuda|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
-                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ|powersgd [TAG]\n", argv[0]);
+                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ|powersgd|tcp_store [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
@@ -386,7 +407,7 @@ int main(int argc, char** argv) {
     if (scenario == "stall" || scenario == "early_exit" || scenario == "desync_skip") {
       options.timeout(std::chrono::seconds(3));
     }
-    auto group = lockstep::init_process_group(options);
+    auto group = scenario == "tcp_store" ? group_over_own_tcp_store() : lockstep::init_process_group(options);
     rank = group.rank();
     if (scenario == "equivalence") {
       train_and_compare(group, DistributedOptions(), 1e-5, 1e-6);
@@ -406,7 +427,7 @@ int main(int argc, char** argv) {
       mismatch(group);
     } else if (scenario == "stall") {
       stall(group);
-    } else if (scenario == "collectives") {
+    } else if (scenario == "collectives" || scenario == "tcp_store") {
       collectives(group);
     } else if (scenario == "early_exit") {
       early_exit(group);

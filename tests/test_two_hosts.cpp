@@ -161,6 +161,33 @@ TEST(TwoHosts, GlooSocketIfnameTrainsAcrossThemLikeOneNode) {
   EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
 }
 
+// new_group over a TCPStore the program made: Gloo listens toward the
+// store's host, as under init_process_group. It listened on 127.0.0.1,
+// which the other machine cannot reach, and each rank's connection failed
+// only at the timeout, naming neither the address nor GLOO_SOCKET_IFNAME.
+TEST(TwoHosts, NewGroupOverATcpStoreListensTowardTheStoresHost) {
+  TwoHosts hosts;
+  if (!hosts.ready()) {
+    GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
+  }
+  const auto worker = [](const std::string&) { return std::vector<std::string>{LOCKSTEP_DDP_WORKER, "tcp_store"}; };
+  // Here each host name resolves to loopback: a clear error on both ranks.
+  auto nodes = start_on_two_hosts(hosts, "tcp_store_loopback", port(), {kOneThread}, worker);
+  testing::wait_all(nodes, std::chrono::seconds(60));
+  for (const auto& node : nodes) {
+    EXPECT_NE(node.exit_code, 0) << node.output;
+    EXPECT_LT(node.seconds, 9.0) << "not before the 10 s timeout: " << node.output;
+    EXPECT_NE(node.output.find("'s Gloo would listen on the loopback address"), std::string::npos) << node.output;
+    EXPECT_NE(node.output.find("Set GLOO_SOCKET_IFNAME to the network interface"), std::string::npos) << node.output;
+  }
+  nodes = start_on_two_hosts(hosts, "tcp_store_ifname", port(), {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0"}, worker);
+  testing::wait_all(nodes, std::chrono::seconds(60));
+  for (const auto& node : nodes) {
+    EXPECT_EQ(node.exit_code, 0) << node.output;
+    EXPECT_NE(node.output.find(": OK"), std::string::npos) << node.output;
+  }
+}
+
 // Whether `text` appears in `path` within `seconds`.
 bool appears(const std::string& path, const std::string& text, double seconds) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);

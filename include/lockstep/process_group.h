@@ -147,7 +147,10 @@ struct ProcessGroupOptions {
 ProcessGroup init_process_group(ProcessGroupOptions options = {});
 
 /// A group over a store the caller made (c10d::HashStore for ranks as threads
-/// in one process, FileStore, TCPStore).
+/// in one process, FileStore, TCPStore). Over a TCPStore, Gloo listens on
+/// this machine's address toward the store's host, as under
+/// init_process_group (GLOO_SOCKET_IFNAME picks the interface); over the
+/// others, on loopback.
 ProcessGroup new_group(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
