@@ -19,6 +19,19 @@ std::string describe(const std::string& name, const torch::Tensor& p) {
   return out.str();
 }
 
+// Autograd runs each device's gradient accumulators on that device's own
+// thread, beside the CPU's, and the reducer's hooks share its state
+// without a lock: a module split over devices would race on its buckets.
+void check_one_device(const std::vector<std::string>& names, const std::vector<torch::Tensor>& params, int rank) {
+  for (size_t i = 1; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].device() == params[0].device(), "lockstep::DistributedDataParallel: rank ", rank,
+                ": the module's parameters are on more than one device ('", names[0], "' on ", params[0].device(),
+                ", '", names[i], "' on ", params[i].device(), "), but DistributedDataParallel reduces the parameters "
+                "of one device per rank. Move the module to one device (module->to(device)) before wrapping it, and "
+                "run one process per device.");
+  }
+}
+
 // What every rank's reducer and forward must agree on, or their collectives
 // differ: bucket sizes set the allreduce sizes, the others add collectives.
 std::string describe(const DistributedOptions& options) {
@@ -175,6 +188,7 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   }
   TORCH_CHECK(!params.empty(), "lockstep::DistributedDataParallel: the module has no parameter that requires a "
               "gradient, so there is nothing to reduce.");
+  check_one_device(names, params, group_.rank());
   Reducer::check_not_reduced(params, names, group_.rank());
   verify_same_parameters(group_, names, params, describe(options));
   buffers_ = unique_tensors(module.buffers());
@@ -246,6 +260,7 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 void DistributedCore::before_forward() {
   reducer_->check_last_backward_finished();
+  reducer_->check_hooks_attached();
   const bool grad = torch::GradMode::is_enabled();
   const bool reduce = sync_ && grad;
   int root = 0;

@@ -33,10 +33,13 @@ struct FlatParam {
   torch::Tensor full; // the gathered buffer, in compute_dtype; its storage is released while sharded
   torch::Tensor summoned; // summon_full_params() under a param_dtype: the whole buffer in dtype
   std::vector<torch::Tensor> views; // the parameters' views of `full`, made once
-  // Under no_sync, where reduce_dtype is wider than compute_dtype: each
-  // parameter's gradients summed so far, in reduce_dtype (Note [Sharded
-  // mixed precision]); undefined where none came.
+  // Under no_sync: each parameter's gradients summed so far, in reduce_dtype
+  // where that is wider than compute_dtype (Note [Sharded mixed precision]);
+  // undefined where none came. Dropped once the shard's .grad is no longer
+  // the tensor noted beside it (Note [Dropping a no_sync accumulation]).
   std::vector<torch::Tensor> accumulated;
+  const void* set_aside_beside = nullptr;
+  int64_t set_aside_version = 0;
   // Note [Edits outside summon_full_params]: whether its parameters are
   // empty tensors at rest, and their version counters since.
   bool resting = false;

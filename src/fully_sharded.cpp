@@ -411,6 +411,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   for (auto& named : module.named_buffers(/*recurse=*/true)) {
     s.whole.emplace_back(named.key(), named.value());
   }
+  s.first_frozen = s.whole.size();
   for (size_t i = 0; i < planned.params.size(); ++i) {
     if (!planned.params[i].requires_grad()) {
       s.whole.emplace_back(planned.names[i], planned.params[i]); // Note [Frozen parameters]
@@ -545,6 +546,16 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
     s.loaded_since_forward = false;
     s.sync_at_forward = sync_;
   }
+  std::weak_ptr<State> weak = state_;
+  for (auto& out : hooked) {
+    out.register_hook([weak](const torch::Tensor& grad) {
+      if (auto state = weak.lock()) {
+        Unwatched unwatched;
+        state->on_output_gradient();
+      }
+      return grad;
+    });
+  }
   if (!s.sharded()) {
     return;
   }
@@ -557,16 +568,6 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
         s.release(s.flats[i], /*empty=*/false); // the next operator to read it gathers it again
       }
     }
-  }
-  std::weak_ptr<State> weak = state_;
-  for (auto& out : hooked) {
-    out.register_hook([weak](const torch::Tensor& grad) {
-      if (auto state = weak.lock()) {
-        Unwatched unwatched;
-        state->begin_backward();
-      }
-      return grad;
-    });
   }
 }
 

@@ -236,6 +236,17 @@ void Reducer::check_last_backward_finished() const {
               "launcher restarts it from the last checkpoint), or make a new DistributedDataParallel on every rank.");
 }
 
+void Reducer::check_hooks_attached() const {
+  const State& s = *state_;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    TORCH_CHECK(torch::autograd::impl::try_get_grad_accumulator(s.params[i]).get() == s.accumulators[i].get(), s.where(),
+                "parameter '", s.names[i], "' is no longer the tensor it was when the module was wrapped: a to() of "
+                "another dtype or device (or a set_data) since then replaced its gradient accumulator, so its "
+                "gradient would no longer be averaged over the ranks. Move or cast the module before wrapping it "
+                "(now ", s.params[i].scalar_type(), " on ", s.params[i].device(), ").");
+  }
+}
+
 void Reducer::prepare_for_backward(bool sync) {
   State& s = *state_;
   s.phase = sync ? State::Phase::Expecting : State::Phase::Unsynced;

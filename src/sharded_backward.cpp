@@ -22,13 +22,33 @@ torch::autograd::variable_list ShardedCore::State::ReadyHook::operator()(
   return outputs;
 }
 
+// Raised by the first gradient of a backward that no forward of its own
+// opened: `what` received it.
+void ShardedCore::State::refuse_unforwarded(const std::string& what) const {
+  TORCH_CHECK(!loaded_since_forward, where(), what, " received a gradient from a forward made before load_sharded(): "
+              "it would give the loaded parameters gradients computed at the old ones. Run forward again after "
+              "loading.");
+  TORCH_CHECK(false, where(), what, " received a gradient, but no forward ran through FullyShardedDataParallel "
+              "since the last backward (a second backward through a retained graph is one: each forward's "
+              "gradients are reduced once). Run forward through the FullyShardedDataParallel (not its module()) "
+              "before each backward, and sum the losses into one backward.");
+}
+
+// The gradient of forward's outputs comes before any parameter's: a
+// backward refused here has added nothing to the parameters' gradients.
+void ShardedCore::State::on_output_gradient() {
+  if (!forwarded) {
+    refuse_unforwarded("an output of the wrapped module");
+  }
+  if (sharded()) {
+    begin_backward();
+  }
+}
+
 void ShardedCore::State::on_ready(size_t f, size_t j) {
-  TORCH_CHECK(forwarded || !loaded_since_forward, where(), "parameter '", flats[f].names[j],
-              "' received a gradient from a forward made before load_sharded(): it would give the loaded parameters "
-              "gradients computed at the old ones. Run forward again after loading.");
-  TORCH_CHECK(forwarded, where(), "parameter '", flats[f].names[j],
-              "' received a gradient, but no forward ran through FullyShardedDataParallel since the last backward. "
-              "Run forward through the FullyShardedDataParallel (not its module()) before each backward.");
+  if (!forwarded) {
+    refuse_unforwarded("parameter '" + flats[f].names[j] + "'");
+  }
   if (!finalize_queued) {
     finalize_queued = true;
     std::weak_ptr<State> weak = shared_from_this();
@@ -82,6 +102,7 @@ void ShardedCore::State::launch_ready() {
 // row r is rank r's part (zeros where no gradient came, and in the
 // padding), and drops the parameters' .grad and what no_sync accumulated.
 void ShardedCore::State::write_grads(FlatParam& flat, const torch::Tensor& rows) {
+  drop_accumulated_if_cleared(flat);
   const int64_t shard = flat.layout.shard;
   // Elements [begin, end) of the flat buffer, row by row: `from` (in flat
   // order from `begin`), or zeros when it is undefined.
@@ -180,7 +201,7 @@ void ShardedCore::State::finalize() {
     }
     next_launch = 0;
   } else {
-    accumulate_in_reduce_dtype();
+    set_aside_accumulated();
   }
   end_pass();
 }

@@ -502,5 +502,14 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
   load_whole(old, index, index_path, whole());
 }
 
+void ShardedCore::refuse_serialization(const char* what) const {
+  TORCH_CHECK(false, "lockstep::FullyShardedDataParallel: rank ", group_.rank(), ": ", what, " of the wrapper itself "
+              "is refused: its parameters are this rank's shards, without the module's names or buffers, and "
+              "another rank would load them as its own. For a full checkpoint that a bare module loads, every rank "
+              "runs `{ auto full = model->summon_full_params(); if (rank == 0) torch::save(model->module(), path); }` "
+              "(to load one: `{ auto full = model->summon_full_params(); full.writeback(true); "
+              "torch::load(model->module(), path); }`); for a sharded one, lockstep::save_sharded and load_sharded.");
+}
+
 } // namespace detail
 } // namespace lockstep

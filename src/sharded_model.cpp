@@ -111,7 +111,11 @@ Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // Parameters that require no gradient are not sharded. They stay whole in
 // the module on every rank (rank 0's values), as they take no gradient and
-// no optimizer state; only their own memory is not divided.
+// no optimizer state; only their own memory is not divided. Which
+// parameters train is fixed when the module is wrapped: a parameter frozen
+// later would keep being stepped from zero gradients (Adam's momentum, weight
+// decay), and one unfrozen later would have no shard and an unaveraged
+// gradient, so either is an error at the next forward or summon.
 
 // One flat parameter per unit and (dtype, device), the root's first, with
 // its parameters and offsets; layouts and buffers come later.

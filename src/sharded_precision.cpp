@@ -19,7 +19,7 @@ namespace detail {
 // param_dtype; they are written into the reduce-scatter's input in
 // reduce_dtype (param_dtype unless set), averaged there, and added to the
 // shard's fp32 gradient. Under no_sync, where reduce_dtype is the wider
-// (fp32 beside bf16), each backward's gradients are moved off the
+// (fp32 beside bf16), each backward's gradients are added off the
 // parameters into a sum in reduce_dtype, as FSDP2 upcasts its unsharded
 // gradients: autograd would add them up in param_dtype, where bf16's 8 bits
 // lose every micro-batch's gradient smaller than 1/256 of the sum so far.
@@ -81,30 +81,55 @@ bool ShardedCore::State::summon_in_own_dtype() {
   return true;
 }
 
-// Under no_sync, at the end of backward: each parameter's .grad (in
-// compute_dtype) added to its sum in reduce_dtype, where that is wider.
-void ShardedCore::State::accumulate_in_reduce_dtype() {
+// Note [Dropping a no_sync accumulation]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A no_sync backward leaves each parameter's whole gradient on this rank,
+// for the next synced backward to reduce. In PyTorch's FSDP the optimizer
+// holds the flat parameter whose .grad that is, so its zero_grad() drops
+// it. Here the optimizer holds the shards, and the sum lives beside them:
+// at the end of each no_sync backward it is moved off the module's
+// parameters into `accumulated` (in reduce_dtype where that is wider, Note
+// [Sharded mixed precision]), and the shard's .grad is given a zero tensor
+// if it has none, whose identity and version counter are noted. A
+// zero_grad() of the optimizer or of the wrapper, to none or to zero,
+// changes one of them, and the next backward then drops the sum before it
+// adds to it or reduces it. Looking at the gradients changes neither.
+void ShardedCore::State::set_aside_accumulated() {
   torch::NoGradGuard no_grad;
   for (auto& flat : flats) {
+    drop_accumulated_if_cleared(flat);
     const bool wider = flat.reduce_dtype != flat.compute_dtype &&
         c10::promoteTypes(flat.compute_dtype, flat.reduce_dtype) == flat.reduce_dtype;
-    if (!wider) {
-      continue;
-    }
     flat.accumulated.resize(flat.params.size());
     for (size_t j = 0; j < flat.params.size(); ++j) {
       auto& grad = flat.params[j].mutable_grad();
       if (grad.defined()) {
         auto& sum = flat.accumulated[j];
-        sum = sum.defined() ? sum.add_(grad) : grad.to(flat.reduce_dtype);
+        sum = sum.defined() ? sum.add_(grad) : grad.to(wider ? flat.reduce_dtype : grad.scalar_type());
         grad = torch::Tensor();
       }
     }
+    auto& shard_grad = flat.shard.mutable_grad();
+    if (!shard_grad.defined()) {
+      shard_grad = torch::zeros_like(flat.shard);
+    }
+    flat.set_aside_beside = shard_grad.unsafeGetTensorImpl();
+    flat.set_aside_version = shard_grad._version();
   }
 }
 
+void ShardedCore::State::drop_accumulated_if_cleared(FlatParam& flat) {
+  const auto& shard_grad = flat.shard.grad();
+  if (flat.accumulated.empty() ||
+      (shard_grad.defined() && shard_grad.unsafeGetTensorImpl() == flat.set_aside_beside &&
+       shard_grad._version() == flat.set_aside_version)) {
+    return;
+  }
+  flat.accumulated.clear(); // the caller cleared the gradients since
+}
+
 // Parameter j's whole gradient, taken off it: its .grad, plus what no_sync
-// accumulated in reduce_dtype; undefined where neither is.
+// accumulated; undefined where neither is.
 torch::Tensor ShardedCore::State::take_gradient(FlatParam& flat, size_t j) {
   auto grad = std::move(flat.params[j].mutable_grad());
   flat.params[j].mutable_grad() = torch::Tensor();

@@ -68,6 +68,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // What is not sharded but is the model's state: buffers and frozen
   // parameters, by name, the live tensors (Note [Sharded checkpoint]).
   std::vector<std::pair<std::string, torch::Tensor>> whole;
+  size_t first_frozen = 0; // whole's frozen parameters follow its buffers
 
   std::string where() const {
     return "lockstep::FullyShardedDataParallel: rank " + std::to_string(group.rank()) + " of " +
@@ -102,13 +103,16 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // src/sharded_precision.cpp: Note [Sharded mixed precision].
   void set_precision(const ShardingOptions& options);
   bool summon_in_own_dtype();
-  void accumulate_in_reduce_dtype();
+  // Note [Dropping a no_sync accumulation].
+  void set_aside_accumulated();
+  static void drop_accumulated_if_cleared(FlatParam& flat);
   static torch::Tensor take_gradient(FlatParam& flat, size_t j);
 
   // src/sharded_summon.cpp: Note [Replaced parameters] and Note [Edits
   // outside summon_full_params].
   void adopt_replaced_params(bool writeback);
   void check_untouched_at_rest();
+  void check_still_frozen_or_trained() const;
 
   // src/sharded_backward.cpp: gradients into the shards.
   // Calls on_ready(flat, index) after autograd accumulates a parameter's
@@ -130,6 +134,8 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   void launch(Bucket& bucket);
   void land(Bucket& bucket);
   void finalize();
+  [[noreturn]] void refuse_unforwarded(const std::string& what) const;
+  void on_output_gradient();
 };
 
 } // namespace detail

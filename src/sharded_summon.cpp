@@ -87,6 +87,31 @@ void ShardedCore::State::check_untouched_at_rest() {
               "in the shards, so the change is lost. Make optimizers from model->parameters() (this rank's shards), "
               "and make edits inside { auto full = model->summon_full_params(); full.writeback(true); ... } or "
               "before wrapping the module.");
+  check_still_frozen_or_trained();
+}
+
+// Note [Frozen parameters] in src/sharded_model.cpp.
+void ShardedCore::State::check_still_frozen_or_trained() const {
+  const auto refuse = [&](const std::string& name, bool now) {
+    TORCH_CHECK(false, where(), "parameter '", name, "' of the wrapped module ", now ? "started" : "stopped",
+                " requiring gradients after the module was wrapped. Which parameters train is fixed when it is "
+                "wrapped: ", now ? "a parameter frozen then has no shard in model->parameters(), and its gradient "
+                "would not be averaged over the ranks" : "a parameter trained then keeps its shard, which the "
+                "optimizer would go on moving (momentum, weight decay)", ". Set requires_grad before wrapping; to "
+                "change it later, wrap the module again and make a new optimizer.");
+  };
+  for (const auto& flat : flats) {
+    for (size_t j = 0; j < flat.params.size(); ++j) {
+      if (!flat.params[j].requires_grad()) {
+        refuse(flat.names[j], false);
+      }
+    }
+  }
+  for (size_t i = first_frozen; i < whole.size(); ++i) {
+    if (whole[i].second.requires_grad()) {
+      refuse(whole[i].first, true);
+    }
+  }
 }
 
 void ShardedCore::summon() {

@@ -148,5 +148,78 @@ TEST(ShardedMisuse, ParametersOnTwoDevicesAreAnErrorOnEveryRank) {
   });
 }
 
+// torch::save of the wrapper wrote this rank's shards under names such as
+// "root:Float", and rank 0's file loaded silently into every rank's shard
+// (NoShard's module kept computing from the old storage). Both are refused,
+// saying how to checkpoint.
+TEST(ShardedMisuse, TorchSaveAndLoadOfTheWrapperAreErrorsSayingWhatToUse) {
+  const auto dir = fresh_dir("torch_save");
+  std::filesystem::create_directories(dir);
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<Net> model(two_layers(), group, ShardingOptions().strategy(strategy));
+      const auto path = dir + "/model" + std::to_string(group.rank()) + ".pt";
+      EXPECT_ERROR_SAYS(torch::save(model, path), "torch::save of the wrapper itself is refused",
+                        "model->summon_full_params()", "lockstep::save_sharded");
+      torch::save(two_layers(), path);
+      const auto before = full_params(model);
+      EXPECT_ERROR_SAYS(torch::load(model, path), "torch::load of the wrapper itself is refused", "full.writeback(true)");
+      EXPECT_TRUE(same(full_params(model), before));
+    });
+  }
+}
+
+// Which parameters train is fixed at wrapping: freezing one later left it in
+// its shard, stepped by momentum from zero gradients; unfreezing one left it
+// out of the shards, its gradient unaveraged. Both are errors at the next
+// forward, naming the parameter.
+TEST(ShardedMisuse, ChangingWhichParametersTrainAfterWrappingIsAnError) {
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      auto net = two_layers();
+      net[1]->as<torch::nn::LinearImpl>()->bias.set_requires_grad(false);
+      FullyShardedDataParallel<Net> model(net, group, ShardingOptions().strategy(strategy));
+      torch::optim::Adam adam(model->parameters(), 0.1);
+      adam_step(model, adam);
+      auto params = model->module()->named_parameters();
+      params["0.weight"].set_requires_grad(false);
+      EXPECT_ERROR_SAYS(model(torch::ones({4, 5})), "parameter '0.weight' of the wrapped module stopped requiring",
+                        "Set requires_grad before wrapping");
+      params["0.weight"].set_requires_grad(true);
+      params["1.bias"].set_requires_grad(true);
+      EXPECT_ERROR_SAYS(model(torch::ones({4, 5})), "parameter '1.bias' of the wrapped module started requiring",
+                        "would not be averaged");
+      params["1.bias"].set_requires_grad(false);
+      adam_step(model, adam);
+    });
+  }
+}
+
+// A second backward through a retained graph is refused at the gradient of
+// the outputs, before autograd adds anything to a parameter (it failed in
+// LibTorch's shape check, adding to a resting parameter's empty gradient),
+// and the steps after it are those of a model that never ran it.
+TEST(ShardedMisuse, ASecondBackwardThroughARetainedGraphIsAnErrorAndTheNextStepIsRight) {
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      const auto options = ShardingOptions().strategy(strategy);
+      auto net = two_layers(); // one init for both: the ranks' threads share the seed
+      Net copy(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone()));
+      FullyShardedDataParallel<Net> model(net, group, options), plain(copy, group, options);
+      torch::optim::Adam adam(model->parameters(), 0.1), plain_adam(plain->parameters(), 0.1);
+      auto loss = model(torch::ones({4, 5})).sum();
+      loss.backward({}, /*retain_graph=*/true);
+      EXPECT_ERROR_SAYS(loss.backward(), "a second backward through a retained graph",
+                        "sum the losses into one backward");
+      adam.step();
+      adam_step(model, adam);
+      plain(torch::ones({4, 5})).sum().backward();
+      plain_adam.step();
+      adam_step(plain, plain_adam);
+      EXPECT_TRUE(same(full_params(model), full_params(plain)));
+    });
+  }
+}
+
 } // namespace
 } // namespace lockstep

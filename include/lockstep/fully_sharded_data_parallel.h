@@ -13,9 +13,11 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+#include <torch/serialize/archive.h>
 
 #include <exception>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <tuple>
@@ -64,7 +66,9 @@ struct ShardingOptions {
 
 /// While alive, backward keeps each parameter's whole gradient on this rank
 /// and communicates nothing; the next backward outside the guard reduces
-/// the accumulated sum. Made by FullyShardedDataParallelImpl::no_sync().
+/// the accumulated sum. A zero_grad() of the optimizer (or of the
+/// FullyShardedDataParallel) in between drops that sum, as it would a
+/// gradient. Made by FullyShardedDataParallelImpl::no_sync().
 class ShardedNoSyncGuard {
  public:
   explicit ShardedNoSyncGuard(detail::ShardedCore& core) : core_(&core), previous_(core.sync()) {
@@ -128,18 +132,51 @@ class FullParamsGuard {
 
 namespace detail {
 
+// The tensors in what forward returned, hooked so that backward gathers
+// the parameters again first. Declared before they are defined, so that
+// each finds the others inside any nesting.
+inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out);
+template <typename T>
+void collect_tensors(const std::vector<T>& items, std::vector<torch::Tensor>& out);
+template <typename T>
+void collect_tensors(const c10::optional<T>& item, std::vector<torch::Tensor>& out);
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& pair, std::vector<torch::Tensor>& out);
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& tuple, std::vector<torch::Tensor>& out);
+template <typename T>
+void collect_tensors(const T&, std::vector<torch::Tensor>&) {
+  // Another class could hold tensors that backward then reaches unseen:
+  // its units would be freed, and its gradients never reduced.
+  static_assert(std::is_arithmetic_v<T> || std::is_enum_v<T>,
+                "lockstep::FullyShardedDataParallel: the wrapped module's forward returns a type whose tensors it "
+                "cannot find. Return a torch::Tensor, or a std::vector, std::tuple, std::pair or c10::optional of them.");
+}
+
 inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
   out.push_back(t);
 }
-inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
+template <typename T>
+void collect_tensors(const std::vector<T>& items, std::vector<torch::Tensor>& out) {
+  for (const auto& item : items) {
+    collect_tensors(item, out);
+  }
+}
+template <typename T>
+void collect_tensors(const c10::optional<T>& item, std::vector<torch::Tensor>& out) {
+  if (item.has_value()) {
+    collect_tensors(*item, out);
+  }
+}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& pair, std::vector<torch::Tensor>& out) {
+  collect_tensors(pair.first, out);
+  collect_tensors(pair.second, out);
 }
 template <typename... Ts>
 void collect_tensors(const std::tuple<Ts...>& tuple, std::vector<torch::Tensor>& out) {
   std::apply([&](const auto&... t) { (collect_tensors(t, out), ...); }, tuple);
 }
-template <typename T>
-void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
 
 // A forward argument as FullyShardedDataParallel passes it on: a tensor in
 // ShardingOptions::param_dtype, anything else as it came.
@@ -252,6 +289,16 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   void train(bool on = true) override {
     torch::nn::Module::train(on);
     module_->train(on);
+  }
+
+  /// Refused: the wrapper's own parameters are this rank's shards, and a
+  /// file of them (no names, no buffers) loads wrong values on another
+  /// rank. Save under summon_full_params, or with lockstep::save_sharded.
+  void save(torch::serialize::OutputArchive& /*archive*/) const override {
+    core_->refuse_serialization("torch::save");
+  }
+  void load(torch::serialize::InputArchive& /*archive*/) override {
+    core_->refuse_serialization("torch::load");
   }
 
   void pretty_print(std::ostream& stream) const override {

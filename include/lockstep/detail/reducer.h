@@ -61,6 +61,10 @@ class Reducer {
   /// its end (an exception inside backward): its gradients were never
   /// averaged, and a new step would silently average nothing.
   void check_last_backward_finished() const;
+  /// Throws, naming the parameter, if one lost the gradient hook this
+  /// reducer put on it: a to() of another dtype or device after wrapping
+  /// gives it a new gradient accumulator, whose gradient nothing averages.
+  void check_hooks_attached() const;
 
   /// Whether a reducing backward has recorded the order its gradients became
   /// ready in, and the buckets are still to be rebuilt in that order.

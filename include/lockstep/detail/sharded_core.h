@@ -96,6 +96,9 @@ class ShardedCore {
   /// lockstep::save_sharded and load_sharded (src/sharded_checkpoint.cpp).
   void save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
   void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir);
+  /// FullyShardedDataParallelImpl's save and load: an error that says how
+  /// to checkpoint instead (src/sharded_checkpoint.cpp).
+  [[noreturn]] void refuse_serialization(const char* what) const;
   /// lockstep::full_optimizer_state (src/sharded_checkpoint.cpp).
   void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const;
 

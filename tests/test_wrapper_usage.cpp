@@ -1,0 +1,239 @@
+// The distributed wrappers against what users do around them: zero_grad
+// between FullyShardedDataParallel's no_sync micro-batches (Note [Dropping
+// a no_sync accumulation] in src/sharded_precision.cpp), forwards that
+// return a std::pair, a DistributedDataParallel cast or split over devices
+// after wrapping. Ranks as threads.
+
+#include <lockstep/lockstep.h>
+
+#include "support/errors.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+using Net = torch::nn::Sequential;
+
+const ShardingStrategy kStrategies[] = {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
+                                        ShardingStrategy::NoShard};
+
+Net two_layers() {
+  torch::manual_seed(0);
+  return Net(torch::nn::Linear(5, 3), torch::nn::Tanh(), torch::nn::Linear(3, 2));
+}
+
+std::vector<torch::Tensor> params_of(torch::nn::Module& module) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : module.parameters()) {
+    out.push_back(p.detach().clone());
+  }
+  return out;
+}
+
+// Each rank's module, made before the ranks' threads start: they share the
+// generator, so seeding and drawing on each of them at once would mix.
+template <typename M, typename Make>
+std::vector<M> per_rank(Make make) {
+  return {make(), make()};
+}
+
+bool close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  bool equal = a.size() == b.size();
+  for (size_t i = 0; equal && i < a.size(); ++i) {
+    equal = torch::allclose(a[i], b[i], 1e-6, 1e-6);
+  }
+  return equal;
+}
+
+torch::Tensor loss_of(const torch::Tensor& y) {
+  return y.pow(2).mean();
+}
+
+// One SGD step of one process on the batches in `counted`, in order.
+std::vector<torch::Tensor> reference_step(const std::vector<torch::Tensor>& counted) {
+  auto net = two_layers();
+  torch::optim::SGD sgd(net->parameters(), 0.5);
+  for (const auto& x : counted) {
+    loss_of(net->forward(x)).backward();
+  }
+  sgd.step();
+  return params_of(*net);
+}
+
+// How the gradients are cleared: the optimizer's zero_grad() (to none in
+// LibTorch 2.x, to zero in 1.13), each of those by hand, or the wrapper's.
+enum class Clear { kOptimizer, kToNone, kToZero, kModel };
+
+const char* name_of(Clear clear) {
+  switch (clear) {
+    case Clear::kOptimizer:
+      return "optimizer.zero_grad()";
+    case Clear::kToNone:
+      return "each shard's grad reset";
+    case Clear::kToZero:
+      return "each shard's grad zero_()";
+    case Clear::kModel:
+      return "model->zero_grad()";
+  }
+  return "?";
+}
+
+template <typename Model>
+void clear_gradients(Clear clear, Model& model, torch::optim::Optimizer& optimizer) {
+  switch (clear) {
+    case Clear::kOptimizer:
+      optimizer.zero_grad();
+      break;
+    case Clear::kModel:
+      model->zero_grad();
+      break;
+    default:
+      for (auto& p : model->parameters()) {
+        if (clear == Clear::kToNone) {
+          p.mutable_grad().reset();
+        } else if (p.grad().defined()) {
+          p.mutable_grad().zero_();
+        }
+      }
+  }
+}
+
+// Three micro-batches: the first under no_sync, then the gradients cleared,
+// then one more under no_sync and one synced. The step is one process's
+// on the last two: what the first accumulated was dropped, as PyTorch's
+// FSDP drops it (the optimizer clears the flat parameter holding it).
+TEST(ShardedUsage, ZeroGradAfterANoSyncBackwardDropsWhatItAccumulated) {
+  torch::manual_seed(7);
+  const std::vector<torch::Tensor> batches{torch::randn({4, 5}), torch::randn({4, 5}), torch::randn({4, 5})};
+  const auto want = reference_step({batches[1], batches[2]});
+  for (auto strategy : kStrategies) {
+    for (auto clear : {Clear::kOptimizer, Clear::kToNone, Clear::kToZero, Clear::kModel}) {
+      const auto nets = per_rank<Net>(two_layers);
+      testing::spawn(2, [&](ProcessGroup& group) {
+        FullyShardedDataParallel<Net> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
+        torch::optim::SGD sgd(model->parameters(), 0.5);
+        const auto share = [&](int b) { return batches[b].chunk(group.size())[group.rank()]; };
+        {
+          auto guard = model->no_sync();
+          loss_of(model(share(0))).backward();
+        }
+        clear_gradients(clear, model, sgd);
+        {
+          auto guard = model->no_sync();
+          loss_of(model(share(1))).backward();
+        }
+        loss_of(model(share(2))).backward();
+        sgd.step();
+        auto full = model->summon_full_params();
+        EXPECT_TRUE(close(params_of(*model->module()), want))
+            << "rank " << group.rank() << ", strategy " << static_cast<int>(strategy) << ", " << name_of(clear)
+            << ": the step does not equal one process's on the micro-batches after the clear";
+      });
+    }
+  }
+}
+
+// Without a clear in between, every no_sync micro-batch counts, whatever
+// reads the shards' gradients before the synced backward.
+TEST(ShardedUsage, AccumulationWithoutAClearKeepsEveryMicroBatch) {
+  torch::manual_seed(8);
+  const std::vector<torch::Tensor> batches{torch::randn({4, 5}), torch::randn({4, 5}), torch::randn({4, 5})};
+  const auto want = reference_step(batches);
+  for (auto strategy : kStrategies) {
+    const auto nets = per_rank<Net>(two_layers);
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<Net> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
+      torch::optim::SGD sgd(model->parameters(), 0.5);
+      sgd.zero_grad();
+      const auto share = [&](int b) { return batches[b].chunk(group.size())[group.rank()]; };
+      for (int b = 0; b < 2; ++b) {
+        auto guard = model->no_sync();
+        loss_of(model(share(b))).backward();
+        for (const auto& p : model->parameters()) {
+          (void)p.grad(); // a look, not a change
+        }
+      }
+      loss_of(model(share(2))).backward();
+      sgd.step();
+      auto full = model->summon_full_params();
+      EXPECT_TRUE(close(params_of(*model->module()), want))
+          << "rank " << group.rank() << ", strategy " << static_cast<int>(strategy);
+    });
+  }
+}
+
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() {
+    torch::manual_seed(0);
+    body = register_module("body", torch::nn::Linear(5, 3));
+    head = register_module("head", torch::nn::Linear(3, 2));
+  }
+  std::pair<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x) {
+    auto features = torch::tanh(body(x));
+    return {head(features), features};
+  }
+  torch::nn::Linear body{nullptr}, head{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+// A forward that returns a std::pair (logits and features): its tensors are
+// found, so backward gathers the units again and the step is one
+// process's. They were not, and FullShard's backward read freed memory.
+TEST(ShardedUsage, AForwardReturningAPairTrainsLikeOneProcess) {
+  torch::manual_seed(9);
+  const auto x = torch::randn({4, 5});
+  TwoHeads reference;
+  torch::optim::SGD sgd(reference->parameters(), 0.5);
+  auto [logits, features] = reference->forward(x);
+  (logits.pow(2).mean() + features.mean()).backward();
+  sgd.step();
+  const auto want = params_of(*reference);
+  for (auto strategy : kStrategies) {
+    const auto nets = per_rank<TwoHeads>([] { return TwoHeads(); });
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<TwoHeads> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
+      torch::optim::SGD opt(model->parameters(), 0.5);
+      auto [y, h] = model(x.chunk(group.size())[group.rank()]);
+      (y.pow(2).mean() + h.mean()).backward();
+      opt.step();
+      auto full = model->summon_full_params();
+      EXPECT_TRUE(close(params_of(*model->module()), want))
+          << "rank " << group.rank() << ", strategy " << static_cast<int>(strategy);
+    });
+  }
+}
+
+// A to() of another dtype after wrapping gives each parameter a new
+// gradient accumulator: its gradient would go unaveraged, rank by rank.
+TEST(DdpUsage, ACastAfterWrappingIsAnErrorNamingTheParameter) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::nn::Sequential net(torch::nn::Linear(3, 2));
+    DistributedDataParallel<torch::nn::Sequential> ddp(net, group);
+    ddp(torch::ones({2, 3})).sum().backward();
+    ddp->to(torch::kDouble);
+    EXPECT_ERROR_SAYS(ddp(torch::ones({2, 3}, torch::kDouble)), "parameter '0.weight' is no longer the tensor it was",
+                      "Move or cast the module before wrapping it", "now Double on cpu");
+  });
+}
+
+// A module split over devices would run the reducer's hooks on two of
+// autograd's device threads at once (here the CPU and the meta device, which
+// every build has): refused, naming both.
+TEST(DdpUsage, ParametersOnTwoDevicesAreAnErrorNamingThem) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::nn::Sequential net(torch::nn::Linear(3, 2));
+    net->ptr(0)->register_parameter("extra", torch::empty({2}, torch::TensorOptions().device(torch::kMeta)));
+    EXPECT_ERROR_SAYS(DistributedDataParallel<torch::nn::Sequential>(net, group),
+                      "parameters are on more than one device ('0.weight' on cpu, '0.extra' on meta)",
+                      "Move the module to one device");
+  });
+}
+
+} // namespace
+} // namespace lockstep
