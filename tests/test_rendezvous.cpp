@@ -262,7 +262,7 @@ TEST(Rendezvous, OnlyFailuresCountAsRestartsAndTheFirstReasonWins) {
   EXPECT_EQ(kv.add(s.key("restarts"), 0), 1);
 }
 
-TEST(Rendezvous, FullRoundLeavesTheNodeAboveMaxWaitingAndDoesNotEndForIt) {
+TEST(Rendezvous, FullRoundLeavesTheNodeAboveMaxWaitingUntilEveryMemberHasLeft) {
   MemoryKeyValue kv;
   const auto s = settings(1, 2);
   const auto now = RdzvClock::now();
@@ -276,6 +276,19 @@ TEST(Rendezvous, FullRoundLeavesTheNodeAboveMaxWaitingAndDoesNotEndForIt) {
   EXPECT_TRUE(joins[2]->waiting());
   RoundWatch watch(kv, s, joined[0], nodes[0].id, now);
   EXPECT_EQ(watch.check(now), Verdict::kHealthy) << "the round is full: a waiting node does not end it";
+  // The node that serves the store writes "complete" once it finished as a
+  // member; when it is the one waiting, the members' own exits end the job
+  // for it (Note [The job ends while a node waits]).
+  const auto left = [&](int64_t id, const char* code) {
+    kv.set(s.key(joined[0].round, "left/" + std::to_string(id)), code);
+  };
+  left(nodes[0].id, "0");
+  EXPECT_EQ(joins[2]->poll(now), Status::kPending) << "one member still runs";
+  left(nodes[1].id, "1");
+  EXPECT_EQ(joins[2]->poll(now), Status::kJobFailed);
+  EXPECT_EQ(joins[2]->failed_nodes(), std::to_string(nodes[1].id));
+  left(nodes[1].id, "0");
+  EXPECT_EQ(joins[2]->poll(now), Status::kJobComplete);
 }
 
 TEST(Rendezvous, WaitingNodeLearnsThatTheJobCompleted) {
@@ -291,33 +304,6 @@ TEST(Rendezvous, WaitingNodeLearnsThatTheJobCompleted) {
   kv.set(s.key("complete"), "1, 3"); // the nodes that left with a failure
   EXPECT_EQ(late.poll(now), Status::kJobFailed);
   EXPECT_EQ(late.failed_nodes(), "1, 3");
-}
-
-// The node that serves the store writes "complete" once it finished as a
-// member; when it is the one left waiting, the members' own exits end the
-// job for it (Note [The job ends while a node waits]).
-TEST(Rendezvous, AWaitingNodeSeesTheJobEndWhenEveryMemberHasLeft) {
-  MemoryKeyValue kv;
-  const auto s = settings(1, 2);
-  const auto now = RdzvClock::now();
-  std::vector<NodeDesc> nodes{node(kv, s), node(kv, s), node(kv, s)};
-  std::vector<std::unique_ptr<RoundJoin>> joins;
-  for (const auto& n : nodes) {
-    joins.push_back(std::make_unique<RoundJoin>(kv, s, n, now));
-  }
-  const auto joined = poll_all(joins, now);
-  ASSERT_EQ(joined.size(), 2u);
-  ASSERT_TRUE(joins[2]->waiting());
-  const auto left = [&](int64_t id, const char* code) {
-    kv.set(s.key(joined[0].round, "left/" + std::to_string(id)), code);
-  };
-  left(nodes[0].id, "0");
-  EXPECT_EQ(joins[2]->poll(now), Status::kPending) << "one member still runs";
-  left(nodes[1].id, "1");
-  EXPECT_EQ(joins[2]->poll(now), Status::kJobFailed);
-  EXPECT_EQ(joins[2]->failed_nodes(), std::to_string(nodes[1].id));
-  left(nodes[1].id, "0");
-  EXPECT_EQ(joins[2]->poll(now), Status::kJobComplete);
 }
 
 // --- the command line ---------------------------------------------------------
