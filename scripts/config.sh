@@ -11,7 +11,9 @@ case "$LOCKSTEP_TORCH" in
     ;;
   debian)
     build_dir=build-debian
-    torch_cmake_args=()
+    # Test files four to a compile (Note [Unity test builds], tests/CMakeLists.txt);
+    # current builds each alone, which keeps every file compiling on its own.
+    torch_cmake_args=(-DLOCKSTEP_UNITY_TESTS=ON)
     ;;
   *)
     echo "LOCKSTEP_TORCH=$LOCKSTEP_TORCH is not a configuration; expected current or debian." >&2

@@ -23,9 +23,7 @@
 
 namespace {
 
-const lockstep::ShardingStrategy kStrategies[] = {lockstep::ShardingStrategy::FullShard,
-                                                  lockstep::ShardingStrategy::ShardGradOp,
-                                                  lockstep::ShardingStrategy::NoShard};
+using lockstep::testing::kStrategies;
 
 bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessGroup& group,
          const lockstep::testing::Check& check) {

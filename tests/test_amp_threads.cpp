@@ -18,11 +18,7 @@
 namespace lockstep {
 namespace {
 
-const testing::Check kCheck = [](bool ok, const std::string& what) {
-  if (!ok) {
-    ADD_FAILURE() << what;
-  }
-};
+using testing::kCheck;
 
 TEST(AutocastGuard, IsTheCallingThreadsOnly) {
   auto a = torch::randn({4, 4});

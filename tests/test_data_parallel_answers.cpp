@@ -5,6 +5,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "support/dp_models.h"
 #include "support/errors.h"
 #include "support/modules.h"
 
@@ -17,9 +18,7 @@ namespace {
 
 using testing::deep_copy;
 
-std::vector<torch::Device> cpus(int n) {
-  return std::vector<torch::Device>(n, torch::Device(torch::kCPU));
-}
+using testing::dp_models::cpus;
 
 // PyTorch's test module: one buffer that requires a gradient, one that does not.
 struct BufferGradImpl : torch::nn::Cloneable<BufferGradImpl> {

@@ -4,6 +4,7 @@
 // core that another thread needs.
 
 #include "../src/cpu_cache.h"
+#include "support/dp_models.h"
 
 #include <lockstep/lockstep.h>
 
@@ -22,9 +23,7 @@
 namespace lockstep {
 namespace {
 
-std::vector<torch::Device> cpus(int n) {
-  return std::vector<torch::Device>(n, torch::Device(torch::kCPU));
-}
+using testing::dp_models::cpus;
 
 // The kernel thread ids of the calling thread's OpenMP team, less the thread
 // itself: one parallel region with a chunk per intra-op thread.

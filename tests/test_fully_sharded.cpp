@@ -29,15 +29,9 @@ namespace {
 
 using testing::OddNet;
 
-const ShardingStrategy kStrategies[] = {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
-                                        ShardingStrategy::NoShard};
+using testing::kStrategies;
 
-// A check of support/fsdp_checks.h as a gtest failure.
-const testing::Check kCheck = [](bool ok, const std::string& what) {
-  if (!ok) {
-    ADD_FAILURE() << what;
-  }
-};
+using testing::kCheck;
 
 TEST(FlatCollectives, ReduceScatterAndAllGatherOnTwoAndThreeRanks) {
   for (int size : {2, 3}) {

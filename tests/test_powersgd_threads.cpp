@@ -13,11 +13,7 @@
 namespace lockstep {
 namespace {
 
-const testing::Check kCheck = [](bool ok, const std::string& what) {
-  if (!ok) {
-    ADD_FAILURE() << what;
-  }
-};
+using testing::kCheck;
 
 TEST(PowerSGDThreads, TheAverageOfRankRMatricesIsExactAtRankR) {
   for (int world : {2, 3}) {

@@ -27,7 +27,7 @@ Net one_layer(bool reshaped) {
   return Net(torch::nn::Linear(torch::nn::LinearOptions(reshaped ? 3 : 6, reshaped ? 4 : 2).bias(false)));
 }
 
-std::string fresh_dir(const std::string& name) {
+std::string checkpoint_dir(const std::string& name) {
   const auto dir = ::testing::TempDir() + "lockstep_ckpt_" + name + "_" + std::to_string(getpid());
   std::filesystem::remove_all(dir);
   return dir;
@@ -40,7 +40,7 @@ void save(ProcessGroup& group, const std::string& dir) {
 }
 
 TEST(ShardedCheckpoint, ALayerOfAnotherShapeIsAnErrorNamingTheParameter) {
-  const auto dir = fresh_dir("reshaped");
+  const auto dir = checkpoint_dir("reshaped");
   testing::spawn(2, [&](ProcessGroup& group) {
     save(group, dir);
     FullyShardedDataParallel<Net> model(one_layer(/*reshaped=*/true), group);
@@ -53,8 +53,8 @@ TEST(ShardedCheckpoint, ALayerOfAnotherShapeIsAnErrorNamingTheParameter) {
 // A save stopped halfway into a folder that held an earlier save: rank 1's
 // file is the earlier save's. Every rank refuses; rank 1 names the file.
 TEST(ShardedCheckpoint, FilesOfTwoSavesAreAnErrorNamingTheFile) {
-  const auto earlier = fresh_dir("earlier");
-  const auto later = fresh_dir("later");
+  const auto earlier = checkpoint_dir("earlier");
+  const auto later = checkpoint_dir("later");
   testing::spawn(2, [&](ProcessGroup& group) {
     save(group, earlier);
     save(group, later);
@@ -77,7 +77,7 @@ TEST(ShardedCheckpoint, FilesOfTwoSavesAreAnErrorNamingTheFile) {
 // Rank 1 cannot write its file (a folder stands in its place): every rank
 // ends with an error at once, none waits for the collective timeout.
 TEST(ShardedCheckpoint, ARankThatCannotWriteIsAnErrorOnEveryRank) {
-  const auto dir = fresh_dir("unwritable");
+  const auto dir = checkpoint_dir("unwritable");
   std::filesystem::create_directories(dir + "/shard-1-of-2.pt");
   testing::spawn(2, [&](ProcessGroup& group) {
     if (group.rank() == 1) {
@@ -93,7 +93,7 @@ TEST(ShardedCheckpoint, ARankThatCannotWriteIsAnErrorOnEveryRank) {
 // optimizer's moments and step count; as load_state_dict, it starts again
 // from none, so the next step is the first step's again.
 TEST(ShardedCheckpoint, ASaveBeforeTheFirstStepLoadsAsNoOptimizerState) {
-  const auto dir = fresh_dir("before_step");
+  const auto dir = checkpoint_dir("before_step");
   testing::spawn(2, [&](ProcessGroup& group) {
     FullyShardedDataParallel<Net> model(one_layer(false), group);
     torch::optim::Adam adam(model->parameters(), 0.1);

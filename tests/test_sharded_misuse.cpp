@@ -5,6 +5,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/errors.h"
+#include "support/fsdp_checks.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -22,8 +23,7 @@ namespace {
 
 using Net = torch::nn::Sequential;
 
-const ShardingStrategy kStrategies[] = {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
-                                        ShardingStrategy::NoShard};
+using testing::kStrategies;
 
 Net two_layers() {
   torch::manual_seed(0);
@@ -47,7 +47,7 @@ bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>&
   return equal;
 }
 
-std::string fresh_dir(const std::string& name) {
+std::string misuse_dir(const std::string& name) {
   const auto dir = ::testing::TempDir() + "lockstep_misuse_" + name + "_" + std::to_string(getpid());
   std::filesystem::remove_all(dir);
   return dir;
@@ -90,7 +90,7 @@ TEST(ShardedMisuse, ASummonEndedByAnExceptionKeepsTheShardsAndRethrows) {
 }
 
 TEST(ShardedMisuse, LoadShardedInsideSummonFullParamsIsAnError) {
-  const auto dir = fresh_dir("summon");
+  const auto dir = misuse_dir("summon");
   testing::spawn(2, [&](ProcessGroup& group) {
     FullyShardedDataParallel<Net> model(two_layers(), group);
     torch::optim::Adam adam(model->parameters(), 0.1);
@@ -113,7 +113,7 @@ TEST(ShardedMisuse, LoadShardedInsideSummonFullParamsIsAnError) {
 // earlier forward had never run.
 TEST(ShardedMisuse, ABackwardOfAForwardMadeBeforeLoadShardedIsAnError) {
   for (auto strategy : kStrategies) {
-    const auto dir = fresh_dir("forward");
+    const auto dir = misuse_dir("forward");
     testing::spawn(2, [&](ProcessGroup& group) {
       const auto options = ShardingOptions().strategy(strategy);
       FullyShardedDataParallel<Net> model(two_layers(), group, options);
@@ -153,7 +153,7 @@ TEST(ShardedMisuse, ParametersOnTwoDevicesAreAnErrorOnEveryRank) {
 // (NoShard's module kept computing from the old storage). Both are refused,
 // saying how to checkpoint.
 TEST(ShardedMisuse, TorchSaveAndLoadOfTheWrapperAreErrorsSayingWhatToUse) {
-  const auto dir = fresh_dir("torch_save");
+  const auto dir = misuse_dir("torch_save");
   std::filesystem::create_directories(dir);
   for (auto strategy : kStrategies) {
     testing::spawn(2, [&](ProcessGroup& group) {

@@ -21,11 +21,6 @@ std::vector<std::string> with_hook(std::vector<std::string> args, const std::str
   return args;
 }
 
-double test_accuracy(const std::string& output) {
-  std::smatch m;
-  return std::regex_search(output, m, std::regex("last epoch: .*test accuracy ([0-9.]+)%")) ? std::stod(m[1].str()) : -1;
-}
-
 TEST(TrainerCommHook, EachHookTrainsAndTheRunSaysWhich) {
   const double plain = test_accuracy(reference_run().output);
   ASSERT_GT(plain, 50) << reference_run().output;

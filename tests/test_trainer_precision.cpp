@@ -27,12 +27,6 @@ std::vector<std::string> with_precision(std::vector<std::string> args, const std
   return args;
 }
 
-// The summary's test accuracy, in percent; -1 without one.
-double test_accuracy(const std::string& output) {
-  std::smatch m;
-  return std::regex_search(output, m, std::regex("last epoch: .*test accuracy ([0-9.]+)%")) ? std::stod(m[1].str()) : -1;
-}
-
 constexpr bool kCpuHalfAutocast = TORCH_VERSION_MAJOR >= 2; // AutocastGuard refuses it on 1.13 (torch_compat.h)
 
 TEST(TrainerPrecision, Bf16AndFp16TrainUnderDataParallelDdpAndFsdp) {

@@ -7,6 +7,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/errors.h"
+#include "support/fsdp_checks.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -20,10 +21,9 @@ namespace {
 
 using Net = torch::nn::Sequential;
 
-const ShardingStrategy kStrategies[] = {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
-                                        ShardingStrategy::NoShard};
+using testing::kStrategies;
 
-Net two_layers() {
+Net tanh_net() {
   torch::manual_seed(0);
   return Net(torch::nn::Linear(5, 3), torch::nn::Tanh(), torch::nn::Linear(3, 2));
 }
@@ -57,7 +57,7 @@ torch::Tensor loss_of(const torch::Tensor& y) {
 
 // One SGD step of one process on the batches in `counted`, in order.
 std::vector<torch::Tensor> reference_step(const std::vector<torch::Tensor>& counted) {
-  auto net = two_layers();
+  auto net = tanh_net();
   torch::optim::SGD sgd(net->parameters(), 0.5);
   for (const auto& x : counted) {
     loss_of(net->forward(x)).backward();
@@ -114,7 +114,7 @@ TEST(ShardedUsage, ZeroGradAfterANoSyncBackwardDropsWhatItAccumulated) {
   const auto want = reference_step({batches[1], batches[2]});
   for (auto strategy : kStrategies) {
     for (auto clear : {Clear::kOptimizer, Clear::kToNone, Clear::kToZero, Clear::kModel}) {
-      const auto nets = per_rank<Net>(two_layers);
+      const auto nets = per_rank<Net>(tanh_net);
       testing::spawn(2, [&](ProcessGroup& group) {
         FullyShardedDataParallel<Net> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
         torch::optim::SGD sgd(model->parameters(), 0.5);
@@ -146,7 +146,7 @@ TEST(ShardedUsage, AccumulationWithoutAClearKeepsEveryMicroBatch) {
   const std::vector<torch::Tensor> batches{torch::randn({4, 5}), torch::randn({4, 5}), torch::randn({4, 5})};
   const auto want = reference_step(batches);
   for (auto strategy : kStrategies) {
-    const auto nets = per_rank<Net>(two_layers);
+    const auto nets = per_rank<Net>(tanh_net);
     testing::spawn(2, [&](ProcessGroup& group) {
       FullyShardedDataParallel<Net> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
       torch::optim::SGD sgd(model->parameters(), 0.5);

@@ -19,6 +19,9 @@
 namespace lockstep {
 namespace testing {
 
+inline constexpr ShardingStrategy kStrategies[] = {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp,
+                                                   ShardingStrategy::NoShard};
+
 inline const char* name_of(ShardingStrategy s) {
   return s == ShardingStrategy::FullShard ? "FullShard" : s == ShardingStrategy::ShardGradOp ? "ShardGradOp" : "NoShard";
 }

@@ -136,6 +136,12 @@ inline pid_t dead_pid() {
   return pid;
 }
 
+// The trainer's summary test accuracy, in percent; -1 without one.
+inline double test_accuracy(const std::string& output) {
+  std::smatch m;
+  return std::regex_search(output, m, std::regex("last epoch: .*test accuracy ([0-9.]+)%")) ? std::stod(m[1].str()) : -1;
+}
+
 } // namespace jobs
 } // namespace testing
 } // namespace lockstep

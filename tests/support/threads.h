@@ -5,6 +5,7 @@
 
 #include <lockstep/process_group.h>
 
+#include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <chrono>
@@ -17,6 +18,13 @@
 
 namespace lockstep {
 namespace testing {
+
+// A check of the shared checks (support/*_checks.h) as a gtest failure.
+inline const std::function<void(bool ok, const std::string& what)> kCheck = [](bool ok, const std::string& what) {
+  if (!ok) {
+    ADD_FAILURE() << what;
+  }
+};
 
 // Runs fn(group) on `size` threads, one per rank, over one HashStore; rethrows
 // the first failure.
