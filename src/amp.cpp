@@ -1,6 +1,7 @@
 #include <lockstep/amp.h>
 
 #include "autocast_state.h"
+#include "shard_registry.h"
 #include "torch_compat.h"
 
 #include <ATen/autocast_mode.h>
@@ -9,7 +10,9 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -45,8 +48,46 @@
 // take theirs, and the shards would drift apart for good. unscale_ therefore
 // ends with one allreduce (Max) of found-inf over the options' group, and
 // every rank steps or skips together, and backs its scale off together.
+// A scaler left with its default group of one would not agree, so unscale_
+// refuses shards split over more ranks than its group has (shard_registry.h).
 
 namespace lockstep {
+
+namespace detail {
+namespace {
+
+struct ShardRegistry {
+  std::mutex mutex;
+  std::unordered_map<const c10::TensorImpl*, int> world;
+};
+
+ShardRegistry& shard_registry() {
+  static auto* registry = new ShardRegistry(); // never destroyed: wrappers may outlive static destruction
+  return *registry;
+}
+
+} // namespace
+
+void note_shard(const c10::TensorImpl* shard, int world) {
+  auto& r = shard_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.world[shard] = world;
+}
+
+void forget_shard(const c10::TensorImpl* shard) {
+  auto& r = shard_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.world.erase(shard);
+}
+
+int shard_world(const c10::TensorImpl* tensor) {
+  auto& r = shard_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.world.find(tensor);
+  return it == r.world.end() ? 1 : it->second;
+}
+
+} // namespace detail
 
 AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled,
                              std::optional<bool> cache_enabled)
@@ -230,6 +271,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
               "this optimizer since the last update(); call it once per optimizer per iteration");
   TORCH_CHECK(state.stage != Stage::Stepped, "lockstep::GradScaler::unscale_: unscale_() is being called after "
               "step(); call it between backward() and step()");
+  check_group_covers_shards(optimizer);
   const auto inv_scale = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat);
   state.found_inf = torch::zeros({1}, scale_.options().dtype(torch::kFloat));
   for (auto& group : gradients_by_device_and_dtype(optimizer)) {
@@ -246,6 +288,19 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     state.found_inf.copy_(agreed);
   }
   state.stage = Stage::Unscaled;
+}
+
+void GradScaler::check_group_covers_shards(torch::optim::Optimizer& optimizer) const {
+  const int ranks = options_.group().size();
+  for (auto& param_group : optimizer.param_groups()) {
+    for (auto& p : param_group.params()) {
+      const int world = detail::shard_world(p.unsafeGetTensorImpl());
+      TORCH_CHECK(world <= ranks, "lockstep::GradScaler::unscale_: the optimizer steps the shards of a "
+                  "FullyShardedDataParallel over ", world, " ranks, but this scaler's group has ", ranks, ": an "
+                  "overflow in one rank's shard would skip the step on that rank only, and the ranks' parameters "
+                  "would drift apart. Give the scaler the model's group: GradScaler(GradScalerOptions().group(group)).");
+    }
+  }
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {

@@ -184,6 +184,8 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
     if (named[i].value().requires_grad()) {
       names.push_back(named[i].key());
       params.push_back(named[i].value());
+    } else {
+      frozen_.emplace_back(named[i].key(), named[i].value());
     }
   }
   TORCH_CHECK(!params.empty(), "lockstep::DistributedDataParallel: the module has no parameter that requires a "
@@ -212,7 +214,10 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
 // world size, or by their own number. A round with nobody training ends it:
 // the ranks that were training to the end (finish() saw that on its first
 // round) hold the final parameters, and the highest of them broadcasts them,
-// with the buffers, to every rank. throw_on_early_termination turns any round
+// with the buffers, to every rank; where a rank's only reducing step came
+// in the join, so that it would rebuild the buckets at its next forward and
+// a rank that never stepped would not, every rank rebuilds them there by
+// its order. throw_on_early_termination turns any round
 // with some but not all ranks training into an error on every rank. The
 // guard's destructor only resets the flags here: communicating from a
 // destructor, while an exception unwinds, could hang.
@@ -258,9 +263,20 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 } // namespace
 
+void DistributedCore::check_still_frozen() const {
+  for (const auto& [name, param] : frozen_) {
+    TORCH_CHECK(!param.requires_grad(), "lockstep::DistributedDataParallel: rank ", group_.rank(), ": parameter '", name,
+                "' was frozen (requires_grad false) when the module was wrapped and requires a gradient now. Which "
+                "parameters train is fixed at wrapping: this one has no hook, so its gradient would stay local to each "
+                "rank and the ranks' copies would drift apart. Set requires_grad before wrapping; to unfreeze it "
+                "later, wrap the module again.");
+  }
+}
+
 void DistributedCore::before_forward() {
   reducer_->check_last_backward_finished();
   reducer_->check_hooks_attached();
+  check_still_frozen();
   const bool grad = torch::GradMode::is_enabled();
   const bool reduce = sync_ && grad;
   int root = 0;
@@ -336,11 +352,21 @@ void DistributedCore::finish_join() {
       reducer_->shadow_backward();
     }
   }
-  auto last = torch::full({1}, trained_to_the_end ? group_.rank() : -1, torch::TensorOptions().dtype(torch::kFloat).device(reducer_->device()));
+  // With it, the rank that would rebuild the buckets at its next forward:
+  // one whose only reducing step came in the join has its gradient order
+  // and waits for a rebuild that a rank with no step would never join.
+  auto last = torch::full({2}, -1.0, torch::TensorOptions().dtype(torch::kFloat).device(reducer_->device()));
+  last[0] = trained_to_the_end ? group_.rank() : -1;
+  last[1] = reducer_->rebuild_pending() ? group_.rank() : -1;
   group_.allreduce_async({last}, ReduceOp::Max, "join's choice of the rank that trained last")->wait();
-  const int root = static_cast<int>(last.cpu().item<float>());
+  const auto chosen = last.cpu();
+  const int root = static_cast<int>(chosen[0].item<float>());
   TORCH_INTERNAL_ASSERT(root >= 0 && root < group_.size(), "no rank trained to the end");
   broadcast_coalesced(group_, parameters_and_buffers(), root, "the broadcast of the final parameters from rank " + std::to_string(root));
+  const int rebuild_root = static_cast<int>(chosen[1].item<float>());
+  if (rebuild_root >= 0) {
+    reducer_->rebuild_buckets(rebuild_root);
+  }
   end_join();
 }
 

@@ -3,6 +3,7 @@
 
 #include "collective_check.h"
 #include "mapped_memory.h"
+#include "shard_registry.h"
 #include "sharded_state.h"
 #include "storage_watch.h"
 #include "torch_compat.h"
@@ -13,9 +14,6 @@
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
-#include <functional>
-#include <sstream>
-#include <unordered_map>
 
 namespace lockstep {
 namespace detail {
@@ -442,6 +440,7 @@ void ShardedCore::shard_flat(torch::nn::Module& owner, size_t f) {
   const int rank = s.sharded() ? s.group.rank() : 0;
   auto shard = s.sharded() ? whole.narrow(0, rank * flat.layout.shard, flat.layout.shard).clone() : whole;
   flat.shard = owner.register_parameter(shard_name(flat), shard);
+  note_shard(flat.shard.unsafeGetTensorImpl(), s.sharded() ? s.group.size() : 1); // GradScaler checks its group
   flat.full = s.sharded() ? whole.to(flat.compute_dtype) : torch::Tensor();
   // The accumulators are made, and kept, while the parameters have their
   // own shapes and the dtype they compute in: autograd checks each gradient
@@ -476,6 +475,7 @@ ShardedCore::~ShardedCore() {
     detail::end_pass();
   }
   for (auto& flat : state_->flats) {
+    forget_shard(flat.shard.unsafeGetTensorImpl());
     for (size_t j = 0; j < flat.accumulators.size(); ++j) {
       flat.accumulators[j]->del_post_hook(flat.hook_keys[j]);
     }

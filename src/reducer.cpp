@@ -252,6 +252,10 @@ void Reducer::prepare_for_backward(bool sync) {
   s.phase = sync ? State::Phase::Expecting : State::Phase::Unsynced;
   s.ready.assign(s.params.size(), 0);
   s.surprises.assign(s.params.size(), State::kNone);
+  if (sync && !s.unsynced_surprises.empty()) {
+    s.surprises = std::move(s.unsynced_surprises);
+    s.unsynced_surprises.clear();
+  }
   s.next_bucket = 0;
   if (sync && s.recording_order()) {
     s.ready_order.clear();
@@ -287,6 +291,12 @@ void Reducer::State::autograd_hook(size_t index) {
     used_since_sync[index] = 1; // Note [Unused parameters]
   }
   if (phase == Phase::Unsynced) {
+    if (static_recorded && static_unused[index]) {
+      // Note [Static graph]: the accumulated .grad would stay local, as
+      // what every rank left unused; the next synced backward reports it.
+      unsynced_surprises.resize(params.size(), kNone);
+      unsynced_surprises[index] = kGradientFromUnused;
+    }
     return; // no_sync: .grad accumulates locally
   }
   TORCH_CHECK(

@@ -80,7 +80,9 @@ namespace detail {
 // surprise are known; it is waited for with the others, and a non-zero flag
 // (any reduction keeps it non-zero: a sum, an average, a cast to 16 bits)
 // makes every rank exchange what it saw, in one all_gather, and throw the
-// same error naming the rank and the parameter.
+// same error naming the rank and the parameter. A gradient that an
+// unrecorded parameter gets inside no_sync is a surprise too: it is held
+// until the next synced backward, whose flag carries it.
 
 // One small allreduce (a sum) beside the buckets: launched, then read.
 struct SmallCollective {
@@ -149,6 +151,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   bool static_recorded = false;
   std::vector<char> static_unused;
   std::vector<int64_t> surprises;
+  std::vector<int64_t> unsynced_surprises; // no_sync's, for the next synced backward to report
   // Note [Unused parameters]
   std::vector<char> used_since_sync; // per param: a hook fired with a gradient since the last reduction
   std::vector<char> global_unused; // per param: no rank used it, so its .grad is left as it was

@@ -29,6 +29,7 @@
 #include <optional>
 #include <random>
 #include <sstream>
+#include <typeinfo>
 #include <unordered_set>
 
 namespace lockstep {
@@ -90,21 +91,44 @@ std::string shard_file(const std::string& dir, int rank, int world) {
   return dir + "/shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".pt";
 }
 
-// A fresh state of the optimizer's own type, for a parameter it has none for.
-std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optimizer& optimizer) {
+// The optimizer's type, as the index records it: a state read into an
+// optimizer of another type would fill the wrong fields, or leave its own
+// undefined for its step to trip on.
+std::string optimizer_kind(torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
-    return std::make_unique<torch::optim::AdamWParamState>();
+    return "AdamW";
   }
   if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
-    return std::make_unique<torch::optim::AdamParamState>();
+    return "Adam";
   }
   if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
-    return std::make_unique<torch::optim::SGDParamState>();
+    return "SGD";
   }
   if (dynamic_cast<torch::optim::RMSprop*>(&optimizer) != nullptr) {
-    return std::make_unique<torch::optim::RMSpropParamState>();
+    return "RMSprop";
   }
   if (dynamic_cast<torch::optim::Adagrad*>(&optimizer) != nullptr) {
+    return "Adagrad";
+  }
+  return typeid(optimizer).name();
+}
+
+// A fresh state of the optimizer's own type.
+std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optimizer& optimizer) {
+  const auto kind = optimizer_kind(optimizer);
+  if (kind == "AdamW") {
+    return std::make_unique<torch::optim::AdamWParamState>();
+  }
+  if (kind == "Adam") {
+    return std::make_unique<torch::optim::AdamParamState>();
+  }
+  if (kind == "SGD") {
+    return std::make_unique<torch::optim::SGDParamState>();
+  }
+  if (kind == "RMSprop") {
+    return std::make_unique<torch::optim::RMSpropParamState>();
+  }
+  if (kind == "Adagrad") {
     return std::make_unique<torch::optim::AdagradParamState>();
   }
   TORCH_CHECK(false, "lockstep::load_sharded: the optimizer is not one whose state it can reshard (Adam, AdamW, SGD, "
@@ -121,14 +145,13 @@ torch::serialize::InputArchive readable(torch::serialize::OutputArchive& archive
 }
 
 // `state` (as an optimizer's param state serializes) becomes `param`'s state
-// in `optimizer`, in a state object of the optimizer's own type.
+// in `optimizer`, in a new state object of the optimizer's own type: as
+// load_state_dict, nothing of the state it replaces is kept.
 void install_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param, torch::serialize::OutputArchive& state) {
   auto in = readable(state);
-  auto& slot = optimizer.state()[optimizer_state_key(optimizer.state(), param)];
-  if (!slot) {
-    slot = new_state(optimizer);
-  }
-  slot->serialize(in);
+  auto fresh = new_state(optimizer);
+  fresh->serialize(in);
+  optimizer.state()[optimizer_state_key(optimizer.state(), param)] = std::move(fresh);
 }
 
 // Old shards, read once each.
@@ -227,7 +250,9 @@ void reshard_state(OldShards& old, size_t f, const FlatParam& flat, int64_t old_
   for (const auto& key : saved_state.keys()) {
     torch::Tensor tensor;
     if (saved_state.try_read(key, tensor) && tensor.numel() == old_shard) {
-      state.write(key, old_range(old, f, key, old_shard, flat.layout.numel, begin, end, tensor.options()));
+      // On this rank's device, not on the one rank 0 saved from (as load_state_dict).
+      state.write(key, old_range(old, f, key, old_shard, flat.layout.numel, begin, end,
+                                 tensor.options().device(flat.shard.device())));
     } else if (tensor.defined()) {
       state.write(key, tensor);
     } else {
@@ -296,6 +321,9 @@ void check_full_optimizer(const std::vector<FlatParam*>& flats, torch::optim::Op
 // rank and are copied. The result is keyed by the wrapped module's
 // parameters, so the full optimizer serializes as a bare model's does.
 void ShardedCore::full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const {
+  TORCH_CHECK(optimizer_kind(full) == optimizer_kind(optimizer), "lockstep::full_optimizer_state: the full optimizer is ",
+              optimizer_kind(full), " but the sharded one is ", optimizer_kind(optimizer), ": its state would fill "
+              "the wrong fields. Make the full optimizer of the sharded one's type.");
   check_full_optimizer(flats(), full);
   for (const auto* flat : flats()) {
     auto it = optimizer.state().find(optimizer_state_key(optimizer.state(), flat->shard));
@@ -382,6 +410,9 @@ int64_t new_save_id(const ProcessGroup& group) {
 // saves to "latest/") leaves the earlier index, or shards of two saves,
 // which load_sharded refuses, naming the file, instead of mixing them.
 void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
+  TORCH_CHECK(!state_->summoned, state_->where(), "save_sharded() inside summon_full_params(): the shards take the "
+              "guard's edits only when it ends, so the checkpoint would hold the parameters as they were before it "
+              "beside buffers and frozen parameters as they are now. End the guard first.");
   const int world = sharded() ? group_.size() : 1;
   if (group_.rank() == 0) {
     std::error_code ignored; // a folder that cannot be made is named by the write that fails in it
@@ -396,6 +427,7 @@ void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::st
   on_every_rank(group_, "save_sharded's index", [&] {
     if (group_.rank() == 0) {
       nlohmann::json index = {{"format", 1}, {"world_size", world}, {"save_id", save_id},
+                              {"optimizer", optimizer_kind(optimizer)},
                               {"flats", nlohmann::json::array()}, {"whole", nlohmann::json::array()}};
       for (const auto* flat : flats()) {
         index["flats"].push_back({{"unit", flat->unit}, {"dtype", c10::toString(flat->dtype)},
@@ -478,6 +510,10 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
   TORCH_CHECK(index.at("flats").size() == all.size(), "lockstep::load_sharded: ", index_path, " holds ",
               index.at("flats").size(), " flat parameters, but this model has ", all.size(),
               ". Load it into the model that saved it, wrapped with the same units.");
+  const auto saved_kind = index.value("optimizer", optimizer_kind(optimizer)); // older indexes have none
+  TORCH_CHECK(saved_kind == optimizer_kind(optimizer), "lockstep::load_sharded: ", index_path, " holds the state of ",
+              saved_kind, ", but this optimizer is ", optimizer_kind(optimizer), ": that state would fill the wrong "
+              "fields. Load it with ", saved_kind, ".");
   OldShards old(dir, index.at("world_size").get<int>(),
                 index.contains("save_id") ? std::optional<int64_t>(index.at("save_id").get<int64_t>()) : std::nullopt);
   const int rank = sharded() ? group_.rank() : 0;

@@ -49,7 +49,7 @@ bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessG
     for (auto strategy : kStrategies) {
       lockstep::testing::check_fsdp_scaler_skips_together(group, strategy, check);
     }
-    lockstep::testing::check_fsdp_scaler_without_group_diverges(group, check);
+    lockstep::testing::check_fsdp_scaler_without_group_is_refused(group, check);
   } else if (scenario == "clip") {
     OddNet initial;
     for (auto strategy : kStrategies) {

@@ -1,11 +1,12 @@
 // save_sharded and load_sharded when something goes wrong, ranks as
 // threads: a layer of another shape, the files of two saves in one
 // folder, a rank that cannot write its file, a save without optimizer
-// state. (Checkpoints that work, at another world size too, are in
+// state; and a load onto another device. (Checkpoints that work, at another world size too, are in
 // test_fully_sharded.cpp.)
 
 #include <lockstep/lockstep.h>
 
+#include "../src/torch_compat.h"
 #include "support/errors.h"
 #include "support/threads.h"
 
@@ -110,6 +111,60 @@ TEST(ShardedCheckpoint, ASaveBeforeTheFirstStepLoadsAsNoOptimizerState) {
     EXPECT_TRUE(adam.state().empty()) << "the stepped optimizer's state outlived the load";
     step();
     EXPECT_TRUE(torch::equal(model->parameters()[0], first)) << "the step after the load is not the first step";
+  });
+}
+
+// Adam's state read into SGD's would leave SGD's momentum buffer undefined
+// (the next step fails inside LibTorch), and the other way round trips an
+// internal assert: the type is recorded and checked.
+TEST(ShardedCheckpoint, AnotherOptimizerTypeIsAnErrorNamingBoth) {
+  const auto dir = checkpoint_dir("other_optimizer");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::Adam adam(model->parameters());
+    model(torch::ones({2, 6})).sum().backward();
+    adam.step();
+    save_sharded(model, adam, dir);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    EXPECT_ERROR_SAYS(load_sharded(model, sgd, dir), "holds the state of Adam, but this optimizer is SGD",
+                      "Load it with Adam.");
+    torch::optim::SGD full(model->module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    EXPECT_ERROR_SAYS(full_optimizer_state(model, adam, full), "the full optimizer is SGD but the sharded one is Adam",
+                      "Make the full optimizer of the sharded one's type");
+  });
+}
+
+// The optimizer's state follows the parameters to the device they are on
+// at loading, as load_state_dict's does: saved from the CPU, then loaded
+// and stepped on the GPU.
+TEST(ShardedCheckpoint, StateSavedOnTheCpuLoadsOntoTheGpu_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const auto dir = checkpoint_dir("to_gpu");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    auto step = [](FullyShardedDataParallel<Net>& model, torch::optim::Optimizer& optimizer, torch::Device device) {
+      optimizer.zero_grad();
+      model(torch::ones({2, 6}, device)).sum().backward();
+      optimizer.step();
+    };
+    {
+      FullyShardedDataParallel<Net> model(one_layer(false), group);
+      torch::optim::Adam adam(model->parameters());
+      step(model, adam, torch::kCPU);
+      save_sharded(model, adam, dir);
+    }
+    auto net = one_layer(false);
+    net->to(torch::kCUDA);
+    FullyShardedDataParallel<Net> model(net, group);
+    torch::optim::Adam adam(model->parameters());
+    load_sharded(model, adam, dir);
+    for (const auto& p : model->parameters()) {
+      const auto& state = static_cast<torch::optim::AdamParamState&>(*adam.state().at(detail::optimizer_state_key(adam.state(), p)));
+      EXPECT_TRUE(state.exp_avg().is_cuda()) << state.exp_avg().device();
+      EXPECT_TRUE(state.exp_avg_sq().is_cuda()) << state.exp_avg_sq().device();
+    }
+    step(model, adam, torch::kCUDA);
   });
 }
 

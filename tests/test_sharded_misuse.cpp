@@ -107,6 +107,21 @@ TEST(ShardedMisuse, LoadShardedInsideSummonFullParamsIsAnError) {
   });
 }
 
+// A save inside the guard would write the shards as they were before it
+// (the guard's end copies edits into them) beside buffers as they are now.
+TEST(ShardedMisuse, SaveShardedInsideSummonFullParamsIsAnError) {
+  const auto dir = misuse_dir("summon_save");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(two_layers(), group);
+    torch::optim::Adam adam(model->parameters(), 0.1);
+    auto full = model->summon_full_params();
+    full.writeback(true);
+    EXPECT_ERROR_SAYS(save_sharded(model, adam, dir), "save_sharded() inside summon_full_params()",
+                      "End the guard first");
+  });
+  EXPECT_FALSE(std::filesystem::exists(dir + "/index.json"));
+}
+
 // A load between a forward and its backward: that backward would give the
 // loaded parameters gradients taken at the old ones, so it is an error; a
 // forward after the load trains from the loaded values, exactly as if the

@@ -222,6 +222,86 @@ TEST(DdpUsage, ACastAfterWrappingIsAnErrorNamingTheParameter) {
   });
 }
 
+// Unfreezing after wrapping: the parameter has no hook, so each rank would
+// step it by its own gradient and the ranks' copies would drift apart.
+TEST(DdpUsage, UnfreezingAParameterAfterWrappingIsAnErrorNamingIt) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::nn::Sequential net(torch::nn::Linear(3, 3), torch::nn::Linear(3, 2));
+    net[0]->parameters()[0].set_requires_grad(false);
+    DistributedDataParallel<torch::nn::Sequential> ddp(net, group);
+    ddp(torch::ones({2, 3}) * (group.rank() + 1)).sum().backward();
+    net[0]->parameters()[0].set_requires_grad(true);
+    EXPECT_ERROR_SAYS(ddp(torch::ones({2, 3})), "parameter '0.weight' was frozen (requires_grad false) when the module was wrapped",
+                      "Set requires_grad before wrapping");
+  });
+}
+
+// A join where rank 0 had no batch and the others one each: only they saw
+// the order the gradients came in, which the buckets are rebuilt by at the
+// next forward. After finish() every rank rebuilds alike, and trains on.
+TEST(DdpUsage, TrainingGoesOnAfterAJoinWhereOneRankHadNoBatch) {
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < 3; ++r) {
+    nets.emplace_back(torch::nn::Linear(3, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2));
+  }
+  testing::spawn(3, [&](ProcessGroup& group) {
+    auto net = nets[group.rank()];
+    DistributedDataParallel<torch::nn::Sequential> ddp(net, group);
+    torch::optim::SGD sgd(ddp->parameters(), 0.1);
+    auto step = [&](const torch::Tensor& x) {
+      sgd.zero_grad();
+      ddp(x).sum().backward();
+      sgd.step();
+    };
+    {
+      auto guard = ddp->join();
+      if (group.rank() != 0) {
+        step(torch::ones({2, 3}) * group.rank());
+      }
+      guard.finish();
+    }
+    step(torch::ones({2, 3}) * (group.rank() + 1));
+    for (const auto& p : net->parameters()) {
+      const auto all = group.all_gather(p.detach());
+      EXPECT_TRUE(torch::equal(all[0], all[1]) && torch::equal(all[0], all[2])) << "rank " << group.rank();
+    }
+  });
+}
+
+// Head b only when use_b is set.
+struct SwitchImpl : torch::nn::Module {
+  SwitchImpl() {
+    a = register_module("a", torch::nn::Linear(4, 2));
+    b = register_module("b", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return use_b ? a(x) + b(x) : a(x);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  bool use_b = false;
+};
+TORCH_MODULE(Switch);
+
+// static_graph's promise broken inside no_sync: b, unused in the first
+// iteration, gets a gradient in a no_sync pass on rank 0. Its .grad would
+// stay rank 0's own; the next synced backward says so on every rank.
+TEST(DdpUsage, StaticGraphBrokenUnderNoSyncIsAnErrorAtTheSyncedBackward) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    Switch net;
+    DistributedDataParallel<Switch> ddp(net, group, DistributedOptions().static_graph(true));
+    const auto x = torch::ones({2, 4});
+    ddp(x).sum().backward();
+    {
+      auto guard = ddp->no_sync();
+      net->use_b = group.rank() == 0;
+      ddp(x).sum().backward();
+    }
+    net->use_b = false;
+    EXPECT_ERROR_SAYS(ddp(x).sum().backward(), "static_graph(true) promises",
+                      "rank 0's 'b.weight' received a gradient, but got none in the first iteration");
+  });
+}
+
 // A module split over devices would run the reducer's hooks on two of
 // autograd's device threads at once (here the CPU and the meta device, which
 // every build has): refused, naming both.

@@ -6,6 +6,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "errors.h"
 #include "fsdp_checks.h"
 
 #include <torch/torch.h>
@@ -97,9 +98,10 @@ inline void check_fsdp_scaler_skips_together(ProcessGroup& group, ShardingStrate
         where + "the scale is not 512 on every rank: " + std::to_string(scaler.get_scale()));
 }
 
-/// Without the group, the same inf makes rank 1 skip alone: what the group
-/// prevents, and the proof that the inf above reached one rank only.
-inline void check_fsdp_scaler_without_group_diverges(ProcessGroup& group, const Check& check) {
+/// Without the group, the same inf would make rank 1 skip alone: the inf
+/// is in its shard only. unscale_ refuses a scaler whose group is smaller
+/// than the shards' world, on every rank.
+inline void check_fsdp_scaler_without_group_is_refused(ProcessGroup& group, const Check& check) {
   torch::manual_seed(0);
   FullyShardedDataParallel<OddNet> model(OddNet(), group);
   torch::optim::SGD sgd(model->parameters(), 0.1);
@@ -109,10 +111,16 @@ inline void check_fsdp_scaler_without_group_diverges(ProcessGroup& group, const 
   if (group.rank() == 1) {
     model->parameters()[0].grad().view(-1)[0] = std::numeric_limits<float>::infinity();
   }
-  const bool stepped = scaler.step(sgd);
-  scaler.update();
-  check(stepped == (group.rank() != 1), "without a group, rank " + std::to_string(group.rank()) +
-        (stepped ? " stepped" : " skipped") + ", where only rank 1 should skip");
+  const std::string where = "rank " + std::to_string(group.rank()) + ": ";
+  bool finite = true;
+  for (const auto& p : model->parameters()) {
+    finite = finite && (!p.grad().defined() || torch::isfinite(p.grad()).all().item<bool>());
+  }
+  check(finite == (group.rank() != 1), where + "the inf should be in rank 1's shard only");
+  const auto error = error_of([&] { scaler.step(sgd); });
+  check(error.find("the shards of a FullyShardedDataParallel over 2 ranks, but this scaler's group has 1") !=
+            std::string::npos && error.find("GradScalerOptions().group(group)") != std::string::npos,
+        where + "a scaler without the group unscaled FSDP's shards: " + (error.empty() ? "no error" : error));
 }
 
 } // namespace testing

@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -59,6 +60,9 @@ class DistributedCore {
   JoinRound join_round(bool training, bool reduce);
   // Each shared parameter or buffer once.
   std::vector<torch::Tensor> parameters_and_buffers() const;
+  // A parameter frozen at wrapping has no hook: unfreezing it later would
+  // leave its gradient local to each rank.
+  void check_still_frozen() const;
 
   torch::nn::Module& module_;
   bool sync_ = true;
@@ -69,6 +73,7 @@ class DistributedCore {
   bool join_divide_by_initial_world_size_ = true;
   bool join_throw_on_early_termination_ = false;
   std::vector<torch::Tensor> buffers_;
+  std::vector<std::pair<std::string, torch::Tensor>> frozen_; // name, parameter
   std::unique_ptr<Reducer> reducer_;
 };
 
