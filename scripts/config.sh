@@ -11,9 +11,7 @@ case "$LOCKSTEP_TORCH" in
     ;;
   debian)
     build_dir=build-debian
-    # Test files four to a compile (Note [Unity test builds], tests/CMakeLists.txt);
-    # current builds each alone, which keeps every file compiling on its own.
-    torch_cmake_args=(-DLOCKSTEP_UNITY_TESTS=ON)
+    torch_cmake_args=()
     ;;
   *)
     echo "LOCKSTEP_TORCH=$LOCKSTEP_TORCH is not a configuration; expected current or debian." >&2
@@ -28,15 +26,8 @@ case "$LOCKSTEP_SANITIZE" in
   "") ;;
   address|thread)
     build_dir=$build_dir-$LOCKSTEP_SANITIZE
-    # Benchmarks mean nothing instrumented; CI runs ASan without the
-    # trainer's own tests (.ci/run), and TSan on the thread tests only, so
-    # their builds leave those out too.
-    torch_cmake_args+=(-DLOCKSTEP_SANITIZE="$LOCKSTEP_SANITIZE" -DLOCKSTEP_BUILD_BENCH=OFF)
-    if [ "$LOCKSTEP_SANITIZE" = address ]; then
-      torch_cmake_args+=(-DLOCKSTEP_BUILD_TRAINER_TESTS=OFF)
-    else
-      torch_cmake_args+=(-DLOCKSTEP_BUILD_EXAMPLES=OFF)
-    fi
+    # What each leaves out of its build, and its run-time options: sanitizer_env.sh.
+    torch_cmake_args+=(-DLOCKSTEP_SANITIZE="$LOCKSTEP_SANITIZE")
     source scripts/sanitizer_env.sh
     ;;
   *)
@@ -44,4 +35,11 @@ case "$LOCKSTEP_SANITIZE" in
     exit 2
     ;;
 esac
+# Test files four to a compile (Note [Unity test builds], tests/CMakeLists.txt),
+# in every configuration these scripts build; a plain cmake builds each alone.
+torch_cmake_args+=(-DLOCKSTEP_UNITY_TESTS=ON)
+# LOCKSTEP_CMAKE_ARGS: more arguments for the first configure of the build
+# folder (CI's ASan stage: -DLOCKSTEP_BUILD_EXAMPLES=OFF).
+read -r -a extra_cmake_args <<< "${LOCKSTEP_CMAKE_ARGS:-}"
+torch_cmake_args+=("${extra_cmake_args[@]}")
 export LOCKSTEP_TORCH LOCKSTEP_SANITIZE
