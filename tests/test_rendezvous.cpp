@@ -291,6 +291,67 @@ TEST(Rendezvous, FullRoundLeavesTheNodeAboveMaxWaitingUntilEveryMemberHasLeft) {
   EXPECT_EQ(joins[2]->poll(now), Status::kJobComplete);
 }
 
+// Members that vanish without a code (machines lost, launchers killed) are
+// followed by their heartbeats (Note [The job ends while a node waits]): a
+// waiting node that serves the store no longer waits for good.
+TEST(Rendezvous, WaitingNodeEndsTheRoundWhenEveryMemberVanishesAndRunsWithoutThem) {
+  MemoryKeyValue kv;
+  const auto s = settings(1, 2);
+  const auto start = RdzvClock::now();
+  std::vector<NodeDesc> nodes{node(kv, s), node(kv, s), node(kv, s)};
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  for (const auto& n : nodes) {
+    joins.push_back(std::make_unique<RoundJoin>(kv, s, n, start));
+  }
+  const auto joined = poll_all(joins, start);
+  ASSERT_EQ(joined.size(), 2u);
+  ASSERT_TRUE(joins[2]->waiting());
+  RoundWatch first(kv, s, joined[0], nodes[0].id, start);
+  RoundWatch second(kv, s, joined[1], nodes[1].id, start);
+  EXPECT_EQ(joins[2]->poll(start), Status::kPending);
+  // Both members beat for a while, then vanish at once.
+  const auto beating = start + milliseconds(500);
+  first.beat_if_due(beating);
+  second.beat_if_due(beating);
+  EXPECT_EQ(joins[2]->poll(beating), Status::kPending);
+  EXPECT_EQ(joins[2]->poll(beating + s.liveness_window()), Status::kPending);
+  EXPECT_EQ(kv.add(s.key("round"), 0), 0) << "silent for the liveness window, not longer: not gone yet";
+  const auto gone = beating + s.liveness_window() + milliseconds(1);
+  EXPECT_EQ(joins[2]->poll(gone), Status::kPending);
+  EXPECT_EQ(kv.add(s.key("round"), 0), 1) << "the waiting node ends the round the vanished members left";
+  EXPECT_EQ(kv.get(s.key(0, "reason")).value_or(""), "membership");
+  EXPECT_EQ(first.check(gone), Verdict::kRoundOver) << "a member that comes back sees the round over";
+  // It joins the next round, which runs without them once the last call passed (MIN is 1).
+  EXPECT_EQ(joins[2]->poll(gone), Status::kPending);
+  EXPECT_FALSE(joins[2]->waiting());
+  EXPECT_EQ(joins[2]->poll(gone), Status::kPending) << "MIN is in: the last call starts";
+  ASSERT_EQ(joins[2]->poll(gone + s.last_call), Status::kJoined);
+  EXPECT_EQ(joins[2]->assignment().round, 1);
+  EXPECT_EQ(joins[2]->assignment().members, std::vector<int64_t>{nodes[2].id});
+  EXPECT_EQ(kv.add(s.key("restarts"), 0), 0) << "a lost member is a change of membership, not a failure";
+}
+
+TEST(Rendezvous, WaitingNodeEndsAJobAMemberFinishedWhenTheOtherVanishesUnfinished) {
+  MemoryKeyValue kv;
+  const auto s = settings(1, 2);
+  const auto start = RdzvClock::now();
+  std::vector<NodeDesc> nodes{node(kv, s), node(kv, s), node(kv, s)};
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  for (const auto& n : nodes) {
+    joins.push_back(std::make_unique<RoundJoin>(kv, s, n, start));
+  }
+  const auto joined = poll_all(joins, start);
+  ASSERT_EQ(joined.size(), 2u);
+  ASSERT_TRUE(joins[2]->waiting());
+  kv.set(s.key(0, "done/" + std::to_string(nodes[0].id)), "1");
+  kv.set(s.key(0, "left/" + std::to_string(nodes[0].id)), "0");
+  EXPECT_EQ(joins[2]->poll(start), Status::kPending) << "the other member may still finish";
+  const auto gone = start + s.liveness_window() + milliseconds(1);
+  EXPECT_EQ(joins[2]->poll(gone), Status::kJobFailed);
+  EXPECT_EQ(joins[2]->failed_nodes(), std::to_string(nodes[1].id));
+  EXPECT_EQ(kv.add(s.key("round"), 0), 0) << "a job that finished is not restarted";
+}
+
 TEST(Rendezvous, WaitingNodeLearnsThatTheJobCompleted) {
   MemoryKeyValue kv;
   const auto s = settings(1, 1);

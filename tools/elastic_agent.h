@@ -145,6 +145,7 @@ class ElasticAgent {
                  static_cast<long long>(me_.id), static_cast<long long>(join.round()), options_.rdzv_host.c_str(),
                  options_.rdzv_port, s_.min_nodes, s_.max_nodes);
     bool said_waiting = false;
+    int64_t waited_round = -1;
     while (g_launcher_signal == 0) {
       const auto status = join.poll(Clock::now());
       if (status == RoundJoin::Status::kJoined) {
@@ -156,6 +157,12 @@ class ElasticAgent {
       if (join.waiting() && !said_waiting) {
         std::fprintf(stderr, "lockstep-run: round %lld runs without this node; waiting for the next round.\n",
                      static_cast<long long>(join.round()));
+        waited_round = join.round();
+      }
+      if (said_waiting && !join.waiting()) {
+        std::fprintf(stderr, "lockstep-run: round %lld ended (its members restarted, or were lost: silent for %lld "
+                     "ms); this node joins round %lld.\n", static_cast<long long>(waited_round),
+                     static_cast<long long>(s_.liveness_window().count()), static_cast<long long>(join.round()));
       }
       said_waiting = join.waiting();
       std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));

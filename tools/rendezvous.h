@@ -172,6 +172,43 @@ inline Assignment assign(const RoundRecord& record, int64_t node_id) {
   return a;
 }
 
+/// A member's heartbeat as another node follows it: the count last read,
+/// and when it last moved.
+using Heartbeat = std::pair<int64_t, RdzvClock::time_point>;
+
+/// Reads member `id`'s heartbeat count in `round` into `beat`; whether it
+/// has not moved for the liveness window (the member is lost).
+inline bool heartbeat_stopped(KeyValue& kv, const RendezvousSettings& s, int64_t round, int64_t id, Heartbeat& beat,
+                              RdzvClock::time_point now) {
+  const int64_t count = kv.add(s.key(round, "hb/" + std::to_string(id)), 0);
+  if (count != beat.first) {
+    beat = {count, now};
+    return false;
+  }
+  return now - beat.second > s.liveness_window();
+}
+
+/// Why a running round ends.
+enum class RoundEnd { kNone, kMembership, kFailure };
+
+inline const char* to_string(RoundEnd reason) {
+  return reason == RoundEnd::kFailure ? "failure" : reason == RoundEnd::kMembership ? "membership" : "none";
+}
+
+/// Ends `round` for `reason` and opens the next; false when another node
+/// ended it first.
+inline bool end_round(KeyValue& kv, const RendezvousSettings& s, int64_t round, RoundEnd reason) {
+  if (kv.add(s.key(round, "end"), 1) != 1) {
+    return false;
+  }
+  kv.set(s.key(round, "reason"), to_string(reason));
+  if (reason == RoundEnd::kFailure) {
+    kv.add(s.key("restarts"), 1);
+  }
+  kv.add(s.key("round"), 1);
+  return true;
+}
+
 /// One node's way into a round, a step at a time: poll() until it returns
 /// the node's assignment. A node left out of a round waits for the next.
 class RoundJoin {
@@ -197,7 +234,7 @@ class RoundJoin {
         enter(current, now);
         return Status::kPending;
       }
-      return ended_without_this_node();
+      return ended_without_this_node(now);
     }
     auto members = kv_.get(s_.key(round_, "members"));
     if (!members) {
@@ -242,21 +279,43 @@ class RoundJoin {
   // so a waiting node reads the round it waits behind itself, and the job
   // has ended once every member of that round has left it (each writes
   // left/ID with its exit code). Members that restart move to a new round,
-  // which the waiting node then joins.
-  Status ended_without_this_node() {
+  // which the waiting node then joins. Members can also vanish without a
+  // code (their machines lost, their launchers killed): the waiting node
+  // follows their heartbeats as members follow each other's, and a member
+  // silent for the liveness window is gone. When every member has left or
+  // is gone, the job has ended (failed on the codes that are not 0 and on
+  // those gone unfinished) if any member left or finished; if all vanished
+  // without a word, the waiting node takes their loss as a change of
+  // membership, as a member would: it ends the round and joins the next,
+  // which runs without them or, short of MIN nodes, ends at join_timeout
+  // with that error.
+  Status ended_without_this_node(RdzvClock::time_point now) {
     const auto members = kv_.get(s_.key(round_, "members"));
     if (!members) {
       return Status::kPending;
     }
     std::string failed;
+    bool running = false; // some member neither left nor is gone
+    bool said = false;    // some member left with a code or said it is done
     for (const auto& n : RoundRecord::decode(round_, *members).nodes) {
-      const auto left = kv_.get(s_.key(round_, "left/" + std::to_string(n.id)));
-      if (!left) {
-        return Status::kPending;
+      const std::string id = std::to_string(n.id);
+      const auto left = kv_.get(s_.key(round_, "left/" + id));
+      const bool done = kv_.get(s_.key(round_, "done/" + id)).has_value();
+      auto& beat = member_beats_.try_emplace(n.id, Heartbeat{-1, now}).first->second;
+      // Every member's count is read at every poll, so that each is gone one window after it fell silent.
+      const bool gone = heartbeat_stopped(kv_, s_, round_, n.id, beat, now);
+      running = running || (!left && !gone);
+      said = said || left || done;
+      if (left ? *left != "0" : !done) {
+        failed += (failed.empty() ? "" : ", ") + id;
       }
-      if (*left != "0") {
-        failed += (failed.empty() ? "" : ", ") + std::to_string(n.id);
-      }
+    }
+    if (running) {
+      return Status::kPending;
+    }
+    if (!said) {
+      end_round(kv_, s_, round_, RoundEnd::kMembership); // the next poll joins the next round
+      return Status::kPending;
     }
     failed_nodes_ = failed;
     return failed.empty() ? Status::kJobComplete : Status::kJobFailed;
@@ -277,6 +336,7 @@ class RoundJoin {
 
   void wait_for_next_round() {
     waiting_ = true;
+    member_beats_.clear();
     kv_.add(s_.key(round_, "waiting"), 1);
   }
 
@@ -325,14 +385,8 @@ class RoundJoin {
   bool waiting_ = false;
   std::string failed_nodes_;
   Assignment assignment_;
+  std::map<int64_t, Heartbeat> member_beats_; // while waiting: the members of round_
 };
-
-/// Why a running round ends.
-enum class RoundEnd { kNone, kMembership, kFailure };
-
-inline const char* to_string(RoundEnd reason) {
-  return reason == RoundEnd::kFailure ? "failure" : reason == RoundEnd::kMembership ? "membership" : "none";
-}
 
 /// A member's watch over its running round: its own heartbeat, the others',
 /// nodes waiting to join, and the round's end. check() is one step.
@@ -366,10 +420,7 @@ class RoundWatch {
     for (auto& [id, beat] : beats_) {
       const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value();
       any_done = any_done || done;
-      const int64_t count = kv_.add(s_.key(a_.round, "hb/" + std::to_string(id)), 0);
-      if (count != beat.first) {
-        beat = {count, now};
-      } else if (!done && now - beat.second > s_.liveness_window()) {
+      if (heartbeat_stopped(kv_, s_, a_.round, id, beat, now) && !done) {
         lost_ = id;
         return Verdict::kMemberLost;
       }
@@ -388,11 +439,7 @@ class RoundWatch {
     for (auto& [id, beat] : beats_) {
       const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value() ||
           kv_.get(s_.key(a_.round, "left/" + std::to_string(id))).has_value();
-      const int64_t count = kv_.add(s_.key(a_.round, "hb/" + std::to_string(id)), 0);
-      if (count != beat.first) {
-        beat = {count, now};
-      }
-      if (!done && now - beat.second <= s_.liveness_window()) {
+      if (!heartbeat_stopped(kv_, s_, a_.round, id, beat, now) && !done) {
         return false;
       }
     }
@@ -418,15 +465,7 @@ class RoundWatch {
   /// returns the reason it ended for (waiting up to `timeout` for the first
   /// member to write it).
   RoundEnd end(RoundEnd reason, std::chrono::milliseconds timeout) {
-    if (kv_.add(s_.key(a_.round, "end"), 1) == 1) {
-      kv_.set(s_.key(a_.round, "reason"), to_string(reason));
-      if (reason == RoundEnd::kFailure) {
-        kv_.add(s_.key("restarts"), 1);
-      }
-      kv_.add(s_.key("round"), 1);
-      return reason;
-    }
-    return reason_of(timeout);
+    return end_round(kv_, s_, a_.round, reason) ? reason : reason_of(timeout);
   }
 
   /// Why the round ended (someone else ended it).
@@ -458,7 +497,7 @@ class RoundWatch {
   const RendezvousSettings& s_;
   Assignment a_;
   int64_t me_;
-  std::map<int64_t, std::pair<int64_t, RdzvClock::time_point>> beats_; // id: last count, when it last moved
+  std::map<int64_t, Heartbeat> beats_;
   RdzvClock::time_point next_beat_;
   int64_t lost_ = -1;
 };
