@@ -161,7 +161,7 @@ bool divides_first(const torch::Tensor& t, ReduceOp op) {
 void divide_first(Packed& packed, int divisor) {
   torch::NoGradGuard no_grad;
   const auto carrier = packed.sent.scalar_type();
-  packed.flat = packed.flat / divisor;
+  packed.flat = (packed.flat / divisor).reshape({-1}); // a copy, so one with wait()'s 1-D view, whatever the shape
   packed.sent = carrier == packed.flat.scalar_type() ? packed.flat : packed.flat.view(carrier);
   packed.copied = true;
 }

@@ -9,6 +9,7 @@
 
 #include <lockstep/detail/launch_env.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
@@ -365,6 +366,23 @@ class InitDeadline {
   std::thread thread_; // last: started once the rest exists
 };
 
+// Note [One store, several groups]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// c10d's Gloo and NCCL groups, and Gloo's endpoint check here, publish their
+// rendezvous under fixed keys (each rank's address as "0", "1", ...). A
+// second group over the store of a first (a group made again after a
+// failure, as the errors advise; init_process_group again over the
+// launcher's store file) read the first one's addresses and connected to
+// listeners that were gone: an error, or a hang until the timeout, by
+// timing. As Python's torch.distributed prefixes each group's keys with its
+// name, each group here takes the next number of its rank's own count on
+// the store: ranks that make their groups in the same order, as they must,
+// agree on it.
+c10::intrusive_ptr<c10d::Store> store_of_next_group(const c10::intrusive_ptr<c10d::Store>& store, int rank) {
+  const int64_t number = store->add("lockstep/groups_of_rank_" + std::to_string(rank), 1);
+  return c10::make_intrusive<c10d::PrefixStore>("lockstep/group_" + std::to_string(number), store);
+}
+
 } // namespace
 
 ProcessGroup new_group(
@@ -384,7 +402,11 @@ ProcessGroup new_group(
     args.master_addr = tcp->getHost();
     args.master_port = tcp->getPort();
   }
-  return ProcessGroup(find_backend(backend, false).make(args));
+  const Backend& chosen = find_backend(backend, false);
+  if (chosen.needs_store) {
+    args.store = store_of_next_group(store, rank);
+  }
+  return ProcessGroup(chosen.make(args));
 }
 
 ProcessGroup init_process_group(ProcessGroupOptions options) {
@@ -401,7 +423,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
                 env.mpi_launcher, ", the ", backend.name, " backend needs a store: set MASTER_ADDR and MASTER_PORT for "
                 "every rank (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port), or use the mpi backend (\"auto\" picks "
                 "it).");
-    args.store = detail::make_store(env, options);
+    args.store = store_of_next_group(detail::make_store(env, options), args.rank);
   }
   return ProcessGroup(backend.make(args));
 }

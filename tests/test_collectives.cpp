@@ -16,6 +16,8 @@
 #include <future>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace lockstep {
 namespace {
@@ -126,7 +128,51 @@ TEST(ProcessGroupContract, HalfAveragesDoNotOverflowWhereTheAverageFits) {
     group.reduce_scatter_async(out, input, ReduceOp::Avg)->wait();
     EXPECT_TRUE(torch::equal(out, big.narrow(0, 0, 2))) << out;
     EXPECT_TRUE(torch::equal(input, big)) << "the input was changed";
+    // Tensors of any shape, a scalar too: the division's copy was read back
+    // as if 1-D, and wait() failed on the narrow.
+    auto square = torch::full({2, 2}, 40000.0, torch::kHalf);
+    group.allreduce(square, ReduceOp::Avg);
+    EXPECT_TRUE(torch::equal(square, torch::full({2, 2}, 40000.0, torch::kHalf))) << square;
+    auto scalar = torch::scalar_tensor(2.0 * (group.rank() + 1), torch::kHalf);
+    group.allreduce(scalar, ReduceOp::Avg);
+    EXPECT_EQ(scalar.dim(), 0);
+    EXPECT_EQ(scalar.item<float>(), 3.0f);
   });
+}
+
+// A second group over the store of a first (made again after a failure,
+// as the errors advise) read the first one's rendezvous keys, and rank 0
+// connected to rank 1's closed listener (Note [One store, several groups]).
+TEST(ProcessGroupContract, ASecondGroupOverTheSameStoreMeetsItsOwnRanks) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(2);
+  std::vector<float> sums(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      errors[rank] = testing::error_of([&] {
+        {
+          auto first = new_group(store, rank, 2, "gloo", std::chrono::seconds(5));
+          auto t = torch::ones({2});
+          first.allreduce(t);
+        }
+        if (rank == 1) { // rank 0 reads the addresses first
+          std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        }
+        auto second = new_group(store, rank, 2, "gloo", std::chrono::seconds(5));
+        auto t = torch::full({2}, rank + 1.0);
+        second.allreduce(t);
+        sums[rank] = t[1].item<float>();
+      });
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(sums[r], 3.0f) << "rank " << r;
+  }
 }
 
 // Rank 1 is alive but never joins (stuck elsewhere). Rank 0's first
