@@ -17,11 +17,18 @@ namespace detail {
 
 namespace {
 
+// A write the disk refused can surface only at fsync (NFS, quotas, a disk
+// full under delayed allocation): a file whose sync failed must not be
+// renamed into place. A folder's sync may be unsupported (EINVAL), which
+// loses nothing that was written.
 void sync_path(const std::string& path, int flags, const std::string& who) {
   const int fd = ::open(path.c_str(), flags);
-  TORCH_CHECK(fd >= 0, who, ": cannot open ", path, " to sync it to disk.");
-  ::fsync(fd);
-  ::close(fd);
+  TORCH_CHECK(fd >= 0, who, ": cannot open ", path, " to sync it to disk (", std::strerror(errno), ").");
+  const bool synced = ::fsync(fd) == 0 || ((flags & O_DIRECTORY) != 0 && errno == EINVAL);
+  const int sync_error = errno;
+  const bool closed = ::close(fd) == 0;
+  TORCH_CHECK(synced && closed, who, ": cannot write ", path, " to disk (", std::strerror(synced ? errno : sync_error),
+              "). Free space on the disk, or write elsewhere.");
 }
 
 } // namespace
@@ -51,15 +58,21 @@ void write_checked_file(const std::string& path, const std::string& magic, const
     header += static_cast<char>((crc >> (8 * i)) & 0xff);
   }
   const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  {
+  // A write that fails leaves no partial temporary file behind: on a full
+  // disk it would hold the space the next save needs.
+  try {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     out.write(header.data(), static_cast<std::streamsize>(header.size()));
     out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
-    out.flush();
-    TORCH_CHECK(out.good(), who, ": cannot write ", temporary, " (", std::strerror(errno), ").");
+    out.close();
+    TORCH_CHECK(!out.fail(), who, ": cannot write ", temporary, " (", std::strerror(errno), ").");
+    sync_path(temporary, O_RDONLY, who);
+    TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, who, ": cannot rename ", temporary, " to ", path,
+                " (", std::strerror(errno), ").");
+  } catch (...) {
+    std::remove(temporary.c_str());
+    throw;
   }
-  sync_path(temporary, O_RDONLY, who);
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, who, ": cannot rename ", temporary, " to ", path, ".");
   const auto slash = path.find_last_of('/');
   sync_path(slash == std::string::npos ? "." : path.substr(0, slash + 1), O_RDONLY | O_DIRECTORY, who);
 }

@@ -66,6 +66,13 @@ struct FlatParam {
 void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
                       const std::vector<torch::Tensor>& params, const std::string& where);
 
+/// Note [A module wrapped twice]: the trainable parameters of the live
+/// wrappers. A parameter another wrapper holds is an error naming it.
+void check_not_wrapped(const std::vector<std::string>& names, const std::vector<torch::Tensor>& params,
+                       const std::string& where);
+void note_wrapped(const std::vector<torch::Tensor>& params);
+void forget_wrapped(const std::vector<torch::Tensor>& params);
+
 /// The units' submodule paths: options.units(), or each direct child; a
 /// path that names no submodule is an error.
 std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOptions& options, const std::string& where);

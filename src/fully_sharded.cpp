@@ -390,6 +390,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   s.reshard_after_forward = options.reshard_after_forward();
   const auto paths = unit_paths(module, options, s.where());
   const auto planned = plan_parameters(module, paths, s.where());
+  check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
   check_same_model(s.group, planned.names, planned.params, s.where());
   detail::label_sync_batch_norms(module);
   {
@@ -404,8 +405,6 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
     }
   }
   s.flats = group_into_flats(planned, paths);
-  s.set_precision(options); // Note [Sharded mixed precision]
-  param_dtype_ = options.param_dtype();
   for (auto& named : module.named_buffers(/*recurse=*/true)) {
     s.whole.emplace_back(named.key(), named.value());
   }
@@ -415,12 +414,17 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
       s.whole.emplace_back(planned.names[i], planned.params[i]); // Note [Frozen parameters]
     }
   }
+  s.set_precision(options); // Note [Sharded mixed precision]
+  param_dtype_ = options.param_dtype();
   for (size_t f = 0; f < s.flats.size(); ++f) {
     shard_flat(owner, f);
   }
   s.plan_buckets();
   if (!s.flats.empty() && s.flats.front().device.is_cpu()) {
     s.cache_user = std::make_unique<CpuCacheUser>(); // Note [A sharded step's memory]
+  }
+  for (const auto& flat : s.flats) {
+    note_wrapped(flat.params);
   }
 }
 
@@ -475,6 +479,7 @@ ShardedCore::~ShardedCore() {
     detail::end_pass();
   }
   for (auto& flat : state_->flats) {
+    forget_wrapped(flat.params);
     forget_shard(flat.shard.unsafeGetTensorImpl());
     for (size_t j = 0; j < flat.accumulators.size(); ++j) {
       flat.accumulators[j]->del_post_hook(flat.hook_keys[j]);
@@ -514,6 +519,36 @@ void ShardedCore::before_forward() {
 // forward's graph, whose backward may still come, reads the same values.
 // The price is one more all-gather of what was left gathered, in a pattern
 // that already runs a forward more.
+// Note [A forward that throws]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A forward the module ends with an exception (a bad batch the caller
+// skips) has gathered units that after_forward never sees. Left marked
+// gathered, they would skip the next forward's all-gather, and the next
+// summon's, after an optimizer step or a load changed the shards: computing
+// at the old values, and a summon's writeback would copy those back over
+// the step. So what it gathered is forgotten, as for a forward without its
+// backward, and the pass ends, unless an earlier forward's backward is
+// still to come: that backward then gathers what it reads. A collective
+// that failed meanwhile is left for the next call to report: the module's
+// own exception is the one to rethrow.
+void ShardedCore::abort_forward() noexcept {
+  auto& s = *state_;
+  if (!s.sharded() || s.pass != State::Pass::Forward) {
+    return;
+  }
+  try {
+    Unwatched unwatched;
+    s.forget_gathered();
+    if (s.forwarded) {
+      s.pass = State::Pass::AfterForward;
+      s.order.clear();
+    } else {
+      s.end_pass();
+    }
+  } catch (...) {
+  }
+}
+
 void ShardedCore::State::forget_gathered() {
   wait_in_flight();
   for (auto& flat : flats) {
@@ -543,7 +578,7 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
   // forward did: its backward reads them, and reduces as it was set to.
   if (!hooked.empty()) {
     s.forwarded = true;
-    s.loaded_since_forward = false;
+    s.forward_dropped_by = nullptr;
     s.sync_at_forward = sync_;
   }
   std::weak_ptr<State> weak = state_;
@@ -569,30 +604,6 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
       }
     }
   }
-}
-
-std::vector<FlatParam*> ShardedCore::flats() const {
-  std::vector<FlatParam*> flats;
-  for (auto& flat : state_->flats) {
-    flats.push_back(&flat);
-  }
-  return flats;
-}
-
-const std::vector<std::pair<std::string, torch::Tensor>>& ShardedCore::whole() const {
-  return state_->whole;
-}
-
-bool ShardedCore::sharded() const {
-  return state_->sharded();
-}
-
-std::vector<ShardedCore::FlatInfo> ShardedCore::flat_params() const {
-  std::vector<FlatInfo> infos;
-  for (const auto& flat : state_->flats) {
-    infos.push_back({flat.unit, flat.dtype, flat.layout.numel, flat.layout.shard, flat.names});
-  }
-  return infos;
 }
 
 } // namespace detail

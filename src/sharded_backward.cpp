@@ -25,9 +25,9 @@ torch::autograd::variable_list ShardedCore::State::ReadyHook::operator()(
 // Raised by the first gradient of a backward that no forward of its own
 // opened: `what` received it.
 void ShardedCore::State::refuse_unforwarded(const std::string& what) const {
-  TORCH_CHECK(!loaded_since_forward, where(), what, " received a gradient from a forward made before load_sharded(): "
-              "it would give the loaded parameters gradients computed at the old ones. Run forward again after "
-              "loading.");
+  TORCH_CHECK(forward_dropped_by == nullptr, where(), what, " received a gradient from a forward made before ",
+              forward_dropped_by, ": it may have changed the parameters, which would then take gradients computed at "
+              "the old ones. Run forward again after it.");
   TORCH_CHECK(false, where(), what, " received a gradient, but no forward ran through FullyShardedDataParallel "
               "since the last backward (a second backward through a retained graph is one: each forward's "
               "gradients are reduced once). Run forward through the FullyShardedDataParallel (not its module()) "

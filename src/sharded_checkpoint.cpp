@@ -113,8 +113,10 @@ std::string optimizer_kind(torch::optim::Optimizer& optimizer) {
   return typeid(optimizer).name();
 }
 
-// A fresh state of the optimizer's own type.
-std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optimizer& optimizer) {
+// A fresh state of the optimizer's own type; `who` names the caller in the
+// error for a type whose state cannot be resharded.
+std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optimizer& optimizer,
+                                                             const char* who = "lockstep::load_sharded") {
   const auto kind = optimizer_kind(optimizer);
   if (kind == "AdamW") {
     return std::make_unique<torch::optim::AdamWParamState>();
@@ -131,8 +133,8 @@ std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optim
   if (kind == "Adagrad") {
     return std::make_unique<torch::optim::AdagradParamState>();
   }
-  TORCH_CHECK(false, "lockstep::load_sharded: the optimizer is not one whose state it can reshard (Adam, AdamW, SGD, "
-              "RMSprop, Adagrad). Save the full state instead, under summon_full_params.");
+  TORCH_CHECK(false, who, ": the optimizer (", kind, ") is not one whose state can be resharded (Adam, AdamW, SGD, "
+              "RMSprop, Adagrad). Save a full checkpoint under summon_full_params() instead.");
 }
 
 // What an output archive wrote, for reading.
@@ -144,14 +146,26 @@ torch::serialize::InputArchive readable(torch::serialize::OutputArchive& archive
   return in;
 }
 
-// `state` (as an optimizer's param state serializes) becomes `param`'s state
-// in `optimizer`, in a new state object of the optimizer's own type: as
-// load_state_dict, nothing of the state it replaces is kept.
-void install_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param, torch::serialize::OutputArchive& state) {
+// `state` (as an optimizer's param state serializes) read into a new state
+// object of the optimizer's own type: as load_state_dict, nothing of the
+// state it replaces is kept.
+std::shared_ptr<torch::optim::OptimizerParamState> read_state(torch::optim::Optimizer& optimizer,
+                                                              torch::serialize::OutputArchive& state) {
   auto in = readable(state);
-  auto fresh = new_state(optimizer);
+  std::shared_ptr<torch::optim::OptimizerParamState> fresh = new_state(optimizer);
   fresh->serialize(in);
-  optimizer.state()[optimizer_state_key(optimizer.state(), param)] = std::move(fresh);
+  return fresh;
+}
+
+// `state` becomes `param`'s state in `optimizer` (nullptr: it has none).
+void install_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
+                   const std::shared_ptr<torch::optim::OptimizerParamState>& state) {
+  const auto key = optimizer_state_key(optimizer.state(), param);
+  if (state == nullptr) {
+    optimizer.state().erase(key);
+  } else {
+    optimizer.state()[key] = state->clone();
+  }
 }
 
 // Old shards, read once each.
@@ -234,17 +248,17 @@ torch::Tensor old_range(OldShards& old, size_t f, const std::string& key, int64_
 }
 
 // The optimizer's state for flat parameter f's new range [begin, end), out
-// of the old shards' (Note [Sharded checkpoint]).
-void reshard_state(OldShards& old, size_t f, const FlatParam& flat, int64_t old_shard, int64_t begin, int64_t end,
-                   torch::optim::Optimizer& optimizer) {
+// of the old shards' (Note [Sharded checkpoint]); nullptr for none.
+std::shared_ptr<torch::optim::OptimizerParamState> reshard_state(OldShards& old, size_t f, const FlatParam& flat,
+                                                                 int64_t old_shard, int64_t begin, int64_t end,
+                                                                 torch::optim::Optimizer& optimizer) {
   torch::serialize::InputArchive first;
   old.archive(0).read("f" + std::to_string(f), first);
   torch::serialize::InputArchive saved_state;
   if (!first.try_read("state", saved_state)) {
     // Saved before the optimizer's first step: as load_state_dict, the
     // optimizer starts again from no state, not from the one it has now.
-    optimizer.state().erase(optimizer_state_key(optimizer.state(), flat.shard));
-    return;
+    return nullptr;
   }
   torch::serialize::OutputArchive state;
   for (const auto& key : saved_state.keys()) {
@@ -261,13 +275,16 @@ void reshard_state(OldShards& old, size_t f, const FlatParam& flat, int64_t old_
       state.write(key, value);
     }
   }
-  install_state(optimizer, flat.shard, state);
+  return read_state(optimizer, state);
 }
 
+// Tensors a load copies into live ones: (live, loaded).
+using Copies = std::vector<std::pair<torch::Tensor, torch::Tensor>>;
+
 // Buffers and frozen parameters out of rank 0's file (Note [Sharded
-// checkpoint]), each checked against the live tensor it replaces.
-void load_whole(OldShards& old, const nlohmann::json& index, const std::string& index_path,
-                const std::vector<std::pair<std::string, torch::Tensor>>& whole) {
+// checkpoint]), each checked against the live tensor it replaces, into `copies`.
+void stage_whole(OldShards& old, const nlohmann::json& index, const std::string& index_path,
+                 const std::vector<std::pair<std::string, torch::Tensor>>& whole, Copies& copies) {
   std::vector<std::string> names;
   for (const auto& named : whole) {
     names.push_back(named.first);
@@ -289,7 +306,7 @@ void load_whole(OldShards& old, const nlohmann::json& index, const std::string& 
     TORCH_CHECK(value.sizes() == live.sizes() && value.scalar_type() == live.scalar_type(), "lockstep::load_sharded: ",
                 index_path, ": '", whole[i].first, "' was ", value.sizes(), " ", value.scalar_type(), " but here it is ",
                 live.sizes(), " ", live.scalar_type(), ". Load it into the model that saved it.");
-    live.detach().copy_(value);
+    copies.emplace_back(live, value);
   }
 }
 
@@ -361,7 +378,7 @@ void ShardedCore::full_optimizer_state(torch::optim::Optimizer& optimizer, torch
       for (const auto& [key, value] : values) {
         state.write(key, value);
       }
-      install_state(full, flat->params[j], state);
+      install_state(full, flat->params[j], read_state(full, state));
     }
   }
 }
@@ -420,6 +437,7 @@ void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::st
   }
   const int64_t save_id = new_save_id(group_); // also: the folder exists
   on_every_rank(group_, "save_sharded's shard file", [&] {
+    new_state(optimizer, "lockstep::save_sharded"); // a checkpoint that no load could read is refused now
     if (group_.rank() < world) {
       write_framed(shard_file(dir, group_.rank(), world), shard_payload(optimizer, save_id));
     }
@@ -482,7 +500,10 @@ std::string ShardedCore::shard_payload(torch::optim::Optimizer& optimizer, int64
 // graph was dropped), but what the forward gathered is forgotten, so that
 // the next forward gathers the loaded values, and a backward of that
 // forward, which would give the loaded parameters gradients computed at
-// the old ones, is an error (ShardedCore::State::on_ready).
+// the old ones, is an error (ShardedCore::State::refuse_unforwarded).
+// summon_full_params() after such a forward does the same (a validation
+// forward in grad mode, then a full checkpoint): its guard may write
+// edits back.
 void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
@@ -493,12 +514,24 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
       s.forget_gathered();
     }
     s.forwarded = false;
-    s.loaded_since_forward = true;
+    s.forward_dropped_by = "load_sharded()";
   }
-  on_every_rank(group_, "load_sharded of " + dir, [&] { load_local(optimizer, dir); });
+  std::function<void()> commit;
+  on_every_rank(group_, "load_sharded of " + dir, [&] { commit = stage_load(optimizer, dir); });
+  commit();
 }
 
-void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::string& dir) {
+// Note [A load changes all or nothing]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A load that fails (a damaged or mismatched file on any rank, a buffer of
+// another shape found last) must leave every rank's shards, optimizer
+// state and buffers as they were: a caller that catches the error and
+// tries an older checkpoint, or starts afresh, would otherwise train on a
+// mix of two models, different on each rank. So every file is read and
+// every check made into new tensors first (the shards' and the state's
+// size again, for the moment of the load), the ranks learn that all got
+// through (on_every_rank), and only then is anything copied in.
+std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer, const std::string& dir) {
   const std::string index_path = dir + "/index.json";
   nlohmann::json index;
   try {
@@ -518,6 +551,8 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
                 index.contains("save_id") ? std::optional<int64_t>(index.at("save_id").get<int64_t>()) : std::nullopt);
   const int rank = sharded() ? group_.rank() : 0;
   torch::NoGradGuard no_grad;
+  Copies copies;
+  std::vector<std::pair<torch::Tensor, std::shared_ptr<torch::optim::OptimizerParamState>>> states;
   for (size_t f = 0; f < all.size(); ++f) {
     auto& flat = *all[f];
     const auto& saved = index.at("flats")[f];
@@ -531,11 +566,19 @@ void ShardedCore::load_local(torch::optim::Optimizer& optimizer, const std::stri
     const int64_t old_shard = saved.at("shard").get<int64_t>();
     const int64_t begin = rank * flat.layout.shard;
     const int64_t end = begin + flat.layout.shard;
-    flat.shard.detach().copy_(old_range(old, f, "values", old_shard, flat.layout.numel, begin, end, flat.options()));
-
-    reshard_state(old, f, flat, old_shard, begin, end, optimizer);
+    copies.emplace_back(flat.shard, old_range(old, f, "values", old_shard, flat.layout.numel, begin, end, flat.options()));
+    states.emplace_back(flat.shard, reshard_state(old, f, flat, old_shard, begin, end, optimizer));
   }
-  load_whole(old, index, index_path, whole());
+  stage_whole(old, index, index_path, whole(), copies);
+  return [&optimizer, copies = std::move(copies), states = std::move(states)] {
+    torch::NoGradGuard no_grad;
+    for (const auto& [live, loaded] : copies) {
+      live.detach().copy_(loaded);
+    }
+    for (const auto& [shard, state] : states) {
+      install_state(optimizer, shard, state);
+    }
+  };
 }
 
 void ShardedCore::refuse_serialization(const char* what) const {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <sstream>
 #include <unordered_map>
@@ -62,6 +63,50 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
               " devices", several == group.rank() ? " (" + on + ")" : std::string(), ", but FullyShardedDataParallel "
               "shards the parameters of one device per rank. Move the module to one device (module->to(device)) "
               "before wrapping it.");
+}
+
+// Note [A module wrapped twice]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Between steps a FullShard or ShardGradOp wrapper's module holds empty
+// tensors for its trainable parameters, the values living in the shards
+// (Note [Edits outside summon_full_params]). A second wrapper over
+// model->module() would plan units of no elements: the trained values
+// lost, and its forward failing on a shape. So the parameters of every
+// live wrapper are noted, and another wrapper refuses them while it lives.
+namespace {
+
+std::mutex wrapped_mutex;
+std::unordered_map<const c10::TensorImpl*, int> wrapped; // parameter: the live wrappers holding it
+
+} // namespace
+
+void check_not_wrapped(const std::vector<std::string>& names, const std::vector<torch::Tensor>& params,
+                       const std::string& where) {
+  std::lock_guard<std::mutex> lock(wrapped_mutex);
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(wrapped.count(params[i].unsafeGetTensorImpl()) == 0, where, "parameter '", names[i], "' belongs to "
+                "another FullyShardedDataParallel that is still alive (a model->module() wrapped again?); between "
+                "steps it holds an empty tensor, its values living in that wrapper's shards. To wrap the model anew, "
+                "copy its parameters out under summon_full_params() into a new module (or torch::save it there and "
+                "torch::load a new one), and wrap that.");
+  }
+}
+
+void note_wrapped(const std::vector<torch::Tensor>& params) {
+  std::lock_guard<std::mutex> lock(wrapped_mutex);
+  for (const auto& p : params) {
+    ++wrapped[p.unsafeGetTensorImpl()];
+  }
+}
+
+void forget_wrapped(const std::vector<torch::Tensor>& params) {
+  std::lock_guard<std::mutex> lock(wrapped_mutex);
+  for (const auto& p : params) {
+    auto it = wrapped.find(p.unsafeGetTensorImpl());
+    if (it != wrapped.end() && --it->second == 0) {
+      wrapped.erase(it);
+    }
+  }
 }
 
 // The unit paths: the options', checked, or each direct child.
@@ -250,6 +295,30 @@ void ShardedCore::State::plan_buckets() {
   for (auto g = gather_buckets.rbegin(); g != gather_buckets.rend(); ++g) {
     reduce_buckets.push_back(Bucket{{g->rbegin(), g->rend()}, nullptr, torch::Tensor(), 0});
   }
+}
+
+std::vector<FlatParam*> ShardedCore::flats() const {
+  std::vector<FlatParam*> flats;
+  for (auto& flat : state_->flats) {
+    flats.push_back(&flat);
+  }
+  return flats;
+}
+
+const std::vector<std::pair<std::string, torch::Tensor>>& ShardedCore::whole() const {
+  return state_->whole;
+}
+
+bool ShardedCore::sharded() const {
+  return state_->sharded();
+}
+
+std::vector<ShardedCore::FlatInfo> ShardedCore::flat_params() const {
+  std::vector<FlatInfo> infos;
+  for (const auto& flat : state_->flats) {
+    infos.push_back({flat.unit, flat.dtype, flat.layout.numel, flat.layout.shard, flat.names});
+  }
+  return infos;
 }
 
 } // namespace detail

@@ -42,6 +42,19 @@ void ShardedCore::State::set_precision(const ShardingOptions& options) {
   TORCH_CHECK(sharded(), where(), "ShardingOptions().param_dtype() and reduce_dtype() need FullShard or "
               "ShardGradOp: NoShard keeps no gathered buffer to hold another dtype. Under NoShard, run forward "
               "inside a lockstep::AutocastGuard instead");
+  // Frozen parameters are not sharded (Note [Frozen parameters]), so no
+  // gathered buffer casts them: the module would mix them, in their own
+  // dtype, with the cast inputs and trained parameters, and fail inside an
+  // operator with a message that does not say why.
+  for (size_t i = first_frozen; param && i < whole.size(); ++i) {
+    const auto& [name, frozen] = whole[i];
+    TORCH_CHECK(!c10::isFloatingType(frozen.scalar_type()) || frozen.scalar_type() == *param, where(),
+                "parameter '", name, "' is frozen (requires_grad false) and ", frozen.scalar_type(), ", and frozen "
+                "parameters are not sharded, so ShardingOptions().param_dtype(", *param, ") would not cast it: "
+                "forward would mix ", frozen.scalar_type(), " and ", *param, " tensors. Cast the frozen parameters to ",
+                *param, " before wrapping (they are not trained), or run forward inside a lockstep::AutocastGuard "
+                "instead of param_dtype.");
+  }
   for (auto& flat : flats) {
     if (!c10::isFloatingType(flat.dtype)) {
       continue; // integer parameters keep their dtype, as FSDP's

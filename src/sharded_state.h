@@ -44,7 +44,10 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   std::thread::id cached_thread;
   bool thread_cached_before = false;
   bool forwarded = false; // a forward ran whose backward has not ended
-  bool loaded_since_forward = false; // Note [Loading between forward and backward]
+  // What ended the forward whose backward had not come (load_sharded(),
+  // summon_full_params()): its backward is then an error. Note [Loading
+  // between forward and backward].
+  const char* forward_dropped_by = nullptr;
   bool sync_at_forward = true;
   bool finalize_queued = false;
   bool summoned = false;

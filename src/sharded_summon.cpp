@@ -98,7 +98,9 @@ void ShardedCore::State::check_still_frozen_or_trained() const {
                 "wrapped: ", now ? "a parameter frozen then has no shard in model->parameters(), and its gradient "
                 "would not be averaged over the ranks" : "a parameter trained then keeps its shard, which the "
                 "optimizer would go on moving (momentum, weight decay)", ". Set requires_grad before wrapping; to "
-                "change it later, wrap the module again and make a new optimizer.");
+                "change it later, copy the parameters out under summon_full_params() into a new module (or "
+                "torch::save the module there and torch::load a new one), set requires_grad on it, wrap that, and "
+                "make a new optimizer.");
   };
   for (const auto& flat : flats) {
     for (size_t j = 0; j < flat.params.size(); ++j) {
@@ -117,10 +119,15 @@ void ShardedCore::State::check_still_frozen_or_trained() const {
 void ShardedCore::summon() {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "summon_full_params() inside another; end the first guard.");
-  TORCH_CHECK(!s.forwarded, s.where(), "summon_full_params() between a forward and its backward. Call it before "
-              "forward or after backward.");
   s.check_untouched_at_rest();
   Unwatched unwatched;
+  if (s.forwarded) { // Note [Loading between forward and backward]: its graph was dropped, or its backward is an error
+    if (s.sharded()) {
+      s.forget_gathered();
+    }
+    s.forwarded = false;
+    s.forward_dropped_by = "summon_full_params()";
+  }
   if (!s.summon_in_own_dtype()) { // Note [Sharded mixed precision]
     s.gather_all();
   }

@@ -4,6 +4,7 @@
 // splitting). No threads, no process groups between ranks; they run in
 // seconds.
 
+#include <lockstep/detail/checked_file.h>
 #include <lockstep/detail/launch_env.h>
 #include <lockstep/detail/reducer.h>
 #include <lockstep/distributed_data_parallel.h>
@@ -19,11 +20,16 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
+
+#include <sys/resource.h>
+#include <unistd.h>
 
 namespace lockstep {
 namespace {
@@ -464,6 +470,36 @@ TEST(CliChecks, LauncherRefusesANegativeNodeRankInWords) {
     EXPECT_EQ(e.exit_code, common::kUsageError);
     EXPECT_NE(std::string(e.what()).find("--node-rank: must be 0 or more, got -1"), std::string::npos) << e.what();
   }
+}
+
+// A write the disk refuses (here the file-size limit, as a full disk would)
+// is an error that names the file, and leaves the old file as it was and
+// no partial temporary file to hold the space the next save needs.
+TEST(CheckedFile, AWriteTheDiskRefusesLeavesTheOldFileAndNoTemporary) {
+  namespace fs = std::filesystem;
+  const auto dir = ::testing::TempDir() + "lockstep_checked_file_" + std::to_string(::getpid());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const auto path = dir + "/state.bin";
+  detail::write_checked_file(path, "MAGIC\n", "old", "writer");
+  const auto old_size = fs::file_size(path);
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  rlimit small = saved;
+  small.rlim_cur = 4096;
+  const auto handler = std::signal(SIGXFSZ, SIG_IGN); // else the kernel's signal ends the process
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const auto message = testing::error_of([&] {
+    detail::write_checked_file(path, "MAGIC\n", std::string(1 << 20, 'x'), "writer");
+  });
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, handler);
+  EXPECT_NE(message.find("writer: cannot write " + path + ".tmp."), std::string::npos) << message;
+  EXPECT_EQ(fs::file_size(path), old_size);
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().filename(), "state.bin") << "left behind";
+  }
+  fs::remove_all(dir);
 }
 
 } // namespace

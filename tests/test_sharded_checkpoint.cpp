@@ -75,6 +75,61 @@ TEST(ShardedCheckpoint, FilesOfTwoSavesAreAnErrorNamingTheFile) {
   });
 }
 
+// A load that fails on one rank changes nothing on any (Note [A load
+// changes all or nothing]): rank 0's files are good, and it used to load
+// them before it learned that rank 1 failed, leaving the ranks with
+// different models for a caller that goes on after the error.
+TEST(ShardedCheckpoint, AFailedLoadChangesNothingOnAnyRank) {
+  const auto earlier = checkpoint_dir("unchanged_earlier");
+  const auto later = checkpoint_dir("unchanged_later");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::Adam adam(model->parameters(), 0.1);
+    auto step = [&] {
+      adam.zero_grad();
+      model(torch::ones({3, 6})).pow(2).sum().backward();
+      adam.step();
+    };
+    step();
+    save_sharded(model, adam, earlier);
+    step();
+    save_sharded(model, adam, later);
+    group.barrier();
+    if (group.rank() == 0) {
+      std::filesystem::copy_file(earlier + "/shard-1-of-2.pt", later + "/shard-1-of-2.pt",
+                                 std::filesystem::copy_options::overwrite_existing);
+    }
+    group.barrier();
+    step();
+    const auto shard = model->parameters()[0].detach().clone();
+    ASSERT_EQ(adam.state().size(), 1u);
+    const auto& moments = static_cast<torch::optim::AdamParamState&>(*adam.state().begin()->second);
+    const auto exp_avg = moments.exp_avg().clone();
+    const auto step_count = moments.step();
+    EXPECT_THROW(load_sharded(model, adam, later), c10::Error);
+    EXPECT_TRUE(torch::equal(model->parameters()[0], shard)) << "rank " << group.rank() << "'s shard changed";
+    ASSERT_EQ(adam.state().size(), 1u);
+    const auto& after = static_cast<torch::optim::AdamParamState&>(*adam.state().begin()->second);
+    EXPECT_TRUE(torch::equal(after.exp_avg(), exp_avg)) << "rank " << group.rank() << "'s Adam state changed";
+    EXPECT_EQ(after.step(), step_count);
+  });
+}
+
+// LBFGS's state cannot be resharded: load_sharded refuses it, so
+// save_sharded does at once, before it writes anything, rather than let a
+// run write checkpoints it could never resume from.
+TEST(ShardedCheckpoint, AnOptimizerWhoseStateCannotBeReshardedIsRefusedBeforeAnyFileIsWritten) {
+  const auto dir = checkpoint_dir("lbfgs");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::LBFGS lbfgs(model->parameters());
+    EXPECT_ERROR_SAYS(save_sharded(model, lbfgs, dir), "lockstep::save_sharded: the optimizer (",
+                      "is not one whose state can be resharded", "Save a full checkpoint under summon_full_params()");
+  });
+  EXPECT_FALSE(std::filesystem::exists(dir + "/shard-0-of-2.pt"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/index.json"));
+}
+
 // Rank 1 cannot write its file (a folder stands in its place): every rank
 // ends with an error at once, none waits for the collective timeout.
 TEST(ShardedCheckpoint, ARankThatCannotWriteIsAnErrorOnEveryRank) {

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -139,7 +140,7 @@ TEST(ShardedMisuse, ABackwardOfAForwardMadeBeforeLoadShardedIsAnError) {
       auto stale = model(torch::ones({4, 5})).sum();
       load_sharded(model, adam, dir);
       EXPECT_ERROR_SAYS(stale.backward(), "received a gradient from a forward made before load_sharded()",
-                        "Run forward again after loading");
+                        "Run forward again after it");
       adam_step(model, adam);
 
       FullyShardedDataParallel<Net> fresh(two_layers(), group, options);
@@ -147,6 +148,56 @@ TEST(ShardedMisuse, ABackwardOfAForwardMadeBeforeLoadShardedIsAnError) {
       load_sharded(fresh, fresh_adam, dir);
       adam_step(fresh, fresh_adam);
       EXPECT_TRUE(same(full_params(model), full_params(fresh))) << "the step after the load used stale values";
+    });
+  }
+}
+
+// A summon after a forward whose backward has not come (a validation pass
+// in grad mode, then a full checkpoint) was refused with advice to call it
+// after a backward that never comes. It is allowed, as a load is: the
+// guard holds the current values, that forward's backward is an error, and
+// training goes on as if the forward had never run.
+TEST(ShardedMisuse, ASummonAfterAForwardWithoutItsBackwardHoldsTheCurrentValues) {
+  for (auto strategy : kStrategies) {
+    // Made before the threads: two_layers() seeds the generator they share.
+    const std::vector<Net> nets{two_layers(), two_layers(), two_layers(), two_layers()};
+    testing::spawn(2, [&](ProcessGroup& group) {
+      const auto options = ShardingOptions().strategy(strategy);
+      FullyShardedDataParallel<Net> model(nets[2 * group.rank()], group, options);
+      torch::optim::Adam adam(model->parameters(), 0.1);
+      FullyShardedDataParallel<Net> plain(nets[2 * group.rank() + 1], group, options);
+      torch::optim::Adam plain_adam(plain->parameters(), 0.1);
+      adam_step(model, adam);
+      adam_step(plain, plain_adam);
+
+      auto validation = model(torch::ones({4, 5})).sum();
+      EXPECT_TRUE(same(full_params(model), full_params(plain))) << "the summon after a forward";
+      EXPECT_ERROR_SAYS(validation.backward(), "received a gradient from a forward made before summon_full_params()",
+                        "Run forward again after it");
+      adam_step(model, adam);
+      adam_step(plain, plain_adam);
+      EXPECT_TRUE(same(full_params(model), full_params(plain))) << "the step after the summon";
+    });
+  }
+}
+
+// Between steps the module of a live wrapper holds empty tensors: a second
+// wrapper over it planned units of no elements and failed in its forward
+// on a shape (Note [A module wrapped twice]). Once the first is gone, a
+// NoShard module, which keeps its values, can be wrapped again.
+TEST(ShardedMisuse, WrappingTheModuleOfALiveWrapperAgainIsAnErrorNamingAParameter) {
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      const auto options = ShardingOptions().strategy(strategy);
+      auto model = std::make_unique<FullyShardedDataParallel<Net>>(two_layers(), group, options);
+      const auto again = [&] { FullyShardedDataParallel<Net> twice((*model)->module(), group, options); };
+      EXPECT_ERROR_SAYS(again(), "parameter '0.weight' belongs to another FullyShardedDataParallel that is still alive",
+                        "under summon_full_params() into a new module");
+      if (strategy == ShardingStrategy::NoShard) { // whose module keeps its values: it can be wrapped again
+        auto net = two_layers();
+        { FullyShardedDataParallel<Net> first(net, group, options); }
+        EXPECT_NO_THROW(FullyShardedDataParallel<Net>(net, group, options)) << "the first wrapper is gone";
+      }
     });
   }
 }

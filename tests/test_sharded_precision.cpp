@@ -188,5 +188,18 @@ TEST(ShardedPrecision, WhatItCannotDoIsRefused) {
   });
 }
 
+// A frozen parameter is not sharded, so param_dtype cannot cast it: forward
+// failed inside Linear with "expected scalar type" and no word of why.
+TEST(ShardedPrecision, AFrozenParameterOfAnotherDtypeIsRefusedNamingIt) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::nn::Sequential net(torch::nn::Linear(4, 3), torch::nn::Tanh(), torch::nn::Linear(3, 2));
+    net[0]->as<torch::nn::Linear>()->weight.set_requires_grad(false);
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<torch::nn::Sequential>(net, group,
+                                                                      ShardingOptions().param_dtype(torch::kHalf)),
+                      "parameter '0.weight' is frozen (requires_grad false) and Float",
+                      "param_dtype(Half) would not cast it", "Cast the frozen parameters to Half before wrapping");
+  });
+}
+
 } // namespace
 } // namespace lockstep

@@ -1,8 +1,8 @@
 // The distributed wrappers against what users do around them: zero_grad
 // between FullyShardedDataParallel's no_sync micro-batches (Note [Dropping
 // a no_sync accumulation] in src/sharded_precision.cpp), forwards that
-// return a std::pair, a DistributedDataParallel cast or split over devices
-// after wrapping. Ranks as threads.
+// return a std::pair or throw halfway, a DistributedDataParallel cast or
+// split over devices after wrapping. Ranks as threads.
 
 #include <lockstep/lockstep.h>
 
@@ -205,6 +205,64 @@ TEST(ShardedUsage, AForwardReturningAPairTrainsLikeOneProcess) {
       auto full = model->summon_full_params();
       EXPECT_TRUE(close(params_of(*model->module()), want))
           << "rank " << group.rank() << ", strategy " << static_cast<int>(strategy);
+    });
+  }
+}
+
+// A module whose forward fails halfway, after its first layer ran.
+struct MayFailImpl : torch::nn::Module {
+  MayFailImpl() {
+    torch::manual_seed(4);
+    first = register_module("first", torch::nn::Linear(5, 3));
+    second = register_module("second", torch::nn::Linear(3, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(first->forward(x));
+    TORCH_CHECK(!fail, "a bad batch");
+    return second->forward(h);
+  }
+  bool fail = false;
+  torch::nn::Linear first{nullptr}, second{nullptr};
+};
+TORCH_MODULE(MayFail);
+
+// A forward that throws halfway (a bad batch the caller skips) left what
+// it had gathered marked gathered: after the optimizer's step, the next
+// forward computed with those units' old values, and a summon's writeback
+// copied them back over the step (Note [A forward that throws]).
+TEST(ShardedUsage, AForwardThatThrowsLeavesNoUnitAtItsOldValues) {
+  torch::manual_seed(10);
+  const auto x = torch::randn({4, 5});
+  const auto next = torch::randn({3, 5});
+  MayFail reference;
+  torch::optim::SGD sgd(reference->parameters(), 0.5);
+  loss_of(reference->forward(x)).backward();
+  sgd.step();
+  const auto want = params_of(*reference);
+  const auto predicted = reference->forward(next).detach();
+  for (auto strategy : kStrategies) {
+    const auto nets = per_rank<MayFail>([] { return MayFail(); });
+    testing::spawn(2, [&](ProcessGroup& group) {
+      const std::string where = "rank " + std::to_string(group.rank()) + ", strategy " +
+          std::to_string(static_cast<int>(strategy));
+      FullyShardedDataParallel<MayFail> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
+      torch::optim::SGD opt(model->parameters(), 0.5);
+      loss_of(model(x.chunk(group.size())[group.rank()])).backward();
+      model->module()->fail = true;
+      EXPECT_ERROR_SAYS(model(next), "a bad batch");
+      model->module()->fail = false;
+      opt.step();
+      {
+        torch::NoGradGuard no_grad;
+        EXPECT_TRUE(torch::allclose(model(next), predicted, 1e-6, 1e-6)) << where << ": forward after the step";
+      }
+      {
+        auto full = model->summon_full_params();
+        full.writeback(true);
+        EXPECT_TRUE(close(params_of(*model->module()), want)) << where << ": summoned after the step";
+      }
+      auto full = model->summon_full_params();
+      EXPECT_TRUE(close(params_of(*model->module()), want)) << where << ": after a writeback";
     });
   }
 }

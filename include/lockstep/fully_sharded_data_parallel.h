@@ -214,7 +214,9 @@ constexpr bool kForwardTakesCastArguments =
 /// SGD, and NoShard, go unseen. Make it from parameters().
 /// module() is the wrapped module; outside forward and backward (and
 /// summon_full_params) its trainable parameters of FullShard and
-/// ShardGradOp are empty tensors, never stale values.
+/// ShardGradOp are empty tensors, never stale values, and stay so once the
+/// wrapper is destroyed: copy them out under summon_full_params() first.
+/// Another wrapper over module() is refused while this one lives.
 template <typename M>
 class FullyShardedDataParallelImpl : public torch::nn::Module {
  public:
@@ -232,10 +234,15 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
     timeline::Span span("forward");
     core_->before_forward();
     auto output = [&]() -> decltype(auto) {
-      if constexpr (detail::kForwardTakesCastArguments<Impl, Args&&...>) {
-        return module_->forward(detail::cast_argument(*core_, std::forward<Args>(args))...);
-      } else {
-        return module_->forward(std::forward<Args>(args)...);
+      try {
+        if constexpr (detail::kForwardTakesCastArguments<Impl, Args&&...>) {
+          return module_->forward(detail::cast_argument(*core_, std::forward<Args>(args))...);
+        } else {
+          return module_->forward(std::forward<Args>(args)...);
+        }
+      } catch (...) {
+        core_->abort_forward();
+        throw;
       }
     }();
     std::vector<torch::Tensor> outputs;

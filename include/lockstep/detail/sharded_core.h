@@ -11,6 +11,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,6 +58,9 @@ class ShardedCore {
   /// Frees what the strategy frees after forward, and hooks the outputs so
   /// that backward gathers it again first.
   void after_forward(const std::vector<torch::Tensor>& outputs);
+  /// The module's forward threw: forgets what it gathered (Note [A forward
+  /// that throws]). Never throws itself.
+  void abort_forward() noexcept;
 
   /// A floating-point input of forward in ShardingOptions::param_dtype
   /// (as it is without one).
@@ -107,7 +111,8 @@ class ShardedCore {
   /// Buffers and frozen parameters: the model's state that is not sharded.
   const std::vector<std::pair<std::string, torch::Tensor>>& whole() const;
   bool sharded() const;
-  void load_local(torch::optim::Optimizer& optimizer, const std::string& dir);
+  /// Reads and checks what load_sharded would change; returns the change (Note [A load changes all or nothing]).
+  std::function<void()> stage_load(torch::optim::Optimizer& optimizer, const std::string& dir);
   std::string shard_payload(torch::optim::Optimizer& optimizer, int64_t save_id) const;
   void shard_flat(torch::nn::Module& owner, size_t f);
   struct State;
