@@ -8,4 +8,6 @@ jobs=${LOCKSTEP_JOBS:-2}
 if [ ! -f "$build_dir/CMakeCache.txt" ]; then
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${torch_cmake_args[@]}" >/dev/null
 fi
-cmake --build "$build_dir" -j"$jobs"
+# LOCKSTEP_BUILD_TARGETS: only these targets (CI's TSan stage builds the thread tests alone).
+read -r -a targets <<< "${LOCKSTEP_BUILD_TARGETS:-}"
+cmake --build "$build_dir" -j"$jobs" ${targets[@]+--target "${targets[@]}"}

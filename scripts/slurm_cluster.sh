@@ -91,12 +91,20 @@ inside() {
   done
   "$NETLAB" exec "$LAB" 0 slurmctld -D -i -f "$SLURM_CONF" > "$dir/slurmctld.out" 2>&1 &
   # Each node has a /tmp of its own, as separate machines do: PMIx keeps a
-  # folder per step there, named by the job and step alone.
+  # folder per step there, named by the job and step alone. A project
+  # checked out under /tmp (its build, its .venv) stays visible on every
+  # node, as a shared file system would keep it: its steps run from there.
+  local root shared=""
+  root=$(cd "$here/.." && pwd -P)
+  case "$root/" in /tmp/?*) shared=${root#/tmp/} ;; esac
   for ((i = 0; i < nodes; i++)); do
     mkdir -p "$dir/spool-node$i" "$dir/tmp-node$i"
     chmod 1777 "$dir/tmp-node$i"
-    "$NETLAB" exec "$LAB" "$i" unshare -m sh -c 'mount --bind "$1" /tmp && exec slurmd -D -N "$2" -f "$3"' sh \
-      "$dir/tmp-node$i" "node$i" "$SLURM_CONF" > "$dir/slurmd-node$i.out" 2>&1 &
+    [ -z "$shared" ] || mkdir -p "$dir/tmp-node$i/$shared"
+    "$NETLAB" exec "$LAB" "$i" unshare -m sh -c '
+      if [ -n "$4" ]; then mount --bind "/tmp/$4" "$1/$4" || exit 1; fi
+      mount --rbind "$1" /tmp && exec slurmd -D -N "$2" -f "$3"' sh \
+      "$dir/tmp-node$i" "node$i" "$SLURM_CONF" "$shared" > "$dir/slurmd-node$i.out" 2>&1 &
   done
   local idle=0 deadline=$((SECONDS + 30))
   while [ $SECONDS -lt $deadline ]; do
