@@ -519,8 +519,17 @@ void ShardedCore::before_forward() {
 // forward's graph, whose backward may still come, reads the same values.
 // The price is one more all-gather of what was left gathered, in a pattern
 // that already runs a forward more.
+void ShardedCore::State::forget_gathered() {
+  wait_in_flight();
+  for (auto& flat : flats) {
+    if (flat.gathered) {
+      release(flat, /*empty=*/false);
+    }
+  }
+}
+
 // Note [A forward that throws]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A forward the module ends with an exception (a bad batch the caller
 // skips) has gathered units that after_forward never sees. Left marked
 // gathered, they would skip the next forward's all-gather, and the next
@@ -546,15 +555,6 @@ void ShardedCore::abort_forward() noexcept {
       s.end_pass();
     }
   } catch (...) {
-  }
-}
-
-void ShardedCore::State::forget_gathered() {
-  wait_in_flight();
-  for (auto& flat : flats) {
-    if (flat.gathered) {
-      release(flat, /*empty=*/false);
-    }
   }
 }
 

@@ -367,7 +367,7 @@ class InitDeadline {
 };
 
 // Note [One store, several groups]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // c10d's Gloo and NCCL groups, and Gloo's endpoint check here, publish their
 // rendezvous under fixed keys (each rank's address as "0", "1", ...). A
 // second group over the store of a first (a group made again after a

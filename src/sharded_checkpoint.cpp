@@ -508,6 +508,8 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
               "(writeback) or hide what it loads. End the guard first.");
+  std::function<void()> commit;
+  on_every_rank(group_, "load_sharded of " + dir, [&] { commit = stage_load(optimizer, dir); });
   if (s.forwarded) {
     Unwatched unwatched;
     if (s.sharded()) {
@@ -516,8 +518,6 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
     s.forwarded = false;
     s.forward_dropped_by = "load_sharded()";
   }
-  std::function<void()> commit;
-  on_every_rank(group_, "load_sharded of " + dir, [&] { commit = stage_load(optimizer, dir); });
   commit();
 }
 

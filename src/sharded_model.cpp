@@ -66,7 +66,7 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
 }
 
 // Note [A module wrapped twice]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Between steps a FullShard or ShardGradOp wrapper's module holds empty
 // tensors for its trainable parameters, the values living in the shards
 // (Note [Edits outside summon_full_params]). A second wrapper over
