@@ -50,7 +50,11 @@ namespace detail {
 //    averaged, into a gradient of each shard. Buckets start in a fixed order, the reverse of the
 //    units', so that every rank starts the same collectives in the same
 //    order; one whose gradients are not all there holds back the ones after
-//    it until the end of backward, where what never came is zero. Starting
+//    it until the end of backward, where what never came is zero. That
+//    holds while every rank gives the same parameters gradients: one that
+//    gets a gradient on some ranks only (a head whose loss a rank skips)
+//    starts its bucket mid-backward there and at the end elsewhere, against
+//    backward's all-gathers: a desync (docs/troubleshooting.md). Starting
 //    a reduce-scatter lands the one before it, so two buckets' gradients at
 //    most are in flight.
 //  - at the end of backward, the shards' .grad have the results (added to
@@ -500,61 +504,9 @@ void ShardedCore::before_forward() {
   if (s.sharded()) {
     Unwatched unwatched;
     if (s.forwarded) {
-      s.forget_gathered(); // Note [A forward without its backward]
+      s.forget_gathered(); // Note [A forward without its backward] in src/sharded_summon.cpp
     }
     s.begin_forward();
-  }
-}
-
-// Note [A forward without its backward]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A forward whose backward has not come (a prediction logged, a target under
-// NoGradGuard, a microbatch dropped) leaves units gathered: FullShard's
-// root and last bucket, every unit of ShardGradOp. An optimizer step or a
-// load_sharded may change the shards before the next forward, and a unit
-// still gathered would skip its all-gather and compute, and take gradients,
-// at the old values. Since nothing tells a step apart from no step (SGD
-// writes through .data(), which moves no version counter), such a forward
-// gathers every unit again; the buffers stay where they are, so an earlier
-// forward's graph, whose backward may still come, reads the same values.
-// The price is one more all-gather of what was left gathered, in a pattern
-// that already runs a forward more.
-void ShardedCore::State::forget_gathered() {
-  wait_in_flight();
-  for (auto& flat : flats) {
-    if (flat.gathered) {
-      release(flat, /*empty=*/false);
-    }
-  }
-}
-
-// Note [A forward that throws]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A forward the module ends with an exception (a bad batch the caller
-// skips) has gathered units that after_forward never sees. Left marked
-// gathered, they would skip the next forward's all-gather, and the next
-// summon's, after an optimizer step or a load changed the shards: computing
-// at the old values, and a summon's writeback would copy those back over
-// the step. So what it gathered is forgotten, as for a forward without its
-// backward, and the pass ends, unless an earlier forward's backward is
-// still to come: that backward then gathers what it reads. A collective
-// that failed meanwhile is left for the next call to report: the module's
-// own exception is the one to rethrow.
-void ShardedCore::abort_forward() noexcept {
-  auto& s = *state_;
-  if (!s.sharded() || s.pass != State::Pass::Forward) {
-    return;
-  }
-  try {
-    Unwatched unwatched;
-    s.forget_gathered();
-    if (s.forwarded) {
-      s.pass = State::Pass::AfterForward;
-      s.order.clear();
-    } else {
-      s.end_pass();
-    }
-  } catch (...) {
   }
 }
 

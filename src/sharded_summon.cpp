@@ -1,5 +1,8 @@
 // FullyShardedDataParallel's summon_full_params: every unit gathered, the
-// module's parameters its views, then edits written back into the shards.
+// module's parameters its views, then edits written back into the shards;
+// and the module between steps: what a forward without its backward, or
+// one that throws, leaves gathered, and the checks that nothing was edited
+// at rest.
 
 #include "sharded_state.h"
 
@@ -40,6 +43,58 @@ void ShardedCore::State::adopt_replaced_params(bool writeback) {
       param.set_data(view);
       restore_grad_accumulator(param, flat.accumulators[j]); // set_data forgets it when the dtype changed
     }
+  }
+}
+
+// Note [A forward without its backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A forward whose backward has not come (a prediction logged, a target under
+// NoGradGuard, a microbatch dropped) leaves units gathered: FullShard's
+// root and last bucket, every unit of ShardGradOp. An optimizer step or a
+// load_sharded may change the shards before the next forward, and a unit
+// still gathered would skip its all-gather and compute, and take gradients,
+// at the old values. Since nothing tells a step apart from no step (SGD
+// writes through .data(), which moves no version counter), such a forward
+// gathers every unit again; the buffers stay where they are, so an earlier
+// forward's graph, whose backward may still come, reads the same values.
+// The price is one more all-gather of what was left gathered, in a pattern
+// that already runs a forward more.
+void ShardedCore::State::forget_gathered() {
+  wait_in_flight();
+  for (auto& flat : flats) {
+    if (flat.gathered) {
+      release(flat, /*empty=*/false);
+    }
+  }
+}
+
+// Note [A forward that throws]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A forward the module ends with an exception (a bad batch the caller
+// skips) has gathered units that after_forward never sees. Left marked
+// gathered, they would skip the next forward's all-gather, and the next
+// summon's, after an optimizer step or a load changed the shards: computing
+// at the old values, and a summon's writeback would copy those back over
+// the step. So what it gathered is forgotten, as for a forward without its
+// backward, and the pass ends, unless an earlier forward's backward is
+// still to come: that backward then gathers what it reads. A collective
+// that failed meanwhile is left for the next call to report: the module's
+// own exception is the one to rethrow.
+void ShardedCore::abort_forward() noexcept {
+  auto& s = *state_;
+  if (!s.sharded() || s.pass != State::Pass::Forward) {
+    return;
+  }
+  try {
+    Unwatched unwatched;
+    s.forget_gathered();
+    if (s.forwarded) {
+      s.pass = State::Pass::AfterForward;
+      s.order.clear();
+    } else {
+      s.end_pass();
+    }
+  } catch (...) {
   }
 }
 
