@@ -383,6 +383,15 @@ c10::intrusive_ptr<c10d::Store> store_of_next_group(const c10::intrusive_ptr<c10
   return c10::make_intrusive<c10d::PrefixStore>("lockstep/group_" + std::to_string(number), store);
 }
 
+// The TCPStore under any PrefixStores (a program's own prefix per job or
+// group): it still says where the job lives.
+const c10d::TCPStore* tcp_store_under(c10::intrusive_ptr<c10d::Store> store) {
+  while (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(store.get())) {
+    store = prefixed->getUnderlyingStore();
+  }
+  return dynamic_cast<const c10d::TCPStore*>(store.get()); // kept alive by the caller's store
+}
+
 } // namespace
 
 ProcessGroup new_group(
@@ -394,11 +403,12 @@ ProcessGroup new_group(
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "lockstep::new_group: rank ", rank, " is out of range for size ",
               size, ".");
   detail::check_timeout(timeout, "new_group's timeout");
-  // A TCPStore says where the job lives: Gloo binds toward its host, as
-  // under init_process_group, so that ranks on other machines reach it.
-  // Any other store (HashStore, FileStore) is one machine's: loopback.
+  // A TCPStore says where the job lives, also under a PrefixStore: Gloo
+  // binds toward its host, as under init_process_group, so that ranks on
+  // other machines reach it. Any other store (HashStore, FileStore) is one
+  // machine's: loopback.
   BackendArgs args{store, rank, size, timeout, "127.0.0.1", 0};
-  if (const auto* tcp = dynamic_cast<const c10d::TCPStore*>(store.get())) {
+  if (const auto* tcp = tcp_store_under(store)) {
     args.master_addr = tcp->getHost();
     args.master_port = tcp->getPort();
   }

@@ -13,6 +13,7 @@
 #include "support/powersgd_checks.h"
 #include "support/worker.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
@@ -371,7 +372,8 @@ void timeline_steps(const ProcessGroup& group) {
 
 // The "tcp_store" scenario's group: lockstep::new_group over a TCPStore this
 // program makes at MASTER_ADDR:MASTER_PORT (rank 0 serves it), as a program
-// that manages its own store does.
+// that manages its own store does; under a PrefixStore with
+// LOCKSTEP_TEST_STORE_PREFIX.
 ProcessGroup group_over_own_tcp_store() {
   const auto env = [](const char* name) {
     const char* value = std::getenv(name);
@@ -385,7 +387,10 @@ ProcessGroup group_over_own_tcp_store() {
   options.isServer = rank == 0;
   options.numWorkers = size;
   options.timeout = std::chrono::seconds(20);
-  auto store = c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR"), options);
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR"), options);
+  if (const char* prefix = std::getenv("LOCKSTEP_TEST_STORE_PREFIX")) { // a program's own PrefixStore
+    store = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  }
   return lockstep::new_group(store, rank, size, "gloo", std::chrono::seconds(10));
 }
 

@@ -171,16 +171,26 @@ TEST(TwoHosts, NewGroupOverATcpStoreListensTowardTheStoresHost) {
     GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
   }
   const auto worker = [](const std::string&) { return std::vector<std::string>{LOCKSTEP_DDP_WORKER, "tcp_store"}; };
-  // Here each host name resolves to loopback: a clear error on both ranks.
-  auto nodes = start_on_two_hosts(hosts, "tcp_store_loopback", port(), {kOneThread}, worker);
-  testing::wait_all(nodes, std::chrono::seconds(60));
-  for (const auto& node : nodes) {
-    EXPECT_NE(node.exit_code, 0) << node.output;
-    EXPECT_LT(node.seconds, 9.0) << "not before the 10 s timeout: " << node.output;
-    EXPECT_NE(node.output.find("'s Gloo would listen on the loopback address"), std::string::npos) << node.output;
-    EXPECT_NE(node.output.find("Set GLOO_SOCKET_IFNAME to the network interface"), std::string::npos) << node.output;
+  // Here each host name resolves to loopback: a clear error on both ranks,
+  // also when the program wraps its TCPStore in a PrefixStore (which hid
+  // it: Gloo bound to 127.0.0.1 and failed at the timeout with its own error).
+  for (const std::string prefix : {"", "job7/"}) {
+    std::vector<std::string> env{kOneThread};
+    if (!prefix.empty()) {
+      env.push_back("LOCKSTEP_TEST_STORE_PREFIX=" + prefix);
+    }
+    auto nodes = start_on_two_hosts(hosts, "tcp_store_loopback", port(), env, worker);
+    testing::wait_all(nodes, std::chrono::seconds(60));
+    for (const auto& node : nodes) {
+      EXPECT_NE(node.exit_code, 0) << prefix << node.output;
+      EXPECT_LT(node.seconds, 9.0) << "not before the 10 s timeout: " << prefix << node.output;
+      EXPECT_NE(node.output.find("'s Gloo would listen on the loopback address"), std::string::npos) << node.output;
+      EXPECT_NE(node.output.find("Set GLOO_SOCKET_IFNAME to the network interface"), std::string::npos)
+          << node.output;
+    }
   }
-  nodes = start_on_two_hosts(hosts, "tcp_store_ifname", port(), {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0"}, worker);
+  auto nodes =
+      start_on_two_hosts(hosts, "tcp_store_ifname", port(), {kOneThread, "GLOO_SOCKET_IFNAME=lsnet0"}, worker);
   testing::wait_all(nodes, std::chrono::seconds(60));
   for (const auto& node : nodes) {
     EXPECT_EQ(node.exit_code, 0) << node.output;
