@@ -7,10 +7,12 @@ case "$LOCKSTEP_TORCH" in
   current)
     build_dir=build
     # torch.utils.cmake_prefix_path, without the 2 s it takes to import torch
-    torch_cmake_args=(-DCMAKE_PREFIX_PATH="$(echo "$PWD"/.venv/lib/python3*/site-packages/torch/share/cmake)")
+    torch_prefix=$(echo "$PWD"/.venv/lib/python3*/site-packages/torch/share/cmake)
+    torch_cmake_args=(-DCMAKE_PREFIX_PATH="$torch_prefix")
     ;;
   debian)
     build_dir=build-debian
+    torch_prefix=/usr
     torch_cmake_args=()
     ;;
   *)

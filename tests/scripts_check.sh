@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# scripts/build.sh builds against the LibTorch its configuration names, or
+# stops with an error: CMake would otherwise find Debian's 1.13 by default,
+# and a .venv/ without a complete torch, or a build folder configured for
+# the other configuration, would build "current" against 1.13 silently.
+# Each case runs a copy of scripts/ in an empty checkout, where it stops
+# before CMake.
+#
+#   tests/scripts_check.sh SOURCE_DIR
+set -uo pipefail
+source_dir=$1
+fail() { echo "FAILED: $*"; exit 1; }
+repo=$(mktemp -d)
+trap 'rm -rf "$repo"' EXIT
+cp -r "$source_dir/scripts" "$repo/"
+
+expect_refusal() { # CASE LOCKSTEP_TORCH MESSAGE
+  local out
+  out=$(LOCKSTEP_TORCH=$2 bash "$repo/scripts/build.sh" 2>&1) && fail "$1: build.sh went on: $out"
+  grep -qF -- "$3" <<< "$out" || fail "$1: expected '$3', got: $out"
+  echo "ok: $1: $out"
+}
+
+expect_refusal "no torch in .venv/" current \
+  "build: no PyTorch in .venv/ ($repo/.venv/lib/python3*/site-packages/torch/share/cmake/Torch/TorchConfig.cmake is missing). Run scripts/setup.sh"
+
+venv_torch=$repo/.venv/lib/python3.11/site-packages/torch/share/cmake/Torch
+mkdir -p "$venv_torch" "$repo/build" "$repo/build-debian"
+touch "$venv_torch/TorchConfig.cmake"
+echo "Torch_DIR:PATH=/usr/lib/x86_64-linux-gnu/cmake/Torch" > "$repo/build/CMakeCache.txt"
+expect_refusal "current's folder configured against Debian's" current \
+  "build: build/ was configured against the LibTorch in '/usr/lib/x86_64-linux-gnu/cmake/Torch', not LOCKSTEP_TORCH=current's"
+
+echo "Torch_DIR:PATH=$venv_torch" > "$repo/build-debian/CMakeCache.txt"
+expect_refusal "Debian's folder configured against the wheel" debian \
+  "build: build-debian/ was configured against the LibTorch in '$venv_torch', not LOCKSTEP_TORCH=debian's (under /usr)"
