@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <exception>
 
 namespace lockstep {
 namespace detail {
@@ -28,9 +29,21 @@ WorkerPool::WorkerPool(const std::vector<int>& intra_op_threads, bool cache_cpu_
   workers_.reserve(intra_op_threads.size());
   for (int threads : intra_op_threads) {
     TORCH_INTERNAL_ASSERT(threads > 0);
-    workers_.push_back(std::make_unique<Worker>());
-    Worker& w = *workers_.back();
-    w.thread = std::thread([this, &w, threads] { loop(w, threads); });
+    try {
+      auto worker = std::make_unique<Worker>();
+      Worker& w = *worker;
+      w.thread = std::thread([this, &w, threads] { loop(w, threads); });
+      workers_.push_back(std::move(worker)); // reserved: cannot throw
+    } catch (const std::exception& e) { // std::system_error, or std::bad_alloc for the thread's state
+      // The workers already started run on this object: end them before the
+      // constructor throws, or their std::thread's destructor terminates.
+      stop_and_join();
+      at::set_num_threads(caller_threads); // as below
+      TORCH_CHECK(false, "lockstep::DataParallel: the system refused thread ", workers_.size() + 1, " of the ",
+                  intra_op_threads.size(), " that run the replicas, one per device (", e.what(), "). A limit on "
+                  "threads or memory (ulimit -u, ulimit -v, a container's pids limit) is in the way: raise it, or "
+                  "give DataParallel fewer devices.");
+    }
   }
   std::unique_lock<std::mutex> lock(mutex_);
   done_cv_.wait(lock, [&] { return started_ == workers_.size(); });
@@ -42,6 +55,10 @@ WorkerPool::WorkerPool(const std::vector<int>& intra_op_threads, bool cache_cpu_
 }
 
 WorkerPool::~WorkerPool() {
+  stop_and_join();
+}
+
+void WorkerPool::stop_and_join() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& w : workers_) {

@@ -46,6 +46,7 @@ class WorkerPool {
  private:
   struct Worker;
   void loop(Worker& worker, int threads);
+  void stop_and_join();
 
   std::mutex run_mutex_;
   std::mutex mutex_;
