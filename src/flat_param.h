@@ -66,6 +66,11 @@ struct FlatParam {
 void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
                       const std::vector<torch::Tensor>& params, const std::string& where);
 
+/// Where the group carries FSDP's own small int64 tensors (the model check,
+/// a checkpoint's verdicts and id): the CPU where it can, else `device`, the
+/// parameters' (NCCL takes CUDA tensors only).
+torch::Device control_device(const ProcessGroup& group, torch::Device device);
+
 /// Note [A module wrapped twice]: the trainable parameters of the live
 /// wrappers. A parameter another wrapper holds is an error naming it.
 void check_not_wrapped(const std::vector<std::string>& names, const std::vector<torch::Tensor>& params,

@@ -1,5 +1,6 @@
 #include "mapped_memory.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
@@ -96,7 +97,15 @@ void allocate_mapped(const torch::Tensor& t) {
   if (storage->nbytes() == bytes && storage->data_ptr().get() != nullptr) {
     return;
   }
-  storage->set_data_ptr_noswap(t.device().is_cpu() ? map_pages(bytes) : storage->allocator()->allocate(bytes));
+  if (t.device().is_cpu()) {
+    storage->set_data_ptr_noswap(map_pages(bytes));
+  } else {
+    // A device allocator (CUDA's caching one) allocates on the thread's
+    // current device, which need not be the tensor's (cuda:1's rank on a
+    // thread whose current device is 0).
+    c10::OptionalDeviceGuard on(t.device());
+    storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  }
   storage->set_nbytes(bytes);
 }
 

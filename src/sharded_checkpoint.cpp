@@ -30,7 +30,7 @@
 #include <random>
 #include <sstream>
 #include <typeinfo>
-#include <unordered_set>
+#include <unordered_map>
 
 namespace lockstep {
 namespace detail {
@@ -113,10 +113,13 @@ std::string optimizer_kind(torch::optim::Optimizer& optimizer) {
   return typeid(optimizer).name();
 }
 
-// A fresh state of the optimizer's own type; `who` names the caller in the
-// error for a type whose state cannot be resharded.
+constexpr const char* kSaveFullInstead = "Save a full checkpoint under summon_full_params() instead.";
+
+// A fresh state of the optimizer's own type; `who` names the caller, and
+// `advice` ends the error for a type whose state cannot be resharded.
 std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optimizer& optimizer,
-                                                             const char* who = "lockstep::load_sharded") {
+                                                             const char* who = "lockstep::load_sharded",
+                                                             const char* advice = kSaveFullInstead) {
   const auto kind = optimizer_kind(optimizer);
   if (kind == "AdamW") {
     return std::make_unique<torch::optim::AdamWParamState>();
@@ -134,7 +137,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optim
     return std::make_unique<torch::optim::AdagradParamState>();
   }
   TORCH_CHECK(false, who, ": the optimizer (", kind, ") is not one whose state can be resharded (Adam, AdamW, SGD, "
-              "RMSprop, Adagrad). Save a full checkpoint under summon_full_params() instead.");
+              "RMSprop, Adagrad). ", advice);
 }
 
 // What an output archive wrote, for reading.
@@ -310,20 +313,42 @@ void stage_whole(OldShards& old, const nlohmann::json& index, const std::string&
   }
 }
 
-// Every parameter of `flats` must be one of `full`'s, or its state would be
-// set but never used.
-void check_full_optimizer(const std::vector<FlatParam*>& flats, torch::optim::Optimizer& full) {
-  std::unordered_set<const void*> held;
-  for (const auto& group : full.param_groups()) {
-    for (const auto& p : group.params()) {
-      held.insert(p.unsafeGetTensorImpl());
+// Which of the optimizer's parameter groups holds each of its tensors.
+std::unordered_map<const void*, size_t> group_of(torch::optim::Optimizer& optimizer) {
+  std::unordered_map<const void*, size_t> group;
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    for (const auto& p : optimizer.param_groups()[g].params()) {
+      group.emplace(p.unsafeGetTensorImpl(), g);
     }
   }
+  return group;
+}
+
+// `full` holds every parameter of the wrapped module (or its state would be
+// set but never used), each in the group
+// whose index its shard has in `optimizer`, so that the groups' options
+// (lr, betas, weight decay) can be copied across: a full optimizer made
+// with its own options would save those, and a bare optimizer on 2.x
+// would load them over its own.
+void check_full_optimizer(const std::vector<FlatParam*>& flats, torch::optim::Optimizer& optimizer,
+                          torch::optim::Optimizer& full) {
+  const auto sharded_group = group_of(optimizer);
+  const auto full_group = group_of(full);
+  TORCH_CHECK(full.param_groups().size() == optimizer.param_groups().size(), "lockstep::full_optimizer_state: the "
+              "full optimizer has ", full.param_groups().size(), " parameter groups and the sharded one ",
+              optimizer.param_groups().size(), ". Make the full optimizer with the sharded one's groups, each over the "
+              "module parameters whose shards are in that group.");
   for (const auto* flat : flats) {
+    const auto shard = sharded_group.find(flat->shard.unsafeGetTensorImpl());
     for (size_t j = 0; j < flat->params.size(); ++j) {
-      TORCH_CHECK(held.count(flat->params[j].unsafeGetTensorImpl()) != 0, "lockstep::full_optimizer_state: parameter '",
-                  flat->names[j], "' of the wrapped module is not among the full optimizer's parameters. Make the full "
-                  "optimizer from model->module()->parameters(), as a bare model's optimizer is made.");
+      const auto held = full_group.find(flat->params[j].unsafeGetTensorImpl());
+      TORCH_CHECK(held != full_group.end(), "lockstep::full_optimizer_state: parameter '", flat->names[j],
+                  "' of the wrapped module is not among the full optimizer's parameters. Make the full optimizer from "
+                  "model->module()->parameters(), as a bare model's optimizer is made.");
+      TORCH_CHECK(shard == sharded_group.end() || shard->second == held->second, "lockstep::full_optimizer_state: "
+                  "parameter '", flat->names[j], "' of the wrapped module is in the full optimizer's parameter group ",
+                  held->second, " but its shard is in the sharded optimizer's group ", shard->second, ". Make the full "
+                  "optimizer with the sharded one's groups, in the same order.");
     }
   }
 }
@@ -336,12 +361,18 @@ void check_full_optimizer(const std::vector<FlatParam*>& flats, torch::optim::Op
 // momentum) is all-gathered into the padded whole and cut into the
 // parameters' shapes; other entries (Adam's step) are the same on every
 // rank and are copied. The result is keyed by the wrapped module's
-// parameters, so the full optimizer serializes as a bare model's does.
+// parameters, so the full optimizer serializes as a bare model's does;
+// each parameter group takes the sharded group's options (its current lr).
 void ShardedCore::full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const {
   TORCH_CHECK(optimizer_kind(full) == optimizer_kind(optimizer), "lockstep::full_optimizer_state: the full optimizer is ",
               optimizer_kind(full), " but the sharded one is ", optimizer_kind(optimizer), ": its state would fill "
               "the wrong fields. Make the full optimizer of the sharded one's type.");
-  check_full_optimizer(flats(), full);
+  new_state(optimizer, "lockstep::full_optimizer_state",
+            "Its state cannot be gathered; save the model alone, under summon_full_params().");
+  check_full_optimizer(flats(), optimizer, full);
+  for (size_t g = 0; g < full.param_groups().size(); ++g) {
+    full.param_groups()[g].set_options(optimizer.param_groups()[g].options().clone());
+  }
   for (const auto* flat : flats()) {
     auto it = optimizer.state().find(optimizer_state_key(optimizer.state(), flat->shard));
     if (it == optimizer.state().end()) {
@@ -388,7 +419,13 @@ namespace {
 // Runs `step` on every rank, then every rank learns whether every other got
 // through it, so that none waits for one that failed: the failing rank
 // throws its own error, the others one naming it and `failure`.
-void on_every_rank(const ProcessGroup& group, const std::string& failure, const std::function<void()>& step) {
+torch::Device control_device_of(const ProcessGroup& group, const std::vector<FlatParam*>& flats) {
+  return control_device(group, flats.empty() ? torch::Device(torch::kCPU) : flats[0]->device);
+}
+
+// `device`: control_device's.
+void on_every_rank(const ProcessGroup& group, torch::Device device, const std::string& failure,
+                   const std::function<void()>& step) {
   std::exception_ptr error;
   try {
     step();
@@ -397,7 +434,9 @@ void on_every_rank(const ProcessGroup& group, const std::string& failure, const 
   }
   auto failed = torch::full({group.size()}, 0, torch::kLong);
   failed[group.rank()] = error ? 1 : 0;
+  failed = failed.to(device);
   group.allreduce(failed, ReduceOp::Max);
+  failed = failed.cpu();
   if (error) {
     std::rethrow_exception(error);
   }
@@ -408,8 +447,8 @@ void on_every_rank(const ProcessGroup& group, const std::string& failure, const 
 }
 
 // A number that tells one save from another, the same on every rank.
-int64_t new_save_id(const ProcessGroup& group) {
-  auto id = torch::full({1}, 0, torch::kLong);
+int64_t new_save_id(const ProcessGroup& group, torch::Device device) {
+  auto id = torch::full({1}, 0, torch::TensorOptions(torch::kLong).device(device));
   if (group.rank() == 0) {
     std::random_device random;
     const auto now = std::chrono::system_clock::now().time_since_epoch().count();
@@ -435,14 +474,15 @@ void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::st
     std::error_code ignored; // a folder that cannot be made is named by the write that fails in it
     std::filesystem::create_directories(dir, ignored);
   }
-  const int64_t save_id = new_save_id(group_); // also: the folder exists
-  on_every_rank(group_, "save_sharded's shard file", [&] {
+  const auto device = control_device_of(group_, flats());
+  const int64_t save_id = new_save_id(group_, device); // also: the folder exists
+  on_every_rank(group_, device, "save_sharded's shard file", [&] {
     new_state(optimizer, "lockstep::save_sharded"); // a checkpoint that no load could read is refused now
     if (group_.rank() < world) {
       write_framed(shard_file(dir, group_.rank(), world), shard_payload(optimizer, save_id));
     }
   });
-  on_every_rank(group_, "save_sharded's index", [&] {
+  on_every_rank(group_, device, "save_sharded's index", [&] {
     if (group_.rank() == 0) {
       nlohmann::json index = {{"format", 1}, {"world_size", world}, {"save_id", save_id},
                               {"optimizer", optimizer_kind(optimizer)},
@@ -509,7 +549,8 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
   TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
               "(writeback) or hide what it loads. End the guard first.");
   std::function<void()> commit;
-  on_every_rank(group_, "load_sharded of " + dir, [&] { commit = stage_load(optimizer, dir); });
+  on_every_rank(group_, control_device_of(group_, flats()), "load_sharded of " + dir,
+                [&] { commit = stage_load(optimizer, dir); });
   if (s.forwarded) {
     Unwatched unwatched;
     if (s.sharded()) {

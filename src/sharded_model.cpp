@@ -32,6 +32,10 @@ std::string devices_of(const std::vector<std::string>& names, const std::vector<
   return text;
 }
 
+torch::Device control_device(const ProcessGroup& group, torch::Device device) {
+  return group.supports(Collective::AllGather, torch::kLong, torch::kCPU) ? torch::Device(torch::kCPU) : device;
+}
+
 // Every rank must shard the same parameters, or the flat buffers would not
 // line up: the names, shapes and dtypes, hashed, and compared. Each rank's
 // must be on one device, as FSDP1 requires: with two, two of autograd's
@@ -45,8 +49,12 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
   const auto hash = static_cast<int64_t>(std::hash<std::string>()(text.str()) >> 1);
   int64_t devices = 0;
   const std::string on = devices_of(names, params, devices);
-  auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash, devices}, torch::kLong);
-  const auto all = group.all_gather(mine);
+  const auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash, devices}, torch::kLong);
+  const auto device = control_device(group, params.empty() ? torch::Device(torch::kCPU) : params[0].device());
+  std::vector<torch::Tensor> all;
+  for (const auto& theirs : group.all_gather(mine.to(device))) {
+    all.push_back(theirs.cpu());
+  }
   for (int r = 1; r < group.size(); ++r) {
     const auto* theirs = all[r].data_ptr<int64_t>();
     const auto* first = all[0].data_ptr<int64_t>();

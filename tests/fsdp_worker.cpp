@@ -4,8 +4,8 @@
 // variables) and by the Mpi.fsdp_* tests under mpirun
 // (LOCKSTEP_TEST_BACKEND=mpi).
 //
-//   lockstep_fsdp_worker equivalence|no_sync|frozen|mismatch|scaler|clip
-//   lockstep_fsdp_worker checkpoint_save|checkpoint_load DIR
+//   lockstep_fsdp_worker equivalence|no_sync|frozen|mismatch|scaler|clip|cuda
+//   lockstep_fsdp_worker checkpoint_save|checkpoint_load|cuda_checkpoint DIR
 //
 // Prints "rank R: OK" and exits 0 when every check passed, "rank R: CHECK
 // FAILED: ..." for each failed one and exits 1, "rank R: ERROR: ..." and
@@ -57,6 +57,10 @@ bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessG
         lockstep::testing::check_clip_grad_norm(group, initial, strategy, norm_type, check);
       }
     }
+  } else if (scenario == "cuda") { // both ranks on GPU 0 over Gloo: NCCL refuses two ranks on one device
+    lockstep::testing::check_fullshard_on_gpu(group, OddNet(), check);
+  } else if (scenario == "cuda_checkpoint" && !dir.empty()) {
+    lockstep::testing::check_state_loads_onto_gpu(group, OddNet(), dir, check);
   } else if (scenario == "mismatch") {
     lockstep::testing::check_model_mismatch(group, check);
   } else if ((scenario == "checkpoint_save" || scenario == "checkpoint_load") && !dir.empty()) {
@@ -74,7 +78,8 @@ bool run(const std::string& scenario, const std::string& dir, lockstep::ProcessG
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) {
-    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch|scaler|clip|checkpoint_save DIR|checkpoint_load DIR\n",
+    std::fprintf(stderr, "usage: %s equivalence|no_sync|frozen|mismatch|scaler|clip|cuda|checkpoint_save DIR|checkpoint_load DIR|"
+                 "cuda_checkpoint DIR\n",
                  argv[0]);
     return 2;
   }

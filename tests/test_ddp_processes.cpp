@@ -78,6 +78,25 @@ TEST(FsdpProcesses, NoSyncFrozenParametersAndAMismatchedModel) {
   expect_all_ok("mismatch", 2, {}, LOCKSTEP_FSDP_WORKER);
 }
 
+// Two ranks on GPU 0 over Gloo (NCCL refuses two ranks on one device), as
+// processes: ranks as threads of one process would share autograd's one
+// thread for that device, where one rank's gradient hook, waiting for a
+// collective, blocks the other rank's backward that would send its half.
+TEST(FsdpProcesses, FullShardOverGlooWithCudaTensorsOnTwoRanks_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  expect_all_ok("cuda", 2, {}, LOCKSTEP_FSDP_WORKER);
+}
+
+TEST(FsdpProcesses, StateSavedOnTheCpuLoadsOntoTheGpu_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const std::string dir = ::testing::TempDir() + "lockstep_fsdp_to_gpu_" + std::to_string(getpid());
+  expect_all_ok("cuda_checkpoint", 2, {}, LOCKSTEP_FSDP_WORKER, {dir});
+}
+
 TEST(DdpProcesses, TwoRanksMatchOneProcessOnTheWholeBatch) {
   expect_all_ok("equivalence");
 }

@@ -189,39 +189,5 @@ TEST(ShardedCheckpoint, AnotherOptimizerTypeIsAnErrorNamingBoth) {
   });
 }
 
-// The optimizer's state follows the parameters to the device they are on
-// at loading, as load_state_dict's does: saved from the CPU, then loaded
-// and stepped on the GPU.
-TEST(ShardedCheckpoint, StateSavedOnTheCpuLoadsOntoTheGpu_CUDA) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "no CUDA device";
-  }
-  const auto dir = checkpoint_dir("to_gpu");
-  testing::spawn(2, [&](ProcessGroup& group) {
-    auto step = [](FullyShardedDataParallel<Net>& model, torch::optim::Optimizer& optimizer, torch::Device device) {
-      optimizer.zero_grad();
-      model(torch::ones({2, 6}, device)).sum().backward();
-      optimizer.step();
-    };
-    {
-      FullyShardedDataParallel<Net> model(one_layer(false), group);
-      torch::optim::Adam adam(model->parameters());
-      step(model, adam, torch::kCPU);
-      save_sharded(model, adam, dir);
-    }
-    auto net = one_layer(false);
-    net->to(torch::kCUDA);
-    FullyShardedDataParallel<Net> model(net, group);
-    torch::optim::Adam adam(model->parameters());
-    load_sharded(model, adam, dir);
-    for (const auto& p : model->parameters()) {
-      const auto& state = static_cast<torch::optim::AdamParamState&>(*adam.state().at(detail::optimizer_state_key(adam.state(), p)));
-      EXPECT_TRUE(state.exp_avg().is_cuda()) << state.exp_avg().device();
-      EXPECT_TRUE(state.exp_avg_sq().is_cuda()) << state.exp_avg_sq().device();
-    }
-    step(model, adam, torch::kCUDA);
-  });
-}
-
 } // namespace
 } // namespace lockstep

@@ -211,6 +211,62 @@ inline void check_sharded_checkpoint(ProcessGroup& group, OddNet initial, Shardi
   check(close, std::string(name_of(strategy)) + ": rank 0's full checkpoint in a bare module differs from the reference");
 }
 
+/// The full parameters, on the CPU, equal `reference`'s within 1e-4.
+inline void check_full_params_on_gpu(FullyShardedDataParallel<OddNet>& model, OddNet reference, const Check& check,
+                                     const std::string& what) {
+  auto full = model->summon_full_params();
+  const auto mine = model->module()->parameters();
+  const auto theirs = reference->parameters();
+  check(mine.size() == theirs.size(), what + ": parameter count");
+  for (size_t i = 0; i < mine.size() && i < theirs.size(); ++i) {
+    check(mine[i].is_cuda(), what + ": parameter " + std::to_string(i) + " is not on the GPU");
+    check(torch::allclose(mine[i].cpu(), theirs[i], 1e-4, 1e-5),
+          what + ": parameter " + std::to_string(i) + " differs from one CPU process on the whole batch");
+  }
+}
+
+/// FullShard on GPU 0: 3 Adam steps of this rank's share equal 3 of one CPU
+/// process on the whole batch.
+inline void check_fullshard_on_gpu(ProcessGroup& group, OddNet initial, const Check& check) {
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto net = copy_of(initial);
+  net->to(gpu);
+  FullyShardedDataParallel<OddNet> model(net, group);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+  train_shares(model, adam, group, 0, 3, gpu);
+  check_full_params_on_gpu(model, train_reference(initial, 3, 12), check,
+                           "FullShard on the GPU over " + group.backend() + " on " + std::to_string(group.size()) +
+                               " ranks");
+}
+
+/// The optimizer's state follows the parameters to the device they are on
+/// at loading, as load_state_dict's does: one step saved with save_sharded
+/// (into DIR) from the CPU, then loaded on GPU 0 and stepped twice there,
+/// equals 3 steps of one CPU process.
+inline void check_state_loads_onto_gpu(ProcessGroup& group, OddNet initial, const std::string& dir,
+                                       const Check& check) {
+  {
+    FullyShardedDataParallel<OddNet> model(copy_of(initial), group);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    train_shares(model, adam, group, 0, 1);
+    save_sharded(model, adam, dir);
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto net = copy_of(initial);
+  net->to(gpu);
+  FullyShardedDataParallel<OddNet> model(net, group);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+  load_sharded(model, adam, dir);
+  check(adam.state().size() == model->parameters().size(), "every shard has Adam's state after load_sharded");
+  for (const auto& entry : adam.state()) {
+    const auto& state = static_cast<const torch::optim::AdamParamState&>(*entry.second);
+    check(state.exp_avg().is_cuda() && state.exp_avg_sq().is_cuda(),
+          "Adam's state loaded for the GPU's shards is on the GPU");
+  }
+  train_shares(model, adam, group, 1, 3, gpu);
+  check_full_params_on_gpu(model, train_reference(initial, 3, 12), check, "loaded onto the GPU, then 2 steps there");
+}
+
 /// Rank 1 builds a wider model than rank 0: an error on every rank.
 inline void check_model_mismatch(ProcessGroup& group, const Check& check) {
   OddNet net(group.rank() == 1 ? 14 : 13);
