@@ -1,5 +1,6 @@
 #include "collective_check.h"
 
+#include "caller_stream.h"
 #include "forwarding_group.h"
 
 #include <c10/util/Exception.h>
@@ -225,6 +226,7 @@ class Broken {
 struct Job {
   Fingerprint fingerprint{};
   torch::Device device = torch::kCPU;
+  c10::optional<c10::Stream> stream; // Note [The caller's stream]
   std::string what;
   std::function<std::shared_ptr<Work>(const std::string& what)> start;
   std::mutex mutex;
@@ -343,6 +345,7 @@ class CheckedGroup : public ForwardingGroup {
     job->broken = broken_;
     job->fingerprint = fingerprint;
     job->device = device;
+    job->stream = caller_stream(device);
     job->what = std::move(what);
     job->start = std::move(start);
     {
@@ -376,6 +379,7 @@ class CheckedGroup : public ForwardingGroup {
     std::shared_ptr<Work> work;
     std::exception_ptr error;
     try {
+      c10::OptionalStreamGuard on(job.stream);
       const std::string broken = broken_->first(); // Note [A group whose collective failed]
       TORCH_CHECK(broken.empty(), "lockstep: rank ", rank(), " of ", size(), ": ", job.what, " was not sent: an "
                   "earlier collective of this group failed, so its ranks can no longer be kept in step. Let the "

@@ -1,6 +1,7 @@
 // Compiled when LibTorch has c10d's Gloo process group; no_gloo.cpp otherwise.
 
 #include "backends.h"
+#include "../caller_stream.h"
 #include "../mapped_memory.h"
 #include "../torch_compat.h"
 
@@ -524,7 +525,9 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
       return std::make_shared<DoneWork>();
     }
     const int first_tag = next_tags();
-    auto done = ring_.run([group = &c10d_group(), output, input, op, first_tag] {
+    const auto stream = caller_stream(input.device());
+    auto done = ring_.run([group = &c10d_group(), output, input, op, first_tag, stream] {
+      c10::OptionalStreamGuard on(stream); // Note [The caller's stream]: the copies to and from the device
       ring_reduce_scatter(*group, output, input, op, first_tag);
     });
     return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
