@@ -7,6 +7,7 @@
 
 #include "support/dp_models.h"
 
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -66,6 +67,12 @@ TEST(DataParallelLimits, AThreadTheSystemRefusesIsAClearErrorNotACrash) {
   GTEST_SKIP() << "an address-space limit starves the sanitizer's own mappings";
 #endif
   torch::nn::Linear net(4, 2);
+  // LibTorch 1.13's at::set_num_threads, which each replica's thread calls,
+  // re-creates NNPACK's thread pool with that many threads, and under the
+  // limit below a pool whose thread cannot start waits for it forever,
+  // inside LibTorch. With one intra-op thread the pool starts none.
+  const int caller_threads = at::get_num_threads();
+  at::set_num_threads(1);
   std::string error;
   {
     // Stacks of 1 GiB in 2.5 GiB of address space: the first two replicas'
@@ -77,6 +84,7 @@ TEST(DataParallelLimits, AThreadTheSystemRefusesIsAClearErrorNotACrash) {
       error = e.what_without_backtrace();
     }
   }
+  at::set_num_threads(caller_threads);
   EXPECT_NE(error.find("lockstep::DataParallel: the system refused thread 3 of the 4 that run the replicas"),
             std::string::npos) << error;
   EXPECT_NE(error.find("raise it, or give DataParallel fewer devices"), std::string::npos) << error;
