@@ -101,7 +101,8 @@ void ShardedCore::State::launch_ready() {
 // Writes the flat buffer's gradients into `rows`, a [W, shard] view whose
 // row r is rank r's part (zeros where no gradient came, and in the
 // padding), and drops the parameters' .grad and what no_sync accumulated.
-void ShardedCore::State::write_grads(FlatParam& flat, const torch::Tensor& rows) {
+// Returns whether any parameter had a gradient (Note [Units no rank used]).
+bool ShardedCore::State::write_grads(FlatParam& flat, const torch::Tensor& rows) {
   drop_accumulated_if_cleared(flat);
   const int64_t shard = flat.layout.shard;
   // Elements [begin, end) of the flat buffer, row by row: `from` (in flat
@@ -119,33 +120,60 @@ void ShardedCore::State::write_grads(FlatParam& flat, const torch::Tensor& rows)
     }
   };
   int64_t written = 0;
+  bool used = false;
   for (size_t j = 0; j < flat.params.size(); ++j) {
     const auto grad = take_gradient(flat, j);
+    used = used || grad.defined();
     const int64_t numel = flat.views[j].numel();
     write(written, flat.offsets[j], torch::Tensor());
     write(flat.offsets[j], flat.offsets[j] + numel, grad.defined() ? grad.reshape({-1}) : torch::Tensor());
     written = flat.offsets[j] + numel;
   }
   write(written, flat.layout.padded, torch::Tensor());
+  return used;
 }
+
+// Note [Units no rank used]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every bucket is reduced in every backward, so that the ranks' collectives
+// match, and a unit that got no gradient on a rank sends zeros. A unit that
+// no rank used in a step must still not get zeros in its shard's .grad: a
+// bare model's parameter that took no gradient keeps its .grad as it was
+// (undefined after LibTorch 2.x's zero_grad), and optimizers skip it, while
+// zeros move it under momentum or weight decay, silently apart from the
+// bare model and from DDP (Note [Unused parameters]). So each row of the
+// bucket's input ends with one flag per member, 1 where this rank's
+// gradients for it were defined: every row carries the same flags, so every
+// rank's part of the average holds, per member, the share of ranks that
+// used it, and a member whose share is 0 leaves its shard's .grad as it was:
+// a defined one adds exact zeros, and one that land() had to create is
+// dropped again at the end of backward, where one look at all the flags
+// decides (a device's flags reach the host once a backward, after its work
+// is queued).
+// Within a unit that some rank used, a parameter no rank used gets zeros,
+// as in PyTorch's FSDP: the flat buffer has one gradient.
 
 // The bucket's gradients averaged into a gradient of each member's shard:
 // one reduce-scatter whose input holds, rank by rank, each member's part
 // for that rank (or one allreduce of them all, NoShard).
 void ShardedCore::State::launch(Bucket& bucket) {
   torch::NoGradGuard no_grad;
-  int64_t per_rank = 0;
+  const auto members = static_cast<int64_t>(bucket.members.size());
+  int64_t per_rank = members; // Note [Units no rank used]: the flags
   for (size_t i : bucket.members) {
     per_rank += flats[i].layout.shard;
   }
   const int64_t world = sharded() ? group.size() : 1;
   const auto& first = flats[bucket.members[0]];
   auto input = empty_mapped(world * per_rank, first.options().dtype(first.reduce_dtype)); // Note [Sharded mixed precision]
+  auto rows = input.view({world, per_rank});
   int64_t offset = 0;
+  std::vector<double> used;
   for (size_t i : bucket.members) {
-    write_grads(flats[i], input.view({world, per_rank}).narrow(1, offset, flats[i].layout.shard));
+    used.push_back(write_grads(flats[i], rows.narrow(1, offset, flats[i].layout.shard)) ? 1.0 : 0.0);
     offset += flats[i].layout.shard;
   }
+  rows.narrow(1, offset, members).copy_(torch::tensor(used, torch::kDouble).expand({world, members}));
   bucket.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
   const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +
       " (" + std::to_string(input.numel()) + " elements)";
@@ -159,6 +187,16 @@ void ShardedCore::State::launch(Bucket& bucket) {
   }
 }
 
+namespace {
+
+// The first `numel` elements of `t`'s storage as a tensor of their own, not
+// a view: a .grad that is a view refuses zero_grad()'s detach_().
+torch::Tensor storage_prefix(const torch::Tensor& t, int64_t numel) {
+  return torch::empty({0}, t.options()).set_(t.storage(), 0, {numel}, {1});
+}
+
+} // namespace
+
 // Waits for the bucket and adds each member's part to its shard's .grad.
 void ShardedCore::State::land(Bucket& bucket) {
   bucket.work->wait();
@@ -167,24 +205,49 @@ void ShardedCore::State::land(Bucket& bucket) {
                              bucket.start_us, timeline::detail::now_us(), "collectives",
                              bucket.output.numel() * bucket.output.element_size() * (sharded() ? group.size() : 1));
   }
+  const auto members = static_cast<int64_t>(bucket.members.size());
+  // Note [Units no rank used]: the members' flags follow their gradients.
+  const auto shares = bucket.output.narrow(0, bucket.output.numel() - members, members);
   int64_t offset = 0;
-  for (size_t i : bucket.members) {
-    auto& flat = flats[i];
+  for (int64_t m = 0; m < members; ++m) {
+    auto& flat = flats[bucket.members[m]];
     auto reduced = bucket.output.narrow(0, offset, flat.layout.shard);
     offset += flat.layout.shard;
-    auto& grad = flat.shard.mutable_grad();
-    if (grad.defined()) {
-      grad.add_(reduced);
-    } else if (reduced.scalar_type() != flat.dtype) {
-      grad = reduced.to(flat.dtype); // Note [Sharded mixed precision]
-    } else {
-      grad = bucket.members.size() == 1 ? bucket.output : reduced.clone(); // no view into a shared buffer
-    }
     std::fill(flat.ready.begin(), flat.ready.end(), 0);
     flat.ready_count = 0;
+    auto& grad = flat.shard.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(reduced); // zeros where no rank used it: .grad as it was
+    } else {
+      if (reduced.scalar_type() != flat.dtype) {
+        grad = reduced.to(flat.dtype); // Note [Sharded mixed precision]
+      } else {
+        grad = members == 1 ? storage_prefix(bucket.output, flat.layout.shard) : reduced.clone();
+      }
+      fresh_grads.emplace_back(bucket.members[m], shares.narrow(0, m, 1).clone()); // not the whole buffer
+    }
   }
   bucket.work.reset();
   bucket.output = torch::Tensor();
+}
+
+// Note [Units no rank used]: a .grad that land() created for a member no
+// rank used goes back to undefined.
+void ShardedCore::State::drop_unused_fresh_grads() {
+  if (fresh_grads.empty()) {
+    return;
+  }
+  std::vector<torch::Tensor> shares;
+  for (const auto& entry : fresh_grads) {
+    shares.push_back(entry.second);
+  }
+  const auto used = torch::cat(shares).to(torch::kCPU, torch::kDouble);
+  for (size_t k = 0; k < fresh_grads.size(); ++k) {
+    if (used[static_cast<int64_t>(k)].item<double>() == 0.0) {
+      flats[fresh_grads[k].first].shard.mutable_grad() = torch::Tensor();
+    }
+  }
+  fresh_grads.clear();
 }
 
 void ShardedCore::State::finalize() {
@@ -199,6 +262,7 @@ void ShardedCore::State::finalize() {
         land(bucket);
       }
     }
+    drop_unused_fresh_grads();
     next_launch = 0;
   } else {
     set_aside_accumulated();

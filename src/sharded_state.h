@@ -68,6 +68,9 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   std::vector<char> backward_reads, last_backward_reads;
   std::vector<Bucket> reduce_buckets;
   size_t next_launch = 0; // into reduce_buckets
+  // Shards whose .grad this backward created, each with its share of ranks
+  // that used it (Note [Units no rank used]).
+  std::vector<std::pair<size_t, torch::Tensor>> fresh_grads;
   // What is not sharded but is the model's state: buffers and frozen
   // parameters, by name, the live tensors (Note [Sharded checkpoint]).
   std::vector<std::pair<std::string, torch::Tensor>> whole;
@@ -133,9 +136,10 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   };
   void on_ready(size_t f, size_t j);
   void launch_ready();
-  void write_grads(FlatParam& flat, const torch::Tensor& rows);
+  bool write_grads(FlatParam& flat, const torch::Tensor& rows);
   void launch(Bucket& bucket);
   void land(Bucket& bucket);
+  void drop_unused_fresh_grads();
   void finalize();
   [[noreturn]] void refuse_unforwarded(const std::string& what) const;
   void on_output_gradient();

@@ -199,6 +199,16 @@ TEST(FullyShardedDataParallel, FrozenParametersAndUnusedUnitsMatchOneProcess) {
   }
 }
 
+// Every bucket is reduced in every backward; a unit no rank used must still
+// not get zeros in its .grad, which momentum and weight decay act on.
+TEST(FullyShardedDataParallel, AUnitNoRankUsedKeepsItsGradientUndefined) {
+  torch::manual_seed(3);
+  OddNet initial;
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) { testing::check_unit_no_rank_used(group, initial, strategy, kCheck); });
+  }
+}
+
 TEST(FullyShardedDataParallel, WritebackCopiesEditsIntoTheShards) {
   testing::spawn(2, [](ProcessGroup& group) {
     FullyShardedDataParallel<OddNet> model(OddNet(), group);

@@ -345,10 +345,11 @@ TEST(FullyShardedDataParallel, SmallUnitsShareTheirCollectivesAndALargeOneGoesAl
   auto both = gathers;
   both.insert(both.end(), gathers.rbegin() + 1, gathers.rend());
   EXPECT_EQ(starting_with(log, "all_gather of"), both);
+  // Reduce-scatters carry one more element per unit: Note [Units no rank used].
   EXPECT_EQ(starting_with(log, "reduce_scatter of"),
-            (std::vector<std::string>{"reduce_scatter of 7:Float (262144 elements)",
-                                      "reduce_scatter of 6:Float (2097152 elements)",
-                                      "reduce_scatter of 6 units (5:Float to 0:Float) (1536 elements)"}));
+            (std::vector<std::string>{"reduce_scatter of 7:Float (262145 elements)",
+                                      "reduce_scatter of 6:Float (2097153 elements)",
+                                      "reduce_scatter of 6 units (5:Float to 0:Float) (1542 elements)"}));
 }
 
 // Note [Shard buckets]: forward's first bucket holds at most 1 MiB, the
@@ -368,8 +369,8 @@ TEST(FullyShardedDataParallel, TheFirstBucketIsSmallAndTheReduceScattersTakeTheB
                                       "all_gather of 5 units (2:Float to 6:Float) (655360 elements)",
                                       "all_gather of 2 units (0:Float to 1:Float) (262144 elements)"}));
   EXPECT_EQ(starting_with(log, "reduce_scatter of"),
-            (std::vector<std::string>{"reduce_scatter of 5 units (6:Float to 2:Float) (655360 elements)",
-                                      "reduce_scatter of 2 units (1:Float to 0:Float) (262144 elements)"}));
+            (std::vector<std::string>{"reduce_scatter of 5 units (6:Float to 2:Float) (655365 elements)",
+                                      "reduce_scatter of 2 units (1:Float to 0:Float) (262146 elements)"}));
 }
 
 // Note [Shard buckets]: where the backend starts collectives cheaply, the

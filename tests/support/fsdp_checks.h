@@ -162,6 +162,42 @@ inline void check_no_sync(ProcessGroup& group, OddNet initial, ShardingStrategy 
   check_full_params(model, reference, check, std::string(name_of(strategy)) + " with no_sync", 1e-6);
 }
 
+/// The branch, a unit of its own, used by every rank at step 0 and by none
+/// after: as in the bare model, its shard's .grad stays undefined when its
+/// gradients were set to none, so Adam's momentum and weight decay leave it
+/// alone (Note [Units no rank used]).
+inline void check_unit_no_rank_used(ProcessGroup& group, OddNet initial, ShardingStrategy strategy,
+                                    const Check& check) {
+  const auto options = torch::optim::AdamOptions(0.01).weight_decay(0.1);
+  auto clear = [](const std::vector<torch::Tensor>& params) {
+    for (auto p : params) {
+      p.mutable_grad() = torch::Tensor(); // zero_grad(set_to_none), which 1.13 lacks
+    }
+  };
+  auto reference = copy_of(initial);
+  torch::optim::Adam ref_adam(reference->parameters(), options);
+  FullyShardedDataParallel<OddNet> model(copy_of(initial), group, ShardingOptions().strategy(strategy));
+  torch::optim::Adam adam(model->parameters(), options);
+  const std::string what = std::string(name_of(strategy)) + ", the branch used at step 0 only: ";
+  for (int step = 0; step < 3; ++step) {
+    reference->use_branch = model->module()->use_branch = step == 0;
+    auto batch = global_batch(12, step);
+    clear(reference->parameters());
+    torch::mse_loss(reference->forward(batch.first), batch.second).backward();
+    ref_adam.step();
+    auto share = share_of(12, step, group.rank(), group.size());
+    clear(model->parameters());
+    torch::mse_loss(model->forward(share.first), share.second).backward();
+    const auto flats = model->flat_params();
+    for (size_t f = 0; f < flats.size(); ++f) {
+      check(model->parameters()[f].grad().defined() == (step == 0 || flats[f].unit != "branch"),
+            what + "unit '" + flats[f].unit + "' has a .grad at step " + std::to_string(step) + " iff some rank used it");
+    }
+    adam.step();
+  }
+  check_full_params(model, reference, check, what + "after 3 Adam steps with weight decay");
+}
+
 /// With `save`, 2 Adam steps saved into DIR/<strategy> with save_sharded;
 /// else loaded from there, at whatever world size saved it, and 2 more, then
 /// the whole model equals 4 steps of one process. On load, each rank's shard
