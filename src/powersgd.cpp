@@ -56,7 +56,12 @@
 // (float16 training skips such steps, but an error of inf - inf = NaN
 // added to every later gradient would make every step overflow). Both are
 // decided on what the allreduces made the same on every rank, so every
-// rank keeps or drops the same state.
+// rank keeps or drops the same state. An overflow is a property of the
+// iteration, not of a bucket: the loss scaler skips the whole step, so
+// buckets that stayed finite must not keep their new Q and error either (the
+// error would carry the skipped step's gradient into later ones, at the
+// scale that overflowed). So the rounds' new state is held until the
+// iteration's last round finishes, and kept only if all were finite.
 
 namespace lockstep {
 namespace detail {
@@ -172,6 +177,24 @@ struct PowerSGDState {
   int64_t elements = 0, sent = 0; // this iteration's buckets, so far
   std::map<size_t, ParameterMemory> memory; // by GradBucket::parameters' index
   std::deque<std::shared_ptr<Round>> unfinished; // step 3 issued, step 4 not yet
+  // Note [PowerSGD's state]: what this iteration's finished rounds would
+  // keep, held until its last round finishes.
+  struct Iteration {
+    std::map<size_t, ParameterMemory> memory; // a field left undefined: drawn anew, or no error
+    size_t rounds = 0, finished = 0;
+    bool last_started = false, finite = true;
+  } now;
+
+  // Every round of the iteration has finished: keep what they made, or, if
+  // any result was not finite, the last iteration's state for every bucket.
+  void end_iteration() {
+    if (now.finite) {
+      for (auto& [index, kept] : now.memory) {
+        memory[index] = std::move(kept);
+      }
+    }
+    now = Iteration{};
+  }
 };
 
 namespace {
@@ -353,25 +376,28 @@ void Round::finish() {
   for (size_t i = 0; i < matrices_.size(); ++i) {
     torch::matmul_out(matrices_[i], ps_[i], qs_[i].t());
   }
+  done_ = true;
+  auto& now = state_->now;
   // Note [PowerSGD's state]: the averaged gradients and every Q are the
   // same on every rank, so is this decision.
-  if (!torch::isfinite(bucket_.buffer.narrow(0, 0, plan_.parameter_elements)).all().item<bool>() ||
-      !torch::isfinite(q_memory_).all().item<bool>()) {
-    done_ = true; // last iteration's Q and error stay
-    return;
-  }
-  for (size_t i = 0; i < matrices_.size(); ++i) {
-    const bool degenerate = (qs_[i].abs().amax(0) == 0).any().item<bool>();
-    memory_of(plan_.matrices[i].gradient).q =
-        state_->options.warm_start() && !degenerate ? qs_[i].reshape({-1}) : torch::Tensor(); // else drawn anew
-  }
-  if (state_->options.error_feedback()) {
-    auto errors = kept_.sub_(bucket_.buffer.narrow(0, 0, plan_.parameter_elements));
-    for (size_t i = 0; i < bucket_.gradients.size(); ++i) {
-      memory_of(i).error = errors.narrow(0, plan_.offsets[i], bucket_.gradients[i].numel());
+  const auto gradients = bucket_.buffer.narrow(0, 0, plan_.parameter_elements);
+  now.finite = now.finite && torch::isfinite(gradients).all().item<bool>() && torch::isfinite(q_memory_).all().item<bool>();
+  if (now.finite) {
+    for (size_t i = 0; i < matrices_.size(); ++i) {
+      const bool degenerate = (qs_[i].abs().amax(0) == 0).any().item<bool>();
+      now.memory[bucket_.parameters[plan_.matrices[i].gradient]].q =
+          state_->options.warm_start() && !degenerate ? qs_[i].reshape({-1}) : torch::Tensor(); // else drawn anew
     }
   }
-  done_ = true;
+  if (now.finite && state_->options.error_feedback()) {
+    auto errors = kept_.sub_(gradients);
+    for (size_t i = 0; i < bucket_.gradients.size(); ++i) {
+      now.memory[bucket_.parameters[i]].error = errors.narrow(0, plan_.offsets[i], bucket_.gradients[i].numel());
+    }
+  }
+  if (++now.finished == now.rounds && now.last_started) {
+    state_->end_iteration();
+  }
 }
 
 torch::Tensor Round::wait() {
@@ -403,6 +429,7 @@ std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group
   const bool compress = state_->iteration >= state_->options.start_iteration();
   if (bucket.index == 0) {
     state_->unfinished.clear(); // rounds an exception left behind in an earlier iteration
+    state_->now = detail::PowerSGDState::Iteration{};
   }
   if (bucket.last) {
     ++state_->iteration;
@@ -410,6 +437,8 @@ std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group
   if (!compress) {
     return comm_hooks::allreduce(group, bucket);
   }
+  ++state_->now.rounds;
+  state_->now.last_started = bucket.last;
   auto plan = detail::plan_powersgd(bucket, state_->options.rank(), state_->options.min_compression_rate());
   if (bucket.index == 0) {
     state_->elements = state_->sent = 0;

@@ -13,7 +13,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <sstream>
+#include <string>
 
 namespace lockstep {
 namespace {
@@ -172,6 +174,51 @@ TEST(PowerSGD, ErrorFeedbackCarriesTheResidualIntoTheNextIteration) {
     owed = norm;
   }
   EXPECT_EQ(powersgd.iteration(), 6);
+}
+
+// A tensor of PowerSGD's saved state ("parameter.0.error", ...).
+torch::Tensor saved(const PowerSGD& powersgd, const std::string& key) {
+  std::stringstream bytes;
+  torch::serialize::OutputArchive out;
+  powersgd.save(out);
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  torch::Tensor value;
+  in.read(key, value);
+  return value;
+}
+
+// Note [PowerSGD's state]: an overflow in one bucket skips the whole step
+// (the loss scaler's decision), so the bucket that stayed finite keeps last
+// iteration's error and Q too, or the skipped step's gradient would come
+// back in the next one.
+TEST(PowerSGD, AnOverflowInOneBucketKeepsEveryBucketsState) {
+  ProcessGroup one;
+  PowerSGD powersgd(PowerSGDOptions().rank(1).start_iteration(0));
+  auto step = [&](const torch::Tensor& a, const torch::Tensor& b) {
+    auto first = bucket_of({a});
+    first.last = false;
+    auto second = bucket_of({b});
+    second.index = 1;
+    second.parameters = {1};
+    second.name = "bucket 1";
+    auto pending_first = powersgd(one, first); // both started, then both waited, as DDP does
+    auto pending_second = powersgd(one, second);
+    pending_first->wait();
+    pending_second->wait();
+  };
+  step(of_rank(16, 8, 3, 1), of_rank(16, 8, 3, 2));
+  const auto error = saved(powersgd, "parameter.0.error");
+  const auto q = saved(powersgd, "parameter.0.q");
+  auto overflowed = of_rank(16, 8, 3, 4);
+  overflowed[0][0] = std::numeric_limits<float>::infinity();
+  step(of_rank(16, 8, 3, 3), overflowed);
+  EXPECT_TRUE(torch::equal(saved(powersgd, "parameter.0.error"), error)) << "the finite bucket's error moved";
+  EXPECT_TRUE(torch::equal(saved(powersgd, "parameter.0.q"), q)) << "the finite bucket's Q moved";
+  step(of_rank(16, 8, 3, 3), of_rank(16, 8, 3, 4));
+  EXPECT_FALSE(torch::equal(saved(powersgd, "parameter.0.error"), error)) << "a finite step keeps its state";
+  EXPECT_TRUE(torch::isfinite(saved(powersgd, "parameter.1.error")).all().item<bool>());
 }
 
 TEST(PowerSGD, TheFirstIterationsArePlainAndOnlyTheLastBucketCounts) {
