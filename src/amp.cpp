@@ -249,7 +249,13 @@ torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
     scale_ = torch::full({1}, options_.init_scale(), torch::dtype(torch::kFloat).device(outputs.device()));
     growth_tracker_ = torch::full({1}, init_growth_tracker_, torch::dtype(torch::kInt).device(outputs.device()));
   }
-  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true).reshape({}); // keeps a 0-dim loss 0-dim
+  // As PyTorch, by the [1]-shaped float32 scale, so that type promotion
+  // makes a float16 tensor's product float32: by a 0-dim scale it would stay
+  // float16, where a value of 1 times 65536 is inf, and whatever reduces it
+  // after (a mean's 1/N) would run in float16. A 0-dim loss stays 0-dim (and
+  // becomes float32 all the same).
+  const auto scale = scale_.to(outputs.device(), /*non_blocking=*/true);
+  return outputs.dim() == 0 ? outputs * scale.reshape({}) : outputs * scale;
 }
 
 void GradScaler::check_scaled(const char* call) const {
@@ -273,8 +279,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
               "step(); call it between backward() and step()");
   check_group_covers_shards(optimizer);
   const auto inv_scale = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat);
+  auto groups = gradients_by_device_and_dtype(optimizer); // before found_inf: a refusal records no check
   state.found_inf = torch::zeros({1}, scale_.options().dtype(torch::kFloat));
-  for (auto& group : gradients_by_device_and_dtype(optimizer)) {
+  for (auto& group : groups) {
     auto found = torch::zeros({1}, torch::dtype(torch::kFloat).device(group.device));
     check_and_unscale(group.grads, found, inv_scale.to(group.device));
     state.found_inf.add_(found.to(state.found_inf.device()));

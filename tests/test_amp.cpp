@@ -175,6 +175,37 @@ TEST(GradScaler, AZeroDimParameterStepsAndTheLossStaysZeroDim) {
   EXPECT_NEAR(p.item<float>(), 0.7f, 1e-6);
 }
 
+// A float16 loss of more than one element (a per-pixel loss, or the output
+// of a module under FullyShardedDataParallel's param_dtype) is scaled into
+// float32, as PyTorch's scale() does: by a 0-dim scale it stayed float16,
+// where 1 x 65536 is inf, and the mean's backward ran in float16 (with
+// 2^25 elements, every gradient was 0 and the step was taken).
+TEST(GradScaler, AFloat16LossIsScaledInFloat32) {
+  auto w = torch::ones({4}, torch::requires_grad());
+  GradScaler scaler; // 65536
+  auto loss = (w * 1.5).to(torch::kHalf);
+  auto scaled = scaler.scale(loss);
+  EXPECT_EQ(scaled.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::equal(scaled, torch::full({4}, 1.5 * 65536))) << scaled;
+  scaled.mean().backward();
+  EXPECT_TRUE(torch::allclose(w.grad(), torch::full({4}, 1.5 * 65536 / 4))) << w.grad();
+  const auto total = scaler.scale(w.sum().to(torch::kHalf));
+  EXPECT_EQ(total.scalar_type(), torch::kFloat);
+  EXPECT_EQ(total.dim(), 0);
+}
+
+// A refused unscale_ records no inf check: update() after it is refused too,
+// rather than counting the step as a good one.
+TEST(GradScaler, ARefusedUnscaleRecordsNoCheck) {
+  auto w = torch::ones({3}, torch::dtype(torch::kHalf).requires_grad(true));
+  torch::optim::SGD sgd({w}, 0.1);
+  GradScaler scaler(GradScalerOptions().growth_interval(1));
+  scaler.scale((w.to(torch::kFloat) * 2).sum()).backward();
+  EXPECT_ERROR_SAYS(scaler.unscale_(sgd), "parameter 1 (of [3]) is float16");
+  EXPECT_ERROR_SAYS(scaler.update(), "no optimizer was unscaled or stepped since the last update()");
+  EXPECT_EQ(scaler.get_scale(), 65536.0);
+}
+
 // unscale_, then clipping, then step: the same as clipping an unscaled step.
 TEST(GradScaler, UnscaleThenClipMatchesClippingWithoutAScale) {
   torch::manual_seed(0);
