@@ -24,14 +24,14 @@
 //     the rest, sent whole. Each M gets Q (m x r): last iteration's under
 //     warm start, else drawn from the seed (the same on every rank), then
 //     orthonormalised; and P = M Q.
-//  3. One allreduce carries the whole gradients and every P together
+//  3. One allreduce averages the whole gradients and every P together
 //     (PyTorch sends them as two; one round trip fewer matters on a slow
-//     link).
-//  4. Once it is done: the whole gradients are averaged into the bucket;
-//     each P (a sum over ranks: the same on every rank) is orthonormalised,
-//     Q = M^T P, and a second allreduce sums the Q's.
-//  5. M = P Q^T / world size goes into the bucket; the error is the kept
-//     copy minus that.
+//     link; it sums and divides after, which overflows float16 sooner).
+//  4. Once it is done: the whole gradients go into the bucket; each P (the
+//     same on every rank) is orthonormalised, Q = M^T P, and a second
+//     allreduce averages the Q's.
+//  5. M = P Q^T goes into the bucket; the error is the kept copy minus
+//     that.
 // Step 4 needs step 3's result, and every rank must issue its collectives
 // in the same order, so it cannot run whenever step 3 happens to finish.
 // It runs when the reducer waits for the first bucket at the end of
@@ -305,7 +305,10 @@ void Round::start() {
     orthogonalize_(qs_[i]);
     ps_[i].copy_(thin_times(qs_[i], matrices_[i].t()));
   }
-  first_work_ = group_.allreduce_async({first_}, ReduceOp::Sum, "PowerSGD's P allreduce of " + bucket_.name);
+  // Avg, not Sum: Note [Average] divides float16 before it sums, so two
+  // ranks' 40000 do not become inf. An averaged P is the summed one's
+  // direction, which is all the orthonormalisation keeps.
+  first_work_ = group_.allreduce_async({first_}, ReduceOp::Avg, "PowerSGD's P allreduce of " + bucket_.name);
 }
 
 void Round::compute_qs() {
@@ -315,10 +318,9 @@ void Round::compute_qs() {
     first_work_->wait();
   }
   timeline::Span span("PowerSGD: Q = M^T P");
-  const double world = group_.size();
   int64_t at = 0;
   for (const auto& [offset, numel] : plan_.whole) {
-    bucket_.buffer.narrow(0, offset, numel).copy_(first_.narrow(0, at, numel).div_(world));
+    bucket_.buffer.narrow(0, offset, numel).copy_(first_.narrow(0, at, numel));
     at += numel;
   }
   for (size_t i = 0; i < matrices_.size(); ++i) {
@@ -357,7 +359,7 @@ void Round::exchange_qs(PowerSGDState& state) {
     batch->names += (batch->names.empty() ? "" : ", ") + round->bucket_.name;
   }
   for (auto& batch : batches) {
-    auto work = batch.rounds.front()->group_.allreduce_async(batch.qs, ReduceOp::Sum,
+    auto work = batch.rounds.front()->group_.allreduce_async(batch.qs, ReduceOp::Avg, // as P's
                                                              "PowerSGD's Q allreduce of " + batch.names);
     for (auto& round : batch.rounds) {
       round->second_work_ = work;
@@ -372,7 +374,6 @@ void Round::finish() {
     second_work_->wait();
   }
   timeline::Span span("PowerSGD: M = P Q^T");
-  q_memory_.div_(group_.size());
   for (size_t i = 0; i < matrices_.size(); ++i) {
     torch::matmul_out(matrices_[i], ps_[i], qs_[i].t());
   }

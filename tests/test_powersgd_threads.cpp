@@ -27,6 +27,37 @@ TEST(PowerSGDThreads, AZeroGradientAndAnOverflowDoNotBecomeTheState) {
   }
 }
 
+// Note [Average]: float16 is divided before it is summed. PowerSGD's
+// allreduces summed and divided after, so two ranks' 40000 (and Q's of
+// 42426, from an 8 x 8 gradient of 15000) came back inf where DDP's own
+// allreduce returns them.
+TEST(PowerSGDThreads, Float16GradientsAreAveragedWithoutOverflow) {
+  const bool cpu_half_matmul = [] { // LibTorch 1.13 has no float16 matmul on the CPU
+    try {
+      torch::matmul(torch::ones({2, 2}, torch::kHalf), torch::ones({2, 2}, torch::kHalf));
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  testing::spawn(2, [&](ProcessGroup& group) {
+    PowerSGD powersgd(PowerSGDOptions().rank(1).start_iteration(0).error_feedback(false));
+    std::vector<torch::Tensor> gradients{torch::full({5}, 40000.0, torch::kHalf)};
+    if (cpu_half_matmul) {
+      gradients.push_back(torch::full({8, 8}, 15000.0, torch::kHalf));
+    }
+    auto bucket = testing::bucket_of(gradients);
+    ASSERT_EQ(bucket.buffer.scalar_type(), torch::kHalf);
+    powersgd(group, bucket)->wait();
+    EXPECT_TRUE(torch::equal(bucket.gradients[0], gradients[0])) << bucket.gradients[0];
+    if (cpu_half_matmul) {
+      EXPECT_TRUE(torch::allclose(bucket.gradients[1].to(torch::kFloat), torch::full({8, 8}, 15000.0), 2e-3))
+          << bucket.gradients[1];
+      EXPECT_GT(powersgd.compression_rate(), 1.0);
+    }
+  });
+}
+
 TEST(PowerSGDThreads, RanksHoldTheSameParametersWithNoSyncAndStaticGraph) {
   for (bool static_graph : {false, true}) {
     testing::spawn(2, [static_graph](ProcessGroup& group) {

@@ -21,14 +21,16 @@ namespace lockstep {
 namespace testing {
 
 /// A bucket as DistributedDataParallel builds it: the gradients' views of one
-/// flat buffer, then `extra` trailing elements (static_graph's flag).
+/// flat buffer of the first one's dtype, then `extra` trailing elements
+/// (static_graph's flag).
 inline GradBucket bucket_of(const std::vector<torch::Tensor>& gradients, int64_t extra = 0,
                             torch::Device device = torch::kCPU) {
   int64_t total = extra;
   for (const auto& g : gradients) {
     total += g.numel();
   }
-  GradBucket bucket{0, torch::empty({total}, device), {}, "bucket 0", {}, true};
+  const auto dtype = gradients.empty() ? torch::kFloat : gradients[0].scalar_type();
+  GradBucket bucket{0, torch::empty({total}, torch::TensorOptions(device).dtype(dtype)), {}, "bucket 0", {}, true};
   int64_t offset = 0;
   for (size_t i = 0; i < gradients.size(); ++i) {
     bucket.parameters.push_back(i);
