@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -227,16 +228,31 @@ void check_and_unscale(std::vector<torch::Tensor>& grads, torch::Tensor& found_i
 
 } // namespace
 
-GradScaler::GradScaler(GradScalerOptions options) : options_(std::move(options)) {
-  const auto& o = options_;
-  TORCH_CHECK(std::isfinite(o.init_scale()) && o.init_scale() > 0, "lockstep::GradScaler: init_scale ",
-              o.init_scale(), " must be a finite number above 0");
-  TORCH_CHECK(std::isfinite(o.growth_factor()) && o.growth_factor() > 1.0, "lockstep::GradScaler: growth_factor ",
+namespace {
+
+// The scale lives in a float32 tensor: a double beyond float's range
+// passed a check in double, then failed in ATen's fill_ with a message
+// that named neither the argument nor the call.
+bool valid_scale(double scale) {
+  return std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max();
+}
+
+// `where` is the constructor, or load() with the archive's values.
+void check_options(const GradScalerOptions& o, const char* where) {
+  TORCH_CHECK(valid_scale(o.init_scale()), where, "init_scale ", o.init_scale(), " must be a finite number above 0, "
+              "at most float32's largest (3.4e38)");
+  TORCH_CHECK(std::isfinite(o.growth_factor()) && o.growth_factor() > 1.0, where, "growth_factor ",
               o.growth_factor(), " must be above 1");
-  TORCH_CHECK(o.backoff_factor() > 0 && o.backoff_factor() < 1.0, "lockstep::GradScaler: backoff_factor ",
+  TORCH_CHECK(o.backoff_factor() > 0 && o.backoff_factor() < 1.0, where, "backoff_factor ",
               o.backoff_factor(), " must be between 0 and 1");
-  TORCH_CHECK(o.growth_interval() > 0 && o.growth_interval() <= INT32_MAX, "lockstep::GradScaler: growth_interval ",
+  TORCH_CHECK(o.growth_interval() > 0 && o.growth_interval() <= INT32_MAX, where, "growth_interval ",
               o.growth_interval(), " must be a positive number of steps");
+}
+
+} // namespace
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(std::move(options)) {
+  check_options(options_, "lockstep::GradScaler: ");
 }
 
 torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
@@ -360,8 +376,8 @@ void GradScaler::update(double new_scale) {
     return;
   }
   check_scaled("update");
-  TORCH_CHECK(std::isfinite(new_scale) && new_scale > 0, "lockstep::GradScaler::update: new_scale ", new_scale,
-              " must be a finite number above 0");
+  TORCH_CHECK(valid_scale(new_scale), "lockstep::GradScaler::update: new_scale ", new_scale,
+              " must be a finite number above 0, at most float32's largest (3.4e38)");
   scale_.fill_(new_scale);
   optimizers_.clear();
 }
@@ -403,13 +419,23 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   const double scale = read("scale");
   const double growth_factor = read("growth_factor");
   const double backoff_factor = read("backoff_factor");
-  const auto growth_interval = static_cast<int64_t>(read("growth_interval"));
-  const auto tracker = static_cast<int32_t>(read("_growth_tracker"));
-  options_.init_scale(scale).growth_factor(growth_factor).backoff_factor(backoff_factor).growth_interval(growth_interval);
-  init_growth_tracker_ = tracker;
+  const double interval = read("growth_interval");
+  TORCH_CHECK(interval >= 1 && interval <= INT32_MAX && interval == std::floor(interval), "lockstep::GradScaler::load: "
+              "the archive's growth_interval ", interval, " must be a positive number of steps");
+  const auto growth_interval = static_cast<int64_t>(interval);
+  const double tracker = read("_growth_tracker");
+  auto loaded = options_;
+  loaded.init_scale(scale).growth_factor(growth_factor).backoff_factor(backoff_factor).growth_interval(growth_interval);
+  // A scale of 0 or NaN would skip every step from then on, without a word.
+  check_options(loaded, "lockstep::GradScaler::load: the archive's ");
+  TORCH_CHECK(tracker >= 0 && tracker < static_cast<double>(growth_interval), "lockstep::GradScaler::load: the "
+              "archive's _growth_tracker ", tracker, " must count the good steps since the last growth, from 0 to "
+              "growth_interval - 1 (", growth_interval - 1, ")");
+  options_ = loaded;
+  init_growth_tracker_ = static_cast<int32_t>(tracker);
   if (scale_.defined()) {
     scale_.fill_(scale);
-    growth_tracker_.fill_(tracker);
+    growth_tracker_.fill_(init_growth_tracker_);
   }
 }
 

@@ -261,6 +261,35 @@ TEST(GradScaler, StateRoundTripsThroughAnArchive) {
   EXPECT_ERROR_SAYS(fresh.load(empty), "the archive has no \"scale\"");
 }
 
+// A damaged or hand-made state is refused at load, naming the value: a
+// scale of 0 or NaN skipped every step from then on, without an error.
+TEST(GradScaler, LoadRefusesAStateThatCannotWork) {
+  auto archive_with = [](const char* key, double value) {
+    GradScaler saved;
+    torch::serialize::OutputArchive out;
+    saved.save(out);
+    out.write(key, torch::tensor(value, torch::kDouble), /*is_buffer=*/true);
+    std::stringstream bytes;
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    return in;
+  };
+  GradScaler scaler(GradScalerOptions().init_scale(8.0));
+  auto zero = archive_with("scale", 0.0);
+  EXPECT_ERROR_SAYS(scaler.load(zero), "GradScaler::load: the archive's init_scale 0 must be a finite number above 0");
+  auto nan = archive_with("scale", std::nan(""));
+  EXPECT_ERROR_SAYS(scaler.load(nan), "init_scale nan must be");
+  auto backoff = archive_with("backoff_factor", 0.0);
+  EXPECT_ERROR_SAYS(scaler.load(backoff), "the archive's backoff_factor 0 must be between 0 and 1");
+  auto interval = archive_with("growth_interval", -3.0);
+  EXPECT_ERROR_SAYS(scaler.load(interval), "the archive's growth_interval -3 must be a positive number");
+  auto tracker = archive_with("_growth_tracker", 5000.0);
+  EXPECT_ERROR_SAYS(scaler.load(tracker), "_growth_tracker 5000 must count the good steps");
+  EXPECT_EQ(scaler.get_scale(), 8.0) << "a refused load changes nothing";
+  EXPECT_ERROR_SAYS(GradScaler(GradScalerOptions().init_scale(1e39)), "init_scale 1e+39 must be a finite number");
+}
+
 TEST(GradScaler, DisabledEveryCallPassesThrough) {
   auto w = torch::ones({3}, torch::requires_grad());
   torch::optim::SGD sgd({w}, 0.1);
