@@ -177,6 +177,7 @@ struct PowerSGDState {
   int64_t elements = 0, sent = 0; // this iteration's buckets, so far
   std::map<size_t, ParameterMemory> memory; // by GradBucket::parameters' index
   std::deque<std::shared_ptr<Round>> unfinished; // step 3 issued, step 4 not yet
+  std::weak_ptr<const void> model; // the DistributedDataParallel this state is of
   // Note [PowerSGD's state]: what this iteration's finished rounds would
   // keep, held until its last round finishes.
   struct Iteration {
@@ -425,8 +426,32 @@ PowerSGD::PowerSGD(PowerSGDOptions options) {
   state_ = std::make_shared<detail::PowerSGDState>(std::move(options));
 }
 
+namespace {
+
+// The state is kept by parameter index and counts iterations by the last
+// bucket: two models sharing it would each take the other's error feedback
+// and Q's (silently, where their shapes match) and count every step twice.
+// A model that has been destroyed hands the state on (a model wrapped again).
+void check_one_model(detail::PowerSGDState& state, const GradBucket& bucket) {
+  const auto theirs = bucket.model.lock();
+  if (!theirs) {
+    return; // a bucket made by hand
+  }
+  const auto mine = state.model.lock();
+  TORCH_CHECK(!mine || mine == theirs, "lockstep::PowerSGD: ", bucket.name, " comes from a second "
+              "DistributedDataParallel, but one PowerSGD serves one model: its error feedback and Q's are kept by "
+              "parameter index and its iteration counts one model's steps, so two models would share them. Make one "
+              "comm_hooks::powersgd() per DistributedDataParallel.");
+  if (!mine) {
+    state.model = bucket.model;
+  }
+}
+
+} // namespace
+
 std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group, GradBucket& bucket) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
+  check_one_model(*state_, bucket);
   const bool compress = state_->iteration >= state_->options.start_iteration();
   if (bucket.index == 0) {
     state_->unfinished.clear(); // rounds an exception left behind in an earlier iteration

@@ -422,7 +422,7 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
     bucket.launched_us = timeline::enabled() ? timeline::detail::now_us() : 0;
     if (options.comm_hook()) {
       GradBucket view{next_bucket, bucket.buffer, bucket.params, bucket.name, bucket.views,
-                      next_bucket + 1 == buckets.size()};
+                      next_bucket + 1 == buckets.size(), weak_from_this()};
       bucket.result = options.comm_hook()(group, view);
     } else {
       // The gradients were divided by the divisor on their way in.

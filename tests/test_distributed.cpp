@@ -452,12 +452,12 @@ TEST(DdpThreads, CompressionHooksRoundToTheirType) {
     const float value = 1.0f + 1.0f / 4096;
     for (auto [hook, type] : {std::make_pair(&comm_hooks::fp16_compress, torch::kHalf),
                               std::make_pair(&comm_hooks::bf16_compress, torch::kBFloat16)}) {
-      GradBucket bucket{0, torch::full({5}, value), {0}, "bucket 0", {}, true};
+      GradBucket bucket{0, torch::full({5}, value), {0}, "bucket 0", {}, true, {}};
       auto averaged = hook(group, bucket)->wait();
       const auto expected = torch::full({5}, value).div(2).to(type).to(torch::kFloat) * 2;
       EXPECT_TRUE(torch::equal(averaged, expected)) << averaged << " vs " << expected;
       EXPECT_NE(averaged[0].item<float>(), value);
-      GradBucket exact{0, torch::full({5}, value), {0}, "bucket 0", {}, true};
+      GradBucket exact{0, torch::full({5}, value), {0}, "bucket 0", {}, true, {}};
       EXPECT_EQ(comm_hooks::allreduce(group, exact)->wait()[0].item<float>(), value);
     }
   });

@@ -274,6 +274,28 @@ TEST(PowerSGD, SavedStateResumesExactly) {
             std::string::npos);
 }
 
+// One PowerSGD's state is one model's (kept by parameter index): a second
+// DistributedDataParallel's buckets are refused while the first lives, and
+// a model wrapped again after the first is gone takes the state on.
+TEST(PowerSGD, ASecondModelIsRefusedWhileTheFirstLives) {
+  ProcessGroup one;
+  auto powersgd = comm_hooks::powersgd(PowerSGDOptions().rank(1).start_iteration(0));
+  auto step = [](DistributedDataParallel<testing::OddNet>& model) {
+    torch::mse_loss(model->forward(torch::ones({2, 7})), torch::zeros({2, 3})).backward();
+  };
+  {
+    DistributedDataParallel<testing::OddNet> generator(testing::OddNet(), one, DistributedOptions().comm_hook(powersgd));
+    DistributedDataParallel<testing::OddNet> critic(testing::OddNet(), one, DistributedOptions().comm_hook(powersgd));
+    step(generator);
+    EXPECT_ERROR_SAYS(step(critic), "comes from a second DistributedDataParallel, but one PowerSGD serves one model",
+                      "Make one comm_hooks::powersgd() per DistributedDataParallel");
+    EXPECT_EQ(powersgd.iteration(), 1);
+  }
+  DistributedDataParallel<testing::OddNet> again(testing::OddNet(), one, DistributedOptions().comm_hook(powersgd));
+  step(again);
+  EXPECT_EQ(powersgd.iteration(), 2);
+}
+
 TEST(PowerSGD, OptionsThatCannotWorkAreRefused) {
   EXPECT_NE(error_of([] { PowerSGD(PowerSGDOptions().rank(0)); }).find("rank must be at least 1, but got 0"),
             std::string::npos);

@@ -37,6 +37,10 @@ struct GradBucket {
   std::vector<torch::Tensor> gradients;
   /// Whether this is the iteration's last bucket (PyTorch's is_last).
   bool last = false;
+  /// The DistributedDataParallel reducing this bucket, the same for all its
+  /// buckets (empty where a bucket is made by hand): for hooks that keep
+  /// state per model, as PowerSGD does.
+  std::weak_ptr<const void> model;
 };
 
 /// What a communication hook returns: the bucket averaged over ranks, now or

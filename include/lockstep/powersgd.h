@@ -57,7 +57,8 @@ struct PowerSGDState;
 
 /// The PowerSGD hook and its state. Pass it as DistributedOptions::comm_hook
 /// (it is a CommHook); copies share the state, so keep one to save and load
-/// it. One PowerSGD serves one DistributedDataParallel.
+/// it. One PowerSGD serves one DistributedDataParallel: a second one's
+/// buckets are refused while the first lives.
 class PowerSGD {
  public:
   explicit PowerSGD(PowerSGDOptions options = {});

@@ -30,7 +30,7 @@ inline GradBucket bucket_of(const std::vector<torch::Tensor>& gradients, int64_t
     total += g.numel();
   }
   const auto dtype = gradients.empty() ? torch::kFloat : gradients[0].scalar_type();
-  GradBucket bucket{0, torch::empty({total}, torch::TensorOptions(device).dtype(dtype)), {}, "bucket 0", {}, true};
+  GradBucket bucket{0, torch::empty({total}, torch::TensorOptions(device).dtype(dtype)), {}, "bucket 0", {}, true, {}};
   int64_t offset = 0;
   for (size_t i = 0; i < gradients.size(); ++i) {
     bucket.parameters.push_back(i);
