@@ -302,13 +302,18 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     check_and_unscale(group.grads, found, inv_scale.to(group.device));
     state.found_inf.add_(found.to(state.found_inf.device()));
   }
-  // Note [Mixed precision]: every rank steps or skips together.
+  // Note [Mixed precision]: every rank steps or skips together, and an
+  // optimizer with no gradient on some rank is refused on every rank.
+  state.no_gradients = groups.empty();
   const auto& group = options_.group();
   if (group.size() > 1) {
-    auto agreed = group.supports(Collective::Allreduce, torch::kFloat, state.found_inf.device())
-        ? state.found_inf : state.found_inf.cpu();
+    auto agreed = torch::cat({state.found_inf, torch::full({1}, state.no_gradients ? 1.0 : 0.0, state.found_inf.options())});
+    if (!group.supports(Collective::Allreduce, torch::kFloat, agreed.device())) {
+      agreed = agreed.cpu();
+    }
     group.allreduce(agreed, ReduceOp::Max);
-    state.found_inf.copy_(agreed);
+    state.found_inf.copy_(agreed.narrow(0, 0, 1));
+    state.no_gradients = agreed[1].item<float>() != 0;
   }
   state.stage = Stage::Unscaled;
 }
@@ -337,6 +342,12 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (state.stage == Stage::Ready) {
     unscale_(optimizer);
   }
+  // As PyTorch's "No inf checks were recorded for this optimizer": stepping
+  // it would check nothing, and update() would count a good step.
+  TORCH_CHECK(!state.no_gradients, "lockstep::GradScaler::step: no parameter of the optimizer has a gradient",
+              options_.group().size() > 1 ? " on some rank of the scaler's group" : "", ", so there is nothing to "
+              "check for inf or to step. Run scaler.scale(loss).backward() before scaler.step(optimizer); an optimizer "
+              "none of whose parameters took part in the loss must not be stepped this iteration.");
   const bool overflowed = state.found_inf.item<float>() != 0;
   if (!overflowed) {
     optimizer.step();
@@ -352,12 +363,13 @@ void GradScaler::update() {
   check_scaled("update");
   torch::Tensor found_inf;
   for (auto& entry : optimizers_) {
-    if (entry.second.found_inf.defined()) {
+    if (entry.second.found_inf.defined() && !entry.second.no_gradients) {
       found_inf = found_inf.defined() ? found_inf + entry.second.found_inf : entry.second.found_inf.clone();
     }
   }
-  TORCH_CHECK(found_inf.defined(), "lockstep::GradScaler::update: no optimizer was unscaled or stepped since the "
-              "last update(); call scaler.step(optimizer) before scaler.update()");
+  TORCH_CHECK(found_inf.defined(), "lockstep::GradScaler::update: no optimizer with gradients was unscaled or "
+              "stepped since the last update(); call scaler.scale(loss).backward(), then scaler.step(optimizer), "
+              "before scaler.update()");
   const auto& o = options_;
   if (aten_has_kernel("aten::_amp_update_scale_", scale_)) {
     at::_amp_update_scale_(scale_, growth_tracker_, found_inf, o.growth_factor(), o.backoff_factor(),

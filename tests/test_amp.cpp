@@ -202,8 +202,30 @@ TEST(GradScaler, ARefusedUnscaleRecordsNoCheck) {
   GradScaler scaler(GradScalerOptions().growth_interval(1));
   scaler.scale((w.to(torch::kFloat) * 2).sum()).backward();
   EXPECT_ERROR_SAYS(scaler.unscale_(sgd), "parameter 1 (of [3]) is float16");
-  EXPECT_ERROR_SAYS(scaler.update(), "no optimizer was unscaled or stepped since the last update()");
+  EXPECT_ERROR_SAYS(scaler.update(), "no optimizer with gradients was unscaled or stepped since the last");
   EXPECT_EQ(scaler.get_scale(), 65536.0);
+}
+
+// As PyTorch's "No inf checks were recorded": an optimizer none of whose
+// parameters has a gradient (a forgotten backward, a model the loss did not
+// use) is refused at step, and counts for nothing at update(). It was
+// stepped, and every such iteration counted towards the scale's growth.
+TEST(GradScaler, AnOptimizerWithNoGradientIsRefusedAtStep) {
+  auto w = torch::ones({3}, torch::requires_grad());
+  auto idle_weight = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, 0.1);
+  torch::optim::SGD idle({idle_weight}, 0.1);
+  GradScaler scaler(GradScalerOptions().growth_interval(1));
+  scaler.scale((w * 2).sum()).backward();
+  EXPECT_ERROR_SAYS(scaler.step(idle), "GradScaler::step: no parameter of the optimizer has a gradient",
+                    "Run scaler.scale(loss).backward() before scaler.step(optimizer)");
+  EXPECT_TRUE(scaler.step(sgd));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 131072.0) << "one good step, with growth_interval 1";
+  w.mutable_grad() = torch::Tensor(); // then no backward
+  EXPECT_ERROR_SAYS(scaler.step(sgd), "no parameter of the optimizer has a gradient");
+  EXPECT_ERROR_SAYS(scaler.update(), "no optimizer with gradients was unscaled or stepped");
+  EXPECT_EQ(scaler.get_scale(), 131072.0) << "an iteration without gradients grew the scale";
 }
 
 // unscale_, then clipping, then step: the same as clipping an unscaled step.

@@ -113,6 +113,7 @@ class GradScaler {
   struct PerOptimizer {
     Stage stage = Stage::Ready;
     torch::Tensor found_inf; // 1 element, float, on the scale's device; agreed over the group
+    bool no_gradients = false; // no parameter had a gradient (on some rank of the group)
   };
 
   void check_scaled(const char* call) const;
