@@ -144,6 +144,17 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     const ProcessGroup& group = capsule->group;
     const auto dims = reduced_dims(x);
     const int64_t channels = x.size(1);
+    // Autograd runs a backward with create_graph under grad mode. This one's
+    // allreduce is not differentiable: a second-order gradient (a gradient
+    // penalty) would take the global sums for this rank's own and silently
+    // leave out every other rank's terms. PyTorch's SyncBatchNorm refuses
+    // double backward too. Before the collective, so that ranks that all ask
+    // for it all stop here.
+    TORCH_CHECK(!torch::GradMode::is_enabled(), "lockstep::", capsule->label, ": rank ", group.rank(), " of ",
+                group.size(), ": a backward with create_graph (double backward, a gradient penalty) reached it, but "
+                "its gradient's allreduce is not differentiable, so the second-order gradient would leave out the "
+                "other ranks' terms. Compute that gradient without create_graph through this layer, or use "
+                "BatchNorm there (per rank) as PyTorch's SyncBatchNorm would require too.");
 
     const auto acc = mean.scalar_type(); // accumulate_type(x), as forward saved it
     const auto dy = grads[0].defined() ? grads[0].contiguous().to(acc) : torch::zeros_like(x, x.options().dtype(acc));

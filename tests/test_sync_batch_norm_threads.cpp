@@ -5,6 +5,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "support/errors.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -65,6 +66,23 @@ TEST(SyncBatchNormThreads, SixteenBitInputsMatchTheWholeBatchInDouble) {
       EXPECT_LT(relative_error(weight_grad, reference_weight.grad()), 1e-4) << weight_grad;
     });
   }
+}
+
+// A gradient penalty's create_graph through the layer on two ranks: its
+// allreduce is not differentiable, so the second-order gradient would miss
+// the other rank's terms. An error on every rank, as PyTorch's; a plain
+// backward after it still works.
+TEST(SyncBatchNormThreads, DoubleBackwardIsAnErrorOnEveryRank) {
+  testing::spawn(2, [&](ProcessGroup& group) {
+    SyncBatchNorm norm(torch::nn::BatchNormOptions(3), group);
+    auto x = (torch::arange(24, torch::kFloat).reshape({4, 3, 2}) * (group.rank() + 1)).requires_grad_();
+    auto loss = norm->forward(x).pow(2).sum();
+    const auto where = "rank " + std::to_string(group.rank()) + " of 2: a backward with create_graph";
+    EXPECT_ERROR_SAYS(torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true),
+                      where.c_str(), "is not differentiable");
+    loss.backward();
+    EXPECT_TRUE(x.grad().defined());
+  });
 }
 
 } // namespace
