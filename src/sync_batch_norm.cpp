@@ -367,6 +367,24 @@ void label_sync_batch_norms(torch::nn::Module& root) {
   }
 }
 
+// Replicas on threads of one process would start their allreduces on the
+// one group in whatever order the threads reach it, on every rank: replica
+// i of rank 0 meets replica j of rank 1, with the same sizes and tag, and
+// the statistics mix without an error (or, where a replica's chunk is
+// empty and it does not run, the ranks' counts differ and they hang).
+void check_replicable(const torch::nn::Module& root, size_t replicas) {
+  for (const auto& named : root.named_modules()) {
+    const auto* sync = named.value()->as<SyncBatchNormImpl>();
+    if (replicas > 1 && sync != nullptr && sync->group.size() > 1) {
+      TORCH_CHECK(false, "lockstep::DataParallel: '", named.key(), "' is a lockstep::SyncBatchNorm over ",
+                  sync->group.size(), " ranks, but DataParallel runs ", replicas, " replicas of it on threads of one "
+                  "process, whose allreduces would meet the other ranks' replicas in whatever order the threads reach "
+                  "the group, mixing their statistics. Run one replica per process under DistributedDataParallel "
+                  "(one device per rank), or give the layer a group of one (BatchNorm per replica).");
+    }
+  }
+}
+
 } // namespace detail
 
 } // namespace lockstep

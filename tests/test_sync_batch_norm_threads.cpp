@@ -85,5 +85,19 @@ TEST(SyncBatchNormThreads, DoubleBackwardIsAnErrorOnEveryRank) {
   });
 }
 
+// DataParallel's replicas are threads of one process: their allreduces
+// would pair with the other rank's replicas in whatever order the threads
+// came, mixing statistics without an error. Refused at construction; one
+// replica (a single device) is fine.
+TEST(SyncBatchNormThreads, ReplicasOfAMultiRankLayerInDataParallelAreRefused) {
+  testing::spawn(2, [&](ProcessGroup& group) {
+    auto net = torch::nn::Sequential(torch::nn::Linear(4, 3), SyncBatchNorm(torch::nn::BatchNormOptions(3), group));
+    EXPECT_ERROR_SAYS(DataParallel<torch::nn::Sequential>(net, DataParallelOptions().devices({torch::kCPU, torch::kCPU})),
+                      "'1' is a lockstep::SyncBatchNorm over 2 ranks, but DataParallel runs 2 replicas");
+    DataParallel<torch::nn::Sequential> alone(net, DataParallelOptions().devices({torch::kCPU}));
+    EXPECT_EQ(alone->forward(torch::ones({2, 4})).sizes(), (std::vector<int64_t>{2, 3}));
+  });
+}
+
 } // namespace
 } // namespace lockstep

@@ -88,6 +88,7 @@ class DataParallelImpl : public detail::WrapperModule<M> {
     if (detail::DataParallelCore::runs_alone(options)) {
       replicas_.push_back(module_.ptr());
     } else {
+      detail::check_replicable(*module_, options.devices().size());
       for (const auto& device : options.devices()) { // replica 0 too: Note [Replica 0]
         auto replica = std::dynamic_pointer_cast<Impl>(module_->clone(device));
         TORCH_INTERNAL_ASSERT(replica, "clone() returned another module type");

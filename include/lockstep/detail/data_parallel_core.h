@@ -30,6 +30,10 @@ DataParallelOptions resolve_options(DataParallelOptions options);
 /// Throws, naming the first parameter or buffer of `module` not on `first`.
 void check_module_on(const torch::nn::Module& module, torch::Device first);
 
+/// Throws, naming a SyncBatchNorm over several ranks, which `replicas`
+/// replicas on threads cannot share (src/sync_batch_norm.cpp).
+void check_replicable(const torch::nn::Module& module, size_t replicas);
+
 /// Stage 1's result: the call's rows and which replicas run.
 struct Plan {
   int64_t batch = 0;
