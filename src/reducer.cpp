@@ -249,6 +249,13 @@ void Reducer::check_hooks_attached() const {
 
 void Reducer::prepare_for_backward(bool sync) {
   State& s = *state_;
+  if (!sync && s.phase == State::Phase::Expecting) {
+    // A synced forward's backward is still to come. As in PyTorch, a forward
+    // under no_sync does not cancel it: that backward, which takes this
+    // forward's gradients too, is reduced. Made Unsynced, it stayed local
+    // on every rank, and the ranks stepped apart.
+    return;
+  }
   s.phase = sync ? State::Phase::Expecting : State::Phase::Unsynced;
   s.ready.assign(s.params.size(), 0);
   s.surprises.assign(s.params.size(), State::kNone);

@@ -372,6 +372,32 @@ TEST(DdpThreads, ANoGradForwardBeforeTheBackwardLeavesItsReduction) {
   });
 }
 
+// A forward under no_sync between a synced forward and its backward (an
+// auxiliary pass) leaves that backward reduced, as PyTorch's: it reduced
+// nothing, and each rank kept its own gradient.
+TEST(DdpThreads, ANoSyncForwardBeforeTheBackwardLeavesItsReduction) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::manual_seed(2);
+    OddNet net;
+    DistributedDataParallel<OddNet> ddp(net, group);
+    auto x = torch::full({2, 7}, static_cast<float>(group.rank() + 1));
+    auto out = ddp(x);
+    torch::Tensor aux;
+    {
+      auto guard = ddp->no_sync();
+      aux = ddp(x * 2);
+    }
+    (out.pow(2).sum() + aux.pow(2).sum()).backward();
+    auto all = group.all_gather(net->fc2->weight.grad());
+    EXPECT_TRUE(torch::equal(all[0], all[1])) << "the ranks' gradients were not reduced";
+    OddNet local = std::dynamic_pointer_cast<testing::OddNetImpl>(net->clone());
+    local->zero_grad();
+    (local(x).pow(2).sum() + local(x * 2).pow(2).sum()).backward();
+    auto own = group.all_gather(local->fc2->weight.grad());
+    EXPECT_TRUE(torch::allclose(net->fc2->weight.grad(), (own[0] + own[1]) / 2, 1e-5, 1e-6));
+  });
+}
+
 // A comm hook that throws ends backward early, before the callback that
 // would end the step: the next forward says so instead of averaging nothing.
 TEST(DdpThreads, ABackwardStoppedByAnErrorIsAnErrorAtTheNextForward) {

@@ -168,6 +168,35 @@ TEST(ShardedUsage, AccumulationWithoutAClearKeepsEveryMicroBatch) {
   }
 }
 
+// A synced forward, then one under no_sync (an auxiliary pass), then one
+// backward of both: it is reduced, as DDP's and PyTorch's. It was not: the
+// gradients were set aside as a no_sync accumulation, and the step read
+// shards with no gradient.
+TEST(ShardedUsage, ANoSyncForwardBeforeTheBackwardLeavesItsReduction) {
+  torch::manual_seed(9);
+  const std::vector<torch::Tensor> batches{torch::randn({4, 5}), torch::randn({4, 5})};
+  const auto want = reference_step(batches);
+  for (auto strategy : kStrategies) {
+    const auto nets = per_rank<Net>(tanh_net);
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<Net> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
+      torch::optim::SGD sgd(model->parameters(), 0.5);
+      const auto share = [&](int b) { return batches[b].chunk(group.size())[group.rank()]; };
+      auto main = loss_of(model(share(0)));
+      torch::Tensor aux;
+      {
+        auto guard = model->no_sync();
+        aux = loss_of(model(share(1)));
+      }
+      (main + aux).backward();
+      sgd.step();
+      auto full = model->summon_full_params();
+      EXPECT_TRUE(close(params_of(*model->module()), want))
+          << "rank " << group.rank() << ", strategy " << static_cast<int>(strategy);
+    });
+  }
+}
+
 struct TwoHeadsImpl : torch::nn::Module {
   TwoHeadsImpl() {
     torch::manual_seed(0);
