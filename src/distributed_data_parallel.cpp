@@ -195,7 +195,7 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   verify_same_parameters(group_, names, params, describe(options));
   buffers_ = unique_tensors(module.buffers());
   detail::label_sync_batch_norms(module);
-  broadcast_coalesced(group_, parameters_and_buffers(), 0, "the broadcast of rank 0's parameters and buffers");
+  broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");
   reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
 }
 
@@ -222,9 +222,13 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
 // guard's destructor only resets the flags here: communicating from a
 // destructor, while an exception unwinds, could hang.
 
-std::vector<torch::Tensor> DistributedCore::parameters_and_buffers() const {
+// The parameters, and the buffers unless broadcast_buffers(false) keeps
+// each rank's own (as PyTorch's _sync_module_states).
+std::vector<torch::Tensor> DistributedCore::synced_state() const {
   auto everything = module_.parameters();
-  everything.insert(everything.end(), buffers_.begin(), buffers_.end());
+  if (broadcast_buffers_) {
+    everything.insert(everything.end(), buffers_.begin(), buffers_.end());
+  }
   return unique_tensors(everything);
 }
 
@@ -362,7 +366,7 @@ void DistributedCore::finish_join() {
   const auto chosen = last.cpu();
   const int root = static_cast<int>(chosen[0].item<float>());
   TORCH_INTERNAL_ASSERT(root >= 0 && root < group_.size(), "no rank trained to the end");
-  broadcast_coalesced(group_, parameters_and_buffers(), root, "the broadcast of the final parameters from rank " + std::to_string(root));
+  broadcast_coalesced(group_, synced_state(), root, "the broadcast of the final parameters from rank " + std::to_string(root));
   const int rebuild_root = static_cast<int>(chosen[1].item<float>());
   if (rebuild_root >= 0) {
     reducer_->rebuild_buckets(rebuild_root);

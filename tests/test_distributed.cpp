@@ -261,12 +261,20 @@ TEST(DdpThreads, UserHookReturningACompletedResult) {
   });
 }
 
+// broadcast_buffers(false) leaves each rank's buffers its own from the
+// start, as PyTorch's (_sync_module_states with broadcast_buffers): the
+// wrapping copied rank 0's all the same.
 TEST(DdpThreads, BuffersFollowRankZeroBeforeEachForward) {
   for (bool broadcast : {true, false}) {
     testing::spawn(2, [broadcast](ProcessGroup& group) {
       torch::nn::Sequential seq(torch::nn::Linear(3, 3), torch::nn::BatchNorm1d(3));
-      DistributedDataParallel<torch::nn::Sequential> ddp(seq, group, DistributedOptions().broadcast_buffers(broadcast));
       auto mean = seq->named_buffers()["1.running_mean"];
+      {
+        torch::NoGradGuard no_grad;
+        mean.fill_(static_cast<float>(-group.rank()));
+      }
+      DistributedDataParallel<torch::nn::Sequential> ddp(seq, group, DistributedOptions().broadcast_buffers(broadcast));
+      EXPECT_EQ(mean[0].item<float>(), broadcast ? 0.0f : static_cast<float>(-group.rank())) << "at wrapping";
       {
         torch::NoGradGuard no_grad;
         mean.fill_(static_cast<float>(group.rank() + 1));

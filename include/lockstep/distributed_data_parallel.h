@@ -38,8 +38,9 @@ struct DistributedOptions {
   /// Allow parameters that get no gradient in some iterations; they are
   /// reduced as zeros. Without it such parameters are an error on every rank.
   TORCH_ARG(bool, find_unused_parameters) = false;
-  /// Copy rank 0's buffers (BatchNorm statistics) to every rank before each
-  /// forward.
+  /// Copy rank 0's buffers (BatchNorm statistics) to every rank at wrapping
+  /// and before each forward (at join's end, the last trainer's); false
+  /// leaves each rank's buffers its own, as PyTorch's.
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// Make each .grad a view into its bucket: no copy in or out, and no
   /// gradient-sized memory besides the buckets.
@@ -116,7 +117,8 @@ struct JoinOptions {
 /// While joined, every forward costs one small extra collective. In grad
 /// mode, each forward must be followed by its backward, as without join.
 /// When finish() returns, every rank holds bitwise the same parameters and
-/// buffers: those of the rank that trained last. Optimizer state stays each
+/// buffers (unless broadcast_buffers(false)): those of the rank that trained
+/// last. Optimizer state stays each
 /// rank's own: a rank that ran out early skipped steps, so its momentum or
 /// Adam moments differ; to train on after finish(), make the optimizer anew
 /// (or copy its state from the rank that trained last). Destroying the guard
@@ -141,7 +143,7 @@ class JoinGuard {
 
   /// Takes part in the other ranks' collectives, as zeros, until every rank
   /// has called finish(); then copies the last rank to train's parameters
-  /// and buffers to every rank. Under throw_on_early_termination, throws on
+  /// and buffers (unless broadcast_buffers(false)) to every rank. Under throw_on_early_termination, throws on
   /// every rank if some still had inputs.
   void finish() {
     TORCH_CHECK(core_ != nullptr, "lockstep::JoinGuard::finish: this guard has already finished (or was moved from).");
@@ -161,7 +163,8 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   using Impl = typename M::ContainedType;
 
   /// Checks that every rank built the same parameters, copies rank 0's
-  /// parameters and buffers to every rank, and installs the gradient hooks.
+  /// parameters and buffers (unless broadcast_buffers(false)) to every rank,
+  /// and installs the gradient hooks.
   DistributedDataParallelImpl(M module, ProcessGroup group, DistributedOptions options = {})
       : detail::WrapperModule<M>(std::move(module), "lockstep::DistributedDataParallel") {
     core_ = std::make_unique<detail::DistributedCore>(*module_, std::move(group), options);

@@ -59,7 +59,7 @@ class DistributedCore {
   };
   JoinRound join_round(bool training, bool reduce);
   // Each shared parameter or buffer once.
-  std::vector<torch::Tensor> parameters_and_buffers() const;
+  std::vector<torch::Tensor> synced_state() const;
   // A parameter frozen at wrapping has no hook: unfreezing it later would
   // leave its gradient local to each rank.
   void check_still_frozen() const;
