@@ -6,11 +6,13 @@
 #   scripts/gpu_check.sh prepare   # here: .devcheck/ = the committed tree (HEAD),
 #                                  # GoogleTest's sources, and the headers and CMake
 #                                  # files of CLI11, nlohmann-json, zlib and Gloo
-#   scripts/gpu_check.sh run OUT   # there, from the repository root, with .devcheck/
+#   scripts/gpu_check.sh run OUT [SECONDS]
+#                                  # there, from the repository root, with .devcheck/
 #                                  # carried along: build with every core, then the
-#                                  # CUDA tests, the unit and thread tests, the DDP
-#                                  # process tests, and lockstep-train on the GPUs;
-#                                  # logs in OUT
+#                                  # CUDA tests, lockstep-train on the GPUs (DataParallel,
+#                                  # and FullShard over NCCL), the unit and thread
+#                                  # tests, the DDP and FSDP process tests, all
+#                                  # within SECONDS; logs in OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$PWD/.devcheck
@@ -27,24 +29,36 @@ case "${1:-}" in
     echo "gpu_check: $(du -sh "$dir" | cut -f1) in .devcheck/, of commit $(git rev-parse --short HEAD)"
     ;;
   run)
-    out=${2:?usage: scripts/gpu_check.sh run OUT}
+    out=${2:?usage: scripts/gpu_check.sh run OUT [SECONDS]}
+    # Steps run most important first, each cut off at the deadline, so a
+    # short loan still returns every log.
+    deadline=$((SECONDS + ${3:-3000}))
+    left() { local n=$((deadline - SECONDS)); echo $((n > 5 ? n : 5)); }
     stage=$dir/stage
     nvidia-smi -L
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
     { cmake -S "$dir/googletest" -B /tmp/gtest -G Ninja -DCMAKE_INSTALL_PREFIX="$stage" -DCMAKE_BUILD_TYPE=Release &&
-      cmake --build /tmp/gtest && cmake --install /tmp/gtest; } >"$out/gtest.log" 2>&1
+      cmake --build /tmp/gtest && cmake --install /tmp/gtest; } >"$out/configure.log" 2>&1
     torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
     cmake -S "$dir/src" -B /tmp/lockstep -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix;$stage" \
-      -DZLIB_ROOT="$stage" -DLOCKSTEP_BUILD_BENCH=OFF >"$out/configure.log" 2>&1
-    cmake --build /tmp/lockstep >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+      -DZLIB_ROOT="$stage" -DLOCKSTEP_BUILD_BENCH=OFF >>"$out/configure.log" 2>&1
+    # -k 0: a file that fails to compile leaves the other targets to build and run.
+    build_start=$SECONDS
+    cmake --build /tmp/lockstep -- -k 0 >"$out/build.log" 2>&1 || grep -E -A12 "error|FAILED" "$out/build.log" | head -60
+    echo "gpu_check: built in $((SECONDS - build_start)) s"
     cd /tmp/lockstep
     # A failure must not stop the checks after it: every step reports, none exits.
-    { ctest -R CUDA --output-on-failure 2>&1 || true; } | tee "$out/cuda.log" | grep -E "Test +#|tests passed|tests failed" || true
-    tests/lockstep_unit_tests >"$out/unit.log" 2>&1; tail -1 "$out/unit.log"
-    tests/lockstep_thread_tests >"$out/threads.log" 2>&1; tail -4 "$out/threads.log"
-    tests/lockstep_process_tests --gtest_filter='DdpProcesses.*' >"$out/processes.log" 2>&1; tail -3 "$out/processes.log"
-    { ./lockstep-train --synthetic --train-samples 6000 --test-samples 1000 --epochs 2 --replicas 0 --out /tmp/gpu_train \
-      2>&1 || true; } | tee "$out/train.log" | grep -E "^lockstep-train: (2 epoch|last epoch)|rror" || true
+    { timeout "$(left)" ctest -R CUDA --timeout 240 --output-on-failure 2>&1 || true; } | tee "$out/cuda.log" |
+      grep -E "Test +#|tests passed|tests failed" || true
+    { timeout "$(left)" ./lockstep-train --synthetic --train-samples 6000 --test-samples 1000 --epochs 2 --replicas 0 \
+      --out /tmp/gpu_train 2>&1 || true; } | tee "$out/train.log" | grep -E "^lockstep-train: (2 epoch|last epoch)|rror" || true
+    { timeout "$(left)" ./lockstep-run --nproc-per-node 1 ./lockstep-train --synthetic --train-samples 6000 --test-samples 1000 \
+      --epochs 2 --sharding full --out /tmp/gpu_train_fsdp 2>&1 || true; } | tee "$out/train_fsdp.log" |
+      grep -E "lockstep-train: (2 epoch|last epoch)|rror" || true
+    { timeout "$(left)" tests/lockstep_unit_tests 2>&1 || true; } >"$out/unit.log"; tail -1 "$out/unit.log"
+    { timeout "$(left)" tests/lockstep_thread_tests 2>&1 || true; } >"$out/threads.log"; tail -4 "$out/threads.log"
+    { timeout "$(left)" tests/lockstep_process_tests --gtest_filter='FsdpProcesses.*:DdpProcesses.*' 2>&1 || true; } \
+      >"$out/processes.log"; tail -3 "$out/processes.log"
     ;;
   *)
     echo "usage: scripts/gpu_check.sh prepare | run OUT" >&2
