@@ -44,18 +44,3 @@ foreach(_dir IN LISTS _lockstep_wheel_cuda_dirs)
   get_filename_component(_dir "${_dir}" REALPATH)
   set_property(TARGET torch APPEND PROPERTY INTERFACE_LINK_OPTIONS "LINKER:-rpath,${_dir}")
 endforeach()
-
-# Note [The wheel's std::filesystem]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The pip wheel's libtorch libraries export copies of libstdc++'s
-# std::filesystem, built into them with the wheel's compiler. A program links
-# libtorch before libstdc++, so the dynamic linker binds the program's own
-# std::filesystem calls to those copies, which need not match the headers the
-# program was compiled with: with 2.11's wheel and GCC 13, remove_all of a
-# folder with files in it jumped to address 0 (a trainer's checkpoint, seen on
-# a GPU machine). Naming libstdc++ first among a program's libraries makes the
-# lookup find the system's, the one its headers belong to.
-if(CMAKE_SYSTEM_NAME STREQUAL "Linux" AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-  set_property(TARGET torch APPEND PROPERTY INTERFACE_LINK_OPTIONS
-    "SHELL:LINKER:--push-state,--no-as-needed -lstdc++ LINKER:--pop-state")
-endif()

@@ -28,7 +28,6 @@
 #include <map>
 #include <memory>
 
-#include <dlfcn.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -501,19 +500,6 @@ TEST(CheckedFile, AWriteTheDiskRefusesLeavesTheOldFileAndNoTemporary) {
     EXPECT_EQ(entry.path().filename(), "state.bin") << "left behind";
   }
   fs::remove_all(dir);
-}
-
-// Note [The wheel's std::filesystem] (cmake/LockstepTorch.cmake): the pip
-// wheel's libtorch exports its own copies of std::filesystem, and a program
-// bound to them crashed in remove_all. A program's calls must reach the
-// libstdc++ its headers came from.
-TEST(Linking, StdFilesystemCallsReachTheSystemLibstdcxx) {
-  const auto remove_all = static_cast<std::uintmax_t (*)(const std::filesystem::path&)>(&std::filesystem::remove_all);
-  Dl_info info{};
-  ASSERT_NE(::dladdr(reinterpret_cast<void*>(remove_all), &info), 0);
-  ASSERT_NE(info.dli_fname, nullptr);
-  EXPECT_NE(std::string(info.dli_fname).find("libstdc++"), std::string::npos)
-      << "std::filesystem::remove_all is bound to " << info.dli_fname;
 }
 
 } // namespace
