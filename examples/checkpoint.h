@@ -357,7 +357,7 @@ inline void remove_other_shards(const std::string& path, int64_t keep) {
   for (const auto& entry : fs::directory_iterator(dir, error)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind(prefix, 0) == 0 && name != kept) {
-      fs::remove_all(entry.path(), error); // best effort: a folder left over costs disk, not correctness
+      lockstep::detail::remove_tree(entry.path().string()); // best effort: a folder left costs disk, not correctness
     }
   }
 }

@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -75,6 +77,35 @@ void write_checked_file(const std::string& path, const std::string& magic, const
   }
   const auto slash = path.find_last_of('/');
   sync_path(slash == std::string::npos ? "." : path.substr(0, slash + 1), O_RDONLY | O_DIRECTORY, who);
+}
+
+// Note [The wheel's std::filesystem]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// PyTorch's pip wheels export copies of libstdc++'s std::filesystem from
+// their libtorch libraries. A program lists libtorch before libstdc++, so the
+// dynamic linker binds the program's own std::filesystem calls to those
+// copies, not to the libstdc++ its headers belong to. With the 2.11 wheel on a
+// GPU machine (Ubuntu 24.04, GCC 13), libtorch.so's remove_all of a folder
+// with files in it called address 0: the trainer died saving its second
+// sharded checkpoint, and two tests with it. Naming libstdc++ first on the
+// link line fixed the binding with Debian's toolchain but not with that
+// machine's, so lockstep, its programs and its tests remove folders with
+// nftw instead. The other std::filesystem calls they make ran there.
+namespace {
+
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) {
+  return ::remove(path) == 0 || errno == ENOENT ? 0 : -1;
+}
+
+} // namespace
+
+bool remove_tree(const std::string& path) {
+  struct stat status {};
+  if (::lstat(path.c_str(), &status) != 0) {
+    return errno == ENOENT;
+  }
+  constexpr int kOpenFolders = 16;
+  return ::nftw(path.c_str(), remove_entry, kOpenFolders, FTW_DEPTH | FTW_PHYS) == 0;
 }
 
 } // namespace detail

@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -478,7 +479,7 @@ TEST(CliChecks, LauncherRefusesANegativeNodeRankInWords) {
 TEST(CheckedFile, AWriteTheDiskRefusesLeavesTheOldFileAndNoTemporary) {
   namespace fs = std::filesystem;
   const auto dir = ::testing::TempDir() + "lockstep_checked_file_" + std::to_string(::getpid());
-  fs::remove_all(dir);
+  detail::remove_tree(dir);
   fs::create_directories(dir);
   const auto path = dir + "/state.bin";
   detail::write_checked_file(path, "MAGIC\n", "old", "writer");
@@ -499,7 +500,30 @@ TEST(CheckedFile, AWriteTheDiskRefusesLeavesTheOldFileAndNoTemporary) {
   for (const auto& entry : fs::directory_iterator(dir)) {
     EXPECT_EQ(entry.path().filename(), "state.bin") << "left behind";
   }
-  fs::remove_all(dir);
+  detail::remove_tree(dir);
+}
+
+// Note [The wheel's std::filesystem]: folders are removed with nftw.
+TEST(RemoveTree, RemovesNestedFoldersButNotWhatALinkPointsTo) {
+  namespace fs = std::filesystem;
+  const auto root = ::testing::TempDir() + "lockstep_remove_tree_" + std::to_string(::getpid());
+  const auto outside = root + "_outside";
+  ASSERT_TRUE(detail::remove_tree(root));
+  ASSERT_TRUE(detail::remove_tree(outside));
+  fs::create_directories(root + "/a/b");
+  fs::create_directories(outside);
+  std::ofstream(root + "/a/b/file") << "x";
+  std::ofstream(root + "/top") << "y";
+  std::ofstream(outside + "/kept") << "z";
+  fs::create_directory_symlink(outside, root + "/a/link");
+  EXPECT_TRUE(detail::remove_tree(root));
+  EXPECT_FALSE(fs::exists(root));
+  EXPECT_TRUE(fs::exists(outside + "/kept")) << "followed a link out of the folder";
+  EXPECT_TRUE(detail::remove_tree(root)) << "nothing there is not an error";
+  std::ofstream(root) << "a file";
+  EXPECT_TRUE(detail::remove_tree(root));
+  EXPECT_FALSE(fs::exists(root));
+  EXPECT_TRUE(detail::remove_tree(outside));
 }
 
 } // namespace

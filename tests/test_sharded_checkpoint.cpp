@@ -4,6 +4,7 @@
 // state; and a load onto another device. (Checkpoints that work, at another world size too, are in
 // test_fully_sharded.cpp.)
 
+#include <lockstep/detail/checked_file.h>
 #include <lockstep/lockstep.h>
 
 #include "../src/torch_compat.h"
@@ -30,7 +31,7 @@ Net one_layer(bool reshaped) {
 
 std::string checkpoint_dir(const std::string& name) {
   const auto dir = ::testing::TempDir() + "lockstep_ckpt_" + name + "_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
+  detail::remove_tree(dir);
   return dir;
 }
 

@@ -2,6 +2,7 @@
 // error on every rank, and the model stays usable; never a crash, and never
 // parameters that silently hold other values. Ranks as threads.
 
+#include <lockstep/detail/checked_file.h>
 #include <lockstep/lockstep.h>
 
 #include "support/errors.h"
@@ -50,7 +51,7 @@ bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>&
 
 std::string misuse_dir(const std::string& name) {
   const auto dir = ::testing::TempDir() + "lockstep_misuse_" + name + "_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
+  detail::remove_tree(dir);
   return dir;
 }
 

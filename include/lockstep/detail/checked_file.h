@@ -26,5 +26,10 @@ bool crc32_matches(const char* data, size_t size, uint32_t expected);
 void write_checked_file(const std::string& path, const std::string& magic, const std::string& payload,
                         const std::string& who);
 
+/// Removes `path` and, if it is a folder, everything in it, without following
+/// links. Whether nothing is left there. Use it, not
+/// std::filesystem::remove_all: Note [The wheel's std::filesystem].
+bool remove_tree(const std::string& path);
+
 } // namespace detail
 } // namespace lockstep
