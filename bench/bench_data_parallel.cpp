@@ -12,7 +12,7 @@
 // the module on R threads of one process, with no DataParallel: what threads
 // sharing one process reach. DataParallel and the ceiling run again under
 // OMP_WAIT_POLICY=passive, so that libgomp's spinning shows as the gap
-// between the two. --device cuda (scripts/gpu-check) times instead, in one
+// between the two. --device cuda (by hand on a GPU machine) times instead, in one
 // process, the bare module on cuda:0, DataParallel over every visible GPU, and
 // DistributedDataParallel with world size 1 over NCCL; bench/gpu_python.py is
 // the Python peer.
