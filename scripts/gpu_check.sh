@@ -61,7 +61,7 @@ case "${1:-}" in
       >"$out/processes.log"; tail -3 "$out/processes.log"
     ;;
   *)
-    echo "usage: scripts/gpu_check.sh prepare | run OUT" >&2
+    echo "usage: scripts/gpu_check.sh prepare | run OUT [SECONDS]" >&2
     exit 2
     ;;
 esac
