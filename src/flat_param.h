@@ -40,6 +40,10 @@ struct FlatParam {
   std::vector<torch::Tensor> accumulated;
   const void* set_aside_beside = nullptr;
   int64_t set_aside_version = 0;
+  // Whether that .grad is the zeros no_sync gave a shard that had none: a
+  // synced backward then treats it as one it made itself (Note [Units no
+  // rank used]).
+  bool set_aside_made = false;
   // Note [Edits outside summon_full_params]: whether its parameters are
   // empty tensors at rest, and their version counters since.
   bool resting = false;
@@ -56,6 +60,13 @@ struct FlatParam {
     return torch::TensorOptions().dtype(dtype).device(device);
   }
 };
+
+/// Whether `shard_grad` is the .grad that no_sync last set aside beside its
+/// accumulation, unchanged since (Note [Dropping a no_sync accumulation]).
+inline bool is_set_aside(const FlatParam& flat, const torch::Tensor& shard_grad) {
+  return shard_grad.defined() && shard_grad.unsafeGetTensorImpl() == flat.set_aside_beside &&
+      shard_grad._version() == flat.set_aside_version;
+}
 
 // src/sharded_model.cpp: what ShardedCore's constructor plans.
 

@@ -217,6 +217,10 @@ void ShardedCore::State::land(Bucket& bucket) {
     flat.ready_count = 0;
     auto& grad = flat.shard.mutable_grad();
     if (grad.defined()) {
+      if (flat.set_aside_made && is_set_aside(flat, grad)) {
+        fresh_grads.emplace_back(bucket.members[m], shares.narrow(0, m, 1).clone()); // no_sync's zeros
+      }
+      flat.set_aside_made = false;
       grad.add_(reduced); // zeros where no rank used it: .grad as it was
     } else {
       if (reduced.scalar_type() != flat.dtype) {

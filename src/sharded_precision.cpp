@@ -125,6 +125,9 @@ void ShardedCore::State::set_aside_accumulated() {
     auto& shard_grad = flat.shard.mutable_grad();
     if (!shard_grad.defined()) {
       shard_grad = torch::zeros_like(flat.shard);
+      flat.set_aside_made = true;
+    } else if (!is_set_aside(flat, shard_grad)) {
+      flat.set_aside_made = false;
     }
     flat.set_aside_beside = shard_grad.unsafeGetTensorImpl();
     flat.set_aside_version = shard_grad._version();
@@ -132,10 +135,7 @@ void ShardedCore::State::set_aside_accumulated() {
 }
 
 void ShardedCore::State::drop_accumulated_if_cleared(FlatParam& flat) {
-  const auto& shard_grad = flat.shard.grad();
-  if (flat.accumulated.empty() ||
-      (shard_grad.defined() && shard_grad.unsafeGetTensorImpl() == flat.set_aside_beside &&
-       shard_grad._version() == flat.set_aside_version)) {
+  if (flat.accumulated.empty() || is_set_aside(flat, flat.shard.grad())) {
     return;
   }
   flat.accumulated.clear(); // the caller cleared the gradients since

@@ -209,6 +209,19 @@ TEST(FullyShardedDataParallel, AUnitNoRankUsedKeepsItsGradientUndefined) {
   }
 }
 
+// The same when each step accumulates a micro-batch under no_sync first:
+// no_sync gives the shards a zero .grad to accumulate beside, and a unit no
+// rank used must not keep it.
+TEST(FullyShardedDataParallel, AUnitNoRankUsedKeepsItsGradientUndefinedUnderNoSync) {
+  torch::manual_seed(3);
+  OddNet initial;
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      testing::check_unit_no_rank_used(group, initial, strategy, kCheck, /*accumulate=*/true);
+    });
+  }
+}
+
 TEST(FullyShardedDataParallel, WritebackCopiesEditsIntoTheShards) {
   testing::spawn(2, [](ProcessGroup& group) {
     FullyShardedDataParallel<OddNet> model(OddNet(), group);

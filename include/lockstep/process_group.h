@@ -150,7 +150,13 @@ ProcessGroup init_process_group(ProcessGroupOptions options = {});
 /// in one process, FileStore, TCPStore). Over a TCPStore, Gloo listens on
 /// this machine's address toward the store's host, as under
 /// init_process_group (GLOO_SOCKET_IFNAME picks the interface); over the
-/// others, on loopback.
+/// others, on loopback. Every process that makes groups over one store must
+/// be a rank of each of them, and make them in the same order (Note [One
+/// store, several groups]): groups of different members, such as pairs
+/// {0, 1} and {2, 3} of a job, each take a store of their own, for example
+/// c10::make_intrusive<c10d::PrefixStore>("pair_" + std::to_string(pair),
+/// store). Over one shared store, ranks of different pairs can meet and form
+/// a group between them, without an error.
 ProcessGroup new_group(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -167,7 +168,7 @@ inline void check_no_sync(ProcessGroup& group, OddNet initial, ShardingStrategy 
 /// gradients were set to none, so Adam's momentum and weight decay leave it
 /// alone (Note [Units no rank used]).
 inline void check_unit_no_rank_used(ProcessGroup& group, OddNet initial, ShardingStrategy strategy,
-                                    const Check& check) {
+                                    const Check& check, bool accumulate = false) {
   const auto options = torch::optim::AdamOptions(0.01).weight_decay(0.1);
   auto clear = [](const std::vector<torch::Tensor>& params) {
     for (auto p : params) {
@@ -178,16 +179,26 @@ inline void check_unit_no_rank_used(ProcessGroup& group, OddNet initial, Shardin
   torch::optim::Adam ref_adam(reference->parameters(), options);
   FullyShardedDataParallel<OddNet> model(copy_of(initial), group, ShardingOptions().strategy(strategy));
   torch::optim::Adam adam(model->parameters(), options);
-  const std::string what = std::string(name_of(strategy)) + ", the branch used at step 0 only: ";
+  const std::string what = std::string(name_of(strategy)) + ", the branch used at step 0 only" +
+      (accumulate ? ", a no_sync micro-batch before each step's: " : ": ");
+  // With `accumulate`, micro-batch 10 * step goes under no_sync, then 10 * step + 1.
+  const std::vector<int> first_micro_batch{0, accumulate ? 10 : 1, accumulate ? 20 : 2};
   for (int step = 0; step < 3; ++step) {
     reference->use_branch = model->module()->use_branch = step == 0;
-    auto batch = global_batch(12, step);
     clear(reference->parameters());
-    torch::mse_loss(reference->forward(batch.first), batch.second).backward();
-    ref_adam.step();
-    auto share = share_of(12, step, group.rank(), group.size());
     clear(model->parameters());
-    torch::mse_loss(model->forward(share.first), share.second).backward();
+    for (int micro = first_micro_batch[step]; micro <= (accumulate ? first_micro_batch[step] + 1 : step); ++micro) {
+      auto batch = global_batch(12, micro);
+      torch::mse_loss(reference->forward(batch.first), batch.second).backward();
+      auto share = share_of(12, micro, group.rank(), group.size());
+      const bool synced = !accumulate || micro != first_micro_batch[step];
+      std::optional<ShardedNoSyncGuard> guard;
+      if (!synced) {
+        guard.emplace(model->no_sync());
+      }
+      torch::mse_loss(model->forward(share.first), share.second).backward();
+    }
+    ref_adam.step();
     const auto flats = model->flat_params();
     for (size_t f = 0; f < flats.size(); ++f) {
       check(model->parameters()[f].grad().defined() == (step == 0 || flats[f].unit != "branch"),
