@@ -529,10 +529,7 @@ void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
   // earlier forward's backward is still to come leaves the units as that
   // forward did: its backward reads them, and reduces as it was set to.
   if (!hooked.empty()) {
-    // A synced forward whose backward is still to come keeps that backward
-    // synced when a forward under no_sync follows it (an auxiliary pass),
-    // as DDP's reducer does and PyTorch's: it reduces both.
-    s.sync_at_forward = sync_ || (s.forwarded && s.sync_at_forward);
+    s.backward_decided = false; // Note [no_sync at backward]
     s.forwarded = true;
     s.forward_dropped_by = nullptr;
   }

@@ -40,8 +40,25 @@ void ShardedCore::State::on_output_gradient() {
   if (!forwarded) {
     refuse_unforwarded("an output of the wrapped module");
   }
+  decide_sync();
   if (sharded()) {
     begin_backward();
+  }
+}
+
+// Note [no_sync at backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Whether a backward reduces is the no_sync guard's state when its first
+// gradient comes, as PyTorch's FSDP reads it in its post-backward hook: a
+// forward made under the guard whose backward runs after it has ended is
+// reduced, with what the guard accumulated, and a backward run under the
+// guard keeps its gradients, wherever its forward ran. (DDP decides at
+// forward, as PyTorch's DDP does.) Deciding at forward instead left the first
+// case's step with no gradient at all, without an error.
+void ShardedCore::State::decide_sync() {
+  if (!backward_decided) {
+    backward_decided = true;
+    backward_syncs = sync;
   }
 }
 
@@ -49,6 +66,7 @@ void ShardedCore::State::on_ready(size_t f, size_t j) {
   if (!forwarded) {
     refuse_unforwarded("parameter '" + flats[f].names[j] + "'");
   }
+  decide_sync();
   if (!finalize_queued) {
     finalize_queued = true;
     std::weak_ptr<State> weak = shared_from_this();
@@ -59,7 +77,7 @@ void ShardedCore::State::on_ready(size_t f, size_t j) {
       }
     });
   }
-  if (!sync_at_forward) {
+  if (!backward_syncs) {
     return; // no_sync: the whole gradient stays in .grad
   }
   auto& flat = flats[f];
@@ -257,7 +275,8 @@ void ShardedCore::State::drop_unused_fresh_grads() {
 void ShardedCore::State::finalize() {
   finalize_queued = false;
   forwarded = false;
-  if (sync_at_forward) {
+  backward_decided = false;
+  if (backward_syncs) {
     for (; next_launch < reduce_buckets.size(); ++next_launch) {
       launch(reduce_buckets[next_launch]);
     }

@@ -321,6 +321,14 @@ bool ShardedCore::sharded() const {
   return state_->sharded();
 }
 
+bool ShardedCore::sync() const {
+  return state_->sync;
+}
+
+void ShardedCore::set_sync(bool sync) {
+  state_->sync = sync;
+}
+
 std::vector<ShardedCore::FlatInfo> ShardedCore::flat_params() const {
   std::vector<FlatInfo> infos;
   for (const auto& flat : state_->flats) {

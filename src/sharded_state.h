@@ -48,7 +48,10 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // summon_full_params()): its backward is then an error. Note [Loading
   // between forward and backward].
   const char* forward_dropped_by = nullptr;
-  bool sync_at_forward = true;
+  bool sync = true; // ShardedCore::set_sync: no_sync() sets it false
+  // Note [no_sync at backward]: whether the backward under way reduces.
+  bool backward_syncs = true;
+  bool backward_decided = false;
   bool finalize_queued = false;
   bool summoned = false;
   // Note [Shard buckets]: flat indices per all-gather (forward order), and
@@ -143,6 +146,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   void finalize();
   [[noreturn]] void refuse_unforwarded(const std::string& what) const;
   void on_output_gradient();
+  void decide_sync();
 };
 
 } // namespace detail

@@ -197,6 +197,57 @@ TEST(ShardedUsage, ANoSyncForwardBeforeTheBackwardLeavesItsReduction) {
   }
 }
 
+// Note [no_sync at backward]: as PyTorch's FSDP, the guard's state when
+// backward runs decides. A forward under the guard whose backward comes after
+// it ended is reduced, with the micro-batch accumulated before it, and the
+// step after it has the whole gradient; a synced forward whose backward runs
+// under the guard sends nothing, and the next synced backward reduces all.
+TEST(ShardedUsage, TheGuardsStateWhenBackwardRunsDecidesWhetherItReduces) {
+  torch::manual_seed(10);
+  const std::vector<torch::Tensor> batches{torch::randn({4, 5}), torch::randn({4, 5}), torch::randn({4, 5})};
+  const auto want_two = reference_step({batches[0], batches[1]});
+  const auto want_three = reference_step(batches);
+  for (auto strategy : kStrategies) {
+    for (bool forward_under_guard : {true, false}) {
+      const auto nets = per_rank<Net>(tanh_net);
+      testing::spawn(2, [&](ProcessGroup& group) {
+        FullyShardedDataParallel<Net> model(nets[group.rank()], group, ShardingOptions().strategy(strategy));
+        torch::optim::SGD sgd(model->parameters(), 0.5);
+        const auto share = [&](int b) { return batches[b].chunk(group.size())[group.rank()]; };
+        const std::string where = "rank " + std::to_string(group.rank()) + ", strategy " +
+            std::to_string(static_cast<int>(strategy)) +
+            (forward_under_guard ? ", forward under the guard, backward after it" : ", backward under the guard");
+        {
+          auto guard = model->no_sync();
+          loss_of(model(share(0))).backward();
+        }
+        torch::Tensor loss;
+        if (forward_under_guard) {
+          {
+            auto guard = model->no_sync();
+            loss = loss_of(model(share(1)));
+          }
+          loss.backward();
+        } else {
+          loss = loss_of(model(share(1)));
+          {
+            auto guard = model->no_sync();
+            loss.backward();
+          }
+          for (const auto& shard : model->parameters()) {
+            EXPECT_TRUE(!shard.grad().defined() || shard.grad().abs().sum().item<double>() == 0.0)
+                << where << ": a backward under the guard reduced";
+          }
+          loss_of(model(share(2))).backward();
+        }
+        sgd.step();
+        auto full = model->summon_full_params();
+        EXPECT_TRUE(close(params_of(*model->module()), forward_under_guard ? want_two : want_three)) << where;
+      });
+    }
+  }
+}
+
 struct TwoHeadsImpl : torch::nn::Module {
   TwoHeadsImpl() {
     torch::manual_seed(0);

@@ -66,11 +66,10 @@ struct ShardingOptions {
 
 /// While alive, backward keeps each parameter's whole gradient on this rank
 /// and communicates nothing; the next backward outside the guard reduces
-/// the accumulated sum. As for DDP's no_sync, a backward follows the forward
-/// it comes from: the backward of a forward made while the guard lived keeps
-/// its gradients local even when it runs after the guard has ended (PyTorch's
-/// FSDP decides when backward runs). Keep a micro-batch's forward and
-/// backward on the same side of the guard. A zero_grad() of the optimizer (or of the
+/// the accumulated sum. As in PyTorch's FSDP, and unlike DDP's no_sync, the
+/// guard's state when backward runs decides, not when forward ran: a
+/// backward after the guard ended reduces even if its forward ran under it
+/// (Note [no_sync at backward]). A zero_grad() of the optimizer (or of the
 /// FullyShardedDataParallel) in between drops that sum, as it would a
 /// gradient. Made by FullyShardedDataParallelImpl::no_sync().
 class ShardedNoSyncGuard {

@@ -74,12 +74,10 @@ class ShardedCore {
   /// (Note [A summon ended by an exception]).
   void abandon_summon() noexcept;
 
-  bool sync() const {
-    return sync_;
-  }
-  void set_sync(bool sync) {
-    sync_ = sync;
-  }
+  /// The no_sync guard's state, which a backward reads when its first
+  /// gradient comes (Note [no_sync at backward]).
+  bool sync() const;
+  void set_sync(bool sync);
   const ProcessGroup& group() const {
     return group_;
   }
@@ -118,7 +116,6 @@ class ShardedCore {
   struct State;
   std::shared_ptr<State> state_;
   ProcessGroup group_;
-  bool sync_ = true;
   std::optional<torch::ScalarType> param_dtype_;
 };
 
