@@ -2,9 +2,11 @@
 
 #include <lockstep/detail/c10d_group.h>
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
+#include <optional>
 #include <utility>
 
 namespace lockstep {
@@ -193,6 +195,10 @@ class FinishedWork : public Work {
     if (packed_.copied) {
       int64_t offset = 0;
       for (auto& t : packed_.tensors) {
+        std::optional<c10::InferenceMode> inference; // Note [Inference tensors]: only it writes them
+        if (t.is_inference()) {
+          inference.emplace();
+        }
         t.copy_(packed_.flat.narrow(0, offset, t.numel()).view(t.sizes()));
         offset += t.numel();
       }

@@ -92,6 +92,25 @@ std::string available_list() {
 } // namespace
 } // namespace detail
 
+namespace {
+
+// Note [Inference tensors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Tensors made under c10::InferenceMode may be written in place only under
+// it, and a backend writes results on a thread of its own (c10d Gloo's copy
+// out of its flat buffer, the Gloo rings' sums), where the caller's mode
+// does not hold: "Inplace update to inference tensor outside InferenceMode".
+// So a collective whose output is an inference tensor takes a normal tensor
+// of its own, made outside the mode, and wait() copies it into the output
+// under the mode. all_gather's new tensors are normal tensors, which serve
+// inside the mode as well.
+torch::Tensor normal_empty(const torch::Tensor& like) {
+  c10::InferenceMode normal_tensor(false);
+  return torch::empty({like.numel()}, like.options());
+}
+
+} // namespace
+
 std::shared_ptr<Work> GroupImpl::reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what) {
   std::vector<torch::Tensor> whole{input.clone()};
   auto work = allreduce(whole, op, std::move(what));
@@ -168,10 +187,12 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(torch::Tensor output, t
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::ReduceScatter, output, what);
   detail::CallerView caller({input}, static_cast<int64_t>(op));
   // An output inside the input (this rank's slice of it, the in-place form
-  // NCCL takes) would be written while the backend still reads that slice:
-  // the result goes to a tensor of its own, copied into the output at wait().
-  const bool in_place = output.is_alias_of(input);
-  auto target = in_place ? torch::empty({output.numel()}, output.options()) : output;
+  // NCCL takes) would be written while the backend still reads that slice,
+  // and an inference tensor cannot be written on a backend's thread (Note
+  // [Inference tensors]): the result goes to a tensor of its own, copied
+  // into the output at wait().
+  const bool in_place = output.is_alias_of(input) || output.is_inference();
+  auto target = in_place ? normal_empty(output) : output;
   auto sent_out = carrier == target.scalar_type() ? target : target.view(carrier);
   const bool first = detail::divides_first(input, op);
   torch::Tensor divided;
@@ -195,14 +216,18 @@ std::shared_ptr<Work> ProcessGroup::all_gather_into_async(torch::Tensor output, 
   detail::check_flat_pair(*impl_, output, input, what);
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::AllGather, input, what);
   detail::CallerView caller({input}, -1);
-  auto flat = (carrier == output.scalar_type() ? output : output.view(carrier)).view({-1});
+  detail::Packed packed; // Note [Inference tensors]: an inference output is gathered into a tensor of its own
+  packed.tensors = {output};
+  packed.flat = output.is_inference() ? normal_empty(output) : output.view({-1});
+  packed.copied = output.is_inference();
+  auto flat = (carrier == output.scalar_type() ? packed.flat : packed.flat.view(carrier)).view({-1});
   auto sent_input = (carrier == input.scalar_type() ? input : input.view(carrier)).view({-1});
   const int64_t n = input.numel();
   std::vector<torch::Tensor> outputs;
   for (int r = 0; r < size(); ++r) {
     outputs.push_back(flat.narrow(0, r * n, n));
   }
-  return impl_->all_gather(outputs, sent_input, std::move(what));
+  return detail::finish_after(impl_->all_gather(outputs, sent_input, std::move(what)), std::move(packed), 0);
 }
 
 void ProcessGroup::allreduce(torch::Tensor& tensor, ReduceOp op) const {
@@ -217,11 +242,7 @@ std::vector<torch::Tensor> ProcessGroup::all_gather(const torch::Tensor& tensor)
   const std::string what = "all_gather";
   detail::check_tensor_list(*impl_, {tensor}, what);
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::AllGather, tensor, what);
-  // The backend may write the results from a thread of its own, where the
-  // caller's inference mode does not hold: LibTorch 1.13's Gloo then refuses
-  // to write them if they are inference tensors. So they are made as normal
-  // tensors, which serve inside inference mode as well.
-  c10::InferenceMode normal_tensors(false);
+  c10::InferenceMode normal_tensors(false); // Note [Inference tensors]
   std::vector<torch::Tensor> outputs;
   std::vector<torch::Tensor> sent;
   for (int r = 0; r < size(); ++r) {

@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
       lockstep::testing::check_empty_list(group, check);
       lockstep::testing::check_local_refusal(group, check);
       lockstep::testing::check_bfloat16_and_bool(group, check);
-      lockstep::testing::check_all_gather_in_inference_mode(group, check);
+      lockstep::testing::check_collectives_in_inference_mode(group, check);
       lockstep::testing::check_in_place_and_parameters(group, check);
       if (group.backend() == "mpi") {
         // Note [MPI's thread and timeouts]: lockstep initialised MPI, and

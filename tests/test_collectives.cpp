@@ -63,9 +63,10 @@ TEST(ProcessGroupContract, BFloat16AndBoolTravelExactlyOrAreRefusedAtTheCall) {
   on_ranks(3, testing::check_bfloat16_and_bool);
 }
 
-TEST(ProcessGroupContract, AllGatherWorksInInferenceMode) {
-  on_ranks(1, testing::check_all_gather_in_inference_mode);
-  on_ranks(2, testing::check_all_gather_in_inference_mode);
+TEST(ProcessGroupContract, CollectivesWorkInInferenceMode) {
+  on_ranks(1, testing::check_collectives_in_inference_mode);
+  on_ranks(2, testing::check_collectives_in_inference_mode);
+  on_ranks(3, testing::check_collectives_in_inference_mode);
 }
 
 TEST(ProcessGroupContract, InPlaceReduceScatterAndCollectivesOverParameters) {

@@ -175,8 +175,11 @@ inline void check_bfloat16_and_bool(const ProcessGroup& group, const Check& chec
   }
 }
 
-// Item 6: an all_gather called in inference mode, of a tensor made there.
-inline void check_all_gather_in_inference_mode(const ProcessGroup& group, const Check& check) {
+// Collectives called under InferenceMode, whose tensors are then inference
+// tensors, which only an in-place op under that mode may write: all_gather
+// into a list, and the flat reduce-scatter and all-gather, each large enough
+// for Gloo's rings, which run on a thread of the group's own.
+inline void check_collectives_in_inference_mode(const ProcessGroup& group, const Check& check) {
   const int r = group.rank();
   const int n = group.size();
   c10::InferenceMode inference;
@@ -185,6 +188,22 @@ inline void check_all_gather_in_inference_mode(const ProcessGroup& group, const 
     check(static_cast<int>(all.size()) == n, "all_gather in inference mode gives one tensor per rank");
     for (int k = 0; k < n && k < static_cast<int>(all.size()); ++k) {
       check(torch::equal(all[k], torch::full({3}, static_cast<float>(k))), "all_gather in inference mode, slot " + std::to_string(k));
+    }
+  });
+  const int64_t k = 128 * 1024; // 512 KiB of floats a rank
+  attempt(check, "reduce_scatter in inference mode", [&] {
+    auto output = torch::empty({k});
+    group.reduce_scatter_async(output, torch::full({n * k}, static_cast<float>(r + 1)), ReduceOp::Sum,
+                               "reduce_scatter in inference mode")->wait();
+    check(torch::equal(output, torch::full({k}, n * (n + 1) / 2.0f)), "reduce_scatter in inference mode sums");
+  });
+  attempt(check, "all_gather_into in inference mode", [&] {
+    auto output = torch::empty({n * k});
+    group.all_gather_into_async(output, torch::full({k}, static_cast<float>(r)), "all_gather_into in inference mode")
+        ->wait();
+    for (int i = 0; i < n; ++i) {
+      check(torch::equal(output.narrow(0, i * k, k), torch::full({k}, static_cast<float>(i))),
+            "all_gather_into in inference mode, rank " + std::to_string(i) + "'s part");
     }
   });
 }
