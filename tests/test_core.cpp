@@ -12,6 +12,7 @@
 
 #include "../src/store.h"
 #include "support/errors.h"
+#include "support/scratch.h"
 
 #include <tools/desync_report.h>
 #include <tools/run_options.h>
@@ -119,8 +120,7 @@ TEST(LaunchEnv, LocalRankWithoutLocalWorldSizeIsTaken) {
 // c10d's 300 s default (NCCL fetches its id through it at the first
 // collective, and user code may wait on it).
 TEST(LaunchEnv, LockstepRunsFileStoreTakesTheGroupsTimeout) {
-  const std::string path = ::testing::TempDir() + "lockstep_store_timeout";
-  std::remove(path.c_str());
+  const std::string path = testing::scratch("store_timeout");
   ASSERT_EQ(setenv("LOCKSTEP_STORE_FILE", path.c_str(), 1), 0);
   detail::LaunchEnv env;
   env.timeout = std::chrono::milliseconds(1500);
@@ -478,8 +478,7 @@ TEST(CliChecks, LauncherRefusesANegativeNodeRankInWords) {
 // no partial temporary file to hold the space the next save needs.
 TEST(CheckedFile, AWriteTheDiskRefusesLeavesTheOldFileAndNoTemporary) {
   namespace fs = std::filesystem;
-  const auto dir = ::testing::TempDir() + "lockstep_checked_file_" + std::to_string(::getpid());
-  detail::remove_tree(dir);
+  const auto dir = testing::scratch("checked_file");
   fs::create_directories(dir);
   const auto path = dir + "/state.bin";
   detail::write_checked_file(path, "MAGIC\n", "old", "writer");
@@ -500,13 +499,12 @@ TEST(CheckedFile, AWriteTheDiskRefusesLeavesTheOldFileAndNoTemporary) {
   for (const auto& entry : fs::directory_iterator(dir)) {
     EXPECT_EQ(entry.path().filename(), "state.bin") << "left behind";
   }
-  detail::remove_tree(dir);
 }
 
 // Note [The wheel's std::filesystem]: folders are removed with nftw.
 TEST(RemoveTree, RemovesNestedFoldersButNotWhatALinkPointsTo) {
   namespace fs = std::filesystem;
-  const auto root = ::testing::TempDir() + "lockstep_remove_tree_" + std::to_string(::getpid());
+  const auto root = testing::scratch("remove_tree");
   const auto outside = root + "_outside";
   ASSERT_TRUE(detail::remove_tree(root));
   ASSERT_TRUE(detail::remove_tree(outside));

@@ -4,6 +4,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/errors.h"
+#include "support/scratch.h"
 #include "support/dp_models.h"
 #include "support/modules.h"
 
@@ -195,7 +196,7 @@ TEST(DataParallel, OptimizerStepIsSeenByEveryReplica) {
 }
 
 TEST(DataParallel, SaveAndLoadBetweenWrappedAndBareModule) {
-  const std::string path = ::testing::TempDir() + "lockstep_dp_checkpoint.pt";
+  const std::string path = testing::scratch("dp_checkpoint.pt");
   Mlp source;
   DataParallel<Mlp> dp(source, DataParallelOptions().devices(cpus(2)));
   torch::save(dp, path);

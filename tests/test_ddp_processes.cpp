@@ -3,6 +3,7 @@
 // torchrun starts them (environment variables).
 
 #include "support/processes.h"
+#include "support/scratch.h"
 
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -33,7 +34,7 @@ std::vector<Process> run_ranks(const std::string& scenario, int world, std::chro
     command.insert(command.end(), args.begin(), args.end());
     ranks.push_back(lockstep::testing::start(
         command, env,
-        ::testing::TempDir() + "lockstep_ddp_" + scenario + "_" + std::to_string(r) + ".log"));
+        lockstep::testing::scratch("ddp_" + scenario + "_" + std::to_string(r) + ".log")));
   }
   lockstep::testing::wait_all(ranks, deadline);
   return ranks;
@@ -65,8 +66,7 @@ TEST(FsdpProcesses, EachStrategyMatchesOneProcessOnTwoAndThreeRanks) {
 
 TEST(FsdpProcesses, ShardedCheckpointsMoveBetweenTwoAndThreeRanks) {
   for (auto sizes : {std::make_pair(2, 3), std::make_pair(3, 2)}) {
-    const std::string dir = ::testing::TempDir() + "lockstep_fsdp_processes_" + std::to_string(getpid()) + "_" +
-                            std::to_string(sizes.first);
+    const std::string dir = lockstep::testing::scratch("fsdp_processes_" + std::to_string(sizes.first));
     expect_all_ok("checkpoint_save", sizes.first, {}, LOCKSTEP_FSDP_WORKER, {dir});
     expect_all_ok("checkpoint_load", sizes.second, {}, LOCKSTEP_FSDP_WORKER, {dir});
   }
@@ -93,7 +93,7 @@ TEST(FsdpProcesses, StateSavedOnTheCpuLoadsOntoTheGpu_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device";
   }
-  const std::string dir = ::testing::TempDir() + "lockstep_fsdp_to_gpu_" + std::to_string(getpid());
+  const std::string dir = lockstep::testing::scratch("fsdp_to_gpu");
   expect_all_ok("cuda_checkpoint", 2, {}, LOCKSTEP_FSDP_WORKER, {dir});
 }
 

@@ -5,6 +5,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/errors.h"
+#include "support/scratch.h"
 #include "support/fsdp_checks.h"
 #include "support/modules.h"
 #include "support/threads.h"
@@ -247,7 +248,7 @@ TEST(FullyShardedDataParallel, WritebackCopiesEditsIntoTheShards) {
 // the writeback copied the old values (FullShard, ShardGradOp), and NoShard
 // went on computing with tensors its optimizer never stepped.
 TEST(FullyShardedDataParallel, AFullCheckpointLoadedUnderSummonReachesTheShards) {
-  const std::string path = ::testing::TempDir() + "lockstep_fsdp_load_" + std::to_string(getpid()) + ".pt";
+  const std::string path = testing::scratch("fsdp_load.pt");
   const std::string wider = path + ".wider";
   torch::manual_seed(4);
   OddNet saved;
@@ -286,7 +287,7 @@ TEST(FullyShardedDataParallel, AFullCheckpointLoadedUnderSummonReachesTheShards)
 // error naming the parameter; NoShard's parameters view its shard, and the
 // edit takes effect.
 TEST(FullyShardedDataParallel, AnEditOutsideSummonIsAnErrorWhereItWouldBeLost) {
-  const std::string path = ::testing::TempDir() + "lockstep_fsdp_edit_" + std::to_string(getpid()) + ".pt";
+  const std::string path = testing::scratch("fsdp_edit.pt");
   torch::save(OddNet(), path);
   for (auto strategy : kStrategies) {
     testing::spawn(2, [&](ProcessGroup& group) {
@@ -349,7 +350,7 @@ TEST(FullyShardedDataParallel, AnOptimizerOverTheModulesOwnParametersIsAnError) 
 }
 
 TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) {
-  const std::string path = ::testing::TempDir() + "lockstep_fsdp_full_" + std::to_string(getpid()) + ".pt";
+  const std::string path = testing::scratch("fsdp_full.pt");
   torch::manual_seed(3);
   OddNet initial;
   auto reference = testing::train_reference(initial, 2, 12);
@@ -369,7 +370,7 @@ TEST(FullyShardedDataParallel, AFullCheckpointFromRankZeroLoadsIntoABareModule) 
 }
 
 TEST(FullyShardedDataParallel, AFullOptimizerStateFromRankZeroLoadsIntoABareOptimizer) {
-  const std::string path = ::testing::TempDir() + "lockstep_fsdp_optimizer_" + std::to_string(getpid()) + ".pt";
+  const std::string path = testing::scratch("fsdp_optimizer.pt");
   torch::manual_seed(6);
   OddNet initial;
   auto reference = testing::copy_of(initial);
@@ -457,7 +458,7 @@ TEST(FullyShardedDataParallel, ShardedCheckpointsResumeAtAnotherWorldSize) {
     for (auto sizes : {std::make_pair(2, 3), std::make_pair(3, 2)}) {
       SCOPED_TRACE(std::string(testing::name_of(strategy)) + ": saved at " + std::to_string(sizes.first) +
                    " ranks, loaded at " + std::to_string(sizes.second));
-      const std::string dir = ::testing::TempDir() + "lockstep_fsdp_sharded_" + std::to_string(getpid());
+      const std::string dir = testing::scratch("fsdp_sharded");
       testing::spawn(sizes.first, [&](ProcessGroup& group) { train_steps(group, initial, strategy, 0, 2, "", dir); });
       OddNet resumed;
       testing::spawn(sizes.second, [&](ProcessGroup& group) {
@@ -478,7 +479,7 @@ torch::nn::Sequential net_with_buffers(int64_t seed) {
 }
 
 TEST(FullyShardedDataParallel, ShardedCheckpointsKeepBuffersAndFrozenParameters) {
-  const std::string dir = ::testing::TempDir() + "lockstep_fsdp_buffers_" + std::to_string(getpid());
+  const std::string dir = testing::scratch("fsdp_buffers");
   std::vector<torch::Tensor> saved; // rank 0's buffers and frozen weight when it saved
   testing::spawn(2, [&](ProcessGroup& group) {
     FullyShardedDataParallel<torch::nn::Sequential> model(net_with_buffers(1), group);
@@ -522,7 +523,7 @@ TEST(FullyShardedDataParallel, ShardedCheckpointsKeepBuffersAndFrozenParameters)
 TEST(FullyShardedDataParallel, ADamagedShardIsAnErrorNamingTheFile) {
   torch::manual_seed(5);
   OddNet initial;
-  const std::string dir = ::testing::TempDir() + "lockstep_fsdp_damaged_" + std::to_string(getpid());
+  const std::string dir = testing::scratch("fsdp_damaged");
   testing::spawn(2, [&](ProcessGroup& group) {
     train_steps(group, initial, ShardingStrategy::FullShard, 0, 1, "", dir);
   });

@@ -9,6 +9,7 @@
 
 #include "../src/torch_compat.h"
 #include "support/errors.h"
+#include "support/scratch.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -30,9 +31,7 @@ Net one_layer(bool reshaped) {
 }
 
 std::string checkpoint_dir(const std::string& name) {
-  const auto dir = ::testing::TempDir() + "lockstep_ckpt_" + name + "_" + std::to_string(getpid());
-  detail::remove_tree(dir);
-  return dir;
+  return testing::scratch("ckpt_" + name);
 }
 
 void save(ProcessGroup& group, const std::string& dir) {

@@ -6,6 +6,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/errors.h"
+#include "support/scratch.h"
 #include "support/fsdp_checks.h"
 #include "support/threads.h"
 
@@ -50,9 +51,7 @@ bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>&
 }
 
 std::string misuse_dir(const std::string& name) {
-  const auto dir = ::testing::TempDir() + "lockstep_misuse_" + name + "_" + std::to_string(getpid());
-  detail::remove_tree(dir);
-  return dir;
+  return testing::scratch("misuse_" + name);
 }
 
 void adam_step(FullyShardedDataParallel<Net>& model, torch::optim::Optimizer& optimizer) {

@@ -4,6 +4,7 @@
 // temporary folder per test process, and what their output says.
 
 #include "processes.h"
+#include "scratch.h"
 
 #include <gtest/gtest.h>
 
@@ -16,7 +17,6 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
-#include <random>
 #include <regex>
 #include <string>
 #include <vector>
@@ -32,8 +32,7 @@ constexpr auto kDeadline = std::chrono::seconds(180);
 inline const std::string kOneThread = "OMP_NUM_THREADS=1";
 
 inline std::string temp(const std::string& name) {
-  static const std::string run_id = std::to_string(getpid()) + "_" + std::to_string(std::random_device{}());
-  return ::testing::TempDir() + "lockstep_" + run_id + "_" + name;
+  return scratch(name);
 }
 
 // A small job: 1024 samples, batch 64, 2 epochs (32 steps at world size 2).
