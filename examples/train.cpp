@@ -224,8 +224,10 @@ Tally evaluate(const Run& run) {
 Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
   auto x = run.data.train.images.index_select(0, index).to(run.setup.device);
   auto y = run.data.train.labels.index_select(0, index).to(run.setup.device);
+  // The command line's options, every step: LibTorch 2.x's optimizer load
+  // restores a checkpoint's options too, which would keep the old --momentum.
   for (auto& group : run.optimizer.param_groups()) {
-    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
+    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr).momentum(run.config.momentum);
   }
   run.optimizer.zero_grad();
   torch::Tensor logits;

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -134,6 +135,26 @@ TEST(TrainerResume, OtherDataIsSaidOnResuming) {
     const bool other_data = c.flag != "--epochs";
     EXPECT_EQ(q.output.find(said) != std::string::npos, other_data) << c.flag << ": " << q.output;
   }
+}
+
+// LibTorch 2.x's optimizer load restores the saved options: a run resumed
+// with another --momentum went on with the checkpoint's, silently.
+TEST(TrainerResume, ANewMomentumTakesEffectOnResuming) {
+  std::map<std::string, std::string> hashes;
+  for (const std::string momentum : {"0.9", "0"}) {
+    const std::string name = "momentum" + momentum;
+    const std::string checkpoint = temp(name + ".ckpt");
+    auto first = with_flag(with_flag(trainer(name, checkpoint), "--epochs", "1"), "--train-samples", "256");
+    auto p = testing::run(set_flag(first, "--momentum", "0.9"), {}, temp(name + "1.log"), kDeadline);
+    ASSERT_EQ(p.exit_code, 0) << p.output;
+    auto q = testing::run(set_flag(with_flag(first, "--epochs", "2"), "--momentum", momentum), {}, temp(name + "2.log"),
+                          kDeadline);
+    ASSERT_EQ(q.exit_code, 0) << q.output;
+    ASSERT_NE(q.output.find("resumed from " + checkpoint), std::string::npos) << q.output;
+    hashes[momentum] = final_hash(q.output);
+  }
+  EXPECT_FALSE(hashes["0"].empty());
+  EXPECT_NE(hashes["0"], hashes["0.9"]) << "the run resumed with --momentum 0 went on with the checkpoint's 0.9";
 }
 
 TEST(TrainerLastBatch, OneRowPerRankLeftOverDoesNotThrowTheModelOff) {
