@@ -238,6 +238,28 @@ void DataParallelCore::check_on_first_device() const {
   check_tensors_on("buffer", buffer_names_, source_buffers_, options_.devices()[0]);
 }
 
+// The replicas are clones of the module as it was wrapped. A load or .to()
+// keeps each tensor (it sets its data), but a replaced submodule or a newly
+// registered tensor would be silently left out: the replicas would go on
+// computing with the old ones, and the new ones would get no gradient.
+void DataParallelCore::check_unchanged() const {
+  const auto same_tensors = [](const std::vector<torch::Tensor>& now, const std::vector<torch::Tensor>& then) {
+    return std::equal(now.begin(), now.end(), then.begin(), then.end(), [](const auto& a, const auto& b) {
+      return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
+    });
+  };
+  const auto modules = source_->modules();
+  const char* what = !same_tensors(source_->parameters(), source_params_)  ? "its parameters"
+                     : !same_tensors(source_->buffers(), source_buffers_) ? "its buffers"
+                     : !std::equal(modules.begin(), modules.end(), source_modules_.begin(), source_modules_.end())
+                         ? "its submodules"
+                         : nullptr;
+  TORCH_CHECK(what == nullptr, "lockstep::DataParallel: the wrapped module changed after it was wrapped (", what,
+              " are not the ones it had then: a submodule replaced, or a parameter or buffer registered). "
+              "The replicas were made from the module as it was, and would go on with the old ones. Wrap the "
+              "module again after changing it, and make the optimizer over the new wrapper's parameters.");
+}
+
 Plan DataParallelCore::plan(const SplitSites& sites) const {
   Plan plan;
   plan.batch = batch_size_of(sites);
@@ -323,6 +345,7 @@ DataParallelCore::ForwardGuard::ForwardGuard(std::atomic<bool>& running) : runni
 }
 
 void DataParallelCore::prepare_forward(const Plan& plan) {
+  check_unchanged();
   check_on_first_device();
   for (size_t r : plan.used) {
     if (replicas_[r] != source_) {

@@ -216,6 +216,39 @@ TEST(DataParallel, SaveAndLoadBetweenWrappedAndBareModule) {
   std::remove(path.c_str());
 }
 
+// The replicas are clones made at wrapping: a submodule replaced or a
+// tensor registered afterwards was silently left out of them.
+TEST(DataParallel, AModuleChangedAfterWrappingIsAnError) {
+  const auto x = torch::randn({6, 16});
+  {
+    Mlp net;
+    DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
+    dp(x);
+    net->fc2 = net->replace_module("fc2", torch::nn::Linear(32, 3));
+    EXPECT_ERROR_SAYS(dp(x), "the wrapped module changed after it was wrapped (its parameters are not the ones",
+                      "Wrap the module again");
+  }
+  {
+    Mlp net;
+    DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
+    net->fc1->register_parameter("scale", torch::ones({1}));
+    EXPECT_ERROR_SAYS(dp(x), "(its parameters are not the ones");
+  }
+  {
+    Cnn net;
+    DataParallel<Cnn> dp(net, DataParallelOptions().devices(cpus(2)));
+    net->bn->register_buffer("count", torch::zeros({1}));
+    EXPECT_ERROR_SAYS(dp(torch::randn({4, 1, 6, 6})), "(its buffers are not the ones");
+  }
+  {
+    Mlp net;
+    DataParallel<Mlp> dp(net, DataParallelOptions().devices(cpus(2)));
+    torch::NoGradGuard no_grad;
+    net->fc1->weight.set_data(torch::ones_like(net->fc1->weight)); // new values in the same tensors: fine
+    EXPECT_TRUE(same_answer(dp(x), net(x)));
+  }
+}
+
 TEST(DataParallel, ModesAndInference) {
   Cnn net;
   DataParallel<Cnn> dp(net, DataParallelOptions().devices(cpus(2)));

@@ -142,6 +142,7 @@ class DataParallelCore {
  private:
   torch::Device output_device() const;
   void check_on_first_device() const;
+  void check_unchanged() const;
   void mirror_modes(size_t replica);
   void sync_params(size_t replica);
   void sync_buffers(size_t replica, bool all);
