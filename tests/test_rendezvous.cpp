@@ -502,6 +502,24 @@ TEST(SlurmStep, NodeCountNodeRankAndMasterComeFromTheStep) {
   EXPECT_EQ(alone.master_addr, "127.0.0.1");
 }
 
+// lockstep-train's default folder is runs/<run id>, where a restart finds
+// its checkpoint: two jobs with one id train on from each other's.
+TEST(SlurmStep, TwoJobsNeverShareARunId) {
+  using Vars = std::map<std::string, std::string>;
+  const auto id = [](const Vars& vars, long pid, int nnodes) {
+    return tools::default_run_id([&vars](const char* name) -> const char* {
+      auto it = vars.find(name);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    }, "20261126-120000", pid, nnodes);
+  };
+  EXPECT_EQ(id({{"LOCKSTEP_RUN_ID", "mine"}, {"SLURM_JOB_ID", "77"}}, 1, 1), "mine");
+  EXPECT_EQ(id({{"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "2"}}, 1, 1), "slurm-77.2");
+  EXPECT_NE(id({{"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "3"}}, 1, 1), "slurm-77.2") << "two sruns of one allocation";
+  EXPECT_EQ(id({{"SLURM_JOB_ID", "77"}}, 1, 1), "slurm-77") << "a batch script's own step";
+  EXPECT_NE(id({}, 100, 1), id({}, 101, 1)) << "two launches on one machine in the same second";
+  EXPECT_EQ(id({}, 100, 2), id({}, 101, 2)) << "the nodes of a job share only the time";
+}
+
 TEST(SlurmStep, MoreTasksThanNodesIsAClearError) {
   auto step = kStepOnNode1;
   step["SLURM_NTASKS"] = "4";

@@ -236,20 +236,10 @@ int main(int argc, char** argv) {
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGHUP, &action, nullptr); // a closed terminal: stop as gracefully as for SIGTERM
 
-  // One id for the whole job, so that a restarted program finds what the
-  // attempt before wrote (lockstep-train's default output folder).
-  const char* run_id = std::getenv("LOCKSTEP_RUN_ID");
-  const char* slurm_job = std::getenv("SLURM_JOB_ID");
-  if (run_id != nullptr && *run_id != '\0') {
-    options.run_id = run_id;
-  } else if (slurm_job != nullptr && *slurm_job != '\0') {
-    options.run_id = std::string("slurm-") + slurm_job; // the same on every node of the job
-  } else {
-    const std::time_t now = std::time(nullptr);
-    char text[32];
-    std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
-    options.run_id = text;
-  }
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
+  options.run_id = lockstep::tools::default_run_id(std::getenv, text, static_cast<long>(::getpid()), options.nnodes);
   remove_stale_store_files();
   return options.elastic() ? lockstep::tools::run_elastic(options, program) : run_static(options, program);
 }

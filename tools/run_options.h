@@ -269,6 +269,27 @@ inline std::string first_host(const std::string& list) {
 
 using GetEnv = std::function<const char*(const char*)>;
 
+/// The job's id, the same for every attempt of it (lockstep-train's default
+/// output folder is runs/ID, where a restart finds its checkpoint):
+/// LOCKSTEP_RUN_ID; else Slurm's job and step (a requeued job keeps both,
+/// two sruns of one allocation differ; the trainer's own id does the same);
+/// else the launch time `now`, and on one node this launcher's `pid` too,
+/// so that two jobs started in the same second never share a folder (nodes
+/// of a job without Slurm have no id in common but the time).
+inline std::string default_run_id(const GetEnv& get, const std::string& now, long pid, int nnodes) {
+  const auto set = [&](const char* name) {
+    const char* v = get(name);
+    return v != nullptr && *v != '\0' ? std::string(v) : std::string();
+  };
+  if (!set("LOCKSTEP_RUN_ID").empty()) {
+    return set("LOCKSTEP_RUN_ID");
+  }
+  if (!set("SLURM_JOB_ID").empty()) {
+    return "slurm-" + set("SLURM_JOB_ID") + (set("SLURM_STEP_ID").empty() ? "" : "." + set("SLURM_STEP_ID"));
+  }
+  return nnodes == 1 ? now + "-" + std::to_string(pid) : now;
+}
+
 // Note [lockstep-run under srun]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // `srun --ntasks-per-node=1 lockstep-run ...` starts one launcher per node:
