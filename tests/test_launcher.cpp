@@ -336,6 +336,23 @@ TEST(Launcher, SighupStopsTheJobLikeSigterm) {
   expect_signal_stops_everything(SIGHUP);
 }
 
+TEST(Launcher, SigquitStopsTheJobLikeSigterm) {
+  expect_signal_stops_everything(SIGQUIT);
+}
+
+// `lockstep-run ... | head -n 1`: the launcher's next echo met a closed
+// pipe, its SIGPIPE killed it, and every rank died with it.
+TEST(Launcher, AReaderThatGoesAwayDoesNotEndTheJob) {
+  const std::string done = temp("pipe_done");
+  const std::string script = std::string(LOCKSTEP_RUN) + " --nproc-per-node 1 --master-port " + port() +
+                             " /bin/sh -c 'echo first; sleep 1; echo second; sleep 1; touch " + done +
+                             "' | head -n 1; echo \"launcher exit ${PIPESTATUS[0]}\"";
+  auto p = testing::run({"/bin/bash", "-c", script}, {}, temp("pipe.log"), std::chrono::seconds(60));
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("launcher exit 0"), std::string::npos) << p.output;
+  EXPECT_EQ(::access(done.c_str(), F_OK), 0) << "the rank did not finish\n" << p.output;
+}
+
 TEST(Launcher, AcceptsTorchrunsSpellingsAndDoubleDash) {
   auto p = launch({"--nproc_per_node", "2", "--master_port", port(), "--"}, {"/bin/sh", "-c", "echo rank=$RANK"},
                   "spellings");

@@ -235,6 +235,15 @@ int main(int argc, char** argv) {
   ::sigaction(SIGINT, &action, nullptr);
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGHUP, &action, nullptr); // a closed terminal: stop as gracefully as for SIGTERM
+  ::sigaction(SIGQUIT, &action, nullptr); // as torchrun does
+  // A reader of our output that went away (`lockstep-run ... | head`) must
+  // not end the launcher, whose death would SIGKILL every rank: the echo
+  // fails, the job goes on. A handler, not SIG_IGN, which the ranks would
+  // inherit across exec.
+  struct sigaction pipe_action {};
+  pipe_action.sa_handler = [](int) {};
+  ::sigemptyset(&pipe_action.sa_mask);
+  ::sigaction(SIGPIPE, &pipe_action, nullptr);
 
   const std::time_t now = std::time(nullptr);
   char text[32];
