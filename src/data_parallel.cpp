@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <functional>
 #include <unordered_set>
 
 namespace lockstep {
@@ -403,6 +404,13 @@ torch::Tensor gather_one(
     }
     gathered = parts.size() == 1 ? parts[0] : torch::cat(parts, spec.dim);
   } else if (scalars == ScalarGather::Stack) {
+    // PyTorch warns here too; with uneven shares, the vector's plain mean is
+    // not the batch's, which is how a loss goes silently wrong.
+    const bool uneven = std::adjacent_find(shares.begin(), shares.end(), std::not_equal_to<>()) != shares.end();
+    TORCH_WARN_ONCE("lockstep::DataParallel: the module returned a 0-dim tensor, so the replicas' values are stacked "
+                    "into a vector of ", parts.size(), ", one per replica (ScalarGather::Stack, the default)",
+                    uneven ? "; their shares of the batch differ, so the vector's mean is not the batch's mean" : "",
+                    ". Pass DataParallelOptions().scalar_outputs(ScalarGather::Mean) for the batch's mean, or Sum.");
     spec.kind = OutputSpec::Kind::Stack;
     gathered = torch::stack(parts);
   } else {

@@ -54,6 +54,19 @@ TEST(DataParallel, ScalarOutputs) {
   EXPECT_TRUE(torch::allclose(sum(x, y), stacked.sum(), 1e-5, 1e-6));
 }
 
+// A stacked loss of uneven chunks (4 and 3 rows) has a mean that is not the
+// batch's: PyTorch warns when it stacks scalars, and so does lockstep.
+TEST(DataParallel, StackedScalarsWarnAndSayWhenTheSharesDiffer) {
+  LossNet bare;
+  DataParallel<LossNet> stack(bare, DataParallelOptions().devices(cpus(2)));
+  ::testing::internal::CaptureStderr();
+  stack(torch::randn({7, 3}), torch::randn({7, 1}));
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("the replicas' values are stacked into a vector of 2"), std::string::npos) << said;
+  EXPECT_NE(said.find("their shares of the batch differ"), std::string::npos) << said;
+  EXPECT_NE(said.find("scalar_outputs(ScalarGather::Mean)"), std::string::npos) << said;
+}
+
 // A count summed over the replicas stays an integer (it came back float32,
 // exact only up to 2^24); a bool one counts as int64, as torch::sum does.
 struct CountsImpl : torch::nn::Cloneable<CountsImpl> {
