@@ -23,7 +23,9 @@ namespace {
 // Note [Store address]
 // ~~~~~~~~~~~~~~~~~~~~
 // Rank 0's TCPStore hands out every rank's connection details, so it should
-// listen only where the ranks reach it: MASTER_ADDR. c10d's TCPStore binds
+// listen only where the ranks reach it: MASTER_ADDR (every interface where
+// MASTER_ADDR is a host name this machine maps to loopback: Note [A server
+// named by a host name] in sockets.h). c10d's TCPStore binds
 // every interface by itself; PyTorch 2.x lets it take a socket we bound
 // instead (TCPStoreOptions::masterListenFd), and so we do. LibTorch 1.13
 // cannot, and listens on every interface at MASTER_PORT.
@@ -37,11 +39,13 @@ Addresses resolve_master(const std::string& host, uint16_t port, int64_t rank) {
   return addresses;
 }
 
-// A TCP socket bound to host:port and listening, or an error naming both.
+// A TCP socket listening for host:port (Note [A server named by a host
+// name]), or an error naming both.
 int listen_on(const std::string& host, uint16_t port) {
-  const Bound bound = bind_first(resolve_master(host, port, 0), /*listen=*/true, /*reuse_address=*/true);
-  TORCH_CHECK(bound.fd >= 0, "cannot listen on ", host, ":", port, ": ", bound.error);
-  return bound.fd;
+  resolve_master(host, port, 0);
+  const Listening listening = listen_as(host, port);
+  TORCH_CHECK(listening.fd >= 0, "cannot listen on ", host, ":", port, ": ", listening.error);
+  return listening.fd;
 }
 
 } // namespace

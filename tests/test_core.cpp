@@ -7,6 +7,7 @@
 #include <lockstep/detail/checked_file.h>
 #include <lockstep/detail/launch_env.h>
 #include <lockstep/detail/reducer.h>
+#include <lockstep/detail/sockets.h>
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
@@ -30,6 +31,8 @@
 #include <map>
 #include <memory>
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -230,6 +233,73 @@ TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
   auto t = torch::ones({3});
   group.allreduce(t, ReduceOp::Avg);
   EXPECT_TRUE(torch::equal(t, torch::ones({3})));
+}
+
+// --- Where a server listens (Note [A server named by a host name]) -----------
+
+// This machine's first IPv4 address that is not loopback, or "".
+std::string outward_address() {
+  std::string found;
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) {
+    return found;
+  }
+  for (const ifaddrs* i = all; i != nullptr && found.empty(); i = i->ifa_next) {
+    if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET && !detail::is_loopback(i->ifa_addr)) {
+      char text[INET_ADDRSTRLEN] = {};
+      ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text));
+      found = text;
+    }
+  }
+  ::freeifaddrs(all);
+  return found;
+}
+
+// Whether a TCP connection to address:port is accepted (a listening
+// socket's backlog completes it, so no thread has to accept).
+bool connects(const std::string& address, int port) {
+  const auto to = detail::resolve_tcp(address, port, AI_NUMERICHOST | AI_NUMERICSERV);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool ok = to.first() != nullptr && ::connect(fd, to.first()->ai_addr, to.first()->ai_addrlen) == 0;
+  ::close(fd);
+  return ok;
+}
+
+TEST(ServerAddress, NamesOfLoopbackItselfAreToldFromMachineNames) {
+  for (const char* host : {"localhost", "localhost.localdomain", "ip6-localhost", "127.0.0.1", "127.0.1.1", "::1"}) {
+    EXPECT_TRUE(detail::names_loopback(host)) << host;
+  }
+  for (const char* host : {"trainer-0", "node.example", "10.0.0.1", "192.0.2.2", "::ffff:10.0.0.1"}) {
+    EXPECT_FALSE(detail::names_loopback(host)) << host;
+  }
+}
+
+// Debian maps the machine's own name to loopback; the other machines
+// resolve it to a real address, so a server named by it must answer there.
+TEST(ServerAddress, AServerNamedByAHostNameThatIsLoopbackHereAnswersOnEveryInterface) {
+  char name[256] = {};
+  ASSERT_EQ(::gethostname(name, sizeof(name) - 1), 0);
+  const auto here = detail::resolve_tcp(name, 0);
+  const std::string outward = outward_address();
+  if (here.first() == nullptr || !detail::is_loopback(here.first()->ai_addr) || outward.empty()) {
+    GTEST_SKIP() << "needs a host name that resolves to loopback (Debian's /etc/hosts) and an outward address; '"
+                 << name << "' and '" << outward << "'";
+  }
+  const auto by_name = detail::listen_as(name, 0);
+  ASSERT_GE(by_name.fd, 0) << by_name.error;
+  const int port = detail::bound_port(by_name.fd);
+  EXPECT_TRUE(by_name.every_interface);
+  EXPECT_TRUE(connects(outward, port)) << "'" << name << "' on " << outward << ":" << port;
+  EXPECT_TRUE(connects("127.0.0.1", port));
+  EXPECT_LT(detail::listen_as(name, port).fd, 0) << "a second server at the same port";
+  ::close(by_name.fd);
+
+  const auto by_loopback = detail::listen_as("127.0.0.1", 0);
+  ASSERT_GE(by_loopback.fd, 0) << by_loopback.error;
+  EXPECT_FALSE(by_loopback.every_interface);
+  EXPECT_FALSE(connects(outward, detail::bound_port(by_loopback.fd))) << "a server named as loopback stays there";
+  ::close(by_loopback.fd);
+  EXPECT_LT(detail::listen_as("192.0.2.254", 0).fd, 0) << "an address of another machine";
 }
 
 // --- SyncBatchNorm with the group of one ----------------------------------------

@@ -261,6 +261,27 @@ TEST(Elastic, ASignalToTheStoresNodeWaitingForTheOthersIsAFailure) {
   EXPECT_NE(job.nodes[1].exit_code, 0) << job.nodes[1].output;
 }
 
+// The node that serves the store finished its ranks; the other node's
+// machine then dies (its launcher SIGKILLed) before its ranks finish. Its
+// part of the job never finished: the store's node names it and exits 1.
+TEST(Elastic, ANodeLostBeforeItsRanksFinishedFailsTheJob) {
+  ElasticJob job("elastic_vanished", "2:2");
+  job.program = {"/bin/sh", "-c", "[ \"$ROLE\" = host ] && exit 0; sleep 30"};
+  job.start_node({"ROLE=host"});
+  ASSERT_TRUE(wait_for_listener(job.endpoint));
+  job.start_node();
+  std::this_thread::sleep_for(std::chrono::seconds(4)); // the round runs; the host's rank is done
+  kill_node(job.nodes[1]);
+  job.nodes.pop_back();
+  testing::wait_all(job.nodes, kDeadline);
+  const std::string& host = job.nodes[0].output;
+  EXPECT_EQ(job.nodes[0].exit_code, 1) << host;
+  EXPECT_NE(host.find("this node's ranks finished, but node(s) 2 stopped answering (no heartbeat for 1.0 s) before "
+                      "saying theirs had; their part of the job did not finish, so the job failed."),
+            std::string::npos)
+      << host;
+}
+
 TEST(Elastic, FailureBeyondMaxRestartsEndsEveryNode) {
   ElasticJob job("elastic_give_up", "2:2");
   job.start_node({"LOCKSTEP_FAULT=1:6"});

@@ -238,6 +238,46 @@ TEST(Rendezvous, SilentMemberIsLostAfterTheLivenessWindowAndADoneOneNever) {
   EXPECT_TRUE(watch_a.others_finished(now));
 }
 
+// The store's node, done, waits for the others: three members of which one
+// says it is done, one leaves, and one falls silent. Once the silent one is
+// lost, every other member has finished, and only it vanished unfinished.
+TEST(Rendezvous, AMemberLostBeforeItWasDoneIsToldFromOnesThatFinished) {
+  MemoryKeyValue kv;
+  const auto s = settings(3, 3);
+  auto now = RdzvClock::now();
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  const NodeDesc a = node(kv, s), b = node(kv, s), c = node(kv, s);
+  for (const auto& n : {a, b, c}) {
+    joins.push_back(std::make_unique<RoundJoin>(kv, s, n, now));
+  }
+  const auto joined = poll_all(joins, now);
+  ASSERT_EQ(joined.size(), 3u);
+  RoundWatch watch_a(kv, s, joined[0], a.id, now), watch_b(kv, s, joined[1], b.id, now);
+  watch_a.mark_done();
+  watch_b.mark_done();
+  kv.set(s.key(joined[0].round, "left/" + std::to_string(c.id)), "0");
+  EXPECT_TRUE(watch_a.others_finished(now));
+  now += s.liveness_window() + milliseconds(1);
+  EXPECT_TRUE(watch_a.vanished_members(now).empty()) << "done and left are finished, however silent";
+
+  MemoryKeyValue kv2;
+  joins.clear();
+  const NodeDesc e = node(kv2, s), f = node(kv2, s), g = node(kv2, s);
+  for (const auto& n : {e, f, g}) {
+    joins.push_back(std::make_unique<RoundJoin>(kv2, s, n, now));
+  }
+  const auto round = poll_all(joins, now);
+  ASSERT_EQ(round.size(), 3u);
+  RoundWatch watch_e(kv2, s, round[0], e.id, now), watch_f(kv2, s, round[1], f.id, now);
+  watch_e.mark_done();
+  watch_f.mark_done(); // g beats no more
+  EXPECT_FALSE(watch_e.others_finished(now)) << "g may still be running";
+  EXPECT_TRUE(watch_e.vanished_members(now).empty());
+  now += s.liveness_window() + milliseconds(1);
+  EXPECT_TRUE(watch_e.others_finished(now));
+  EXPECT_EQ(watch_e.vanished_members(now), std::vector<int64_t>{g.id});
+}
+
 // A failure counts once however many members end the round for it, and the
 // next round's members read the count; a change of membership does not count.
 TEST(Rendezvous, OnlyFailuresCountAsRestartsAndTheFirstReasonWins) {

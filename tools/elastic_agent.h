@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace lockstep {
 namespace tools {
@@ -45,14 +46,15 @@ inline RendezvousSettings rendezvous_settings(const Options& options) {
 }
 
 /// The store's server, when --rdzv-endpoint is an address of this machine
-/// and its port is free; nullptr when another launcher serves it.
+/// and its port is free; nullptr when another launcher serves it. A host
+/// name that resolves to loopback here listens on every interface (Note [A
+/// server named by a host name]).
 inline std::unique_ptr<KvServer> serve_rendezvous(const Options& options) {
-  const auto bound = detail::bind_first(detail::resolve_tcp(options.rdzv_host, options.rdzv_port), /*listen=*/true,
-                                        /*reuse_address=*/true);
-  if (bound.fd < 0) {
+  const auto listening = detail::listen_as(options.rdzv_host, options.rdzv_port);
+  if (listening.fd < 0) {
     return nullptr; // not this machine's address, or its port is taken: the store's launcher is elsewhere
   }
-  return std::make_unique<KvServer>(bound.fd);
+  return std::make_unique<KvServer>(listening.fd);
 }
 
 /// The address this machine reaches `host` from (a UDP "connection" sends
@@ -79,11 +81,7 @@ inline std::pair<std::string, int> local_address_toward(const std::string& host,
   const auto bound = detail::bind_first(detail::resolve_tcp(text, 0, AI_NUMERICHOST), /*listen=*/false, false);
   int free_port = 0;
   if (bound.fd >= 0) {
-    sockaddr_storage mine{};
-    socklen_t size = sizeof(mine);
-    ::getsockname(bound.fd, reinterpret_cast<sockaddr*>(&mine), &size);
-    free_port = ntohs(mine.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&mine)->sin6_port
-                                                 : reinterpret_cast<sockaddr_in*>(&mine)->sin_port);
+    free_port = detail::bound_port(bound.fd);
     ::close(bound.fd);
   }
   return {text, free_port};
@@ -304,10 +302,7 @@ class ElasticAgent {
   // is what happened: the job failed here. This node exits 1; the node that
   // serves the store, which waits for every member (leave), reports it too.
   int failed_after_others_finished(const RoundWatch& watch) const {
-    std::string done;
-    for (int64_t id : watch.done_members()) {
-      done += (done.empty() ? "" : ", ") + std::to_string(id);
-    }
+    const std::string done = join_ids(watch.done_members());
     std::fprintf(stderr, "lockstep-run: a rank of this node failed after node(s) %s had finished the job; a restart "
                  "cannot bring them back, so the job ends here as a failure (not restarted).\n", done.c_str());
     return 1;
@@ -350,9 +345,24 @@ class ElasticAgent {
                    "running; the job did not complete.\n", static_cast<int>(g_launcher_signal));
       return stopped_by_signal();
     }
-    kv_.set(s_.key("complete"), "1");
+    const std::string vanished = join_ids(watch.vanished_members(Clock::now()));
+    kv_.set(s_.key("complete"), vanished.empty() ? "1" : vanished); // waiting nodes fail on a vanished member too
     std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3); // let waiting nodes read it
+    if (!vanished.empty()) {
+      std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s stopped answering (no heartbeat "
+                   "for %.1f s) before saying theirs had; their part of the job did not finish, so the job failed.\n",
+                   vanished.c_str(), s_.liveness_window().count() / 1000.0);
+      return 1;
+    }
     return 0;
+  }
+
+  static std::string join_ids(const std::vector<int64_t>& ids) {
+    std::string text;
+    for (int64_t id : ids) {
+      text += (text.empty() ? "" : ", ") + std::to_string(id);
+    }
+    return text;
   }
 
   // Says this node leaves the job with `code`. The node that serves the

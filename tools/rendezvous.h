@@ -33,7 +33,8 @@
 //
 // The end. A member whose workers all succeeded says so ("R/done/<id>"); the
 // node that serves the store waits for every member to be done, gone or
-// lost, then writes "complete" so that waiting nodes exit too; when it is
+// lost, then writes "complete" so that waiting nodes exit too (naming the
+// members lost before they were done: the job failed); when it is
 // itself waiting, each waiting node sees the end in the members' "R/left/<id>"
 // (Note [The job ends while a node waits]). A member whose
 // worker fails after another is done does not restart: the job failed (Note
@@ -437,13 +438,23 @@ class RoundWatch {
   /// Whether every other member is done, has left the job, or is lost.
   bool others_finished(RdzvClock::time_point now) {
     for (auto& [id, beat] : beats_) {
-      const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value() ||
-          kv_.get(s_.key(a_.round, "left/" + std::to_string(id))).has_value();
-      if (!heartbeat_stopped(kv_, s_, a_.round, id, beat, now) && !done) {
+      if (standing(id, beat, now) == Standing::kRunning) {
         return false;
       }
     }
     return true;
+  }
+
+  /// The other members lost without saying they were done or leaving: their
+  /// machines or launchers died, and their part of the job did not finish.
+  std::vector<int64_t> vanished_members(RdzvClock::time_point now) {
+    std::vector<int64_t> vanished;
+    for (auto& [id, beat] : beats_) {
+      if (standing(id, beat, now) == Standing::kVanished) {
+        vanished.push_back(id);
+      }
+    }
+    return vanished;
   }
 
   /// The other members whose ranks all succeeded.
@@ -488,6 +499,17 @@ class RoundWatch {
   }
 
  private:
+  enum class Standing { kRunning, kFinished, kVanished };
+
+  Standing standing(int64_t id, Heartbeat& beat, RdzvClock::time_point now) {
+    const bool stopped = heartbeat_stopped(kv_, s_, a_.round, id, beat, now);
+    if (kv_.get(s_.key(a_.round, "done/" + std::to_string(id))) ||
+        kv_.get(s_.key(a_.round, "left/" + std::to_string(id)))) {
+      return Standing::kFinished;
+    }
+    return stopped ? Standing::kVanished : Standing::kRunning;
+  }
+
   void beat(RdzvClock::time_point now) {
     kv_.add(s_.key(a_.round, "hb/" + std::to_string(me_)), 1);
     next_beat_ = now + s_.keep_alive_interval;

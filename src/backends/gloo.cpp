@@ -48,16 +48,6 @@ namespace {
 // rank listens on loopback while some rank is on another machine, all of
 // them fail together, saying what to set.
 
-bool is_loopback(const sockaddr* address) {
-  if (address->sa_family == AF_INET) {
-    return (ntohl(reinterpret_cast<const sockaddr_in*>(address)->sin_addr.s_addr) >> 24) == 127;
-  }
-  if (address->sa_family == AF_INET6) {
-    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr);
-  }
-  return false;
-}
-
 std::string to_text(const sockaddr* address) {
   char text[INET6_ADDRSTRLEN] = "?";
   const void* raw = address->sa_family == AF_INET6

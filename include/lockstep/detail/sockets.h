@@ -6,7 +6,9 @@
 // store's port is free (tools/lockstep_run.cpp). Plain POSIX, nothing of
 // LibTorch: the launcher links none.
 
+#include <arpa/inet.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -81,6 +83,94 @@ inline Bound bind_first(const Addresses& addresses, bool listen, bool reuse_addr
     ::close(fd);
   }
   return bound;
+}
+
+/// Whether `address` is a loopback address (127.0.0.0/8, ::1).
+inline bool is_loopback(const sockaddr* address) {
+  if (address->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(address)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (address->sa_family == AF_INET6) {
+    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr);
+  }
+  return false;
+}
+
+/// The port a bound socket has, or 0.
+inline int bound_port(int fd) {
+  sockaddr_storage mine{};
+  socklen_t size = sizeof(mine);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &size) != 0) {
+    return 0;
+  }
+  return ntohs(mine.ss_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(&mine)->sin6_port
+                                          : reinterpret_cast<const sockaddr_in*>(&mine)->sin_port);
+}
+
+// Note [A server named by a host name]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A server (the store at MASTER_ADDR, the elastic rendezvous at
+// --rdzv-endpoint) is named by a host that every machine resolves. Debian's
+// /etc/hosts maps a machine's own name to 127.0.1.1 (or 127.0.0.1), while
+// the other machines resolve it to a real address: a server bound to what
+// the name resolves to on its own machine is then reachable from there
+// alone. Its own node joins, the others are refused, and an elastic round
+// closes with one node. c10d's TCPStore and torchrun's rendezvous listen on
+// every interface, so the same name works under PyTorch. Lockstep binds
+// what the name resolves to, which tells whether the server belongs on this
+// machine at all, and where that is loopback although the name is not one
+// (not "localhost", not a loopback address written out), listens on every
+// interface at that port instead. A server named as loopback stays there.
+
+/// Whether `host` names loopback itself: "localhost" (and Debian's
+/// ip6-localhost, ip6-loopback) or a loopback address written out.
+inline bool names_loopback(const std::string& host) {
+  if (host.rfind("localhost", 0) == 0 || host == "ip6-localhost" || host == "ip6-loopback") {
+    return true;
+  }
+  const auto numeric = resolve_tcp(host, 0, AI_NUMERICHOST);
+  return numeric.first() != nullptr && is_loopback(numeric.first()->ai_addr);
+}
+
+/// A listening socket for a server named `host`:`port` (0: any free port),
+/// or fd -1 with the reason when `host` is not an address of this machine
+/// or the port is taken. See Note [A server named by a host name].
+struct Listening {
+  int fd = -1;
+  bool every_interface = false;
+  std::string error;
+};
+
+inline Listening listen_as(const std::string& host, int port) {
+  Listening listening;
+  const auto addresses = resolve_tcp(host, port);
+  if (addresses.first() == nullptr) {
+    listening.error = "does not resolve: " + addresses.error;
+    return listening;
+  }
+  Bound bound = bind_first(addresses, /*listen=*/true, /*reuse_address=*/true);
+  if (bound.fd < 0) {
+    listening.error = bound.error;
+    return listening;
+  }
+  listening.fd = bound.fd;
+  if (!is_loopback(bound.address->ai_addr) || names_loopback(host)) {
+    return listening;
+  }
+  const int family = bound.address->ai_family;
+  const int chosen_port = bound_port(bound.fd);
+  const auto every = resolve_tcp(family == AF_INET6 ? "::" : "0.0.0.0", chosen_port, AI_NUMERICHOST | AI_PASSIVE);
+  ::close(bound.fd);
+  const Bound wide = bind_first(every, /*listen=*/true, /*reuse_address=*/true);
+  if (wide.fd >= 0) {
+    listening.fd = wide.fd;
+    listening.every_interface = true;
+    return listening;
+  }
+  // Another interface holds the port: serve where the name resolves, as before.
+  listening.fd = bind_first(addresses, /*listen=*/true, /*reuse_address=*/true).fd;
+  listening.error = listening.fd < 0 ? wide.error : "";
+  return listening;
 }
 
 } // namespace detail
