@@ -7,7 +7,6 @@
 #include "torch_compat.h"
 #include "worker_pool.h"
 
-#include <ATen/WrapDimUtils.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -48,10 +47,6 @@ void check_tensors_on(
         ". The wrapped module must be on devices[0]: call module->to(", first,
         ") before wrapping it, or list its device first in devices().");
   }
-}
-
-bool is_differentiable(const torch::Tensor& t) {
-  return at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
 }
 
 // Makes `target` share `source`'s storage and version counter, unless it
@@ -119,6 +114,10 @@ DataParallelCore::DataParallelCore(
     source_buffers_.push_back(named.value());
   }
   source_modules_ = source_->modules();
+  for (size_t m = 0; m < source_modules_.size(); ++m) { // named_buffers()'s order: its modules' in pre-order
+    buffer_owners_.insert(buffer_owners_.end(), source_modules_[m]->named_buffers(/*recurse=*/false).size(), m);
+  }
+  TORCH_INTERNAL_ASSERT(buffer_owners_.size() == source_buffers_.size());
   for (const auto& replica : replicas_) {
     replica_modules_.push_back(replica->modules());
     TORCH_INTERNAL_ASSERT(replica_modules_.back().size() == source_modules_.size());
@@ -308,12 +307,22 @@ void DataParallelCore::alias_replica0_buffers() {
   }
 }
 
-void DataParallelCore::sync_buffers(size_t r, bool all) {
+// Note [BufferSync::Off in eval mode]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Off lets each replica keep the buffers it updates in training. A module
+// in eval mode updates none, and a replica that kept its own there would
+// answer its rows with other running statistics than the wrapped module's
+// (or than a checkpoint loaded after wrapping): one batch, two models. So
+// the buffers of modules in eval mode are the wrapped module's in every
+// replica, whatever BufferSync says; a buffer that needs a gradient is an
+// input, as a parameter is, and is copied too.
+void DataParallelCore::sync_buffers(size_t r) {
   torch::NoGradGuard no_grad;
+  const bool all = options_.buffers() != BufferSync::Off;
   for (size_t i = 0; i < source_buffers_.size(); ++i) {
     const auto& source = source_buffers_[i];
     auto& target = buffers_[r][i];
-    if (!all && !source.requires_grad()) {
+    if (!all && !source.requires_grad() && source_modules_[buffer_owners_[i]]->is_training()) {
       continue;
     }
     if (target.sizes() == source.sizes() && target.dtype() == source.dtype()) {
@@ -356,9 +365,7 @@ void DataParallelCore::prepare_forward(const Plan& plan) {
     if (r == 0) {
       alias_replica0_buffers(); // replica 0's buffer updates are the module's
     } else {
-      // A buffer that needs a gradient is an input, as a parameter is: it
-      // is copied whatever BufferSync says.
-      sync_buffers(r, /*all=*/options_.buffers() != BufferSync::Off);
+      sync_buffers(r);
     }
   }
 }
@@ -384,58 +391,6 @@ StepInputs DataParallelCore::apply(const Plan& plan, const std::function<void(si
 
 namespace {
 
-// Replica outputs of one flat position, moved to `device` and made one.
-torch::Tensor gather_one(
-    std::vector<torch::Tensor>& parts,
-    torch::Device device,
-    int64_t dim,
-    ScalarGather scalars,
-    const std::vector<double>& shares,
-    OutputSpec& spec) {
-  torch::NoGradGuard no_grad;
-  for (auto& p : parts) {
-    p = p.to(device);
-  }
-  torch::Tensor gathered;
-  if (parts[0].dim() > 0) {
-    spec.dim = c10::maybe_wrap_dim(dim, parts[0].dim());
-    for (const auto& p : parts) {
-      spec.sizes.push_back(p.size(spec.dim));
-    }
-    gathered = parts.size() == 1 ? parts[0] : torch::cat(parts, spec.dim);
-  } else if (scalars == ScalarGather::Stack) {
-    // PyTorch warns here too; with uneven shares, the vector's plain mean is
-    // not the batch's, which is how a loss goes silently wrong.
-    const bool uneven = std::adjacent_find(shares.begin(), shares.end(), std::not_equal_to<>()) != shares.end();
-    TORCH_WARN_ONCE("lockstep::DataParallel: the module returned a 0-dim tensor, so the replicas' values are stacked "
-                    "into a vector of ", parts.size(), ", one per replica (ScalarGather::Stack, the default)",
-                    uneven ? "; their shares of the batch differ, so the vector's mean is not the batch's mean" : "",
-                    ". Pass DataParallelOptions().scalar_outputs(ScalarGather::Mean) for the batch's mean, or Sum.");
-    spec.kind = OutputSpec::Kind::Stack;
-    gathered = torch::stack(parts);
-  } else {
-    spec.kind = OutputSpec::Kind::Weighted;
-    for (size_t i = 0; i < parts.size(); ++i) {
-      spec.weights.push_back(scalars == ScalarGather::Mean ? shares[i] : 1.0);
-      // A Sum keeps an integer count an integer, as torch::sum does (a bool
-      // one counts as int64); a Mean is fractional.
-      auto term = scalars == ScalarGather::Mean ? parts[i] * spec.weights.back()
-          : parts[i].scalar_type() == torch::kBool ? parts[i].to(torch::kLong)
-                                                   : parts[i];
-      gathered = gathered.defined() ? gathered + term : term;
-    }
-  }
-  // With one replica running, the gathered tensor can be that replica's own
-  // output; giving it ParallelBackward's history would make the replica's
-  // graph loop back into the node. detach() keeps storage and version.
-  for (const auto& p : parts) {
-    if (gathered.is_same(p)) {
-      return gathered.detach();
-    }
-  }
-  return gathered;
-}
-
 // Indices of the tensors that need a gradient.
 std::vector<size_t> needing_grad(const std::vector<torch::Tensor>& tensors) {
   std::vector<size_t> indices;
@@ -448,46 +403,6 @@ std::vector<size_t> needing_grad(const std::vector<torch::Tensor>& tensors) {
 }
 
 } // namespace
-
-Gathered DataParallelCore::gather(const Plan& plan, const std::vector<std::vector<torch::Tensor>>& flat) const {
-  const size_t n = plan.used.size();
-  TORCH_INTERNAL_ASSERT(flat.size() == n && n > 0);
-  for (size_t i = 1; i < n; ++i) {
-    TORCH_CHECK(
-        flat[i].size() == flat[0].size(), "lockstep::DataParallel: replica ", plan.used[i], " returned ",
-        flat[i].size(), " tensors but replica ", plan.used[0], " returned ", flat[0].size(),
-        "; every replica must return the same structure.");
-  }
-  std::vector<double> shares(n);
-  for (size_t i = 0; i < n; ++i) {
-    shares[i] = plan.batch == 0 ? 1.0 : static_cast<double>(plan.sizes[plan.used[i]]) / static_cast<double>(plan.batch);
-  }
-  Gathered gathered;
-  gathered.tensors.resize(flat[0].size());
-  for (size_t j = 0; j < flat[0].size(); ++j) {
-    std::vector<torch::Tensor> parts(n);
-    bool needs_grad = false;
-    for (size_t i = 0; i < n; ++i) {
-      parts[i] = flat[i][j];
-      TORCH_CHECK(
-          parts[i].defined() == parts[0].defined() && (!parts[i].defined() || parts[i].dim() == parts[0].dim()),
-          "lockstep::DataParallel: output tensor ", j, " of replica ", plan.used[i],
-          " differs in rank or definedness from replica ", plan.used[0], "'s.");
-      needs_grad = needs_grad || (parts[i].defined() && parts[i].requires_grad());
-    }
-    if (!parts[0].defined()) {
-      continue;
-    }
-    OutputSpec spec;
-    auto& out = gathered.tensors[j];
-    out = gather_one(parts, output_device(), options_.dim(), options_.scalar_outputs(), shares, spec);
-    if (needs_grad && is_differentiable(out)) {
-      gathered.differentiable.push_back(j);
-      gathered.specs.push_back(std::move(spec));
-    }
-  }
-  return gathered;
-}
 
 void DataParallelCore::average_buffers(const Plan& plan) {
   torch::NoGradGuard no_grad;

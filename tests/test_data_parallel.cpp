@@ -338,6 +338,27 @@ TEST(DataParallel, BufferSyncOffKeepsReplicaBuffers) {
   EXPECT_EQ(replicas[1]->bn->num_batches_tracked.item<int64_t>(), 1);
 }
 
+// Off keeps each replica's buffers in training only: an evaluation is the
+// wrapped module's, every row answered with its running statistics (Note
+// [BufferSync::Off in eval mode]), the whole model's eval() or a BatchNorm
+// frozen alone, and also after the module's statistics were loaded anew.
+TEST(DataParallel, BufferSyncOffEvaluatesWithTheWrappedModulesBuffers) {
+  torch::manual_seed(5);
+  Cnn net;
+  DataParallel<Cnn> dp(net, DataParallelOptions().devices(cpus(2)).buffers(BufferSync::Off));
+  dp(torch::randn({4, 1, 6, 6}) + torch::arange(4).view({4, 1, 1, 1}) * 3); // the replicas' statistics part
+  ASSERT_FALSE(torch::allclose(dp->replicas()[0]->bn->running_mean, dp->replicas()[1]->bn->running_mean));
+  const auto x = torch::randn({6, 1, 6, 6});
+  torch::NoGradGuard no_grad;
+  net->eval();
+  EXPECT_TRUE(torch::allclose(dp(x), net(x), 1e-5, 1e-6)) << "the whole model in eval mode";
+  net->bn->running_var.fill_(4); // as a loaded checkpoint does, in place
+  EXPECT_TRUE(torch::allclose(dp(x), net(x), 1e-5, 1e-6)) << "statistics changed after wrapping";
+  net->train();
+  net->bn->eval();
+  EXPECT_TRUE(torch::allclose(dp(x), net(x), 1e-5, 1e-6)) << "a BatchNorm frozen alone";
+}
+
 // A BatchNorm frozen alone for fine-tuning (net->bn->eval() in a model in
 // training mode) keeps its mode in every replica: with running statistics
 // and no dropout, DataParallel equals the bare module on the whole batch,

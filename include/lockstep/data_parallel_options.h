@@ -26,8 +26,10 @@ enum class BufferSync {
   /// weighted by their share of the batch. For BatchNorm's running mean this is
   /// exactly the bare module's value.
   Average,
-  /// Replicas keep their own buffers; nothing is copied. Replica 0's are the
-  /// wrapped module's.
+  /// Replicas keep the buffers they update in training; nothing is copied.
+  /// Replica 0's are the wrapped module's. A module in eval mode updates
+  /// none, and there every replica takes the wrapped module's, so that an
+  /// evaluation answers every row as the module would.
   Off,
 };
 

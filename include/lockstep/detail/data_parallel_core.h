@@ -145,7 +145,7 @@ class DataParallelCore {
   void check_unchanged() const;
   void mirror_modes(size_t replica);
   void sync_params(size_t replica);
-  void sync_buffers(size_t replica, bool all);
+  void sync_buffers(size_t replica);
   void alias_replica0_buffers();
 
   std::shared_ptr<torch::nn::Module> source_; // the wrapped module
@@ -157,6 +157,7 @@ class DataParallelCore {
   std::vector<std::string> buffer_names_;
   std::vector<torch::Tensor> source_params_;
   std::vector<torch::Tensor> source_buffers_;
+  std::vector<size_t> buffer_owners_; // [buffer]: its module's index in source_modules_
   std::vector<std::vector<torch::Tensor>> params_; // [replica][param]
   std::vector<std::vector<torch::Tensor>> buffers_; // [replica][buffer]
   std::shared_ptr<WorkerPool> pool_; // shared with pending backward nodes
