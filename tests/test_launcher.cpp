@@ -353,6 +353,34 @@ TEST(Launcher, AReaderThatGoesAwayDoesNotEndTheJob) {
   EXPECT_EQ(::access(done.c_str(), F_OK), 0) << "the rank did not finish\n" << p.output;
 }
 
+// Started with SIGCHLD ignored (exec keeps that), the launcher never saw
+// a rank end: the kernel reaped it, and the launcher waited for good.
+TEST(Launcher, AnInheritedIgnoredSigchldDoesNotHangTheLauncher) {
+  const std::string script = "import os, signal, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN); "
+                             "os.execv(sys.argv[1], sys.argv[1:])";
+  auto p = testing::run({"/usr/bin/env", "python3", "-c", script, LOCKSTEP_RUN, "--nproc-per-node", "2",
+                         "--master-port", port(), "/bin/sh", "-c", "[ \"$RANK\" = 1 ] && exit 3; exit 0"},
+                        {}, temp("sigchld.log"), std::chrono::seconds(60));
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_LT(p.seconds, 30.0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: rank 1 (local rank 1, pid "), std::string::npos) << p.output;
+}
+
+// Rank 1 fails; rank 0 fails 30 ms later, as a rank whose peer is gone
+// does. Rank 1 holds its pipes open through a child, so only its exit
+// tells that it ended. The root cause is rank 1, the first to end, not the
+// lower index.
+TEST(Launcher, TheRankThatFailedFirstIsTheRootCauseWhateverItsIndex) {
+  const std::string flag = temp("first_failed");
+  const std::string program = "if [ \"$RANK\" = 1 ]; then (sleep 5 &); touch " + flag + "; exit 3; fi; "
+                              "while [ ! -e " + flag + " ]; do sleep 0.01; done; sleep 0.03; exit 4";
+  auto p = testing::run({LOCKSTEP_RUN, "--nproc-per-node", "2", "--master-port", port(), "/bin/sh", "-c", program}, {},
+                        temp("first_failed.log"), std::chrono::seconds(60));
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: rank 1 (local rank 1, pid "), std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("lockstep-run: rank 0 (local rank 0, pid "), std::string::npos) << p.output;
+}
+
 TEST(Launcher, AcceptsTorchrunsSpellingsAndDoubleDash) {
   auto p = launch({"--nproc_per_node", "2", "--master_port", port(), "--"}, {"/bin/sh", "-c", "echo rank=$RANK"},
                   "spellings");

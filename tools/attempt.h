@@ -150,12 +150,7 @@ class Attempt {
       lockstep::tools::pump(ranks_, 100);
       reap();
       if (root_cause < 0 && !stopping) { // a rank that fails once the others are being stopped is not the cause
-        for (size_t i = 0; i < ranks_.size(); ++i) {
-          if (ranks_[i].done && failed(ranks_[i].status)) {
-            root_cause = static_cast<int>(i);
-            break;
-          }
-        }
+        root_cause = first_failed();
       }
       const int sig = g_launcher_signal;
       const bool told_to_stop = !keep_going();
@@ -199,6 +194,7 @@ class Attempt {
   // Starts every rank of this node. See Note [Launcher lifecycle].
   void start_ranks() {
     ranks_ = std::vector<Rank>(options_.nproc_per_node);
+    ended_ = 0;
     for (int local = 0; local < options_.nproc_per_node; ++local) {
       Rank& r = ranks_[local];
       r.local_rank = local;
@@ -267,12 +263,37 @@ class Attempt {
     return env;
   }
 
+  // Note [When a rank ended]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~
+  // The root cause is the rank that failed first, and a rank that fails
+  // because another did (a collective whose peer is gone) follows it within
+  // milliseconds. Waking only on output or every 100 ms, the launcher would
+  // reap both in one pass and name the lower index. Each rank's pidfd is in
+  // pump's poll set instead, so the launcher wakes as each rank ends and
+  // numbers the ends in that order.
   void reap() {
     for (auto& r : ranks_) {
       if (!r.done && ::waitpid(r.pid, &r.status, WNOHANG) == r.pid) {
         r.done = true;
+        r.end_order = ++ended_;
+        if (r.exit_fd >= 0) {
+          ::close(r.exit_fd);
+          r.exit_fd = -1;
+        }
       }
     }
+  }
+
+  // The rank that ended first with a failure, or -1.
+  int first_failed() const {
+    int first = -1;
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      const Rank& r = ranks_[i];
+      if (r.done && failed(r.status) && (first < 0 || r.end_order < ranks_[first].end_order)) {
+        first = static_cast<int>(i);
+      }
+    }
+    return first;
   }
 
   bool all_done() const {
@@ -295,6 +316,7 @@ class Attempt {
   Placement placement_;
   int restart_count_;
   std::vector<Rank> ranks_;
+  int ended_ = 0; // ranks of this attempt reaped so far
   pid_t group_ = 0;
   std::string store_file_;
   std::string trace_dir_;

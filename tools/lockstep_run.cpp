@@ -244,6 +244,11 @@ int main(int argc, char** argv) {
   pipe_action.sa_handler = [](int) {};
   ::sigemptyset(&pipe_action.sa_mask);
   ::sigaction(SIGPIPE, &pipe_action, nullptr);
+  // SIGCHLD ignored by whoever started us (exec keeps an ignored signal)
+  // has the kernel reap the ranks itself: waitpid would never see one end,
+  // and the launcher, SIGTERM included, would wait for good. The ranks get
+  // the default back too.
+  ::signal(SIGCHLD, SIG_DFL);
 
   const std::time_t now = std::time(nullptr);
   char text[32];

@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -42,7 +43,9 @@ struct Rank {
   std::string out_partial, err_partial;
   std::deque<std::string> err_tail;
   std::ofstream log;
+  int exit_fd = -1; // a pidfd: readable once the rank has ended (Note [When a rank ended])
   bool done = false;
+  int end_order = 0; // 1 for the first rank of the attempt to end, 2 for the next, ...
   int status = 0;
   bool running_at_stop = false; // still running when the job was stopped
   bool killed_after_grace = false; // ignored SIGTERM: got SIGKILL
@@ -172,6 +175,7 @@ inline void spawn_rank(Rank& r, const std::string& program, const std::vector<st
   r.pid = pid;
   r.out_fd = out[0];
   r.err_fd = err[0];
+  r.exit_fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); // -1 before Linux 5.3: pump's timeout instead
 }
 
 // One line of rank r's stdout or stderr: to the launcher's own, prefixed
@@ -197,6 +201,12 @@ inline void emit(Rank& r, const std::string& line, bool is_err) {
 inline void pump(std::vector<Rank>& ranks, int timeout_ms) {
   std::vector<pollfd> fds;
   std::vector<std::pair<size_t, bool>> owners; // rank, is_stderr
+  for (const auto& r : ranks) { // first: nothing to read, they only end the wait
+    if (r.exit_fd >= 0) {
+      fds.push_back({r.exit_fd, POLLIN, 0});
+    }
+  }
+  const size_t exits = fds.size();
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i].out_fd >= 0) {
       fds.push_back({ranks[i].out_fd, POLLIN, 0});
@@ -217,12 +227,12 @@ inline void pump(std::vector<Rank>& ranks, int timeout_ms) {
     return;
   }
   char buffer[65536];
-  for (size_t k = 0; k < fds.size(); ++k) {
+  for (size_t k = exits; k < fds.size(); ++k) {
     if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
       continue;
     }
-    Rank& r = ranks[owners[k].first];
-    const bool is_err = owners[k].second;
+    Rank& r = ranks[owners[k - exits].first];
+    const bool is_err = owners[k - exits].second;
     const ssize_t n = ::read(fds[k].fd, buffer, sizeof(buffer));
     if (n <= 0) {
       ::close(fds[k].fd);
@@ -245,7 +255,7 @@ inline void pump(std::vector<Rank>& ranks, int timeout_ms) {
 // two (until pipe2 fails after enough restarts).
 inline void close_pipes(std::vector<Rank>& ranks) {
   for (auto& r : ranks) {
-    for (int* fd : {&r.out_fd, &r.err_fd}) {
+    for (int* fd : {&r.out_fd, &r.err_fd, &r.exit_fd}) {
       if (*fd >= 0) {
         ::close(*fd);
         *fd = -1;
