@@ -54,6 +54,17 @@ TEST(Launcher, RanksGetTorchrunsEnvironmentAndPrefixedOutput) {
   EXPECT_EQ(line.rfind("env 1 1 2 2", 0), 0u) << line;
 }
 
+// Under taskset (or a Slurm or cgroup cpuset) the ranks share the cores
+// the launcher may use, not all the machine's.
+TEST(Launcher, EachRanksThreadsAreItsShareOfTheCoresItMayUse) {
+  auto p = testing::run({"/usr/bin/env", "-u", "OMP_NUM_THREADS", "taskset", "-c", "0", LOCKSTEP_RUN,
+                         "--nproc-per-node", "1", "--master-port", port(), "/bin/sh", "-c",
+                         "echo \"threads $OMP_NUM_THREADS\""},
+                        {}, temp("affinity.log"), std::chrono::seconds(60));
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("[rank 0] threads 1\n"), std::string::npos) << p.output;
+}
+
 void expect_failure_stops_the_job(const std::string& fault, const std::string& how) {
   const std::string marker = "fault_" + fault;
   auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer(marker), marker, {"LOCKSTEP_FAULT=" + fault});

@@ -257,8 +257,7 @@ class Attempt {
       env.emplace_back("LOCKSTEP_TIMEOUT", std::to_string(options_.timeout_seconds));
     }
     if (std::getenv("OMP_NUM_THREADS") == nullptr) {
-      const long cores = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
-      env.emplace_back("OMP_NUM_THREADS", std::to_string(std::max(1L, cores / options_.nproc_per_node)));
+      env.emplace_back("OMP_NUM_THREADS", std::to_string(std::max(1, usable_cores() / options_.nproc_per_node)));
     }
     return env;
   }

@@ -7,12 +7,14 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -31,6 +33,18 @@ namespace tools {
 
 constexpr size_t kStderrTail = 20;
 constexpr size_t kTailLineBytes = 2000; // a longer line is cut in the failure summary
+
+// The cores this launcher may run on: its affinity mask (taskset, a Slurm
+// or cgroup cpuset), which the ranks inherit, not every core the machine
+// has; the ranks would otherwise start more threads than they have cores.
+inline int usable_cores() {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (::sched_getaffinity(0, sizeof(mask), &mask) == 0 && CPU_COUNT(&mask) > 0) {
+    return CPU_COUNT(&mask);
+  }
+  return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
+}
 
 // One rank of this node: its process, its pipes and their unfinished
 // lines, its log, the last lines of its stderr, and how it ended.
