@@ -65,6 +65,27 @@ TEST(Launcher, EachRanksThreadsAreItsShareOfTheCoresItMayUse) {
   EXPECT_NE(p.output.find("[rank 0] threads 1\n"), std::string::npos) << p.output;
 }
 
+// The nodes of a static job share a run id (lockstep-train's runs/ID, where
+// a restart finds its checkpoint) only when given one: --rdzv-id, as
+// torchrun's users pass it. Without, each node's is its start time, and
+// lockstep-run says so.
+TEST(Launcher, StaticNodesTakeTheRunIdFromRdzvIdOrAreWarned) {
+  const std::vector<std::string> node1{LOCKSTEP_RUN, "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                                       "--master-port", port(), "--nproc-per-node", "1"};
+  auto given = node1;
+  given.insert(given.end(), {"--rdzv-id", "job7", "/bin/sh", "-c", "echo \"id $LOCKSTEP_RUN_ID\""});
+  auto p = testing::run(given, {"LOCKSTEP_RUN_ID="}, temp("run_id.log"), std::chrono::seconds(60));
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("[rank 1] id job7\n"), std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("warning"), std::string::npos) << p.output;
+  auto none = node1;
+  none.insert(none.end(), {"/bin/true"});
+  p = testing::run(none, {"LOCKSTEP_RUN_ID="}, temp("no_run_id.log"), std::chrono::seconds(60));
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: warning: the run id is this node's start time"), std::string::npos)
+      << p.output;
+}
+
 void expect_failure_stops_the_job(const std::string& fault, const std::string& how) {
   const std::string marker = "fault_" + fault;
   auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, trainer(marker), marker, {"LOCKSTEP_FAULT=" + fault});

@@ -558,6 +558,11 @@ TEST(SlurmStep, TwoJobsNeverShareARunId) {
   EXPECT_EQ(id({{"SLURM_JOB_ID", "77"}}, 1, 1), "slurm-77") << "a batch script's own step";
   EXPECT_NE(id({}, 100, 1), id({}, 101, 1)) << "two launches on one machine in the same second";
   EXPECT_EQ(id({}, 100, 2), id({}, 101, 2)) << "the nodes of a job share only the time";
+  const auto with_rdzv_id = [](const char* name) -> const char* {
+    return std::string(name) == "SLURM_JOB_ID" ? "77" : std::string(name) == "LOCKSTEP_RUN_ID" ? "env" : nullptr;
+  };
+  EXPECT_EQ(tools::default_run_id(with_rdzv_id, "20261126-120000", 1, 2, "job-9"), "job-9")
+      << "--rdzv-id, as torchrun's users give every node";
 }
 
 TEST(SlurmStep, MoreTasksThanNodesIsAClearError) {

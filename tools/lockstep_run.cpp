@@ -253,7 +253,13 @@ int main(int argc, char** argv) {
   const std::time_t now = std::time(nullptr);
   char text[32];
   std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
-  options.run_id = lockstep::tools::default_run_id(std::getenv, text, static_cast<long>(::getpid()), options.nnodes);
+  options.run_id =
+      lockstep::tools::default_run_id(std::getenv, text, static_cast<long>(::getpid()), options.nnodes, options.rdzv_id);
+  if (!options.elastic() && options.nnodes > 1 && options.run_id == text) {
+    std::fprintf(stderr, "lockstep-run: warning: the run id is this node's start time (%s), which the other nodes do "
+                 "not share: lockstep-train's ranks would look for their checkpoint in different runs/ID folders. "
+                 "Give every node the same --rdzv-id (or LOCKSTEP_RUN_ID).\n", text);
+  }
   remove_stale_store_files();
   return options.elastic() ? lockstep::tools::run_elastic(options, program) : run_static(options, program);
 }

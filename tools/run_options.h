@@ -91,8 +91,9 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
                  "static; a static job with --rdzv-endpoint and no --master-addr meets there)");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", options.rdzv_endpoint, "HOST[:PORT] of the rendezvous store: the "
                  "launcher on HOST serves it, the others reach it (default port 29400)");
-  app.add_option("--rdzv-id,--rdzv_id", options.rdzv_id, "The job's id, the same on every node (default: the first "
-                 "node's start time)");
+  app.add_option("--rdzv-id,--rdzv_id", options.rdzv_id, "The job's id, the same on every node, and the ranks' "
+                 "LOCKSTEP_RUN_ID (default: Slurm's job and step, else the start time: the first node's in an elastic "
+                 "job, each node's own in a static one)");
   app.add_option("--rdzv-conf,--rdzv_conf", options.rdzv_conf, "KEY=SECONDS,...: join_timeout (600), last_call_timeout "
                  "(30), keep_alive_interval (5), keep_alive_max_attempt (3, a count)");
   app.add_option("--monitor-interval,--monitor_interval", options.monitor_interval, "Seconds between the elastic "
@@ -271,16 +272,21 @@ using GetEnv = std::function<const char*(const char*)>;
 
 /// The job's id, the same for every attempt of it (lockstep-train's default
 /// output folder is runs/ID, where a restart finds its checkpoint):
-/// LOCKSTEP_RUN_ID; else Slurm's job and step (a requeued job keeps both,
-/// two sruns of one allocation differ; the trainer's own id does the same);
-/// else the launch time `now`, and on one node this launcher's `pid` too,
-/// so that two jobs started in the same second never share a folder (nodes
-/// of a job without Slurm have no id in common but the time).
-inline std::string default_run_id(const GetEnv& get, const std::string& now, long pid, int nnodes) {
+/// --rdzv-id, which torchrun's users give every node (an elastic job takes
+/// it too); else LOCKSTEP_RUN_ID; else Slurm's job and step (a requeued job keeps both, two sruns of one
+/// allocation differ; the trainer's own id does the same); else the launch
+/// time `now`, and on one node this launcher's `pid` too, so that two jobs
+/// started in the same second never share a folder (nodes of a static job
+/// with none of these have no id in common: lockstep-run warns).
+inline std::string default_run_id(const GetEnv& get, const std::string& now, long pid, int nnodes,
+                                  const std::string& rdzv_id = "") {
   const auto set = [&](const char* name) {
     const char* v = get(name);
     return v != nullptr && *v != '\0' ? std::string(v) : std::string();
   };
+  if (!rdzv_id.empty()) {
+    return rdzv_id;
+  }
   if (!set("LOCKSTEP_RUN_ID").empty()) {
     return set("LOCKSTEP_RUN_ID");
   }
