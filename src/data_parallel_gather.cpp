@@ -100,6 +100,12 @@ Gathered DataParallelCore::gather(const Plan& plan, const std::vector<std::vecto
     if (!parts[0].defined()) {
       continue;
     }
+    TORCH_CHECK(parts[0].dim() > 0 || options_.scalar_outputs() != ScalarGather::Mean ||
+                    !at::isIntegralType(parts[0].scalar_type(), /*includeBool=*/true),
+                "lockstep::DataParallel: output tensor ", j, " is a 0-dim ", parts[0].scalar_type(),
+                " tensor, and ScalarGather::Mean would turn it into a fraction: the share-weighted mean of a count or "
+                "a flag is neither. Use ScalarGather::Sum to add the replicas' counts, return it as a floating-point "
+                "tensor to average it, or as a 1-element tensor to have the replicas' values concatenated.");
     OutputSpec spec;
     auto& out = gathered.tensors[j];
     out = gather_one(parts, output_device(), options_.dim(), options_.scalar_outputs(), shares, spec);

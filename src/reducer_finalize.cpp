@@ -114,8 +114,17 @@ std::vector<torch::Tensor> Reducer::State::wait_buckets() {
       timeline::detail::record("allreduce bucket " + std::to_string(b), bucket.launched_us, timeline::detail::now_us(),
                                "collectives", bucket.bytes);
     }
+    TORCH_CHECK(averaged.defined(), where(), "the communication hook's result for ", bucket.name,
+                " is an undefined tensor; it must be the bucket's ", bucket.buffer.numel(),
+                " reduced values, as comm_hooks::allreduce's is.");
     TORCH_CHECK(averaged.numel() == bucket.buffer.numel(), where(), "the communication hook returned ",
                 averaged.numel(), " values for ", bucket.name, ", which has ", bucket.buffer.numel(), ".");
+    // Copied into floating-point gradients, integers would be taken at face
+    // value: a quantising hook that forgot to dequantise, silently 100x off.
+    TORCH_CHECK(!at::isIntegralType(averaged.scalar_type(), /*includeBool=*/true), where(),
+                "the communication hook returned ", averaged.scalar_type(), " values for ", bucket.name,
+                ", whose gradients are ", bucket.buffer.scalar_type(), ": a hook that compresses to integers must "
+                "decompress (scale back, and cast to a floating-point type) before it returns.");
     reduced.push_back(std::move(averaged));
   }
   return reduced;

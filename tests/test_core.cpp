@@ -501,6 +501,14 @@ TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
                                 {1, record({agreed, entry(1, "allreduce", 4, "started")}, 2)}},
                                {0, 1});
   EXPECT_NE(lines[0].find("every rank started collective #1"), std::string::npos) << lines[0];
+  // The same number of values in another shape: no agreement, and the shapes told.
+  auto flat = entry(1, "allreduce", 4, "failed"), square = flat;
+  flat["shape"] = {4};
+  square["shape"] = {2, 2};
+  lines = tools::desync_report({{0, record({agreed, flat}, 2)}, {1, record({agreed, square}, 2)}}, {0, 1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0], "rank 0 ran allreduce (sum) of 4 Float shaped [4] as #1 where rank 1 ran allreduce (sum) of 4 "
+                      "Float shaped [2,2]: the ranks issued different collectives from here on.");
   EXPECT_TRUE(tools::desync_report(std::map<int, nlohmann::json>{}, {0, 1}).empty());
 }
 

@@ -96,6 +96,15 @@ TEST(DataParallel, SummedIntegerAndBoolScalarsStayCounts) {
   EXPECT_EQ(huge.item<int64_t>(), 0);
 }
 
+// The share-weighted mean of a count is a fraction (7 rows: 10 became
+// 5.14 as a float): Mean refuses integer and bool 0-dim outputs by index.
+TEST(DataParallel, AMeanOfIntegerOrBoolScalarsIsAnErrorNamingTheOutput) {
+  Counts net;
+  DataParallel<Counts> dp(net, DataParallelOptions().devices(cpus(2)).scalar_outputs(ScalarGather::Mean));
+  EXPECT_ERROR_SAYS(dp(torch::randn({7, 3})), "output tensor 1 is a 0-dim Long tensor, and ScalarGather::Mean would "
+                    "turn it into a fraction", "Use ScalarGather::Sum");
+}
+
 // --- edge cases and errors ---------------------------------------------------
 
 TEST(DataParallel, ChunksFollowWeightsAndSmallBatchesUseFewerReplicas) {

@@ -261,6 +261,31 @@ TEST(DdpThreads, UserHookReturningACompletedResult) {
   });
 }
 
+// A hook's result must be the bucket's reduced gradients: an undefined
+// tensor, or integers a quantising hook forgot to decompress (copied into
+// the gradients at face value, 100x off), are errors naming the bucket.
+TEST(DdpThreads, AHookResultThatIsNoGradientIsAnErrorNamingTheBucket) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    auto quantised = [](const ProcessGroup& g, GradBucket& b) {
+      auto q = (b.buffer * 100).round().to(torch::kInt8);
+      g.allreduce(q, ReduceOp::Sum);
+      return comm_hooks::completed(q);
+    };
+    auto undefined = [](const ProcessGroup& g, GradBucket& b) {
+      return comm_hooks::completed(torch::Tensor());
+    };
+    OddNet net;
+    const auto x = torch::randn({2, 7});
+    {
+      DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().comm_hook(quantised));
+      EXPECT_ERROR_SAYS(ddp(x).sum().backward(), "the communication hook returned Char values for bucket 0",
+                        "must decompress");
+    }
+    DistributedDataParallel<OddNet> ddp(net, group, DistributedOptions().comm_hook(undefined));
+    EXPECT_ERROR_SAYS(ddp(x).sum().backward(), "the communication hook's result for bucket 0 (", "is an undefined tensor");
+  });
+}
+
 // broadcast_buffers(false) leaves each rank's buffers its own from the
 // start, as PyTorch's (_sync_module_states with broadcast_buffers): the
 // wrapping copied rank 0's all the same.

@@ -43,9 +43,21 @@ inline std::string describe_collective(const nlohmann::json& c) {
   return text;
 }
 
+// The shape counts too: an allreduce of 4 values is not one of 2 x 2 (the
+// ranks' check refuses it, and the report must not call that agreement).
 inline bool same_collective(const nlohmann::json& a, const nlohmann::json& b) {
   return a.value("op", "") == b.value("op", "") && a.value("arg", "") == b.value("arg", "") &&
-      a.value("dtype", "") == b.value("dtype", "") && a.value("numel", int64_t{0}) == b.value("numel", int64_t{0});
+      a.value("dtype", "") == b.value("dtype", "") && a.value("numel", int64_t{0}) == b.value("numel", int64_t{0}) &&
+      a.value("shape", nlohmann::json()) == b.value("shape", nlohmann::json());
+}
+
+// describe_collective, with the shape where it alone tells `c` from `other`.
+inline std::string describe_against(const nlohmann::json& c, const nlohmann::json& other) {
+  const std::string text = describe_collective(c);
+  if (text != describe_collective(other)) {
+    return text;
+  }
+  return text + " shaped " + c.value("shape", nlohmann::json()).dump();
 }
 
 // The earliest collective of `group` that did not complete, or null.
@@ -106,8 +118,8 @@ inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool
     for (size_t k = 1; k < present.size(); ++k) {
       const auto& other = by_seq[present[k]][s];
       if (!same_collective(first, other)) {
-        return "rank " + std::to_string(present[0]) + " ran " + describe_collective(first) + " as #" +
-            std::to_string(s) + " where rank " + std::to_string(present[k]) + " ran " + describe_collective(other) +
+        return "rank " + std::to_string(present[0]) + " ran " + describe_against(first, other) + " as #" +
+            std::to_string(s) + " where rank " + std::to_string(present[k]) + " ran " + describe_against(other, first) +
             ": the ranks issued different collectives from here on.";
       }
     }

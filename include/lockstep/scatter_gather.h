@@ -59,7 +59,8 @@ enum class ScalarGather {
   /// A 1-D tensor with one entry per replica that ran, as PyTorch does.
   Stack,
   /// The replicas' values weighted by their share of the batch: for a
-  /// mean-reduced loss, exactly the single-device value.
+  /// mean-reduced loss, exactly the single-device value. Floating-point
+  /// outputs only: an integer or bool one (a count, a flag) is an error.
   Mean,
   /// The plain sum of the replicas' values.
   Sum,
