@@ -386,7 +386,30 @@ StepInputs DataParallelCore::apply(const Plan& plan, const std::function<void(si
     s.sources = r == plan.used.front() ? &inputs.sources : nullptr;
   }
   run_replicas(*pool_, plan.used, options_.devices(), "forward", [&](size_t r) { fn(r, scatters[r]); });
+  check_shared_unchanged(plan, scatters);
   return inputs;
+}
+
+// Note [A broadcast tensor changed in forward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A tensor passed whole (lockstep::broadcast) reaches every replica on its
+// own device as the caller's tensor itself: CPU replicas share it, and
+// replicas on other GPUs copy it while they start. One that changes it in
+// place (h.mul_(2)) changes it under the others, in whatever order the
+// threads run: on 4 CPU replicas the bare module's 2 became 16. Copying it
+// for every replica would cost every read-only use a copy per step; each
+// replica notes its version instead, before its forward runs, and a change
+// is an error after them.
+void DataParallelCore::check_shared_unchanged(const Plan& plan, const std::vector<ReplicaScatter>& scatters) const {
+  for (size_t r : plan.used) {
+    for (const auto& [tensor, version] : scatters[r].shared) {
+      TORCH_CHECK(tensor._version() == version, "lockstep::DataParallel: a tensor passed whole "
+                  "(lockstep::broadcast) was changed in place during forward. Every replica on ",
+                  options_.devices()[r], " receives that one tensor, so the replicas changed it under each other and "
+                  "their results depend on the threads' timing. Change a copy in forward (t = t.clone()), or pass it "
+                  "split.");
+    }
+  }
 }
 
 namespace {

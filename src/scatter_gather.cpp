@@ -140,6 +140,9 @@ torch::Tensor ReplicaScatter::take(const torch::Tensor& tensor, c10::optional<in
     piece = tensor.narrow(d, offset, size);
   }
   piece = piece.to(device);
+  if (whole && piece.is_same(tensor)) {
+    shared.emplace_back(tensor, tensor._version());
+  }
   if (track_grad && tensor.requires_grad()) {
     // The replica's graph starts at `piece`, where ParallelBackward takes its
     // gradient; a non-leaf made from `tensor` (not `tensor` itself, whose

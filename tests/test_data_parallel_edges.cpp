@@ -168,6 +168,36 @@ TEST(DataParallel, MismatchedBatchSizesAreAClearError) {
   EXPECT_EQ(dp(torch::randn({10, 8}), broadcast(torch::randn({1, 8}))).size(0), 10);
 }
 
+// Changes its whole (broadcast) argument in place, as a stateful forward may.
+struct ScalesStateImpl : torch::nn::Cloneable<ScalesStateImpl> {
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& state) {
+    if (change_) {
+      state.mul_(2);
+    }
+    return x * state;
+  }
+  bool change_ = true;
+};
+TORCH_MODULE(ScalesState);
+
+// CPU replicas receive a broadcast tensor as the caller's own: changed in
+// place, each replica changed it under the others (the bare module's 2
+// became 16 on 4 replicas). That is an error; reading it is not.
+TEST(DataParallel, ABroadcastTensorChangedInPlaceInForwardIsAnError) {
+  ScalesState net;
+  DataParallel<ScalesState> dp(net, DataParallelOptions().devices(cpus(4)));
+  auto state = torch::ones({1});
+  EXPECT_ERROR_SAYS(dp(torch::ones({8, 1}), broadcast(state)),
+                    "a tensor passed whole (lockstep::broadcast) was changed in place during forward",
+                    "t = t.clone()");
+  net->change_ = false;
+  for (auto& replica : dp->replicas()) {
+    replica->change_ = false;
+  }
+  EXPECT_TRUE(torch::equal(dp(torch::ones({8, 1}), broadcast(torch::full({1}, 3.0))), torch::full({8, 1}, 3.0)));
+}
+
 TEST(DataParallel, ReplicaErrorNamesReplicaAndDeviceAndStaysUsable) {
   Counter net;
   DataParallel<Counter> dp(net, DataParallelOptions().devices(cpus(2)));

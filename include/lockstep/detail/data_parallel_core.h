@@ -143,6 +143,7 @@ class DataParallelCore {
   torch::Device output_device() const;
   void check_on_first_device() const;
   void check_unchanged() const;
+  void check_shared_unchanged(const Plan& plan, const std::vector<ReplicaScatter>& scatters) const;
   void mirror_modes(size_t replica);
   void sync_params(size_t replica);
   void sync_buffers(size_t replica);

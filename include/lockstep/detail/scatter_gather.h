@@ -366,6 +366,9 @@ struct ReplicaScatter {
   bool track_grad = false; // inputs needing grad become leaves of the replica's graph
   std::vector<torch::Tensor>* leaves = nullptr;
   std::vector<InputSource>* sources = nullptr; // filled by the first replica only
+  // Whole tensors this replica received as the caller's own, with their
+  // version then (Note [A broadcast tensor changed in forward]).
+  std::vector<std::pair<torch::Tensor, int64_t>> shared;
 
   /// This replica's part of `tensor`: a chunk along `dim` (default: the call's
   /// dim), or all of it when `whole`.
