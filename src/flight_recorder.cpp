@@ -150,10 +150,6 @@ class FlightRecorder {
     }
   }
 
-  int64_t next_seq() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return next_seq_;
-  }
 
   nlohmann::json to_json(size_t index) const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -314,12 +310,12 @@ class RecordedGroup : public ForwardingGroup {
   template <typename Issue>
   std::shared_ptr<Work> run(Op op, int64_t arg, std::string arg_text, const std::vector<torch::Tensor>& tensors,
                             const std::string& what, Issue issue) {
-    if (check_) {
-      check_same_everywhere(op, arg, tensors, what);
-    }
     const int64_t seq = recorder_->start(op, std::move(arg_text), tensors, what);
     std::shared_ptr<Work> work;
     try {
+      if (check_) { // its failures (ranks that disagree, one that never came) are the collective's: recorded, dumped
+        check_same_everywhere(seq, op, arg, tensors, what);
+      }
       work = issue();
     } catch (const c10::Error& e) {
       recorder_->finish(seq, "failed", e.what_without_backtrace());
@@ -331,7 +327,8 @@ class RecordedGroup : public ForwardingGroup {
   }
 
   // LOCKSTEP_DEBUG=detail: Note [Flight recorder].
-  void check_same_everywhere(Op op, int64_t arg, const std::vector<torch::Tensor>& tensors, const std::string& what) {
+  void check_same_everywhere(int64_t seq, Op op, int64_t arg, const std::vector<torch::Tensor>& tensors,
+                             const std::string& what) {
     torch::Device device = torch::kCPU;
     if (!tensors.empty()) {
       device = tensors[0].device();
@@ -340,7 +337,7 @@ class RecordedGroup : public ForwardingGroup {
     }
     auto mine = torch::zeros({kFingerprintSize}, torch::kLong);
     auto* v = mine.data_ptr<int64_t>();
-    v[0] = recorder_->next_seq();
+    v[0] = seq;
     v[1] = op;
     v[2] = arg;
     if (!tensors.empty()) {

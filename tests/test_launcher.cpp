@@ -242,6 +242,19 @@ TEST(Timeline, DataParallelRecordsEachReplicasForwardAndBackward) {
   }
 }
 
+// LOCKSTEP_DEBUG=detail's check is what fails first there: its failure is
+// the collective's, so the records are written and the report names it too.
+TEST(Launcher, DesyncReportUnderLockstepDebugDetail) {
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, {LOCKSTEP_DDP_WORKER, "desync_skip"},
+                  "desync_detail", {kOneThread, "LOCKSTEP_DEBUG=detail"});
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("LOCKSTEP_DEBUG=detail: ranks disagree on collective #"), std::string::npos) << p.output;
+  EXPECT_TRUE(std::regex_search(p.output, std::regex("desync report, from the ranks' flight records[^\n]*\n  rank 0 "
+                                                     "ran allreduce \\(sum\\) of 4 Float as #[0-9]+ where rank 1 "
+                                                     "ran barrier")))
+      << p.output;
+}
+
 TEST(Launcher, DesyncReportNamesTheRankThatSkippedACollectiveAndItsNumber) {
   // Rank 1 skips an allreduce and goes on to a barrier: from that collective
   // on the ranks disagree, both fail, and each writes its record.
