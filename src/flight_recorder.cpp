@@ -150,7 +150,6 @@ class FlightRecorder {
     }
   }
 
-
   nlohmann::json to_json(size_t index) const {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto now = Clock::now();
