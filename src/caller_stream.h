@@ -24,6 +24,12 @@ namespace detail {
 // could read gradients or parameters before they are written. So each
 // collective takes the stream current where it was called, and starts
 // under it. Waiting needs nothing: the caller waits on its own thread.
+//
+// DataParallel's replicas run on threads of lockstep's own too
+// (src/worker_pool.cpp), and read what the caller queued: the input, the
+// parameters it just changed. Each replica runs under the stream current on
+// its device where the step was called, as PyTorch's parallel_apply does; so
+// its results are ordered before whatever the caller queues next.
 
 /// The calling thread's current stream on `device`; none on the CPU.
 inline c10::optional<c10::Stream> caller_stream(c10::Device device) {

@@ -3,6 +3,7 @@
 #include <lockstep/timeline.h>
 
 #include "autocast_state.h"
+#include "caller_stream.h"
 #include "cpu_threads.h"
 
 #include <ATen/Parallel.h>
@@ -152,6 +153,10 @@ void run_replicas(
     const std::function<void(size_t)>& fn) {
   at::ThreadLocalState state;
   const auto autocast = AutocastState::current(); // Note [Mixed precision] in src/amp.cpp
+  std::vector<c10::optional<c10::Stream>> streams(devices.size()); // Note [The caller's stream]
+  for (size_t r : which) {
+    streams[r] = caller_stream(devices[r]);
+  }
   if (std::any_of(which.begin(), which.end(), [&](size_t r) { return devices[r].is_cpu(); })) {
     release_idle_openmp_team(); // Note [CPU replicas and threads]
   }
@@ -160,8 +165,12 @@ void run_replicas(
     ReplicaAutocast replica_autocast(autocast);
     CpuCacheScope cache(devices[r].is_cpu()); // Note [CPU replicas' memory] in src/cpu_cache.cpp
     c10::OptionalDeviceGuard device_guard;
+    c10::OptionalStreamGuard stream_guard;
     if (!devices[r].is_cpu()) {
       device_guard.reset_device(devices[r]);
+    }
+    if (streams[r]) {
+      stream_guard.reset_stream(*streams[r]);
     }
     const int64_t start = timeline::enabled() ? timeline::detail::now_us() : 0;
     fn(r);

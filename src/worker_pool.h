@@ -58,10 +58,11 @@ class WorkerPool {
 };
 
 /// Runs fn(r) for each replica r in `which` on its worker, with the caller's
-/// thread-local state (grad mode, inference mode, autocast, profiler) and
-/// device; CPU replicas allocate from the CPU memory cache. Before CPU replicas run, the caller's idle OpenMP team ends
-/// (release_idle_openmp_team). Throws a c10::Error naming the first replica that
-/// threw, its device and `stage`.
+/// thread-local state (grad mode, inference mode, autocast, profiler), device,
+/// and current stream on that device; CPU replicas allocate from the CPU
+/// memory cache. Before CPU replicas run, the caller's idle OpenMP team ends
+/// (release_idle_openmp_team). Throws a c10::Error naming the first replica
+/// that threw, its device and `stage`.
 void run_replicas(
     WorkerPool& pool,
     const std::vector<size_t>& which,

@@ -9,12 +9,15 @@
 #include "support/modules.h"
 #include "support/processes.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <atomic>
 #include <cstdio>
 #include <functional>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <thread>
@@ -416,6 +419,62 @@ TEST(DataParallel, SgdReachesAReplicaOnAnotherDevice_CUDA) {
     GTEST_SKIP() << "no CUDA device";
   }
   expect_mlp_trains_as_bare({torch::Device(torch::kCUDA, 0), torch::Device(torch::kCPU)});
+}
+
+// Records the stream current on its input's device each time it runs.
+struct StreamProbeImpl : torch::nn::Cloneable<StreamProbeImpl> {
+  StreamProbeImpl() {
+    reset();
+  }
+  void reset() override {
+    linear = register_module("linear", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto stream = c10::impl::getDeviceGuardImpl(x.device().type())->getStream(x.device());
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.push_back(stream.id());
+    return linear(x);
+  }
+  torch::nn::Linear linear{nullptr};
+  static std::mutex mutex;
+  static std::vector<c10::StreamId> seen;
+};
+std::mutex StreamProbeImpl::mutex;
+std::vector<c10::StreamId> StreamProbeImpl::seen;
+TORCH_MODULE(StreamProbe);
+
+// The caller's work on its current stream (here the input, made on a side
+// stream) is ordered before the replicas' only if they run on that stream
+// too; on the device's default stream they could read it unfinished.
+TEST(DataParallel, ReplicasRunOnTheCallersCurrentStream_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto* impl = c10::impl::getDeviceGuardImpl(torch::kCUDA);
+  const auto side = impl->getStreamFromGlobalPool(gpu);
+  ASSERT_NE(side, impl->getDefaultStream(gpu));
+  StreamProbe net;
+  net->to(gpu);
+  auto bare = deep_copy(net);
+  DataParallel<StreamProbe> dp(net, DataParallelOptions().devices({gpu, gpu}));
+  torch::Tensor x, out;
+  {
+    c10::StreamGuard on_side(side);
+    x = torch::randn({64, 4}, gpu) * 2;
+    StreamProbeImpl::seen.clear();
+    out = dp(x);
+    out.sum().backward();
+    impl->synchronizeStream(side);
+  }
+  ASSERT_EQ(StreamProbeImpl::seen.size(), 2u);
+  for (auto id : StreamProbeImpl::seen) {
+    EXPECT_EQ(id, side.id()) << "a replica ran on stream " << id << ", not the caller's " << side.id();
+  }
+  auto expected = bare(x);
+  expected.sum().backward();
+  EXPECT_TRUE(torch::allclose(out, expected));
+  EXPECT_TRUE(torch::allclose(net->linear->weight.grad(), bare->linear->weight.grad()));
 }
 
 TEST(DataParallel, MlpMatchesBareModuleOnTwoGpus_MultiCUDA) {
