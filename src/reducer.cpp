@@ -393,17 +393,23 @@ void Reducer::State::copy_in(size_t index) {
 }
 
 // A parameter without a gradient in this backward: what no_sync accumulated
-// goes in (Note [Unused parameters]). When .grad is its bucket slot and may
-// turn out globally unused, its value is kept to be put back.
+// goes in (Note [Unused parameters]). A globally unused parameter keeps its
+// .grad: when that is its bucket slot, its value is kept to be put back; when
+// it is a tensor of the caller's own (assigned by hand), the parameter keeps
+// that tensor, and copy_out points it at the slot only if some rank used it.
 void Reducer::State::copy_in_unused(size_t index) {
   torch::NoGradGuard no_grad;
-  const auto& grad = params[index].grad();
+  const auto grad = params[index].grad();
   auto& view = buckets[slot_of[index].first].views[slot_of[index].second];
-  if ((options.find_unused_parameters() || options.static_graph()) && grad.defined() &&
-      grad.data_ptr() == view.data_ptr()) {
+  const bool may_be_unused = options.find_unused_parameters() || options.static_graph();
+  const bool is_slot = grad.defined() && grad.data_ptr() == view.data_ptr();
+  if (may_be_unused && is_slot) {
     saved_grads[index] = grad.clone();
   }
   copy_in(index);
+  if (may_be_unused && grad.defined() && !is_slot) {
+    params[index].mutable_grad() = grad;
+  }
 }
 
 void Reducer::State::mark_ready(size_t index) {
