@@ -27,7 +27,7 @@ struct PowerSGDMatrix {
 struct PowerSGDPlan {
   // Ranges of the bucket's buffer sent whole, (offset, elements), in order,
   // adjacent ones merged: the gradients not worth compressing, and whatever
-  // follows the gradients (the static_graph flag).
+  // follows the gradients (in a bucket made by hand).
   std::vector<std::pair<int64_t, int64_t>> whole;
   std::vector<PowerSGDMatrix> matrices;
   std::vector<int64_t> offsets; // of each gradient in the buffer

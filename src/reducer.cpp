@@ -99,7 +99,7 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
     for (size_t i : bucket.params) {
       numel += params[i].numel();
     }
-    const bool flag = options.static_graph() && b + 1 == assignment.size();
+    const bool flag = flag_in_last_bucket() && b + 1 == assignment.size();
     const auto& first = params[bucket.params.front()];
     bucket.buffer = torch::zeros({numel + (flag ? 1 : 0)}, first.options().requires_grad(false));
     int64_t offset = 0;
@@ -423,14 +423,13 @@ void Reducer::State::mark_ready(size_t index) {
 
 void Reducer::State::launch_ready_buckets(bool backward_ended) {
   while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
-    const bool flagged = options.static_graph() && next_bucket + 1 == buckets.size();
+    const bool flagged = flag_in_last_bucket() && next_bucket + 1 == buckets.size();
     if (flagged && !backward_ended) {
       return; // Note [Static graph]: the flag is known only once backward has ended
     }
     auto& bucket = buckets[next_bucket];
     if (flagged) {
-      const bool surprised = std::any_of(surprises.begin(), surprises.end(), [](int64_t s) { return s != kNone; });
-      bucket.buffer[-1].fill_(surprised ? 1 : 0);
+      bucket.buffer[-1].fill_(surprised() ? 1 : 0);
     }
     bucket.launched_us = timeline::enabled() ? timeline::detail::now_us() : 0;
     if (options.comm_hook()) {

@@ -40,10 +40,15 @@ void Reducer::State::finalize_backward() {
   launch_ready_buckets(true);
   TORCH_INTERNAL_ASSERT(next_bucket == buckets.size());
 
-  // Two small collectives beside the buckets, launched in the same order on
-  // every rank: which parameters each rank used (Note [Unused parameters]),
-  // and plain mode's check.
-  SmallCollective used_flags, unused_ranks;
+  // Small collectives beside the buckets, launched in the same order on
+  // every rank: static_graph's flag where a hook reduces the buckets (Note
+  // [Static graph]), which parameters each rank used (Note [Unused
+  // parameters]), and plain mode's check.
+  SmallCollective static_flag, used_flags, unused_ranks;
+  if (options.static_graph() && !flag_in_last_bucket()) {
+    static_flag.launch(group, torch::full({1}, surprised() ? 1.0f : 0.0f, torch::TensorOptions().device(params[0].device())),
+                       "static_graph's check");
+  }
   if (reduces_used_flags()) {
     std::vector<float> flags(params.size(), 0.0f);
     for (size_t i = 0; i < params.size() && !shadowing; ++i) {
@@ -59,7 +64,9 @@ void Reducer::State::finalize_backward() {
   }
 
   const auto reduced = wait_buckets();
-  if (options.static_graph() && reduced.back()[-1].item<double>() != 0) {
+  const bool broken = flag_in_last_bucket() ? reduced.back()[-1].item<double>() != 0
+                                            : static_flag.work && static_flag.result().item<float>() != 0;
+  if (broken) {
     throw_static_graph_error();
   }
   if (used_flags.work) {

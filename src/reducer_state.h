@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -78,9 +79,12 @@ namespace detail {
 // parameter without gradient, or an unrecorded one with one, sets it. The
 // last bucket is launched only once backward has ended, when both kinds of
 // surprise are known; it is waited for with the others, and a non-zero flag
-// (any reduction keeps it non-zero: a sum, an average, a cast to 16 bits)
 // makes every rank exchange what it saw, in one all_gather, and throw the
-// same error naming the rank and the parameter. A gradient that an
+// same error naming the rank and the parameter. Under a communication hook
+// the flag travels alone instead, in one more float's allreduce after the
+// buckets: a hook need not reduce the whole buffer (a layer-wise one reduces
+// GradBucket::gradients), and a flag it left out would let one rank throw
+// while the others went on. A gradient that an
 // unrecorded parameter gets inside no_sync is a surprise too: it is held
 // until the next synced backward, whose flag carries it.
 
@@ -172,6 +176,13 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
   bool reduces_used_flags() const {
     return options.find_unused_parameters() || (options.static_graph() && !static_used_known);
+  }
+  // Note [Static graph]: where the flag travels.
+  bool flag_in_last_bucket() const {
+    return options.static_graph() && !options.comm_hook();
+  }
+  bool surprised() const {
+    return std::any_of(surprises.begin(), surprises.end(), [](int64_t s) { return s != kNone; });
   }
 
   void build_buckets(const std::vector<size_t>& order);

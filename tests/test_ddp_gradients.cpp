@@ -1,8 +1,10 @@
 // DistributedDataParallel's gradients, ranks as threads: how they are
-// divided, and what an unused parameter's .grad becomes.
+// divided, what an unused parameter's .grad becomes, and static_graph's
+// promise under a communication hook.
 
 #include <lockstep/lockstep.h>
 
+#include "support/errors.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -106,6 +108,36 @@ TEST(DdpThreads, AGloballyUnusedParameterKeepsAGradAssignedByHand) {
       }
     });
   }
+}
+
+// A layer-wise hook (PyTorch's GradBucket::gradients) reduces each gradient
+// alone. static_graph's flag rode at the end of the last bucket, which such
+// a hook never reduced: rank 1, which broke the promise, threw, while rank
+// 0 went on as if nothing had happened.
+TEST(DdpThreads, ABrokenStaticGraphUnderALayerWiseHookIsAnErrorOnEveryRank) {
+  const CommHook layer_wise = [](const ProcessGroup& group, GradBucket& bucket) {
+    for (auto& gradient : bucket.gradients) {
+      group.allreduce(gradient);
+      gradient.div_(group.size());
+    }
+    return comm_hooks::completed(bucket.buffer);
+  };
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        BranchNet net(true);
+        DistributedDataParallel<BranchNet> ddp(net, group, DistributedOptions().static_graph(true).comm_hook(layer_wise));
+        const auto x = torch::ones({2, 4}) * (group.rank() + 1);
+        for (int step = 0; step < 2; ++step) {
+          ddp(x).sum().backward();
+        }
+        if (group.rank() == 1) {
+          net->use_b_ = false;
+        }
+        EXPECT_ERROR_SAYS(ddp(x).sum().backward(), "static_graph(true)",
+                          "rank 1's 'b.weight' received no gradient, but got one in the first iteration");
+      },
+      std::chrono::seconds(5));
 }
 
 } // namespace

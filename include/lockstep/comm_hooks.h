@@ -23,8 +23,6 @@ struct GradBucket {
   /// Position in reduction order: 0 is the first bucket backward fills.
   size_t index = 0;
   /// The bucket's gradients, concatenated; the hook may modify it in place.
-  /// Under DistributedOptions::static_graph, the last bucket has one more
-  /// element at the end, a flag: reduce it like the rest.
   torch::Tensor buffer;
   /// Indices of the bucket's parameters among the reduced parameters: the
   /// module's parameters() that require a gradient, a shared one once, at
