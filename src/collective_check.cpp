@@ -121,6 +121,14 @@ CallerView::~CallerView() {
   current_call = CallerCall{previous_.set, previous_.op, previous_.dtype, previous_.count, previous_.layout};
 }
 
+int64_t caller_reduction(int64_t reduction) {
+  return current_call.set && current_call.op >= 0 ? current_call.op : reduction;
+}
+
+c10::ScalarType caller_dtype(c10::ScalarType dtype) {
+  return current_call.set && current_call.dtype >= 0 ? static_cast<c10::ScalarType>(current_call.dtype) : dtype;
+}
+
 namespace {
 
 enum Kind : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3, kReduceScatter = 4 };

@@ -33,6 +33,12 @@ class CollectiveTag {
   int64_t previous_;
 };
 
+/// The reduction (a ReduceOp) and the dtype of the collective a CallerView
+/// describes on this thread; `reduction` and `dtype` where none does, or for
+/// a collective without a reduction. The flight record shows them.
+int64_t caller_reduction(int64_t reduction);
+c10::ScalarType caller_dtype(c10::ScalarType dtype);
+
 /// While alive, collectives this thread starts are fingerprinted as the
 /// caller made them (Note [The caller's collective] in
 /// src/collective_check.cpp): `tensors` before ProcessGroup packed them into

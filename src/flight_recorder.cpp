@@ -64,6 +64,13 @@ const char* kOpNames[] = {"allreduce", "broadcast", "all_gather", "barrier", "re
 enum Op : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3, kReduceScatter = 4 };
 const char* kReduceNames[] = {"sum", "avg", "max", "min"};
 
+// What the caller asked for, not what reaches the backend: an Avg is a Sum
+// there (Note [Average]), and a record that said "sum" for both would hide
+// ranks that disagree on it from the desync report.
+const char* reduction_name(ReduceOp backend_op) {
+  return kReduceNames[caller_reduction(static_cast<int64_t>(backend_op))];
+}
+
 constexpr int64_t kShownDims = 5;
 // seq, op, arg, dtype, numel, tensors, ndim, then kShownDims dims.
 constexpr int64_t kFingerprintSize = 7 + kShownDims;
@@ -106,7 +113,7 @@ class FlightRecorder {
     e.op = op;
     e.arg = std::move(arg);
     if (!tensors.empty()) {
-      e.dtype = c10::toString(tensors[0].scalar_type());
+      e.dtype = c10::toString(caller_dtype(tensors[0].scalar_type())); // Note [The caller's collective]
       e.shape = tensors[0].sizes().vec();
       for (const auto& t : tensors) {
         e.numel += t.numel();
@@ -284,7 +291,7 @@ class RecordedGroup : public ForwardingGroup {
   }
 
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
-    return run(kAllreduce, static_cast<int64_t>(op), kReduceNames[static_cast<int>(op)], tensors, what,
+    return run(kAllreduce, static_cast<int64_t>(op), reduction_name(op), tensors, what,
                [&] { return inner_->allreduce(tensors, op, what); });
   }
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
@@ -297,7 +304,7 @@ class RecordedGroup : public ForwardingGroup {
   }
   std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what) override {
     std::vector<torch::Tensor> inputs{input};
-    return run(kReduceScatter, static_cast<int64_t>(op), kReduceNames[static_cast<int>(op)], inputs, what,
+    return run(kReduceScatter, static_cast<int64_t>(op), reduction_name(op), inputs, what,
                [&] { return inner_->reduce_scatter(output, input, op, what); });
   }
   std::shared_ptr<Work> barrier(std::string what) override {

@@ -323,6 +323,15 @@ void static_graph_broken(const ProcessGroup& group, bool starts_with_branch) {
                 starts_with_branch ? "no gradient, but got one in the first iteration" : "a gradient, but got none in the first iteration"});
 }
 
+// Rank 0 averages where the others sum. The ranks' check refuses it on
+// every rank; the flight records must show the reduction each caller asked
+// for, which reaches the backend as a sum either way.
+void desync_avg(const ProcessGroup& group) {
+  auto t = torch::ones({4});
+  group.allreduce(t);
+  group.allreduce(t, group.rank() == 0 ? lockstep::ReduceOp::Avg : lockstep::ReduceOp::Sum);
+}
+
 // Two DDP steps, then rank 1 skips a collective the others run, and every
 // rank ends in a barrier: the ranks disagree from that collective on, every
 // rank fails within the timeout, and each writes its flight record.
@@ -400,7 +409,7 @@ int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
     std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
                  "early_exit|syncbn|syncbn_cuda|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
-                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ|powersgd|tcp_store [TAG]\n", argv[0]);
+                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_avg|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ|powersgd|tcp_store [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
@@ -464,6 +473,8 @@ int main(int argc, char** argv) {
       timeline_steps(group);
     } else if (scenario == "desync_skip") {
       desync_skip(group);
+    } else if (scenario == "desync_avg") {
+      desync_avg(group);
     } else if (scenario == "desync_shape") {
       desync_detail(group, false);
     } else if (scenario == "desync_op") {

@@ -512,6 +512,20 @@ TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
   EXPECT_TRUE(tools::desync_report(std::map<int, nlohmann::json>{}, {0, 1}).empty());
 }
 
+// Rank 1 stopped at #5; rank 0 went on to #11, and its buffer of two kept
+// only #10 and #11. The report named #10, the first collective both
+// records could speak of, as the one rank 1 never started.
+TEST(DesyncReport, ARankThatStoppedBeforeWhatTheOthersRememberIsNamedWithItsNumber) {
+  const auto lines = tools::desync_report(
+      {{0, record({entry(10, "allreduce", 4, "completed"), entry(11, "allreduce", 4, "started")}, 12)},
+       {1, record({entry(3, "allreduce", 4, "completed"), entry(4, "allreduce", 4, "completed")}, 5)}},
+      {0, 1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0], "rank 1 never started collective #5, which the other ranks' flight records no longer hold: "
+                      "they went on past it. Run again with a larger LOCKSTEP_TRACE_BUFFER_SIZE to see which "
+                      "collective it was.");
+}
+
 // --- command-line checks (common/cli_checks.h) ------------------------------------
 
 // The message CLI11 gives for `value` on an option checked by `check`; empty if it takes it.

@@ -255,6 +255,18 @@ TEST(Launcher, DesyncReportUnderLockstepDebugDetail) {
       << p.output;
 }
 
+// An Avg reaches the backend as a Sum: the records wrote "sum" for both, and
+// the report called ranks that disagreed on it agreed, blaming the network.
+TEST(Launcher, DesyncReportTellsAnAverageFromASum) {
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, {LOCKSTEP_DDP_WORKER, "desync_avg"}, "desync_avg",
+                  {kOneThread});
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_TRUE(std::regex_search(p.output, std::regex("desync report, from the ranks' flight records[^\n]*\n  rank 0 "
+                                                     "ran allreduce \\(avg\\) of 4 Float as #1 where rank 1 ran "
+                                                     "allreduce \\(sum\\) of 4 Float")))
+      << p.output;
+}
+
 TEST(Launcher, DesyncReportNamesTheRankThatSkippedACollectiveAndItsNumber) {
   // Rank 1 skips an allreduce and goes on to a barrier: from that collective
   // on the ranks disagree, both fail, and each writes its record.

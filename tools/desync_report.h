@@ -70,6 +70,21 @@ inline nlohmann::json first_unfinished(const nlohmann::json& group) {
   return nullptr;
 }
 
+// Some ranks stopped at collective #`seq`, which the others' records no
+// longer hold (each keeps the last LOCKSTEP_TRACE_BUFFER_SIZE): who stopped
+// there is known, what the collective was is not.
+inline std::string forgotten_collective(const std::map<int, nlohmann::json>& groups, int64_t seq) {
+  std::vector<int> stopped;
+  for (const auto& [rank, group] : groups) {
+    if (group.value("issued", int64_t{0}) == seq) {
+      stopped.push_back(rank);
+    }
+  }
+  return rank_list(stopped) + " never started collective #" + std::to_string(seq) +
+      ", which the other ranks' flight records no longer hold: they went on past it. Run again with a larger "
+      "LOCKSTEP_TRACE_BUFFER_SIZE to see which collective it was.";
+}
+
 // One group's records, by rank: the first sequence number where they part.
 // Empty when they agree. `everyone`: no rank's record is missing, so a
 // collective that every record started and none finished is the transport's
@@ -78,15 +93,21 @@ inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool
   std::map<int, std::map<int64_t, nlohmann::json>> by_seq;
   int64_t lo = 0;
   int64_t hi = -1;
+  int64_t fewest = -1; // issued by the rank that issued the fewest
   for (const auto& [rank, group] : groups) {
     auto& mine = by_seq[rank];
-    int64_t first = group.value("issued", int64_t{0});
+    const int64_t issued = group.value("issued", int64_t{0});
+    int64_t first = issued;
     for (const auto& c : group.value("collectives", nlohmann::json::array())) {
       mine[c.value("seq", int64_t{0})] = c;
       first = std::min(first, c.value("seq", int64_t{0}));
     }
     lo = std::max(lo, first); // below it, some rank's buffer has forgotten
-    hi = std::max(hi, group.value("issued", int64_t{0}) - 1);
+    hi = std::max(hi, issued - 1);
+    fewest = fewest < 0 ? issued : std::min(fewest, issued);
+  }
+  if (fewest < lo && fewest <= hi) {
+    return forgotten_collective(groups, fewest);
   }
   for (int64_t s = lo; s <= hi; ++s) {
     std::vector<int> absent;
