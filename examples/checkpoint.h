@@ -386,11 +386,13 @@ inline std::string error_message(const std::exception& e) {
 }
 
 /// Reads the checkpoint file at `path` into `archive`, checked whole, and
-/// returns its format; a clear error for any other or damaged file.
-inline int64_t open_checkpoint(const std::string& path, torch::serialize::InputArchive& archive) {
+/// returns its format; a clear error for any other or damaged file. Its
+/// tensors come onto `device` where one is given, whatever device wrote them.
+inline int64_t open_checkpoint(const std::string& path, torch::serialize::InputArchive& archive,
+                               c10::optional<torch::Device> device = c10::nullopt) {
   const std::string payload = read_checkpoint_payload(path);
   try {
-    archive.load_from(payload.data(), payload.size());
+    archive.load_from(payload.data(), payload.size(), device);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is unreadable (truncated, corrupt, or not a checkpoint): ",
                 error_message(e), " Delete it to start from scratch.");
@@ -457,8 +459,14 @@ inline bool load_checkpoint(
   if (::access(path.c_str(), F_OK) != 0) {
     return false;
   }
+  // Onto the model's device: LibTorch's load would otherwise move each
+  // parameter to the device that saved it (a GPU run's file on a machine
+  // without one failing as unreadable, a CPU run's resumed on a GPU training
+  // on the CPU), and leave the optimizer's state there.
+  const auto params = model.parameters();
   torch::serialize::InputArchive archive;
-  const int64_t format = open_checkpoint(path, archive);
+  const int64_t format =
+      open_checkpoint(path, archive, params.empty() ? c10::nullopt : c10::make_optional(params[0].device()));
   torch::Tensor shards;
   TORCH_CHECK(!archive.try_read("shards", shards), "lockstep-train: checkpoint ", path, " was written with --sharding: "
               "the model and optimizer are in ", shards_dir(path, shards.defined() ? shards.item<int64_t>() : 0),

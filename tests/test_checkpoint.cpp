@@ -218,6 +218,42 @@ TEST(Checkpoint, AnotherModelsShapesAreAClearError) {
             std::string::npos) << p.output;
 }
 
+// A CPU run's checkpoint resumed on a GPU: LibTorch's load moved every
+// parameter to the device that saved it, so the model trained on the CPU
+// beside a GPU optimizer that DataParallel refused, with the optimizer's
+// state on the CPU. (A GPU run's file on a machine without one failed as
+// "unreadable", with advice to delete it.)
+TEST(Checkpoint, ACpuCheckpointResumesOnTheGpu_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const std::string path = temp("cpu_to_gpu.ckpt");
+  examples::ConvNet saved;
+  torch::optim::Adam adam(saved->parameters(), 1e-3);
+  saved(torch::randn({4, 1, 28, 28})).sum().backward();
+  adam.step();
+  examples::save_checkpoint(path, *saved, adam, examples::TrainingState{});
+
+  const torch::Device gpu(torch::kCUDA, 0);
+  examples::ConvNet net;
+  net->to(gpu);
+  torch::optim::Adam resumed(net->parameters(), 1e-3);
+  examples::TrainingState state;
+  ASSERT_TRUE(examples::load_checkpoint(path, *net, resumed, state));
+  for (const auto& t : net->named_parameters()) {
+    EXPECT_EQ(t.value().device(), gpu) << t.key();
+  }
+  for (const auto& t : net->named_buffers()) {
+    EXPECT_EQ(t.value().device(), gpu) << t.key();
+  }
+  EXPECT_TRUE(torch::equal(net->fc2->weight.cpu(), saved->fc2->weight));
+  const auto optimizer_state = examples::optimizer_tensors(resumed);
+  ASSERT_FALSE(optimizer_state.empty());
+  for (const auto& [param, kept] : optimizer_state) {
+    EXPECT_EQ(kept.device(), gpu);
+  }
+}
+
 TEST(Checkpoint, DamagedContentIsAClearError) {
   const std::string path = temp("damaged.ckpt");
   examples::ConvNet net;
