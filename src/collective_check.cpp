@@ -398,6 +398,10 @@ class CheckedGroup : public ForwardingGroup {
     } catch (...) {
       error = std::current_exception();
     }
+    // What it holds (the backend's group among it) must not outlive the
+    // start: a Work the caller keeps would keep the group alive, and MPI's
+    // one group per process could not be made anew.
+    job.start = nullptr;
     {
       std::lock_guard<std::mutex> lock(job.mutex);
       job.work = std::move(work);

@@ -216,13 +216,21 @@ std::shared_ptr<Work> ProcessGroup::all_gather_into_async(torch::Tensor output, 
   detail::check_flat_pair(*impl_, output, input, what);
   const auto carrier = detail::carrier_or_refuse(*impl_, Collective::AllGather, input, what);
   detail::CallerView caller({input}, -1);
+  const int64_t n = input.numel();
+  // An input inside the output anywhere but at this rank's place could be
+  // overwritten by another rank's part before it is sent (Open MPI's
+  // all-gather of two ranks receives first): it is sent from a copy. At its
+  // own place (the in-place form) it is already where it goes.
+  if (input.is_alias_of(output) &&
+      !(input.is_contiguous() && input.data_ptr() == output.view({-1}).narrow(0, rank() * n, n).data_ptr())) {
+    input = input.clone();
+  }
   detail::Packed packed; // Note [Inference tensors]: an inference output is gathered into a tensor of its own
   packed.tensors = {output};
   packed.flat = output.is_inference() ? normal_empty(output) : output.view({-1});
   packed.copied = output.is_inference();
   auto flat = (carrier == output.scalar_type() ? packed.flat : packed.flat.view(carrier)).view({-1});
   auto sent_input = (carrier == input.scalar_type() ? input : input.view(carrier)).view({-1});
-  const int64_t n = input.numel();
   std::vector<torch::Tensor> outputs;
   for (int r = 0; r < size(); ++r) {
     outputs.push_back(flat.narrow(0, r * n, n));

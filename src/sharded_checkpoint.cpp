@@ -6,6 +6,7 @@
 #include <lockstep/detail/checked_file.h>
 
 #include "flat_param.h"
+#include "sharded_optimizer.h"
 #include "sharded_state.h"
 
 #include <torch/optim.h>
@@ -91,85 +92,6 @@ std::string shard_file(const std::string& dir, int rank, int world) {
   return dir + "/shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".pt";
 }
 
-// The optimizer's type, as the index records it: a state read into an
-// optimizer of another type would fill the wrong fields, or leave its own
-// undefined for its step to trip on.
-std::string optimizer_kind(torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
-    return "AdamW";
-  }
-  if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
-    return "Adam";
-  }
-  if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
-    return "SGD";
-  }
-  if (dynamic_cast<torch::optim::RMSprop*>(&optimizer) != nullptr) {
-    return "RMSprop";
-  }
-  if (dynamic_cast<torch::optim::Adagrad*>(&optimizer) != nullptr) {
-    return "Adagrad";
-  }
-  return typeid(optimizer).name();
-}
-
-constexpr const char* kSaveFullInstead = "Save a full checkpoint under summon_full_params() instead.";
-
-// A fresh state of the optimizer's own type; `who` names the caller, and
-// `advice` ends the error for a type whose state cannot be resharded.
-std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optimizer& optimizer,
-                                                             const char* who = "lockstep::load_sharded",
-                                                             const char* advice = kSaveFullInstead) {
-  const auto kind = optimizer_kind(optimizer);
-  if (kind == "AdamW") {
-    return std::make_unique<torch::optim::AdamWParamState>();
-  }
-  if (kind == "Adam") {
-    return std::make_unique<torch::optim::AdamParamState>();
-  }
-  if (kind == "SGD") {
-    return std::make_unique<torch::optim::SGDParamState>();
-  }
-  if (kind == "RMSprop") {
-    return std::make_unique<torch::optim::RMSpropParamState>();
-  }
-  if (kind == "Adagrad") {
-    return std::make_unique<torch::optim::AdagradParamState>();
-  }
-  TORCH_CHECK(false, who, ": the optimizer (", kind, ") is not one whose state can be resharded (Adam, AdamW, SGD, "
-              "RMSprop, Adagrad). ", advice);
-}
-
-// What an output archive wrote, for reading.
-torch::serialize::InputArchive readable(torch::serialize::OutputArchive& archive) {
-  std::stringstream bytes;
-  archive.save_to(bytes);
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  return in;
-}
-
-// `state` (as an optimizer's param state serializes) read into a new state
-// object of the optimizer's own type: as load_state_dict, nothing of the
-// state it replaces is kept.
-std::shared_ptr<torch::optim::OptimizerParamState> read_state(torch::optim::Optimizer& optimizer,
-                                                              torch::serialize::OutputArchive& state) {
-  auto in = readable(state);
-  std::shared_ptr<torch::optim::OptimizerParamState> fresh = new_state(optimizer);
-  fresh->serialize(in);
-  return fresh;
-}
-
-// `state` becomes `param`'s state in `optimizer` (nullptr: it has none).
-void install_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
-                   const std::shared_ptr<torch::optim::OptimizerParamState>& state) {
-  const auto key = optimizer_state_key(optimizer.state(), param);
-  if (state == nullptr) {
-    optimizer.state().erase(key);
-  } else {
-    optimizer.state()[key] = state->clone();
-  }
-}
 
 // Old shards, read once each.
 class OldShards {
@@ -313,119 +235,14 @@ void stage_whole(OldShards& old, const nlohmann::json& index, const std::string&
   }
 }
 
-// Which of the optimizer's parameter groups holds each of its tensors.
-std::unordered_map<const void*, size_t> group_of(torch::optim::Optimizer& optimizer) {
-  std::unordered_map<const void*, size_t> group;
-  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-    for (const auto& p : optimizer.param_groups()[g].params()) {
-      group.emplace(p.unsafeGetTensorImpl(), g);
-    }
-  }
-  return group;
-}
-
-// `full` holds every parameter of the wrapped module (or its state would be
-// set but never used), each in the group
-// whose index its shard has in `optimizer`, so that the groups' options
-// (lr, betas, weight decay) can be copied across: a full optimizer made
-// with its own options would save those, and a bare optimizer on 2.x
-// would load them over its own.
-void check_full_optimizer(const std::vector<FlatParam*>& flats, torch::optim::Optimizer& optimizer,
-                          torch::optim::Optimizer& full) {
-  const auto sharded_group = group_of(optimizer);
-  const auto full_group = group_of(full);
-  TORCH_CHECK(full.param_groups().size() == optimizer.param_groups().size(), "lockstep::full_optimizer_state: the "
-              "full optimizer has ", full.param_groups().size(), " parameter groups and the sharded one ",
-              optimizer.param_groups().size(), ". Make the full optimizer with the sharded one's groups, each over the "
-              "module parameters whose shards are in that group.");
-  for (const auto* flat : flats) {
-    const auto shard = sharded_group.find(flat->shard.unsafeGetTensorImpl());
-    for (size_t j = 0; j < flat->params.size(); ++j) {
-      const auto held = full_group.find(flat->params[j].unsafeGetTensorImpl());
-      TORCH_CHECK(held != full_group.end(), "lockstep::full_optimizer_state: parameter '", flat->names[j],
-                  "' of the wrapped module is not among the full optimizer's parameters. Make the full optimizer from "
-                  "model->module()->parameters(), as a bare model's optimizer is made.");
-      TORCH_CHECK(shard == sharded_group.end() || shard->second == held->second, "lockstep::full_optimizer_state: "
-                  "parameter '", flat->names[j], "' of the wrapped module is in the full optimizer's parameter group ",
-                  held->second, " but its shard is in the sharded optimizer's group ", shard->second, ". Make the full "
-                  "optimizer with the sharded one's groups, in the same order.");
-    }
-  }
-}
-
 } // namespace
 
-// Note [Full optimizer state]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Each state tensor with the shard's element count (Adam's exp_avg, SGD's
-// momentum) is all-gathered into the padded whole and cut into the
-// parameters' shapes; other entries (Adam's step) are the same on every
-// rank and are copied. The result is keyed by the wrapped module's
-// parameters, so the full optimizer serializes as a bare model's does;
-// each parameter group takes the sharded group's options (its current lr).
-void ShardedCore::full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const {
-  TORCH_CHECK(optimizer_kind(full) == optimizer_kind(optimizer), "lockstep::full_optimizer_state: the full optimizer is ",
-              optimizer_kind(full), " but the sharded one is ", optimizer_kind(optimizer), ": its state would fill "
-              "the wrong fields. Make the full optimizer of the sharded one's type.");
-  new_state(optimizer, "lockstep::full_optimizer_state",
-            "Its state cannot be gathered; save the model alone, under summon_full_params().");
-  check_full_optimizer(flats(), optimizer, full);
-  for (size_t g = 0; g < full.param_groups().size(); ++g) {
-    full.param_groups()[g].set_options(optimizer.param_groups()[g].options().clone());
-  }
-  for (const auto* flat : flats()) {
-    auto it = optimizer.state().find(optimizer_state_key(optimizer.state(), flat->shard));
-    if (it == optimizer.state().end()) {
-      continue; // before the first step, on every rank alike
-    }
-    torch::serialize::OutputArchive mine;
-    it->second->serialize(mine);
-    auto saved = readable(mine);
-    std::vector<std::pair<std::string, torch::Tensor>> gathered; // the whole flat, or as it is
-    std::vector<std::pair<std::string, c10::IValue>> values;
-    for (const auto& key : saved.keys()) {
-      torch::Tensor tensor;
-      if (saved.try_read(key, tensor) && tensor.numel() == flat->layout.shard) {
-        auto whole = tensor.reshape({-1});
-        if (sharded()) {
-          whole = torch::empty({flat->layout.padded}, tensor.options());
-          group_.all_gather_into_async(whole, tensor.reshape({-1}).contiguous(), "full_optimizer_state")->wait();
-        }
-        gathered.emplace_back(key, whole);
-      } else if (tensor.defined()) {
-        values.emplace_back(key, tensor);
-      } else {
-        c10::IValue value;
-        saved.read(key, value);
-        values.emplace_back(key, value);
-      }
-    }
-    for (size_t j = 0; j < flat->params.size(); ++j) {
-      torch::serialize::OutputArchive state;
-      const int64_t numel = c10::multiply_integers(flat->shapes[j]);
-      for (const auto& [key, whole] : gathered) {
-        state.write(key, whole.narrow(0, flat->offsets[j], numel).view(flat->shapes[j]).clone());
-      }
-      for (const auto& [key, value] : values) {
-        state.write(key, value);
-      }
-      install_state(full, flat->params[j], read_state(full, state));
-    }
-  }
-}
-
-namespace {
-
-// Runs `step` on every rank, then every rank learns whether every other got
-// through it, so that none waits for one that failed: the failing rank
-// throws its own error, the others one naming it and `failure`.
 torch::Device control_device_of(const ProcessGroup& group, const std::vector<FlatParam*>& flats) {
   return control_device(group, flats.empty() ? torch::Device(torch::kCPU) : flats[0]->device);
 }
 
-// `device`: control_device's.
 void on_every_rank(const ProcessGroup& group, torch::Device device, const std::string& failure,
-                   const std::function<void()>& step) {
+                   const std::function<void()>& step, const char* tells) {
   std::exception_ptr error;
   try {
     step();
@@ -442,9 +259,13 @@ void on_every_rank(const ProcessGroup& group, torch::Device device, const std::s
   }
   for (int r = 0; r < group.size(); ++r) {
     TORCH_CHECK(failed[r].item<int64_t>() == 0, "lockstep::", failure, " on rank ", r,
-                " failed; its own error names the file and what is wrong with it.");
+                " failed; its own error ", tells, ".");
   }
 }
+
+namespace {
+
+constexpr int kIndexFormat = 1;
 
 // A number that tells one save from another, the same on every rank.
 int64_t new_save_id(const ProcessGroup& group, torch::Device device) {
@@ -456,6 +277,28 @@ int64_t new_save_id(const ProcessGroup& group, torch::Device device) {
   }
   group.broadcast(id, 0);
   return id.item<int64_t>();
+}
+
+// Note [One save on every rank]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each rank reads the folder it is given, and each folder may be whole and
+// valid, yet of another save: a node's local copy one checkpoint behind, or
+// ranks that each pick "the newest checkpoint" while one is being written.
+// Loaded together they would make one model out of shards of different
+// steps, with optimizer steps that differ between ranks. So the ranks
+// compare the save id their index carries, before anything is copied in.
+void check_same_save(const ProcessGroup& group, torch::Device device, int64_t save_id, const std::string& dir) {
+  auto ids = torch::zeros({group.size()}, torch::kLong);
+  ids[group.rank()] = save_id;
+  ids = ids.to(device);
+  group.allreduce(ids, ReduceOp::Sum);
+  ids = ids.cpu();
+  for (int r = 1; r < group.size(); ++r) {
+    TORCH_CHECK(ids[r].item<int64_t>() == ids[0].item<int64_t>(), "lockstep::load_sharded: rank ", r, " loaded "
+                "another save than rank 0 (save ids ", ids[r].item<int64_t>(), " and ", ids[0].item<int64_t>(),
+                "); this rank, ", group.rank(), ", loaded ", dir, ". Every rank must load the same checkpoint: give "
+                "each the same folder, on storage they share or as copies of one save.");
+  }
 }
 
 } // namespace
@@ -484,7 +327,7 @@ void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::st
   });
   on_every_rank(group_, device, "save_sharded's index", [&] {
     if (group_.rank() == 0) {
-      nlohmann::json index = {{"format", 1}, {"world_size", world}, {"save_id", save_id},
+      nlohmann::json index = {{"format", kIndexFormat}, {"world_size", world}, {"save_id", save_id},
                               {"optimizer", optimizer_kind(optimizer)},
                               {"flats", nlohmann::json::array()}, {"whole", nlohmann::json::array()}};
       for (const auto* flat : flats()) {
@@ -549,8 +392,17 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
   TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
               "(writeback) or hide what it loads. End the guard first.");
   std::function<void()> commit;
-  on_every_rank(group_, control_device_of(group_, flats()), "load_sharded of " + dir,
-                [&] { commit = stage_load(optimizer, dir); });
+  int64_t save_id = 0;
+  const auto device = control_device_of(group_, flats());
+  on_every_rank(group_, device, "load_sharded of " + dir, [&] {
+    try {
+      commit = stage_load(optimizer, dir, save_id);
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, "lockstep::load_sharded: ", dir, "/index.json lacks what save_sharded writes (", e.what(),
+                  "): it was not written by save_sharded. Load a folder that save_sharded wrote.");
+    }
+  });
+  check_same_save(group_, device, save_id, dir);
   if (s.forwarded) {
     Unwatched unwatched;
     if (s.sharded()) {
@@ -572,7 +424,8 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
 // every check made into new tensors first (the shards' and the state's
 // size again, for the moment of the load), the ranks learn that all got
 // through (on_every_rank), and only then is anything copied in.
-std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer, const std::string& dir) {
+std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer, const std::string& dir,
+                                              int64_t& save_id) {
   const std::string index_path = dir + "/index.json";
   nlohmann::json index;
   try {
@@ -580,6 +433,11 @@ std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, "lockstep::load_sharded: ", index_path, " is not an index that save_sharded wrote: ", e.what());
   }
+  const auto format = index.is_object() ? index.value("format", nlohmann::json()) : nlohmann::json();
+  TORCH_CHECK(format == kIndexFormat, "lockstep::load_sharded: ", index_path, " is of format ", format.dump(),
+              ", and this lockstep reads format ", kIndexFormat, ": another version of lockstep wrote it. Load it with "
+              "that version.");
+  save_id = index.value("save_id", int64_t{0});
   const auto all = flats();
   TORCH_CHECK(index.at("flats").size() == all.size(), "lockstep::load_sharded: ", index_path, " holds ",
               index.at("flats").size(), " flat parameters, but this model has ", all.size(),

@@ -65,6 +65,19 @@ int main(int argc, char** argv) {
         lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
           lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
         }), {"the mpi backend takes one group per process at a time, and one is alive"}, "a second mpi group");
+        // Once that group is gone, a new one can be made, though a Work of
+        // its collectives is still held.
+        auto kept = torch::ones({2});
+        auto work = group.allreduce_async({kept}, lockstep::ReduceOp::Sum, "a collective whose Work is kept");
+        work->wait();
+        const int size = group.size();
+        group = lockstep::ProcessGroup();
+        lockstep::testing::attempt(check, "a new mpi group once the first is destroyed", [&] {
+          group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
+          auto t = torch::ones({2});
+          group.allreduce(t);
+          check(torch::equal(t, torch::full({2}, static_cast<float>(size))), "the new mpi group sums");
+        });
       }
     } else if (scenario == "size_mismatch") {
       lockstep::testing::check_size_mismatch(group, check);

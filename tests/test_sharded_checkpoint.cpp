@@ -1,7 +1,8 @@
 // save_sharded and load_sharded when something goes wrong, ranks as
 // threads: a layer of another shape, the files of two saves in one
 // folder, a rank that cannot write its file, a save without optimizer
-// state; and a load onto another device. (Checkpoints that work, at another world size too, are in
+// state, ranks that load different saves, an index of another format; a
+// full optimizer refused on one rank; and a load onto another device. (Checkpoints that work, at another world size too, are in
 // test_fully_sharded.cpp.)
 
 #include <lockstep/detail/checked_file.h>
@@ -187,6 +188,64 @@ TEST(ShardedCheckpoint, AnotherOptimizerTypeIsAnErrorNamingBoth) {
     EXPECT_ERROR_SAYS(full_optimizer_state(model, adam, full), "the full optimizer is SGD but the sharded one is Adam",
                       "Make the full optimizer of the sharded one's type");
   });
+}
+
+// Each rank loads the folder it is given: two whole folders of different
+// saves (a node's copy one checkpoint behind) loaded together, one model
+// stitched from shards of two steps (Note [One save on every rank]).
+TEST(ShardedCheckpoint, RanksThatLoadDifferentSavesAreAnErrorOnEveryRank) {
+  const auto older = checkpoint_dir("older");
+  const auto newer = checkpoint_dir("newer");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    save(group, older);
+    save(group, newer);
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::Adam adam(model->parameters());
+    const auto before = model->parameters()[0].detach().clone();
+    EXPECT_ERROR_SAYS(load_sharded(model, adam, group.rank() == 0 ? older : newer),
+                      "rank 1 loaded another save than rank 0", "Every rank must load the same checkpoint");
+    EXPECT_TRUE(torch::equal(model->parameters()[0], before)) << "a refused load changed the shards";
+  });
+}
+
+// Only rank 0 saves the gathered state, so another rank's full optimizer is
+// easily an afterthought: refused there, it left rank 0 waiting in the
+// gather until the timeout.
+TEST(ShardedCheckpoint, AFullOptimizerRefusedOnOneRankIsAnErrorOnEveryRank) {
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        FullyShardedDataParallel<Net> model(one_layer(false), group);
+        torch::optim::Adam adam(model->parameters());
+        model(torch::ones({2, 6})).sum().backward();
+        adam.step();
+        auto unrelated = one_layer(false);
+        torch::optim::Adam full(group.rank() == 0 ? model->module()->parameters() : unrelated->parameters());
+        if (group.rank() == 1) {
+          EXPECT_ERROR_SAYS(full_optimizer_state(model, adam, full), "is not among the full optimizer's parameters");
+        } else {
+          EXPECT_ERROR_SAYS(full_optimizer_state(model, adam, full), "full_optimizer_state on rank 1 failed",
+                            "says which optimizer or parameter is wrong");
+        }
+      },
+      std::chrono::seconds(10));
+}
+
+// An index of another format, or without what save_sharded writes, is an
+// error naming it, not a JSON library's exception.
+TEST(ShardedCheckpoint, AnIndexOfAnotherFormatIsAnErrorNamingIt) {
+  const auto dir = checkpoint_dir("format");
+  testing::spawn(2, [&](ProcessGroup& group) { save(group, dir); });
+  const auto load_with_index = [&](const std::string& text, const std::string& says) {
+    detail::write_checked_file(dir + "/index.json", "LOCKSTEP-SHARD\n", text, "test");
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<Net> model(one_layer(false), group);
+      torch::optim::Adam adam(model->parameters());
+      EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), says.c_str());
+    });
+  };
+  load_with_index("{\"format\": 2, \"world_size\": 2}\n", dir + "/index.json is of format 2, and this lockstep reads format 1");
+  load_with_index("{\"format\": 1}\n", dir + "/index.json lacks what save_sharded writes");
 }
 
 } // namespace

@@ -70,6 +70,25 @@ inline nlohmann::json first_unfinished(const nlohmann::json& group) {
   return nullptr;
 }
 
+// `absent` never started the collective `what` names, which the other
+// ranks' records (`started`) hold: how long those waited in it.
+inline std::string never_started(const std::vector<int>& absent, const std::map<int, nlohmann::json>& started,
+                                 const std::string& what) {
+  std::vector<int> waiting;
+  double waited_s = 0;
+  for (const auto& [rank, c] : started) {
+    if (c.value("state", "") != "completed") {
+      waiting.push_back(rank);
+      waited_s = std::max(waited_s, c.value("waited_ms", c.value("duration_ms", 0.0)) / 1000.0);
+    }
+  }
+  char tail[128] = "";
+  if (!waiting.empty()) {
+    std::snprintf(tail, sizeof(tail), "; %s waited %.1f s in it", rank_list(waiting).c_str(), waited_s);
+  }
+  return rank_list(absent) + " never started " + what + tail + ".";
+}
+
 // Some ranks stopped at collective #`seq`, which the others' records no
 // longer hold (each keeps the last LOCKSTEP_TRACE_BUFFER_SIZE): who stopped
 // there is known, what the collective was is not.
@@ -121,20 +140,11 @@ inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool
     const auto& first = by_seq[present[0]][s];
     const std::string what = "collective #" + std::to_string(s) + " (" + describe_collective(first) + ")";
     if (!absent.empty()) {
-      std::vector<int> waiting;
-      double waited_s = 0;
+      std::map<int, nlohmann::json> started; // the present ranks' record of #s
       for (int r : present) {
-        const auto& c = by_seq[r][s];
-        if (c.value("state", "") != "completed") {
-          waiting.push_back(r);
-          waited_s = std::max(waited_s, c.value("waited_ms", c.value("duration_ms", 0.0)) / 1000.0);
-        }
+        started[r] = by_seq[r][s];
       }
-      char tail[128] = "";
-      if (!waiting.empty()) {
-        std::snprintf(tail, sizeof(tail), "; %s waited %.1f s in it", rank_list(waiting).c_str(), waited_s);
-      }
-      return rank_list(absent) + " never started " + what + tail + ".";
+      return never_started(absent, started, what);
     }
     for (size_t k = 1; k < present.size(); ++k) {
       const auto& other = by_seq[present[k]][s];

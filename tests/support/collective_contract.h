@@ -227,6 +227,15 @@ inline void check_in_place_and_parameters(const ProcessGroup& group, const Check
     check(torch::allclose(output, expected), "in-place reduce-scatter (op " + std::to_string(static_cast<int>(op)) +
           ") on rank " + std::to_string(r));
   }
+  // The input in rank 0's place of the output on every rank: in place on
+  // rank 0, and on the others a part another rank's overwrites.
+  auto gathered = torch::full({n * k}, static_cast<float>(r));
+  group.all_gather_into_async(gathered, gathered.narrow(0, 0, k), "an all-gather from rank 0's place")->wait();
+  for (int i = 0; i < n; ++i) {
+    check(torch::equal(gathered.narrow(0, i * k, k), torch::full({k}, static_cast<float>(i))),
+          "an all-gather whose input is in rank 0's place of the output, rank " + std::to_string(i) + "'s part on rank " +
+              std::to_string(r));
+  }
   auto weight = torch::full({2, 3}, static_cast<float>(r + 1)).requires_grad_(true);
   auto bias = torch::full({3}, static_cast<float>(r)).requires_grad_(true);
   group.allreduce_async({weight}, ReduceOp::Avg, "a parameter's average")->wait();

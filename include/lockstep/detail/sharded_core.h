@@ -109,8 +109,9 @@ class ShardedCore {
   /// Buffers and frozen parameters: the model's state that is not sharded.
   const std::vector<std::pair<std::string, torch::Tensor>>& whole() const;
   bool sharded() const;
-  /// Reads and checks what load_sharded would change; returns the change (Note [A load changes all or nothing]).
-  std::function<void()> stage_load(torch::optim::Optimizer& optimizer, const std::string& dir);
+  /// Reads and checks what load_sharded would change; returns the change (Note [A load changes all or nothing]),
+  /// and sets `save_id` to the save's (0 for an index without one).
+  std::function<void()> stage_load(torch::optim::Optimizer& optimizer, const std::string& dir, int64_t& save_id);
   std::string shard_payload(torch::optim::Optimizer& optimizer, int64_t save_id) const;
   void shard_flat(torch::nn::Module& owner, size_t f);
   struct State;

@@ -1,0 +1,55 @@
+#pragma once
+
+// Internal: the optimizer's state of a FullyShardedDataParallel's shards, as
+// save_sharded, load_sharded (src/sharded_checkpoint.cpp) and
+// full_optimizer_state (src/sharded_optimizer.cpp) read and write it, and
+// how they fail on every rank alike.
+
+#include <lockstep/process_group.h>
+
+#include "flat_param.h"
+
+#include <torch/optim.h>
+#include <torch/serialize.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+constexpr const char* kSaveFullInstead = "Save a full checkpoint under summon_full_params() instead.";
+
+/// The optimizer's type, as the index records it: a state read into an
+/// optimizer of another type would fill the wrong fields, or leave its own
+/// undefined for its step to trip on.
+std::string optimizer_kind(torch::optim::Optimizer& optimizer);
+/// A fresh state of the optimizer's own type; `who` names the caller, and
+/// `advice` ends the error for a type whose state cannot be resharded.
+std::unique_ptr<torch::optim::OptimizerParamState> new_state(torch::optim::Optimizer& optimizer,
+                                                             const char* who = "lockstep::load_sharded",
+                                                             const char* advice = kSaveFullInstead);
+/// What an output archive wrote, for reading.
+torch::serialize::InputArchive readable(torch::serialize::OutputArchive& archive);
+/// `state` (as an optimizer's param state serializes) read into a new state
+/// object of the optimizer's own type: as load_state_dict, nothing of the
+/// state it replaces is kept.
+std::shared_ptr<torch::optim::OptimizerParamState> read_state(torch::optim::Optimizer& optimizer,
+                                                              torch::serialize::OutputArchive& state);
+/// `state` becomes `param`'s state in `optimizer` (nullptr: it has none).
+void install_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
+                   const std::shared_ptr<torch::optim::OptimizerParamState>& state);
+
+/// control_device's for the flat parameters' device.
+torch::Device control_device_of(const ProcessGroup& group, const std::vector<FlatParam*>& flats);
+/// Runs `step` on every rank, then every rank learns whether every other got
+/// through it, so that none waits for one that failed: the failing rank
+/// throws its own error, the others one naming it and `failure`, saying
+/// that its own error `tells`. `device`: control_device_of's.
+void on_every_rank(const ProcessGroup& group, torch::Device device, const std::string& failure,
+                   const std::function<void()>& step, const char* tells = "names the file and what is wrong with it");
+
+} // namespace detail
+} // namespace lockstep
