@@ -131,6 +131,13 @@ torch::ScalarType carrier_or_refuse(
   if (carrier != torch::ScalarType::Undefined) {
     return carrier;
   }
+  const auto device = example.device();
+  if (!device.is_cpu() && !group.supports(op, torch::kFloat, device) && !group.supports(op, torch::kLong, device)) {
+    refuse(group, what, "the " + group.backend() + " backend takes no tensors on " + device.str() + ". " +
+           (group.supports(op, torch::kFloat, torch::kCPU) ? "Send a copy on the CPU, or use" : "Use") +
+           " a backend for " + c10::DeviceTypeName(device.type(), /*lower_case=*/true) +
+           " tensors (nccl for CUDA ones; \"auto\" picks it where a GPU is visible).");
+  }
   const bool reduce = op == Collective::Allreduce || op == Collective::ReduceScatter;
   refuse(group, what, "the " + group.backend() + " backend of this build cannot " + (reduce ? "reduce " : "carry ") +
          c10::toString(dtype) + " tensors on " + example.device().str() + ". " +

@@ -65,6 +65,11 @@ int main(int argc, char** argv) {
         lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
           lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
         }), {"the mpi backend takes one group per process at a time, and one is alive"}, "a second mpi group");
+        // Tensors on a device MPI does not take are refused saying so, not
+        // as a dtype it lacks.
+        lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
+          group.allreduce_async({torch::empty({2}, torch::kMeta)}, lockstep::ReduceOp::Sum, "meta")->wait();
+        }), {"the mpi backend takes no tensors on meta", "Send a copy on the CPU"}, "a meta tensor");
         // Once that group is gone, a new one can be made, though a Work of
         // its collectives is still held.
         auto kept = torch::ones({2});
