@@ -387,12 +387,12 @@ inline std::string error_message(const std::exception& e) {
 
 /// Reads the checkpoint file at `path` into `archive`, checked whole, and
 /// returns its format; a clear error for any other or damaged file. Its
-/// tensors come onto `device` where one is given, whatever device wrote them.
-inline int64_t open_checkpoint(const std::string& path, torch::serialize::InputArchive& archive,
-                               c10::optional<torch::Device> device = c10::nullopt) {
+/// tensors come onto the CPU, whatever device wrote them: the position and
+/// tallies are read on the host, and a GPU run's file opens without a GPU.
+inline int64_t open_checkpoint(const std::string& path, torch::serialize::InputArchive& archive) {
   const std::string payload = read_checkpoint_payload(path);
   try {
-    archive.load_from(payload.data(), payload.size(), device);
+    archive.load_from(payload.data(), payload.size(), torch::Device(torch::kCPU));
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is unreadable (truncated, corrupt, or not a checkpoint): ",
                 error_message(e), " Delete it to start from scratch.");
@@ -448,6 +448,28 @@ inline int64_t load_sharded_checkpoint(const std::string& path, TrainingState& s
   return shards.item<int64_t>();
 }
 
+/// LibTorch's load gives each tensor the device of the one it read, the CPU
+/// here (open_checkpoint): a run resumed on a GPU would train on the CPU. So
+/// the model's tensors go back to the devices they had (set_data: the
+/// optimizer holds the same parameters), and the optimizer's state to its
+/// parameter's.
+template <typename Expected>
+void back_onto_the_models_device(const std::vector<torch::Tensor>& loaded, const std::vector<Expected>& expected,
+                                 torch::optim::Optimizer& optimizer) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < loaded.size(); ++i) {
+    if (loaded[i].device() != expected[i].device) {
+      auto tensor = loaded[i];
+      tensor.set_data(tensor.to(expected[i].device));
+    }
+  }
+  for (auto& [param, state_tensor] : optimizer_tensors(optimizer)) {
+    if (state_tensor.defined() && state_tensor.device() != param.device()) {
+      state_tensor.set_data(state_tensor.to(param.device()));
+    }
+  }
+}
+
 /// Loads `path` into `model`, `optimizer` and `state`; false if there is no
 /// such file. A file that is not a whole lockstep-train checkpoint of this
 /// model is a clear error.
@@ -459,14 +481,8 @@ inline bool load_checkpoint(
   if (::access(path.c_str(), F_OK) != 0) {
     return false;
   }
-  // Onto the model's device: LibTorch's load would otherwise move each
-  // parameter to the device that saved it (a GPU run's file on a machine
-  // without one failing as unreadable, a CPU run's resumed on a GPU training
-  // on the CPU), and leave the optimizer's state there.
-  const auto params = model.parameters();
   torch::serialize::InputArchive archive;
-  const int64_t format =
-      open_checkpoint(path, archive, params.empty() ? c10::nullopt : c10::make_optional(params[0].device()));
+  const int64_t format = open_checkpoint(path, archive);
   torch::Tensor shards;
   TORCH_CHECK(!archive.try_read("shards", shards), "lockstep-train: checkpoint ", path, " was written with --sharding: "
               "the model and optimizer are in ", shards_dir(path, shards.defined() ? shards.item<int64_t>() : 0),
@@ -477,11 +493,12 @@ inline bool load_checkpoint(
     std::string name;
     std::vector<int64_t> sizes;
     caffe2::TypeMeta dtype;
+    torch::Device device;
   };
   std::vector<Expected> expected; // the model's, before loading replaces them
   for (const auto& group : {named, named_buffers}) {
     for (const auto& item : group) {
-      expected.push_back({item.key(), item.value().sizes().vec(), item.value().dtype()});
+      expected.push_back({item.key(), item.value().sizes().vec(), item.value().dtype(), item.value().device()});
     }
   }
   torch::Tensor model_hash, stored_optimizer_hash;
@@ -513,6 +530,7 @@ inline bool load_checkpoint(
                 " does not match this optimizer: a state tensor is ", state_tensor.sizes(), " for a parameter of ",
                 param.sizes(), ". Delete it, or point --checkpoint elsewhere.");
   }
+  back_onto_the_models_device(loaded, expected, optimizer);
   const bool model_intact = hash_tensor(content_hash(loaded)).equal(model_hash);
   TORCH_CHECK(model_intact && hash_tensor(optimizer_hash(optimizer)).equal(stored_optimizer_hash),
               "lockstep-train: checkpoint ", path, " is damaged: its ", model_intact ? "optimizer state" : "model",
