@@ -48,10 +48,10 @@ case "${1:-}" in
     echo "gpu_check: built in $((SECONDS - build_start)) s"
     cd /tmp/lockstep
     # c10d's own flight recorder, which lockstep does not use, inserted into
-    # a map shared by every process group before taking its lock in wheels
-    # before pytorch/pytorch#179449 (April 2026; the 2.15 wheel has the fix,
-    # 2.11 not): the thread tests, whose ranks are threads of one process,
-    # crashed in it in 3 runs of 5 on 2.11, and in none of 3 with it off.
+    # a map shared by every process group before taking its lock until
+    # pytorch/pytorch#179449 (April 2026; the 2.15 wheel takes it first): on
+    # 2.11 the thread tests, whose ranks are threads of one process, crashed
+    # in that insert in 3 runs of 5, and in none of 3 with it off.
     export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-0}
     # A failure must not stop the checks after it: every step reports, none exits.
     { timeout "$(left)" ctest -R CUDA --timeout 240 --output-on-failure 2>&1 || true; } | tee "$out/cuda.log" |
