@@ -354,26 +354,29 @@ namespace {
 
 // Note [Initialisation deadline]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Joining a group is several waits, each with the group's timeout: the
-// store's connection, the backend's rendezvous keys, its connections. When
-// the rank it waits for died partway through, the waits add up, and some
-// versions of the store client and of Gloo do not give up at all. A rank
-// must never outlive the timeout, so a watchdog thread bounds the whole of
-// init_process_group: past the timeout (plus a moment for the waits' own,
-// more precise errors), it says so and ends the process, as NCCL's watchdog
-// does; a thread blocked inside c10d cannot be interrupted any other way.
+// Joining a group (init_process_group, new_group) is several waits, each
+// with the group's timeout: the store's connection, the backend's rendezvous
+// keys, its connections; over MPI, MPI_Comm_dup, which has no timeout at
+// all. When the rank it waits for died partway through, or never joins, the
+// waits add up, and some versions of the store client and of Gloo do not
+// give up at all. A rank must never outlive the timeout, so a watchdog
+// thread bounds the whole join: past the timeout (plus a moment for the
+// waits' own, more precise errors), it says so and ends the process, as
+// NCCL's watchdog does; a thread blocked inside c10d or MPI cannot be
+// interrupted any other way.
 class InitDeadline {
  public:
-  InitDeadline(int64_t rank, std::chrono::milliseconds timeout)
-      : thread_([this, rank, timeout] {
+  // `longer` says how to give the join more time.
+  InitDeadline(const char* what, int64_t rank, std::chrono::milliseconds timeout, const char* longer)
+      : thread_([this, what, rank, timeout, longer] {
           std::unique_lock<std::mutex> lock(mutex_);
           if (!done_changed_.wait_for(lock, timeout + kMargin, [this] { return done_; })) {
             std::fprintf(stderr,
-                         "lockstep: rank %lld: init_process_group did not complete within the timeout of %lld ms "
-                         "(+%lld ms); ending this process so that it does not hang. Another rank failed or never "
-                         "started: its own error says why. Set LOCKSTEP_TIMEOUT (seconds) for a longer wait.\n",
-                         static_cast<long long>(rank), static_cast<long long>(timeout.count()),
-                         static_cast<long long>(kMargin.count()));
+                         "lockstep: rank %lld: %s did not complete within the timeout of %lld ms "
+                         "(+%lld ms); ending this process so that it does not hang. Another rank failed, never "
+                         "started or never joined: its own error says why. %s\n",
+                         static_cast<long long>(rank), what, static_cast<long long>(timeout.count()),
+                         static_cast<long long>(kMargin.count()), longer);
             std::fflush(stderr);
             std::_Exit(1);
           }
@@ -442,6 +445,8 @@ ProcessGroup new_group(
     args.master_port = tcp->getPort();
   }
   const Backend& chosen = find_backend(backend, false);
+  // Note [Initialisation deadline]
+  InitDeadline deadline("new_group", rank, timeout, "Pass new_group a longer timeout to wait longer.");
   if (chosen.needs_store) {
     args.store = store_of_next_group(store, rank);
   }
@@ -454,7 +459,8 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   if (env.world_size == 1) {
     return ProcessGroup();
   }
-  InitDeadline deadline(env.rank, env.timeout); // Note [Initialisation deadline]
+  // Note [Initialisation deadline]
+  InitDeadline deadline("init_process_group", env.rank, env.timeout, "Set LOCKSTEP_TIMEOUT (seconds) for a longer wait.");
   BackendArgs args{{}, static_cast<int>(env.rank), static_cast<int>(env.world_size), env.timeout, env.master_addr,
                    static_cast<int>(env.master_port)};
   if (backend.needs_store) {

@@ -13,6 +13,7 @@
 #include "support/powersgd_checks.h"
 #include "support/worker.h"
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
@@ -383,12 +384,13 @@ void timeline_steps(const ProcessGroup& group) {
 // program makes at MASTER_ADDR:MASTER_PORT (rank 0 serves it), as a program
 // that manages its own store does; under a PrefixStore with
 // LOCKSTEP_TEST_STORE_PREFIX.
+std::string env(const char* name) {
+  const char* value = std::getenv(name);
+  TORCH_CHECK(value != nullptr, name, " is not set");
+  return std::string(value);
+}
+
 ProcessGroup group_over_own_tcp_store() {
-  const auto env = [](const char* name) {
-    const char* value = std::getenv(name);
-    TORCH_CHECK(value != nullptr, name, " is not set");
-    return std::string(value);
-  };
   const int rank = std::stoi(env("RANK"));
   const int size = std::stoi(env("WORLD_SIZE"));
   c10d::TCPStoreOptions options;
@@ -403,13 +405,25 @@ ProcessGroup group_over_own_tcp_store() {
   return lockstep::new_group(store, rank, size, "gloo", std::chrono::seconds(10));
 }
 
+// The "new_group_late" scenario, under mpirun: rank 1 makes its group long
+// after the others' timeout. Over MPI the others wait in MPI_Comm_dup, which
+// has no timeout of its own, so new_group's deadline must end them.
+ProcessGroup group_joined_late(const char* backend) {
+  const int rank = std::stoi(env("OMPI_COMM_WORLD_RANK"));
+  const int size = std::stoi(env("OMPI_COMM_WORLD_SIZE"));
+  if (rank == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(8));
+  }
+  return lockstep::new_group(c10::make_intrusive<c10d::HashStore>(), rank, size, backend, std::chrono::seconds(3));
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
     std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
                  "early_exit|syncbn|syncbn_cuda|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
-                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_avg|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ|powersgd|tcp_store [TAG]\n", argv[0]);
+                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_avg|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ|powersgd|tcp_store|new_group_late [TAG]\n", argv[0]);
     return 2;
   }
   const std::string scenario = argv[1];
@@ -421,7 +435,9 @@ int main(int argc, char** argv) {
     if (scenario == "stall" || scenario == "early_exit" || scenario == "desync_skip") {
       options.timeout(std::chrono::seconds(3));
     }
-    auto group = scenario == "tcp_store" ? group_over_own_tcp_store() : lockstep::init_process_group(options);
+    auto group = scenario == "tcp_store"        ? group_over_own_tcp_store()
+                 : scenario == "new_group_late" ? group_joined_late(backend != nullptr ? backend : "gloo")
+                                                : lockstep::init_process_group(options);
     rank = group.rank();
     if (scenario == "equivalence") {
       train_and_compare(group, DistributedOptions(), 1e-5, 1e-6);
@@ -441,7 +457,7 @@ int main(int argc, char** argv) {
       mismatch(group);
     } else if (scenario == "stall") {
       stall(group);
-    } else if (scenario == "collectives" || scenario == "tcp_store") {
+    } else if (scenario == "collectives" || scenario == "tcp_store" || scenario == "new_group_late") {
       collectives(group);
     } else if (scenario == "early_exit") {
       early_exit(group);
