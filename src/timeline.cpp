@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -21,7 +22,13 @@ namespace timeline {
 // the thread, or a named track. Events are kept in memory (at most
 // kMaxEvents) and written once, at exit or by flush(), to a file written
 // whole and renamed into place, so that no reader sees half of one. "%r" in
-// the path becomes the rank, for ranks sharing a folder.
+// the path becomes the rank, for ranks sharing a folder. Under a launcher
+// every rank reads the same variable, so a path without "%r" in a job of
+// several ranks gets ".rank<r>" before its extension: one path for all would
+// leave one rank's file, the others' overwritten. A rank that records
+// nothing still writes its (empty) file, so that a missing file means a rank
+// that ended before it could write one. Past kMaxEvents, events are left
+// out: the file says how many, and the rank says so on stderr.
 //
 // What lockstep records, and where:
 //   forward                 DistributedDataParallelImpl::forward
@@ -49,14 +56,23 @@ std::string env(const char* name) {
   return value != nullptr ? value : "";
 }
 
-int rank_from_env() {
-  for (const char* name : {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+// The first of the launchers' variables set, or `otherwise`.
+int from_env(std::initializer_list<const char*> names, int otherwise) {
+  for (const char* name : names) {
     const std::string value = env(name);
     if (!value.empty()) {
       return std::atoi(value.c_str());
     }
   }
-  return 0;
+  return otherwise;
+}
+
+int rank_from_env() {
+  return from_env({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}, 0);
+}
+
+int world_size_from_env() {
+  return from_env({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}, 1);
 }
 
 struct Event {
@@ -98,9 +114,7 @@ class Recorder {
       return;
     }
     const int rank = rank_from_env();
-    for (size_t at; (at = path.find("%r")) != std::string::npos;) {
-      path.replace(at, 2, std::to_string(rank));
-    }
+    path = rank_path(path, rank, world_size_from_env());
     nlohmann::json events = nlohmann::json::array();
     for (const auto& e : events_) {
       nlohmann::json event = {{"name", e.name}, {"ph", "X"}, {"ts", e.start}, {"dur", e.end - e.start},
@@ -124,6 +138,10 @@ class Recorder {
     out.close();
     if (!out || std::rename(partial.c_str(), path.c_str()) != 0) {
       std::fprintf(stderr, "lockstep: rank %d: could not write the timeline to %s (LOCKSTEP_TIMELINE)\n", rank, path.c_str());
+    } else if (dropped_ > 0) {
+      std::fprintf(stderr, "lockstep: rank %d: the timeline in %s holds its first %zu events and leaves out the %zu "
+                   "after them; record fewer steps (LOCKSTEP_TIMELINE for a short run) to see them all.\n", rank,
+                   path.c_str(), kMaxEvents, dropped_);
     }
   }
 
@@ -143,6 +161,20 @@ Recorder& recorder() {
 } // namespace
 
 const bool kEnabled = !env("LOCKSTEP_TIMELINE").empty();
+
+namespace {
+// Made at start when on, so that its destructor writes a file at exit even
+// for a rank that records nothing (Note [Timeline]).
+const bool kRecorderMade = kEnabled && (recorder(), true);
+} // namespace
+
+std::string rank_path(std::string path, int rank, int world_size) {
+  const bool has_rank = path.find("%r") != std::string::npos;
+  for (size_t at; (at = path.find("%r")) != std::string::npos;) {
+    path.replace(at, 2, std::to_string(rank));
+  }
+  return has_rank || world_size <= 1 ? path : with_tag(path, ".rank" + std::to_string(rank));
+}
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())

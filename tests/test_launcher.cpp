@@ -182,66 +182,6 @@ TEST(Launcher, StalledRankIsNamedNotTheRankThatTimedOut) {
       << p.output;
 }
 
-// The [start, end] of each event named `name` of rank `pid` in a merged timeline.
-std::vector<std::pair<int64_t, int64_t>> intervals(const nlohmann::json& events, int pid, const std::string& name) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const auto& e : events) {
-    if (e.value("ph", "") == "X" && e.value("pid", -1) == pid && e.value("name", "") == name) {
-      out.emplace_back(e["ts"].get<int64_t>(), e["ts"].get<int64_t>() + e["dur"].get<int64_t>());
-    }
-  }
-  return out;
-}
-
-TEST(Launcher, TimelineHasEveryBucketOnEveryRankAndAllreducesOverlapBackward) {
-  const std::string file = temp("timeline.json");
-  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--timeline", file}, {LOCKSTEP_DDP_WORKER, "timeline"},
-                  "timeline", {kOneThread});
-  ASSERT_EQ(p.exit_code, 0) << p.output;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(p.output, m, std::regex("buckets: ([0-9]+)"))) << p.output;
-  const int buckets = std::stoi(m[1].str());
-  EXPECT_GT(buckets, 3) << p.output;
-  const auto trace = nlohmann::json::parse(read_text(file), nullptr, /*allow_exceptions=*/false);
-  ASSERT_TRUE(trace.is_object()) << "the timeline does not parse as JSON";
-  const auto& events = trace["traceEvents"];
-  for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_EQ(intervals(events, rank, "forward").size(), 3u) << "rank " << rank;
-    const auto backward = intervals(events, rank, "backward");
-    ASSERT_EQ(backward.size(), 3u) << "rank " << rank;
-    for (int b = 0; b < buckets; ++b) {
-      for (const char* stage : {"copy-in", "allreduce", "copy-out"}) {
-        EXPECT_FALSE(intervals(events, rank, std::string(stage) + " bucket " + std::to_string(b)).empty())
-            << "rank " << rank << " has no " << stage << " of bucket " << b;
-      }
-    }
-    // Overlap: some bucket's allreduce starts while its step's backward still runs.
-    bool overlapped = false;
-    for (int b = 0; b < buckets; ++b) {
-      for (const auto& [start, end] : intervals(events, rank, "allreduce bucket " + std::to_string(b))) {
-        for (const auto& [bstart, bend] : backward) {
-          overlapped = overlapped || (start >= bstart && start < bend && end > start);
-        }
-      }
-    }
-    EXPECT_TRUE(overlapped) << "no allreduce of rank " << rank << " started during a backward";
-  }
-}
-
-TEST(Timeline, DataParallelRecordsEachReplicasForwardAndBackward) {
-  const std::string file = temp("dp_timeline.json");
-  auto args = with_flag(trainer("dp_timeline"), "--epochs", "1");
-  args.insert(args.end(), {"--replicas", "2"});
-  auto p = testing::run(args, {kOneThread, "LOCKSTEP_TIMELINE=" + file}, temp("dp_timeline.log"), kDeadline);
-  ASSERT_EQ(p.exit_code, 0) << p.output;
-  const auto trace = nlohmann::json::parse(read_text(file), nullptr, /*allow_exceptions=*/false);
-  ASSERT_TRUE(trace.is_object()) << "the timeline does not parse as JSON";
-  for (const char* name : {"replica 0 forward", "replica 1 forward", "replica 0 backward", "replica 1 backward",
-                           "optimizer step"}) {
-    EXPECT_FALSE(intervals(trace["traceEvents"], 0, name).empty()) << "no '" << name << "' event";
-  }
-}
-
 // LOCKSTEP_DEBUG=detail's check is what fails first there: its failure is
 // the collective's, so the records are written and the report names it too.
 TEST(Launcher, DesyncReportUnderLockstepDebugDetail) {

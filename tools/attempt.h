@@ -108,10 +108,15 @@ class Attempt {
   }
 
   // --timeline FILE: this node's ranks' timelines merged; false if FILE
-  // could not be written (said).
+  // could not be written (said). A restart's merge moves the attempt
+  // before's FILE aside first, so that FILE is the last attempt's and the
+  // failed ones stay beside it.
   bool merge_timeline() const {
     if (options_.timeline.empty()) {
       return true;
+    }
+    if (placement_.attempt > 0) {
+      lockstep::tools::keep_attempt_timeline(options_.timeline, placement_.attempt - 1);
     }
     std::vector<std::pair<int, std::string>> parts;
     for (const auto& r : ranks_) {
@@ -250,7 +255,7 @@ class Attempt {
     }
     env.emplace_back("LOCKSTEP_TRACE_DIR", trace_dir_);
     if (!options_.timeline.empty()) {
-      env.emplace_back("LOCKSTEP_TIMELINE", timeline_part(r.global_rank));
+      env.emplace_back("LOCKSTEP_TIMELINE", trace_dir_ + "/lockstep_timeline_rank%r.json"); // the rank fills in %r
     }
     env.emplace_back("LOCKSTEP_RUN_ID", options_.run_id);
     if (options_.timeout_seconds > 0) {

@@ -2,6 +2,7 @@
 
 // lockstep-run --timeline: the ranks' Chrome-trace files merged into one.
 
+#include <lockstep/timeline.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -17,22 +18,40 @@
 namespace lockstep {
 namespace tools {
 
+// Moves attempt `attempt`'s merged timeline aside, before the next
+// attempt's takes its path; nothing if that attempt wrote none.
+inline void keep_attempt_timeline(const std::string& path, int attempt) {
+  const std::string kept = lockstep::timeline::detail::with_tag(path, ".attempt" + std::to_string(attempt));
+  if (std::rename(path.c_str(), kept.c_str()) == 0) {
+    std::fprintf(stderr, "lockstep-run: the timeline of attempt %d is now %s\n", attempt, kept.c_str());
+  }
+}
+
 // --timeline FILE: the ranks' timelines (rank, file), one process track
 // each, merged into `out` with times from the earliest event (Note
-// [Timeline] in src/timeline.cpp). False if `out` could not be written
-// (said).
+// [Timeline] in src/timeline.cpp). Written whole and renamed into place. The
+// ranks' counts of events left out past their cap are kept, and said. False
+// if `out` could not be written (said).
 inline bool merge_timelines(const std::vector<std::pair<int, std::string>>& parts, const std::string& out_path) {
   nlohmann::json events = nlohmann::json::array();
-  std::vector<int> missing;
+  nlohmann::json dropped = nlohmann::json::object();
+  std::string notes;
+  size_t read = 0;
   for (const auto& [rank, path] : parts) {
     std::ifstream in(path);
     auto part = in ? nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false) : nlohmann::json();
     if (!part.is_object() || !part.contains("traceEvents")) {
-      missing.push_back(rank);
+      notes += "; no timeline from rank " + std::to_string(rank) + ": it ended before it could write one";
       continue;
     }
+    ++read;
     for (auto& e : part["traceEvents"]) {
       events.push_back(std::move(e));
+    }
+    if (part.contains("lockstep_dropped_events")) {
+      dropped[std::to_string(rank)] = part["lockstep_dropped_events"];
+      notes += "; rank " + std::to_string(rank) + " left out " + part["lockstep_dropped_events"].dump() +
+               " events past its cap";
     }
   }
   int64_t origin = INT64_MAX;
@@ -46,22 +65,23 @@ inline bool merge_timelines(const std::vector<std::pair<int, std::string>>& part
       e["ts"] = e["ts"].get<int64_t>() - origin;
     }
   }
+  nlohmann::json merged = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
+  if (!dropped.empty()) {
+    merged["lockstep_dropped_events"] = std::move(dropped); // by rank
+  }
+  const std::string partial = out_path + ".partial";
   errno = 0;
-  std::ofstream out(out_path);
-  out << nlohmann::json({{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}}).dump() << "\n";
+  std::ofstream out(partial);
+  out << merged.dump() << "\n";
   out.close();
-  if (!out) {
+  if (!out || std::rename(partial.c_str(), out_path.c_str()) != 0) {
     std::fprintf(stderr, "lockstep-run: --timeline %s: cannot write it (%s).\n", out_path.c_str(),
                  errno != 0 ? std::strerror(errno) : "write failed");
+    std::remove(partial.c_str());
     return false;
   }
-  std::string note;
-  for (int r : missing) {
-    note += (note.empty() ? "; no timeline from rank " : ", ") + std::to_string(r);
-  }
   std::fprintf(stderr, "lockstep-run: timeline of %zu rank(s) in %s (open it in https://ui.perfetto.dev or "
-               "chrome://tracing)%s\n", parts.size() - missing.size(), out_path.c_str(),
-               note.empty() ? "" : (note + ": it was stopped before it could write one").c_str());
+               "chrome://tracing)%s\n", read, out_path.c_str(), notes.c_str());
   return true;
 }
 

@@ -20,6 +20,16 @@ extern const bool kEnabled; // LOCKSTEP_TIMELINE set, read once at start
 int64_t now_us();
 void record(const std::string& name, int64_t start_us, int64_t end_us, const std::string& track = "",
             int64_t bytes = -1);
+/// The file rank `rank` of `world_size` writes for LOCKSTEP_TIMELINE=`path`
+/// (Note [Timeline]).
+std::string rank_path(std::string path, int rank, int world_size);
+/// `path` with `tag` before its file name's extension: ("t.json", ".rank1")
+/// gives "t.rank1.json". Also lockstep-run's, which has no LibTorch.
+inline std::string with_tag(std::string path, const std::string& tag) {
+  const size_t name = path.find_last_of('/') + 1; // 0 without a folder
+  const size_t dot = path.find_last_of('.');
+  return path.insert(dot != std::string::npos && dot > name ? dot : path.size(), tag);
+}
 } // namespace detail
 
 /// Whether LOCKSTEP_TIMELINE names a file: when not, spans cost one branch.

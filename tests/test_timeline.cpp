@@ -1,0 +1,140 @@
+// Timelines (Note [Timeline] in src/timeline.cpp): what lockstep records on
+// each rank, and how lockstep-run merges the ranks' files.
+
+#include "support/launch.h"
+#include "support/processes.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <sys/stat.h>
+
+#include <cstdint>
+#include <regex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+using namespace testing::jobs;
+
+// The [start, end] of each event named `name` of rank `pid` in a merged timeline.
+std::vector<std::pair<int64_t, int64_t>> intervals(const nlohmann::json& events, int pid, const std::string& name) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& e : events) {
+    if (e.value("ph", "") == "X" && e.value("pid", -1) == pid && e.value("name", "") == name) {
+      out.emplace_back(e["ts"].get<int64_t>(), e["ts"].get<int64_t>() + e["dur"].get<int64_t>());
+    }
+  }
+  return out;
+}
+
+TEST(Launcher, TimelineHasEveryBucketOnEveryRankAndAllreducesOverlapBackward) {
+  const std::string file = temp("timeline.json");
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--timeline", file}, {LOCKSTEP_DDP_WORKER, "timeline"},
+                  "timeline", {kOneThread});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.output, m, std::regex("buckets: ([0-9]+)"))) << p.output;
+  const int buckets = std::stoi(m[1].str());
+  EXPECT_GT(buckets, 3) << p.output;
+  const auto trace = nlohmann::json::parse(read_text(file), nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(trace.is_object()) << "the timeline does not parse as JSON";
+  const auto& events = trace["traceEvents"];
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(intervals(events, rank, "forward").size(), 3u) << "rank " << rank;
+    const auto backward = intervals(events, rank, "backward");
+    ASSERT_EQ(backward.size(), 3u) << "rank " << rank;
+    for (int b = 0; b < buckets; ++b) {
+      for (const char* stage : {"copy-in", "allreduce", "copy-out"}) {
+        EXPECT_FALSE(intervals(events, rank, std::string(stage) + " bucket " + std::to_string(b)).empty())
+            << "rank " << rank << " has no " << stage << " of bucket " << b;
+      }
+    }
+    // Overlap: some bucket's allreduce starts while its step's backward still runs.
+    bool overlapped = false;
+    for (int b = 0; b < buckets; ++b) {
+      for (const auto& [start, end] : intervals(events, rank, "allreduce bucket " + std::to_string(b))) {
+        for (const auto& [bstart, bend] : backward) {
+          overlapped = overlapped || (start >= bstart && start < bend && end > start);
+        }
+      }
+    }
+    EXPECT_TRUE(overlapped) << "no allreduce of rank " << rank << " started during a backward";
+  }
+}
+
+TEST(Timeline, DataParallelRecordsEachReplicasForwardAndBackward) {
+  const std::string file = temp("dp_timeline.json");
+  auto args = with_flag(trainer("dp_timeline"), "--epochs", "1");
+  args.insert(args.end(), {"--replicas", "2"});
+  auto p = testing::run(args, {kOneThread, "LOCKSTEP_TIMELINE=" + file}, temp("dp_timeline.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  const auto trace = nlohmann::json::parse(read_text(file), nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(trace.is_object()) << "the timeline does not parse as JSON";
+  for (const char* name : {"replica 0 forward", "replica 1 forward", "replica 0 backward", "replica 1 backward",
+                           "optimizer step"}) {
+    EXPECT_FALSE(intervals(trace["traceEvents"], 0, name).empty()) << "no '" << name << "' event";
+  }
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// The rank's own file: "rank N" as its process's name.
+void expect_rank_file(const std::string& path, int rank) {
+  ASSERT_TRUE(file_exists(path)) << "no " << path;
+  const auto trace = nlohmann::json::parse(read_text(path), nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(trace.is_object()) << path << " does not parse as JSON";
+  bool named = false;
+  for (const auto& e : trace["traceEvents"]) {
+    named = named || (e.value("name", "") == "process_name" && e["args"].value("name", "") == "rank " + std::to_string(rank));
+  }
+  EXPECT_TRUE(named) << path << " is not rank " << rank << "'s";
+}
+
+// Every rank reads the same LOCKSTEP_TIMELINE: without "%r", each rank's
+// file went to one path, the last writer's left. These ranks also record
+// nothing (collectives alone), and still write their files.
+TEST(Timeline, APathWithoutTheRankGivesEachRankItsOwnFile) {
+  const std::string path = temp("own_timeline.json");
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, {LOCKSTEP_DDP_WORKER, "collectives"},
+                  "own_timeline", {kOneThread, "LOCKSTEP_TIMELINE=" + path});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  expect_rank_file(temp("own_timeline.rank0.json"), 0);
+  expect_rank_file(temp("own_timeline.rank1.json"), 1);
+  EXPECT_FALSE(file_exists(path)) << "both ranks wrote " << path;
+}
+
+// A rank that recorded nothing was reported as "stopped before it could
+// write one".
+TEST(Timeline, RanksThatRecordNothingAreMergedNotReportedMissing) {
+  const std::string file = temp("quiet_timeline.json");
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--timeline", file},
+                  {LOCKSTEP_DDP_WORKER, "collectives"}, "quiet_timeline", {kOneThread});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: timeline of 2 rank(s) in " + file), std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("no timeline from rank"), std::string::npos) << p.output;
+}
+
+// Each attempt merged into FILE, so a restart overwrote the timeline of the
+// attempt that failed, the one worth reading.
+TEST(Timeline, ARestartKeepsTheFailedAttemptsTimelineBesideTheLast) {
+  const std::string file = temp("restart_timeline.json");
+  const std::string kept = temp("restart_timeline.attempt0.json");
+  const std::string script = "if [ -e \"$1\" ]; then exit 0; fi; touch \"$1\"; exit 1";
+  auto p = launch({"--master-port", port(), "--max-restarts", "1", "--restart-delay", "0", "--timeline", file},
+                  {"/bin/sh", "-c", script, "sh", temp("restart_timeline_marker")}, "restart_timeline");
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: the timeline of attempt 0 is now " + kept), std::string::npos) << p.output;
+  for (const auto& path : {file, kept}) {
+    EXPECT_TRUE(nlohmann::json::parse(read_text(path), nullptr, /*allow_exceptions=*/false).is_object()) << path;
+  }
+}
+
+} // namespace
+} // namespace lockstep

@@ -1,0 +1,37 @@
+// Where each rank's timeline goes (Note [Timeline] in src/timeline.cpp), and
+// where lockstep-run keeps a restarted job's earlier ones.
+
+#include <lockstep/timeline.h>
+
+#include <gtest/gtest.h>
+
+namespace lockstep {
+namespace {
+
+using timeline::detail::rank_path;
+using timeline::detail::with_tag;
+
+TEST(TimelinePaths, TheRankFillsInEveryPercentR) {
+  EXPECT_EQ(rank_path("/tmp/t%r.json", 3, 4), "/tmp/t3.json");
+  EXPECT_EQ(rank_path("/tmp/r%r/t%r.json", 1, 2), "/tmp/r1/t1.json");
+  EXPECT_EQ(rank_path("/tmp/t%r.json", 0, 1), "/tmp/t0.json");
+}
+
+// Every rank of a job reads the same LOCKSTEP_TIMELINE: one path would leave
+// one rank's file, the others' overwritten.
+TEST(TimelinePaths, APathWithoutTheRankGetsItWhenSeveralRanksShareIt) {
+  EXPECT_EQ(rank_path("/tmp/t.json", 1, 2), "/tmp/t.rank1.json");
+  EXPECT_EQ(rank_path("/tmp/t", 0, 2), "/tmp/t.rank0");
+  EXPECT_EQ(rank_path("/tmp/v1.2/t", 1, 2), "/tmp/v1.2/t.rank1"); // a dot in a folder is no extension
+  EXPECT_EQ(rank_path(".hidden", 1, 2), ".hidden.rank1");
+  EXPECT_EQ(rank_path("/tmp/t.json", 0, 1), "/tmp/t.json"); // one rank: the path as given
+}
+
+TEST(TimelinePaths, TagsGoBeforeTheExtension) {
+  EXPECT_EQ(with_tag("runs/timeline.json", ".attempt0"), "runs/timeline.attempt0.json");
+  EXPECT_EQ(with_tag("timeline", ".attempt2"), "timeline.attempt2");
+  EXPECT_EQ(with_tag("a.b/timeline", ".attempt1"), "a.b/timeline.attempt1");
+}
+
+} // namespace
+} // namespace lockstep
