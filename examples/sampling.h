@@ -10,12 +10,15 @@
 // from it, and each rank takes its contiguous share of each global batch.
 // So where an epoch stands is one number: the samples it has trained, over
 // every rank. A run resumed from there at another --batch-size, or another
-// world size, trains each of the epoch's remaining rows once. LibTorch's
-// DistributedRandomSampler is not used: it shuffles by the epoch alone, so
-// --seed could not change the order (pytorch/pytorch#73141), and each rank
-// takes a contiguous block of the whole epoch, so a position in samples would
-// depend on the world size. With --seed fixed, the order is also the same
-// under DataParallel and DistributedDataParallel.
+// world size, trains each of the epoch's remaining rows once, but for the
+// rows past a multiple of the world size at the epoch's end, which every
+// epoch leaves out (below): resumed with fewer rows left than ranks, the
+// epoch ends there. LibTorch's DistributedRandomSampler is not used: it
+// shuffles by the epoch alone, so --seed could not change the order
+// (pytorch/pytorch#73141), and each rank takes a contiguous block of the
+// whole epoch, so a position in samples would depend on the world size. With
+// --seed fixed, the order is also the same under DataParallel and
+// DistributedDataParallel.
 //
 // An epoch's rows rarely fill its last batch. The rest joins the last whole
 // batch instead of making a small batch of its own: the model's BatchNorm
