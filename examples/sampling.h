@@ -10,7 +10,7 @@
 // from it, and each rank takes its contiguous share of each global batch.
 // So where an epoch stands is one number: the samples it has trained, over
 // every rank. A run resumed from there at another --batch-size, or another
-// world size, trains each of the epoch's remaining rows once, but for the
+// world size, trains each of the epoch's remaining rows once, except the
 // rows past a multiple of the world size at the epoch's end, which every
 // epoch leaves out (below): resumed with fewer rows left than ranks, the
 // epoch ends there. LibTorch's DistributedRandomSampler is not used: it

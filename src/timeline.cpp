@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -9,7 +10,11 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <numeric>
+#include <set>
 #include <vector>
+
+#include <unistd.h>
 
 namespace lockstep {
 namespace timeline {
@@ -25,10 +30,10 @@ namespace timeline {
 // the path becomes the rank, for ranks sharing a folder. Under a launcher
 // every rank reads the same variable, so a path without "%r" in a job of
 // several ranks gets ".rank<r>" before its extension: one path for all would
-// leave one rank's file, the others' overwritten. A rank that records
-// nothing still writes its (empty) file, so that a missing file means a rank
-// that ended before it could write one. Past kMaxEvents, events are left
-// out: the file says how many, and the rank says so on stderr.
+// leave one rank's file, the others' overwritten. A rank of a job that
+// records nothing still writes its (empty) file, so that lockstep-run merges
+// every rank that ended. Past kMaxEvents, events are left out: the file
+// says how many, and the rank says so on stderr.
 //
 // What lockstep records, and where:
 //   forward                 DistributedDataParallelImpl::forward
@@ -42,7 +47,15 @@ namespace timeline {
 //                           end is when backward needed it, an upper bound on
 //                           when the transfer finished.
 //   copy-out bucket k       the copy of the reduced bucket back into .grad
+//   all_gather / reduce_scatter UNITS   FullyShardedDataParallel's
+//                           collectives, on the "collectives" track too
 //   replica r forward/backward  DataParallel's replicas, on the worker threads
+// A track's spans overlap where buckets are launched one after another and
+// waited for later, but a Chrome trace wants the "X" events of one thread
+// nested or apart: Perfetto drops the ones that overlap partly, hiding the
+// very overlap the timeline is read for. So at writing, each named track is
+// cut into as few lanes as hold its spans apart ("collectives",
+// "collectives 2", ...).
 // Off, a span costs one branch on a constant. On CUDA, spans time the host:
 // kernels launched, not run, and an NCCL wait returns once the stream waits.
 
@@ -50,15 +63,23 @@ namespace detail {
 namespace {
 
 constexpr size_t kMaxEvents = 1000000;
+constexpr int kFirstTrack = 1000; // named tracks' tids; threads' count from 0
+constexpr int kLaneStride = 1000; // lane k of track tid t: t + k * kLaneStride
 
 std::string env(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr ? value : "";
 }
 
-// The first of the launchers' variables set, or `otherwise`.
+// The first of the launchers' variables set, or `otherwise`. Slurm's count
+// only inside a job step (srun), as in Note [MPI launchers]
+// (src/launch_env.cpp): a batch script's own process is no rank.
 int from_env(std::initializer_list<const char*> names, int otherwise) {
+  const bool in_step = !env("SLURM_STEP_ID").empty();
   for (const char* name : names) {
+    if (!in_step && std::string(name).rfind("SLURM_", 0) == 0) {
+      continue;
+    }
     const std::string value = env(name);
     if (!value.empty()) {
       return std::atoi(value.c_str());
@@ -96,7 +117,7 @@ class Recorder {
     if (!track.empty()) {
       auto it = tracks_.find(track);
       if (it == tracks_.end()) {
-        it = tracks_.emplace(track, 1000 + static_cast<int>(tracks_.size())).first;
+        it = tracks_.emplace(track, kFirstTrack + static_cast<int>(tracks_.size())).first;
       }
       tid = it->second;
     }
@@ -110,22 +131,33 @@ class Recorder {
   void write() {
     std::lock_guard<std::mutex> lock(mutex_);
     std::string path = env("LOCKSTEP_TIMELINE");
-    if (path.empty()) {
+    if (path.empty() || ::getpid() != owner_) { // a fork()ed child (a data loader's) is not the rank
       return;
     }
     const int rank = rank_from_env();
     path = rank_path(path, rank, world_size_from_env());
     nlohmann::json events = nlohmann::json::array();
-    for (const auto& e : events_) {
+    const std::vector<int> tids = lane_tids();
+    for (size_t i = 0; i < events_.size(); ++i) {
+      const Event& e = events_[i];
       nlohmann::json event = {{"name", e.name}, {"ph", "X"}, {"ts", e.start}, {"dur", e.end - e.start},
-                              {"pid", rank}, {"tid", e.tid}};
+                              {"pid", rank}, {"tid", tids[i]}};
       if (e.bytes >= 0) {
         event["args"] = {{"bytes", e.bytes}};
       }
       events.push_back(std::move(event));
     }
+    std::map<int, std::string> names; // a track's lanes, named
     for (const auto& [name, tid] : tracks_) {
-      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", tid}, {"args", {{"name", name}}}});
+      names[tid] = name;
+    }
+    for (int tid : std::set<int>(tids.begin(), tids.end())) {
+      if (tid >= kFirstTrack) {
+        const int lane = tid / kLaneStride;
+        const std::string& track = names[tid % kLaneStride];
+        events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", tid},
+                          {"args", {{"name", lane == 0 ? track : track + " " + std::to_string(lane + 1)}}}});
+      }
     }
     events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
     nlohmann::json trace = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
@@ -140,17 +172,41 @@ class Recorder {
       std::fprintf(stderr, "lockstep: rank %d: could not write the timeline to %s (LOCKSTEP_TIMELINE)\n", rank, path.c_str());
     } else if (dropped_ > 0) {
       std::fprintf(stderr, "lockstep: rank %d: the timeline in %s holds its first %zu events and leaves out the %zu "
-                   "after them; record fewer steps (LOCKSTEP_TIMELINE for a short run) to see them all.\n", rank,
+                   "after them; set LOCKSTEP_TIMELINE only for a short run to see them all.\n", rank,
                    path.c_str(), kMaxEvents, dropped_);
     }
   }
 
  private:
+  // Each event's tid: its thread's, or its track lane's (Note [Timeline]).
+  std::vector<int> lane_tids() const {
+    std::vector<int> tids(events_.size());
+    std::map<int, std::vector<size_t>> on_track;
+    for (size_t i = 0; i < events_.size(); ++i) {
+      tids[i] = events_[i].tid;
+      if (events_[i].tid >= kFirstTrack) {
+        on_track[events_[i].tid].push_back(i);
+      }
+    }
+    for (const auto& [tid, indices] : on_track) {
+      std::vector<std::pair<int64_t, int64_t>> spans;
+      for (size_t i : indices) {
+        spans.emplace_back(events_[i].start, events_[i].end);
+      }
+      const std::vector<int> lanes = lanes_for(spans);
+      for (size_t k = 0; k < indices.size(); ++k) {
+        tids[indices[k]] = tid + lanes[k] * kLaneStride;
+      }
+    }
+    return tids;
+  }
+
   std::mutex mutex_;
   std::vector<Event> events_;
   std::map<std::string, int> tracks_;
   std::atomic<int> next_thread_{0};
   size_t dropped_ = 0;
+  const pid_t owner_ = ::getpid();
 };
 
 Recorder& recorder() {
@@ -163,10 +219,28 @@ Recorder& recorder() {
 const bool kEnabled = !env("LOCKSTEP_TIMELINE").empty();
 
 namespace {
-// Made at start when on, so that its destructor writes a file at exit even
-// for a rank that records nothing (Note [Timeline]).
-const bool kRecorderMade = kEnabled && (recorder(), true);
+// Made at start in a rank of a job, so that its destructor writes a file at
+// exit even when it records nothing (Note [Timeline]); a lone process that
+// records nothing writes nothing, as it would leave only an empty file.
+[[maybe_unused]] const bool kRecorderMade = kEnabled && world_size_from_env() > 1 && (recorder(), true);
 } // namespace
+
+std::vector<int> lanes_for(const std::vector<std::pair<int64_t, int64_t>>& spans) {
+  std::vector<size_t> order(spans.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return spans[a].first < spans[b].first; });
+  std::vector<int> lanes(spans.size());
+  std::vector<int64_t> free_from; // each lane's last end
+  for (size_t i : order) {
+    auto lane = std::find_if(free_from.begin(), free_from.end(), [&](int64_t end) { return end <= spans[i].first; });
+    if (lane == free_from.end()) {
+      lane = free_from.insert(free_from.end(), 0);
+    }
+    *lane = spans[i].second;
+    lanes[i] = static_cast<int>(lane - free_from.begin());
+  }
+  return lanes;
+}
 
 std::string rank_path(std::string path, int rank, int world_size) {
   const bool has_rank = path.find("%r") != std::string::npos;

@@ -406,13 +406,14 @@ ProcessGroup group_over_own_tcp_store() {
 }
 
 // The "new_group_late" scenario, under mpirun: rank 1 makes its group long
-// after the others' timeout. Over MPI the others wait in MPI_Comm_dup, which
-// has no timeout of its own, so new_group's deadline must end them.
+// after the others' timeout (mpirun ends it once rank 0 fails). Over MPI the
+// others wait in MPI's start-up exchange or MPI_Comm_dup, neither with a
+// timeout of its own, so new_group's deadline must end them.
 ProcessGroup group_joined_late(const char* backend) {
   const int rank = std::stoi(env("OMPI_COMM_WORLD_RANK"));
   const int size = std::stoi(env("OMPI_COMM_WORLD_SIZE"));
   if (rank == 1) {
-    std::this_thread::sleep_for(std::chrono::seconds(8));
+    std::this_thread::sleep_for(std::chrono::seconds(30));
   }
   return lockstep::new_group(c10::make_intrusive<c10d::HashStore>(), rank, size, backend, std::chrono::seconds(3));
 }

@@ -113,7 +113,15 @@ void prepare_output_paths(const Options& options) {
       }
     }
   }
-  const std::string why = options.timeline.empty() ? "" : lockstep::common::open_for_append(options.timeline);
+  // The merge is written beside FILE, then renamed onto it: both must work.
+  std::string why;
+  if (!options.timeline.empty()) {
+    const std::string partial = options.timeline + ".partial";
+    why = lockstep::common::open_for_append(options.timeline);
+    if (why.empty() && (why = lockstep::common::open_for_append(partial)).empty()) {
+      ::unlink(partial.c_str());
+    }
+  }
   if (!why.empty()) {
     usage_error("--timeline " + options.timeline + ": cannot write it (" + why + "); pick another path.");
   }

@@ -18,12 +18,16 @@
 namespace lockstep {
 namespace tools {
 
-// Moves attempt `attempt`'s merged timeline aside, before the next
-// attempt's takes its path; nothing if that attempt wrote none.
+// Moves attempt `attempt` (this launcher's, from 0)'s merged timeline
+// aside, before the next attempt's takes its path; nothing if that attempt
+// wrote none.
 inline void keep_attempt_timeline(const std::string& path, int attempt) {
   const std::string kept = lockstep::timeline::detail::with_tag(path, ".attempt" + std::to_string(attempt));
   if (std::rename(path.c_str(), kept.c_str()) == 0) {
     std::fprintf(stderr, "lockstep-run: the timeline of attempt %d is now %s\n", attempt, kept.c_str());
+  } else if (errno != ENOENT) {
+    std::fprintf(stderr, "lockstep-run: --timeline %s: cannot keep attempt %d's timeline as %s (%s); the next "
+                 "attempt's replaces it.\n", path.c_str(), attempt, kept.c_str(), std::strerror(errno));
   }
 }
 
@@ -41,7 +45,8 @@ inline bool merge_timelines(const std::vector<std::pair<int, std::string>>& part
     std::ifstream in(path);
     auto part = in ? nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false) : nlohmann::json();
     if (!part.is_object() || !part.contains("traceEvents")) {
-      notes += "; no timeline from rank " + std::to_string(rank) + ": it ended before it could write one";
+      notes += "; no timeline from rank " + std::to_string(rank) + ": it wrote none (it was stopped before it "
+               "could, or records no timeline)";
       continue;
     }
     ++read;

@@ -156,7 +156,10 @@ ProcessGroup init_process_group(ProcessGroupOptions options = {});
 /// {0, 1} and {2, 3} of a job, each take a store of their own, for example
 /// c10::make_intrusive<c10d::PrefixStore>("pair_" + std::to_string(pair),
 /// store). Over one shared store, ranks of different pairs can meet and form
-/// a group between them, without an error.
+/// a group between them, without an error. As init_process_group, joining is
+/// bounded by `timeout` (Note [Initialisation deadline]): past it, the
+/// process ends with an error rather than hang; for ranks that are threads of
+/// one process, that ends all of them.
 ProcessGroup new_group(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,

@@ -11,6 +11,8 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace lockstep {
 namespace timeline {
@@ -23,6 +25,9 @@ void record(const std::string& name, int64_t start_us, int64_t end_us, const std
 /// The file rank `rank` of `world_size` writes for LOCKSTEP_TIMELINE=`path`
 /// (Note [Timeline]).
 std::string rank_path(std::string path, int rank, int world_size);
+/// For spans [start, end) of one track, in any order, the lane of each:
+/// spans of one lane never overlap, and lanes are as few as can be.
+std::vector<int> lanes_for(const std::vector<std::pair<int64_t, int64_t>>& spans);
 /// `path` with `tag` before its file name's extension: ("t.json", ".rank1")
 /// gives "t.rank1.json". Also lockstep-run's, which has no LibTorch.
 inline std::string with_tag(std::string path, const std::string& tag) {

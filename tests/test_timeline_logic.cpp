@@ -1,5 +1,6 @@
-// Where each rank's timeline goes (Note [Timeline] in src/timeline.cpp), and
-// where lockstep-run keeps a restarted job's earlier ones.
+// Timelines' pure logic (Note [Timeline] in src/timeline.cpp): where each
+// rank's file goes, where lockstep-run keeps a restarted job's earlier ones,
+// and how a track's overlapping spans are laid out in lanes.
 
 #include <lockstep/timeline.h>
 
@@ -8,6 +9,7 @@
 namespace lockstep {
 namespace {
 
+using timeline::detail::lanes_for;
 using timeline::detail::rank_path;
 using timeline::detail::with_tag;
 
@@ -31,6 +33,16 @@ TEST(TimelinePaths, TagsGoBeforeTheExtension) {
   EXPECT_EQ(with_tag("runs/timeline.json", ".attempt0"), "runs/timeline.attempt0.json");
   EXPECT_EQ(with_tag("timeline", ".attempt2"), "timeline.attempt2");
   EXPECT_EQ(with_tag("a.b/timeline", ".attempt1"), "a.b/timeline.attempt1");
+}
+
+// Buckets launched one after another and waited for later overlap partly;
+// Perfetto drops such events of one track, so they go to lanes.
+TEST(TimelineLanes, SpansThatOverlapGoToLanesOfTheirOwn) {
+  EXPECT_EQ(lanes_for({{0, 10}, {5, 15}, {12, 20}}), (std::vector<int>{0, 1, 0}));
+  EXPECT_EQ(lanes_for({{0, 10}, {10, 20}, {20, 30}}), (std::vector<int>{0, 0, 0})); // touching is apart
+  EXPECT_EQ(lanes_for({{0, 30}, {1, 29}, {2, 28}}), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(lanes_for({{12, 20}, {0, 10}, {5, 15}}), (std::vector<int>{0, 0, 1})); // recorded in end order
+  EXPECT_TRUE(lanes_for({}).empty());
 }
 
 } // namespace
