@@ -432,9 +432,13 @@ TEST(Launcher, KillingTheLauncherTakesEveryRankWithIt) {
 // Each attempt's pipes are closed at its end, even when a child of the rank
 // (here one in a session of its own) still holds them open: the launcher's
 // open files stay the same from attempt to attempt (they grew by 2 each).
+// The rank counts them a moment after it starts: right after fork the
+// launcher still holds the pipes' write ends and has yet to open the rank's
+// pidfd, so an early count depends on which process ran first.
 TEST(Launcher, EveryAttemptsPipesAreClosedAtItsEnd) {
   auto p = launch({"--nproc-per-node", "1", "--master-port", port(), "--max-restarts", "3", "--restart-delay", "0"},
-                  {"/bin/sh", "-c", "echo fds=$(ls /proc/$PPID/fd | wc -l) >&2; setsid sleep 2 & exit 1"}, "pipes");
+                  {"/bin/sh", "-c", "sleep 0.3; echo fds=$(ls /proc/$PPID/fd | wc -l) >&2; setsid sleep 2 & exit 1"},
+                  "pipes");
   EXPECT_NE(p.exit_code, 0) << p.output;
   std::vector<std::string> counts;
   const std::regex fds("\\[rank 0\\] fds=([0-9]+)");
