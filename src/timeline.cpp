@@ -64,7 +64,7 @@ namespace {
 
 constexpr size_t kMaxEvents = 1000000;
 constexpr int kFirstTrack = 1000; // named tracks' tids; threads' count from 0
-constexpr int kLaneStride = 1000; // lane k of track tid t: t + k * kLaneStride
+constexpr int kLaneStride = 1000; // lane k of track tid t: t + k * kLaneStride (fewer tracks than that)
 
 std::string env(const char* name) {
   const char* value = std::getenv(name);
@@ -153,8 +153,8 @@ class Recorder {
     }
     for (int tid : std::set<int>(tids.begin(), tids.end())) {
       if (tid >= kFirstTrack) {
-        const int lane = tid / kLaneStride;
-        const std::string& track = names[tid % kLaneStride];
+        const int lane = (tid - kFirstTrack) / kLaneStride;
+        const std::string& track = names.at(tid - lane * kLaneStride);
         events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", tid},
                           {"args", {{"name", lane == 0 ? track : track + " " + std::to_string(lane + 1)}}}});
       }

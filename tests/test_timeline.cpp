@@ -70,6 +70,27 @@ TEST(Launcher, TimelineHasEveryBucketOnEveryRankAndAllreducesOverlapBackward) {
   ASSERT_TRUE(trace.is_object()) << "the timeline does not parse as JSON";
   const auto& events = trace["traceEvents"];
   expect_nested_or_apart(events);
+  // The tracks are named: the first lane of the collectives "collectives", the others after it.
+  std::map<std::pair<int, int>, std::string> track_names;
+  for (const auto& e : events) {
+    if (e.value("name", "") == "thread_name") {
+      track_names[{e["pid"].get<int>(), e["tid"].get<int>()}] = e["args"].value("name", "");
+    }
+  }
+  for (const auto& e : events) {
+    if (e.value("ph", "") == "X" && e.value("name", "").rfind("allreduce bucket", 0) == 0) {
+      const auto name = track_names.find({e["pid"].get<int>(), e["tid"].get<int>()});
+      ASSERT_NE(name, track_names.end()) << e.dump();
+      EXPECT_TRUE(std::regex_match(name->second, std::regex("collectives( [0-9]+)?"))) << name->second;
+    }
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    bool first_lane = false;
+    for (const auto& [track, name] : track_names) {
+      first_lane = first_lane || (track.first == rank && name == "collectives");
+    }
+    EXPECT_TRUE(first_lane) << "rank " << rank << " has no track named \"collectives\"";
+  }
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(intervals(events, rank, "forward").size(), 3u) << "rank " << rank;
     const auto backward = intervals(events, rank, "backward");
