@@ -70,17 +70,29 @@ TEST(Launcher, EachRanksThreadsAreItsShareOfTheCoresItMayUse) {
 // torchrun's users pass it. Without, each node's is its start time, and
 // lockstep-run says so.
 TEST(Launcher, StaticNodesTakeTheRunIdFromRdzvIdOrAreWarned) {
-  const std::vector<std::string> node1{LOCKSTEP_RUN, "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                                       "--master-port", port(), "--nproc-per-node", "1"};
-  auto given = node1;
-  given.insert(given.end(), {"--rdzv-id", "job7", "/bin/sh", "-c", "echo \"id $LOCKSTEP_RUN_ID\""});
-  auto p = testing::run(given, {"LOCKSTEP_RUN_ID="}, temp("run_id.log"), std::chrono::seconds(60));
+  // Node 1's output, with a node 0 of /bin/true beside it: the launchers
+  // meet before their ranks start (Note [Static nodes add up their counts]).
+  const auto run_node1 = [](const std::vector<std::string>& tail, const std::string& name) {
+    const std::string master_port = port();
+    std::vector<Process> nodes;
+    for (int node : {0, 1}) {
+      std::vector<std::string> args{LOCKSTEP_RUN, "--nnodes", "2", "--node-rank", std::to_string(node), "--master-addr",
+                                    "127.0.0.1", "--master-port", master_port, "--nproc-per-node", "1"};
+      args.insert(args.end(), tail.begin(), tail.end());
+      if (node == 0) {
+        args.back() = "true";
+      }
+      nodes.push_back(testing::start(args, {"LOCKSTEP_RUN_ID="}, temp(name + std::to_string(node) + ".log")));
+    }
+    testing::wait_all(nodes, std::chrono::seconds(60));
+    EXPECT_EQ(nodes[0].exit_code, 0) << nodes[0].output;
+    return nodes[1];
+  };
+  auto p = run_node1({"--rdzv-id", "job7", "/bin/sh", "-c", "echo \"id $LOCKSTEP_RUN_ID\""}, "run_id");
   ASSERT_EQ(p.exit_code, 0) << p.output;
   EXPECT_NE(p.output.find("[rank 1] id job7\n"), std::string::npos) << p.output;
   EXPECT_EQ(p.output.find("warning"), std::string::npos) << p.output;
-  auto none = node1;
-  none.insert(none.end(), {"/bin/true"});
-  p = testing::run(none, {"LOCKSTEP_RUN_ID="}, temp("no_run_id.log"), std::chrono::seconds(60));
+  p = run_node1({"/bin/true"}, "no_run_id");
   ASSERT_EQ(p.exit_code, 0) << p.output;
   EXPECT_NE(p.output.find("lockstep-run: warning: the run id is this node's start time"), std::string::npos)
       << p.output;
@@ -258,6 +270,31 @@ TEST(Launcher, TwoNodesOnOneMachineMatchOneNode) {
   ASSERT_EQ(nodes[0].exit_code, 0) << nodes[0].output << nodes[1].output;
   ASSERT_EQ(nodes[1].exit_code, 0) << nodes[0].output << nodes[1].output;
   EXPECT_EQ(final_hash(nodes[0].output), reference_hash()) << nodes[0].output;
+}
+
+// Nodes of 1 and 2 ranks were told WORLD_SIZE 2 and 4, and no rank was 1:
+// the ranks waited the whole --timeout. The counts add up, as under
+// torchrun (Note [Static nodes add up their counts]).
+TEST(Launcher, StaticNodesOfDifferentCountsAddThemUp) {
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int node = 0; node < 2; ++node) {
+    nodes.push_back(testing::start(
+        launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", std::to_string(node + 1),
+                  "--master-addr", "127.0.0.1", "--master-port", master_port},
+                 {"/bin/sh", "-c", "echo \"env $RANK of $WORLD_SIZE, local $LOCAL_RANK of $LOCAL_WORLD_SIZE\""}),
+        {}, temp("uneven_nodes" + std::to_string(node) + ".log")));
+  }
+  testing::wait_all(nodes, kDeadline);
+  for (const auto& node : nodes) {
+    EXPECT_EQ(node.exit_code, 0) << node.output;
+    EXPECT_NE(node.output.find("lockstep-run: the nodes start different numbers of ranks (--nproc-per-node of node 0: "
+                               "1, node 1: 2): WORLD_SIZE is their sum, 3, as under torchrun"), std::string::npos)
+        << node.output;
+  }
+  EXPECT_NE(nodes[0].output.find("[rank 0] env 0 of 3, local 0 of 1"), std::string::npos) << nodes[0].output;
+  EXPECT_NE(nodes[1].output.find("[rank 1] env 1 of 3, local 0 of 2"), std::string::npos) << nodes[1].output;
+  EXPECT_NE(nodes[1].output.find("[rank 2] env 2 of 3, local 1 of 2"), std::string::npos) << nodes[1].output;
 }
 
 TEST(Launcher, NodesResumingFromDifferentCheckpointsFailTogether) {

@@ -34,6 +34,7 @@
 
 #include "attempt.h"
 #include "elastic_agent.h"
+#include "static_meeting.h"
 
 #include <common/process_files.h>
 
@@ -63,6 +64,8 @@
 #include <filesystem>
 #include <deque>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,10 +100,12 @@ void prepare_output_paths(const Options& options) {
     if (error) {
       usage_error("--log-dir " + options.log_dir + ": cannot create it (" + error.message() + "); pick another folder.");
     }
-    // An elastic job's ranks are known only in each round: check the folder with a file of this launcher's.
-    const int ranks = options.elastic() ? 1 : options.nproc_per_node;
+    // An elastic job's ranks are known only in each round, a static job's
+    // of several nodes once they met: check the folder with a file of this launcher's.
+    const bool own_file = options.elastic() || options.nnodes > 1;
+    const int ranks = own_file ? 1 : options.nproc_per_node;
     for (int local = 0; local < ranks; ++local) {
-      const std::string name = options.elastic()
+      const std::string name = own_file
           ? ".lockstep-run-" + std::to_string(::getpid())
           : "rank_" + std::to_string(options.node_rank * options.nproc_per_node + local) + ".log";
       const std::string why = lockstep::common::open_for_append(options.log_dir + "/" + name);
@@ -108,7 +113,7 @@ void prepare_output_paths(const Options& options) {
         usage_error("--log-dir " + options.log_dir + ": cannot write " + name + " there (" + why +
                     "); pick another folder.");
       }
-      if (options.elastic()) {
+      if (own_file) {
         ::unlink((options.log_dir + "/" + name).c_str());
       }
     }
@@ -153,18 +158,56 @@ void remove_stale_store_files() {
 }
 
 // Where this node's ranks stand in attempt `attempt` of a static job.
-Placement static_placement(const Options& options, int attempt) {
+Placement static_placement(const Options& options, const lockstep::tools::StaticLayout& layout, int attempt) {
   Placement placement;
   placement.group_rank = options.node_rank;
   placement.group_world_size = options.nnodes;
-  placement.rank_offset = options.node_rank * options.nproc_per_node;
-  placement.world_size = options.nnodes * options.nproc_per_node;
+  placement.rank_offset = layout.rank_offset;
+  placement.world_size = layout.world_size;
   placement.restart_count = attempt;
   placement.attempt = attempt;
   placement.master_addr = options.master_addr;
   placement.master_port = options.master_port;
   placement.file_store = options.nnodes == 1;
   return placement;
+}
+
+// Seconds the ranks wait for each other: how long the nodes may take to meet.
+std::chrono::seconds ranks_timeout(const Options& options) {
+  const char* preset = std::getenv("LOCKSTEP_TIMEOUT");
+  const long from_env = preset != nullptr ? std::strtol(preset, nullptr, 10) : 0;
+  return std::chrono::seconds(options.timeout_seconds > 0 ? options.timeout_seconds : from_env > 0 ? from_env : 300);
+}
+
+// This node's ranks among every node's (Note [Static nodes add up their
+// counts] in tools/static_meeting.h); nullopt on a signal, or after saying
+// why the nodes could not meet.
+std::optional<lockstep::tools::StaticLayout> meet_other_nodes(const Options& options) {
+  if (options.nnodes == 1) {
+    return lockstep::tools::static_layout({options.nproc_per_node}, 0);
+  }
+  std::optional<lockstep::tools::StaticLayout> layout;
+  try {
+    layout = lockstep::tools::StaticMeeting(options, ranks_timeout(options), [] { return g_launcher_signal != 0; }).meet();
+  } catch (const lockstep::tools::MeetingError& e) {
+    std::fprintf(stderr, "lockstep-run: node %d: %s\n", options.node_rank, e.what());
+    return std::nullopt;
+  } catch (const lockstep::tools::KvError& e) {
+    std::fprintf(stderr, "lockstep-run: node %d lost node 0's launcher while the nodes met (%s): node 0 stopped, or "
+                 "the link to it failed.\n", options.node_rank, e.what());
+    return std::nullopt;
+  }
+  if (!layout) {
+    return std::nullopt; // a signal
+  }
+  const std::vector<int>& counts = layout->counts;
+  if (std::adjacent_find(counts.begin(), counts.end(), std::not_equal_to<int>()) != counts.end()) {
+    std::fprintf(stderr, "lockstep-run: the nodes start different numbers of ranks (--nproc-per-node of %s): "
+                 "WORLD_SIZE is their sum, %d, as under torchrun; this node's ranks are %d to %d.\n",
+                 lockstep::tools::describe_counts(counts).c_str(), layout->world_size, layout->rank_offset,
+                 layout->rank_offset + options.nproc_per_node - 1);
+  }
+  return layout;
 }
 
 // Backs off before restart `attempt + 1`, doubling up to a limit: a failure
@@ -188,8 +231,12 @@ bool wait_before_restart(const Options& options, int attempt) {
 // A job of --nnodes N fixed nodes, each told its --node-rank: restarted as
 // a whole after a failure, up to --max-restarts times.
 int run_static(const Options& options, const std::string& program) {
+  const auto layout = meet_other_nodes(options);
+  if (!layout) {
+    return g_launcher_signal != 0 ? 128 + g_launcher_signal : 1;
+  }
   for (int attempt = 0;; ++attempt) {
-    Attempt run(options, program, static_placement(options, attempt));
+    Attempt run(options, program, static_placement(options, *layout, attempt));
     const int root_cause = run.run();
     const bool timeline_written = run.merge_timeline();
     if (g_launcher_signal != 0) {
