@@ -131,7 +131,13 @@ class Attempt {
     for (const auto& r : ranks_) {
       ranks.push_back(r.global_rank);
     }
-    const auto lines = lockstep::tools::desync_report(trace_dir_, ranks);
+    std::vector<int> elsewhere; // the other nodes' ranks
+    for (int rank = 0; rank < placement_.world_size; ++rank) {
+      if (rank < placement_.rank_offset || rank >= placement_.rank_offset + static_cast<int>(ranks_.size())) {
+        elsewhere.push_back(rank);
+      }
+    }
+    const auto lines = lockstep::tools::desync_report(trace_dir_, ranks, elsewhere);
     if (lines.empty()) {
       return;
     }

@@ -104,11 +104,42 @@ inline std::string forgotten_collective(const std::map<int, nlohmann::json>& gro
       "LOCKSTEP_TRACE_BUFFER_SIZE to see which collective it was.";
 }
 
+// "ranks 0 to 3 and 8 to 11": runs of three or more ranks as ranges.
+inline std::string rank_ranges(const std::vector<int>& ranks) {
+  std::vector<std::string> parts;
+  for (size_t k = 0; k < ranks.size();) {
+    size_t end = k;
+    while (end + 1 < ranks.size() && ranks[end + 1] == ranks[end] + 1) {
+      ++end;
+    }
+    if (end - k >= 2) {
+      parts.push_back(std::to_string(ranks[k]) + " to " + std::to_string(ranks[end]));
+      k = end + 1;
+    } else {
+      parts.push_back(std::to_string(ranks[k++]));
+    }
+  }
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t k = 0; k < parts.size(); ++k) {
+    text += (k == 0 ? "" : k + 1 == parts.size() ? " and " : ", ") + parts[k];
+  }
+  return text;
+}
+
+// Ranks that ran on other nodes, whose records this launcher cannot read:
+// "ranks 0 and 1 ran on other nodes, so they are not in these records".
+inline std::string other_nodes_text(const std::vector<int>& elsewhere) {
+  return rank_ranges(elsewhere) + (elsewhere.size() == 1 ? " ran on another node, so it is" : " ran on other nodes, so "
+      "they are") + " not in these records";
+}
+
 // One group's records, by rank: the first sequence number where they part.
 // Empty when they agree. `everyone`: no rank's record is missing, so a
 // collective that every record started and none finished is the transport's
-// fault.
-inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool everyone) {
+// fault, unless ranks ran `elsewhere` (on other nodes): one of those may
+// have died or stalled, and only their own launcher's records say.
+inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool everyone,
+                               const std::vector<int>& elsewhere = {}) {
   std::map<int, std::map<int64_t, nlohmann::json>> by_seq;
   int64_t lo = 0;
   int64_t hi = -1;
@@ -160,6 +191,11 @@ inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool
         unfinished.push_back(r);
       }
     }
+    if (!unfinished.empty() && everyone && !elsewhere.empty()) {
+      return "every rank of this node started " + what + ", and it did not complete on " + rank_list(unfinished) +
+          "; " + other_nodes_text(elsewhere) + ": one of them may have died or stalled there. See the output of "
+          "their nodes' launchers (the root cause and desync report there).";
+    }
     if (!unfinished.empty() && everyone) {
       return "every rank started " + what + ", and it did not complete on " + rank_list(unfinished) +
           ": the ranks agree, so the connection between them failed or was too slow (see the errors above).";
@@ -168,9 +204,19 @@ inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool
   return "";
 }
 
-// The report's lines: `ranks` are the ranks this launcher ran, and `dir`
-// where they write their records. Empty when no rank wrote one.
-inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json>& records, const std::vector<int>& ranks) {
+// The report's lines: `ranks` are the ranks this launcher ran, `elsewhere`
+// those of the other nodes (Note [A report from one node's records]).
+// Empty when no rank wrote one.
+//
+// Note [A report from one node's records]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each launcher reads its own node's records alone. When a rank of another
+// node dies, this node's ranks agree with each other and wait in the same
+// collective: from these records alone that reads as a failed link. So the
+// report names the ranks it has no record of, and sends the reader to
+// their launchers' output rather than blaming the connection.
+inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json>& records, const std::vector<int>& ranks,
+                                              const std::vector<int>& elsewhere = {}) {
   std::vector<std::string> lines;
   if (records.empty()) {
     return lines;
@@ -194,7 +240,7 @@ inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json
       }
     }
     const std::string prefix = groups > 1 ? "group " + std::to_string(g) + ": " : "";
-    const auto finding = find_desync(group, missing.empty());
+    const auto finding = find_desync(group, missing.empty(), elsewhere);
     if (!finding.empty()) {
       lines.push_back(prefix + finding);
       return lines;
@@ -225,13 +271,15 @@ inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json
                     "collective failed on it (its own output says which).");
   }
   lines.push_back("the flight records agree: every rank that wrote one ran the same collectives, and each "
-                  "completed; the failure was not in a collective (see the root cause above).");
+                  "completed; the failure was not in a collective (see the root cause above)." +
+                  (elsewhere.empty() ? std::string() : " " + other_nodes_text(elsewhere) + "; see their nodes' launchers."));
   return lines;
 }
 
 // Reads the records of `ranks` from `dir`. A file that does not parse counts
 // as no record, with a line saying so.
-inline std::vector<std::string> desync_report(const std::string& dir, const std::vector<int>& ranks) {
+inline std::vector<std::string> desync_report(const std::string& dir, const std::vector<int>& ranks,
+                                              const std::vector<int>& elsewhere = {}) {
   std::map<int, nlohmann::json> records;
   std::vector<std::string> unreadable;
   for (int r : ranks) {
@@ -246,7 +294,7 @@ inline std::vector<std::string> desync_report(const std::string& dir, const std:
     }
     records[r] = std::move(record);
   }
-  auto lines = desync_report(records, ranks);
+  auto lines = desync_report(records, ranks, elsewhere);
   lines.insert(lines.begin(), unreadable.begin(), unreadable.end());
   return lines;
 }
