@@ -236,12 +236,12 @@ TEST(Elastic, AFailureAfterAnotherNodeFinishedFailsTheJob) {
   const auto& host = job.nodes[0];
   const auto& failing = job.nodes[1];
   EXPECT_EQ(failing.exit_code, 1) << failing.output;
-  EXPECT_NE(failing.output.find("had finished the job; a restart cannot bring them back"), std::string::npos)
-      << failing.output;
+  EXPECT_NE(failing.output.find("after node(s) 0 had finished the job; a restart cannot bring them back"),
+            std::string::npos) << failing.output << "(nodes are numbered by GROUP_RANK)";
   EXPECT_EQ(failing.output.find("restarting every rank"), std::string::npos) << failing.output;
   EXPECT_EQ(host.exit_code, 1) << host.output;
-  EXPECT_NE(host.output.find("left the job with a failure (see their logs); the job failed."), std::string::npos)
-      << host.output;
+  EXPECT_NE(host.output.find("node(s) 1 left the job with a failure (see their logs); the job failed."),
+            std::string::npos) << host.output;
 }
 
 // The node that serves the store finished its ranks and waits for the other
@@ -276,7 +276,11 @@ TEST(Elastic, ANodeLostBeforeItsRanksFinishedFailsTheJob) {
   testing::wait_all(job.nodes, kDeadline);
   const std::string& host = job.nodes[0].output;
   EXPECT_EQ(job.nodes[0].exit_code, 1) << host;
-  EXPECT_NE(host.find("this node's ranks finished, but node(s) 2 stopped answering (no heartbeat for 1.0 s) before "
+  // Nodes are numbered by GROUP_RANK in every message: the lost node is 1 (its node id, 2, is not shown).
+  EXPECT_NE(host.find("lockstep-run: this node joins round 0 of the rendezvous at " + job.endpoint), std::string::npos)
+      << host;
+  EXPECT_NE(host.find("this node is node 0, ranks 0 to 0"), std::string::npos) << host;
+  EXPECT_NE(host.find("this node's ranks finished, but node(s) 1 stopped answering (no heartbeat for 1.0 s) before "
                       "saying theirs had; their part of the job did not finish, so the job failed."),
             std::string::npos)
       << host;

@@ -326,7 +326,7 @@ TEST(Rendezvous, FullRoundLeavesTheNodeAboveMaxWaitingUntilEveryMemberHasLeft) {
   EXPECT_EQ(joins[2]->poll(now), Status::kPending) << "one member still runs";
   left(nodes[1].id, "1");
   EXPECT_EQ(joins[2]->poll(now), Status::kJobFailed);
-  EXPECT_EQ(joins[2]->failed_nodes(), std::to_string(nodes[1].id));
+  EXPECT_EQ(joins[2]->failed_nodes(), "1") << "its GROUP_RANK, not its node id (" << nodes[1].id << ")";
   left(nodes[1].id, "0");
   EXPECT_EQ(joins[2]->poll(now), Status::kJobComplete);
 }
@@ -388,7 +388,7 @@ TEST(Rendezvous, WaitingNodeEndsAJobAMemberFinishedWhenTheOtherVanishesUnfinishe
   EXPECT_EQ(joins[2]->poll(start), Status::kPending) << "the other member may still finish";
   const auto gone = start + s.liveness_window() + milliseconds(1);
   EXPECT_EQ(joins[2]->poll(gone), Status::kJobFailed);
-  EXPECT_EQ(joins[2]->failed_nodes(), std::to_string(nodes[1].id));
+  EXPECT_EQ(joins[2]->failed_nodes(), "1") << "its GROUP_RANK, not its node id (" << nodes[1].id << ")";
   EXPECT_EQ(kv.add(s.key("round"), 0), 0) << "a job that finished is not restarted";
 }
 
@@ -400,11 +400,14 @@ TEST(Rendezvous, WaitingNodeLearnsThatTheJobCompleted) {
   ASSERT_EQ(first.poll(now), Status::kJoined);
   RoundJoin late(kv, s, node(kv, s), now);
   EXPECT_EQ(late.poll(now), Status::kPending);
-  kv.set(s.key("complete"), "1");
+  kv.set(s.key("complete"), tools::kJobSucceeded);
   EXPECT_EQ(late.poll(now), Status::kJobComplete);
-  kv.set(s.key("complete"), "1, 3"); // the nodes that left with a failure
+  kv.set(s.key("complete"), "0, 2"); // the group ranks of the nodes that left with a failure
   EXPECT_EQ(late.poll(now), Status::kJobFailed);
-  EXPECT_EQ(late.failed_nodes(), "1, 3");
+  EXPECT_EQ(late.failed_nodes(), "0, 2");
+  kv.set(s.key("complete"), "1"); // group rank 1 failed: not a success
+  EXPECT_EQ(late.poll(now), Status::kJobFailed);
+  EXPECT_EQ(late.failed_nodes(), "1");
 }
 
 // --- the command line ---------------------------------------------------------

@@ -139,8 +139,8 @@ class ElasticAgent {
   // completed without it, or on a signal.
   std::optional<Assignment> join() {
     RoundJoin join(kv_, s_, me_, Clock::now());
-    std::fprintf(stderr, "lockstep-run: node %lld joins round %lld of the rendezvous at %s:%d (%d to %d nodes)\n",
-                 static_cast<long long>(me_.id), static_cast<long long>(join.round()), options_.rdzv_host.c_str(),
+    std::fprintf(stderr, "lockstep-run: this node joins round %lld of the rendezvous at %s:%d (%d to %d nodes)\n",
+                 static_cast<long long>(join.round()), options_.rdzv_host.c_str(),
                  options_.rdzv_port, s_.min_nodes, s_.max_nodes);
     bool said_waiting = false;
     int64_t waited_round = -1;
@@ -180,7 +180,7 @@ class ElasticAgent {
       ended_code_ = 1;
     }
     if (serves_store_) {
-      kv_.set(s_.key("complete"), join.failed_nodes().empty() ? "1" : join.failed_nodes());
+      kv_.set(s_.key("complete"), join.failed_nodes().empty() ? kJobSucceeded : join.failed_nodes());
       std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3); // let waiting nodes read it
     }
     return std::nullopt;
@@ -236,7 +236,7 @@ class ElasticAgent {
       const auto verdict = watch.check(Clock::now());
       over = verdict == RoundWatch::Verdict::kRoundOver;
       if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
-        say_change(verdict, watch);
+        say_change(verdict, watch, a);
         ended = watch.end(RoundEnd::kMembership, s_.liveness_window());
       }
       return ended == RoundEnd::kNone && !over;
@@ -246,15 +246,15 @@ class ElasticAgent {
       return stopped_by_signal();
     }
     if (root_cause < 0 && ended == RoundEnd::kNone && !over) {
-      return finish(watch);
+      return finish(watch, a);
     }
     if (root_cause >= 0) {
       print_root_cause(run.rank(root_cause));
       print_stalled_ranks(run, root_cause, options_.nproc_per_node, options_.grace_seconds);
       run.print_desync_report();
-      const auto failure = classify_failure(watch);
+      const auto failure = classify_failure(watch, a);
       if (!failure) {
-        return failed_after_others_finished(watch);
+        return failed_after_others_finished(watch, a);
       }
       ended = *failure;
     } else if (ended == RoundEnd::kNone) {
@@ -263,10 +263,10 @@ class ElasticAgent {
     return after_round(ended);
   }
 
-  void say_change(RoundWatch::Verdict verdict, const RoundWatch& watch) const {
+  void say_change(RoundWatch::Verdict verdict, const RoundWatch& watch, const Assignment& a) const {
     if (verdict == RoundWatch::Verdict::kMemberLost) {
-      std::fprintf(stderr, "lockstep-run: node %lld is lost: no heartbeat for %.1f s; starting a new round without it.\n",
-                   static_cast<long long>(watch.lost()), s_.liveness_window().count() / 1000.0);
+      std::fprintf(stderr, "lockstep-run: node %d is lost: no heartbeat for %.1f s; starting a new round without it.\n",
+                   a.group_rank_of(watch.lost()), s_.liveness_window().count() / 1000.0);
     } else {
       std::fprintf(stderr, "lockstep-run: a node waits to join; starting a new round with it.\n");
     }
@@ -276,7 +276,7 @@ class ElasticAgent {
   // liveness window, a node is lost or another node ends the round as one
   // (its ranks then fail too); else a failure. nullopt when another member
   // has already finished the job: no round can restart it.
-  std::optional<RoundEnd> classify_failure(RoundWatch& watch) {
+  std::optional<RoundEnd> classify_failure(RoundWatch& watch, const Assignment& a) {
     const auto until = Clock::now() + s_.liveness_window() + s_.keep_alive_interval;
     while (Clock::now() < until && g_launcher_signal == 0) {
       const auto verdict = watch.check(Clock::now());
@@ -287,7 +287,7 @@ class ElasticAgent {
         return std::nullopt;
       }
       if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
-        say_change(verdict, watch);
+        say_change(verdict, watch, a);
         return watch.end(RoundEnd::kMembership, s_.liveness_window());
       }
       std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
@@ -301,8 +301,8 @@ class ElasticAgent {
   // others never join and then find the job "complete" and exit 0. Neither
   // is what happened: the job failed here. This node exits 1; the node that
   // serves the store, which waits for every member (leave), reports it too.
-  int failed_after_others_finished(const RoundWatch& watch) const {
-    const std::string done = join_ids(watch.done_members());
+  int failed_after_others_finished(const RoundWatch& watch, const Assignment& a) const {
+    const std::string done = a.group_ranks(watch.done_members());
     std::fprintf(stderr, "lockstep-run: a rank of this node failed after node(s) %s had finished the job; a restart "
                  "cannot bring them back, so the job ends here as a failure (not restarted).\n", done.c_str());
     return 1;
@@ -329,7 +329,7 @@ class ElasticAgent {
 
   // This node's ranks all succeeded. The node that serves the store keeps
   // it until every other member is done or lost, then tells waiting nodes.
-  int finish(RoundWatch& watch) {
+  int finish(RoundWatch& watch, const Assignment& a) {
     watch.mark_done();
     if (!serves_store_) {
       return 0;
@@ -345,8 +345,8 @@ class ElasticAgent {
                    "running; the job did not complete.\n", static_cast<int>(g_launcher_signal));
       return stopped_by_signal();
     }
-    const std::string vanished = join_ids(watch.vanished_members(Clock::now()));
-    kv_.set(s_.key("complete"), vanished.empty() ? "1" : vanished); // waiting nodes fail on a vanished member too
+    const std::string vanished = a.group_ranks(watch.vanished_members(Clock::now()));
+    kv_.set(s_.key("complete"), vanished.empty() ? kJobSucceeded : vanished); // waiting nodes fail on a vanished member too
     std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3); // let waiting nodes read it
     if (!vanished.empty()) {
       std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s stopped answering (no heartbeat "
@@ -355,14 +355,6 @@ class ElasticAgent {
       return 1;
     }
     return 0;
-  }
-
-  static std::string join_ids(const std::vector<int64_t>& ids) {
-    std::string text;
-    for (int64_t id : ids) {
-      text += (text.empty() ? "" : ", ") + std::to_string(id);
-    }
-    return text;
   }
 
   // Says this node leaves the job with `code`. The node that serves the
@@ -386,7 +378,7 @@ class ElasticAgent {
           continue;
         }
         if (*left != "0") {
-          failed += (failed.empty() ? "" : ", ") + std::to_string(id);
+          failed += (failed.empty() ? "" : ", ") + std::to_string(i);
         }
         ++i;
       }

@@ -149,8 +149,27 @@ struct Assignment {
   int world_size = 0;
   std::string master_addr; // group rank 0's address and port: rank 0's store
   int master_port = 0;
-  std::vector<int64_t> members;
+  std::vector<int64_t> members; // by group rank
+
+  /// Member `id`'s group rank (GROUP_RANK) in this round, or -1: the
+  /// launchers' messages number nodes so, never by their ids.
+  int group_rank_of(int64_t id) const {
+    const auto it = std::find(members.begin(), members.end(), id);
+    return it == members.end() ? -1 : static_cast<int>(it - members.begin());
+  }
+  /// "0, 2": the group ranks of members `ids`.
+  std::string group_ranks(const std::vector<int64_t>& ids) const {
+    std::string text;
+    for (int64_t id : ids) {
+      text += (text.empty() ? "" : ", ") + std::to_string(group_rank_of(id));
+    }
+    return text;
+  }
 };
+
+/// "complete" for a job whose every member finished; else the group ranks
+/// of those that failed, in the last round.
+inline const std::string kJobSucceeded = "ok";
 
 inline Assignment assign(const RoundRecord& record, int64_t node_id) {
   Assignment a;
@@ -225,8 +244,8 @@ class RoundJoin {
   /// finished while this node waited; kJobFailed: it ended with a failure
   /// on failed_nodes(). Throws RendezvousError after join_timeout.
   Status poll(RdzvClock::time_point now) {
-    if (const auto complete = kv_.get(s_.key("complete"))) { // "1", or the nodes that failed
-      failed_nodes_ = *complete == "1" ? "" : *complete;
+    if (const auto complete = kv_.get(s_.key("complete"))) { // kJobSucceeded, or the nodes that failed
+      failed_nodes_ = *complete == kJobSucceeded ? "" : *complete;
       return failed_nodes_.empty() ? Status::kJobComplete : Status::kJobFailed;
     }
     if (waiting_) {
@@ -268,7 +287,8 @@ class RoundJoin {
   bool waiting() const {
     return waiting_;
   }
-  /// After kJobFailed: the ids of the nodes that left the job with a failure.
+  /// After kJobFailed: the group ranks of the nodes that left the job with a
+  /// failure, in its last round ("0, 2").
   const std::string& failed_nodes() const {
     return failed_nodes_;
   }
@@ -298,7 +318,9 @@ class RoundJoin {
     std::string failed;
     bool running = false; // some member neither left nor is gone
     bool said = false;    // some member left with a code or said it is done
-    for (const auto& n : RoundRecord::decode(round_, *members).nodes) {
+    const auto nodes = RoundRecord::decode(round_, *members).nodes;
+    for (size_t group_rank = 0; group_rank < nodes.size(); ++group_rank) {
+      const NodeDesc& n = nodes[group_rank];
       const std::string id = std::to_string(n.id);
       const auto left = kv_.get(s_.key(round_, "left/" + id));
       const bool done = kv_.get(s_.key(round_, "done/" + id)).has_value();
@@ -308,7 +330,7 @@ class RoundJoin {
       running = running || (!left && !gone);
       said = said || left || done;
       if (left ? *left != "0" : !done) {
-        failed += (failed.empty() ? "" : ", ") + id;
+        failed += (failed.empty() ? "" : ", ") + std::to_string(group_rank);
       }
     }
     if (running) {
