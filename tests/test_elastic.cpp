@@ -297,6 +297,38 @@ TEST(Elastic, FailureBeyondMaxRestartsEndsEveryNode) {
   }
 }
 
+// Two jobs at one --rdzv-endpoint met in the first one's store, and the
+// second died when the first ended (Note [One store, one job]): the second
+// is refused at start, told which job holds the port.
+TEST(Elastic, ASecondJobAtTheSameEndpointIsRefusedNamingTheFirst) {
+  ElasticJob first("elastic_first_job", "1:2");
+  first.program = {"/bin/sh", "-c", "sleep 30"};
+  first.start_host();
+  auto second = launch({"--nnodes", "1:2", "--rdzv-endpoint", first.endpoint, "--rdzv-id", "elastic_second_job"},
+                       {"/bin/true"}, "elastic_second_job");
+  kill_node(first.nodes[0]);
+  EXPECT_EQ(second.exit_code, 2) << second.output;
+  EXPECT_NE(second.output.find("lockstep-run: --rdzv-endpoint " + first.endpoint + " already serves the rendezvous "
+                               "of job 'elastic_first_job', and this node is of job 'elastic_second_job': two jobs "
+                               "cannot share one rendezvous store"), std::string::npos) << second.output;
+  EXPECT_EQ(second.output.find("round"), std::string::npos) << "it never joined a round of the other job: "
+                                                            << second.output;
+}
+
+// A port held by another program: the launcher waited for the store's
+// timeout, then said the launcher serving the rendezvous had stopped.
+TEST(Elastic, AnEndpointPortHeldByAnotherProgramIsRefusedAtStart) {
+  testing::ListeningSocket someone; // accepts connections, never answers
+  ASSERT_TRUE(someone.ok);
+  const std::string endpoint = "127.0.0.1:" + std::to_string(someone.port);
+  auto p = launch({"--nnodes", "1:2", "--rdzv-endpoint", endpoint}, {"/bin/true"}, "elastic_taken_port");
+  EXPECT_EQ(p.exit_code, 2) << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: --rdzv-endpoint " + endpoint + " is held by a program that is not a "
+                          "lockstep-run rendezvous store ("), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("pick a free port for --rdzv-endpoint."), std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("has stopped"), std::string::npos) << p.output;
+}
+
 // The store lives in the launcher on --rdzv-endpoint: when that node is
 // lost, the other fails within the store's timeout, naming the store.
 TEST(Elastic, LosingTheRendezvousHostEndsEveryNodeNamingTheStore) {

@@ -422,6 +422,20 @@ TEST(Launcher, AcceptsTorchrunsSpellingsAndDoubleDash) {
   EXPECT_NE(p.output.find("rank=1"), std::string::npos) << p.output;
 }
 
+// torchrun's command lines, flags included (Note [torchrun's flags]).
+TEST(Launcher, TorchrunsFlagsWorkAndThoseWithoutEffectSaySoOnce) {
+  auto p = launch({"--standalone", "--master-port", port(), "--nproc-per-node", "2", "--tee", "3", "--redirects", "3", "--role", "trainer",
+                   "--local-ranks-filter", "1", "--no-python"},
+                  {"/bin/sh", "-c", "echo \"role $ROLE_NAME rank $RANK\""}, "torchrun_flags");
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("[rank 1] role trainer rank 1"), std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("[rank 0]"), std::string::npos) << "--local-ranks-filter 1 shows rank 1 alone: " << p.output;
+  const std::string note = "lockstep-run: note: --tee has no effect: every rank's stdout and stderr reach the console";
+  ASSERT_NE(p.output.find(note), std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find(note, p.output.find(note) + 1), std::string::npos) << "said once: " << p.output;
+  EXPECT_NE(p.output.find("lockstep-run: note: --redirects has no effect"), std::string::npos) << p.output;
+}
+
 TEST(Launcher, FaultInjectionFiresOnTheFirstTorchrunAttemptOnly) {
   auto args = trainer("fault_once");
   auto first = testing::run(args, {"LOCKSTEP_FAULT=0:2", "TORCHELASTIC_RESTART_COUNT=0"}, temp("fault0.log"), kDeadline);

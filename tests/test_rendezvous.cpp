@@ -2,10 +2,13 @@
 // tools/rendezvous.h): several nodes driven a step at a time over one
 // in-memory store, with a clock the test moves. No threads, no sockets.
 
+#include <tools/desync_report.h>
 #include <tools/rendezvous.h>
 #include <tools/run_options.h>
+#include <tools/static_meeting.h>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <map>
 #include <memory>
@@ -483,12 +486,11 @@ TEST(ElasticOptions, BadElasticCommandLinesSayWhatIsWrong) {
   EXPECT_EQ(refusal({"--rdzv-backend", "etcd"}), "--rdzv-backend etcd is not supported; lockstep-run has static and c10d.");
   EXPECT_EQ(refusal({"--rdzv-endpoint", "h:99999"}), "--rdzv-endpoint h:99999: port '99999' is not a port number (1 to 65535).");
   EXPECT_EQ(refusal({"--rdzv-endpoint", ":5"}), "--rdzv-endpoint :5 has no host; expected HOST[:PORT].");
-  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "timeout=5"}),
-            "--rdzv-conf timeout=5: unknown key or not a whole count; expected join_timeout, last_call_timeout, "
-            "keep_alive_interval (seconds) or keep_alive_max_attempt (a count).");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "wait=5"}),
+            "--rdzv-conf wait=5: unknown key; expected join_timeout (or timeout), last_call_timeout, "
+            "keep_alive_interval (or heartbeat), keep_alive_max_attempt, read_timeout, close_timeout or is_host.");
   EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "join_timeout=-1"}),
-            "--rdzv-conf join_timeout=-1: expected KEY=VALUE with a positive number of seconds (a count for "
-            "keep_alive_max_attempt).");
+            "--rdzv-conf join_timeout=-1: expected a number of seconds above 0 and at most 604800 (7 days).");
   // A space split the store's "ADD KEY VALUE" line: the job ended naming a lost store.
   EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-id", "my run"}),
             "--rdzv-id 'my run' holds a space or a control character; use letters, digits and punctuation.");
@@ -578,6 +580,182 @@ TEST(SlurmStep, MoreTasksThanNodesIsAClearError) {
     EXPECT_STREQ(e.what(), "under srun, lockstep-run starts each node's ranks itself, so it runs once per node (srun "
                            "--ntasks-per-node=1 lockstep-run --nproc-per-node N ...); this step has 4 tasks on 2 node(s).");
   }
+}
+
+// --- one store, one job (Note [One store, one job] in tools/kv_store.h) --------
+
+// A store that never answers, or answers another protocol: another program.
+struct ForeignStore : tools::KeyValue {
+  int64_t add(const std::string&, int64_t) override {
+    throw tools::KvError("the rendezvous store at h:7: no answer within 2000 ms");
+  }
+  void set(const std::string&, const std::string&) override {
+    throw tools::KvError("the rendezvous store at h:7: no answer within 2000 ms");
+  }
+  std::optional<std::string> get(const std::string&) override {
+    throw tools::KvError("the rendezvous store at h:7: no answer within 2000 ms");
+  }
+};
+
+// A second job at the first one's port met in its store, and died with it.
+TEST(KvStore, AStoreServesTheJobThatStartedItAndRefusesAnother) {
+  MemoryKeyValue kv;
+  kv.set(tools::kServedJobKey, "train-a");
+  EXPECT_EQ(tools::check_served_job(kv, "train-a", "h:7"), "");
+  EXPECT_EQ(tools::check_served_job(kv, "train-b", "h:7"),
+            "--rdzv-endpoint h:7 already serves the rendezvous of job 'train-a', and this node is of job 'train-b': "
+            "two jobs cannot share one rendezvous store (it ends with the job that serves it). Give this job a port of "
+            "its own in --rdzv-endpoint, or --rdzv-id train-a if this node belongs to that job.");
+  kv.set(tools::kServedJobKey, "");
+  EXPECT_EQ(tools::check_served_job(kv, "", "h:7"), "") << "the nodes of a job without --rdzv-id meet";
+  EXPECT_NE(tools::check_served_job(kv, "train-b", "h:7").find("serves the rendezvous of a job without --rdzv-id, and "
+                                                                "this node is of job 'train-b'"), std::string::npos);
+  EXPECT_EQ(tools::kServedJobKey.find('/'), std::string::npos) << "every job's keys hold a '/'";
+}
+
+// A port held by another program: the launcher waited 15 s, then said "the
+// launcher ... has stopped".
+TEST(KvStore, AProgramThatIsNotAStoreIsNamedAsSuch) {
+  ForeignStore foreign;
+  EXPECT_EQ(tools::check_served_job(foreign, "job", "h:7"),
+            "--rdzv-endpoint h:7 is held by a program that is not a lockstep-run rendezvous store (the rendezvous "
+            "store at h:7: no answer within 2000 ms); pick a free port for --rdzv-endpoint.");
+  MemoryKeyValue silent; // answers, but names no job
+  EXPECT_EQ(tools::check_served_job(silent, "job", "h:7"),
+            "--rdzv-endpoint h:7 is held by a program that is not a lockstep-run rendezvous store (it names no job); "
+            "pick a free port for --rdzv-endpoint.");
+}
+
+// --- a static job's nodes add up their counts (Note [Static nodes add up their counts]) --
+
+// Nodes of 1 and 2 ranks were told WORLD_SIZE 2 and 4, and none was rank 1.
+TEST(StaticMeeting, NodesOfDifferentCountsAddThemUpAsTorchrun) {
+  const auto first = tools::static_layout({1, 2}, 0);
+  const auto second = tools::static_layout({1, 2}, 1);
+  EXPECT_EQ(first.world_size, 3);
+  EXPECT_EQ(second.world_size, 3);
+  EXPECT_EQ(first.rank_offset, 0);
+  EXPECT_EQ(second.rank_offset, 1);
+  EXPECT_EQ(tools::static_layout({2, 3, 1}, 2).rank_offset, 5);
+  EXPECT_EQ(tools::describe_counts({1, 2}), "node 0: 1, node 1: 2");
+  EXPECT_EQ(tools::decode_counts(tools::encode_counts({4, 1, 16})), (std::vector<int>{4, 1, 16}));
+}
+
+// --- GROUP_RANK numbers the nodes in every message ---------------------------------
+
+// The logs said "node 1 joins" and "this node is node 0" of the same node.
+TEST(Rendezvous, MessagesNumberTheMembersByGroupRank) {
+  MemoryKeyValue kv;
+  const auto s = settings(3, 3);
+  const auto now = RdzvClock::now();
+  std::vector<NodeDesc> nodes{node(kv, s), node(kv, s), node(kv, s)};
+  std::vector<std::unique_ptr<RoundJoin>> joins;
+  for (const auto& n : nodes) {
+    joins.push_back(std::make_unique<RoundJoin>(kv, s, n, now));
+  }
+  const auto joined = poll_all(joins, now);
+  ASSERT_EQ(joined.size(), 3u);
+  EXPECT_EQ(joined[0].group_rank_of(nodes[0].id), 0) << "node ids count from 1";
+  EXPECT_EQ(joined[0].group_rank_of(nodes[2].id), 2);
+  EXPECT_EQ(joined[0].group_rank_of(99), -1);
+  EXPECT_EQ(joined[0].group_ranks({nodes[0].id, nodes[2].id}), "0, 2");
+}
+
+// --- the desync report of one node of several (Note [A report from one node's records]) --
+
+nlohmann::json collective(int64_t seq, const std::string& state) {
+  nlohmann::json c = {{"seq", seq}, {"op", "allreduce"}, {"arg", "sum"}, {"dtype", "Float"}, {"numel", 4},
+                      {"what", "allreduce"}, {"state", state}};
+  c[state == "started" ? "waited_ms" : "duration_ms"] = 3000.0;
+  return c;
+}
+
+nlohmann::json flight_record(const std::vector<nlohmann::json>& collectives, int64_t issued) {
+  return {{"groups", {{{"issued", issued}, {"collectives", collectives}}}}};
+}
+
+// Rank 0 on the other node died: this node's ranks 2 and 3 waited in #1.
+// The report said "every rank started" and blamed the connection.
+TEST(DesyncReport, RanksOfOtherNodesAreNamedAsMissingNotTheLinkBlamed) {
+  const auto stuck = flight_record({collective(0, "completed"), collective(1, "started")}, 2);
+  const auto lines = tools::desync_report({{2, stuck}, {3, stuck}}, {2, 3}, {0, 1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0], "every rank of this node started collective #1 (allreduce (sum) of 4 Float), and it did not "
+                      "complete on ranks 2 and 3; ranks 0 and 1 ran on other nodes, so they are not in these records: "
+                      "one of them may have died or stalled there. See the output of their nodes' launchers (the root "
+                      "cause and desync report there).");
+  EXPECT_EQ(lines[0].find("connection"), std::string::npos);
+  const auto agreed = flight_record({collective(0, "completed")}, 1);
+  const auto last = tools::desync_report({{4, agreed}}, {4}, {0, 1, 2, 3, 5});
+  EXPECT_NE(last.back().find("ranks 0 to 3 and 5 ran on other nodes, so they are not in these records; see their "
+                             "nodes' launchers."), std::string::npos) << last.back();
+  EXPECT_NE(tools::desync_report({{0, stuck}, {1, stuck}}, {0, 1})[0].find("the connection between them failed"),
+            std::string::npos) << "one node holds every rank: the link it is";
+}
+
+// --- torchrun's flags (Note [torchrun's flags] in tools/run_options.h) -------------
+
+TEST(ElasticOptions, TorchrunsRdzvConfKeysAreTakenAndBadOnesSayWhatIsAccepted) {
+  const auto o = parse({"--rdzv-endpoint", "h", "--rdzv-conf",
+                        "timeout=20,heartbeat=1,read_timeout=7,close_timeout=3,is_host=false"});
+  EXPECT_EQ(o.join_timeout, 20);
+  EXPECT_EQ(o.keep_alive_interval, 1);
+  EXPECT_EQ(o.read_timeout, 7);
+  EXPECT_EQ(o.is_host, 0);
+  ASSERT_EQ(o.notes.size(), 1u);
+  EXPECT_EQ(o.notes[0], "--rdzv-conf close_timeout has no effect: a lockstep-run round closes when --nnodes MAX nodes "
+                        "joined, or last_call_timeout after MIN did.");
+  EXPECT_EQ(parse({"--rdzv-endpoint", "h", "--rdzv-conf", "is_host=1"}).is_host, 1);
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "timeout=5,join_timeout=6"}),
+            "--rdzv-conf timeout=5,join_timeout=6: timeout and join_timeout both set join_timeout; give it once.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "heartbeat=1,heartbeat=2"}),
+            "--rdzv-conf heartbeat=1,heartbeat=2: keep_alive_interval is given twice; give it once.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "timeout=5,,heartbeat=1"}),
+            "--rdzv-conf timeout=5,,heartbeat=1: item 2 is empty; expected KEY=VALUE items separated by single commas.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "timeout=5,"}),
+            "--rdzv-conf timeout=5,: item 2 is empty; expected KEY=VALUE items separated by single commas.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "keep_alive_max_attempt=2.5"}),
+            "--rdzv-conf keep_alive_max_attempt=2.5: expected a whole count from 1 to 604800.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "read_timeout=999999"}),
+            "--rdzv-conf read_timeout=999999: expected a number of seconds above 0 and at most 604800 (7 days).");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "is_host=maybe"}),
+            "--rdzv-conf is_host=maybe: expected is_host=true or is_host=false (1 or 0).");
+}
+
+TEST(RunOptions, TorchrunsFlagsAreAcceptedAndThoseWithoutEffectSaySo) {
+  const auto o = parse({"--standalone", "--no-python", "--nproc-per-node", "auto", "--local-ranks-filter", "0,2",
+                        "--tee", "3", "--redirects", "0:1,1:2", "--role", "trainer", "--local_addr", "10.0.0.5"});
+  EXPECT_TRUE(o.standalone);
+  EXPECT_TRUE(o.no_python);
+  EXPECT_EQ(o.nproc_kind, "auto");
+  EXPECT_EQ(o.local_ranks_shown, (std::vector<int>{0, 2}));
+  EXPECT_EQ(o.role, "trainer");
+  ASSERT_EQ(o.notes.size(), 3u);
+  EXPECT_EQ(o.notes[0], "--tee has no effect: every rank's stdout and stderr reach the console with a [rank N] "
+                        "prefix, and --log-dir's rank_N.log when it is given.");
+  EXPECT_EQ(o.notes[1].rfind("--redirects has no effect", 0), 0u) << o.notes[1];
+  EXPECT_EQ(o.notes[2], "--local-addr has no effect in a static job: its ranks meet at --master-addr.");
+  EXPECT_TRUE(parse({"--nnodes", "1:2", "--rdzv-endpoint", "h", "--local-addr", "10.0.0.5"}).notes.empty())
+      << "an elastic node gives the others its --local-addr";
+  const auto fail = [](const std::string& message) { throw tools::RunUsageError(message, 2); };
+  auto gpu = parse({"--nproc-per-node", "gpu"});
+  tools::resolve_nproc_per_node(gpu, 4, 16, fail);
+  EXPECT_EQ(gpu.nproc_per_node, 4);
+  auto cpu = parse({"--nproc_per_node", "cpu"});
+  tools::resolve_nproc_per_node(cpu, 4, 16, fail);
+  EXPECT_EQ(cpu.nproc_per_node, 16);
+  auto automatic = parse({"--nproc-per-node", "auto"});
+  tools::resolve_nproc_per_node(automatic, 0, 16, fail);
+  EXPECT_EQ(automatic.nproc_per_node, 16) << "no GPU: one rank per core, as torchrun";
+  auto none = parse({"--nproc-per-node", "gpu"});
+  EXPECT_THROW(tools::resolve_nproc_per_node(none, 0, 16, fail), tools::RunUsageError);
+  EXPECT_EQ(refusal({"--nproc-per-node", "many"}),
+            "--nproc-per-node many: expected a number of ranks from 1 to 1024, or auto, cpu or gpu.");
+  EXPECT_EQ(refusal({"--local-ranks-filter", "0,x"}), "--local-ranks-filter 0,x: 'x' is not a local rank; expected "
+                                                       "local ranks from 0 separated by commas, for example 0 or 0,1.");
+  EXPECT_EQ(refusal({"--standalone", "--nnodes", "2", "--master-addr", "h"}),
+            "--standalone is a job of one node on its own; drop --nnodes, --rdzv-endpoint, --rdzv-backend and "
+            "--master-addr, or drop --standalone.");
 }
 
 } // namespace

@@ -210,6 +210,8 @@ class Attempt {
       Rank& r = ranks_[local];
       r.local_rank = local;
       r.global_rank = placement_.rank_offset + local;
+      const auto& shown = options_.local_ranks_shown;
+      r.shown = shown.empty() || std::find(shown.begin(), shown.end(), local) != shown.end();
       open_log(r);
       lockstep::tools::spawn_rank(r, program_, options_.command, child_environment(r), group_);
     }
@@ -247,6 +249,7 @@ class Attempt {
         {"LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node)},
         {"GROUP_RANK", std::to_string(placement_.group_rank)},
         {"GROUP_WORLD_SIZE", std::to_string(placement_.group_world_size)},
+        {"ROLE_NAME", options_.role},
         {"ROLE_RANK", std::to_string(r.global_rank)},
         {"ROLE_WORLD_SIZE", std::to_string(world_size())},
         {"MASTER_ADDR", placement_.master_addr},

@@ -15,7 +15,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <map>
 #include <cstdio>
 #include <ctime>
 #include <memory>
@@ -48,14 +50,39 @@ inline RendezvousSettings rendezvous_settings(const Options& options) {
 /// The store's server, when --rdzv-endpoint is an address of this machine
 /// and its port is free; nullptr when another launcher serves it. A host
 /// name that resolves to loopback here listens on every interface (Note [A
-/// server named by a host name]).
+/// server named by a host name]). The store names its job (Note [One store,
+/// one job]).
 inline std::unique_ptr<KvServer> serve_rendezvous(const Options& options) {
+  if (options.is_host == 0) {
+    return nullptr; // --rdzv-conf is_host=false
+  }
   const auto listening = detail::listen_as(options.rdzv_host, options.rdzv_port);
+  if (listening.fd < 0 && options.is_host == 1) {
+    throw RendezvousError("--rdzv-conf is_host=true, but this node cannot serve the store at --rdzv-endpoint " +
+                          options.rdzv_host + ":" + std::to_string(options.rdzv_port) + " (" + listening.error +
+                          "): give an address of this machine and a free port, or drop is_host.");
+  }
   if (listening.fd < 0) {
     return nullptr; // not this machine's address, or its port is taken: the store's launcher is elsewhere
   }
-  return std::make_unique<KvServer>(listening.fd);
+  return std::make_unique<KvServer>(listening.fd, std::map<std::string, std::string>{{kServedJobKey, options.rdzv_id}});
 }
+
+/// Whether --rdzv-endpoint is an address of this machine whose port something
+/// already holds: another launcher of the job, or another program.
+inline bool endpoint_port_taken_here(const Options& options) {
+  const auto bound = detail::bind_first(detail::resolve_tcp(options.rdzv_host, options.rdzv_port), /*listen=*/false,
+                                        /*reuse_address=*/true);
+  if (bound.fd >= 0) {
+    ::close(bound.fd);
+    return false;
+  }
+  return bound.error_code == EADDRINUSE;
+}
+
+// A store on this machine answers within milliseconds: what holds the port
+// and says nothing for this long is not one.
+constexpr Millis kLocalStoreAnswer{2000};
 
 /// The address this machine reaches `host` from (a UDP "connection" sends
 /// nothing), and a free TCP port there for the workers' store.
@@ -98,6 +125,9 @@ class ElasticAgent {
     me_.id = kv_.add(s_.key("nodes"), 1);
     me_.nproc = options_.nproc_per_node;
     std::tie(me_.addr, me_.port) = local_address_toward(options_.rdzv_host, options_.rdzv_port);
+    if (!options_.local_addr.empty()) {
+      me_.addr = options_.local_addr; // --local-addr: where the other nodes reach this node's ranks
+    }
     agree_on_run_id();
     for (int attempt = 0;; ++attempt) {
       const auto joined = join();
@@ -405,30 +435,46 @@ class ElasticAgent {
   std::optional<Assignment> last_; // the last round this node was a member of
 };
 
-/// An elastic job on this node: serves the rendezvous store if
-/// --rdzv-endpoint is here, then runs the agent. Every store failure is an
-/// error that names the store.
-inline int run_elastic(const Options& options, const std::string& program) {
-  const auto server = serve_rendezvous(options);
-  const auto store_timeout = std::max(Millis(2000), seconds_to_ms(options.keep_alive_interval * options.keep_alive_max_attempt));
-  try {
-    std::unique_ptr<KvClient> kv;
-    const auto deadline = Clock::now() + seconds_to_ms(options.join_timeout);
-    for (bool said = false; !kv;) { // the node that serves the store may start after this one
-      try {
-        kv = std::make_unique<KvClient>(options.rdzv_host, options.rdzv_port, store_timeout);
-      } catch (const KvError& e) {
-        if (Clock::now() > deadline || g_launcher_signal != 0) {
-          throw;
-        }
-        if (!said) {
-          std::fprintf(stderr, "lockstep-run: waiting up to join_timeout (%.0f s) for %s (the launcher on that machine "
-                       "serves it)\n", options.join_timeout, e.what());
-          said = true;
-        }
-        std::this_thread::sleep_for(Millis(200));
+/// A client of the store at --rdzv-endpoint, waiting up to join_timeout for
+/// the launcher that serves it to start. Throws KvError.
+inline std::unique_ptr<KvClient> connect_to_store(const Options& options, Millis store_timeout) {
+  const auto deadline = Clock::now() + seconds_to_ms(options.join_timeout);
+  for (bool said = false;;) { // the node that serves the store may start after this one
+    try {
+      return std::make_unique<KvClient>(options.rdzv_host, options.rdzv_port, store_timeout);
+    } catch (const KvError& e) {
+      if (Clock::now() > deadline || g_launcher_signal != 0) {
+        throw;
       }
+      if (!said) {
+        std::fprintf(stderr, "lockstep-run: waiting up to join_timeout (%.0f s) for %s (the launcher on that machine "
+                     "serves it)\n", options.join_timeout, e.what());
+        said = true;
+      }
+      std::this_thread::sleep_for(Millis(200));
     }
+  }
+}
+
+/// An elastic job on this node: serves the rendezvous store if
+/// --rdzv-endpoint is here, then runs the agent. A store of another job, or
+/// a port held by another program, is refused at once (exit 2, Note [One
+/// store, one job]); every later store failure is an error that names the
+/// store.
+inline int run_elastic(const Options& options, const std::string& program) {
+  const auto store_timeout = options.read_timeout > 0 ? seconds_to_ms(options.read_timeout)
+      : std::max(Millis(2000), seconds_to_ms(options.keep_alive_interval * options.keep_alive_max_attempt));
+  try {
+    const auto server = serve_rendezvous(options);
+    const bool taken_here = server == nullptr && options.is_host != 0 && endpoint_port_taken_here(options);
+    const auto kv = connect_to_store(options, store_timeout);
+    kv->set_timeout(taken_here ? std::min(kLocalStoreAnswer, store_timeout) : store_timeout);
+    const std::string refused = check_served_job(*kv, options.rdzv_id, kv->where());
+    if (!refused.empty()) {
+      std::fprintf(stderr, "lockstep-run: %s\nRun 'lockstep-run --help' for usage.\n", refused.c_str());
+      return common::kUsageError;
+    }
+    kv->set_timeout(store_timeout);
     ElasticAgent agent(options, program, *kv, server != nullptr);
     return agent.run();
   } catch (const KvError& e) {

@@ -117,10 +117,15 @@ class MemoryKeyValue : public KeyValue {
 };
 
 /// Serves a MemoryKeyValue on a listening socket from a thread of its own,
-/// until destroyed.
+/// until destroyed. `seed` is there before the first client is answered.
 class KvServer {
  public:
-  explicit KvServer(int listen_fd) : listen_fd_(listen_fd), thread_([this] { loop(); }) {}
+  explicit KvServer(int listen_fd, const std::map<std::string, std::string>& seed = {}) : listen_fd_(listen_fd) {
+    for (const auto& [key, value] : seed) {
+      content_.set(key, value);
+    }
+    thread_ = std::thread([this] { loop(); });
+  }
   ~KvServer() {
     stop_ = true;
     thread_.join();
@@ -245,6 +250,10 @@ class KvClient : public KeyValue {
   const std::string& where() const {
     return where_;
   }
+  /// The deadline of each later operation.
+  void set_timeout(std::chrono::milliseconds timeout) {
+    timeout_ = timeout;
+  }
 
  private:
   [[noreturn]] void fail(const std::string& why) {
@@ -298,6 +307,50 @@ class KvClient : public KeyValue {
   int fd_ = -1;
   std::string pending_;
 };
+
+// Note [One store, one job]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every key of a job is under its --rdzv-id, so two jobs could share one
+// store; but the store lives in one launcher of the first job, and goes when
+// that job ends: a second job that met there would then fail for no fault of
+// its own. So the launcher that serves the store writes the id of its job
+// there before anyone can ask (kServedJobKey, a key without '/', which no
+// job's key is), and every launcher reads it first: a launcher of another
+// job is refused at start, told which job holds the port. The same read
+// tells a lockstep-run store from another program that holds the port: that
+// one answers with something else, or not at all.
+
+/// The key under which the store names the job it serves.
+inline const std::string kServedJobKey = "served-rdzv-id";
+
+/// A job as the messages name it: its --rdzv-id.
+inline std::string describe_job(const std::string& rdzv_id) {
+  return rdzv_id.empty() ? "a job without --rdzv-id" : "job '" + rdzv_id + "'";
+}
+
+/// Empty when the store at --rdzv-endpoint `where` serves the job whose
+/// --rdzv-id is `rdzv_id`; else the message that refuses this launcher.
+/// See Note [One store, one job].
+inline std::string check_served_job(KeyValue& kv, const std::string& rdzv_id, const std::string& where) {
+  std::optional<std::string> served;
+  try {
+    served = kv.get(kServedJobKey);
+  } catch (const KvError& e) {
+    return "--rdzv-endpoint " + where + " is held by a program that is not a lockstep-run rendezvous store (" +
+        e.what() + "); pick a free port for --rdzv-endpoint.";
+  }
+  if (!served) {
+    return "--rdzv-endpoint " + where + " is held by a program that is not a lockstep-run rendezvous store (it names "
+        "no job); pick a free port for --rdzv-endpoint.";
+  }
+  if (*served == rdzv_id) {
+    return "";
+  }
+  return "--rdzv-endpoint " + where + " already serves the rendezvous of " + describe_job(*served) + ", and this node "
+      "is of " + describe_job(rdzv_id) + ": two jobs cannot share one rendezvous store (it ends with the job that "
+      "serves it). Give this job a port of its own in --rdzv-endpoint" + (served->empty() ? "" : ", or --rdzv-id " +
+      *served + " if this node belongs to that job") + ".";
+}
 
 } // namespace tools
 } // namespace lockstep

@@ -150,6 +150,23 @@ void check_port_free(const std::string& addr, int port) {
               "); on several nodes, --master-addr must be an address of node 0.");
 }
 
+// The GPUs the ranks can see, for --nproc-per-node gpu and auto: those
+// CUDA_VISIBLE_DEVICES names when it is set, else the /dev/nvidiaN devices.
+int visible_gpus() {
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    const std::string text = visible;
+    return text.empty() || text.rfind("-1", 0) == 0 ? 0 : static_cast<int>(std::count(text.begin(), text.end(), ',')) + 1;
+  }
+  int gpus = 0;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev", error)) {
+    const std::string name = entry.path().filename().string();
+    gpus += name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
+        name.find_first_not_of("0123456789", 6) == std::string::npos;
+  }
+  return gpus;
+}
+
 // A launcher killed with SIGKILL cannot remove its store files and trace
 // folders: the next one removes those of launchers that no longer run.
 void remove_stale_store_files() {
@@ -273,6 +290,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     usage_error(e.what());
+  }
+  lockstep::tools::resolve_nproc_per_node(options, visible_gpus(), lockstep::tools::usable_cores(),
+                                          [](const std::string& message) { usage_error(message); });
+  for (const auto& note : options.notes) { // accepted flags that do nothing here (Note [torchrun's flags])
+    std::fprintf(stderr, "lockstep-run: note: %s\n", note.c_str());
   }
   const std::string program = lockstep::common::find_program(options.command[0]);
   if (program.empty()) {

@@ -63,6 +63,7 @@ struct Rank {
   int status = 0;
   bool running_at_stop = false; // still running when the job was stopped
   bool killed_after_grace = false; // ignored SIGTERM: got SIGKILL
+  bool shown = true; // its output reaches the console (--local-ranks-filter); the log and the tail take it anyway
 };
 
 // A line of a rank's stderr as the failure summary repeats it: cut short,
@@ -197,8 +198,10 @@ inline void spawn_rank(Rank& r, const std::string& program, const std::vector<st
 // repeats.
 inline void emit(Rank& r, const std::string& line, bool is_err) {
   std::FILE* stream = is_err ? stderr : stdout;
-  std::fprintf(stream, "[rank %d] %s\n", r.global_rank, line.c_str());
-  std::fflush(stream);
+  if (r.shown) {
+    std::fprintf(stream, "[rank %d] %s\n", r.global_rank, line.c_str());
+    std::fflush(stream);
+  }
   if (r.log.is_open()) {
     r.log << line << '\n';
     r.log.flush();

@@ -9,8 +9,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -22,7 +24,9 @@ namespace lockstep {
 namespace tools {
 
 struct RunOptions {
-  int nproc_per_node = 1;
+  std::string nproc_text = "1"; // --nproc-per-node N, or torchrun's auto, cpu, gpu
+  int nproc_per_node = 1;       // N; 1 for a keyword until resolve_nproc_per_node
+  std::string nproc_kind;       // auto, cpu or gpu; empty for N
   std::string nnodes_text = "1"; // --nnodes N or MIN:MAX
   int nnodes = 1;                // N; MAX for MIN:MAX
   int min_nodes = 1;
@@ -46,7 +50,18 @@ struct RunOptions {
   std::string rdzv_conf;
   double join_timeout = 600, last_call_timeout = 30, keep_alive_interval = 5; // seconds, torchrun's defaults
   int keep_alive_max_attempt = 3;
+  double read_timeout = 0; // seconds a store operation may take; 0: the liveness window, at least 2 s
+  int is_host = -1;        // --rdzv-conf is_host: 1 serve the store, 0 never, -1 if the endpoint is here
   double monitor_interval = 0.1;
+  // torchrun's flags (Note [torchrun's flags])
+  bool standalone = false;
+  bool no_python = false;
+  std::string local_ranks_filter; // local ranks whose output reaches the console; empty: all
+  std::vector<int> local_ranks_shown;
+  std::string tee, redirects;
+  std::string role = "default"; // ROLE_NAME
+  std::string local_addr;       // the address the other nodes reach this node's ranks at (elastic)
+  std::vector<std::string> notes; // accepted flags that do nothing here: said once at start
 
   /// Whether the nodes meet in rounds (c10d) rather than by --node-rank (static).
   bool elastic() const {
@@ -61,9 +76,37 @@ struct RunUsageError : std::runtime_error {
   int exit_code;
 };
 
+// Note [torchrun's flags]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// torchrun's command lines work here unchanged. Its flags that mean
+// something here do it: --standalone (one node, which is lockstep-run's
+// default), --no-python (lockstep-run always runs PROGRAM itself), --role
+// (ROLE_NAME), --local-addr (the address an elastic node gives the others),
+// --local-ranks-filter (whose output reaches the console; every rank's still
+// reaches --log-dir), --nproc-per-node auto|cpu|gpu. Those that do not
+// (--tee and --redirects: every rank's output always reaches the console,
+// prefixed, and --log-dir; --local-addr in a static job; close_timeout in
+// --rdzv-conf) are accepted, and the launcher says so once at start.
+inline void describe_torchrun_flags(CLI::App& app, RunOptions& options) {
+  app.add_flag("--standalone", options.standalone, "torchrun's one-node job: lockstep-run's default (no --nnodes, "
+               "--rdzv-endpoint or --master-addr with it)");
+  app.add_flag("--no-python,--no_python", options.no_python, "Accepted for torchrun's command lines: lockstep-run "
+               "always runs PROGRAM itself");
+  app.add_option("--local-ranks-filter,--local_ranks_filter", options.local_ranks_filter, "Comma-separated local "
+                 "ranks whose output reaches the console (all reach --log-dir)");
+  app.add_option("--tee,-t", options.tee, "Accepted for torchrun's command lines; no effect: every rank's output "
+                 "reaches the console, prefixed, and --log-dir");
+  app.add_option("--redirects,-r", options.redirects, "Accepted for torchrun's command lines; no effect (see --tee)");
+  app.add_option("--role", options.role, "The ranks' ROLE_NAME")->capture_default_str();
+  app.add_option("--local-addr,--local_addr", options.local_addr, "This node's address for the other nodes of an "
+                 "elastic job (default: the one that reaches --rdzv-endpoint)");
+}
+
 inline void describe_run_options(CLI::App& app, RunOptions& options) {
   // torchrun's underscore spellings are aliases, so that its command lines work.
-  app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node, "Ranks on this node")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_text, "Ranks on this node: 1 to 1024, or "
+                 "torchrun's gpu (one per visible GPU), cpu (one per usable core), auto (gpu if any, else cpu)")
+      ->capture_default_str();
   app.add_option("--nnodes", options.nnodes_text, "Nodes in the job: N, or MIN:MAX for an elastic job (which needs "
                  "--rdzv-endpoint)")->capture_default_str();
   app.add_option("--node-rank,--node_rank", options.node_rank, "This node's index, 0 to nnodes-1")->check(common::non_negative())->capture_default_str();
@@ -94,10 +137,13 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   app.add_option("--rdzv-id,--rdzv_id", options.rdzv_id, "The job's id, the same on every node, and the ranks' "
                  "LOCKSTEP_RUN_ID (default: Slurm's job and step, else the start time: the first node's in an elastic "
                  "job, each node's own in a static one)");
-  app.add_option("--rdzv-conf,--rdzv_conf", options.rdzv_conf, "KEY=SECONDS,...: join_timeout (600), last_call_timeout "
-                 "(30), keep_alive_interval (5), keep_alive_max_attempt (3, a count)");
+  app.add_option("--rdzv-conf,--rdzv_conf", options.rdzv_conf, "KEY=VALUE,...: join_timeout or timeout (600 s), "
+                 "last_call_timeout (30 s), keep_alive_interval or heartbeat (5 s), keep_alive_max_attempt (3), "
+                 "read_timeout (the store's, s), is_host (true/false: whether this node serves the store), "
+                 "close_timeout (accepted, no effect)");
   app.add_option("--monitor-interval,--monitor_interval", options.monitor_interval, "Seconds between the elastic "
                  "launcher's looks at the rendezvous store")->check(CLI::Range(0.01, 60.0))->capture_default_str();
+  describe_torchrun_flags(app, options);
   app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
   app.prefix_command(); // everything from PROGRAM on belongs to PROGRAM
 }
@@ -154,16 +200,53 @@ inline void check_node_rank(const RunOptions& options, bool node_rank_given, boo
   }
 }
 
-// One KEY=VALUE of --rdzv-conf.
-inline void parse_rdzv_setting(RunOptions& options, const std::string& item, const Fail& fail) {
-  const size_t eq = item.find('=');
-  const std::string key = item.substr(0, eq);
-  const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
+// --rdzv-conf's keys, torchrun's aliases to the name they set.
+inline std::string rdzv_conf_key(const std::string& key) {
+  if (key == "timeout") {
+    return "join_timeout";
+  }
+  if (key == "heartbeat") {
+    return "keep_alive_interval";
+  }
+  return key;
+}
+
+// --rdzv-conf is_host=VALUE, as torchrun reads it.
+inline int parse_is_host(const std::string& item, const std::string& value, const Fail& fail) {
+  std::string lower;
+  for (unsigned char c : value) {
+    lower += static_cast<char>(std::tolower(c));
+  }
+  if (lower == "1" || lower == "true" || lower == "yes" || lower == "y") {
+    return 1;
+  }
+  if (lower == "0" || lower == "false" || lower == "no" || lower == "n") {
+    return 0;
+  }
+  fail("--rdzv-conf " + item + ": expected is_host=true or is_host=false (1 or 0).");
+  return -1;
+}
+
+// One KEY=VALUE of --rdzv-conf, whose key (after torchrun's aliases) is `key`.
+inline void parse_rdzv_setting(RunOptions& options, const std::string& item, const std::string& key,
+                               const std::string& value, const Fail& fail) {
+  if (key == "is_host") {
+    options.is_host = parse_is_host(item, value, fail);
+    return;
+  }
+  const bool count = key == "keep_alive_max_attempt";
+  const bool known = count || key == "join_timeout" || key == "last_call_timeout" || key == "keep_alive_interval" ||
+      key == "read_timeout" || key == "close_timeout";
+  if (!known) {
+    fail("--rdzv-conf " + item + ": unknown key; expected join_timeout (or timeout), last_call_timeout, "
+         "keep_alive_interval (or heartbeat), keep_alive_max_attempt, read_timeout, close_timeout or is_host.");
+  }
   char* end = nullptr;
   const double number = std::strtod(value.c_str(), &end);
-  if (value.empty() || *end != '\0' || !(number > 0) || number > 7 * 24 * 3600) {
-    fail("--rdzv-conf " + item + ": expected KEY=VALUE with a positive number of seconds (a count for "
-         "keep_alive_max_attempt).");
+  const bool in_range = !value.empty() && *end == '\0' && number > 0 && number <= 7 * 24 * 3600;
+  if (!in_range || (count && number != std::floor(number))) {
+    fail("--rdzv-conf " + item + (count ? ": expected a whole count from 1 to 604800." : ": expected a number of "
+         "seconds above 0 and at most 604800 (7 days)."));
   }
   if (key == "join_timeout") {
     options.join_timeout = number;
@@ -171,11 +254,40 @@ inline void parse_rdzv_setting(RunOptions& options, const std::string& item, con
     options.last_call_timeout = number;
   } else if (key == "keep_alive_interval") {
     options.keep_alive_interval = number;
-  } else if (key == "keep_alive_max_attempt" && number == static_cast<int>(number)) {
+  } else if (key == "read_timeout") {
+    options.read_timeout = number;
+  } else if (count) {
     options.keep_alive_max_attempt = static_cast<int>(number);
   } else {
-    fail("--rdzv-conf " + item + ": unknown key or not a whole count; expected join_timeout, last_call_timeout, "
-         "keep_alive_interval (seconds) or keep_alive_max_attempt (a count).");
+    options.notes.push_back("--rdzv-conf close_timeout has no effect: a lockstep-run round closes when --nnodes MAX "
+                            "nodes joined, or last_call_timeout after MIN did.");
+  }
+}
+
+// --rdzv-conf KEY=VALUE,...: each key once (an alias counts as its key),
+// no empty item.
+inline void parse_rdzv_conf(RunOptions& options, const Fail& fail) {
+  const std::string& conf = options.rdzv_conf;
+  std::vector<std::string> seen;
+  int index = 0;
+  for (size_t start = 0; start <= conf.size() && !conf.empty(); ++index) {
+    const size_t comma = std::min(conf.find(',', start), conf.size());
+    const std::string item = conf.substr(start, comma - start);
+    start = comma + 1;
+    if (item.empty()) {
+      fail("--rdzv-conf " + conf + ": item " + std::to_string(index + 1) + " is empty; expected KEY=VALUE items "
+           "separated by single commas.");
+    }
+    const size_t eq = item.find('=');
+    const std::string key = rdzv_conf_key(item.substr(0, eq));
+    for (const auto& earlier : seen) {
+      if (rdzv_conf_key(earlier) == key) {
+        fail("--rdzv-conf " + conf + ": " + (earlier == item.substr(0, eq) ? key + " is given twice" : earlier +
+             " and " + item.substr(0, eq) + " both set " + key) + "; give it once.");
+      }
+    }
+    seen.push_back(item.substr(0, eq));
+    parse_rdzv_setting(options, item, key, eq == std::string::npos ? "" : item.substr(eq + 1), fail);
   }
 }
 
@@ -230,12 +342,7 @@ inline void parse_rendezvous(RunOptions& options, const Fail& fail) {
     }
     options.rdzv_port = static_cast<int>(value);
   }
-  std::string item;
-  for (size_t start = 0; start <= options.rdzv_conf.size() && !options.rdzv_conf.empty();) {
-    const size_t comma = options.rdzv_conf.find(',', start);
-    parse_rdzv_setting(options, options.rdzv_conf.substr(start, comma - start), fail);
-    start = comma == std::string::npos ? options.rdzv_conf.size() + 1 : comma + 1;
-  }
+  parse_rdzv_conf(options, fail);
   check_rendezvous_timing(options, fail);
   for (unsigned char c : options.rdzv_id) {
     if (std::isspace(c) || std::iscntrl(c)) { // the store's keys are words of its line protocol
@@ -332,6 +439,69 @@ inline void apply_slurm_step(RunOptions& options, const CLI::App& app, const Get
   }
 }
 
+// --nproc-per-node N, or auto, cpu, gpu (resolve_nproc_per_node counts them).
+inline void parse_nproc_per_node(RunOptions& options, const Fail& fail) {
+  const std::string& text = options.nproc_text;
+  if (text == "auto" || text == "cpu" || text == "gpu") {
+    options.nproc_kind = text;
+    return;
+  }
+  char* end = nullptr;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || value < 1 || value > 1024) {
+    fail("--nproc-per-node " + text + ": expected a number of ranks from 1 to 1024, or auto, cpu or gpu.");
+  }
+  options.nproc_per_node = static_cast<int>(value);
+}
+
+/// Resolves --nproc-per-node auto|cpu|gpu (torchrun's meanings) on a
+/// machine with `gpus` visible GPUs and `cores` usable cores.
+inline void resolve_nproc_per_node(RunOptions& options, int gpus, int cores, const Fail& fail) {
+  if (options.nproc_kind.empty()) {
+    return;
+  }
+  if (options.nproc_kind == "gpu" && gpus < 1) {
+    fail("--nproc-per-node gpu: this machine shows no GPU (none in CUDA_VISIBLE_DEVICES, or no /dev/nvidiaN); give a "
+         "number of ranks, or cpu.");
+  }
+  const int count = options.nproc_kind == "gpu" || (options.nproc_kind == "auto" && gpus > 0) ? gpus : cores;
+  options.nproc_per_node = std::max(1, std::min(count, 1024));
+}
+
+// torchrun's flags (Note [torchrun's flags]) that need a check or a note.
+inline void apply_torchrun_flags(RunOptions& options, const CLI::App& app, const Fail& fail) {
+  if (options.standalone && (options.nnodes_text != "1" || !options.rdzv_endpoint.empty() ||
+                             !options.master_addr.empty() || !options.rdzv_backend.empty())) {
+    fail("--standalone is a job of one node on its own; drop --nnodes, --rdzv-endpoint, --rdzv-backend and "
+         "--master-addr, or drop --standalone.");
+  }
+  for (size_t start = 0; start < options.local_ranks_filter.size() + 1 && !options.local_ranks_filter.empty();) {
+    const size_t comma = std::min(options.local_ranks_filter.find(',', start), options.local_ranks_filter.size());
+    const std::string item = options.local_ranks_filter.substr(start, comma - start);
+    char* end = nullptr;
+    const long rank = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || rank < 0 || rank > 1023) {
+      fail("--local-ranks-filter " + options.local_ranks_filter + ": '" + item + "' is not a local rank; expected "
+           "local ranks from 0 separated by commas, for example 0 or 0,1.");
+    }
+    options.local_ranks_shown.push_back(static_cast<int>(rank));
+    start = comma + 1;
+  }
+  for (const char* flag : {"--tee", "--redirects"}) {
+    if (app.count(flag) > 0) {
+      options.notes.push_back(std::string(flag) + " has no effect: every rank's stdout and stderr reach the console "
+                              "with a [rank N] prefix, and --log-dir's rank_N.log when it is given.");
+    }
+  }
+}
+
+// --local-addr names an elastic node's address; a static job's ranks meet at --master-addr.
+inline void note_static_local_addr(RunOptions& options) {
+  if (!options.elastic() && !options.local_addr.empty()) {
+    options.notes.push_back("--local-addr has no effect in a static job: its ranks meet at --master-addr.");
+  }
+}
+
 /// The options of `argv` (argv[0] is the program's name), checked against
 /// each other, with Slurm's defaults from `get` (Note [lockstep-run under
 /// srun]). Throws RunUsageError.
@@ -362,6 +532,8 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
   if (options.command.empty()) {
     fail("PROGRAM is missing.");
   }
+  parse_nproc_per_node(options, fail);
+  apply_torchrun_flags(options, app, fail);
   const bool backend_given = !options.rdzv_backend.empty();
   parse_nnodes(options, fail);
   apply_slurm_step(options, app, get, fail);
@@ -370,6 +542,7 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
   }
   parse_nnodes(options, fail);
   check_node_rank(options, app.count("--node-rank") > 0, backend_given, fail); // Note [--node-rank and the rendezvous]
+  note_static_local_addr(options);
   if (options.elastic()) {
     parse_rendezvous(options, fail);
     return options;
