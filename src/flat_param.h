@@ -48,6 +48,9 @@ struct FlatParam {
   // empty tensors at rest, and their version counters since.
   bool resting = false;
   std::vector<int64_t> rest_versions;
+  // Note [A summon without writeback]: the parameters' version counters
+  // when summon_full_params() gathered them.
+  std::vector<int64_t> summon_versions;
   bool gathered = false;
   bool pending = false; // its all-gather is in flight
   bool used = false; // an operator read it in this forward
@@ -87,6 +90,9 @@ torch::Device control_device(const ProcessGroup& group, torch::Device device);
 void check_not_wrapped(const std::vector<std::string>& names, const std::vector<torch::Tensor>& params,
                        const std::string& where);
 void note_wrapped(const std::vector<torch::Tensor>& params);
+/// Note [Nested wrappers]: a FullyShardedDataParallel inside `module` (or
+/// `module` itself one) is an error naming its path.
+void check_not_nested(torch::nn::Module& module, const std::string& where);
 void forget_wrapped(const std::vector<torch::Tensor>& params);
 
 /// The units' submodule paths: options.units(), or each direct child; a

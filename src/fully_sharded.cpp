@@ -392,6 +392,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   s.group = std::move(group);
   s.strategy = options.strategy();
   s.reshard_after_forward = options.reshard_after_forward();
+  check_not_nested(module, s.where()); // Note [Nested wrappers]
   const auto paths = unit_paths(module, options, s.where());
   const auto planned = plan_parameters(module, paths, s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]

@@ -46,7 +46,9 @@ namespace detail {
 // (buffers such as BatchNorm's running statistics, and frozen parameters)
 // is the same on every rank after the constructor's broadcast; rank 0's
 // file holds it as "whole.w<i>", named in the index's "whole" list, and
-// every rank loads it from there. Each file is framed
+// every rank loads it from there, with the optimizer's parameter groups'
+// options under "groups" (Note [Optimizer options in a sharded
+// checkpoint]). Each file is framed
 // as the trainer's checkpoints are (magic, length, CRC-32; written to a
 // temporary file, synced and renamed), so a damaged one is an error naming
 // it before LibTorch reads it. To load at another world size, each rank
@@ -109,10 +111,10 @@ class OldShards {
       it->second.load_from(payload);
       torch::Tensor id;
       TORCH_CHECK(!save_id_ || (it->second.try_read("save_id", id) && id.item<int64_t>() == *save_id_),
-                  "lockstep::load_sharded: ", path, " was written by another save than ", dir_, "/index.json: a save "
-                  "stopped halfway in a folder that held an earlier one. Its files are of two saves and cannot be "
-                  "loaded together; load an older checkpoint, or save to a new folder each time and remove the old "
-                  "one after.");
+                  "lockstep::load_sharded: ", path, " was written by another save than ", dir_, "/index.json: the "
+                  "folder holds files of two saves (a file copied in from another run's folder, or a save stopped "
+                  "halfway in a folder that held an earlier one), which cannot be loaded together. Load a folder "
+                  "whose files one save wrote; save to a new folder each time and remove the old one after.");
     }
     return it->second;
   }
@@ -308,7 +310,7 @@ void check_same_save(const ProcessGroup& group, torch::Device device, int64_t sa
 // halfway in a folder that held an earlier one (a job preempted while it
 // saves to "latest/") leaves the earlier index, or shards of two saves,
 // which load_sharded refuses, naming the file, instead of mixing them.
-void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
+int64_t ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
   TORCH_CHECK(!state_->summoned, state_->where(), "save_sharded() inside summon_full_params(): the shards take the "
               "guard's edits only when it ends, so the checkpoint would hold the parameters as they were before it "
               "beside buffers and frozen parameters as they are now. End the guard first.");
@@ -343,6 +345,7 @@ void ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::st
       write_framed(dir + "/index.json", text.str());
     }
   });
+  return save_id;
 }
 
 // This rank's file: its shard of every flat parameter, with the optimizer's
@@ -368,6 +371,9 @@ std::string ShardedCore::shard_payload(torch::optim::Optimizer& optimizer, int64
       rest.write("w" + std::to_string(i), whole()[i].second.detach());
     }
     archive.write("whole", rest);
+    torch::serialize::OutputArchive groups;
+    write_group_options(optimizer, groups);
+    archive.write("groups", groups);
   }
   std::ostringstream payload;
   archive.save_to(payload);
@@ -387,7 +393,8 @@ std::string ShardedCore::shard_payload(torch::optim::Optimizer& optimizer, int64
 // summon_full_params() after such a forward does the same (a validation
 // forward in grad mode, then a full checkpoint): its guard may write
 // edits back.
-void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) {
+void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir,
+                               std::optional<int64_t> expected_save_id) {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
               "(writeback) or hide what it loads. End the guard first.");
@@ -397,6 +404,10 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
   on_every_rank(group_, device, "load_sharded of " + dir, [&] {
     try {
       commit = stage_load(optimizer, dir, save_id);
+      TORCH_CHECK(!expected_save_id || save_id == *expected_save_id, "lockstep::load_sharded: ", dir, " holds save ",
+                  save_id, ", not save ", *expected_save_id, " that the caller names: the folder was written by "
+                  "another save (another run's folder, or one written over since). Load the folder that this save "
+                  "wrote, or start from scratch.");
     } catch (const nlohmann::json::exception& e) {
       TORCH_CHECK(false, "lockstep::load_sharded: ", dir, "/index.json lacks what save_sharded writes (", e.what(),
                   "): it was not written by save_sharded. Load a folder that save_sharded wrote.");
@@ -427,6 +438,11 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
 std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer, const std::string& dir,
                                               int64_t& save_id) {
   const std::string index_path = dir + "/index.json";
+  struct stat info {};
+  const bool found = ::stat(dir.c_str(), &info) == 0;
+  TORCH_CHECK(found && S_ISDIR(info.st_mode), "lockstep::load_sharded: the folder ", dir, " ",
+              found ? "is a file" : "is missing (" + std::string(std::strerror(errno)) + ")",
+              ": load the folder that save_sharded wrote.");
   nlohmann::json index;
   try {
     index = nlohmann::json::parse(read_framed(index_path));
@@ -469,7 +485,11 @@ std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer
     states.emplace_back(flat.shard, reshard_state(old, f, flat, old_shard, begin, end, optimizer));
   }
   stage_whole(old, index, index_path, whole(), copies);
-  return [&optimizer, copies = std::move(copies), states = std::move(states)] {
+  torch::serialize::InputArchive saved_groups;
+  const auto groups = old.archive(0).try_read("groups", saved_groups)
+      ? read_group_options(optimizer, saved_groups, shard_file(dir, 0, old.world()))
+      : GroupOptions{};
+  return [&optimizer, copies = std::move(copies), states = std::move(states), groups] {
     torch::NoGradGuard no_grad;
     for (const auto& [live, loaded] : copies) {
       live.detach().copy_(loaded);
@@ -477,6 +497,7 @@ std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer
     for (const auto& [shard, state] : states) {
       install_state(optimizer, shard, state);
     }
+    install_group_options(optimizer, groups);
   };
 }
 

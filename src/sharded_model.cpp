@@ -117,10 +117,40 @@ void forget_wrapped(const std::vector<torch::Tensor>& params) {
   }
 }
 
-// The unit paths: the options', checked, or each direct child.
+// Note [Nested wrappers]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// PyTorch FSDP's auto-wrap nests one wrapper per block inside the root's.
+// Here the inner wrapper's parameters are its shards, so the outer one
+// would shard those shards and leave them empty, and the inner one's next
+// all-gather would read from storage that is gone (a SIGSEGV). Nesting
+// buys nothing that units do not give: each unit of one wrapper is
+// gathered, freed and reduce-scattered on its own, as each nested wrapper
+// is in PyTorch (FSDP2 names them "modules" of fully_shard). So a wrapper
+// found inside the module to wrap is refused, naming its path and the
+// units that do the same.
+void check_not_nested(torch::nn::Module& module, const std::string& where) {
+  for (const auto& named : module.named_modules("", /*include_self=*/true)) {
+    const bool wrapper = dynamic_cast<const ShardedWrapperMark*>(named.value().get()) != nullptr;
+    const std::string path = named.key();
+    TORCH_CHECK(!wrapper, where, path.empty() ? std::string("the module to wrap is itself")
+                                              : "the module to wrap holds, at '" + path + "',",
+                " a FullyShardedDataParallel. Wrappers do not nest: the outer one would shard the inner one's "
+                "shards. Wrap the bare model once, and make each submodule that should be gathered on its own a "
+                "unit, as PyTorch's auto-wrap does: ShardingOptions().units({\"", path.empty() ? "block" : path,
+                "\", ...}).");
+  }
+}
+
+// The unit paths: the options', checked, or each direct child. The root
+// ("") is always a unit; naming it alone makes it the only one.
 std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOptions& options, const std::string& where) {
-  std::vector<std::string> paths = options.units();
-  if (paths.empty()) {
+  std::vector<std::string> paths;
+  for (const auto& path : options.units()) {
+    if (!path.empty()) {
+      paths.push_back(path);
+    }
+  }
+  if (options.units().empty()) {
     for (const auto& child : module.named_children()) {
       paths.push_back(child.key());
     }

@@ -42,6 +42,16 @@ std::shared_ptr<torch::optim::OptimizerParamState> read_state(torch::optim::Opti
 void install_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
                    const std::shared_ptr<torch::optim::OptimizerParamState>& state);
 
+/// Note [Optimizer options in a sharded checkpoint]: each parameter group's
+/// options (lr, momentum, betas, weight decay) into `archive`, and read
+/// back into copies of `optimizer`'s own for load_sharded to install.
+/// `file` names what is read, for the error when the counts differ.
+void write_group_options(torch::optim::Optimizer& optimizer, torch::serialize::OutputArchive& archive);
+using GroupOptions = std::vector<std::shared_ptr<torch::optim::OptimizerOptions>>;
+GroupOptions read_group_options(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
+                                const std::string& file);
+void install_group_options(torch::optim::Optimizer& optimizer, const GroupOptions& options);
+
 /// control_device's for the flat parameters' device.
 torch::Device control_device_of(const ProcessGroup& group, const std::vector<FlatParam*>& flats);
 /// Runs `step` on every rank, then every rank learns whether every other got

@@ -120,6 +120,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // src/sharded_summon.cpp: Note [Replaced parameters] and Note [Edits
   // outside summon_full_params].
   void adopt_replaced_params(bool writeback);
+  const std::string* edited_while_summoned() const; // Note [A summon without writeback]
   void check_untouched_at_rest();
   void check_still_frozen_or_trained() const;
 

@@ -186,10 +186,47 @@ void ShardedCore::summon() {
   if (!s.summon_in_own_dtype()) { // Note [Sharded mixed precision]
     s.gather_all();
   }
+  for (auto& flat : s.flats) { // Note [A summon without writeback]
+    flat.summon_versions.clear();
+    for (const auto& param : flat.params) {
+      flat.summon_versions.push_back(param._version());
+    }
+  }
   s.summoned = true;
 }
 
+// Note [A summon without writeback]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// PyTorch FSDP's summon_full_params writes edits back by default, and code
+// ported from Python edits inside the guard expecting them to stay. With
+// writeback(false), FullShard's and ShardGradOp's edits would be dropped
+// without a word when the guard ends. Any in-place change, and torch::load's
+// set_, moves the parameter's version counter, which the gathering itself
+// does not (it writes into the buffer the parameters view, not through
+// them): so a counter that moved inside the guard is a lost edit, and an
+// error naming the parameter once the guard has ended. NoShard's parameters
+// view its shard, so there the edit stays and is not refused.
+const std::string* ShardedCore::State::edited_while_summoned() const {
+  for (const auto& flat : flats) {
+    for (size_t j = 0; j < flat.params.size() && j < flat.summon_versions.size(); ++j) {
+      if (flat.params[j]._version() != flat.summon_versions[j]) {
+        return &flat.names[j];
+      }
+    }
+  }
+  return nullptr;
+}
+
 void ShardedCore::unsummon(bool writeback) {
+  auto& s = *state_;
+  const std::string* edited = writeback || !s.sharded() ? nullptr : s.edited_while_summoned();
+  end_summon(writeback);
+  TORCH_CHECK(edited == nullptr, s.where(), "parameter '", *edited, "' was changed inside summon_full_params() "
+              "with writeback(false), so the edit is lost: the shards keep the values they had before the guard. "
+              "Leave writeback on (the default) to keep edits, or make none under writeback(false).");
+}
+
+void ShardedCore::end_summon(bool writeback) {
   auto& s = *state_;
   Unwatched unwatched;
   s.summoned = false;
@@ -230,7 +267,7 @@ void ShardedCore::unsummon(bool writeback) {
 // that still fails here can only be said on stderr.
 void ShardedCore::abandon_summon() noexcept {
   try {
-    unsummon(/*writeback=*/false);
+    end_summon(/*writeback=*/false);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%ssummon_full_params() ended by an exception could not restore the module's parameters: "
                  "%s\n", state_->where().c_str(), e.what());

@@ -223,24 +223,47 @@ TEST(FullyShardedDataParallel, AUnitNoRankUsedKeepsItsGradientUndefinedUnderNoSy
   }
 }
 
+// summon_full_params writes edits back by default, as PyTorch FSDP's does;
+// with writeback(false) an edit, which the shards would not keep, is an
+// error naming the parameter (Note [A summon without writeback]), and
+// NoShard, whose parameters are its shard, keeps it.
 TEST(FullyShardedDataParallel, WritebackCopiesEditsIntoTheShards) {
-  testing::spawn(2, [](ProcessGroup& group) {
-    FullyShardedDataParallel<OddNet> model(OddNet(), group);
-    {
-      auto full = model->summon_full_params();
-      full.writeback(true);
+  for (auto strategy : kStrategies) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<OddNet> model(OddNet(), group, ShardingOptions().strategy(strategy));
+      const std::string where = testing::name_of(strategy);
+      {
+        auto full = model->summon_full_params();
+        torch::NoGradGuard no_grad;
+        model->module()->fc2->bias.fill_(3.0);
+      }
+      {
+        auto full = model->summon_full_params();
+        EXPECT_TRUE(torch::equal(model->module()->fc2->bias, torch::full({3}, 3.0))) << where << ": by default";
+      }
+      auto edit_without_writeback = [&] {
+        auto full = model->summon_full_params();
+        full.writeback(false);
+        torch::NoGradGuard no_grad;
+        model->module()->fc2->bias.fill_(5.0);
+      };
+      if (strategy == ShardingStrategy::NoShard) {
+        edit_without_writeback();
+        auto full = model->summon_full_params();
+        EXPECT_TRUE(torch::equal(model->module()->fc2->bias, torch::full({3}, 5.0))) << where << ": its shard was edited";
+        return;
+      }
+      EXPECT_ERROR_SAYS(edit_without_writeback(), "parameter 'fc2.bias' was changed inside summon_full_params() with "
+                        "writeback(false), so the edit is lost", "Leave writeback on");
+      {
+        auto full = model->summon_full_params();
+        full.writeback(false); // reading alone is no error
+        EXPECT_TRUE(torch::equal(model->module()->fc2->bias, torch::full({3}, 3.0))) << where << ": after the error";
+      }
       torch::NoGradGuard no_grad;
-      model->module()->fc2->bias.fill_(3.0);
-    }
-    {
-      auto full = model->summon_full_params();
-      EXPECT_TRUE(torch::equal(model->module()->fc2->bias, torch::full({3}, 3.0)));
-      torch::NoGradGuard no_grad;
-      model->module()->fc2->bias.fill_(5.0); // no writeback: dropped
-    }
-    auto full = model->summon_full_params();
-    EXPECT_TRUE(torch::equal(model->module()->fc2->bias, torch::full({3}, 3.0)));
-  });
+      model->forward(torch::ones({2, 7})); // the module is whole again after the error
+    });
+  }
 }
 
 // torch::load replaces each parameter's tensor (set_) rather than writing

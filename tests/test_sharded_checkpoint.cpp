@@ -69,7 +69,7 @@ TEST(ShardedCheckpoint, FilesOfTwoSavesAreAnErrorNamingTheFile) {
     FullyShardedDataParallel<Net> model(one_layer(false), group);
     torch::optim::Adam adam(model->parameters());
     if (group.rank() == 1) {
-      EXPECT_ERROR_SAYS(load_sharded(model, adam, later), mixed.c_str(), "load an older checkpoint");
+      EXPECT_ERROR_SAYS(load_sharded(model, adam, later), mixed.c_str(), "the folder holds files of two saves");
     } else {
       EXPECT_ERROR_SAYS(load_sharded(model, adam, later), named.c_str(), "its own error names the file");
     }
@@ -246,6 +246,71 @@ TEST(ShardedCheckpoint, AnIndexOfAnotherFormatIsAnErrorNamingIt) {
   };
   load_with_index("{\"format\": 2, \"world_size\": 2}\n", dir + "/index.json is of format 2, and this lockstep reads format 1");
   load_with_index("{\"format\": 1}\n", dir + "/index.json lacks what save_sharded writes");
+}
+
+// A caller that records the id save_sharded returned (the trainer's
+// checkpoint file) has a folder of another save refused on every rank,
+// before anything is loaded; a missing folder is named as such, not as a
+// missing index.json.
+TEST(ShardedCheckpoint, AFolderOfAnotherSaveThanTheCallerNamesIsRefused) {
+  const auto first = checkpoint_dir("named_first");
+  const auto second = checkpoint_dir("named_second");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::Adam adam(model->parameters());
+    const int64_t first_id = save_sharded(model, adam, first);
+    const int64_t second_id = save_sharded(model, adam, second);
+    EXPECT_NE(first_id, second_id);
+    const auto before = model->parameters()[0].detach().clone();
+    const std::string says = second + " holds save " + std::to_string(second_id) + ", not save " +
+        std::to_string(first_id) + " that the caller names";
+    EXPECT_ERROR_SAYS(load_sharded(model, adam, second, first_id), says.c_str(), "written by another save");
+    EXPECT_TRUE(torch::equal(model->parameters()[0], before)) << "a refused load changed the shards";
+    load_sharded(model, adam, second, second_id);
+    const std::string missing = "lockstep::load_sharded: the folder " + first + "_gone is missing";
+    EXPECT_ERROR_SAYS(load_sharded(model, adam, first + "_gone"), missing.c_str());
+  });
+}
+
+// One parameter, x = [1], whose gradient is 1.
+struct ScalarImpl : torch::nn::Module {
+  ScalarImpl() : x(register_parameter("x", torch::ones({1}))) {}
+  torch::Tensor forward(const torch::Tensor& input) {
+    return (x * input).sum();
+  }
+  torch::Tensor x;
+};
+TORCH_MODULE(Scalar);
+
+// PyTorch's test_zero_redundancy_optimizer.py::test_state_dict, ported: a
+// load restores the parameter groups' options, as torch::load of an
+// optimizer and Python's load_state_dict do ("We should be using LR1 and
+// not LR2 after reloading"); the caller's constructor options are replaced.
+TEST(ShardedCheckpoint, TheOptimizersOptionsAreRestoredAsTorchLoadDoes) {
+  for (int world : {1, 2}) {
+    const auto dir = checkpoint_dir("options_" + std::to_string(world));
+    testing::spawn(world, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<Scalar> model(Scalar(), group);
+      const auto x = [&] {
+        auto full = model->summon_full_params();
+        return model->module()->x.item<double>();
+      };
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      model(torch::ones({1})).backward();
+      sgd.step();
+      EXPECT_NEAR(x(), 0.9, 1e-7);
+      save_sharded(model, sgd, dir);
+      torch::optim::SGD reloaded(model->parameters(), torch::optim::SGDOptions(0.01));
+      load_sharded(model, reloaded, dir);
+      const auto& options = static_cast<const torch::optim::SGDOptions&>(reloaded.param_groups()[0].options());
+      EXPECT_EQ(options.lr(), 0.1) << "world size " << world << ": the constructor's lr outlived the load";
+      EXPECT_EQ(options.momentum(), 0.9) << "world size " << world;
+      reloaded.zero_grad();
+      model(torch::ones({1})).backward();
+      reloaded.step();
+      EXPECT_NEAR(x(), 0.71, 1e-6) << "world size " << world;
+    });
+  }
 }
 
 } // namespace

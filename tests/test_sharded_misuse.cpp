@@ -202,6 +202,38 @@ TEST(ShardedMisuse, WrappingTheModuleOfALiveWrapperAgainIsAnErrorNamingAParamete
   }
 }
 
+// A model holding a wrapper, as PyTorch's auto-wrap nests them.
+struct OuterImpl : torch::nn::Module {
+  explicit OuterImpl(FullyShardedDataParallel<torch::nn::Linear> inner)
+      : block(register_module("block", std::move(inner))), head(register_module("head", torch::nn::Linear(3, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(block(x));
+  }
+  FullyShardedDataParallel<torch::nn::Linear> block;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Outer);
+
+// The outer wrapper sharded the inner one's shards, and the inner one's
+// next all-gather read the storage the outer one had freed: SIGSEGV, with
+// no message. Nesting is refused at construction, naming the path and the
+// units that do what nesting does (Note [Nested wrappers]); the root may be
+// named among the units, and alone it is the only one.
+TEST(ShardedMisuse, AWrapperInsideTheModuleToWrapIsRefusedNamingTheUnitsToUse) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Linear> inner(torch::nn::Linear(5, 3), group);
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<Outer>(Outer(inner), group),
+                      "the module to wrap holds, at 'block', a FullyShardedDataParallel. Wrappers do not nest",
+                      "ShardingOptions().units({\"block\", ...})");
+    FullyShardedDataParallel<Net> root_only(two_layers(), group, ShardingOptions().units({""}));
+    ASSERT_EQ(root_only->flat_params().size(), 1u);
+    EXPECT_EQ(root_only->flat_params()[0].unit, "");
+    FullyShardedDataParallel<Net> with_root(two_layers(), group, ShardingOptions().units({"", "1"}));
+    EXPECT_EQ(with_root->flat_params().size(), 2u);
+    EXPECT_EQ(root_only(torch::ones({4, 5})).sizes(), (std::vector<int64_t>{4, 2}));
+  });
+}
+
 // Parameters of one rank on two devices (here the CPU and the meta device,
 // which every build has) would run the gradient hooks on two of autograd's
 // device threads at once: refused on every rank, naming the devices.

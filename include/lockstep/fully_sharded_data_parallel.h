@@ -42,9 +42,11 @@ enum class ShardingStrategy {
 /// Options of lockstep::FullyShardedDataParallel, with fluent setters.
 struct ShardingOptions {
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::FullShard;
-  /// Dotted paths of the submodules that are units ("encoder", "layers.3").
-  /// Empty (the default): each direct child of the wrapped module. The root
-  /// unit keeps the parameters no unit claims.
+  /// Dotted paths of the submodules that are units ("encoder", "layers.3"),
+  /// as PyTorch FSDP's nested (auto-wrapped) modules. Empty (the default):
+  /// each direct child of the wrapped module. The root unit ("", which may
+  /// be named too) keeps the parameters no unit claims; {""} alone makes
+  /// it the only unit.
   TORCH_ARG(std::vector<std::string>, units) = {};
   /// FullShard: free each unit's gathered parameters after forward (true)
   /// or keep them until the end of backward (false).
@@ -95,10 +97,15 @@ class ShardedNoSyncGuard {
 };
 
 /// While alive, module()'s parameters are the whole, current parameters on
-/// every rank. With writeback(true), edits made to them are copied into the
-/// shards when the guard ends. Every rank makes and ends it together. A
-/// guard ended by an exception writes nothing back: the shards keep the
-/// values they had before it (Note [A summon ended by an exception]).
+/// every rank. Edits made to them are copied into the shards when the guard
+/// ends (writeback, on by default, as PyTorch FSDP's summon_full_params).
+/// With writeback(false) the shards are left as they are, and a parameter
+/// changed inside the guard is an error when it ends, naming it, under
+/// FullShard and ShardGradOp, where the edit would be lost (NoShard's
+/// parameters are its shard, so there the edit stays). Every rank makes and
+/// ends it together. A guard ended by an exception writes nothing back: the
+/// shards keep the values they had before it (Note [A summon ended by an
+/// exception]).
 class FullParamsGuard {
  public:
   explicit FullParamsGuard(detail::ShardedCore& core) : core_(&core), exceptions_(std::uncaught_exceptions()) {
@@ -121,7 +128,7 @@ class FullParamsGuard {
       core_->unsummon(writeback_);
     }
   }
-  /// Copy edits into the shards when the guard ends (default false).
+  /// Copy edits into the shards when the guard ends (default true).
   FullParamsGuard& writeback(bool writeback) {
     writeback_ = writeback;
     return *this;
@@ -129,7 +136,7 @@ class FullParamsGuard {
 
  private:
   detail::ShardedCore* core_;
-  bool writeback_ = false;
+  bool writeback_ = true;
   int exceptions_; // std::uncaught_exceptions() when made
 };
 
@@ -219,9 +226,11 @@ constexpr bool kForwardTakesCastArguments =
 /// summon_full_params) its trainable parameters of FullShard and
 /// ShardGradOp are empty tensors, never stale values, and stay so once the
 /// wrapper is destroyed: copy them out under summon_full_params() first.
-/// Another wrapper over module() is refused while this one lives.
+/// Another wrapper over module() is refused while this one lives, and so is
+/// a wrapper inside the module to wrap: make its submodule a unit instead
+/// (ShardingOptions().units()).
 template <typename M>
-class FullyShardedDataParallelImpl : public torch::nn::Module {
+class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::ShardedWrapperMark {
  public:
   using Impl = typename M::ContainedType;
 
@@ -281,15 +290,20 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
     return core_->clip_grad_norm_(max_norm, norm_type);
   }
   /// See lockstep::save_sharded and load_sharded.
-  void save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
-    core_->save_sharded(optimizer, dir);
+  int64_t save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
+    return core_->save_sharded(optimizer, dir);
   }
-  void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) {
-    core_->load_sharded(optimizer, dir);
+  void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir,
+                    std::optional<int64_t> save_id = std::nullopt) {
+    core_->load_sharded(optimizer, dir, save_id);
   }
   /// See lockstep::full_optimizer_state.
   void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const {
     core_->full_optimizer_state(optimizer, full);
+  }
+  /// See lockstep::shard_full_optimizer_state.
+  void shard_full_optimizer_state(torch::optim::Optimizer& full, torch::optim::Optimizer& optimizer) {
+    core_->shard_full_optimizer_state(full, optimizer);
   }
   /// Each flat parameter's unit, dtype, element count and shard size.
   std::vector<detail::ShardedCore::FlatInfo> flat_params() const {
@@ -328,20 +342,28 @@ using FullyShardedDataParallel = detail::ForwardingHolder<FullyShardedDataParall
 /// Writes this rank's shards and its optimizer's state for them to `dir`
 /// (made if missing): one file per rank and index.json, each written
 /// atomically and checksummed (Note [Sharded checkpoint] in
-/// src/sharded_checkpoint.cpp). Every rank calls it.
+/// src/sharded_checkpoint.cpp), with the optimizer's parameter groups'
+/// options. Every rank calls it. Returns the save's id, the same on every
+/// rank, which each of its files carries: a caller that records it beside
+/// the folder (a training checkpoint naming its shards) gives it to
+/// load_sharded, which then refuses a folder of another save.
 template <typename M>
-void save_sharded(const FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer, const std::string& dir) {
-  model->save_sharded(optimizer, dir);
+int64_t save_sharded(const FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer,
+                     const std::string& dir) {
+  return model->save_sharded(optimizer, dir);
 }
 
 /// Reads what save_sharded wrote into this rank's shards and optimizer
 /// state, at any world size: each rank reads the ranges it now owns. The
-/// optimizer must be made from model->parameters(); its options (learning
-/// rate) are the caller's, not the file's. A damaged or mismatched file is
-/// an error naming it. Every rank calls it.
+/// optimizer must be made from model->parameters(); as torch::load of an
+/// optimizer, its parameter groups' options (learning rate, momentum) become
+/// the saved ones. `save_id`, when given, is the one save_sharded returned:
+/// a folder of another save is an error. A damaged or mismatched file is an
+/// error naming it, and nothing is loaded on any rank. Every rank calls it.
 template <typename M>
-void load_sharded(FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer, const std::string& dir) {
-  model->load_sharded(optimizer, dir);
+void load_sharded(FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer, const std::string& dir,
+                  std::optional<int64_t> save_id = std::nullopt) {
+  model->load_sharded(optimizer, dir, save_id);
 }
 
 /// The whole model's optimizer state, gathered from every rank's shards
@@ -359,6 +381,25 @@ template <typename M>
 void full_optimizer_state(const FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer,
                           torch::optim::Optimizer& full) {
   model->full_optimizer_state(optimizer, full);
+}
+
+/// The other way: this rank's share of `full`, a bare model's optimizer over
+/// model->module()->parameters() holding the whole model's state (a
+/// torch::load of one, or full_optimizer_state's), into `optimizer`, made
+/// from model->parameters(); the parameter groups' options too (PyTorch
+/// FSDP's shard_full_optim_state_dict). So a checkpoint of a bare model, of
+/// DataParallel or of DistributedDataParallel resumes under sharding:
+///
+///   torch::optim::SGD full(model->module()->parameters(), options);
+///   { auto whole = model->summon_full_params(); torch::load(model->module(), "model.pt"); }
+///   torch::load(full, "optimizer.pt");
+///   lockstep::shard_full_optimizer_state(model, full, sgd);
+///
+/// Every rank calls it, with the same `full`.
+template <typename M>
+void shard_full_optimizer_state(FullyShardedDataParallel<M>& model, torch::optim::Optimizer& full,
+                                torch::optim::Optimizer& optimizer) {
+  model->shard_full_optimizer_state(full, optimizer);
 }
 
 } // namespace lockstep

@@ -43,6 +43,13 @@ ShardLayout shard_layout(int64_t numel, int world);
 /// What ShardedCore keeps per unit and dtype (src/fully_sharded.cpp).
 struct FlatParam;
 
+/// Marks every FullyShardedDataParallelImpl, whatever its module's type, so
+/// that a wrapper finds one nested in the module it wraps (Note [Nested
+/// wrappers] in src/sharded_model.cpp).
+struct ShardedWrapperMark {
+  virtual ~ShardedWrapperMark() = default;
+};
+
 class ShardedCore {
  public:
   /// Plans the units, checks that every rank built the same model, copies
@@ -68,9 +75,11 @@ class ShardedCore {
 
   /// summon_full_params: every unit gathered, the module's parameters its
   /// views; then the edits copied into the shards (writeback) and resharded.
+  /// Without writeback, a parameter edited inside the guard is an error
+  /// once it has ended (Note [A summon without writeback]).
   void summon();
   void unsummon(bool writeback);
-  /// unsummon(false) for a guard ended by an exception: never throws
+  /// Ends a guard ended by an exception, writing nothing back: never throws
   /// (Note [A summon ended by an exception]).
   void abandon_summon() noexcept;
 
@@ -96,16 +105,19 @@ class ShardedCore {
   torch::Tensor clip_grad_norm_(double max_norm, double norm_type);
 
   /// lockstep::save_sharded and load_sharded (src/sharded_checkpoint.cpp).
-  void save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
-  void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir);
+  int64_t save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
+  void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir, std::optional<int64_t> expected_save_id);
   /// FullyShardedDataParallelImpl's save and load: an error that says how
   /// to checkpoint instead (src/sharded_checkpoint.cpp).
   [[noreturn]] void refuse_serialization(const char* what) const;
   /// lockstep::full_optimizer_state (src/sharded_checkpoint.cpp).
   void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const;
+  /// lockstep::shard_full_optimizer_state (src/sharded_optimizer.cpp).
+  void shard_full_optimizer_state(torch::optim::Optimizer& full, torch::optim::Optimizer& optimizer);
 
  private:
   std::vector<FlatParam*> flats() const;
+  void end_summon(bool writeback);
   /// Buffers and frozen parameters: the model's state that is not sharded.
   const std::vector<std::pair<std::string, torch::Tensor>>& whole() const;
   bool sharded() const;
