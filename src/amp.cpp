@@ -9,7 +9,11 @@
 #include <c10/core/TensorOptions.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <exception>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -90,6 +94,24 @@ int shard_world(const c10::TensorImpl* tensor) {
 
 } // namespace detail
 
+namespace {
+
+// This thread's live AutocastGuards, outermost first (Note [Autocast guards
+// ended out of order]).
+std::vector<AutocastGuard*>& live_autocast_guards() {
+  thread_local std::vector<AutocastGuard*> live;
+  return live;
+}
+
+// A number for this thread that no other thread of the process has had.
+uint64_t this_thread_number() {
+  static std::atomic<uint64_t> next{1};
+  thread_local const uint64_t number = next++;
+  return number;
+}
+
+} // namespace
+
 AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled,
                              std::optional<bool> cache_enabled)
     : device_type_(device_type) {
@@ -107,9 +129,58 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype,
   detail::set_autocast_dtype(device_type, dtype);
   at::autocast::set_autocast_cache_enabled(cache_enabled.value_or(previous_cache_enabled_));
   at::autocast::increment_nesting();
+  thread_ = this_thread_number();
+  live_autocast_guards().push_back(this);
 }
 
-AutocastGuard::~AutocastGuard() {
+// Note [Autocast guards ended out of order]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Autocast's state is the thread's. A guard restores what it found; ended
+// before a guard made inside it (two std::optional guards reset in the
+// order they were made), it would restore its state while the inner one
+// lives, and the inner one's end would then restore the outer one's
+// setting: the thread left under autocast for good. So the thread's live
+// guards are kept in order, and one that is not the innermost hands what
+// it would restore to the next inner guard of its device type (the cache
+// flag to the next inner guard of any), and changes nothing now. A guard
+// ended on another thread can reach neither that thread's state nor its
+// list: that is an error.
+bool AutocastGuard::hand_over_to_inner() {
+  auto& live = live_autocast_guards();
+  const auto it = std::find(live.begin(), live.end(), this);
+  TORCH_INTERNAL_ASSERT(it != live.end(), "an AutocastGuard missing from its thread's list");
+  if (it + 1 == live.end()) {
+    live.erase(it);
+    return false;
+  }
+  (*(it + 1))->previous_cache_enabled_ = previous_cache_enabled_;
+  const auto same = std::find_if(it + 1, live.end(), [&](auto* g) { return g->device_type_ == device_type_; });
+  if (same != live.end()) {
+    (*same)->previous_enabled_ = previous_enabled_;
+    (*same)->previous_dtype_ = previous_dtype_;
+  } else {
+    detail::set_autocast_enabled(device_type_, previous_enabled_);
+    detail::set_autocast_dtype(device_type_, previous_dtype_);
+  }
+  live.erase(it);
+  at::autocast::decrement_nesting(); // an inner guard lives: never the last
+  return true;
+}
+
+AutocastGuard::~AutocastGuard() noexcept(false) {
+  if (this_thread_number() != thread_) {
+    const char* message = "lockstep::AutocastGuard: destroyed on another thread than the one that made it, so it "
+                          "cannot restore that thread's autocast state, which stays on. End each guard on the "
+                          "thread that made it (autocast's state is per thread).";
+    if (std::uncaught_exceptions() > 0) {
+      std::fprintf(stderr, "%s\n", message);
+      return;
+    }
+    TORCH_CHECK(false, message);
+  }
+  if (hand_over_to_inner()) {
+    return;
+  }
   if (at::autocast::decrement_nesting() == 0) {
     at::autocast::clear_cache();
   }
@@ -311,7 +382,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     if (!group.supports(Collective::Allreduce, torch::kFloat, agreed.device())) {
       agreed = agreed.cpu();
     }
-    group.allreduce(agreed, ReduceOp::Max);
+    group.allreduce_async({agreed}, ReduceOp::Max, "GradScaler's found-inf agreement (unscale_)")->wait();
     state.found_inf.copy_(agreed.narrow(0, 0, 1));
     state.no_gradients = agreed[1].item<float>() != 0;
   }

@@ -6,11 +6,14 @@
 
 #include "../src/worker_pool.h"
 #include "support/amp_checks.h"
+#include "support/collective_contract.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +30,31 @@ TEST(AutocastGuard, IsTheCallingThreadsOnly) {
   torch::ScalarType elsewhere = torch::kBFloat16;
   std::thread([&] { elsewhere = torch::mm(a, a).scalar_type(); }).join();
   EXPECT_EQ(elsewhere, torch::kFloat);
+}
+
+// Two optional guards reset in the order they were made: the outer one's
+// end used to restore the state before it while the inner one lived, and
+// the inner one's end then restored autocast on, for good. Now the inner
+// one takes over, and the thread ends as it began.
+TEST(AutocastGuard, GuardsEndedOutOfOrderLeaveTheThreadAsItWas) {
+  auto a = torch::randn({4, 4});
+  std::optional<AutocastGuard> outer(std::in_place, torch::kCPU, torch::kBFloat16);
+  std::optional<AutocastGuard> inner(std::in_place, torch::kCPU, torch::kBFloat16);
+  outer.reset();
+  EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16) << "the inner guard still lives";
+  inner.reset();
+  EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kFloat) << "the thread stayed under autocast";
+}
+
+// Ended on another thread, a guard cannot restore its own thread's state:
+// an error that says so, where it used to leave that thread under autocast
+// without a word.
+TEST(AutocastGuard, AGuardEndedOnAnotherThreadIsAnError) {
+  AutocastGuard* guard = nullptr; // not a unique_ptr: its reset() is noexcept, and this destructor throws
+  std::thread([&] { guard = new AutocastGuard(torch::kCPU, torch::kBFloat16); }).join();
+  std::string error;
+  std::thread([&] { error = testing::message_of([&] { delete guard; }); }).join();
+  EXPECT_NE(error.find("destroyed on another thread than the one that made it"), std::string::npos) << error;
 }
 
 // Under the caller's guard every replica computes in bfloat16, and after the
@@ -97,6 +125,37 @@ TEST(GradScaler, UnderFsdpTheGroupMakesEveryRankSkipAnInfInOneShard) {
     testing::spawn(2, [&](ProcessGroup& group) { testing::check_fsdp_scaler_skips_together(group, strategy, kCheck); });
   }
   testing::spawn(2, [](ProcessGroup& group) { testing::check_fsdp_scaler_without_group_is_refused(group, kCheck); });
+}
+
+// The scaler's agreement on found-inf is a collective of its own: where
+// the ranks' collectives part (one rank steps, the other reduces something
+// else), the error of the rank that unscales names it, as DDP's and FSDP's
+// name theirs, instead of an unnamed "allreduce (max) of 2 Float".
+TEST(GradScaler, ItsFoundInfAgreementIsNamedInErrors) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        auto w = torch::ones({4}, torch::requires_grad());
+        torch::optim::SGD sgd({w}, 0.1);
+        GradScaler scaler(GradScalerOptions().group(group));
+        scaler.scale(w.sum()).backward();
+        const std::string message = testing::message_of([&] {
+          if (group.rank() == 0) {
+            scaler.unscale_(sgd);
+          } else {
+            group.allreduce_async({torch::ones({3})}, ReduceOp::Max)->wait();
+          }
+        });
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[group.rank()] = message;
+      },
+      std::chrono::seconds(20));
+  EXPECT_NE(errors[0].find("GradScaler's found-inf agreement (unscale_): ranks disagree on this collective"),
+            std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank 0 runs allreduce (max) of 2 Float elements but rank 1 runs allreduce (max) of 3"),
+            std::string::npos) << errors[1];
 }
 
 } // namespace

@@ -30,19 +30,26 @@ namespace lockstep {
 /// are refused here rather than silently running in fp32. Without
 /// `cache_enabled`, the cast cache stays as the guard found it (on, unless
 /// an enclosing guard turned it off), as Python's cache_enabled=None.
+/// A guard ended before one made inside it hands what it restores to that
+/// one, so the state it found comes back when the last of them ends. A
+/// guard ended on another thread than the one that made it cannot restore
+/// that thread's state: it is an error (printed, if an exception is
+/// already unwinding).
 class AutocastGuard {
  public:
   AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled = true,
                 std::optional<bool> cache_enabled = std::nullopt);
-  ~AutocastGuard();
+  ~AutocastGuard() noexcept(false);
   AutocastGuard(const AutocastGuard&) = delete;
   AutocastGuard& operator=(const AutocastGuard&) = delete;
 
  private:
+  bool hand_over_to_inner();
   c10::DeviceType device_type_;
   bool previous_enabled_;
   c10::ScalarType previous_dtype_;
   bool previous_cache_enabled_;
+  uint64_t thread_; // the making thread's number, never reused (a std::thread::id can be)
 };
 
 /// Options of GradScaler, with torch.amp.GradScaler's defaults.
