@@ -275,7 +275,9 @@ void Round::start_qs() {
     if (kept.defined() && state_->options.warm_start()) {
       TORCH_CHECK(kept.numel() == m.cols * m.rank, "lockstep::PowerSGD: the warm-start Q of parameter ",
                   bucket_.parameters[m.gradient], " (in ", bucket_.name, ") holds ", kept.numel(), " elements, but "
-                  "rank ", m.rank, " needs ", m.cols * m.rank, ": the state was saved with another rank or model.");
+                  "an approximation of rank ", m.rank, " (PowerSGDOptions().rank(); lockstep-train's --powersgd-rank) "
+                  "needs ", m.cols * m.rank, ": the state was saved with another model, or by an older lockstep "
+                  "with another rank.");
       qs_.back().copy_(kept.view_as(qs_.back()));
       continue;
     }
@@ -499,6 +501,7 @@ void PowerSGD::save(torch::serialize::OutputArchive& archive) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   archive.write("iteration", torch::tensor(state_->iteration));
   archive.write("draws", torch::tensor(state_->draws));
+  archive.write("rank", torch::tensor(state_->options.rank()));
   std::vector<int64_t> indices;
   for (const auto& [index, memory] : state_->memory) {
     indices.push_back(static_cast<int64_t>(index));
@@ -515,8 +518,16 @@ void PowerSGD::save(torch::serialize::OutputArchive& archive) const {
 
 namespace {
 
+// Note [PowerSGD state of another rank]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A run resumed with another rank (lockstep-train's --powersgd-rank) finds
+// warm start's Q's of the old rank's shape. The iteration and the error
+// feedback do not depend on the rank (the error is gradient-shaped), so
+// they are kept, and the Q's are drawn anew at the new rank, as at the
+// start of compression.
 void load_state(detail::PowerSGDState& state, torch::serialize::InputArchive& archive, bool errors) {
-  torch::Tensor iteration, draws, parameters;
+  torch::Tensor iteration, draws, parameters, saved_rank;
+  const bool same_rank = !archive.try_read("rank", saved_rank) || saved_rank.item<int64_t>() == state.options.rank();
   const bool found = archive.try_read("iteration", iteration) && archive.try_read("draws", draws) &&
                      archive.try_read("parameters", parameters);
   TORCH_CHECK(found && iteration.numel() == 1 && draws.numel() == 1 && parameters.dim() == 1 &&
@@ -527,7 +538,9 @@ void load_state(detail::PowerSGDState& state, torch::serialize::InputArchive& ar
     const auto index = parameters[i].item<int64_t>();
     const std::string key = "parameter." + std::to_string(index);
     auto& m = memory[static_cast<size_t>(index)];
-    archive.try_read(key + ".q", m.q); // absent without warm start
+    if (same_rank) {
+      archive.try_read(key + ".q", m.q); // absent without warm start
+    }
     if (errors) {
       archive.try_read(key + ".error", m.error); // absent without error feedback
     }

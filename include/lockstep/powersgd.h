@@ -78,8 +78,11 @@ class PowerSGD {
   /// and warm start's Q's. With them, a resumed run goes on exactly as the
   /// uninterrupted one.
   void save(torch::serialize::OutputArchive& archive) const;
-  /// The state save() wrote, saved with the same options and model. A state
-  /// of another shape is refused at the first compressed bucket, naming it.
+  /// The state save() wrote, saved with the same model. A state saved with
+  /// another rank keeps its iteration and error feedback, and draws warm
+  /// start's Q's anew at this rank (Note [PowerSGD state of another rank]).
+  /// A state of another model is refused at the first compressed bucket,
+  /// naming the parameter.
   void load(torch::serialize::InputArchive& archive);
   /// Loads only the iteration and warm start's Q's, with no error feedback
   /// (what a rank that did not save this state can take: resuming at
