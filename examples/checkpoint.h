@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -159,8 +160,13 @@ struct TrainingState {
   // This rank's rows since `sample_counts`, summed over the ranks at each
   // checkpoint (sync_sample_counts in train.cpp); not saved.
   torch::Tensor unsynced_counts;
-  // The world size of the run this one resumed from; 0 when not resumed. Not saved.
+  // The settings that change how a step computes, as the run that wrote it
+  // gave them ("--precision bf16 --sharding full"); empty in a checkpoint
+  // that predates them. A resume with others says so.
+  std::string settings;
+  // The world size and step of the run this one resumed from; 0 when not resumed. Not saved.
   int64_t resumed_world_size = 0;
+  int64_t resumed_step = 0;
 };
 
 inline torch::Tensor bytes_tensor(const std::string& bytes) {
@@ -306,6 +312,7 @@ inline void write_position(torch::serialize::OutputArchive& archive, const Train
   if (!state.grad_scaler.empty()) {
     archive.write("grad_scaler", bytes_tensor(state.grad_scaler));
   }
+  archive.write("settings", bytes_tensor(state.settings));
   for (size_t r = 0; r < state.comm_hook_states.size(); ++r) {
     archive.write("comm_hook." + std::to_string(r), bytes_tensor(state.comm_hook_states[r]));
   }
@@ -333,14 +340,16 @@ inline void save_checkpoint(
 // Under --sharding, every rank writes its shards with lockstep::save_sharded
 // into a fresh folder, PATH.shards-STEP; only after every rank has (the save
 // ends with a barrier) does rank 0 write PATH itself, which holds where
-// training stands and the step whose folder holds the model, and remove
-// every other PATH.shards-* folder. Writing PATH is the commit: a save
+// training stands, the step whose folder holds the model and the id of the
+// save that wrote it, and remove every other PATH.shards-* folder. Writing PATH is the commit: a save
 // killed before it leaves PATH naming the previous folder, whole, and the
 // half-written one goes at the next save. The folder reshards on loading,
 // so the run resumes at any world size and with any --sharding strategy.
 // The ranks compare the positions they read before any loads its shards
 // (load_sharded is collective), so a rank that found no checkpoint is an
-// error on every rank, not a wait.
+// error on every rank, not a wait. load_sharded is given the save's id, so
+// a folder that another run (or another save) wrote under that name is
+// refused rather than loaded beside this file's position.
 
 inline std::string shards_dir(const std::string& path, int64_t step) {
   return path + ".shards-" + std::to_string(step);
@@ -363,11 +372,13 @@ inline void remove_other_shards(const std::string& path, int64_t keep) {
 }
 
 /// Rank 0's part of a sharded save, after every rank's save_sharded into
-/// shards_dir(path, state.step) (Note [Sharded trainer checkpoint]).
-inline void save_sharded_checkpoint(const std::string& path, const TrainingState& state) {
+/// shards_dir(path, state.step), which returned `save_id` (Note [Sharded
+/// trainer checkpoint]).
+inline void save_sharded_checkpoint(const std::string& path, const TrainingState& state, int64_t save_id) {
   torch::serialize::OutputArchive archive;
   write_position(archive, state);
   archive.write("shards", torch::tensor(state.step));
+  archive.write("shards_save_id", torch::tensor(save_id));
   write_checkpoint_file(path, archive);
   remove_other_shards(path, state.step);
 }
@@ -419,6 +430,7 @@ inline TrainingState read_state(torch::serialize::InputArchive& archive, int64_t
     state.epoch_tally = Tally{t[0], static_cast<int64_t>(t[1]), static_cast<int64_t>(t[2])};
   }
   try_read_bytes(archive, "grad_scaler", state.grad_scaler); // optional: written by --precision fp16 only
+  try_read_bytes(archive, "settings", state.settings); // optional: older checkpoints lack it
   std::string hook; // optional: written by --comm-hook powersgd only, one per rank
   while (try_read_bytes(archive, "comm_hook." + std::to_string(state.comm_hook_states.size()), hook)) {
     state.comm_hook_states.push_back(hook);
@@ -426,26 +438,36 @@ inline TrainingState read_state(torch::serialize::InputArchive& archive, int64_t
   return state;
 }
 
+/// Which save of shards a sharded checkpoint names: the step of its folder
+/// and the save's id (none in a checkpoint of an earlier lockstep-train).
+struct ShardsRef {
+  int64_t step = -1;
+  std::optional<int64_t> save_id;
+};
+
 /// Loads where training stands from the sharded checkpoint at `path` (Note
-/// [Sharded trainer checkpoint]) and returns the step whose folder holds
-/// the shards, or -1 if there is no such file.
-inline int64_t load_sharded_checkpoint(const std::string& path, TrainingState& state) {
+/// [Sharded trainer checkpoint]) and returns the save that holds the
+/// shards, with step -1 if there is no such file.
+inline ShardsRef load_sharded_checkpoint(const std::string& path, TrainingState& state) {
   if (::access(path.c_str(), F_OK) != 0) {
-    return -1;
+    return {};
   }
   torch::serialize::InputArchive archive;
   const int64_t format = open_checkpoint(path, archive);
   torch::Tensor shards;
-  TORCH_CHECK(archive.try_read("shards", shards), "lockstep-train: checkpoint ", path, " was written without "
-              "--sharding (by DistributedDataParallel or DataParallel): it holds the whole model and optimizer, not "
-              "shards. Resume it without --sharding, or point --checkpoint elsewhere.");
+  TORCH_INTERNAL_ASSERT(archive.try_read("shards", shards), "a whole checkpoint goes to load_whole_into_shards");
   try {
     state = read_state(archive, format);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " is damaged: ", error_message(e), " Delete it to start "
                 "from scratch.");
   }
-  return shards.item<int64_t>();
+  ShardsRef ref{shards.item<int64_t>(), std::nullopt};
+  torch::Tensor save_id;
+  if (archive.try_read("shards_save_id", save_id)) {
+    ref.save_id = save_id.item<int64_t>();
+  }
+  return ref;
 }
 
 /// LibTorch's load gives each tensor the device of the one it read, the CPU

@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -59,38 +60,25 @@ class MetricsLog {
   std::ofstream out_;
 };
 
-/// Draws `dir`/curves.png from `dir`/metrics.jsonl: the training loss
-/// (every --log-every steps) and the test loss, the test accuracy, and the
-/// training speed, against epochs. Returns "" when drawn, else a one-line
-/// note on why there is no picture.
-inline std::string plot_curves(const std::string& dir) {
-  std::ostringstream train, test, epochs;
-  std::ifstream in(dir + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    const auto r = nlohmann::json::parse(line, nullptr, false);
-    if (r.is_discarded()) {
-      continue;
-    }
-    const std::string kind = r.value("kind", "");
-    const double x = r.value("epochs_done", 0.0);
-    if (kind == "train") {
-      train << x << ' ' << r.value("loss", 0.0) << ' ' << r.value("samples_per_second", 0.0) << '\n';
-    } else if (kind == "epoch" || kind == "eval") {
-      test << x << ' ' << r.value("test_loss", 0.0) << ' ' << 100 * r.value("test_accuracy", 0.0) << '\n';
-    }
-    if (kind == "epoch") {
-      epochs << x << ' ' << r.value("train_loss", 0.0) << ' ' << r.value("samples_per_second", 0.0) << '\n';
-    }
+// A record's number under `key`; NaN where it has none, or where the value
+// was not finite (nlohmann-json writes NaN and infinity as null).
+inline double number_of(const nlohmann::json& record, const char* key) {
+  const auto it = record.find(key);
+  return it != record.end() && it->is_number() ? it->get<double>() : std::nan("");
+}
+
+// Writes `dir`/curves.gp with the data, and runs gnuplot on it: "" when
+// curves.png was drawn, else why not. `train_data`: epoch, loss, samples/s
+// per line; `test`: epoch, test loss, test accuracy (%).
+inline std::string draw_curves(const std::string& dir, const std::string& train_data, const std::string& test) {
+  if (test.empty()) {
+    return "no evaluation finished with a finite test loss, so no curves";
   }
-  if (test.str().empty()) {
-    return "no evaluation finished, so no curves";
-  }
-  const std::string train_data = train.str().empty() ? epochs.str() : train.str(); // fewer steps than --log-every
   const std::string script = dir + "/curves.gp";
   std::ofstream gp(script);
   gp << "# Written by lockstep-train; redraw with: gnuplot " << script << "\n"
      << "$train << EOD\n" << train_data << "EOD\n"
-     << "$test << EOD\n" << test.str() << "EOD\n"
+     << "$test << EOD\n" << test << "EOD\n"
      << "set terminal pngcairo size 1200,400 font 'sans,10'\n"
      << "set output '" << dir << "/curves.png'\n"
      << "set multiplot layout 1,3\n"
@@ -119,6 +107,51 @@ inline std::string plot_curves(const std::string& dir) {
     return "gnuplot failed on " + script + ": " + output;
   }
   return "";
+}
+
+/// What plot_curves drew.
+struct Curves {
+  std::string missing; // "" when curves.png was drawn, else a one-line note on why not
+  // The step of the first record whose training loss was not finite (NaN
+  // or infinite); -1 when every loss was. Its points are left out.
+  int64_t first_non_finite_step = -1;
+};
+
+/// Draws `dir`/curves.png from `dir`/metrics.jsonl: the training loss
+/// (every --log-every steps) and the test loss, the test accuracy, and the
+/// training speed, against epochs. Points whose value is not finite are
+/// left out, and the first such training loss is noted.
+inline Curves plot_curves(const std::string& dir) {
+  Curves curves;
+  std::ostringstream train, test, epochs;
+  std::ifstream in(dir + "/metrics.jsonl");
+  const auto point = [](std::ostringstream& out, double x, double y, double z) {
+    if (std::isfinite(y) && std::isfinite(z)) {
+      out << x << ' ' << y << ' ' << z << '\n';
+    }
+  };
+  for (std::string line; std::getline(in, line);) {
+    const auto r = nlohmann::json::parse(line, nullptr, false);
+    if (r.is_discarded()) {
+      continue;
+    }
+    const std::string kind = r.value("kind", "");
+    const double x = number_of(r, "epochs_done");
+    const double loss = number_of(r, kind == "train" ? "loss" : "train_loss");
+    if ((kind == "train" || kind == "epoch") && !std::isfinite(loss) && curves.first_non_finite_step < 0) {
+      curves.first_non_finite_step = r.value("step", int64_t{0});
+    }
+    if (kind == "train") {
+      point(train, x, loss, number_of(r, "samples_per_second"));
+    } else if (kind == "epoch" || kind == "eval") {
+      point(test, x, number_of(r, "test_loss"), 100 * number_of(r, "test_accuracy"));
+    }
+    if (kind == "epoch") {
+      point(epochs, x, loss, number_of(r, "samples_per_second"));
+    }
+  }
+  curves.missing = draw_curves(dir, train.str().empty() ? epochs.str() : train.str(), test.str());
+  return curves;
 }
 
 } // namespace examples

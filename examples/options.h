@@ -11,13 +11,16 @@
 
 #include <CLI/CLI.hpp>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -59,6 +62,21 @@ constexpr int64_t kMaxEpochs = 1000000;
 constexpr int64_t kMaxCount = 1000000000000000; // samples, steps
 constexpr int64_t kMaxThreads = 65536;
 constexpr int64_t kMaxReplicas = 1024;
+
+// --sharding's values, and PyTorch's ShardingStrategy names for them
+// (FULL_SHARD as full-shard or full_shard, in any case).
+inline std::map<std::string, std::string> sharding_spellings() {
+  std::map<std::string, std::string> names;
+  for (const auto& [canonical, pytorch] : {std::pair<std::string, std::string>{"full", "full-shard"},
+                                           {"grad-op", "shard-grad-op"}, {"none", "no-shard"}}) {
+    std::string underscored = pytorch;
+    std::replace(underscored.begin(), underscored.end(), '-', '_');
+    names[canonical] = canonical;
+    names[pytorch] = canonical;
+    names[underscored] = canonical;
+  }
+  return names;
+}
 
 inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
@@ -144,8 +162,9 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
   app.add_option("--sharding", config.sharding, "Under a launcher: FullyShardedDataParallel instead of DDP, with "
                  "this strategy: full (ZeRO-3: parameters, gradients and optimizer state sharded), grad-op (ZeRO-2: "
                  "gradients and optimizer state) or none (DDP's behaviour). Checkpoints are then sharded "
-                 "(CHECKPOINT.shards-STEP/) and resume at any world size; --save is still a whole, bare model")
-      ->check(CLI::IsMember({"full", "grad-op", "none"}))->group("Distributed");
+                 "(CHECKPOINT.shards-STEP/) and resume at any world size; --save is still a whole, bare model. "
+                 "PyTorch's names work too: full-shard, shard-grad-op, no-shard (or with _)")
+      ->transform(CLI::CheckedTransformer(sharding_spellings(), CLI::ignore_case))->group("Distributed");
   app.footer(
       "Under lockstep-run, torchrun, mpirun or srun, each process is one rank of DistributedDataParallel and reads "
       "its share of each global batch of the epoch's order (drawn from --seed and the epoch); otherwise one process trains with "
@@ -165,6 +184,20 @@ struct UsageError : std::runtime_error {
 inline int refuse(const std::string& message) {
   std::fprintf(stderr, "lockstep-train: %s\nRun 'lockstep-train --help' for usage.\n", message.c_str());
   return common::kUsageError;
+}
+
+// Whether a file can be made beside `path`, as its atomic write makes one:
+// access() says yes to root on a read-only or pseudo file system (/proc)
+// where the write at the end of training would fail. Leaves errno set.
+inline bool can_create_beside(const std::string& path) {
+  const std::string probe = path + ".probe." + std::to_string(::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    return false;
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return true;
 }
 
 // --save and --checkpoint, checked before anything is made or trained: a
@@ -191,10 +224,27 @@ inline void check_output_paths(const Config& config) {
     }
     const auto slash = path.find_last_of('/');
     const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-    if (::access(dir.c_str(), W_OK) != 0) {
+    if (::access(dir.c_str(), W_OK) != 0 || !can_create_beside(path)) {
       throw UsageError(named + "cannot write into " + dir + " (" + std::strerror(errno) +
                        "); create the folder first, or pick another path.");
     }
+  }
+}
+
+// Flags that need a launcher, refused before anything is made when the
+// process was started alone (a UsageError: exit code 2).
+inline void check_launch_flags(const Config& config, bool launched) {
+  if (!launched && !config.sharding.empty()) {
+    throw UsageError("--sharding " + config.sharding + " shards over ranks, one process each: run it under "
+                     "lockstep-run (or torchrun, mpirun, srun), for example lockstep-run --nproc-per-node 2 "
+                     "lockstep-train --sharding " + config.sharding + ". Alone, lockstep-train trains with "
+                     "DataParallel, which does not shard.");
+  }
+  if (config.comm_hook != "none" && (!launched || !config.sharding.empty())) {
+    throw UsageError("--comm-hook " + config.comm_hook + " sets how DistributedDataParallel reduces its buckets: run "
+                     "it under a launcher (lockstep-run, torchrun, mpirun, srun) and without --sharding" +
+                     (launched ? std::string() : ", for example lockstep-run --nproc-per-node 2 lockstep-train "
+                      "--comm-hook " + config.comm_hook) + ".");
   }
 }
 
@@ -237,6 +287,12 @@ inline int parse_command_line(
   // Given explicitly, the sample counts take the first N of each split of the files.
   data.first_train = app.count("--train-samples") > 0;
   data.first_test = app.count("--test-samples") > 0;
+  for (const char* flag : {"--powersgd-rank", "--powersgd-start"}) {
+    if (app.count(flag) > 0 && config.comm_hook != "powersgd") {
+      std::fprintf(stderr, "lockstep-train: %s has no effect without --comm-hook powersgd (here --comm-hook %s); "
+                   "add --comm-hook powersgd to compress, or leave it out.\n", flag, config.comm_hook.c_str());
+    }
+  }
   try {
     check_output_paths(config);
     check_sample_counts(data);

@@ -45,9 +45,19 @@ inline bool cpu_computes_natively(torch::ScalarType dtype) {
   return dtype == torch::kBFloat16 ? has("avx512_bf16") || has("amx_bf16") : has("avx512_fp16") || has("amx_fp16");
 }
 
-// Says so when --precision asks the CPU for arithmetic it emulates.
+// Says so when --precision asks the CPU for arithmetic it emulates. fp16
+// is said whatever the CPU's flags: LibTorch's CPU float16 kernels are far
+// slower than its fp32 and bf16 ones even where AVX512-FP16 and AMX-FP16
+// exist (a step 41 times fp32's was measured on such a CPU, bf16's below
+// fp32's).
 inline void say_if_emulated(const Config& config, torch::Device device, bool lead) {
   const auto dtype = precision_dtype(config);
+  if (lead && dtype == torch::kHalf && device.is_cpu()) {
+    std::fprintf(stderr, "lockstep-train: note: --precision fp16 on a CPU is slow: LibTorch's CPU float16 kernels "
+                 "take many times longer than fp32's (a step 41 times longer was measured on a CPU with AVX512-FP16 "
+                 "and AMX). Use --precision bf16 on a CPU; fp16 is for GPUs.\n");
+    return;
+  }
   if (lead && dtype != torch::kFloat && device.is_cpu() && !cpu_computes_natively(dtype)) {
     std::fprintf(stderr, "lockstep-train: note: this CPU has no %s instructions (%s), so LibTorch emulates "
                  "--precision %s, and a step takes several times longer than in fp32\n",

@@ -118,9 +118,11 @@ inline Config settled_config(Config config, const lockstep::ProcessGroup* group)
     config.out_dir = default_out_dir();
   }
   if (group != nullptr) {
-    TORCH_CHECK(config.batch_size % group->size() == 0, "lockstep-train: --batch-size ", config.batch_size,
-                " does not split evenly over ", group->size(), " ranks; pick a multiple of ", group->size(),
-                " (each rank takes batch-size / ranks rows).");
+    if (config.batch_size % group->size() != 0) {
+      throw UsageError("--batch-size " + std::to_string(config.batch_size) + " does not split evenly over " +
+                       std::to_string(group->size()) + " ranks; pick a multiple of " + std::to_string(group->size()) +
+                       " (each rank takes batch-size / ranks rows).");
+    }
     config.out_dir = agree_on_out_dir(*group, config.out_dir);
   } else {
     const std::string error = make_dir(config.out_dir);
@@ -164,8 +166,25 @@ inline std::string resume_differences(const TrainingState& there, const BatchPla
   return said;
 }
 
+// The settings a checkpoint keeps to say when a resume changes them
+// (TrainingState::settings).
+inline std::string run_settings(const Config& config) {
+  std::string settings = "--precision " + config.precision;
+  if (!config.sharding.empty()) {
+    settings += " --sharding " + config.sharding;
+  }
+  if (config.comm_hook == "powersgd") { // Note [PowerSGD state of another rank]: the Q's start anew
+    settings += " --comm-hook powersgd --powersgd-rank " + std::to_string(config.powersgd_rank);
+  } else if (config.comm_hook != "none") {
+    settings += " --comm-hook " + config.comm_hook;
+  }
+  return settings;
+}
+
 // `state` as this run writes it into its checkpoints.
-inline TrainingState this_run(TrainingState state, const BatchPlan& plan, const DataSignature& data) {
+inline TrainingState this_run(TrainingState state, const BatchPlan& plan, const DataSignature& data,
+                              const Config& config) {
+  state.settings = run_settings(config);
   if (state.step == 0 && state.epoch == 0) {
     state.sample_counts = torch::zeros({plan.samples}, torch::kInt32);
   } else if (state.sample_counts.defined() && state.sample_counts.numel() != plan.samples) {
@@ -181,25 +200,40 @@ inline TrainingState this_run(TrainingState state, const BatchPlan& plan, const 
 }
 
 // Where training starts: the checkpoint's position when `load` finds one
-// (and loads the model and optimizer), else the beginning.
+// (and loads the model and optimizer), else the beginning. With `report`,
+// the line that says so goes to stderr, or, with `report_later`, there, for
+// a caller that loads more before the resume has succeeded.
 inline TrainingState resume(
     const Config& config,
     const BatchPlan& plan,
     const DataSignature& data,
     bool report,
-    const std::function<bool(TrainingState&)>& load) {
+    const std::function<bool(TrainingState&)>& load,
+    std::string* report_later = nullptr) {
   TrainingState state;
   if (config.checkpoint_path.empty() || !load(state)) {
-    return this_run(state, plan, data);
+    return this_run(state, plan, data, config);
   }
   state.resumed_world_size = state.world_size;
+  state.resumed_step = state.step;
   if (report) {
-    std::fprintf(stderr, "lockstep-train: resumed from %s at step %lld (epoch %lld, sample %lld of %lld)%s\n",
-                 config.checkpoint_path.c_str(), static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1),
-                 static_cast<long long>(state.samples_in_epoch), static_cast<long long>(epoch_extent(plan).first),
-                 resume_differences(state, plan, data).c_str());
+    char line[512];
+    std::snprintf(line, sizeof(line), "lockstep-train: resumed from %s at step %lld (epoch %lld, sample %lld of %lld)",
+                  config.checkpoint_path.c_str(), static_cast<long long>(state.step),
+                  static_cast<long long>(state.epoch + 1), static_cast<long long>(state.samples_in_epoch),
+                  static_cast<long long>(epoch_extent(plan).first));
+    std::string said = line + resume_differences(state, plan, data);
+    if (!state.settings.empty() && state.settings != run_settings(config)) {
+      said += "; written with " + state.settings + ", and this run goes on with " + run_settings(config);
+    }
+    said += "\n";
+    if (report_later != nullptr) {
+      *report_later = said;
+    } else {
+      std::fputs(said.c_str(), stderr);
+    }
   }
-  return this_run(state, plan, data);
+  return this_run(state, plan, data, config);
 }
 
 // Every rank must resume from the same state, or the ranks would train on
@@ -275,6 +309,9 @@ struct Setup {
   TrainingState state;
   // Where the model and each batch live: a GPU under NCCL or DataParallel on GPUs.
   torch::Device device = torch::kCPU;
+  // --comm-hook powersgd: PowerSGD::compression_rate() (0 before it starts
+  // compressing; 1 when no gradient is worth compressing); else empty.
+  std::function<double()> compression_rate;
 };
 
 inline std::shared_ptr<torch::optim::SGD> make_optimizer(const std::vector<torch::Tensor>& params, const Config& config) {
@@ -351,6 +388,9 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, ConvNet& net
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
   setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() +
                       ")" + hook.description;
+  if (hook.powersgd) {
+    setup.compression_rate = [powersgd = *hook.powersgd] { return powersgd.compression_rate(); };
+  }
   setup.save_checkpoint = [group, path = config.checkpoint_path, net, optimizer = setup.optimizer,
                            powersgd = hook.powersgd, device = setup.device](const TrainingState& state) mutable {
     TrainingState saved = state;
@@ -371,6 +411,42 @@ inline lockstep::ShardingStrategy sharding_strategy(const std::string& flag) {
                            : lockstep::ShardingStrategy::NoShard;
 }
 
+// Note [A whole checkpoint resumed with --sharding]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A checkpoint of DistributedDataParallel or DataParallel holds the whole
+// model and a bare optimizer's state, as PyTorch's DCP loads a full state
+// dict into FSDP: the model loads under summon_full_params (written back
+// into the shards), and the optimizer's state into a bare optimizer over
+// the module's parameters, whose share each rank takes
+// (shard_full_optimizer_state). Loading is collective, so the ranks first
+// agree on which kind of checkpoint there is: a rank without one then
+// loads nothing, and check_ranks_resumed_alike names it.
+inline bool any_rank_holds_a_whole_checkpoint(const lockstep::ProcessGroup& group, const std::string& path) {
+  int64_t mine = 0;
+  if (!path.empty() && ::access(path.c_str(), F_OK) == 0) {
+    torch::serialize::InputArchive archive;
+    open_checkpoint(path, archive);
+    torch::Tensor shards;
+    mine = archive.try_read("shards", shards) ? 0 : 1;
+  }
+  auto flag = torch::tensor({mine}).to(group_device(group));
+  group.allreduce(flag, lockstep::ReduceOp::Max);
+  return flag.cpu().item<int64_t>() != 0;
+}
+
+template <typename Model>
+bool load_whole_into_shards(Model& model, ConvNet& net, torch::optim::Optimizer& optimizer, const Config& config,
+                            TrainingState& state) {
+  auto bare = make_optimizer(net->parameters(), config);
+  bool found = false;
+  {
+    auto full = model->summon_full_params(); // the loaded weights are written back into the shards
+    found = load_checkpoint(config.checkpoint_path, *net, *bare, state);
+  }
+  model->shard_full_optimizer_state(*bare, optimizer);
+  return found;
+}
+
 // One rank of FullyShardedDataParallel (--sharding): the optimizer steps this
 // rank's shards, and the checkpoints are sharded (Note [Sharded trainer
 // checkpoint]), so a run resumes at another world size.
@@ -381,16 +457,25 @@ inline Setup sharded_setup(const lockstep::ProcessGroup& group, ConvNet& net, co
       net, group, lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding)));
   setup.optimizer = make_optimizer(model->parameters(), config);
   auto& optimizer = *setup.optimizer;
-  int64_t shards_step = -1;
+  ShardsRef shards;
+  std::string resumed; // said once the shards have loaded
+  const bool whole = any_rank_holds_a_whole_checkpoint(group, config.checkpoint_path);
   setup.state = resume(config, setup.plan, signature, group.rank() == 0, [&](TrainingState& state) {
-    shards_step = load_sharded_checkpoint(config.checkpoint_path, state);
-    return shards_step >= 0;
-  });
+    if (whole) {
+      return load_whole_into_shards(model, net, optimizer, config, state);
+    }
+    shards = load_sharded_checkpoint(config.checkpoint_path, state);
+    return shards.step >= 0;
+  }, &resumed);
+  if (whole) {
+    std::fputs(resumed.c_str(), stderr);
+  }
   // The ranks agree on the position first, so that none waits in
   // load_sharded (collective) for a rank that found no checkpoint.
   check_ranks_resumed_alike(group, config, setup.state, *net, optimizer);
-  if (shards_step >= 0) {
-    model->load_sharded(optimizer, shards_dir(config.checkpoint_path, shards_step));
+  if (shards.step >= 0) {
+    model->load_sharded(optimizer, shards_dir(config.checkpoint_path, shards.step), shards.save_id);
+    std::fputs(resumed.c_str(), stderr);
   }
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
   setup.full_params = [model]() mutable {
@@ -400,9 +485,9 @@ inline Setup sharded_setup(const lockstep::ProcessGroup& group, ConvNet& net, co
                       std::to_string(group.size()) + " ranks (" + group.backend() + ")";
   setup.save_checkpoint = [rank = group.rank(), path = config.checkpoint_path, model, optimizer = setup.optimizer](
                               const TrainingState& state) {
-    model->save_sharded(*optimizer, shards_dir(path, state.step));
+    const int64_t save_id = model->save_sharded(*optimizer, shards_dir(path, state.step));
     if (rank == 0) {
-      save_sharded_checkpoint(path, state);
+      save_sharded_checkpoint(path, state, save_id);
     }
   };
   say_launched_setup(setup, data, config);

@@ -281,10 +281,15 @@ void report_epoch(const Run& run, const TrainingState& state, lockstep::examples
                 mean_loss(tested), percent(tested).c_str(), seconds);
     std::fflush(stdout);
   }
-  metrics.write({{"kind", "epoch"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", state.epoch + 1},
-                 {"lr", lr}, {"train_loss", mean_loss(done)}, {"train_accuracy", accuracy(done)},
-                 {"samples", done.rows}, {"test_loss", mean_loss(tested)}, {"test_accuracy", accuracy(tested)},
-                 {"seconds", seconds}, {"samples_per_second", rate(done.rows - resumed_rows, train_seconds)}});
+  nlohmann::json record{{"kind", "epoch"}, {"epoch", state.epoch + 1}, {"step", state.step},
+                        {"epochs_done", state.epoch + 1}, {"lr", lr}, {"train_loss", mean_loss(done)},
+                        {"train_accuracy", accuracy(done)}, {"samples", done.rows}, {"test_loss", mean_loss(tested)},
+                        {"test_accuracy", accuracy(tested)}, {"seconds", seconds},
+                        {"samples_per_second", rate(done.rows - resumed_rows, train_seconds)}};
+  if (run.setup.compression_rate) {
+    record["compression_rate"] = run.setup.compression_rate(); // PowerSGD's, of the epoch's last step
+  }
+  metrics.write(record);
 }
 
 // --eval-every: an evaluation in the middle of an epoch, recorded and said
@@ -356,6 +361,9 @@ void log_training(const Run& run, const TrainingState& state, Epoch& epoch, doub
                         {"samples_per_second", rate(recent.rows, seconds_since(epoch.logged_at))}};
   if (run.scaler.is_enabled()) {
     record["loss_scale"] = run.scaler.get_scale(); // fp16: backs off at each overflow, the same on every rank
+  }
+  if (run.setup.compression_rate) {
+    record["compression_rate"] = run.setup.compression_rate(); // PowerSGD's, of the last step
   }
   metrics.write(record);
   epoch.logged = done;
@@ -458,25 +466,53 @@ std::string describe_sample_counts(const torch::Tensor& counts, int epochs) {
          std::to_string(epochs) + "): " + std::to_string((counts != epochs).sum().item<int64_t>()) + " differ";
 }
 
+// PowerSGD's compression over the last step, and why there was none.
+std::string describe_compression(double rate, const TrainingState& state, const Config& config) {
+  char text[512];
+  if (rate == 0) {
+    std::snprintf(text, sizeof(text), "PowerSGD compressed nothing: it starts after --powersgd-start %lld steps of "
+                  "plain allreduce, and this run ended at step %lld", static_cast<long long>(config.powersgd_start),
+                  static_cast<long long>(state.step));
+  } else if (rate <= 1.0) {
+    std::snprintf(text, sizeof(text), "PowerSGD compressed no gradient: at --powersgd-rank %lld no gradient matrix "
+                  "of this model is worth compressing (each would send at least half of what it holds), so every "
+                  "bucket went as a plain allreduce; a lower --powersgd-rank compresses",
+                  static_cast<long long>(config.powersgd_rank));
+  } else {
+    std::snprintf(text, sizeof(text), "PowerSGD compression rate %.1f (gradient elements over elements sent, at the "
+                  "last step; also in metrics.jsonl)", rate);
+  }
+  return text;
+}
+
 void report_summary(const Run& run, const TrainingState& state, const Totals& totals, double seconds) {
   const Config& config = run.config;
   const int world_size = run.setup.world_size;
   std::vector<std::string> outputs{"metrics.jsonl"};
   if (!config.save_path.empty()) {
-    torch::save(run.net, config.save_path);
+    try {
+      torch::save(run.net, config.save_path);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "lockstep-train: cannot write the model to --save ", config.save_path, ": ",
+                  e.what_without_backtrace());
+    }
     outputs.push_back(config.save_path);
   }
   if (!config.checkpoint_path.empty()) {
     outputs.push_back(config.checkpoint_path);
   }
-  const std::string no_curves = lockstep::examples::plot_curves(config.out_dir);
+  const auto curves = lockstep::examples::plot_curves(config.out_dir);
+  const std::string& no_curves = curves.missing;
   if (no_curves.empty()) {
     outputs.push_back("curves.png");
   }
   const double samples_per_second = rate(totals.samples, totals.train_seconds);
-  std::printf("lockstep-train: %d epoch(s), %lld steps in %.1f s (%.1f s training) with %s in %s; %.0f samples/s "
+  const int64_t trained = state.step - state.resumed_step;
+  const std::string steps = std::to_string(trained) + " steps" +
+      (state.resumed_step > 0 ? " (" + std::to_string(state.step) + " in all)" : std::string());
+  std::printf("lockstep-train: %d epoch(s), %s in %.1f s (%.1f s training) with %s in %s; %.0f samples/s "
               "over all %d rank(s), %.0f per rank\n",
-              config.epochs, static_cast<long long>(state.step), seconds, totals.train_seconds,
+              config.epochs, steps.c_str(), seconds, totals.train_seconds,
               run.setup.description.c_str(), config.precision.c_str(), samples_per_second, world_size,
               samples_per_second / world_size);
   const Tally& last = totals.last_epoch;
@@ -495,6 +531,14 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
   std::printf("lockstep-train: outputs in %s/: %s\n", config.out_dir.c_str(), listed.c_str());
   if (!no_curves.empty()) {
     std::printf("lockstep-train: %s\n", no_curves.c_str());
+  }
+  if (run.setup.compression_rate) {
+    std::printf("lockstep-train: %s\n", describe_compression(run.setup.compression_rate(), state, config).c_str());
+  }
+  if (curves.first_non_finite_step >= 0) {
+    std::printf("lockstep-train: the training loss stopped being finite (NaN or infinite) by step %lld; the curves "
+                "show the finite values before it. Try a lower --lr, or --precision fp32 if another was set.\n",
+                static_cast<long long>(curves.first_non_finite_step));
   }
 }
 
@@ -515,6 +559,22 @@ void report_membership_change(const Run& run, const TrainingState& state, lockst
                  {"samples_in_epoch", state.samples_in_epoch}, {"old_world_size", before}, {"new_world_size", now}});
 }
 
+// --warmup-steps past the run's last step leave the learning rate short of
+// --lr for the whole run: said once, at the start.
+void say_if_warmup_outlasts_the_run(const Run& run) {
+  const int64_t per_epoch = lockstep::examples::epoch_extent(run.setup.plan).second;
+  const int64_t total = per_epoch * run.config.epochs;
+  if (run.config.warmup_steps <= total) {
+    return;
+  }
+  std::fprintf(stderr, "lockstep-train: --warmup-steps %lld is more than the run's %lld steps (%d epoch(s) of %lld), "
+               "so the learning rate never reaches --lr %g: it ends at %g. Give --warmup-steps %lld or fewer, or "
+               "more --epochs.\n", static_cast<long long>(run.config.warmup_steps), static_cast<long long>(total),
+               run.config.epochs, static_cast<long long>(per_epoch), run.config.lr,
+               run.config.lr * static_cast<double>(total) / static_cast<double>(run.config.warmup_steps),
+               static_cast<long long>(total));
+}
+
 // Trains from where the setup starts to the last epoch, then reports.
 void train(const Run& run) {
   const bool lead = run.setup.rank == 0;
@@ -531,6 +591,9 @@ void train(const Run& run) {
   if (state.epoch >= run.config.epochs) {
     report_finished_run(run, state);
     return;
+  }
+  if (lead) {
+    say_if_warmup_outlasts_the_run(run);
   }
   const auto start = Clock::now();
   Totals totals;
@@ -574,14 +637,7 @@ int main(int argc, char** argv) {
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.
     const bool launched = lockstep::launched_by_launcher();
-    TORCH_CHECK(launched || parsed.sharding.empty(), "lockstep-train: --sharding ", parsed.sharding, " shards over "
-                "ranks, one process each: run it under lockstep-run (or torchrun, mpirun, srun), for example "
-                "lockstep-run --nproc-per-node 2 lockstep-train --sharding ", parsed.sharding, ". Alone, lockstep-train "
-                "trains with DataParallel, which does not shard.");
-    TORCH_CHECK(parsed.comm_hook == "none" || (launched && parsed.sharding.empty()), "lockstep-train: --comm-hook ",
-                parsed.comm_hook, " sets how DistributedDataParallel reduces its buckets: run it under a launcher "
-                "(lockstep-run, torchrun, mpirun, srun) and without --sharding", launched ? "" : ", for example "
-                "lockstep-run --nproc-per-node 2 lockstep-train --comm-hook " + parsed.comm_hook, ".");
+    lockstep::examples::check_launch_flags(parsed, launched);
     std::optional<lockstep::ProcessGroup> group;
     if (launched) {
       group = lockstep::examples::launched_group(parsed);
@@ -591,10 +647,12 @@ int main(int argc, char** argv) {
                         : config.sharding.empty()
                             ? lockstep::examples::distributed_setup(*group, net, data, signature, config)
                             : lockstep::examples::sharded_setup(*group, net, data, signature, config);
-    lockstep::examples::autocast_for(config, setup.device); // refuses here what autocast cannot run (fp16 on 1.13's CPU)
     lockstep::examples::say_if_emulated(config, setup.device, setup.rank == 0);
+    lockstep::examples::autocast_for(config, setup.device); // refuses here what autocast cannot run (fp16 on 1.13's CPU)
     const auto scaler = lockstep::examples::make_scaler(config, setup.group, setup.state);
     train(Run{net, *setup.optimizer, *scaler, data, setup, config});
+  } catch (const lockstep::examples::UsageError& e) { // a refusal before training, as parse_command_line's
+    return lockstep::examples::refuse(e.what());
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
     return 1;

@@ -82,6 +82,66 @@ TEST(TrainerCommandLine, MoreSamplesThanTheFilesHoldIsRefused) {
             std::string::npos) << q.output;
 }
 
+// Refusals after the command line parsed, but before training, exited 1
+// where the parser's exit 2; PyTorch's names for the strategies are taken.
+TEST(TrainerCommandLine, RefusalsBeforeTrainingHaveTheUsageExitCode) {
+  expect_refused(train(tiny("sharding_alone"), {"--sharding", "full"}, "sharding_alone"),
+                 "--sharding full shards over ranks, one process each");
+  expect_refused(train(tiny("hook_alone"), {"--comm-hook", "powersgd"}, "hook_alone"),
+                 "--comm-hook powersgd sets how DistributedDataParallel reduces its buckets");
+  for (const auto& [given, meant] : {std::make_pair("full-shard", "full"), std::make_pair("SHARD_GRAD_OP", "grad-op"),
+                                     std::make_pair("no_shard", "none"), std::make_pair("shard-grad-op", "grad-op")}) {
+    expect_refused(train(tiny(std::string("spelled_") + meant), {"--sharding", given}, std::string("spelled_") + meant),
+                   std::string("--sharding ") + meant + " shards over ranks");
+  }
+}
+
+// Notes at the start of a run that would otherwise mislead: a warmup
+// longer than the run, PowerSGD's flags without its hook, fp16 on a CPU.
+TEST(TrainerCommandLine, SettingsThatCannotTakeEffectAreSaid) {
+  auto p = train(tiny("notes"), {"--powersgd-rank", "8", "--precision", "fp16"}, "notes");
+  EXPECT_NE(p.output.find("lockstep-train: --powersgd-rank has no effect without --comm-hook powersgd (here "
+                          "--comm-hook none)"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("lockstep-train: note: --precision fp16 on a CPU is slow"), std::string::npos) << p.output;
+  auto q = train(tiny("warmup"), {}, "warmup");
+  EXPECT_EQ(q.exit_code, 0) << q.output;
+  EXPECT_NE(q.output.find("lockstep-train: --warmup-steps 100 is more than the run's 2 steps (1 epoch(s) of 2), so the "
+                          "learning rate never reaches --lr 0.1: it ends at 0.002."), std::string::npos) << q.output;
+}
+
+// A loss that became NaN or infinite ended every run with exit code 1 and
+// "[json.exception.type_error.302] type must be number, but is null" from
+// the curves. The run finishes, and says from which step.
+TEST(TrainerCommandLine, ARunWhoseLossDivergesFinishesAndSaysWhen) {
+  auto p = train(tiny("diverged"), {"--lr", "1e30", "--warmup-steps", "0"}, "diverged");
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-train: the training loss stopped being finite (NaN or infinite) by step 2"),
+            std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("json.exception"), std::string::npos) << p.output;
+}
+
+// A resumed run's summary counted the steps of the run it resumed, and a
+// change of --precision went unsaid.
+TEST(TrainerCommandLine, AResumedRunCountsItsOwnStepsAndSaysWhatChanged) {
+  const std::string checkpoint = temp("counted.ckpt");
+  auto first = train(tiny("counted"), {"--checkpoint", checkpoint}, "counted");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto second = train(with_flag(tiny("counted2"), "--epochs", "2"), {"--checkpoint", checkpoint, "--precision", "bf16"},
+                      "counted2");
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("2 epoch(s), 2 steps (4 in all) in"), std::string::npos) << second.output;
+  EXPECT_NE(second.output.find("; written with --precision fp32, and this run goes on with --precision bf16"),
+            std::string::npos) << second.output;
+}
+
+// A place nothing can be written to that access() passes (a pseudo file
+// system, as root) failed after training with "open file failed", naming
+// no path.
+TEST(TrainerPaths, ASaveWhereNothingCanBeWrittenIsRefusedBeforeAnything) {
+  expect_refused(train(tiny("proc_save"), {"--save", "/proc/lockstep-model.pt"}, "proc_save"),
+                 "--save /proc/lockstep-model.pt: cannot write into /proc/");
+}
+
 TEST(TrainerPaths, CheckpointOrSaveNamingAFolderIsRefusedBeforeAnything) {
   const std::string folder = temp("a_folder");
   ASSERT_EQ(mkdir(folder.c_str(), 0755), 0);

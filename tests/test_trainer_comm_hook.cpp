@@ -53,9 +53,39 @@ TEST(TrainerCommHook, PowerSGDResumesExactlyFromTheCheckpoint) {
   EXPECT_EQ(final_hash(resumed.output), final_hash(whole.output)) << resumed.output;
 }
 
+// A resume with another --powersgd-rank failed after its first step with
+// "rank 4 needs 512", where "rank" read as the process's. Now the resume
+// line names both settings, and PowerSGD draws its Q's anew at the new rank
+// (Note [PowerSGD state of another rank]). The summary gives the
+// compression rate, or says that no gradient was compressed.
+TEST(TrainerCommHook, AResumeWithAnotherPowerSGDRankGoesOnAndTheSummaryGivesTheRate) {
+  const std::string checkpoint = temp("powersgd_rank.ckpt");
+  auto first = launch({"--nproc-per-node", "2", "--master-port", port()},
+                      with_hook(trainer("powersgd_rank", checkpoint), "powersgd"), "powersgd_rank", {kOneThread});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_TRUE(std::regex_search(first.output, std::regex("PowerSGD compression rate [0-9.]+ \\(gradient elements over "
+                                                         "elements sent"))) << first.output;
+  auto args = with_flag(with_flag(with_hook(trainer("powersgd_rank2", checkpoint), "powersgd"), "--powersgd-rank", "1"),
+                        "--epochs", "3");
+  auto resumed = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "powersgd_rank2", {kOneThread});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("written with --precision fp32 --comm-hook powersgd --powersgd-rank 2, and this run "
+                                "goes on with --precision fp32 --comm-hook powersgd --powersgd-rank 1"),
+            std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("16 steps (48 in all)"), std::string::npos) << resumed.output;
+  auto huge = launch({"--nproc-per-node", "2", "--master-port", port()},
+                     with_flag(with_hook(trainer("powersgd_huge"), "powersgd"), "--powersgd-rank", "1024"),
+                     "powersgd_huge", {kOneThread});
+  ASSERT_EQ(huge.exit_code, 0) << huge.output;
+  EXPECT_NE(huge.output.find("PowerSGD compressed no gradient: at --powersgd-rank 1024"), std::string::npos)
+      << huge.output;
+  const std::string metrics = read_text(temp("powersgd_huge_out") + "/metrics.jsonl");
+  EXPECT_NE(metrics.find("\"compression_rate\":1.0"), std::string::npos) << metrics;
+}
+
 TEST(TrainerCommHook, IsRefusedWithoutDdp) {
   auto alone = testing::run(with_hook(trainer("hook_alone"), "powersgd"), {kOneThread}, temp("hook_alone.log"), kDeadline);
-  EXPECT_EQ(alone.exit_code, 1);
+  EXPECT_EQ(alone.exit_code, 2);
   EXPECT_NE(alone.output.find("--comm-hook powersgd sets how DistributedDataParallel reduces its buckets: run it under "
                               "a launcher"),
             std::string::npos)
