@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -217,14 +218,29 @@ inline void check_unit_no_rank_used(ProcessGroup& group, OddNet initial, Shardin
 inline void check_sharded_checkpoint(ProcessGroup& group, OddNet initial, ShardingStrategy strategy,
                                      const std::string& dir, bool save, const Check& check) {
   const std::string where = dir + "/" + name_of(strategy);
+  const std::string id_path = where + ".save_id";
   FullyShardedDataParallel<OddNet> model(copy_of(initial), group, ShardingOptions().strategy(strategy));
-  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+  // The load restores the saved lr, as torch::load of an optimizer does:
+  // training on at 0.5 would leave the reference.
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(save ? 0.01 : 0.5));
   if (!save) {
-    load_sharded(model, adam, where);
+    int64_t id = 0;
+    std::ifstream(id_path) >> id;
+    const std::string refused = message_of([&] { load_sharded(model, adam, where, id + 1); });
+    check(refused.find(where + " holds save " + std::to_string(id) + ", not save " + std::to_string(id + 1)) !=
+              std::string::npos,
+          std::string(name_of(strategy)) + ": a load naming another save was not refused: " + refused);
+    load_sharded(model, adam, where, id);
+    const double lr = static_cast<const torch::optim::AdamOptions&>(adam.param_groups()[0].options()).lr();
+    check(lr == 0.01, std::string(name_of(strategy)) + ": the load left lr at " + std::to_string(lr) + ", not the saved 0.01");
   }
   train_shares(model, adam, group, save ? 0 : 2, save ? 2 : 4);
   if (save) {
-    save_sharded(model, adam, where);
+    const int64_t id = save_sharded(model, adam, where);
+    if (group.rank() == 0) {
+      std::ofstream(id_path) << id;
+    }
+    group.barrier();
     return;
   }
   const int world = strategy == ShardingStrategy::NoShard ? 1 : group.size();
