@@ -4,8 +4,10 @@
 // runs in its own process, rounds alternate the order, and the figures are
 // medians with bf16's ratio to fp32. Each row also splits a step into
 // forward, backward and optimizer, to show where bf16 gains or loses.
+// --fp16 adds autocast to float16 (PyTorch 2.4 or later on the CPU), to show
+// what lockstep-train's note on fp16 on a CPU says.
 //
-//   build/lockstep-bench-amp [--rounds N] [--seconds S] [--model mlp|cnn]
+//   build/lockstep-bench-amp [--rounds N] [--seconds S] [--model mlp|cnn] [--fp16]
 
 #include <lockstep/lockstep.h>
 
@@ -43,7 +45,7 @@ struct Phases {
 // Trains `model` on random data for `seconds` after a warm-up; prints
 // "rate R forward F backward B step S" (samples/s, ms per step).
 template <typename Model>
-void time_contender(Model model, const std::vector<int64_t>& input_shape, bool bf16, double seconds) {
+void time_contender(Model model, const std::vector<int64_t>& input_shape, torch::ScalarType dtype, double seconds) {
   torch::manual_seed(0);
   auto x = torch::randn(input_shape);
   auto y = torch::randint(0, 10, {input_shape[0]});
@@ -55,8 +57,8 @@ void time_contender(Model model, const std::vector<int64_t>& input_shape, bool b
     torch::Tensor loss;
     {
       std::unique_ptr<lockstep::AutocastGuard> autocast;
-      if (bf16) {
-        autocast = std::make_unique<lockstep::AutocastGuard>(torch::kCPU, torch::kBFloat16);
+      if (dtype != torch::kFloat) {
+        autocast = std::make_unique<lockstep::AutocastGuard>(torch::kCPU, dtype);
       }
       loss = torch::cross_entropy_loss(model->forward(x), y);
     }
@@ -107,8 +109,11 @@ void spawn(const std::string& self, const std::string& model, Row& row, double s
   row.step.push_back(s);
 }
 
-void run_model(const std::string& self, const std::string& model, int rounds, double seconds) {
+void run_model(const std::string& self, const std::string& model, int rounds, double seconds, bool fp16) {
   std::vector<Row> rows = {{"fp32", {}, {}, {}, {}}, {"bf16", {}, {}, {}, {}}};
+  if (fp16) {
+    rows.push_back({"fp16", {}, {}, {}, {}});
+  }
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < rows.size(); ++i) {
       spawn(self, model, rows[(i + r) % rows.size()], seconds);
@@ -123,9 +128,11 @@ void run_model(const std::string& self, const std::string& model, int rounds, do
     }
     std::printf(")\n");
   }
-  std::printf("%-4s bf16 / fp32: %.3f (forward %.3f, backward %.3f of fp32's time)\n", model.c_str(),
-              median(rows[1].rate) / median(rows[0].rate), median(rows[1].forward) / median(rows[0].forward),
-              median(rows[1].backward) / median(rows[0].backward));
+  for (size_t i = 1; i < rows.size(); ++i) {
+    std::printf("%-4s %s / fp32: %.3f (forward %.3f, backward %.3f of fp32's time)\n", model.c_str(),
+                rows[i].precision.c_str(), median(rows[i].rate) / median(rows[0].rate),
+                median(rows[i].forward) / median(rows[0].forward), median(rows[i].backward) / median(rows[0].backward));
+  }
   std::fflush(stdout);
 }
 
@@ -143,6 +150,7 @@ int main(int argc, char** argv) {
   double seconds = 2.0;
   std::string only;
   std::string contender;
+  bool fp16 = false;
   CLI::App app{"lockstep-bench-amp: training-step throughput in fp32 and under bf16 autocast on the CPU, side by "
                "side in one run (median samples/s and ratio of medians)."};
   app.add_option("--rounds", rounds, "Rounds; each times every contender once")->check(CLI::PositiveNumber)
@@ -151,15 +159,17 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--model", only, "Only this model (default: both)")->check(CLI::IsMember({"mlp", "cnn"}));
   app.add_option("--contender", contender, "Time only this precision, once, in this process (needs --model)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_flag("--fp16", fp16, "Also time autocast to float16 (PyTorch 2.4 or later)");
   CLI11_PARSE(app, argc, argv);
   try {
     if (!contender.empty()) {
       TORCH_CHECK(!only.empty(), "lockstep-bench-amp: --contender needs --model");
+      const auto dtype = contender == "bf16" ? torch::kBFloat16 : contender == "fp16" ? torch::kHalf : torch::kFloat;
       if (only == "mlp") {
-        time_contender(lockstep::examples::make_mlp(), {256, 784}, contender == "bf16", seconds);
+        time_contender(lockstep::examples::make_mlp(), {256, 784}, dtype, seconds);
       } else {
-        time_contender(lockstep::examples::ConvNet(), {128, 1, 28, 28}, contender == "bf16", seconds);
+        time_contender(lockstep::examples::ConvNet(), {128, 1, 28, 28}, dtype, seconds);
       }
       return 0;
     }
@@ -167,7 +177,7 @@ int main(int argc, char** argv) {
                 seconds, at::get_num_threads(), TORCH_VERSION);
     for (const std::string model : {"mlp", "cnn"}) {
       if (only.empty() || only == model) {
-        run_model(own_path(), model, rounds, seconds);
+        run_model(own_path(), model, rounds, seconds, fp16);
       }
     }
   } catch (const c10::Error& e) {
