@@ -15,7 +15,9 @@ packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcl
   # the mpi backend, and mpirun for its tests
   libopenmpi-dev openmpi-bin
   # Gloo's own headers, which c10d's include and PyTorch's wheels lack
-  libgloo-dev)
+  libgloo-dev
+  # the API reference from the public headers' /// comments (scripts/docs.sh)
+  doxygen)
 if [ "$LOCKSTEP_TORCH" = debian ]; then
   packages+=(
     libtorch-dev libgloo-dev
