@@ -1,10 +1,11 @@
 #pragma once
 
-// Mixed precision for LibTorch: an autocast guard (Python's torch.autocast
-// as a scope) and a gradient scaler (torch.amp.GradScaler) that, given a
-// process group, makes every rank step or skip together. See Note [Mixed
-// precision] in src/amp.cpp, and docs/design.md for which combination suits
-// which case.
+/// \file
+/// Mixed precision for LibTorch: an autocast guard (Python's torch.autocast
+/// as a scope) and a gradient scaler (torch.amp.GradScaler) that, given a
+/// process group, makes every rank step or skip together. See Note [Mixed
+/// precision] in src/amp.cpp, and docs/design.md for which combination suits
+/// which case.
 
 #include <lockstep/process_group.h>
 
@@ -37,6 +38,11 @@ namespace lockstep {
 /// already unwinding).
 class AutocastGuard {
  public:
+  /// Turns autocast to `dtype` on for `device_type` (torch::kCPU or
+  /// torch::kCUDA), or off with `enabled` false, and the cast cache on or off
+  /// as `cache_enabled` says (unset: as it was). A device type this LibTorch
+  /// has no autocast for, another dtype, and float16 on the CPU before
+  /// PyTorch 2.4 are errors.
   AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled = true,
                 std::optional<bool> cache_enabled = std::nullopt);
   ~AutocastGuard() noexcept(false);
@@ -73,14 +79,20 @@ struct GradScalerOptions {
   TORCH_ARG(ProcessGroup, group);
 };
 
-/// torch.amp.GradScaler for LibTorch:
-///   scaler.scale(loss).backward();
-///   scaler.unscale_(optimizer);              // optional, before clipping
-///   bool stepped = scaler.step(optimizer);   // skipped on inf or NaN
-///   scaler.update();
+/// torch.amp.GradScaler for LibTorch.
+///
+/// ```
+/// scaler.scale(loss).backward();
+/// scaler.unscale_(optimizer);              // optional, before clipping
+/// bool stepped = scaler.step(optimizer);   // skipped on inf or NaN
+/// scaler.update();
+/// ```
+///
 /// Gradients in float16 are refused by unscale_ (keep fp32 master weights).
 class GradScaler {
  public:
+  /// A scaler with `options`; an init_scale, growth_factor, backoff_factor or
+  /// growth_interval out of range is an error naming it.
   explicit GradScaler(GradScalerOptions options = {});
 
   /// `outputs` times the scale. The scale lives on the device of the first
@@ -102,9 +114,11 @@ class GradScaler {
   double get_scale() const;
   /// Good steps since the last growth or backoff.
   int64_t growth_tracker() const;
+  /// Whether the scaler is on (GradScalerOptions::enabled).
   bool is_enabled() const {
     return options_.enabled();
   }
+  /// The options it was made with.
   const GradScalerOptions& options() const {
     return options_;
   }

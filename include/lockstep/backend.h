@@ -1,12 +1,13 @@
 #pragma once
 
-// What a backend author implements: GroupImpl, the few calls a process group
-// is made of, and the Work handle its collectives return. ProcessGroup
-// (process_group.h) wraps a GroupImpl and adds what every backend shares:
-// argument checks, Avg, the flight recorder and the agreement check. The
-// backends of this build are listed in one table (Note [Backend table] in
-// src/process_group.cpp); a group of your own goes in with
-// ProcessGroup(std::make_shared<YourGroup>(...)).
+/// \file
+/// What a backend author implements: GroupImpl, the few calls a process group
+/// is made of, and the Work handle its collectives return. ProcessGroup
+/// (process_group.h) wraps a GroupImpl and adds what every backend shares:
+/// argument checks, Avg, the flight recorder and the agreement check. The
+/// backends of this build are listed in one table (Note [Backend table] in
+/// src/process_group.cpp); a group of your own goes in with
+/// ProcessGroup(std::make_shared<YourGroup>(...)).
 
 #include <torch/types.h>
 
@@ -43,7 +44,8 @@ class Work {
   }
 };
 
-/// What a backend implements: the few calls MLX calls a GroupImpl. Tensors
+/// What a backend implements: the few calls a process group is made of (as
+/// in MLX, whose name for it this is). Tensors
 /// are reduced or broadcast in place; `what` names the collective in errors
 /// ("allreduce of bucket 2 (5 parameters, 1.0 MiB)"). Every rank calls the
 /// same collectives in the same order with tensors of the same shapes.

@@ -1,6 +1,7 @@
 #pragma once
 
-// A lockstep::ProcessGroup over a c10d process group you made yourself.
+/// \file
+/// A lockstep::ProcessGroup over a c10d process group you made yourself.
 
 #include <lockstep/detail/c10d_group.h>
 #include <lockstep/process_group.h>

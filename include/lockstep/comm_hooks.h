@@ -1,9 +1,10 @@
 #pragma once
 
-// Communication hooks: how DistributedDataParallel reduces one bucket of
-// gradients, as PyTorch's register_comm_hook. A hook starts the reduction
-// while backward goes on and returns something to wait on; the reducer waits
-// at the end of backward, in bucket order.
+/// \file
+/// Communication hooks: how DistributedDataParallel reduces one bucket of
+/// gradients, as PyTorch's register_comm_hook. A hook starts the reduction
+/// while backward goes on and returns something to wait on; the reducer waits
+/// at the end of backward, in bucket order.
 
 #include <lockstep/process_group.h>
 
@@ -54,6 +55,8 @@ class PendingReduction {
 /// every rank, while backward runs.
 using CommHook = std::function<std::shared_ptr<PendingReduction>(const ProcessGroup&, GradBucket&)>;
 
+/// The built-in communication hooks (DistributedOptions::comm_hook), and the
+/// pieces to build one of your own from.
 namespace comm_hooks {
 /// ReduceOp::Avg over ranks: the built-in reduction's result, as a hook to
 /// build on.

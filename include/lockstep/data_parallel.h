@@ -1,8 +1,9 @@
 #pragma once
 
-// lockstep::DataParallel: one process, many devices, the same training as one
-// device.
-//
+/// \file
+/// DataParallel: one process, many devices, the same training as one
+/// device.
+
 // Note [DataParallel step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // A call dp(args...) goes through five stages, each a method of
@@ -65,13 +66,19 @@ namespace lockstep {
 
 /// Runs a module on several devices at once: one process, one replica per
 /// device, each on its own thread. Made through the holder DataParallel<M>.
-/// See Note [DataParallel step]. While one with CPU replicas exists, their
-/// large allocations come from a cache, as on a GPU, and it gives its memory
-/// back when the last one ends (Note [CPU replicas' memory] in
-/// src/cpu_cache.cpp).
+/// See Note [DataParallel step] in data_parallel.h. While one with CPU
+/// replicas exists, their large allocations come from a cache, as on a GPU,
+/// and it gives its memory back when the last one ends (Note [CPU replicas'
+/// memory] in src/cpu_cache.cpp).
+///
+/// The wrapped module is its child "module", so parameters(), zero_grad(),
+/// train() and to() reach it, and `module()` returns it. save() and load()
+/// write and read it as if it were bare: a file of a DataParallel loads into
+/// a bare M, and a bare M's file loads into a DataParallel.
 template <typename M>
 class DataParallelImpl : public detail::WrapperModule<M> {
  public:
+  /// The wrapped module's class, M::ContainedType: `NetImpl` for M = `Net`.
   using Impl = typename M::ContainedType;
   static_assert(
       std::is_base_of<torch::nn::Cloneable<Impl>, Impl>::value,
@@ -176,15 +183,21 @@ class DataParallelImpl : public detail::WrapperModule<M> {
     }
   }
 
+  /// Sets training mode (`on`) or eval mode on the wrapped module and every
+  /// replica.
   void train(bool on = true) override {
     torch::nn::Module::train(on);
     core_->train(on);
   }
 
+  /// Moves the wrapped module to `device` and converts it to `dtype`; the
+  /// replicas are converted to `dtype` on their own devices. A wrapped module
+  /// no longer on devices[0] is reported at the next call.
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
     torch::nn::Module::to(device, dtype, non_blocking);
     core_->to_dtype(dtype, non_blocking);
   }
+  /// Converts the wrapped module and every replica to `dtype`.
   void to(torch::Dtype dtype, bool non_blocking = false) override {
     torch::nn::Module::to(dtype, non_blocking);
     core_->to_dtype(dtype, non_blocking);
@@ -195,6 +208,7 @@ class DataParallelImpl : public detail::WrapperModule<M> {
     torch::nn::Module::to(device, non_blocking);
   }
 
+  /// Prints `lockstep::DataParallel(devices=[cuda:0, cuda:1])`.
   void pretty_print(std::ostream& stream) const override {
     stream << "lockstep::DataParallel(devices=[";
     const auto& devices = core_->options().devices();
@@ -210,9 +224,10 @@ class DataParallelImpl : public detail::WrapperModule<M> {
   std::unique_ptr<detail::DataParallelCore> core_;
 };
 
-/// `lockstep::DataParallel<Net> dp(net, DataParallelOptions().devices({...}));`
-/// A ModuleHolder: dp(args...), dp->forward(args...), dp->parameters(),
-/// torch::save(dp, path) all work as for Net; dp->module() is net.
+/// The module holder of DataParallelImpl, made as
+/// `lockstep::DataParallel<Net> dp(net, DataParallelOptions().devices({...}))`.
+/// dp(args...), dp->forward(args...), dp->parameters(), torch::save(dp, path)
+/// all work as for Net; dp->module() is net.
 template <typename M>
 using DataParallel = detail::ForwardingHolder<DataParallelImpl<M>>;
 

@@ -1,7 +1,8 @@
 #pragma once
 
-// Options of lockstep::DataParallel (data_parallel.h), with fluent setters,
-// as the C++ frontend keeps module options apart from modules.
+/// \file
+/// Options of lockstep::DataParallel (data_parallel.h), with fluent setters,
+/// as the C++ frontend keeps module options apart from modules.
 
 #include <lockstep/scatter_gather.h>
 

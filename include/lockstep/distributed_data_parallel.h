@@ -1,8 +1,9 @@
 #pragma once
 
-// lockstep::DistributedDataParallel: one process per rank, gradients averaged
-// over ranks while backward runs. See Note [Reducer state] in src/reducer_state.h
-// and docs/design.md.
+/// \file
+/// DistributedDataParallel: one process per rank, gradients averaged
+/// over ranks while backward runs. See Note [Reducer state] in src/reducer_state.h
+/// and docs/design.md.
 
 #include <lockstep/comm_hooks.h>
 #include <lockstep/detail/distributed_core.h>
@@ -79,6 +80,7 @@ class NoSyncGuard {
   explicit NoSyncGuard(detail::DistributedCore& core) : core_(&core), previous_(core.sync()) {
     core_->set_sync(false);
   }
+  /// Takes over `other`'s guard; `other` then restores nothing when it ends.
   NoSyncGuard(NoSyncGuard&& other) noexcept : core_(other.core_), previous_(other.previous_) {
     other.core_ = nullptr;
   }
@@ -110,9 +112,11 @@ struct JoinOptions {
 
 /// Uneven inputs: made by DistributedDataParallelImpl::join().
 ///
-///   auto join = ddp->join();   // ranks may now run out of batches at different times
-///   for (auto& batch : my_batches) { /* forward, backward, step */ }
-///   join.finish();             // shadows the others' collectives until every rank is done
+/// ```
+/// auto join = ddp->join();   // ranks may now run out of batches at different times
+/// for (auto& batch : my_batches) { /* forward, backward, step */ }
+/// join.finish();             // shadows the others' collectives until every rank is done
+/// ```
 ///
 /// While joined, every forward costs one small extra collective. In grad
 /// mode, each forward must be followed by its backward, as without join.
@@ -126,9 +130,12 @@ struct JoinOptions {
 /// communicates. See Note [Join] in src/distributed_data_parallel.cpp.
 class JoinGuard {
  public:
+  /// Made by DistributedDataParallelImpl::join(): joins with `options`.
   JoinGuard(detail::DistributedCore& core, const JoinOptions& options) : core_(&core) {
     core_->begin_join(options.divide_by_initial_world_size(), options.throw_on_early_termination());
   }
+  /// Takes over `other`'s guard; `other` then neither finishes nor leaves
+  /// join mode.
   JoinGuard(JoinGuard&& other) noexcept : core_(other.core_) {
     other.core_ = nullptr;
   }
@@ -157,9 +164,15 @@ class JoinGuard {
 
 /// Data parallelism over processes. Made through the holder
 /// DistributedDataParallel<M>.
+///
+/// The wrapped module is its child "module", so parameters(), zero_grad(),
+/// train() and to() reach it, and `module()` returns it. save() and load()
+/// write and read it as if it were bare: a file of a DistributedDataParallel
+/// loads into a bare M, and a bare M's file loads into one.
 template <typename M>
 class DistributedDataParallelImpl : public detail::WrapperModule<M> {
  public:
+  /// The wrapped module's class, M::ContainedType: `NetImpl` for M = `Net`.
   using Impl = typename M::ContainedType;
 
   /// Checks that every rank built the same parameters, copies rank 0's
@@ -200,6 +213,7 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
     return core_->reducer().buckets();
   }
 
+  /// Prints `lockstep::DistributedDataParallel(rank=0, world_size=2, backend=gloo)`.
   void pretty_print(std::ostream& stream) const override {
     stream << "lockstep::DistributedDataParallel(rank=" << core_->group().rank() << ", world_size=" << core_->group().size()
            << ", backend=" << core_->group().backend() << ")";
@@ -210,9 +224,9 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   std::unique_ptr<detail::DistributedCore> core_;
 };
 
-/// `lockstep::DistributedDataParallel<Net> ddp(net, group, DistributedOptions());`
-/// A ModuleHolder, like DataParallel; torch::save(ddp, path) writes a bare
-/// Net's file.
+/// The module holder of DistributedDataParallelImpl, made as
+/// `lockstep::DistributedDataParallel<Net> ddp(net, group, DistributedOptions())`.
+/// Used as DataParallel is; torch::save(ddp, path) writes a bare Net's file.
 template <typename M>
 using DistributedDataParallel = detail::ForwardingHolder<DistributedDataParallelImpl<M>>;
 

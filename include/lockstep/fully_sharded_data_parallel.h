@@ -1,9 +1,10 @@
 #pragma once
 
-// lockstep::FullyShardedDataParallel: data parallelism whose parameters,
-// gradients and optimizer state are split over the ranks (ZeRO-3, ZeRO-2),
-// or not (DDP's behaviour), as PyTorch's FSDP. See Note [Sharded step] in
-// src/fully_sharded.cpp and docs/design.md.
+/// \file
+/// FullyShardedDataParallel: data parallelism whose parameters,
+/// gradients and optimizer state are split over the ranks (ZeRO-3, ZeRO-2),
+/// or not (DDP's behaviour), as PyTorch's FSDP. See Note [Sharded step] in
+/// src/fully_sharded.cpp and docs/design.md.
 
 #include <lockstep/detail/sharded_core.h>
 #include <lockstep/detail/wrapper.h>
@@ -41,6 +42,7 @@ enum class ShardingStrategy {
 
 /// Options of lockstep::FullyShardedDataParallel, with fluent setters.
 struct ShardingOptions {
+  /// What is split over the ranks. Default: FullShard.
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::FullShard;
   /// Dotted paths of the submodules that are units ("encoder", "layers.3"),
   /// as PyTorch FSDP's nested (auto-wrapped) modules. Empty (the default):
@@ -76,9 +78,11 @@ struct ShardingOptions {
 /// gradient. Made by FullyShardedDataParallelImpl::no_sync().
 class ShardedNoSyncGuard {
  public:
+  /// Made by FullyShardedDataParallelImpl::no_sync().
   explicit ShardedNoSyncGuard(detail::ShardedCore& core) : core_(&core), previous_(core.sync()) {
     core_->set_sync(false);
   }
+  /// Takes over `other`'s guard; `other` then restores nothing when it ends.
   ShardedNoSyncGuard(ShardedNoSyncGuard&& other) noexcept : core_(other.core_), previous_(other.previous_) {
     other.core_ = nullptr;
   }
@@ -108,9 +112,12 @@ class ShardedNoSyncGuard {
 /// exception]).
 class FullParamsGuard {
  public:
+  /// Made by FullyShardedDataParallelImpl::summon_full_params(): gathers the
+  /// whole parameters.
   explicit FullParamsGuard(detail::ShardedCore& core) : core_(&core), exceptions_(std::uncaught_exceptions()) {
     core_->summon();
   }
+  /// Takes over `other`'s guard; `other` then ends nothing.
   FullParamsGuard(FullParamsGuard&& other) noexcept
       : core_(other.core_), writeback_(other.writeback_), exceptions_(other.exceptions_) {
     other.core_ = nullptr;
@@ -232,8 +239,13 @@ constexpr bool kForwardTakesCastArguments =
 template <typename M>
 class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::ShardedWrapperMark {
  public:
+  /// The wrapped module's class, M::ContainedType: `NetImpl` for M = `Net`.
   using Impl = typename M::ContainedType;
 
+  /// Wraps `module`: checks that every rank built the same parameters,
+  /// copies rank 0's parameters and buffers to every rank, puts each unit's
+  /// trainable parameters of one dtype into one flat buffer, and keeps this
+  /// rank's shard of it. Every rank of `group` makes it together.
   FullyShardedDataParallelImpl(M module, ProcessGroup group = {}, ShardingOptions options = {})
       : module_(std::move(module)) {
     TORCH_CHECK(!module_.is_empty(), "lockstep::FullyShardedDataParallel: the module to wrap is empty (a null holder).");
@@ -275,6 +287,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
   ShardedNoSyncGuard no_sync() {
     return ShardedNoSyncGuard(*core_);
   }
+  /// The group the parameters are sharded over.
   const ProcessGroup& group() const {
     return core_->group();
   }
@@ -289,10 +302,11 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
   torch::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0) {
     return core_->clip_grad_norm_(max_norm, norm_type);
   }
-  /// See lockstep::save_sharded and load_sharded.
+  /// See lockstep::save_sharded.
   int64_t save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
     return core_->save_sharded(optimizer, dir);
   }
+  /// See lockstep::load_sharded.
   void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir,
                     std::optional<int64_t> save_id = std::nullopt) {
     core_->load_sharded(optimizer, dir, save_id);
@@ -310,6 +324,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
     return core_->flat_params();
   }
 
+  /// Sets training mode (`on`) or eval mode on the wrapper and the wrapped
+  /// module.
   void train(bool on = true) override {
     torch::nn::Module::train(on);
     module_->train(on);
@@ -321,10 +337,12 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
   void save(torch::serialize::OutputArchive& /*archive*/) const override {
     core_->refuse_serialization("torch::save");
   }
+  /// Refused, as save() is.
   void load(torch::serialize::InputArchive& /*archive*/) override {
     core_->refuse_serialization("torch::load");
   }
 
+  /// Prints `lockstep::FullyShardedDataParallel(rank=0, world_size=2, backend=gloo)`.
   void pretty_print(std::ostream& stream) const override {
     stream << "lockstep::FullyShardedDataParallel(rank=" << core_->group().rank()
            << ", world_size=" << core_->group().size() << ", backend=" << core_->group().backend() << ")";
@@ -335,7 +353,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
   std::unique_ptr<detail::ShardedCore> core_;
 };
 
-/// `lockstep::FullyShardedDataParallel<Net> model(net, group, ShardingOptions());`
+/// The module holder of FullyShardedDataParallelImpl, made as
+/// `lockstep::FullyShardedDataParallel<Net> model(net, group, ShardingOptions())`.
 template <typename M>
 using FullyShardedDataParallel = detail::ForwardingHolder<FullyShardedDataParallelImpl<M>>;
 
@@ -374,9 +393,11 @@ void load_sharded(FullyShardedDataParallel<M>& model, torch::optim::Optimizer& o
 /// Note [Full optimizer state]). Adam, AdamW, SGD, RMSprop and Adagrad.
 /// Every rank calls it.
 ///
-///   torch::optim::Adam full(model->module()->parameters(), adam_options);
-///   lockstep::full_optimizer_state(model, adam, full);
-///   if (rank == 0) torch::save(full, "optimizer.pt");
+/// ```
+/// torch::optim::Adam full(model->module()->parameters(), adam_options);
+/// lockstep::full_optimizer_state(model, adam, full);
+/// if (rank == 0) torch::save(full, "optimizer.pt");
+/// ```
 template <typename M>
 void full_optimizer_state(const FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer,
                           torch::optim::Optimizer& full) {
@@ -390,10 +411,12 @@ void full_optimizer_state(const FullyShardedDataParallel<M>& model, torch::optim
 /// FSDP's shard_full_optim_state_dict). So a checkpoint of a bare model, of
 /// DataParallel or of DistributedDataParallel resumes under sharding:
 ///
-///   torch::optim::SGD full(model->module()->parameters(), options);
-///   { auto whole = model->summon_full_params(); torch::load(model->module(), "model.pt"); }
-///   torch::load(full, "optimizer.pt");
-///   lockstep::shard_full_optimizer_state(model, full, sgd);
+/// ```
+/// torch::optim::SGD full(model->module()->parameters(), options);
+/// { auto whole = model->summon_full_params(); torch::load(model->module(), "model.pt"); }
+/// torch::load(full, "optimizer.pt");
+/// lockstep::shard_full_optimizer_state(model, full, sgd);
+/// ```
 ///
 /// Every rank calls it, with the same `full`.
 template <typename M>

@@ -1,6 +1,37 @@
 #pragma once
 
-/// Every public name of lockstep.
+/// \file
+/// Every public name of lockstep, in one include.
+
+/// \namespace lockstep
+/// Data-parallel training for LibTorch: DataParallel (one process, several
+/// devices), DistributedDataParallel and FullyShardedDataParallel (one
+/// process per rank, over a ProcessGroup), mixed precision (AutocastGuard,
+/// GradScaler), SyncBatchNorm, communication hooks (comm_hooks, PowerSGD) and
+/// the step timeline (timeline).
+
+/// \mainpage Lockstep API reference
+///
+/// Lockstep is data-parallel training for LibTorch. Include
+/// `<lockstep/lockstep.h>`, or the header of each part you use:
+///
+/// - lockstep::DataParallel (data_parallel.h): one process, one replica per
+///   device.
+/// - lockstep::DistributedDataParallel (distributed_data_parallel.h): one
+///   process per rank, gradients averaged over the ranks while backward runs.
+/// - lockstep::FullyShardedDataParallel (fully_sharded_data_parallel.h):
+///   parameters, gradients and optimizer state split over the ranks.
+/// - lockstep::ProcessGroup and lockstep::init_process_group
+///   (process_group.h): the ranks and the collectives between them; backend.h
+///   to write a backend of your own, c10d.h to wrap a c10d process group.
+/// - lockstep::AutocastGuard and lockstep::GradScaler (amp.h): mixed
+///   precision.
+/// - lockstep::SyncBatchNorm (sync_batch_norm.h), communication hooks
+///   (comm_hooks.h, powersgd.h) and the step timeline (timeline.h).
+///
+/// README.md says how to build, train and launch; docs/design.md how each
+/// part works.
+
 #include <lockstep/amp.h>
 #include <lockstep/c10d.h>
 #include <lockstep/comm_hooks.h>

@@ -1,19 +1,22 @@
 #pragma once
 
-// PowerSGD (Vogels et al., NeurIPS 2019), as PyTorch's powerSGD_hook: a
-// DistributedDataParallel communication hook that sends, for each
-// matrix-shaped gradient M (n x m), two thin factors P (n x r) and Q (m x r)
-// with M ~ P Q^T, instead of M itself. On slow links that is the difference
-// between communication and compute setting the step time.
-//
-//   lockstep::PowerSGD powersgd = lockstep::comm_hooks::powersgd(
-//       lockstep::PowerSGDOptions().rank(4).start_iteration(10));
-//   lockstep::DistributedDataParallel<Net> ddp(net, group,
-//       lockstep::DistributedOptions().comm_hook(powersgd));
-//   ...
-//   powersgd.save(archive);   // with the checkpoint: error feedback and warm start resume exactly
-//
-// Note [PowerSGD] in src/powersgd.cpp follows one bucket through a step.
+/// \file
+/// PowerSGD (Vogels et al., NeurIPS 2019), as PyTorch's powerSGD_hook: a
+/// DistributedDataParallel communication hook that sends, for each
+/// matrix-shaped gradient M (n x m), two thin factors P (n x r) and Q (m x r)
+/// with M ~ P Q^T, instead of M itself. On slow links that is the difference
+/// between communication and compute setting the step time.
+///
+/// ```
+/// lockstep::PowerSGD powersgd = lockstep::comm_hooks::powersgd(
+///     lockstep::PowerSGDOptions().rank(4).start_iteration(10));
+/// lockstep::DistributedDataParallel<Net> ddp(net, group,
+///     lockstep::DistributedOptions().comm_hook(powersgd));
+/// ...
+/// powersgd.save(archive);   // with the checkpoint: error feedback and warm start resume exactly
+/// ```
+///
+/// Note [PowerSGD] in src/powersgd.cpp follows one bucket through a step.
 
 #include <lockstep/comm_hooks.h>
 
@@ -61,11 +64,14 @@ struct PowerSGDState;
 /// buckets are refused while the first lives.
 class PowerSGD {
  public:
+  /// A hook with `options`, and a fresh state; a rank below 1, a negative
+  /// start_iteration or a min_compression_rate not above 0 is an error.
   explicit PowerSGD(PowerSGDOptions options = {});
 
   /// Starts the reduction of one bucket (what DistributedDataParallel calls).
   std::shared_ptr<PendingReduction> operator()(const ProcessGroup& group, GradBucket& bucket) const;
 
+  /// The options it was made with.
   const PowerSGDOptions& options() const;
   /// Reducing iterations seen so far: compression runs once this reaches
   /// options().start_iteration().

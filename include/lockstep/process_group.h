@@ -1,11 +1,12 @@
 #pragma once
 
-// Process groups for lockstep: a copyable handle (ProcessGroup) over a
-// backend (GroupImpl, in backend.h), with c10d's Gloo and NCCL process
-// groups and lockstep's MPI as backends, and a size-1 local group that makes
-// world size 1 free. Which backends exist is decided by the build
-// (src/backends/<name>.cpp or src/backends/no_<name>.cpp), never by #ifdefs
-// here. To wrap a c10d process group of your own, see c10d.h.
+/// \file
+/// Process groups for lockstep: a copyable handle (ProcessGroup) over a
+/// backend (GroupImpl, in backend.h), with c10d's Gloo and NCCL process
+/// groups and lockstep's MPI as backends, and a size-1 local group that makes
+/// world size 1 free. Which backends exist is decided by the build
+/// (`src/backends/<name>.cpp` or `src/backends/no_<name>.cpp`), never by
+/// `#ifdef`s here. To wrap a c10d process group of your own, see c10d.h.
 
 #include <lockstep/backend.h>
 
@@ -141,6 +142,7 @@ struct ProcessGroupOptions {
 ///    $TORCHELASTIC_USE_AGENT_STORE is "True" (every rank its client, keys
 ///    under a prefix per restart attempt, $TORCHELASTIC_RESTART_COUNT);
 ///  - a c10d TCPStore that rank 0 hosts at MASTER_ADDR:MASTER_PORT.
+///
 /// The whole call is bounded by the timeout (Note [Initialisation deadline]
 /// in src/process_group.cpp): past it, the process ends with an error rather
 /// than hang.

@@ -1,10 +1,11 @@
 #pragma once
 
-// Cutting a call's arguments into per-replica chunks and putting the
-// replicas' outputs back together: the markers a caller puts on arguments,
-// how 0-dim outputs combine, and how rows are divided. How nested values are
-// walked is in detail/scatter_gather.h. See Note [DataParallel step] in
-// data_parallel.h for where this sits in a training step.
+/// \file
+/// Cutting a call's arguments into per-replica chunks and putting the
+/// replicas' outputs back together: the markers a caller puts on arguments,
+/// how 0-dim outputs combine, and how rows are divided. How nested values are
+/// walked is in detail/scatter_gather.h. See Note [DataParallel step] in
+/// data_parallel.h for where this sits in a training step.
 
 #include <torch/types.h>
 
@@ -19,13 +20,16 @@ namespace lockstep {
 /// shared batch-1 input, a lookup table, a mask. Its gradient is the sum of
 /// the replicas' gradients. Make one with `lockstep::broadcast(t)`.
 struct Broadcast {
+  /// The tensor every replica receives, moved to the replica's device.
   torch::Tensor tensor;
 };
 
 /// A tensor split along its own dimension instead of DataParallel's `dim`.
 /// Make one with `lockstep::split(t, dim)`.
 struct Split {
+  /// The tensor to split, one chunk per replica.
   torch::Tensor tensor;
+  /// The dimension it is split along; negative counts from the end.
   int64_t dim;
 };
 
@@ -35,6 +39,7 @@ struct Split {
 /// Make one with `lockstep::broadcast(value)`.
 template <typename T>
 struct BroadcastValue {
+  /// The value every replica receives a copy of.
   T value;
 };
 

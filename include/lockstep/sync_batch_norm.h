@@ -1,8 +1,9 @@
 #pragma once
 
-// lockstep::SyncBatchNorm: batch normalisation whose statistics are those of
-// every rank's batch together, on any backend and any device. See Note
-// [SyncBatchNorm] in src/sync_batch_norm.cpp.
+/// \file
+/// SyncBatchNorm: batch normalisation whose statistics are those of
+/// every rank's batch together, on any backend and any device. See Note
+/// [SyncBatchNorm] in src/sync_batch_norm.cpp.
 
 #include <lockstep/process_group.h>
 
@@ -42,6 +43,9 @@ void label_sync_batch_norms(torch::nn::Module& root);
 /// checkpoints move between the two.
 class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
  public:
+  /// A layer of `options.num_features()` channels, its statistics taken over
+  /// `group`'s ranks, with BatchNorm's initial values: weight 1, bias 0,
+  /// running mean 0 and variance 1.
   explicit SyncBatchNormImpl(torch::nn::BatchNormOptions options, ProcessGroup group = ProcessGroup());
 
   /// Takes `bn`'s options, training mode, parameters and buffers, sharing
@@ -56,25 +60,39 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
     train(bn.is_training());
   }
 
+  /// Registers the parameters and buffers under BatchNorm's names and
+  /// shapes, with their initial values (or, when made from a BatchNorm,
+  /// that layer's tensors). num_features must be positive.
   void reset() override;
   /// Running statistics back to mean 0, variance 1, no batch seen.
   void reset_running_stats();
   /// reset_running_stats(), and weight 1, bias 0.
   void reset_parameters();
 
+  /// Normalises `input`, of shape (N, C, *) with C = num_features: over
+  /// every rank's batch in training, with the running statistics in eval mode.
   torch::Tensor forward(const torch::Tensor& input);
 
+  /// Prints the options and the group's size:
+  /// `lockstep::SyncBatchNorm(64, eps=1e-05, momentum=0.1, affine=1, track_running_stats=1, world_size=2)`.
   void pretty_print(std::ostream& stream) const override;
 
+  /// The options it was made with, as torch::nn::BatchNorm's.
   torch::nn::BatchNormOptions options;
   /// The ranks whose batches are normalised together.
   ProcessGroup group;
-  /// Defined only with options.affine().
+  /// The learned scale, one per channel; defined only with options.affine().
   torch::Tensor weight;
+  /// The learned shift, one per channel; defined only with options.affine().
   torch::Tensor bias;
-  /// Defined only with options.track_running_stats().
+  /// The running mean, one per channel; defined only with
+  /// options.track_running_stats().
   torch::Tensor running_mean;
+  /// The running variance, one per channel; defined only with
+  /// options.track_running_stats().
   torch::Tensor running_var;
+  /// Training batches seen (a 0-dim long); defined only with
+  /// options.track_running_stats().
   torch::Tensor num_batches_tracked;
 
  private:
@@ -91,7 +109,8 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   friend void detail::label_sync_batch_norms(torch::nn::Module& root);
 };
 
-/// `lockstep::SyncBatchNorm bn(torch::nn::BatchNormOptions(C), group);`
+/// The module holder of SyncBatchNormImpl, made as
+/// `lockstep::SyncBatchNorm bn(torch::nn::BatchNormOptions(C), group)`.
 TORCH_MODULE(SyncBatchNorm);
 
 /// Replaces the torch::nn::BatchNorm{1,2,3}d layers of `module` by

@@ -1,12 +1,13 @@
 #pragma once
 
-// A timeline of each training step, as Chrome trace events (Perfetto,
-// chrome://tracing): LOCKSTEP_TIMELINE=path turns it on. lockstep records
-// forward, backward, each bucket's copy-in, allreduce and copy-out, and
-// DataParallel's per-replica forward and backward; your code can add spans
-// (the trainer marks its optimizer step). See Note [Timeline] in
-// src/timeline.cpp, and `lockstep-run --timeline FILE`, which merges the
-// ranks' files into one.
+/// \file
+/// A timeline of each training step, as Chrome trace events (Perfetto,
+/// chrome://tracing): LOCKSTEP_TIMELINE=path turns it on. lockstep records
+/// forward, backward, each bucket's copy-in, allreduce and copy-out, and
+/// DataParallel's per-replica forward and backward; your code can add spans
+/// (the trainer marks its optimizer step). See Note [Timeline] in
+/// src/timeline.cpp, and `lockstep-run --timeline FILE`, which merges the
+/// ranks' files into one.
 
 #include <chrono>
 #include <cstdint>
@@ -15,6 +16,8 @@
 #include <vector>
 
 namespace lockstep {
+/// The timeline of each training step (LOCKSTEP_TIMELINE), and the spans your
+/// code adds to it.
 namespace timeline {
 
 namespace detail {
@@ -46,6 +49,8 @@ inline bool enabled() {
 /// `name` is only read when the timeline is on.
 class Span {
  public:
+  /// Starts a span called `name` (not copied: it must outlive the span).
+  /// `bytes`, unless -1, is shown with it: the bytes the work it times moved.
   explicit Span(const char* name, int64_t bytes = -1) : name_(name), bytes_(bytes) {
     if (enabled()) {
       start_ = detail::now_us();
