@@ -8,6 +8,7 @@
 #include "data.h"
 
 #include <common/cli_checks.h>
+#include <lockstep/version.h>
 
 #include <CLI/CLI.hpp>
 
@@ -79,6 +80,7 @@ inline std::map<std::string, std::string> sharding_spellings() {
 }
 
 inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
+  app.set_version_flag("--version", std::string("lockstep-train ") + LOCKSTEP_VERSION);
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
   using common::whole_number;
   app.add_option("--data", data.dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or "

@@ -142,6 +142,16 @@ TEST(TrainerPaths, ASaveWhereNothingCanBeWrittenIsRefusedBeforeAnything) {
                  "--save /proc/lockstep-model.pt: cannot write into /proc/");
 }
 
+// The version is CMake's project(VERSION), in one place (<lockstep/version.h>).
+TEST(TrainerCommandLine, BothToolsPrintTheVersion) {
+  for (const std::string tool : {LOCKSTEP_TRAIN, LOCKSTEP_RUN}) {
+    auto p = testing::run({tool, "--version"}, {}, temp("version.log"), kDeadline);
+    EXPECT_EQ(p.exit_code, 0) << p.output;
+    const std::string name = tool.substr(tool.find_last_of('/') + 1);
+    EXPECT_EQ(p.output, name + " " + LOCKSTEP_VERSION + "\n");
+  }
+}
+
 TEST(TrainerPaths, CheckpointOrSaveNamingAFolderIsRefusedBeforeAnything) {
   const std::string folder = temp("a_folder");
   ASSERT_EQ(mkdir(folder.c_str(), 0755), 0);

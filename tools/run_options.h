@@ -6,6 +6,7 @@
 // lockstep-run prints and its exit code.
 
 #include <common/cli_checks.h>
+#include <lockstep/version.h>
 
 #include <CLI/CLI.hpp>
 
@@ -513,8 +514,11 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
                "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
                "output with their rank, stops the job when one fails, and restarts it up to --max-restarts times."};
   describe_run_options(app, options);
+  app.set_version_flag("--version", std::string("lockstep-run ") + LOCKSTEP_VERSION);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::CallForVersion& e) {
+    throw RunUsageError(std::string(e.what()) + "\n", 0);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) { // --help
       throw RunUsageError(app.help(), 0);

@@ -44,3 +44,4 @@
 #include <lockstep/scatter_gather.h>
 #include <lockstep/sync_batch_norm.h>
 #include <lockstep/timeline.h>
+#include <lockstep/version.h>
