@@ -26,6 +26,7 @@
 #include "progress.h"
 #include "sampling.h"
 #include "setup.h"
+#include "summary.h"
 
 #include <lockstep/lockstep.h>
 
@@ -449,42 +450,6 @@ void report_finished_run(const Run& run, const TrainingState& state) {
 
 // Rank 0's last words: saves the model, draws the curves, and prints the
 // summary and the list of outputs.
-// Whether every training row was trained once per epoch, through every
-// resume and change of world size (TrainingState::sample_counts).
-std::string describe_sample_counts(const torch::Tensor& counts, int epochs) {
-  if (!counts.defined()) {
-    return "sample counts: unknown (resumed from a checkpoint written without them)";
-  }
-  const int64_t low = counts.min().item<int64_t>();
-  const int64_t high = counts.max().item<int64_t>();
-  if (low == epochs && high == epochs) {
-    return "sample counts: each of the " + std::to_string(counts.numel()) + " training samples trained " +
-           std::to_string(epochs) + " time(s), once per epoch";
-  }
-  return "sample counts: the " + std::to_string(counts.numel()) + " training samples trained from " +
-         std::to_string(low) + " to " + std::to_string(high) + " time(s), not once per epoch (" +
-         std::to_string(epochs) + "): " + std::to_string((counts != epochs).sum().item<int64_t>()) + " differ";
-}
-
-// PowerSGD's compression over the last step, and why there was none.
-std::string describe_compression(double rate, const TrainingState& state, const Config& config) {
-  char text[512];
-  if (rate == 0) {
-    std::snprintf(text, sizeof(text), "PowerSGD compressed nothing: it starts after --powersgd-start %lld steps of "
-                  "plain allreduce, and this run ended at step %lld", static_cast<long long>(config.powersgd_start),
-                  static_cast<long long>(state.step));
-  } else if (rate <= 1.0) {
-    std::snprintf(text, sizeof(text), "PowerSGD compressed no gradient: at --powersgd-rank %lld no gradient matrix "
-                  "of this model is worth compressing (each would send at least half of what it holds), so every "
-                  "bucket went as a plain allreduce; a lower --powersgd-rank compresses",
-                  static_cast<long long>(config.powersgd_rank));
-  } else {
-    std::snprintf(text, sizeof(text), "PowerSGD compression rate %.1f (gradient elements over elements sent, at the "
-                  "last step; also in metrics.jsonl)", rate);
-  }
-  return text;
-}
-
 void report_summary(const Run& run, const TrainingState& state, const Totals& totals, double seconds) {
   const Config& config = run.config;
   const int world_size = run.setup.world_size;
@@ -507,9 +472,7 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
     outputs.push_back("curves.png");
   }
   const double samples_per_second = rate(totals.samples, totals.train_seconds);
-  const int64_t trained = state.step - state.resumed_step;
-  const std::string steps = std::to_string(trained) + " steps" +
-      (state.resumed_step > 0 ? " (" + std::to_string(state.step) + " in all)" : std::string());
+  const std::string steps = lockstep::examples::describe_steps(state);
   std::printf("lockstep-train: %d epoch(s), %s in %.1f s (%.1f s training) with %s in %s; %.0f samples/s "
               "over all %d rank(s), %.0f per rank\n",
               config.epochs, steps.c_str(), seconds, totals.train_seconds,
@@ -521,7 +484,7 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
               "(%lld of %lld test images, over %d rank(s))\n",
               mean_loss(last), percent(last).c_str(), mean_loss(tested), percent(tested).c_str(),
               static_cast<long long>(tested.correct), static_cast<long long>(tested.rows), world_size);
-  std::printf("lockstep-train: %s\n", describe_sample_counts(state.sample_counts, config.epochs).c_str());
+  std::printf("lockstep-train: %s\n", lockstep::examples::describe_sample_counts(state.sample_counts, config.epochs).c_str());
   std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*run.net)));
   std::string listed;
   for (const auto& o : outputs) {
@@ -533,7 +496,8 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
     std::printf("lockstep-train: %s\n", no_curves.c_str());
   }
   if (run.setup.compression_rate) {
-    std::printf("lockstep-train: %s\n", describe_compression(run.setup.compression_rate(), state, config).c_str());
+    std::printf("lockstep-train: %s\n",
+                lockstep::examples::describe_compression(run.setup.compression_rate(), state, config).c_str());
   }
   if (curves.first_non_finite_step >= 0) {
     std::printf("lockstep-train: the training loss stopped being finite (NaN or infinite) by step %lld; the curves "
@@ -559,22 +523,6 @@ void report_membership_change(const Run& run, const TrainingState& state, lockst
                  {"samples_in_epoch", state.samples_in_epoch}, {"old_world_size", before}, {"new_world_size", now}});
 }
 
-// --warmup-steps past the run's last step leave the learning rate short of
-// --lr for the whole run: said once, at the start.
-void say_if_warmup_outlasts_the_run(const Run& run) {
-  const int64_t per_epoch = lockstep::examples::epoch_extent(run.setup.plan).second;
-  const int64_t total = per_epoch * run.config.epochs;
-  if (run.config.warmup_steps <= total) {
-    return;
-  }
-  std::fprintf(stderr, "lockstep-train: --warmup-steps %lld is more than the run's %lld steps (%d epoch(s) of %lld), "
-               "so the learning rate never reaches --lr %g: it ends at %g. Give --warmup-steps %lld or fewer, or "
-               "more --epochs.\n", static_cast<long long>(run.config.warmup_steps), static_cast<long long>(total),
-               run.config.epochs, static_cast<long long>(per_epoch), run.config.lr,
-               run.config.lr * static_cast<double>(total) / static_cast<double>(run.config.warmup_steps),
-               static_cast<long long>(total));
-}
-
 // Trains from where the setup starts to the last epoch, then reports.
 void train(const Run& run) {
   const bool lead = run.setup.rank == 0;
@@ -592,8 +540,10 @@ void train(const Run& run) {
     report_finished_run(run, state);
     return;
   }
-  if (lead) {
-    say_if_warmup_outlasts_the_run(run);
+  const std::string warmup = lockstep::examples::warmup_note(
+      run.config, lockstep::examples::epoch_extent(run.setup.plan).second);
+  if (lead && !warmup.empty()) {
+    std::fprintf(stderr, "lockstep-train: %s\n", warmup.c_str());
   }
   const auto start = Clock::now();
   Totals totals;

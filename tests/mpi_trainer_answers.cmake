@@ -27,7 +27,7 @@ if(CASE STREQUAL "last_row")
   endif()
 elseif(CASE STREQUAL "rebatch")
   # Stopped after step 4 at batch 128 (512 of 1024 samples), resumed at 64:
-  # 8 more steps, 12 in all (TrainerResume.AnotherBatchSizeTrainsEachSampleOnce).
+  # 8 more steps, 12 in all, as the summary says (TrainerResume.AnotherBatchSizeTrainsEachSampleOnce).
   set(args --synthetic --train-samples 1024 --test-samples 256 --epochs 1 --checkpoint ${DIR}/run.ckpt
     --checkpoint-every 4 --out ${DIR}/out)
   set(ENV{LOCKSTEP_FAULT} 0:5)
@@ -39,7 +39,7 @@ elseif(CASE STREQUAL "rebatch")
   train(2 out code ${args} --batch-size 64)
   message("${out}")
   if(NOT code EQUAL 0 OR NOT out MATCHES "at step 4 \\(epoch 1, sample 512 of 1024\\)"
-     OR NOT out MATCHES "1 epoch\\(s\\), 12 steps")
+     OR NOT out MATCHES "1 epoch\\(s\\), 8 steps \\(12 in all\\)")
     message(FATAL_ERROR "mpirun exited ${code}; expected a resume at sample 512 and 12 steps in all")
   endif()
 else()
