@@ -32,16 +32,6 @@ namespace detail {
 // unsupported dtype is refused at the call, naming it and the backend; the
 // one exception is bool, whose Max and Min are those of its bytes, 0 and 1.
 
-[[noreturn]] void throw_refusal(
-    const std::string& what,
-    int rank,
-    int size,
-    const std::string& backend,
-    const std::string& cause) {
-  TORCH_CHECK(false, "lockstep: rank ", rank, " of ", size, ": ", what, ": refused on this rank before anything was sent (",
-              backend, " backend): ", cause);
-}
-
 [[noreturn]] void refuse(const GroupImpl& group, const std::string& what, const std::string& reason) {
   throw_refusal(what, group.rank(), group.size(), group.backend(), reason);
 }

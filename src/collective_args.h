@@ -7,7 +7,7 @@
 // same width for a dtype the backend cannot carry, and finishes the result
 // (Avg's division, the copy back) in wait().
 
-#include <lockstep/process_group.h>
+#include <lockstep/backend.h>
 
 #include <functional>
 #include <memory>

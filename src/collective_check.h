@@ -4,7 +4,7 @@
 // the same sizes, before any of them sends it (Note [Ranks agree before they
 // send] in src/collective_check.cpp).
 
-#include <lockstep/process_group.h>
+#include <lockstep/backend.h>
 
 #include <cstdint>
 #include <memory>

@@ -1,5 +1,6 @@
 #include "flight_recorder.h"
 
+#include "before_abort.h"
 #include "collective_check.h"
 #include "forwarding_group.h"
 
@@ -389,6 +390,8 @@ class RecordedGroup : public ForwardingGroup {
 } // namespace
 
 std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl) {
+  static std::once_flag dump_before_abort;
+  std::call_once(dump_before_abort, [] { on_before_abort(dump_flight_records); }); // src/before_abort.h
   const size_t capacity = trace_buffer_size();
   const bool check = debug_detail();
   if (capacity == 0 && !check) {

@@ -3,7 +3,7 @@
 // Internal: the flight recorder and the desync check, as a GroupImpl that
 // wraps a backend's (Note [Flight recorder] in src/flight_recorder.cpp).
 
-#include <lockstep/process_group.h>
+#include <lockstep/backend.h>
 
 #include <memory>
 #include <string>
@@ -19,7 +19,8 @@ std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl);
 /// Writes every group's record of this process: a summary to stderr, and the
 /// whole record as JSON to $LOCKSTEP_TRACE_DIR/lockstep_trace_rank<R>.json
 /// when that is set. Once per process: the first failure is the one to read.
-/// For paths that end the process without throwing (MPI_Abort).
+/// Installed as a before_abort hook (src/before_abort.h) for paths that end
+/// the process without throwing (MPI_Abort).
 void dump_flight_records(const std::string& reason);
 
 constexpr size_t kDefaultTraceBufferSize = 256;

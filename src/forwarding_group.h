@@ -5,7 +5,7 @@
 // agreement check (src/collective_check.cpp) and the flight recorder
 // (src/flight_recorder.cpp), override the collectives.
 
-#include <lockstep/process_group.h>
+#include <lockstep/backend.h>
 
 #include <chrono>
 #include <memory>

@@ -4,7 +4,7 @@
 // other (src/store.cpp), apart from the backends that use it.
 
 #include <lockstep/detail/launch_env.h>
-#include <lockstep/process_group.h>
+#include <lockstep/process_group_options.h>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

@@ -2,7 +2,9 @@
 // libopenmpi-dev); no_mpi.cpp otherwise.
 
 #include "backends.h"
-#include "../flight_recorder.h"
+#include "../before_abort.h"
+
+#include <lockstep/detail/collective_errors.h>
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
@@ -167,7 +169,7 @@ class MpiWork : public Work {
                    "MPI job (MPI_Abort) so that no rank hangs.\n",
                    rank_, size_, what_.c_str(), static_cast<long long>(timeout_.count()));
       std::fflush(stderr);
-      dump_flight_records(what_ + " did not complete within the group's timeout");
+      before_abort(what_ + " did not complete within the group's timeout"); // the flight recorder's dump
       MPI_Abort(MPI_COMM_WORLD, 1);
       std::_Exit(1);
     }

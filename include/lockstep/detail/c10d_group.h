@@ -6,7 +6,8 @@
 // one template serves both: the backends (src/backends/<name>.cpp) and
 // lockstep::from_c10d (c10d.h) name the type.
 
-#include <lockstep/process_group.h>
+#include <lockstep/backend.h>
+#include <lockstep/detail/collective_errors.h>
 
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -20,33 +21,6 @@
 
 namespace lockstep {
 namespace detail {
-
-/// What a backend can add to a failed collective's error: which peers it
-/// finds unreachable, say (Note [Naming the lost peer], src/backends/gloo.cpp).
-/// Null: nothing. Shared, because a group hands it to every collective it
-/// starts, and what it captures (every rank's endpoint) grows with the job.
-using Diagnose = std::shared_ptr<const std::function<std::string()>>;
-
-/// Rethrows a failed collective as a c10::Error naming it, the rank and the
-/// group's timeout (Gloo reports a stopped peer as a timeout or a closed
-/// connection), and what `diagnose` finds.
-[[noreturn]] void throw_collective_error(
-    const std::string& what,
-    int rank,
-    int size,
-    std::chrono::milliseconds timeout,
-    const std::string& cause,
-    const Diagnose& diagnose = {});
-
-/// Throws the c10::Error of a collective this rank refused (its backend, or
-/// lockstep, found an argument wrong) before sending anything: unlike
-/// throw_collective_error's, no other rank is at fault.
-[[noreturn]] void throw_refusal(
-    const std::string& what,
-    int rank,
-    int size,
-    const std::string& backend,
-    const std::string& cause);
 
 class C10dWork : public Work {
  public:

@@ -4,7 +4,7 @@
 // own), parsed without touching the process's environment, so that it can be
 // tested as a pure function.
 
-#include <lockstep/process_group.h>
+#include <lockstep/process_group_options.h>
 
 #include <chrono>
 #include <cstdint>
