@@ -1,7 +1,8 @@
 #pragma once
 
-// Options of init_process_group: the rank, world size, store address, timeout
-// and backend, each from torchrun's environment when unset.
+/// \file
+/// Options of init_process_group: the rank, world size, store address,
+/// timeout and backend, each from torchrun's environment when unset.
 
 #include <lockstep/backend.h>
 
