@@ -347,7 +347,7 @@ int main(int argc, char** argv) {
   try {
     lockstep::examples::require_fast_blas("lockstep-bench-ddp");
     at::set_num_threads(1); // one core per rank, as the Python contender
-    // Read when the group is made: Note [Flight recorder] in src/flight_recorder.cpp.
+    // Read when the group is made: Note [Flight recorder] in src/comm/flight_recorder.cpp.
     if (mode == "norecorder") {
       ::setenv("LOCKSTEP_TRACE_BUFFER_SIZE", "0", 1);
     } else if (mode == "detail") {

@@ -5,7 +5,7 @@
 #    a libtorch archive works the same way. Its CMake config needs the CUDA
 #    toolkit (nvcc) even though lockstep has no .cu files.
 #  - oldest: Debian 12's CPU libtorch 1.13 (libtorch-dev), found by default.
-# API differences between them are in src/torch_compat.h.
+# API differences between them are in src/util/torch_compat.h.
 # TorchConfig puts TORCH_CXX_FLAGS (the C++ ABI choice) on the torch target.
 include_guard(GLOBAL)
 
@@ -22,7 +22,7 @@ set(CMAKE_PREFIX_PATH "${_lockstep_saved_prefix_path}")
 
 # ATen's intra-op threads are OpenMP in both; while CPU replicas run, the
 # caller's OpenMP threads yield to them (Note [CPU replicas and threads],
-# src/cpu_threads.cpp). A LibTorch without OpenMP gets src/no_openmp.cpp.
+# src/dp/cpu_threads.cpp). A LibTorch without OpenMP gets src/dp/no_openmp.cpp.
 find_package(OpenMP)
 # The pip wheel carries its own libgomp.so.1 beside libtorch, and that is the
 # one its libtorch loads. Link that same file: one OpenMP runtime per process,

@@ -1,8 +1,8 @@
 #include <lockstep/amp.h>
 
-#include "autocast_state.h"
-#include "shard_registry.h"
-#include "torch_compat.h"
+#include "util/autocast_state.h"
+#include "util/shard_registry.h"
+#include "util/torch_compat.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -28,7 +28,7 @@
 // device type, a nesting count, and a cache of the low-precision copies it
 // made of fp32 leaf weights. Python's torch.autocast sets the first two,
 // counts the nesting, and clears the cache when the outermost scope ends;
-// AutocastGuard does the same through src/torch_compat.h, which hides that
+// AutocastGuard does the same through src/util/torch_compat.h, which hides that
 // 1.13 has one function per device type where 2.4 and later take the type.
 //
 // The cache is why the scope matters. It is keyed by the weight's

@@ -1,6 +1,6 @@
 #include <lockstep/sync_batch_norm.h>
 
-#include "collective_check.h"
+#include "comm/collective_check.h"
 
 #include <torch/torch.h>
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Note [The wheel's std::filesystem] (src/checked_file.cpp): with the pip
+# Note [The wheel's std::filesystem] (src/util/checked_file.cpp): with the pip
 # wheel, a program's call of std::filesystem::remove_all can bind to
 # libtorch's own copy, which crashed. No program of lockstep's may import it.
 #

@@ -4,7 +4,7 @@
 
 #include <lockstep/lockstep.h>
 
-#include "../src/worker_pool.h"
+#include "../src/dp/worker_pool.h"
 #include "support/amp_checks.h"
 #include "support/collective_contract.h"
 #include "support/threads.h"

@@ -1,9 +1,9 @@
 // The pure logic around DataParallel's CPU replicas, without threads: the
 // memory cache's bookkeeping (Note [CPU replicas' memory] in
-// src/cpu_cache.cpp) and how the gradient sums are shared out.
+// src/util/cpu_cache.cpp) and how the gradient sums are shared out.
 
-#include "../src/cpu_cache.h"
-#include "../src/parallel_backward.h"
+#include "../src/util/cpu_cache.h"
+#include "../src/dp/parallel_backward.h"
 
 #include <gtest/gtest.h>
 

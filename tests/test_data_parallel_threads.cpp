@@ -1,9 +1,9 @@
 // DataParallel's CPU replicas and the threads around them (Note [CPU replicas
-// and threads] in src/data_parallel.cpp): each replica's share of the cores,
+// and threads] in src/dp/data_parallel.cpp): each replica's share of the cores,
 // the caller's count afterwards, and no idle OpenMP team left spinning on a
 // core that another thread needs.
 
-#include "../src/cpu_cache.h"
+#include "../src/util/cpu_cache.h"
 #include "support/dp_models.h"
 
 #include <lockstep/lockstep.h>

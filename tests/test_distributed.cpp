@@ -1,10 +1,10 @@
 // Process groups and DistributedDataParallel with ranks as threads in one
 // process over an in-memory c10d::HashStore, as Gloo's own tests do. The pure
-// parts (bucket assignment, environment parsing) are in test_core.cpp.
+// parts (bucket assignment, environment parsing) are in test_bucket_assignment.cpp and test_launch_env.cpp.
 
 #include <lockstep/lockstep.h>
 
-#include "../src/torch_compat.h"
+#include "../src/util/torch_compat.h"
 #include "support/ddp_models.h"
 #include "support/errors.h"
 #include "support/modules.h"

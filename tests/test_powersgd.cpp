@@ -6,7 +6,7 @@
 
 #include <lockstep/lockstep.h>
 
-#include "../src/powersgd_plan.h"
+#include "../src/ddp/powersgd_plan.h"
 #include "support/errors.h"
 #include "support/powersgd_checks.h"
 

@@ -8,7 +8,7 @@
 #include <lockstep/detail/checked_file.h>
 #include <lockstep/lockstep.h>
 
-#include "../src/torch_compat.h"
+#include "../src/util/torch_compat.h"
 #include "support/errors.h"
 #include "support/scratch.h"
 #include "support/threads.h"

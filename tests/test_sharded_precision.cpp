@@ -5,7 +5,7 @@
 
 #include <lockstep/lockstep.h>
 
-#include "../src/torch_compat.h"
+#include "../src/util/torch_compat.h"
 #include "support/errors.h"
 #include "support/fsdp_checks.h"
 #include "support/threads.h"

@@ -4,8 +4,8 @@
 
 #include <lockstep/lockstep.h>
 
-#include "../src/cpu_cache.h"
-#include "../src/storage_watch.h"
+#include "../src/util/cpu_cache.h"
+#include "../src/fsdp/storage_watch.h"
 #include "support/errors.h"
 #include "support/threads.h"
 

@@ -3,7 +3,7 @@
 
 #include <lockstep/detail/sharded_core.h>
 
-#include "../src/mapped_memory.h"
+#include "../src/util/mapped_memory.h"
 
 #include <gtest/gtest.h>
 

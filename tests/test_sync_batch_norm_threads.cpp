@@ -1,6 +1,6 @@
 // SyncBatchNorm over ranks as threads in one process: its statistics and
 // gradients against BatchNorm on the whole batch in float64. (The group of
-// one is in test_core.cpp; DDP's SyncBatchNorm over processes in
+// one is in test_sync_batch_norm.cpp; DDP's SyncBatchNorm over processes in
 // test_ddp_processes.cpp.)
 
 #include <lockstep/lockstep.h>

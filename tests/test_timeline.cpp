@@ -1,4 +1,4 @@
-// Timelines (Note [Timeline] in src/timeline.cpp): what lockstep records on
+// Timelines (Note [Timeline] in src/util/timeline.cpp): what lockstep records on
 // each rank, and how lockstep-run merges the ranks' files.
 
 #include "support/launch.h"

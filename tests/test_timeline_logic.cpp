@@ -1,4 +1,4 @@
-// Timelines' pure logic (Note [Timeline] in src/timeline.cpp): where each
+// Timelines' pure logic (Note [Timeline] in src/util/timeline.cpp): where each
 // rank's file goes, where lockstep-run keeps a restarted job's earlier ones,
 // and how a track's overlapping spans are laid out in lanes.
 

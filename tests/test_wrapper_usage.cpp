@@ -1,6 +1,6 @@
 // The distributed wrappers against what users do around them: zero_grad
 // between FullyShardedDataParallel's no_sync micro-batches (Note [Dropping
-// a no_sync accumulation] in src/sharded_precision.cpp), forwards that
+// a no_sync accumulation] in src/fsdp/precision.cpp), forwards that
 // return a std::pair or throw halfway, a DistributedDataParallel cast or
 // split over devices after wrapping. Ranks as threads.
 

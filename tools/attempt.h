@@ -75,7 +75,7 @@ class Attempt {
       ::unlink(store_file_.c_str());
     }
     // Where the ranks write their flight records when a collective fails
-    // (Note [Flight recorder] in src/flight_recorder.cpp): --log-dir, or a
+    // (Note [Flight recorder] in src/comm/flight_recorder.cpp): --log-dir, or a
     // folder of this attempt's own. The caller's LOCKSTEP_TRACE_DIR wins.
     const char* preset = std::getenv("LOCKSTEP_TRACE_DIR");
     if (preset != nullptr && *preset != '\0') {

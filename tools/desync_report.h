@@ -1,7 +1,7 @@
 #pragma once
 
 // The desync report lockstep-run prints after a failed job: from the ranks'
-// flight records (Note [Flight recorder] in src/flight_recorder.cpp), the
+// flight records (Note [Flight recorder] in src/comm/flight_recorder.cpp), the
 // first collective where the ranks disagree or where some never arrived.
 
 #include <nlohmann/json.hpp>

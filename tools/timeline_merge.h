@@ -33,7 +33,7 @@ inline void keep_attempt_timeline(const std::string& path, int attempt) {
 
 // --timeline FILE: the ranks' timelines (rank, file), one process track
 // each, merged into `out` with times from the earliest event (Note
-// [Timeline] in src/timeline.cpp). Written whole and renamed into place. The
+// [Timeline] in src/util/timeline.cpp). Written whole and renamed into place. The
 // ranks' counts of events left out past their cap are kept, and said. False
 // if `out` could not be written (said).
 inline bool merge_timelines(const std::vector<std::pair<int, std::string>>& parts, const std::string& out_path) {

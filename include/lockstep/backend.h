@@ -6,7 +6,7 @@
 /// (process_group.h) wraps a GroupImpl and adds what every backend shares:
 /// argument checks, Avg, the flight recorder and the agreement check. The
 /// backends of this build are listed in one table (Note [Backend table] in
-/// src/process_group.cpp); a group of your own goes in with
+/// src/comm/process_group.cpp); a group of your own goes in with
 /// ProcessGroup(std::make_shared<YourGroup>(...)).
 
 #include <torch/types.h>

@@ -8,25 +8,25 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // A call dp(args...) goes through five stages, each a method of
 // detail::DataParallelCore, called in order by DataParallelImpl::forward:
-//  1. plan (src/data_parallel.cpp): every tensor argument to be split is found
+//  1. plan (src/dp/data_parallel.cpp): every tensor argument to be split is found
 //     (detail/scatter_gather.h), the batch sizes are checked to agree, and the
 //     rows are cut into one chunk per replica (chunk_sizes).
 //  2. prepare_forward: replicas were made once, by clone(), at construction;
-//     replica 0 is a clone too (Note [Replica 0] in src/data_parallel.cpp).
+//     replica 0 is a clone too (Note [Replica 0] in src/dp/data_parallel.cpp).
 //     Before each call, replicas' params are made to alias the wrapped
 //     module's storage where they share a device (so optimizer.step() is seen
 //     with no copy), or are copied when their version counter says the source
 //     changed. Replica 0's buffers alias the module's; the others' follow
 //     BufferSync.
 //  3. apply: each replica runs forward on its own persistent worker thread
-//     (src/worker_pool.h), with the caller's grad mode and other thread-local
+//     (src/dp/worker_pool.h), with the caller's grad mode and other thread-local
 //     state. Replica parameters and inputs that need a gradient are non-leaf
 //     tensors whose edges lead to the module's parameters and the caller's
-//     inputs (Note [Replica parameters] in src/data_parallel.cpp).
+//     inputs (Note [Replica parameters] in src/dp/data_parallel.cpp).
 //  4. gather: outputs are flattened, concatenated along `dim` (0-dim outputs
 //     follow ScalarGather) on the output device; average_buffers follows.
 //  5. attach_backward: the gathered tensors get one autograd node,
-//     ParallelBackward (src/parallel_backward.cpp), whose next edges are the
+//     ParallelBackward (src/dp/parallel_backward.cpp), whose next edges are the
 //     wrapped module's parameters and the caller's input tensors; then the
 //     output structure is rebuilt around them. When the caller's backward reaches the
 //     node, it splits the incoming gradient, runs every replica's backward on
@@ -69,7 +69,7 @@ namespace lockstep {
 /// See Note [DataParallel step] in data_parallel.h. While one with CPU
 /// replicas exists, their large allocations come from a cache, as on a GPU,
 /// and it gives its memory back when the last one ends (Note [CPU replicas'
-/// memory] in src/cpu_cache.cpp).
+/// memory] in src/util/cpu_cache.cpp).
 ///
 /// The wrapped module is its child "module", so parameters(), zero_grad(),
 /// train() and to() reach it, and `module()` returns it. save() and load()
@@ -150,7 +150,7 @@ class DataParallelImpl : public detail::WrapperModule<M> {
 
   /// All replicas, in device order. Each is a clone sharing the wrapped
   /// module's parameters and buffers, except that a DataParallel on one device
-  /// runs the wrapped module itself (Note [Replica 0] in src/data_parallel.cpp).
+  /// runs the wrapped module itself (Note [Replica 0] in src/dp/data_parallel.cpp).
   std::vector<M> replicas() const {
     return std::vector<M>(replicas_.begin(), replicas_.end());
   }

@@ -2,7 +2,7 @@
 
 /// \file
 /// DistributedDataParallel: one process per rank, gradients averaged
-/// over ranks while backward runs. See Note [Reducer state] in src/reducer_state.h
+/// over ranks while backward runs. See Note [Reducer state] in src/ddp/reducer_state.h
 /// and docs/design.md.
 
 #include <lockstep/comm_hooks.h>
@@ -55,11 +55,11 @@ struct DistributedOptions {
   /// the first reducing backward records which ones get none, and later
   /// ones skip the search for them and plain mode's check collective. A
   /// broken promise is an error on every rank naming the parameter (Note
-  /// [Static graph] in src/reducer_state.h).
+  /// [Static graph] in src/ddp/reducer_state.h).
   TORCH_ARG(bool, static_graph) = false;
   /// After the first reducing backward, rebuild the buckets in the order its
   /// gradients became ready, as c10d does; false keeps reverse registration
-  /// order (Note [Rebuilding buckets] in src/reducer_state.h).
+  /// order (Note [Rebuilding buckets] in src/ddp/reducer_state.h).
   TORCH_ARG(bool, rebuild_buckets) = true;
 
  public: // TORCH_ARG leaves the rest private
@@ -127,7 +127,7 @@ struct JoinOptions {
 /// Adam moments differ; to train on after finish(), make the optimizer anew
 /// (or copy its state from the rank that trained last). Destroying the guard
 /// without finish() (an exception unwinding) only leaves join mode; it never
-/// communicates. See Note [Join] in src/distributed_data_parallel.cpp.
+/// communicates. See Note [Join] in src/ddp/join.cpp.
 class JoinGuard {
  public:
   /// Made by DistributedDataParallelImpl::join(): joins with `options`.

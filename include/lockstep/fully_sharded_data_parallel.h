@@ -4,7 +4,7 @@
 /// FullyShardedDataParallel: data parallelism whose parameters,
 /// gradients and optimizer state are split over the ranks (ZeRO-3, ZeRO-2),
 /// or not (DDP's behaviour), as PyTorch's FSDP. See Note [Sharded step] in
-/// src/fully_sharded.cpp and docs/design.md.
+/// src/fsdp/forward.cpp and docs/design.md.
 
 #include <lockstep/detail/sharded_core.h>
 #include <lockstep/detail/wrapper.h>
@@ -361,7 +361,7 @@ using FullyShardedDataParallel = detail::ForwardingHolder<FullyShardedDataParall
 /// Writes this rank's shards and its optimizer's state for them to `dir`
 /// (made if missing): one file per rank and index.json, each written
 /// atomically and checksummed (Note [Sharded checkpoint] in
-/// src/sharded_checkpoint.cpp), with the optimizer's parameter groups'
+/// src/fsdp/checkpoint.cpp), with the optimizer's parameter groups'
 /// options. Every rank calls it. Returns the save's id, the same on every
 /// rank, which each of its files carries: a caller that records it beside
 /// the folder (a training checkpoint naming its shards) gives it to

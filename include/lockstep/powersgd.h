@@ -16,7 +16,7 @@
 /// powersgd.save(archive);   // with the checkpoint: error feedback and warm start resume exactly
 /// ```
 ///
-/// Note [PowerSGD] in src/powersgd.cpp follows one bucket through a step.
+/// Note [PowerSGD] in src/ddp/powersgd.cpp follows one bucket through a step.
 
 #include <lockstep/comm_hooks.h>
 

@@ -5,7 +5,7 @@
 /// backend (GroupImpl, in backend.h), with c10d's Gloo and NCCL process
 /// groups and lockstep's MPI as backends, and a size-1 local group that makes
 /// world size 1 free. Which backends exist is decided by the build
-/// (`src/backends/<name>.cpp` or `src/backends/no_<name>.cpp`), never by
+/// (`src/comm/backends/<name>.cpp` or `src/comm/backends/no_<name>.cpp`), never by
 /// `#ifdef`s here. To wrap a c10d process group of your own, see c10d.h.
 
 #include <lockstep/backend.h>
@@ -126,7 +126,7 @@ class ProcessGroup {
 ///  - a c10d TCPStore that rank 0 hosts at MASTER_ADDR:MASTER_PORT.
 ///
 /// The whole call is bounded by the timeout (Note [Initialisation deadline]
-/// in src/process_group.cpp): past it, the process ends with an error rather
+/// in src/comm/process_group.cpp): past it, the process ends with an error rather
 /// than hang.
 ProcessGroup init_process_group(ProcessGroupOptions options = {});
 
@@ -153,7 +153,7 @@ ProcessGroup new_group(
 
 /// Whether a launcher started this process as one rank of a job: lockstep-run
 /// or torchrun (WORLD_SIZE is set), or mpirun, srun or mpiexec (their own
-/// variables; see Note [MPI launchers] in src/launch_env.cpp).
+/// variables; see Note [MPI launchers] in src/comm/launch_env.cpp).
 bool launched_by_launcher();
 
 /// The backends this build has, e.g. {"gloo", "mpi"}.

@@ -6,7 +6,7 @@
 /// forward, backward, each bucket's copy-in, allreduce and copy-out, and
 /// DataParallel's per-replica forward and backward; your code can add spans
 /// (the trainer marks its optimizer step). See Note [Timeline] in
-/// src/timeline.cpp, and `lockstep-run --timeline FILE`, which merges the
+/// src/util/timeline.cpp, and `lockstep-run --timeline FILE`, which merges the
 /// ranks' files into one.
 
 #include <chrono>

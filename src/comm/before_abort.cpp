@@ -1,6 +1,6 @@
-// Hooks run before a backend ends the process (src/before_abort.h).
+// Hooks run before a backend ends the process (src/comm/before_abort.h).
 
-#include "before_abort.h"
+#include "comm/before_abort.h"
 
 #include <mutex>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "collective_args.h"
+#include "comm/collective_args.h"
 
 #include <lockstep/detail/c10d_group.h>
 
@@ -182,7 +182,7 @@ class FinishedWork : public Work {
     // gradient writes into it in place, as an optimizer does.
     torch::NoGradGuard no_grad;
     if (divisor_ > 0) {
-      // Note [Average] in src/process_group.cpp.
+      // Note [Average] in src/comm/process_group.cpp.
       if (c10::isIntegralType(packed_.flat.scalar_type(), /*includeBool=*/false)) {
         packed_.flat.div_(divisor_, "floor");
       } else {

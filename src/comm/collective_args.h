@@ -2,7 +2,7 @@
 
 // Internal: what ProcessGroup does around a backend's collective, the same
 // for every backend (Note [One tensor per collective] in
-// src/collective_args.cpp): it refuses at the call what no backend can do,
+// src/comm/collective_args.cpp): it refuses at the call what no backend can do,
 // turns a list of tensors into one contiguous tensor, picks a type of the
 // same width for a dtype the backend cannot carry, and finishes the result
 // (Avg's division, the copy back) in wait().
@@ -50,7 +50,7 @@ struct Packed {
 Packed pack(const std::vector<torch::Tensor>& tensors, torch::ScalarType carrier);
 
 /// Whether Avg divides before the sum (Note [Average] in
-/// src/process_group.cpp): for float16, whose sum may overflow.
+/// src/comm/process_group.cpp): for float16, whose sum may overflow.
 bool divides_first(const torch::Tensor& t, ReduceOp op);
 
 /// `packed` divided by `divisor` into a copy of its own, sent in its place

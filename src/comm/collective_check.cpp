@@ -1,7 +1,7 @@
-#include "collective_check.h"
+#include "comm/collective_check.h"
 
-#include "caller_stream.h"
-#include "forwarding_group.h"
+#include "comm/forwarding_group.h"
+#include "util/caller_stream.h"
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>

@@ -2,7 +2,7 @@
 
 // Internal: every rank checks that the others run the same collective, with
 // the same sizes, before any of them sends it (Note [Ranks agree before they
-// send] in src/collective_check.cpp).
+// send] in src/comm/collective_check.cpp).
 
 #include <lockstep/backend.h>
 
@@ -19,7 +19,7 @@ namespace detail {
 std::shared_ptr<GroupImpl> checked(std::shared_ptr<GroupImpl> impl);
 
 /// While alive, collectives this thread starts carry `tag` in the check's
-/// fingerprint (Note [Collective tags] in src/collective_check.cpp): two
+/// fingerprint (Note [Collective tags] in src/comm/collective_check.cpp): two
 /// ranks at the same point with the same sizes but different tags are an
 /// error on every rank. `tag` must name the same collective on every rank.
 class CollectiveTag {
@@ -41,7 +41,7 @@ c10::ScalarType caller_dtype(c10::ScalarType dtype);
 
 /// While alive, collectives this thread starts are fingerprinted as the
 /// caller made them (Note [The caller's collective] in
-/// src/collective_check.cpp): `tensors` before ProcessGroup packed them into
+/// src/comm/collective_check.cpp): `tensors` before ProcessGroup packed them into
 /// one flat tensor, and `op` (a ReduceOp, or -1) before Avg became a Sum.
 class CallerView {
  public:

@@ -1,8 +1,8 @@
-#include "flight_recorder.h"
+#include "comm/flight_recorder.h"
 
-#include "before_abort.h"
-#include "collective_check.h"
-#include "forwarding_group.h"
+#include "comm/before_abort.h"
+#include "comm/collective_check.h"
+#include "comm/forwarding_group.h"
 
 #include <torch/types.h>
 
@@ -391,7 +391,7 @@ class RecordedGroup : public ForwardingGroup {
 
 std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl) {
   static std::once_flag dump_before_abort;
-  std::call_once(dump_before_abort, [] { on_before_abort(dump_flight_records); }); // src/before_abort.h
+  std::call_once(dump_before_abort, [] { on_before_abort(dump_flight_records); }); // src/comm/before_abort.h
   const size_t capacity = trace_buffer_size();
   const bool check = debug_detail();
   if (capacity == 0 && !check) {

@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: the flight recorder and the desync check, as a GroupImpl that
-// wraps a backend's (Note [Flight recorder] in src/flight_recorder.cpp).
+// wraps a backend's (Note [Flight recorder] in src/comm/flight_recorder.cpp).
 
 #include <lockstep/backend.h>
 
@@ -19,7 +19,7 @@ std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl);
 /// Writes every group's record of this process: a summary to stderr, and the
 /// whole record as JSON to $LOCKSTEP_TRACE_DIR/lockstep_trace_rank<R>.json
 /// when that is set. Once per process: the first failure is the one to read.
-/// Installed as a before_abort hook (src/before_abort.h) for paths that end
+/// Installed as a before_abort hook (src/comm/before_abort.h) for paths that end
 /// the process without throwing (MPI_Abort).
 void dump_flight_records(const std::string& reason);
 

@@ -2,8 +2,8 @@
 
 // Internal: a GroupImpl that wraps another and passes on what describes it
 // (rank, size, backend, timeout, what it supports). The wrappers, the
-// agreement check (src/collective_check.cpp) and the flight recorder
-// (src/flight_recorder.cpp), override the collectives.
+// agreement check (src/comm/collective_check.cpp) and the flight recorder
+// (src/comm/flight_recorder.cpp), override the collectives.
 
 #include <lockstep/backend.h>
 

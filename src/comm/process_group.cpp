@@ -1,11 +1,11 @@
 #include <lockstep/process_group.h>
 
-#include "backends/backends.h"
-#include "collective_args.h"
-#include "collective_check.h"
-#include "flight_recorder.h"
-#include "store.h"
-#include "torch_compat.h"
+#include "comm/backends/backends.h"
+#include "comm/collective_args.h"
+#include "comm/collective_check.h"
+#include "comm/flight_recorder.h"
+#include "comm/store.h"
+#include "util/torch_compat.h"
 
 #include <lockstep/detail/launch_env.h>
 
@@ -272,7 +272,7 @@ namespace {
 // Note [Backend table]
 // ~~~~~~~~~~~~~~~~~~~~
 // Every backend lockstep knows: its name, whether this build has it
-// (src/backends/<name>.cpp or no_<name>.cpp), whether it needs
+// (src/comm/backends/<name>.cpp or no_<name>.cpp), whether it needs
 // init_process_group's store (MPI's launcher connects the ranks itself),
 // when and how eagerly "auto" picks it, and how to make it. The rest of this
 // file asks the table, never a backend's name.

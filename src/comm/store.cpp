@@ -1,8 +1,8 @@
 // The store of init_process_group: Note [Store address].
 
-#include "store.h"
+#include "comm/store.h"
 
-#include "torch_compat.h"
+#include "util/torch_compat.h"
 
 #include <lockstep/detail/sockets.h>
 

@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: the store through which init_process_group's ranks find each
-// other (src/store.cpp), apart from the backends that use it.
+// other (src/comm/store.cpp), apart from the backends that use it.
 
 #include <lockstep/detail/launch_env.h>
 #include <lockstep/process_group_options.h>

@@ -1,7 +1,7 @@
 #include <lockstep/powersgd.h>
 #include <lockstep/timeline.h>
 
-#include "powersgd_plan.h"
+#include "ddp/powersgd_plan.h"
 
 #include <torch/torch.h>
 

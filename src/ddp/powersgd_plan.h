@@ -1,6 +1,6 @@
 #pragma once
 
-// The pure parts of PowerSGD (Note [PowerSGD] in src/powersgd.cpp): which of
+// The pure parts of PowerSGD (Note [PowerSGD] in src/ddp/powersgd.cpp): which of
 // a bucket's gradients are compressed, where each P and Q lives, and the
 // orthonormalisation. Unit-tested in tests/test_powersgd.cpp.
 

@@ -3,7 +3,7 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/timeline.h>
 
-#include "reducer_state.h"
+#include "ddp/reducer_state.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>

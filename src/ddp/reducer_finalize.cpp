@@ -1,8 +1,8 @@
 // The end of a reducing backward (Note [Reducer state] in
-// src/reducer_state.h): what got no gradient, the waits, the copies back into
+// src/ddp/reducer_state.h): what got no gradient, the waits, the copies back into
 // .grad, and the errors every rank raises together.
 
-#include "reducer_state.h"
+#include "ddp/reducer_state.h"
 
 #include <lockstep/timeline.h>
 

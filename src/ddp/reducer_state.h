@@ -1,12 +1,12 @@
 #pragma once
 
-// Internal: the reducer's state, shared by src/reducer.cpp (buckets, hooks,
-// the step's start) and src/reducer_finalize.cpp (the end of backward).
+// Internal: the reducer's state, shared by src/ddp/reducer.cpp (buckets, hooks,
+// the step's start) and src/ddp/reducer_finalize.cpp (the end of backward).
 
 #include <lockstep/detail/reducer.h>
 #include <lockstep/distributed_data_parallel.h>
 
-#include "torch_compat.h"
+#include "util/torch_compat.h"
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/types.h>
@@ -133,7 +133,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     std::shared_ptr<PendingReduction> result;
     std::string name;
     int64_t bytes = 0;
-    int64_t launched_us = 0; // Note [Timeline] in src/timeline.cpp
+    int64_t launched_us = 0; // Note [Timeline] in src/util/timeline.cpp
   };
 
   std::vector<torch::Tensor> params;

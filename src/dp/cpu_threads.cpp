@@ -1,6 +1,6 @@
-// Compiled when LibTorch runs intra-op work on OpenMP; src/no_openmp.cpp otherwise.
+// Compiled when LibTorch runs intra-op work on OpenMP; src/dp/no_openmp.cpp otherwise.
 
-#include "cpu_threads.h"
+#include "dp/cpu_threads.h"
 
 #include <omp.h>
 

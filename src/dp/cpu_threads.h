@@ -1,9 +1,9 @@
 #pragma once
 
-// Internal: the OpenMP threads around CPU replicas. src/cpu_threads.cpp
-// implements it over OpenMP; src/no_openmp.cpp, compiled for a LibTorch
+// Internal: the OpenMP threads around CPU replicas. src/dp/cpu_threads.cpp
+// implements it over OpenMP; src/dp/no_openmp.cpp, compiled for a LibTorch
 // without OpenMP, does nothing, since then no thread keeps a team. See Note
-// [CPU replicas and threads] in src/data_parallel.cpp.
+// [CPU replicas and threads] in src/dp/data_parallel.cpp.
 
 namespace lockstep {
 namespace detail {

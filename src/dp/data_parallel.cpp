@@ -3,9 +3,9 @@
 
 #include <lockstep/data_parallel.h>
 
-#include "parallel_backward.h"
-#include "torch_compat.h"
-#include "worker_pool.h"
+#include "dp/parallel_backward.h"
+#include "dp/worker_pool.h"
+#include "util/torch_compat.h"
 
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/cuda.h>
@@ -177,7 +177,7 @@ DataParallelCore::DataParallelCore(
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // A replica's parameters, and its buffers that require a gradient, are not
 // leaves: each has a ReplicaToModule node as grad_fn, whose one edge leads to
-// the wrapped module's tensor (src/parallel_backward.h). This is what
+// the wrapped module's tensor (src/dp/parallel_backward.h). This is what
 // PyTorch's replicate() gets from Broadcast, without its per-call clone.
 // ParallelBackward asks autograd::grad for the gradient at those tensors, so
 // a first-order backward stops there and never runs the node. But when the
@@ -210,7 +210,7 @@ DataParallelCore::DataParallelCore(
 // reads once at start-up and a library cannot set. The caller's optimizer
 // step is such a region, and its spinning helpers took the cores the
 // replicas' forward needed. So the idle teams end at every hand-off
-// (release_idle_openmp_team, src/cpu_threads.h, OpenMP 5.0's
+// (release_idle_openmp_team, src/dp/cpu_threads.h, OpenMP 5.0's
 // omp_pause_resource_all): the caller's before its replicas start, and each
 // worker's (it has one where its share is more than one thread, or the
 // replica's code set a count) before it reports its replica done. No thread
@@ -224,7 +224,7 @@ DataParallelCore::DataParallelCore(
 // kernel every step, and the next step page-faults all of it in again: enough
 // to keep DataParallel at two thirds of its ceiling on the MLP, and to make it
 // swing from run to run. So the replicas keep their memory (Note [CPU
-// replicas' memory] in src/cpu_cache.cpp). And the gradient sums are shared
+// replicas' memory] in src/util/cpu_cache.cpp). And the gradient sums are shared
 // out by size (assign_sums), so that no worker sums the largest layers alone
 // while the others wait. Measured in docs/performance.md ("DataParallel on
 // CPU replicas").

@@ -1,7 +1,7 @@
 // Compiled when LibTorch does not run intra-op work on OpenMP: no thread
 // keeps an idle team.
 
-#include "cpu_threads.h"
+#include "dp/cpu_threads.h"
 
 namespace lockstep {
 namespace detail {

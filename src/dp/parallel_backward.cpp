@@ -1,5 +1,5 @@
-#include "parallel_backward.h"
-#include "torch_compat.h"
+#include "dp/parallel_backward.h"
+#include "util/torch_compat.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -110,7 +110,7 @@ variable_list ParallelBackward::apply(variable_list&& grads) {
   // The engine enables grad mode for create_graph: each replica's backward
   // then records its own graph, which reaches the module's parameters and the
   // caller's inputs through the replicas' non-leaf tensors (Note [Replica
-  // parameters] in src/data_parallel.cpp), so double backward works.
+  // parameters] in src/dp/data_parallel.cpp), so double backward works.
   const bool create_graph = torch::GradMode::is_enabled();
 
   std::vector<variable_list> results(plan_.replicas.size());

@@ -3,7 +3,7 @@
 // Internal: stage 5 of Note [DataParallel step], the autograd node that runs
 // every replica's backward in parallel.
 
-#include "worker_pool.h"
+#include "dp/worker_pool.h"
 
 #include <lockstep/detail/data_parallel_core.h>
 
@@ -50,7 +50,7 @@ struct BackwardPlan {
 
 /// The grad_fn of a replica's parameter, and of its buffers that require a
 /// gradient: passes the gradient on to the wrapped module's tensor, moved to
-/// its device (Note [Replica parameters] in src/data_parallel.cpp).
+/// its device (Note [Replica parameters] in src/dp/data_parallel.cpp).
 class ReplicaToModule : public torch::autograd::Node {
  public:
   ReplicaToModule(const torch::Tensor& replica, const torch::Tensor& module);

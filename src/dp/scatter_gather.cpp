@@ -148,7 +148,7 @@ torch::Tensor ReplicaScatter::take(const torch::Tensor& tensor, c10::optional<in
     // gradient; a non-leaf made from `tensor` (not `tensor` itself, whose
     // hooks would run once per replica), so that a create_graph backward
     // reaches the caller's tensor (Note [Replica parameters] in
-    // src/data_parallel.cpp).
+    // src/dp/data_parallel.cpp).
     if (piece.is_same(tensor)) {
       piece = tensor.view_as(tensor);
     }

@@ -1,10 +1,10 @@
-#include "worker_pool.h"
+#include "dp/worker_pool.h"
 
 #include <lockstep/timeline.h>
 
-#include "autocast_state.h"
-#include "caller_stream.h"
-#include "cpu_threads.h"
+#include "dp/cpu_threads.h"
+#include "util/autocast_state.h"
+#include "util/caller_stream.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -163,7 +163,7 @@ void run_replicas(
   auto errors = pool.run(which, [&](size_t r) {
     at::ThreadLocalStateGuard tls(state);
     ReplicaAutocast replica_autocast(autocast);
-    CpuCacheScope cache(devices[r].is_cpu()); // Note [CPU replicas' memory] in src/cpu_cache.cpp
+    CpuCacheScope cache(devices[r].is_cpu()); // Note [CPU replicas' memory] in src/util/cpu_cache.cpp
     c10::OptionalDeviceGuard device_guard;
     c10::OptionalStreamGuard stream_guard;
     if (!devices[r].is_cpu()) {
@@ -174,7 +174,7 @@ void run_replicas(
     }
     const int64_t start = timeline::enabled() ? timeline::detail::now_us() : 0;
     fn(r);
-    if (timeline::enabled()) { // Note [Timeline] in src/timeline.cpp
+    if (timeline::enabled()) { // Note [Timeline] in src/util/timeline.cpp
       timeline::detail::record("replica " + std::to_string(r) + " " + stage, start, timeline::detail::now_us());
     }
   });

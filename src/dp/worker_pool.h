@@ -2,7 +2,7 @@
 
 // Internal: the threads that run DataParallel's replicas.
 
-#include "cpu_cache.h"
+#include "util/cpu_cache.h"
 
 #include <torch/types.h>
 
@@ -21,14 +21,14 @@ namespace detail {
 /// Persistent threads, one per replica. Each keeps its own intra-op thread
 /// count for its whole life, so replicas on the CPU split the cores instead of
 /// fighting over them, and ends its idle OpenMP team after each task. See
-/// Note [CPU replicas and threads] in src/data_parallel.cpp.
+/// Note [CPU replicas and threads] in src/dp/data_parallel.cpp.
 class WorkerPool {
  public:
   /// Starts one worker per entry; entry i is worker i's intra-op thread count.
   /// Returns once every worker has set its count, and restores the caller's
   /// count for threads created later. With `cache_cpu_memory`, the CPU memory
   /// cache stays open while the pool lives (Note [CPU replicas' memory] in
-  /// src/cpu_cache.cpp).
+  /// src/util/cpu_cache.cpp).
   explicit WorkerPool(const std::vector<int>& intra_op_threads, bool cache_cpu_memory = false);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;

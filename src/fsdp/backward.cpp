@@ -1,9 +1,9 @@
 // FullyShardedDataParallel's backward: gradients reduce-scattered into the
-// shards (Note [Sharded step] in src/fully_sharded.cpp).
+// shards (Note [Sharded step] in src/fsdp/forward.cpp).
 
-#include "collective_check.h"
-#include "mapped_memory.h"
-#include "sharded_state.h"
+#include "comm/collective_check.h"
+#include "fsdp/state.h"
+#include "util/mapped_memory.h"
 
 #include <torch/csrc/autograd/engine.h>
 

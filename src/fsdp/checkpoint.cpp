@@ -5,9 +5,9 @@
 
 #include <lockstep/detail/checked_file.h>
 
-#include "flat_param.h"
-#include "sharded_optimizer.h"
-#include "sharded_state.h"
+#include "fsdp/flat_param.h"
+#include "fsdp/optimizer.h"
+#include "fsdp/state.h"
 
 #include <torch/optim.h>
 #include <torch/serialize.h>

@@ -1,11 +1,18 @@
 // FullyShardedDataParallel's construction: the wrapped module's parameters
-// planned into units, flat buffers and buckets, and the check that every
-// rank built the same model (src/flat_param.h).
+// planned into units, flat buffers and buckets, the check that every rank
+// built the same model (src/fsdp/flat_param.h), each rank's shards, and the
+// destructor that undoes what the constructor set up.
 
 #include <lockstep/fully_sharded_data_parallel.h>
+#include <lockstep/sync_batch_norm.h>
 
-#include "flat_param.h"
-#include "sharded_state.h"
+#include "fsdp/flat_param.h"
+#include "fsdp/state.h"
+#include "fsdp/storage_watch.h"
+#include "util/shard_registry.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <map>
@@ -365,6 +372,113 @@ std::vector<ShardedCore::FlatInfo> ShardedCore::flat_params() const {
     infos.push_back({flat.unit, flat.dtype, flat.layout.numel, flat.layout.shard, flat.names});
   }
   return infos;
+}
+
+ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, ProcessGroup group,
+                         const ShardingOptions& options)
+    : state_(std::make_shared<State>()), group_(group) {
+  auto& s = *state_;
+  s.group = std::move(group);
+  s.strategy = options.strategy();
+  s.reshard_after_forward = options.reshard_after_forward();
+  check_not_nested(module, s.where()); // Note [Nested wrappers]
+  const auto paths = unit_paths(module, options, s.where());
+  const auto planned = plan_parameters(module, paths, s.where());
+  check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
+  check_same_model(s.group, planned.names, planned.params, s.where());
+  detail::label_sync_batch_norms(module);
+  {
+    torch::NoGradGuard no_grad; // rank 0's values everywhere
+    for (auto& p : planned.params) {
+      auto data = p.detach();
+      s.group.broadcast(data, 0);
+    }
+    for (auto& b : module.buffers(/*recurse=*/true)) {
+      auto data = b.detach();
+      s.group.broadcast(data, 0);
+    }
+  }
+  s.flats = group_into_flats(planned, paths);
+  for (auto& named : module.named_buffers(/*recurse=*/true)) {
+    s.whole.emplace_back(named.key(), named.value());
+  }
+  s.first_frozen = s.whole.size();
+  for (size_t i = 0; i < planned.params.size(); ++i) {
+    if (!planned.params[i].requires_grad()) {
+      s.whole.emplace_back(planned.names[i], planned.params[i]); // Note [Frozen parameters]
+    }
+  }
+  s.set_precision(options); // Note [Sharded mixed precision]
+  param_dtype_ = options.param_dtype();
+  for (size_t f = 0; f < s.flats.size(); ++f) {
+    shard_flat(owner, f);
+  }
+  s.plan_buckets();
+  if (!s.flats.empty() && s.flats.front().device.is_cpu()) {
+    s.cache_user = std::make_unique<CpuCacheUser>(); // Note [A sharded step's memory]
+  }
+  for (const auto& flat : s.flats) {
+    note_wrapped(flat.params);
+  }
+}
+
+// Flat parameter f's padded buffer, this rank's shard of it (registered on
+// `owner`), and its gradient hooks.
+void ShardedCore::shard_flat(torch::nn::Module& owner, size_t f) {
+  auto& s = *state_;
+  auto& flat = s.flats[f];
+  flat.layout = shard_layout(flat.layout.numel, s.sharded() ? s.group.size() : 1);
+  auto whole = torch::zeros({flat.layout.padded}, flat.options());
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t j = 0; j < flat.params.size(); ++j) {
+      whole.narrow(0, flat.offsets[j], flat.params[j].numel()).copy_(flat.params[j].detach().reshape({-1}));
+    }
+  }
+  const int rank = s.sharded() ? s.group.rank() : 0;
+  auto shard = s.sharded() ? whole.narrow(0, rank * flat.layout.shard, flat.layout.shard).clone() : whole;
+  flat.shard = owner.register_parameter(shard_name(flat), shard);
+  note_shard(flat.shard.unsafeGetTensorImpl(), s.sharded() ? s.group.size() : 1); // GradScaler checks its group
+  flat.full = s.sharded() ? whole.to(flat.compute_dtype) : torch::Tensor();
+  // The accumulators are made, and kept, while the parameters have their
+  // own shapes and the dtype they compute in: autograd checks each gradient
+  // against what its accumulator saw when it was made.
+  if (flat.compute_dtype != flat.dtype) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : flat.params) {
+      p.set_data(p.detach().to(flat.compute_dtype)); // Note [Sharded mixed precision]
+    }
+  }
+  flat.ready.assign(flat.params.size(), 0);
+  for (size_t j = 0; j < flat.params.size(); ++j) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(flat.params[j]);
+    TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
+    flat.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<State::ReadyHook>(state_, f, j)));
+    flat.accumulators.push_back(std::move(accumulator));
+    const auto& buffer = s.sharded() ? flat.full : whole;
+    flat.views.push_back(buffer.narrow(0, flat.offsets[j], flat.params[j].numel()).view(flat.params[j].sizes()));
+  }
+  if (s.sharded()) {
+    s.release(flat, /*empty=*/true);
+    watch_storage(flat.full.storage().unsafeGetStorageImpl(), state_, f);
+  } else {
+    s.point_params_at_views(flat); // views of the shard, which is the whole
+  }
+}
+
+ShardedCore::~ShardedCore() {
+  unwatch_storages(state_.get());
+  state_->cache_thread_allocations(false);
+  if (state_->watched_pass) {
+    detail::end_pass();
+  }
+  for (auto& flat : state_->flats) {
+    forget_wrapped(flat.params);
+    forget_shard(flat.shard.unsafeGetTensorImpl());
+    for (size_t j = 0; j < flat.accumulators.size(); ++j) {
+      flat.accumulators[j]->del_post_hook(flat.hook_keys[j]);
+    }
+  }
 }
 
 } // namespace detail

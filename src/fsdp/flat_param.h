@@ -1,12 +1,13 @@
 #pragma once
 
 // Internal: what FullyShardedDataParallel keeps per unit and dtype, shared by
-// src/fully_sharded.cpp and src/sharded_checkpoint.cpp.
+// src/fsdp/forward.cpp and src/fsdp/checkpoint.cpp.
 
 #include <lockstep/detail/sharded_core.h>
 
-#include "torch_compat.h"
+#include "util/torch_compat.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -64,6 +65,14 @@ struct FlatParam {
   }
 };
 
+/// The name of `flat`'s shard on the wrapper ("layers/0:Float"; a
+/// parameter's name has no dots).
+inline std::string shard_name(const FlatParam& flat) {
+  std::string name = flat.unit.empty() ? std::string("root") : flat.unit;
+  std::replace(name.begin(), name.end(), '.', '/');
+  return name + ":" + c10::toString(flat.dtype);
+}
+
 /// Whether `shard_grad` is the .grad that no_sync last set aside beside its
 /// accumulation, unchanged since (Note [Dropping a no_sync accumulation]).
 inline bool is_set_aside(const FlatParam& flat, const torch::Tensor& shard_grad) {
@@ -71,7 +80,7 @@ inline bool is_set_aside(const FlatParam& flat, const torch::Tensor& shard_grad)
       shard_grad._version() == flat.set_aside_version;
 }
 
-// src/sharded_model.cpp: what ShardedCore's constructor plans.
+// src/fsdp/construct.cpp: what ShardedCore's constructor plans.
 
 /// Every rank must shard the same parameters, or the flat buffers would not
 /// line up: the names, shapes and dtypes, hashed and compared; a different

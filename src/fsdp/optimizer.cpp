@@ -2,12 +2,12 @@
 // writing it for save_sharded and load_sharded, and gathering it whole for
 // lockstep::full_optimizer_state.
 
-#include "sharded_optimizer.h"
+#include "fsdp/optimizer.h"
 
 #include <lockstep/fully_sharded_data_parallel.h>
 
-#include "sharded_state.h"
-#include "torch_compat.h"
+#include "fsdp/state.h"
+#include "util/torch_compat.h"
 
 #include <map>
 #include <sstream>

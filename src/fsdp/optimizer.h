@@ -1,13 +1,13 @@
 #pragma once
 
 // Internal: the optimizer's state of a FullyShardedDataParallel's shards, as
-// save_sharded, load_sharded (src/sharded_checkpoint.cpp) and
-// full_optimizer_state (src/sharded_optimizer.cpp) read and write it, and
+// save_sharded, load_sharded (src/fsdp/checkpoint.cpp) and
+// full_optimizer_state (src/fsdp/optimizer.cpp) read and write it, and
 // how they fail on every rank alike.
 
 #include <lockstep/process_group.h>
 
-#include "flat_param.h"
+#include "fsdp/flat_param.h"
 
 #include <torch/optim.h>
 #include <torch/serialize.h>

@@ -1,6 +1,6 @@
 // The pure planning of FullyShardedDataParallel: which unit owns which
 // parameter, and how a flat buffer splits over the ranks. No tensors, no
-// threads: tests/test_core.cpp checks it directly.
+// threads: tests/test_sharding_plan.cpp checks it directly.
 
 #include <lockstep/detail/sharded_core.h>
 

@@ -1,7 +1,7 @@
 // FullyShardedDataParallel's precision policy: ShardingOptions' param_dtype
 // and reduce_dtype (Note [Sharded mixed precision]).
 
-#include "sharded_state.h"
+#include "fsdp/state.h"
 
 #include <c10/core/ScalarType.h>
 

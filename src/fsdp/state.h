@@ -2,14 +2,14 @@
 
 // Internal: ShardedCore's state and the steps of a sharded forward and
 // backward. The forward side (gathering, prefetch, freeing) is in
-// src/fully_sharded.cpp, the backward side (reduce-scatters) in
-// src/sharded_backward.cpp. Note [Sharded step] describes both.
+// src/fsdp/forward.cpp, the backward side (reduce-scatters) in
+// src/fsdp/backward.cpp. Note [Sharded step] describes both.
 
 #include <lockstep/fully_sharded_data_parallel.h>
 
-#include "cpu_cache.h"
-#include "flat_param.h"
-#include "storage_watch.h"
+#include "fsdp/flat_param.h"
+#include "fsdp/storage_watch.h"
+#include "util/cpu_cache.h"
 
 #include <torch/csrc/autograd/function.h>
 
@@ -88,7 +88,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   }
   std::string bucket_name(const std::vector<size_t>& members) const;
 
-  // src/fully_sharded.cpp: gathering and freeing.
+  // src/fsdp/forward.cpp: gathering and freeing.
   void plan_buckets();
   void point_params_at_views(FlatParam& flat);
   void start_bucket(size_t g);
@@ -109,7 +109,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   void begin_backward();
   void end_pass();
 
-  // src/sharded_precision.cpp: Note [Sharded mixed precision].
+  // src/fsdp/precision.cpp: Note [Sharded mixed precision].
   void set_precision(const ShardingOptions& options);
   bool summon_in_own_dtype();
   // Note [Dropping a no_sync accumulation].
@@ -117,14 +117,14 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   static void drop_accumulated_if_cleared(FlatParam& flat);
   static torch::Tensor take_gradient(FlatParam& flat, size_t j);
 
-  // src/sharded_summon.cpp: Note [Replaced parameters] and Note [Edits
+  // src/fsdp/summon.cpp: Note [Replaced parameters] and Note [Edits
   // outside summon_full_params].
   void adopt_replaced_params(bool writeback);
   const std::string* edited_while_summoned() const; // Note [A summon without writeback]
   void check_untouched_at_rest();
   void check_still_frozen_or_trained() const;
 
-  // src/sharded_backward.cpp: gradients into the shards.
+  // src/fsdp/backward.cpp: gradients into the shards.
   // Calls on_ready(flat, index) after autograd accumulates a parameter's
   // gradient.
   class ReadyHook : public torch::autograd::FunctionPostHook {

@@ -1,4 +1,4 @@
-#include "storage_watch.h"
+#include "fsdp/storage_watch.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>

@@ -2,7 +2,7 @@
 
 // Internal: a call before any operator reads given storages, on the threads
 // that are in a watched pass (Note [Watching storages] in
-// src/storage_watch.cpp).
+// src/fsdp/storage_watch.cpp).
 
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

@@ -4,7 +4,7 @@
 // one that throws, leaves gathered, and the checks that nothing was edited
 // at rest.
 
-#include "sharded_state.h"
+#include "fsdp/state.h"
 
 #include <cstdio>
 
@@ -145,7 +145,7 @@ void ShardedCore::State::check_untouched_at_rest() {
   check_still_frozen_or_trained();
 }
 
-// Note [Frozen parameters] in src/sharded_model.cpp.
+// Note [Frozen parameters] in src/fsdp/construct.cpp.
 void ShardedCore::State::check_still_frozen_or_trained() const {
   const auto refuse = [&](const std::string& name, bool now) {
     TORCH_CHECK(false, where(), "parameter '", name, "' of the wrapped module ", now ? "started" : "stopped",

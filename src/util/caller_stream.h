@@ -15,7 +15,7 @@ namespace detail {
 // Note [The caller's stream]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Collectives start on threads of lockstep's own: the agreement check's
-// (src/collective_check.cpp) and Gloo's ring (src/backends/gloo.cpp), where
+// (src/comm/collective_check.cpp) and Gloo's ring (src/comm/backends/gloo.cpp), where
 // the current stream is the device's default. NCCL and Gloo's CUDA path
 // order a collective after the current stream of the thread that starts
 // it, and so do the ring's copies between device and host: work the caller
@@ -26,7 +26,7 @@ namespace detail {
 // under it. Waiting needs nothing: the caller waits on its own thread.
 //
 // DataParallel's replicas run on threads of lockstep's own too
-// (src/worker_pool.cpp), and read what the caller queued: the input, the
+// (src/dp/worker_pool.cpp), and read what the caller queued: the input, the
 // parameters it just changed. Each replica runs under the stream current on
 // its device where the step was called, as PyTorch's parallel_apply does; so
 // its results are ordered before whatever the caller queues next.

@@ -1,6 +1,6 @@
-#include "cpu_cache.h"
+#include "util/cpu_cache.h"
 
-#include "torch_compat.h"
+#include "util/torch_compat.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -34,7 +34,7 @@ namespace detail {
 // So, as LibTorch does on a GPU, the replicas keep their memory. From the
 // first DataParallel with CPU replicas on, LibTorch's CPU allocator is this
 // one. It serves every thread as the default allocator does (c10::alloc_cpu),
-// and while such a DataParallel exists, on a replica's worker (CpuCacheScope, src/worker_pool.cpp) a request of
+// and while such a DataParallel exists, on a replica's worker (CpuCacheScope, src/dp/worker_pool.cpp) a request of
 // 64 KiB or more takes an idle block of its size class first. A block
 // allocated there goes back to the cache when freed, on whatever thread: a
 // gradient made by a worker is freed by the caller's zero_grad(). What the
@@ -43,7 +43,7 @@ namespace detail {
 // DataParallel ends. Small requests, and every request of the caller's
 // thread, go to glibc as before. A sharded model's CPU pass uses the cache
 // the same way, on the thread that runs it (Note [A sharded step's memory]
-// in src/fully_sharded.cpp).
+// in src/fsdp/forward.cpp).
 //
 // Each block carries a header in front of it, so that the deleter knows its
 // class; a pointer without one was allocated before the cache was installed,

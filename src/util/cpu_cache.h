@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: the memory cache of DataParallel's CPU replicas and of a sharded
-// model's CPU passes. See Note [CPU replicas' memory] in src/cpu_cache.cpp.
+// model's CPU passes. See Note [CPU replicas' memory] in src/util/cpu_cache.cpp.
 
 #include <cstddef>
 #include <cstdint>

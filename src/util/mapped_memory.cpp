@@ -1,4 +1,4 @@
-#include "mapped_memory.h"
+#include "util/mapped_memory.h"
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>

@@ -73,7 +73,7 @@ std::string env(const char* name) {
 
 // The first of the launchers' variables set, or `otherwise`. Slurm's count
 // only inside a job step (srun), as in Note [MPI launchers]
-// (src/launch_env.cpp): a batch script's own process is no rank.
+// (src/comm/launch_env.cpp): a batch script's own process is no rank.
 int from_env(std::initializer_list<const char*> names, int otherwise) {
   const bool in_step = !env("SLURM_STEP_ID").empty();
   for (const char* name : names) {

@@ -3,7 +3,7 @@
 // Internal: a GroupImpl over any c10d object with c10d's collective methods.
 // LibTorch 1.13's Gloo group is a c10d::ProcessGroup and 2.x's a
 // c10d::Backend; both have the same allreduce/broadcast/allgather/barrier, so
-// one template serves both: the backends (src/backends/<name>.cpp) and
+// one template serves both: the backends (src/comm/backends/<name>.cpp) and
 // lockstep::from_c10d (c10d.h) name the type.
 
 #include <lockstep/backend.h>

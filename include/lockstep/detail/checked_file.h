@@ -3,7 +3,7 @@
 // Internal, shared with the trainer (examples/checkpoint.h): files that are
 // written atomically and read back only when whole. A file is `magic`, the
 // payload's length (8 bytes, little-endian), its CRC-32 (4 bytes, zlib's),
-// then the payload (src/checked_file.cpp).
+// then the payload (src/util/checked_file.cpp).
 
 #include <cstddef>
 #include <cstdint>

@@ -3,7 +3,7 @@
 // Internal: the errors of a collective, the same words whichever backend ran
 // it: one that failed or timed out (throw_collective_error), one this rank
 // refused before sending anything (throw_refusal). Defined in
-// src/collective_errors.cpp; the backends and the c10d adapter raise them.
+// src/comm/collective_errors.cpp; the backends and the c10d adapter raise them.
 
 #include <chrono>
 #include <functional>
@@ -14,7 +14,7 @@ namespace lockstep {
 namespace detail {
 
 /// What a backend can add to a failed collective's error: which peers it
-/// finds unreachable, say (Note [Naming the lost peer], src/backends/gloo.cpp).
+/// finds unreachable, say (Note [Naming the lost peer], src/comm/backends/gloo.cpp).
 /// Null: nothing. Shared, because a group hands it to every collective it
 /// starts, and what it captures (every rank's endpoint) grows with the job.
 using Diagnose = std::shared_ptr<const std::function<std::string()>>;

@@ -2,7 +2,7 @@
 
 // Internal: everything of DataParallel that does not depend on the module's
 // type, one method per stage of Note [DataParallel step] (data_parallel.h),
-// implemented in src/data_parallel.cpp in that order. The autograd node that
+// implemented in src/dp/data_parallel.cpp in that order. The autograd node that
 // stage 5 attaches is src/parallel_backward.{h,cpp}.
 
 #include <lockstep/data_parallel_options.h>
@@ -125,7 +125,7 @@ class DataParallelCore {
   void average_buffers(const Plan& plan);
 
   /// Stage 5, prepared: gives the differentiable gathered tensors one
-  /// ParallelBackward node (src/parallel_backward.h).
+  /// ParallelBackward node (src/dp/parallel_backward.h).
   void attach_backward(
       const Plan& plan,
       const std::vector<std::vector<torch::Tensor>>& flat,

@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: the part of DistributedDataParallel that does not depend on the
-// module's type (src/distributed_data_parallel.cpp).
+// module's type (src/ddp/distributed_data_parallel.cpp).
 
 #include <lockstep/detail/reducer.h>
 #include <lockstep/process_group.h>
@@ -44,7 +44,7 @@ class DistributedCore {
     sync_ = sync;
   }
 
-  /// JoinGuard's: see Note [Join] in src/distributed_data_parallel.cpp.
+  /// JoinGuard's: see Note [Join] in src/ddp/join.cpp.
   void begin_join(bool divide_by_initial_world_size, bool throw_on_early_termination);
   void finish_join();
   void end_join();
@@ -58,6 +58,7 @@ class DistributedCore {
     bool rebuild = false; // their forward rebuilds the buckets
   };
   JoinRound join_round(bool training, bool reduce);
+  int join_forward_round(bool reduce);
   // Each shared parameter or buffer once.
   std::vector<torch::Tensor> synced_state() const;
   // A parameter frozen at wrapping has no hook: unfreezing it later would

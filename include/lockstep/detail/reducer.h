@@ -5,7 +5,7 @@
 // gradient is ready, while backward goes on. The API follows the training
 // step, as c10d's reducer does: prepare_for_backward at forward,
 // autograd_hook per gradient, finalize_backward at the end of backward (see
-// Note [Reducer state] in src/reducer_state.h).
+// Note [Reducer state] in src/ddp/reducer_state.h).
 
 #include <lockstep/process_group.h>
 

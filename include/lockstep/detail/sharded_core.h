@@ -1,8 +1,8 @@
 #pragma once
 
 // Internal: the part of FullyShardedDataParallel that does not depend on the
-// module's type (src/fully_sharded.cpp), and the pure planning it rests on
-// (src/sharding_plan.cpp).
+// module's type (src/fsdp/forward.cpp), and the pure planning it rests on
+// (src/fsdp/plan.cpp).
 
 #include <lockstep/process_group.h>
 
@@ -40,12 +40,12 @@ struct ShardLayout {
 };
 ShardLayout shard_layout(int64_t numel, int world);
 
-/// What ShardedCore keeps per unit and dtype (src/fully_sharded.cpp).
+/// What ShardedCore keeps per unit and dtype (src/fsdp/forward.cpp).
 struct FlatParam;
 
 /// Marks every FullyShardedDataParallelImpl, whatever its module's type, so
 /// that a wrapper finds one nested in the module it wraps (Note [Nested
-/// wrappers] in src/sharded_model.cpp).
+/// wrappers] in src/fsdp/construct.cpp).
 struct ShardedWrapperMark {
   virtual ~ShardedWrapperMark() = default;
 };
@@ -101,18 +101,18 @@ class ShardedCore {
   };
   std::vector<FlatInfo> flat_params() const;
 
-  /// FullyShardedDataParallelImpl::clip_grad_norm_ (src/sharded_backward.cpp).
+  /// FullyShardedDataParallelImpl::clip_grad_norm_ (src/fsdp/backward.cpp).
   torch::Tensor clip_grad_norm_(double max_norm, double norm_type);
 
-  /// lockstep::save_sharded and load_sharded (src/sharded_checkpoint.cpp).
+  /// lockstep::save_sharded and load_sharded (src/fsdp/checkpoint.cpp).
   int64_t save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
   void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir, std::optional<int64_t> expected_save_id);
   /// FullyShardedDataParallelImpl's save and load: an error that says how
-  /// to checkpoint instead (src/sharded_checkpoint.cpp).
+  /// to checkpoint instead (src/fsdp/checkpoint.cpp).
   [[noreturn]] void refuse_serialization(const char* what) const;
-  /// lockstep::full_optimizer_state (src/sharded_checkpoint.cpp).
+  /// lockstep::full_optimizer_state (src/fsdp/checkpoint.cpp).
   void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const;
-  /// lockstep::shard_full_optimizer_state (src/sharded_optimizer.cpp).
+  /// lockstep::shard_full_optimizer_state (src/fsdp/optimizer.cpp).
   void shard_full_optimizer_state(torch::optim::Optimizer& full, torch::optim::Optimizer& optimizer);
 
  private:

@@ -1,8 +1,8 @@
 #pragma once
 
 // Internal: resolving a host and binding a TCP socket, the one way lockstep
-// does both: the store's listening socket (src/store.cpp), the address Gloo
-// will listen on (src/backends/gloo.cpp), and lockstep-run's check that the
+// does both: the store's listening socket (src/comm/store.cpp), the address Gloo
+// will listen on (src/comm/backends/gloo.cpp), and lockstep-run's check that the
 // store's port is free (tools/lockstep_run.cpp). Plain POSIX, nothing of
 // LibTorch: the launcher links none.
 

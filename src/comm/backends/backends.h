@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: the backends this build has. CMake compiles one file of each pair,
-// src/backends/<name>.cpp or src/backends/no_<name>.cpp, by what LibTorch
+// src/comm/backends/<name>.cpp or src/comm/backends/no_<name>.cpp, by what LibTorch
 // offers.
 
 #include <lockstep/detail/c10d_group.h>

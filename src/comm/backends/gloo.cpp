@@ -1,9 +1,9 @@
 // Compiled when LibTorch has c10d's Gloo process group; no_gloo.cpp otherwise.
 
-#include "backends.h"
-#include "../caller_stream.h"
-#include "../mapped_memory.h"
-#include "../torch_compat.h"
+#include "comm/backends/backends.h"
+#include "util/caller_stream.h"
+#include "util/mapped_memory.h"
+#include "util/torch_compat.h"
 
 #include <lockstep/detail/sockets.h>
 

@@ -1,8 +1,8 @@
 // Compiled when the build found an MPI library (Open MPI from Debian's
 // libopenmpi-dev); no_mpi.cpp otherwise.
 
-#include "backends.h"
-#include "../before_abort.h"
+#include "comm/backends/backends.h"
+#include "comm/before_abort.h"
 
 #include <lockstep/detail/collective_errors.h>
 
@@ -267,7 +267,7 @@ class MpiGroup : public GroupImpl {
   }
   // The types mpi_type maps, on the CPU. MPI reduces MPI_C_BOOL only with
   // its logical operations, so bools are reduced as bytes (Note [One tensor
-  // per collective] in src/collective_args.cpp).
+  // per collective] in src/comm/collective_args.cpp).
   bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
     if (!device.is_cpu()) {
       return false;

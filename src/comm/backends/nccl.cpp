@@ -2,7 +2,7 @@
 // USE_C10D_NCCL); no_nccl.cpp otherwise. It has run with a group of one on
 // one GPU, never with two ranks (README, "On a GPU").
 
-#include "backends.h"
+#include "comm/backends/backends.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 

@@ -1,6 +1,6 @@
 // Compiled when LibTorch lacks c10d's Gloo process group.
 
-#include "backends.h"
+#include "comm/backends/backends.h"
 
 namespace lockstep {
 namespace detail {

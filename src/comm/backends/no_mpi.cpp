@@ -1,6 +1,6 @@
 // Compiled when the build found no MPI library.
 
-#include "backends.h"
+#include "comm/backends/backends.h"
 
 namespace lockstep {
 namespace detail {

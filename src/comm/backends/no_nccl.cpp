@@ -1,6 +1,6 @@
 // Compiled when LibTorch lacks c10d's NCCL process group (a CPU build).
 
-#include "backends.h"
+#include "comm/backends/backends.h"
 
 namespace lockstep {
 namespace detail {

@@ -1,0 +1,36 @@
+// DistributedDataParallel's join: what it refuses before any rank joins.
+
+#include <lockstep/distributed_data_parallel.h>
+#include <lockstep/sync_batch_norm.h>
+
+#include "support/errors.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
+
+#include <string>
+
+namespace lockstep {
+namespace {
+
+using testing::error_of;
+
+TEST(Join, RefusedWithSyncBatchNormAndWithAHookDividingByTheTrainingRanks) {
+  torch::nn::Sequential net(torch::nn::Linear(3, 2), SyncBatchNorm(torch::nn::BatchNormOptions(2)));
+  DistributedDataParallel<torch::nn::Sequential> ddp(net, ProcessGroup());
+  EXPECT_ERROR_SAYS(ddp->join(), "'1' is a lockstep::SyncBatchNorm", "cannot take part in them");
+  torch::nn::Sequential plain(torch::nn::Linear(3, 2));
+  DistributedDataParallel<torch::nn::Sequential> hooked(plain, ProcessGroup(), DistributedOptions().comm_hook(comm_hooks::allreduce));
+  EXPECT_ERROR_SAYS(hooked->join(JoinOptions().divide_by_initial_world_size(false)), "a comm hook is set");
+  {
+    auto unwound = hooked->join(); // destroyed without finish(): only leaves join mode
+  }
+  auto guard = hooked->join(); // the default divisor is fine with a hook
+  EXPECT_ERROR_SAYS(hooked->join(), "already joined");
+  guard.finish();
+  EXPECT_ERROR_SAYS(guard.finish(), "already finished");
+}
+
+} // namespace
+} // namespace lockstep

@@ -1,0 +1,251 @@
+// The launcher's environment, parsed as a pure function (torchrun's and MPI
+// launchers' variables, LOCKSTEP_TIMEOUT, the store file), and where a
+// server listens for the address it is named by.
+
+#include <lockstep/detail/launch_env.h>
+#include <lockstep/detail/sockets.h>
+#include <lockstep/process_group.h>
+
+#include "../src/comm/store.h"
+#include "support/errors.h"
+#include "support/scratch.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+namespace lockstep {
+namespace {
+
+using testing::error_of;
+
+// --- environment ------------------------------------------------------------------
+
+std::function<const char*(const char*)> env_of(std::map<std::string, std::string> vars) {
+  auto shared = std::make_shared<std::map<std::string, std::string>>(std::move(vars));
+  return [shared](const char* name) -> const char* {
+    auto it = shared->find(name);
+    return it == shared->end() ? nullptr : it->second.c_str();
+  };
+}
+
+TEST(LaunchEnv, ReadsTorchrunVariables) {
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                                                                     {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+                                                                     {"MASTER_PORT", "29500"}}));
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.master_addr, "10.0.0.1");
+  EXPECT_EQ(env.master_port, 29500);
+}
+
+// DeepSpeed's launcher and hand-written scripts set LOCAL_RANK without
+// LOCAL_WORLD_SIZE; PyTorch's init_process_group takes them.
+TEST(LaunchEnv, LocalRankWithoutLocalWorldSizeIsTaken) {
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
+                                                                     {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}));
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.local_rank, 1);
+}
+
+// lockstep-run's one-node store waits as long as the group does, not
+// c10d's 300 s default (NCCL fetches its id through it at the first
+// collective, and user code may wait on it).
+TEST(LaunchEnv, LockstepRunsFileStoreTakesTheGroupsTimeout) {
+  const std::string path = testing::scratch("store_timeout");
+  ASSERT_EQ(setenv("LOCKSTEP_STORE_FILE", path.c_str(), 1), 0);
+  detail::LaunchEnv env;
+  env.timeout = std::chrono::milliseconds(1500);
+  auto store = detail::make_store(env, ProcessGroupOptions());
+  unsetenv("LOCKSTEP_STORE_FILE");
+  EXPECT_EQ(store->getTimeout(), std::chrono::milliseconds(1500));
+  std::remove(path.c_str());
+}
+
+TEST(LaunchEnv, TorchrunsAgentStoreMakesEveryRankAClient) {
+  std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  vars["TORCHELASTIC_RESTART_COUNT"] = "2";
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of(vars));
+  EXPECT_TRUE(env.agent_store);
+  EXPECT_EQ(env.restart_count, 2);
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  EXPECT_FALSE(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).agent_store);
+}
+
+TEST(LaunchEnv, MissingOrMalformedVariablesNameThemselves) {
+  auto message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}})); });
+  EXPECT_NE(message.find("WORLD_SIZE is not set"), std::string::npos) << message;
+  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}})); });
+  EXPECT_NE(message.find("RANK=\"x1\" is malformed; expected a whole number in [0, WORLD_SIZE)"), std::string::npos) << message;
+  message = error_of([] {
+    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
+                                                            {"MASTER_PORT", "70000"}}));
+  });
+  EXPECT_NE(message.find("MASTER_PORT=\"70000\" is malformed; expected a port number"), std::string::npos) << message;
+  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}})); });
+  EXPECT_NE(message.find("MASTER_ADDR is not set"), std::string::npos) << message;
+  message = error_of([] { detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "5"}, {"WORLD_SIZE", "2"}})); });
+  EXPECT_NE(message.find("RANK=5 is out of range for WORLD_SIZE=2"), std::string::npos) << message;
+  message = error_of([] {
+    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"},
+                                                            {"LOCAL_RANK", "2"}}));
+  });
+  EXPECT_NE(message.find("LOCAL_RANK=2 is out of range for LOCAL_WORLD_SIZE=2"), std::string::npos) << message;
+}
+
+TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
+  std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, kDefaultTimeout);
+  vars["LOCKSTEP_TIMEOUT"] = "7";
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, std::chrono::seconds(7));
+  const auto explicit_timeout = std::chrono::milliseconds(1500);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions().timeout(explicit_timeout), env_of(vars)).timeout,
+            explicit_timeout);
+  vars["LOCKSTEP_TIMEOUT"] = "5m";
+  auto message = error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)); });
+  EXPECT_NE(message.find("LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds"), std::string::npos) << message;
+  message = error_of([&] {
+    detail::parse_launch_env(ProcessGroupOptions().timeout(std::chrono::milliseconds(-1)), env_of(vars));
+  });
+  EXPECT_NE(message.find("ProcessGroupOptions::timeout is -1 ms"), std::string::npos) << message;
+  // Longer than LOCKSTEP_TIMEOUT's 7 days overflowed the init deadline into
+  // about 2 s, and MPI's waits into none at all.
+  message = error_of([&] {
+    detail::parse_launch_env(ProcessGroupOptions().timeout(std::chrono::milliseconds::max()), env_of(vars));
+  });
+  EXPECT_NE(message.find("ProcessGroupOptions::timeout is 9223372036854775807 ms; expected a positive duration of "
+                         "at most 7 days"), std::string::npos) << message;
+  for (auto bad : {std::chrono::milliseconds(0), std::chrono::milliseconds(-5)}) {
+    message = error_of([&] { new_group(c10::make_intrusive<c10d::HashStore>(), 0, 2, "gloo", bad); });
+    EXPECT_NE(message.find("new_group's timeout is " + std::to_string(bad.count()) + " ms"), std::string::npos)
+        << message;
+  }
+}
+
+TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"OMPI_COMM_WORLD_RANK", "2"},
+      {"OMPI_COMM_WORLD_SIZE", "3"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}}));
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.world_size, 3);
+  EXPECT_EQ(env.local_rank, 0);
+  ASSERT_NE(env.mpi_launcher, nullptr);
+  EXPECT_STREQ(env.mpi_launcher, "Open MPI's mpirun");
+  EXPECT_TRUE(env.master_addr.empty()); // no store, no MASTER_ADDR needed
+  env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"},
+                                                                  {"SLURM_LOCALID", "1"}, {"SLURM_STEP_ID", "0"}}));
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.local_rank, 1);
+  // A batch script has Slurm's rank and size too, but is no task of a step:
+  // one process, which must not wait for 7 others.
+  const auto batch = env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"}});
+  EXPECT_EQ(detail::find_mpi_launcher(batch), nullptr);
+  EXPECT_NE(error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), batch); })
+                .find("environment variable WORLD_SIZE is not set"), std::string::npos);
+  // torchrun's variables win over a launcher's.
+  env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"},
+                                                                  {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
+  EXPECT_EQ(env.mpi_launcher, nullptr);
+  EXPECT_EQ(env.world_size, 1);
+  auto message = error_of([] {
+    detail::parse_launch_env(ProcessGroupOptions(), env_of({{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
+  });
+  EXPECT_NE(message.find("OMPI_COMM_WORLD_RANK=\"4\" is malformed"), std::string::npos) << message;
+}
+
+TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
+  auto env = detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), env_of({}));
+  EXPECT_EQ(env.world_size, 1);
+  auto group = init_process_group(ProcessGroupOptions().rank(0).world_size(1));
+  EXPECT_EQ(group.size(), 1);
+  auto t = torch::ones({3});
+  group.allreduce(t, ReduceOp::Avg);
+  EXPECT_TRUE(torch::equal(t, torch::ones({3})));
+}
+
+// --- Where a server listens (Note [A server named by a host name]) -----------
+
+// This machine's first IPv4 address that is not loopback, or "".
+std::string outward_address() {
+  std::string found;
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) {
+    return found;
+  }
+  for (const ifaddrs* i = all; i != nullptr && found.empty(); i = i->ifa_next) {
+    if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET && !detail::is_loopback(i->ifa_addr)) {
+      char text[INET_ADDRSTRLEN] = {};
+      ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text));
+      found = text;
+    }
+  }
+  ::freeifaddrs(all);
+  return found;
+}
+
+// Whether a TCP connection to address:port is accepted (a listening
+// socket's backlog completes it, so no thread has to accept).
+bool connects(const std::string& address, int port) {
+  const auto to = detail::resolve_tcp(address, port, AI_NUMERICHOST | AI_NUMERICSERV);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool ok = to.first() != nullptr && ::connect(fd, to.first()->ai_addr, to.first()->ai_addrlen) == 0;
+  ::close(fd);
+  return ok;
+}
+
+TEST(ServerAddress, NamesOfLoopbackItselfAreToldFromMachineNames) {
+  for (const char* host : {"localhost", "localhost.localdomain", "ip6-localhost", "127.0.0.1", "127.0.1.1", "::1"}) {
+    EXPECT_TRUE(detail::names_loopback(host)) << host;
+  }
+  for (const char* host : {"trainer-0", "node.example", "10.0.0.1", "192.0.2.2", "::ffff:10.0.0.1"}) {
+    EXPECT_FALSE(detail::names_loopback(host)) << host;
+  }
+}
+
+// Debian maps the machine's own name to loopback; the other machines
+// resolve it to a real address, so a server named by it must answer there.
+TEST(ServerAddress, AServerNamedByAHostNameThatIsLoopbackHereAnswersOnEveryInterface) {
+  char name[256] = {};
+  ASSERT_EQ(::gethostname(name, sizeof(name) - 1), 0);
+  const auto here = detail::resolve_tcp(name, 0);
+  const std::string outward = outward_address();
+  if (here.first() == nullptr || !detail::is_loopback(here.first()->ai_addr) || outward.empty()) {
+    GTEST_SKIP() << "needs a host name that resolves to loopback (Debian's /etc/hosts) and an outward address; '"
+                 << name << "' and '" << outward << "'";
+  }
+  const auto by_name = detail::listen_as(name, 0);
+  ASSERT_GE(by_name.fd, 0) << by_name.error;
+  const int port = detail::bound_port(by_name.fd);
+  EXPECT_TRUE(by_name.every_interface);
+  EXPECT_TRUE(connects(outward, port)) << "'" << name << "' on " << outward << ":" << port;
+  EXPECT_TRUE(connects("127.0.0.1", port));
+  EXPECT_LT(detail::listen_as(name, port).fd, 0) << "a second server at the same port";
+  ::close(by_name.fd);
+
+  const auto by_loopback = detail::listen_as("127.0.0.1", 0);
+  ASSERT_GE(by_loopback.fd, 0) << by_loopback.error;
+  EXPECT_FALSE(by_loopback.every_interface);
+  EXPECT_FALSE(connects(outward, detail::bound_port(by_loopback.fd))) << "a server named as loopback stays there";
+  ::close(by_loopback.fd);
+  EXPECT_LT(detail::listen_as("192.0.2.254", 0).fd, 0) << "an address of another machine";
+}
+
+} // namespace
+} // namespace lockstep
