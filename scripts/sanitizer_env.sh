@@ -13,12 +13,12 @@ case "$LOCKSTEP_SANITIZE" in
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp
     ;;
   thread)
-    # CI runs the thread tests under TSan (docs/design.md, "Sanitizers"):
+    # CI runs the thread tests under TSan (docs/testing.md, "Sanitizers"):
     # neither the trainer, the process tests nor the benchmarks are built.
     torch_cmake_args+=(-DLOCKSTEP_BUILD_BENCH=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF)
     # LibTorch is not instrumented: TSan would take its atomics for missing
     # synchronisation. ignore_noninstrumented_modules leaves its calls out
-    # (docs/design.md, "Sanitizers and fuzzing", says what that costs).
+    # (docs/testing.md, "Sanitizers", says what that costs).
     export TSAN_OPTIONS=suppressions=$supp/tsan.supp:ignore_noninstrumented_modules=1:second_deadlock_stack=1
     ;;
 esac

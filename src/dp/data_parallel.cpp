@@ -226,8 +226,8 @@ DataParallelCore::DataParallelCore(
 // swing from run to run. So the replicas keep their memory (Note [CPU
 // replicas' memory] in src/util/cpu_cache.cpp). And the gradient sums are shared
 // out by size (assign_sums), so that no worker sums the largest layers alone
-// while the others wait. Measured in docs/performance.md ("DataParallel on
-// CPU replicas").
+// while the others wait. Measured in docs/performance.md
+// ("DataParallel").
 
 torch::Device DataParallelCore::output_device() const {
   return options_.output_device().value_or(options_.devices()[0]);
