@@ -48,14 +48,14 @@ inline bool cpu_computes_natively(torch::ScalarType dtype) {
 // Says so when --precision asks the CPU for arithmetic it emulates. fp16
 // is said whatever the CPU's flags: LibTorch's CPU float16 kernels are far
 // slower than its fp32 and bf16 ones even where AVX512-FP16 and AMX-FP16
-// exist (a step 41 times fp32's was measured on such a CPU, bf16's below
-// fp32's).
+// exist (docs/performance.md's AMP table: 33 times fp32's on the MLP on a
+// CPU with AVX512-BF16, where bf16 runs 1.6 times faster than fp32).
 inline void say_if_emulated(const Config& config, torch::Device device, bool lead) {
   const auto dtype = precision_dtype(config);
   if (lead && dtype == torch::kHalf && device.is_cpu()) {
     std::fprintf(stderr, "lockstep-train: note: --precision fp16 on a CPU is slow: LibTorch's CPU float16 kernels "
-                 "take many times longer than fp32's (a step 41 times longer was measured on a CPU with AVX512-FP16 "
-                 "and AMX). Use --precision bf16 on a CPU; fp16 is for GPUs.\n");
+                 "take many times longer than fp32's (33 times longer on an MLP on a CPU where bf16 is 1.6 times "
+                 "faster than fp32). Use --precision bf16 on a CPU; fp16 is for GPUs.\n");
     return;
   }
   if (lead && dtype != torch::kFloat && device.is_cpu() && !cpu_computes_natively(dtype)) {
