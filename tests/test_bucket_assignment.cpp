@@ -1,7 +1,7 @@
 // DistributedDataParallel's bucket assignment: which parameters share a
 // bucket, in which order, and the default bucket sizes.
 
-#include <lockstep/detail/reducer.h>
+#include "../src/ddp/reducer.h"
 #include <lockstep/distributed_data_parallel.h>
 
 #include "support/errors.h"

@@ -2,8 +2,8 @@
 // launchers' variables, LOCKSTEP_TIMEOUT, the store file), and where a
 // server listens for the address it is named by.
 
-#include <lockstep/detail/launch_env.h>
-#include <lockstep/detail/sockets.h>
+#include "../src/comm/launch_env.h"
+#include <common/sockets.h>
 #include <lockstep/process_group.h>
 
 #include "../src/comm/store.h"

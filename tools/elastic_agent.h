@@ -8,7 +8,7 @@
 #include "kv_store.h"
 #include "rendezvous.h"
 
-#include <lockstep/detail/sockets.h>
+#include <common/sockets.h>
 
 #include <arpa/inet.h>
 #include <netdb.h>

@@ -11,7 +11,7 @@
 // atomic counter), SET and GET (a value, or nothing). The wire format is one
 // text line per request and per reply.
 
-#include <lockstep/detail/sockets.h>
+#include <common/sockets.h>
 
 #include <fcntl.h>
 #include <netinet/in.h>

@@ -38,7 +38,7 @@
 
 #include <common/process_files.h>
 
-#include <lockstep/detail/sockets.h>
+#include <common/sockets.h>
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -210,7 +210,7 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   /// order; after the first reducing backward, rebuilt in the order its
   /// gradients became ready (DistributedOptions::rebuild_buckets).
   std::vector<std::vector<size_t>> buckets() const {
-    return core_->reducer().buckets();
+    return core_->buckets();
   }
 
   /// Prints `lockstep::DistributedDataParallel(rank=0, world_size=2, backend=gloo)`.

@@ -1,4 +1,4 @@
-#include <lockstep/detail/launch_env.h>
+#include "comm/launch_env.h"
 
 #include <c10/util/Exception.h>
 

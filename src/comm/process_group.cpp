@@ -7,7 +7,7 @@
 #include "comm/store.h"
 #include "util/torch_compat.h"
 
-#include <lockstep/detail/launch_env.h>
+#include "comm/launch_env.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>

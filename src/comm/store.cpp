@@ -4,7 +4,7 @@
 
 #include "util/torch_compat.h"
 
-#include <lockstep/detail/sockets.h>
+#include <common/sockets.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>

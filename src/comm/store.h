@@ -3,7 +3,7 @@
 // Internal: the store through which init_process_group's ranks find each
 // other (src/comm/store.cpp), apart from the backends that use it.
 
-#include <lockstep/detail/launch_env.h>
+#include "comm/launch_env.h"
 #include <lockstep/process_group_options.h>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -1,6 +1,8 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include "ddp/reducer.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -197,6 +199,12 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   detail::label_sync_batch_norms(module);
   broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");
   reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
+}
+
+DistributedCore::~DistributedCore() = default;
+
+std::vector<std::vector<size_t>> DistributedCore::buckets() const {
+  return reducer_->buckets();
 }
 
 // The parameters, and the buffers unless broadcast_buffers(false) keeps

@@ -1,4 +1,4 @@
-#include <lockstep/detail/reducer.h>
+#include "ddp/reducer.h"
 
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/timeline.h>

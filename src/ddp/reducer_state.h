@@ -3,7 +3,7 @@
 // Internal: the reducer's state, shared by src/ddp/reducer.cpp (buckets, hooks,
 // the step's start) and src/ddp/reducer_finalize.cpp (the end of backward).
 
-#include <lockstep/detail/reducer.h>
+#include "ddp/reducer.h"
 #include <lockstep/distributed_data_parallel.h>
 
 #include "util/torch_compat.h"

@@ -4,7 +4,7 @@
 // A c10::Error is the right answer to bad input; anything else is a failure,
 // as is a result that breaks the parser's own promises.
 
-#include <lockstep/detail/launch_env.h>
+#include "comm/launch_env.h"
 
 #include <fuzzer/FuzzedDataProvider.h>
 

@@ -3,7 +3,6 @@
 // Internal: the part of DistributedDataParallel that does not depend on the
 // module's type (src/ddp/distributed_data_parallel.cpp).
 
-#include <lockstep/detail/reducer.h>
 #include <lockstep/process_group.h>
 
 #include <torch/nn/module.h>
@@ -20,11 +19,14 @@ struct DistributedOptions;
 
 namespace detail {
 
+class Reducer;
+
 /// The part of DistributedDataParallel that does not depend on the module's
 /// type: checks, broadcasts and the reducer.
 class DistributedCore {
  public:
   DistributedCore(torch::nn::Module& module, ProcessGroup group, const DistributedOptions& options);
+  ~DistributedCore();
 
   /// Buffers from rank 0 if asked, and the reducer told what the next
   /// backward must do.
@@ -33,9 +35,8 @@ class DistributedCore {
   const ProcessGroup& group() const {
     return group_;
   }
-  Reducer& reducer() {
-    return *reducer_;
-  }
+  /// The reducer's buckets (DistributedDataParallelImpl::buckets).
+  std::vector<std::vector<size_t>> buckets() const;
   /// False inside no_sync(): forwards then make their backward skip reduction.
   bool sync() const {
     return sync_;

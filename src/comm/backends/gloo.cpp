@@ -5,7 +5,7 @@
 #include "util/mapped_memory.h"
 #include "util/torch_compat.h"
 
-#include <lockstep/detail/sockets.h>
+#include <common/sockets.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
