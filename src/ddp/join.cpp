@@ -5,6 +5,8 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include "ddp/reducer.h"
+
 #include <torch/torch.h>
 
 #include <string>
