@@ -32,10 +32,9 @@ TEST(AutocastGuard, IsTheCallingThreadsOnly) {
   EXPECT_EQ(elsewhere, torch::kFloat);
 }
 
-// Two optional guards reset in the order they were made: the outer one's
-// end used to restore the state before it while the inner one lived, and
-// the inner one's end then restored autocast on, for good. Now the inner
-// one takes over, and the thread ends as it began.
+// Two optional guards reset in the order they were made: while the inner
+// one lives, the thread stays under its autocast, and when it ends the
+// thread is as it was before the outer one (not left under autocast).
 TEST(AutocastGuard, GuardsEndedOutOfOrderLeaveTheThreadAsItWas) {
   auto a = torch::randn({4, 4});
   std::optional<AutocastGuard> outer(std::in_place, torch::kCPU, torch::kBFloat16);
@@ -47,7 +46,7 @@ TEST(AutocastGuard, GuardsEndedOutOfOrderLeaveTheThreadAsItWas) {
 }
 
 // Ended on another thread, a guard cannot restore its own thread's state:
-// an error that says so, where it used to leave that thread under autocast
+// an error that says so, rather than leaving that thread under autocast
 // without a word.
 TEST(AutocastGuard, AGuardEndedOnAnotherThreadIsAnError) {
   AutocastGuard* guard = nullptr; // not a unique_ptr: its reset() is noexcept, and this destructor throws

@@ -24,7 +24,7 @@ using testing::Process;
 
 constexpr int kUsageExit = 2;
 
-// A tiny run, so that a flag the old trainer took quietly ends in seconds.
+// A tiny run, so that a flag the trainer would take quietly ends in seconds.
 std::vector<std::string> tiny(const std::string& name) {
   return {LOCKSTEP_TRAIN, "--synthetic", "--train-samples", "64", "--test-samples", "16", "--batch-size", "32",
           "--epochs", "1", "--out", temp(name + "_out")};

@@ -267,9 +267,9 @@ TEST(FullyShardedDataParallel, WritebackCopiesEditsIntoTheShards) {
 }
 
 // torch::load replaces each parameter's tensor (set_) rather than writing
-// into the gathered buffer it views: without Note [Replaced parameters]
-// the writeback copied the old values (FullShard, ShardGradOp), and NoShard
-// went on computing with tensors its optimizer never stepped.
+// into the gathered buffer it views (Note [Replaced parameters]): the loaded
+// values, not the gathered ones, reach the shards (FullShard, ShardGradOp),
+// and NoShard computes with the tensors its optimizer steps.
 TEST(FullyShardedDataParallel, AFullCheckpointLoadedUnderSummonReachesTheShards) {
   const std::string path = testing::scratch("fsdp_load.pt");
   const std::string wider = path + ".wider";
@@ -305,10 +305,10 @@ TEST(FullyShardedDataParallel, AFullCheckpointLoadedUnderSummonReachesTheShards)
 }
 
 // An init after wrapping writes into FullShard's and ShardGradOp's empty
-// parameters, and LibTorch says nothing: it was lost (Note [Edits outside
-// summon_full_params]). Now the next forward, or summon_full_params, is an
-// error naming the parameter; NoShard's parameters view its shard, and the
-// edit takes effect.
+// parameters, and LibTorch says nothing: the edit would be lost (Note
+// [Edits outside summon_full_params]). The next forward, or
+// summon_full_params, is an error naming the parameter; NoShard's
+// parameters view its shard, and the edit takes effect.
 TEST(FullyShardedDataParallel, AnEditOutsideSummonIsAnErrorWhereItWouldBeLost) {
   const std::string path = testing::scratch("fsdp_edit.pt");
   torch::save(OddNet(), path);

@@ -264,9 +264,9 @@ TEST(PowerSGD, SavedStateResumesExactly) {
   }
   // The same state in a hook of another rank (a resume with another
   // --powersgd-rank) keeps the iteration and the error feedback, and draws
-  // the Q's anew at its rank (Note [PowerSGD state of another rank]): it
-  // used to be refused at the first bucket, "rank 3 needs 30". With the
-  // error feedback, it reduces otherwise than a hook given none.
+  // the Q's anew at its rank (Note [PowerSGD state of another rank]), with
+  // no refusal at the first bucket. With the error feedback, it reduces
+  // otherwise than a hook given none.
   const auto other_options = PowerSGDOptions().rank(3).min_compression_rate(1).start_iteration(2).seed(7);
   PowerSGD other(other_options), without_errors(other_options);
   for (auto* hook : {&other, &without_errors}) {

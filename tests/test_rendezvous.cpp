@@ -336,7 +336,7 @@ TEST(Rendezvous, FullRoundLeavesTheNodeAboveMaxWaitingUntilEveryMemberHasLeft) {
 
 // Members that vanish without a code (machines lost, launchers killed) are
 // followed by their heartbeats (Note [The job ends while a node waits]): a
-// waiting node that serves the store no longer waits for good.
+// waiting node that serves the store does not wait for good.
 TEST(Rendezvous, WaitingNodeEndsTheRoundWhenEveryMemberVanishesAndRunsWithoutThem) {
   MemoryKeyValue kv;
   const auto s = settings(1, 2);

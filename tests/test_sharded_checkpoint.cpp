@@ -77,9 +77,9 @@ TEST(ShardedCheckpoint, FilesOfTwoSavesAreAnErrorNamingTheFile) {
 }
 
 // A load that fails on one rank changes nothing on any (Note [A load
-// changes all or nothing]): rank 0's files are good, and it used to load
-// them before it learned that rank 1 failed, leaving the ranks with
-// different models for a caller that goes on after the error.
+// changes all or nothing]): rank 0's files are good, yet it loads nothing,
+// since rank 1 failed; otherwise a caller that goes on after the error
+// would hold different models on its ranks.
 TEST(ShardedCheckpoint, AFailedLoadChangesNothingOnAnyRank) {
   const auto earlier = checkpoint_dir("unchanged_earlier");
   const auto later = checkpoint_dir("unchanged_later");
@@ -146,9 +146,9 @@ TEST(ShardedCheckpoint, ARankThatCannotWriteIsAnErrorOnEveryRank) {
 }
 
 // A checkpoint saved before the optimizer's first step holds no optimizer
-// state. Loading it into an optimizer that has stepped used to keep that
-// optimizer's moments and step count; as load_state_dict, it starts again
-// from none, so the next step is the first step's again.
+// state. Loading it into an optimizer that has stepped drops that
+// optimizer's moments and step count, as load_state_dict does, so the next
+// step is the first step's again.
 TEST(ShardedCheckpoint, ASaveBeforeTheFirstStepLoadsAsNoOptimizerState) {
   const auto dir = checkpoint_dir("before_step");
   testing::spawn(2, [&](ProcessGroup& group) {

@@ -62,9 +62,9 @@ void adam_step(FullyShardedDataParallel<Net>& model, torch::optim::Optimizer& op
 
 // A summon_full_params block that throws after replacing parameters (a
 // torch::load of another model's file replaces each, then misses a name),
-// one by a tensor of another shape: ending the guard used to throw from its
-// destructor while the exception unwound, which ends the process. Now the
-// caller's exception goes on, nothing is written back, and the model
+// one by a tensor of another shape: ending the guard must not throw from
+// its destructor while the exception unwinds, which would end the process.
+// The caller's exception goes on, nothing is written back, and the model
 // trains on.
 TEST(ShardedMisuse, ASummonEndedByAnExceptionKeepsTheShardsAndRethrows) {
   for (auto strategy : kStrategies) {
@@ -246,10 +246,9 @@ TEST(ShardedMisuse, ParametersOnTwoDevicesAreAnErrorOnEveryRank) {
   });
 }
 
-// torch::save of the wrapper wrote this rank's shards under names such as
-// "root:Float", and rank 0's file loaded silently into every rank's shard
-// (NoShard's module kept computing from the old storage). Both are refused,
-// saying how to checkpoint.
+// torch::save of the wrapper would write this rank's shards under names
+// such as "root:Float", and rank 0's file would load silently into every
+// rank's shard. Both are refused, saying how to checkpoint.
 TEST(ShardedMisuse, TorchSaveAndLoadOfTheWrapperAreErrorsSayingWhatToUse) {
   const auto dir = misuse_dir("torch_save");
   std::filesystem::create_directories(dir);

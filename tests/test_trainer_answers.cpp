@@ -102,8 +102,8 @@ TEST(TrainerResume, AnotherBatchSizeTrainsEachSampleOnceAndKeepsTheSchedule) {
   ASSERT_EQ(epochs.size(), 1u);
   EXPECT_EQ(epochs[0].value("samples", int64_t{-1}), 1024) << epochs[0];
   // The schedule ends where an uninterrupted epoch at 64 ends: its last
-  // step is 15 of 16, 7 of the cosine's 8 (the old 4 steps at 128 counted
-  // as 4 at 64 left it at step 11, 3 of 8).
+  // step is 15 of 16, 7 of the cosine's 8 (4 steps at 128 counted as 4 at
+  // 64 would leave it at step 11, 3 of 8).
   const double cosine_at_7_of_8 = 0.1 * 0.5 * (1 + std::cos(M_PI * 7 / 8));
   EXPECT_NEAR(epochs[0].value("lr", -1.0), cosine_at_7_of_8, 1e-9) << epochs[0];
 }

@@ -53,9 +53,8 @@ TEST(TrainerCommHook, PowerSGDResumesExactlyFromTheCheckpoint) {
   EXPECT_EQ(final_hash(resumed.output), final_hash(whole.output)) << resumed.output;
 }
 
-// A resume with another --powersgd-rank failed after its first step with
-// "rank 4 needs 512", where "rank" read as the process's. Now the resume
-// line names both settings, and PowerSGD draws its Q's anew at the new rank
+// A resume with another --powersgd-rank trains on: the resume line names
+// both settings, and PowerSGD draws its Q's anew at the new rank
 // (Note [PowerSGD state of another rank]). The summary gives the
 // compression rate, or says that no gradient was compressed.
 TEST(TrainerCommHook, AResumeWithAnotherPowerSGDRankGoesOnAndTheSummaryGivesTheRate) {
