@@ -2,6 +2,7 @@
 // process over an in-memory c10d::HashStore, as Gloo's own tests do. The pure
 // parts (bucket assignment, environment parsing) are in test_bucket_assignment.cpp and test_launch_env.cpp.
 
+#include <lockstep/c10d.h>
 #include <lockstep/lockstep.h>
 
 #include "../src/util/torch_compat.h"

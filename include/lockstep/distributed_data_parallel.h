@@ -5,19 +5,16 @@
 /// over ranks while backward runs. See Note [Reducer state] in src/ddp/reducer_state.h
 /// and docs/design.md.
 
-#include <lockstep/comm_hooks.h>
 #include <lockstep/detail/distributed_core.h>
 #include <lockstep/detail/wrapper.h>
+#include <lockstep/distributed_options.h>
 #include <lockstep/process_group.h>
 #include <lockstep/timeline.h>
 
-#include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/serialize/archive.h>
 
-#include <algorithm>
-#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -25,61 +22,14 @@
 
 namespace lockstep {
 
-/// Cap of the first bucket: small, so that its allreduce starts early in backward.
-constexpr int64_t kFirstBucketBytes = 1024 * 1024;
-/// Cap of the other buckets: PyTorch's default bucket_cap_mb, 25 MiB.
-constexpr int64_t kDefaultBucketBytes = 25 * 1024 * 1024;
-
-/// Options of lockstep::DistributedDataParallel, with fluent setters.
-struct DistributedOptions {
-  /// Cap of each bucket after the first, in bytes.
-  TORCH_ARG(int64_t, bucket_bytes) = kDefaultBucketBytes;
-  /// Cap of the first bucket, in bytes. A smaller bucket_bytes caps it too.
-  TORCH_ARG(int64_t, first_bucket_bytes) = kFirstBucketBytes;
-  /// Allow parameters that get no gradient in some iterations; they are
-  /// reduced as zeros. Without it such parameters are an error on every rank.
-  TORCH_ARG(bool, find_unused_parameters) = false;
-  /// Copy rank 0's buffers (BatchNorm statistics) to every rank at wrapping
-  /// and before each forward (at join's end, the last trainer's); false
-  /// leaves each rank's buffers its own, as PyTorch's.
-  TORCH_ARG(bool, broadcast_buffers) = true;
-  /// Make each .grad a view into its bucket: no copy in or out, and no
-  /// gradient-sized memory besides the buckets.
-  TORCH_ARG(bool, gradient_as_bucket_view) = false;
-  /// How a bucket is reduced: comm_hooks::allreduce, fp16_compress,
-  /// bf16_compress, or your own. Empty (the default): the built-in allreduce,
-  /// comm_hooks::allreduce's result with the division by the world size
-  /// fused into the copy of each gradient into its bucket.
-  TORCH_ARG(CommHook, comm_hook) = nullptr;
-  /// Promise that every iteration gives gradients to the same parameters:
-  /// the first reducing backward records which ones get none, and later
-  /// ones skip the search for them and plain mode's check collective. A
-  /// broken promise is an error on every rank naming the parameter (Note
-  /// [Static graph] in src/ddp/reducer_state.h).
-  TORCH_ARG(bool, static_graph) = false;
-  /// After the first reducing backward, rebuild the buckets in the order its
-  /// gradients became ready, as c10d does; false keeps reverse registration
-  /// order (Note [Rebuilding buckets] in src/ddp/reducer_state.h).
-  TORCH_ARG(bool, rebuild_buckets) = true;
-
- public: // TORCH_ARG leaves the rest private
-  /// bucket_bytes in MiB, as PyTorch's bucket_cap_mb; at least one byte.
-  DistributedOptions& bucket_cap_mb(double mib) {
-    TORCH_CHECK(mib > 0, "lockstep::DistributedOptions: bucket_cap_mb must be > 0, but got ", mib, ".");
-    bucket_bytes_ = std::max<int64_t>(1, static_cast<int64_t>(mib * 1024 * 1024));
-    return *this;
-  }
-};
+template <typename M>
+class DistributedDataParallelImpl;
 
 /// While alive, forward and backward through the DistributedDataParallel do
 /// not communicate: .grad accumulates locally, and the next forward outside
 /// the guard reduces the accumulated sum in its backward.
 class NoSyncGuard {
  public:
-  /// Made by DistributedDataParallelImpl::no_sync().
-  explicit NoSyncGuard(detail::DistributedCore& core) : core_(&core), previous_(core.sync()) {
-    core_->set_sync(false);
-  }
   /// Takes over `other`'s guard; `other` then restores nothing when it ends.
   NoSyncGuard(NoSyncGuard&& other) noexcept : core_(other.core_), previous_(other.previous_) {
     other.core_ = nullptr;
@@ -94,20 +44,15 @@ class NoSyncGuard {
   }
 
  private:
+  template <typename M>
+  friend class DistributedDataParallelImpl;
+  // Made by DistributedDataParallelImpl::no_sync().
+  explicit NoSyncGuard(detail::DistributedCore& core) : core_(&core), previous_(core.sync()) {
+    core_->set_sync(false);
+  }
+
   detail::DistributedCore* core_;
   bool previous_;
-};
-
-/// Options of DistributedDataParallelImpl::join, as PyTorch's Join.
-struct JoinOptions {
-  /// Divide the summed gradients by the world size even when some ranks have
-  /// joined and contribute zeros (PyTorch's default); false: by the number of
-  /// ranks still training. Needs the built-in allreduce: a comm hook chooses
-  /// its own divisor.
-  TORCH_ARG(bool, divide_by_initial_world_size) = true;
-  /// Make every rank throw as soon as any rank runs out of inputs, instead
-  /// of shadowing it.
-  TORCH_ARG(bool, throw_on_early_termination) = false;
 };
 
 /// Uneven inputs: made by DistributedDataParallelImpl::join().
@@ -130,10 +75,6 @@ struct JoinOptions {
 /// communicates. See Note [Join] in src/ddp/join.cpp.
 class JoinGuard {
  public:
-  /// Made by DistributedDataParallelImpl::join(): joins with `options`.
-  JoinGuard(detail::DistributedCore& core, const JoinOptions& options) : core_(&core) {
-    core_->begin_join(options.divide_by_initial_world_size(), options.throw_on_early_termination());
-  }
   /// Takes over `other`'s guard; `other` then neither finishes nor leaves
   /// join mode.
   JoinGuard(JoinGuard&& other) noexcept : core_(other.core_) {
@@ -159,6 +100,13 @@ class JoinGuard {
   }
 
  private:
+  template <typename M>
+  friend class DistributedDataParallelImpl;
+  // Made by DistributedDataParallelImpl::join(): joins with `options`.
+  JoinGuard(detail::DistributedCore& core, const JoinOptions& options) : core_(&core) {
+    core_->begin_join(options.divide_by_initial_world_size(), options.throw_on_early_termination());
+  }
+
   detail::DistributedCore* core_;
 };
 

@@ -9,9 +9,9 @@
 #include <lockstep/detail/sharded_core.h>
 #include <lockstep/detail/wrapper.h>
 #include <lockstep/process_group.h>
+#include <lockstep/sharding_options.h>
 #include <lockstep/timeline.h>
 
-#include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/serialize/archive.h>
@@ -28,44 +28,23 @@
 
 namespace lockstep {
 
-/// What is split over the ranks, with PyTorch's names.
-enum class ShardingStrategy {
-  /// ZeRO-3: parameters, gradients and optimizer state. Parameters are
-  /// gathered for forward, freed after it, gathered again for backward.
-  FullShard,
-  /// ZeRO-2: gradients and optimizer state. Parameters stay whole from
-  /// forward to the end of backward.
-  ShardGradOp,
-  /// Nothing: each rank holds everything and gradients are averaged, as DDP.
-  NoShard,
-};
+template <typename M>
+class FullyShardedDataParallelImpl;
 
-/// Options of lockstep::FullyShardedDataParallel, with fluent setters.
-struct ShardingOptions {
-  /// What is split over the ranks. Default: FullShard.
-  TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::FullShard;
-  /// Dotted paths of the submodules that are units ("encoder", "layers.3"),
-  /// as PyTorch FSDP's nested (auto-wrapped) modules. Empty (the default):
-  /// each direct child of the wrapped module. The root unit ("", which may
-  /// be named too) keeps the parameters no unit claims; {""} alone makes
-  /// it the only unit.
-  TORCH_ARG(std::vector<std::string>, units) = {};
-  /// FullShard: free each unit's gathered parameters after forward (true)
-  /// or keep them until the end of backward (false).
-  TORCH_ARG(bool, reshard_after_forward) = true;
-  /// Mixed precision: the dtype floating-point parameters are gathered in,
-  /// and so forward and backward compute in (torch::kBFloat16 halves every
-  /// all-gather). The shards, model->parameters(), the optimizer and its
-  /// state stay in the parameters' own dtype: fp32 master weights.
-  /// Floating-point tensor arguments of forward are cast to it; outputs stay
-  /// in it. summon_full_params() gives the parameters in their own dtype.
-  /// Unset: the parameters' own dtype. FullShard and ShardGradOp only.
-  TORCH_ARG(std::optional<torch::ScalarType>, param_dtype) = std::nullopt;
-  /// The dtype gradients are reduce-scattered (averaged) in before they are
-  /// added to the shards' gradients. Unset: param_dtype, else the
-  /// parameters' own dtype. torch::kFloat beside a bf16 param_dtype keeps
-  /// the average exact to fp32 at twice the reduce-scatter's bytes.
-  TORCH_ARG(std::optional<torch::ScalarType>, reduce_dtype) = std::nullopt;
+/// One flat parameter of a FullyShardedDataParallel: the trainable
+/// parameters of one unit and dtype, in one buffer split over the ranks
+/// (FullyShardedDataParallelImpl::flat_params).
+struct FlatParamInfo {
+  /// Its unit's dotted path; "" for the root unit.
+  std::string unit;
+  /// The dtype of its parameters (and of the shards).
+  torch::ScalarType dtype;
+  /// Its element count: every parameter's, unpadded.
+  int64_t numel;
+  /// This rank's shard's element count.
+  int64_t shard_numel;
+  /// Its parameters' names, as the wrapped module's named_parameters().
+  std::vector<std::string> names;
 };
 
 /// While alive, backward keeps each parameter's whole gradient on this rank
@@ -78,10 +57,6 @@ struct ShardingOptions {
 /// gradient. Made by FullyShardedDataParallelImpl::no_sync().
 class ShardedNoSyncGuard {
  public:
-  /// Made by FullyShardedDataParallelImpl::no_sync().
-  explicit ShardedNoSyncGuard(detail::ShardedCore& core) : core_(&core), previous_(core.sync()) {
-    core_->set_sync(false);
-  }
   /// Takes over `other`'s guard; `other` then restores nothing when it ends.
   ShardedNoSyncGuard(ShardedNoSyncGuard&& other) noexcept : core_(other.core_), previous_(other.previous_) {
     other.core_ = nullptr;
@@ -96,6 +71,13 @@ class ShardedNoSyncGuard {
   }
 
  private:
+  template <typename M>
+  friend class FullyShardedDataParallelImpl;
+  // Made by FullyShardedDataParallelImpl::no_sync().
+  explicit ShardedNoSyncGuard(detail::ShardedCore& core) : core_(&core), previous_(core.sync()) {
+    core_->set_sync(false);
+  }
+
   detail::ShardedCore* core_;
   bool previous_;
 };
@@ -112,11 +94,6 @@ class ShardedNoSyncGuard {
 /// exception]).
 class FullParamsGuard {
  public:
-  /// Made by FullyShardedDataParallelImpl::summon_full_params(): gathers the
-  /// whole parameters.
-  explicit FullParamsGuard(detail::ShardedCore& core) : core_(&core), exceptions_(std::uncaught_exceptions()) {
-    core_->summon();
-  }
   /// Takes over `other`'s guard; `other` then ends nothing.
   FullParamsGuard(FullParamsGuard&& other) noexcept
       : core_(other.core_), writeback_(other.writeback_), exceptions_(other.exceptions_) {
@@ -142,6 +119,14 @@ class FullParamsGuard {
   }
 
  private:
+  template <typename M>
+  friend class FullyShardedDataParallelImpl;
+  // Made by FullyShardedDataParallelImpl::summon_full_params(): gathers the
+  // whole parameters.
+  explicit FullParamsGuard(detail::ShardedCore& core) : core_(&core), exceptions_(std::uncaught_exceptions()) {
+    core_->summon();
+  }
+
   detail::ShardedCore* core_;
   bool writeback_ = true;
   int exceptions_; // std::uncaught_exceptions() when made
@@ -319,8 +304,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
   void shard_full_optimizer_state(torch::optim::Optimizer& full, torch::optim::Optimizer& optimizer) {
     core_->shard_full_optimizer_state(full, optimizer);
   }
-  /// Each flat parameter's unit, dtype, element count and shard size.
-  std::vector<detail::ShardedCore::FlatInfo> flat_params() const {
+  /// Each flat parameter's unit, dtype, element count, shard size and
+  /// parameter names.
+  std::vector<FlatParamInfo> flat_params() const {
     return core_->flat_params();
   }
 

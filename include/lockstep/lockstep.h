@@ -1,7 +1,9 @@
 #pragma once
 
 /// \file
-/// Every public name of lockstep, in one include.
+/// Every public name of lockstep, in one include, except lockstep::from_c10d:
+/// include <lockstep/c10d.h> for it, which brings c10d's headers
+/// (torch/csrc/distributed) with it.
 
 /// \namespace lockstep
 /// Data-parallel training for LibTorch: DataParallel (one process, several
@@ -17,13 +19,16 @@
 ///
 /// - lockstep::DataParallel (data_parallel.h): one process, one replica per
 ///   device.
-/// - lockstep::DistributedDataParallel (distributed_data_parallel.h): one
-///   process per rank, gradients averaged over the ranks while backward runs.
-/// - lockstep::FullyShardedDataParallel (fully_sharded_data_parallel.h):
-///   parameters, gradients and optimizer state split over the ranks.
+/// - lockstep::DistributedDataParallel (distributed_data_parallel.h, its
+///   options in distributed_options.h): one process per rank, gradients
+///   averaged over the ranks while backward runs.
+/// - lockstep::FullyShardedDataParallel (fully_sharded_data_parallel.h, its
+///   options in sharding_options.h): parameters, gradients and optimizer
+///   state split over the ranks.
 /// - lockstep::ProcessGroup and lockstep::init_process_group
 ///   (process_group.h): the ranks and the collectives between them; backend.h
-///   to write a backend of your own, c10d.h to wrap a c10d process group.
+///   to write a backend of your own, c10d.h (not in lockstep.h) to wrap a
+///   c10d process group.
 /// - lockstep::AutocastGuard and lockstep::GradScaler (amp.h): mixed
 ///   precision.
 /// - lockstep::SyncBatchNorm (sync_batch_norm.h), communication hooks
@@ -33,12 +38,13 @@
 /// part works.
 
 #include <lockstep/amp.h>
-#include <lockstep/c10d.h>
 #include <lockstep/comm_hooks.h>
 #include <lockstep/data_parallel.h>
 #include <lockstep/data_parallel_options.h>
 #include <lockstep/distributed_data_parallel.h>
+#include <lockstep/distributed_options.h>
 #include <lockstep/fully_sharded_data_parallel.h>
+#include <lockstep/sharding_options.h>
 #include <lockstep/powersgd.h>
 #include <lockstep/process_group.h>
 #include <lockstep/scatter_gather.h>

@@ -2,7 +2,8 @@
 // different times shadow the others' collectives until all are done (Note
 // [Join]).
 
-#include <lockstep/distributed_data_parallel.h>
+#include <lockstep/detail/distributed_core.h>
+#include <lockstep/distributed_options.h>
 #include <lockstep/sync_batch_norm.h>
 
 #include "ddp/reducer.h"

@@ -1,6 +1,6 @@
 #include "ddp/reducer.h"
 
-#include <lockstep/distributed_data_parallel.h>
+#include <lockstep/distributed_options.h>
 #include <lockstep/timeline.h>
 
 #include "ddp/reducer_state.h"

@@ -4,7 +4,7 @@
 // the step's start) and src/ddp/reducer_finalize.cpp (the end of backward).
 
 #include "ddp/reducer.h"
-#include <lockstep/distributed_data_parallel.h>
+#include <lockstep/distributed_options.h>
 
 #include "util/torch_compat.h"
 

@@ -1,6 +1,8 @@
 // FullyShardedDataParallel's backward: gradients reduce-scattered into the
 // shards (Note [Sharded step] in src/fsdp/forward.cpp).
 
+#include <lockstep/timeline.h>
+
 #include "comm/collective_check.h"
 #include "fsdp/state.h"
 #include "util/mapped_memory.h"

@@ -366,8 +366,8 @@ void ShardedCore::set_sync(bool sync) {
   state_->sync = sync;
 }
 
-std::vector<ShardedCore::FlatInfo> ShardedCore::flat_params() const {
-  std::vector<FlatInfo> infos;
+std::vector<FlatParamInfo> ShardedCore::flat_params() const {
+  std::vector<FlatParamInfo> infos;
   for (const auto& flat : state_->flats) {
     infos.push_back({flat.unit, flat.dtype, flat.layout.numel, flat.layout.shard, flat.names});
   }

@@ -5,7 +5,8 @@
 // src/fsdp/forward.cpp, the backward side (reduce-scatters) in
 // src/fsdp/backward.cpp. Note [Sharded step] describes both.
 
-#include <lockstep/fully_sharded_data_parallel.h>
+#include <lockstep/detail/sharded_core.h>
+#include <lockstep/sharding_options.h>
 
 #include "fsdp/flat_param.h"
 #include "fsdp/storage_watch.h"

@@ -20,6 +20,7 @@
 
 namespace lockstep {
 
+struct FlatParamInfo;
 struct ShardingOptions;
 
 namespace detail {
@@ -90,16 +91,8 @@ class ShardedCore {
   const ProcessGroup& group() const {
     return group_;
   }
-  /// Per flat parameter (unit and dtype): its unit's path ("" for the root),
-  /// its element count, and this rank's shard's.
-  struct FlatInfo {
-    std::string unit;
-    torch::ScalarType dtype;
-    int64_t numel;
-    int64_t shard_numel;
-    std::vector<std::string> names;
-  };
-  std::vector<FlatInfo> flat_params() const;
+  /// FullyShardedDataParallelImpl::flat_params (src/fsdp/construct.cpp).
+  std::vector<FlatParamInfo> flat_params() const;
 
   /// FullyShardedDataParallelImpl::clip_grad_norm_ (src/fsdp/backward.cpp).
   torch::Tensor clip_grad_norm_(double max_norm, double norm_type);

@@ -1,0 +1,74 @@
+#pragma once
+
+/// \file
+/// The options of lockstep::DistributedDataParallel and of its join().
+
+#include <lockstep/comm_hooks.h>
+
+#include <c10/util/Exception.h>
+#include <torch/arg.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace lockstep {
+
+/// Cap of the first bucket: small, so that its allreduce starts early in backward.
+constexpr int64_t kFirstBucketBytes = 1024 * 1024;
+/// Cap of the other buckets: PyTorch's default bucket_cap_mb, 25 MiB.
+constexpr int64_t kDefaultBucketBytes = 25 * 1024 * 1024;
+
+/// Options of lockstep::DistributedDataParallel, with fluent setters.
+struct DistributedOptions {
+  /// Cap of each bucket after the first, in bytes.
+  TORCH_ARG(int64_t, bucket_bytes) = kDefaultBucketBytes;
+  /// Cap of the first bucket, in bytes. A smaller bucket_bytes caps it too.
+  TORCH_ARG(int64_t, first_bucket_bytes) = kFirstBucketBytes;
+  /// Allow parameters that get no gradient in some iterations; they are
+  /// reduced as zeros. Without it such parameters are an error on every rank.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Copy rank 0's buffers (BatchNorm statistics) to every rank at wrapping
+  /// and before each forward (at join's end, the last trainer's); false
+  /// leaves each rank's buffers its own, as PyTorch's.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Make each .grad a view into its bucket: no copy in or out, and no
+  /// gradient-sized memory besides the buckets.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// How a bucket is reduced: comm_hooks::allreduce, fp16_compress,
+  /// bf16_compress, or your own. Empty (the default): the built-in allreduce,
+  /// comm_hooks::allreduce's result with the division by the world size
+  /// fused into the copy of each gradient into its bucket.
+  TORCH_ARG(CommHook, comm_hook) = nullptr;
+  /// Promise that every iteration gives gradients to the same parameters:
+  /// the first reducing backward records which ones get none, and later
+  /// ones skip the search for them and plain mode's check collective. A
+  /// broken promise is an error on every rank naming the parameter (Note
+  /// [Static graph] in src/ddp/reducer_state.h).
+  TORCH_ARG(bool, static_graph) = false;
+  /// After the first reducing backward, rebuild the buckets in the order its
+  /// gradients became ready, as c10d does; false keeps reverse registration
+  /// order (Note [Rebuilding buckets] in src/ddp/reducer_state.h).
+  TORCH_ARG(bool, rebuild_buckets) = true;
+
+ public: // TORCH_ARG leaves the rest private
+  /// bucket_bytes in MiB, as PyTorch's bucket_cap_mb; at least one byte.
+  DistributedOptions& bucket_cap_mb(double mib) {
+    TORCH_CHECK(mib > 0, "lockstep::DistributedOptions: bucket_cap_mb must be > 0, but got ", mib, ".");
+    bucket_bytes_ = std::max<int64_t>(1, static_cast<int64_t>(mib * 1024 * 1024));
+    return *this;
+  }
+};
+
+/// Options of DistributedDataParallelImpl::join, as PyTorch's Join.
+struct JoinOptions {
+  /// Divide the summed gradients by the world size even when some ranks have
+  /// joined and contribute zeros (PyTorch's default); false: by the number of
+  /// ranks still training. Needs the built-in allreduce: a comm hook chooses
+  /// its own divisor.
+  TORCH_ARG(bool, divide_by_initial_world_size) = true;
+  /// Make every rank throw as soon as any rank runs out of inputs, instead
+  /// of shadowing it.
+  TORCH_ARG(bool, throw_on_early_termination) = false;
+};
+
+} // namespace lockstep

@@ -1,0 +1,56 @@
+#pragma once
+
+/// \file
+/// The options of lockstep::FullyShardedDataParallel: what is sharded, the
+/// units, and mixed precision.
+
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+
+/// What is split over the ranks, with PyTorch's names.
+enum class ShardingStrategy {
+  /// ZeRO-3: parameters, gradients and optimizer state. Parameters are
+  /// gathered for forward, freed after it, gathered again for backward.
+  FullShard,
+  /// ZeRO-2: gradients and optimizer state. Parameters stay whole from
+  /// forward to the end of backward.
+  ShardGradOp,
+  /// Nothing: each rank holds everything and gradients are averaged, as DDP.
+  NoShard,
+};
+
+/// Options of lockstep::FullyShardedDataParallel, with fluent setters.
+struct ShardingOptions {
+  /// What is split over the ranks. Default: FullShard.
+  TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::FullShard;
+  /// Dotted paths of the submodules that are units ("encoder", "layers.3"),
+  /// as PyTorch FSDP's nested (auto-wrapped) modules. Empty (the default):
+  /// each direct child of the wrapped module. The root unit ("", which may
+  /// be named too) keeps the parameters no unit claims; {""} alone makes
+  /// it the only unit.
+  TORCH_ARG(std::vector<std::string>, units) = {};
+  /// FullShard: free each unit's gathered parameters after forward (true)
+  /// or keep them until the end of backward (false).
+  TORCH_ARG(bool, reshard_after_forward) = true;
+  /// Mixed precision: the dtype floating-point parameters are gathered in,
+  /// and so forward and backward compute in (torch::kBFloat16 halves every
+  /// all-gather). The shards, model->parameters(), the optimizer and its
+  /// state stay in the parameters' own dtype: fp32 master weights.
+  /// Floating-point tensor arguments of forward are cast to it; outputs stay
+  /// in it. summon_full_params() gives the parameters in their own dtype.
+  /// Unset: the parameters' own dtype. FullShard and ShardGradOp only.
+  TORCH_ARG(std::optional<torch::ScalarType>, param_dtype) = std::nullopt;
+  /// The dtype gradients are reduce-scattered (averaged) in before they are
+  /// added to the shards' gradients. Unset: param_dtype, else the
+  /// parameters' own dtype. torch::kFloat beside a bf16 param_dtype keeps
+  /// the average exact to fp32 at twice the reduce-scatter's bytes.
+  TORCH_ARG(std::optional<torch::ScalarType>, reduce_dtype) = std::nullopt;
+};
+
+} // namespace lockstep
