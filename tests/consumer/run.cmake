@@ -1,5 +1,8 @@
-# Installs the lockstep build into a scratch prefix, then configures, builds
-# and runs tests/consumer against it with find_package(lockstep CONFIG).
+# Builds and runs tests/consumer against lockstep, one of two ways (MODE):
+#   package: installs the lockstep build into a scratch prefix and finds it
+#            with find_package(lockstep CONFIG);
+#   source:  takes lockstep's source tree with FetchContent, against the
+#            LibTorch the build was configured with (Torch_DIR).
 file(REMOVE_RECURSE "${WORK_DIR}")
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
@@ -7,8 +10,16 @@ function(run)
     message(FATAL_ERROR "failed (${rc}): ${ARGN}")
   endif()
 endfunction()
-run(${CMAKE_COMMAND} --install "${LOCKSTEP_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
-run(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
-    -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release)
-run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+if(MODE STREQUAL "package")
+  run(${CMAKE_COMMAND} --install "${LOCKSTEP_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+  set(how -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+elseif(MODE STREQUAL "source")
+  get_filename_component(torch_prefix "${TORCH_DIR}/.." ABSOLUTE) # found as a prefix: see cmake/LockstepTorch.cmake
+  set(how -DLOCKSTEP_SOURCE_DIR=${LOCKSTEP_SOURCE_DIR} -DCMAKE_PREFIX_PATH=${torch_prefix})
+else()
+  message(FATAL_ERROR "MODE=${MODE}: expected package or source")
+endif()
+run(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}" ${how}
+    -DCMAKE_BUILD_TYPE=Release)
+run(${CMAKE_COMMAND} --build "${WORK_DIR}/build" --target app)
 run("${WORK_DIR}/build/app")
