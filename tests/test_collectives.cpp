@@ -12,8 +12,11 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -83,6 +86,93 @@ TEST(ProcessGroupContract, RanksPassingDifferentSizesAllFailAndNoneDies) {
 TEST(ProcessGroupContract, RanksWhoseCallsMeanOtherThingsAllFail) {
   on_ranks(2, testing::check_meaning_mismatch, std::chrono::seconds(10));
   on_ranks(3, testing::check_meaning_mismatch, std::chrono::seconds(10));
+}
+
+// Forwards a rank's collectives to its group, counting the all_gathers (the
+// agreement check's exchanges) and the rest that reach it as a backend.
+class ExchangeCountingGroup : public GroupImpl {
+ public:
+  explicit ExchangeCountingGroup(ProcessGroup inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string backend() const override { return inner_.backend(); }
+  std::chrono::milliseconds timeout() const override { return inner_.timeout(); }
+  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
+    ++others;
+    return inner_.allreduce_async(tensors, op, std::move(what));
+  }
+  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
+    ++others;
+    return inner_.broadcast_async(tensors, root, std::move(what));
+  }
+  std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string) override {
+    ++all_gathers;
+    outputs = inner_.all_gather(input);
+    return std::make_shared<Done>();
+  }
+  std::shared_ptr<Work> barrier(std::string) override {
+    ++others;
+    inner_.barrier();
+    return std::make_shared<Done>();
+  }
+  std::atomic<int> all_gathers{0};
+  std::atomic<int> others{0};
+
+ private:
+  struct Done : Work {
+    void wait() override {}
+  };
+  ProcessGroup inner_;
+};
+
+// Sets an environment variable while alive; made before the ranks' threads.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+// LOCKSTEP_DEBUG=detail is a mode of the agreement check: each collective is
+// checked by the one all_gather of its fingerprint, which then also carries
+// the collective's number and shape (Note [LOCKSTEP_DEBUG=detail]), and a
+// mismatch still names both on every rank, with nothing sent.
+TEST(ProcessGroupContract, DebugDetailChecksEachCollectiveInOneExchange) {
+  ScopedEnv detail("LOCKSTEP_DEBUG", "detail");
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        auto counting = std::make_shared<ExchangeCountingGroup>(group);
+        ProcessGroup checked(counting);
+        auto t = torch::ones({4});
+        checked.allreduce(t);
+        checked.broadcast(t, 0);
+        checked.barrier();
+        EXPECT_EQ(counting->others.load(), 3) << "rank " << group.rank();
+        EXPECT_EQ(counting->all_gathers.load(), 3) << "rank " << group.rank() << ": one exchange per collective";
+        auto mine = torch::ones({group.rank() == 0 ? 4 : 5});
+        const std::string message = testing::message_of([&] { checked.allreduce(mine); });
+        EXPECT_EQ(counting->others.load(), 3) << "rank " << group.rank() << ": the mismatched allreduce was sent";
+        EXPECT_EQ(counting->all_gathers.load(), 4) << "rank " << group.rank() << ": one exchange per collective";
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[group.rank()] = message;
+      },
+      std::chrono::seconds(10));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("allreduce: LOCKSTEP_DEBUG=detail: ranks disagree on collective #3: rank 0 runs allreduce "
+                             "(sum) of [4] Float but rank 1 runs allreduce (sum) of [5] Float"),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+  }
 }
 
 // The reducer's view of the same fault: ranks that disagree on bucket_cap_mb

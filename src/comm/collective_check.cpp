@@ -6,8 +6,10 @@
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <array>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -52,6 +54,26 @@ namespace detail {
 // thread's current CUDA stream, the device's default one; a barrier is not
 // checked there, having no CUDA tensor to check with (NCCL's own watchdog
 // catches a barrier that some rank never joins).
+
+// Note [LOCKSTEP_DEBUG=detail]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// LOCKSTEP_DEBUG=detail (read when a group is made) is a mode of this check,
+// not an exchange of its own: each collective is still checked by one
+// all_gather. In that mode the fingerprint also carries the collective's
+// number in its group, counted in the order collectives are started (the
+// numbers of the flight record and the desync report: Note [Flight
+// recorder]), and the number of dimensions and the first kShownDims sizes of
+// the backend's first tensor. A mismatch then names the number and the
+// shapes: "LOCKSTEP_DEBUG=detail: ranks disagree on collective #1: rank 0
+// runs allreduce (sum) of [4] Float but rank 1 runs allreduce (sum) of [5]
+// Float". That compares little more than the default mode, which already
+// hashes the caller's shapes: what the mode adds is a message that reads
+// alongside the flight record.
+//
+// The detail fields are in every fingerprint, zero outside the mode, with one
+// field for the mode itself: fingerprints keep one size, so ranks that differ
+// in the setting meet in one exchange and fail naming it, where all_gathers
+// of two sizes would abort the process inside Gloo.
 
 // Note [Collective tags]
 // ~~~~~~~~~~~~~~~~~~~~~~
@@ -132,12 +154,22 @@ c10::ScalarType caller_dtype(c10::ScalarType dtype) {
 namespace {
 
 enum Kind : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3, kReduceScatter = 4 };
-enum Field : size_t { kKind, kArg, kDtype, kElements, kTag, kCount, kLayout, kFields };
-// kind, reduction or root, dtype, elements, tag, tensors, shapes' hash
+constexpr size_t kShownDims = 5;
+// kind, reduction or root, dtype, elements, tag, tensors, shapes' hash; then
+// Note [LOCKSTEP_DEBUG=detail]'s: the mode (1: detail), the collective's
+// number, and the backend's first tensor's dimensions and first sizes.
+enum Field : size_t { kKind, kArg, kDtype, kElements, kTag, kCount, kLayout, kDetail, kSeq, kDims, kSizes,
+                      kFields = kSizes + kShownDims };
 using Fingerprint = std::array<int64_t, kFields>;
 
 Fingerprint fingerprint_of(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) {
-  Fingerprint f{kind, arg, -1, 0, current_tag, static_cast<int64_t>(tensors.size()), layout_of(tensors)};
+  Fingerprint f{};
+  f[kKind] = kind;
+  f[kArg] = arg;
+  f[kDtype] = -1;
+  f[kTag] = current_tag;
+  f[kCount] = static_cast<int64_t>(tensors.size());
+  f[kLayout] = layout_of(tensors);
   if (!tensors.empty()) {
     f[kDtype] = static_cast<int64_t>(tensors[0].scalar_type());
   }
@@ -153,26 +185,59 @@ Fingerprint fingerprint_of(Kind kind, int64_t arg, const std::vector<torch::Tens
   return f;
 }
 
-std::string describe(const int64_t* f) {
-  static const char* kKinds[] = {"allreduce", "broadcast", "all_gather", "barrier", "reduce_scatter"};
-  static const char* kReductions[] = {"sum", "avg", "max", "min"};
-  const bool reduces = f[0] == kAllreduce || f[0] == kReduceScatter;
-  if (f[0] < kAllreduce || f[0] > kReduceScatter || (reduces && (f[1] < 0 || f[1] > 3)) || f[kDtype] < -1 ||
-      f[kDtype] >= static_cast<int64_t>(c10::ScalarType::NumOptions)) {
-    return "a collective lockstep does not know";
+// Note [LOCKSTEP_DEBUG=detail]: the mode's fields, from the tensors the
+// backend gets.
+void add_detail(Fingerprint& f, int64_t seq, const std::vector<torch::Tensor>& tensors) {
+  f[kDetail] = 1;
+  f[kSeq] = seq;
+  if (!tensors.empty()) {
+    f[kDims] = tensors[0].dim();
+    for (int64_t d = 0; d < std::min<int64_t>(tensors[0].dim(), kShownDims); ++d) {
+      f[kSizes + d] = tensors[0].size(d);
+    }
   }
+}
+
+// The sizes in describe(): "of 4 Float elements in 2 tensors", or under
+// LOCKSTEP_DEBUG=detail the backend's shape, "of [4] Float (2 tensors, 4 elements)".
+std::string sizes_of(const int64_t* f) {
+  const std::string dtype = c10::toString(static_cast<c10::ScalarType>(f[kDtype]));
   std::ostringstream out;
-  out << kKinds[f[0]];
-  if (reduces) {
-    out << " (" << kReductions[f[1]] << ")";
-  } else if (f[0] == kBroadcast) {
-    out << " from rank " << f[1];
-  }
-  if (f[kKind] != kBarrier) {
-    out << " of " << f[kElements] << " " << c10::toString(static_cast<c10::ScalarType>(f[kDtype])) << " elements";
+  if (f[kDetail] == 0) {
+    out << " of " << f[kElements] << " " << dtype << " elements";
     if (f[kCount] > 1) {
       out << " in " << f[kCount] << " tensors";
     }
+    return out.str();
+  }
+  out << " of [";
+  for (int64_t d = 0; d < std::min<int64_t>(f[kDims], kShownDims); ++d) {
+    out << (d > 0 ? ", " : "") << f[kSizes + d];
+  }
+  out << (f[kDims] > static_cast<int64_t>(kShownDims) ? ", ...] " : "] ") << dtype;
+  if (f[kCount] > 1) {
+    out << " (" << f[kCount] << " tensors, " << f[kElements] << " elements)";
+  }
+  return out.str();
+}
+
+std::string describe(const int64_t* f) {
+  static const char* kKinds[] = {"allreduce", "broadcast", "all_gather", "barrier", "reduce_scatter"};
+  static const char* kReductions[] = {"sum", "avg", "max", "min"};
+  const bool reduces = f[kKind] == kAllreduce || f[kKind] == kReduceScatter;
+  if (f[kKind] < kAllreduce || f[kKind] > kReduceScatter || (reduces && (f[kArg] < 0 || f[kArg] > 3)) ||
+      f[kDtype] < -1 || f[kDtype] >= static_cast<int64_t>(c10::ScalarType::NumOptions) || f[kDims] < 0) {
+    return "a collective lockstep does not know";
+  }
+  std::ostringstream out;
+  out << kKinds[f[kKind]];
+  if (reduces) {
+    out << " (" << kReductions[f[kArg]] << ")";
+  } else if (f[kKind] == kBroadcast) {
+    out << " from rank " << f[kArg];
+  }
+  if (f[kKind] != kBarrier) {
+    out << sizes_of(f);
   }
   if (f[kTag] != 0) {
     out << " tagged " << f[kTag];
@@ -182,10 +247,14 @@ std::string describe(const int64_t* f) {
 
 // What two fingerprints that differ differ in, beyond what describe() shows.
 std::string difference_hint(const int64_t* a, const int64_t* b) {
-  bool only_tags = true, only_shapes = true;
-  for (size_t i = 0; i < kFields; ++i) {
+  bool same = true, only_tags = true, only_shapes = true;
+  for (size_t i = 0; i < kDetail; ++i) { // the detail fields follow from these, or are shown
+    same = same && a[i] == b[i];
     only_tags = only_tags && (a[i] == b[i] || i == kTag);
     only_shapes = only_shapes && (a[i] == b[i] || i == kLayout);
+  }
+  if (same) {
+    return "";
   }
   if (only_tags) {
     return " (the same sizes, but another collective: Note [Collective tags]; under FullyShardedDataParallel, a "
@@ -197,6 +266,34 @@ std::string difference_hint(const int64_t* a, const int64_t* b) {
            "some rank; their elements would be matched by position and mean other things)";
   }
   return "";
+}
+
+// The error every rank throws when rank `r`'s fingerprint differs from rank
+// 0's: each builds it from the same gathered fingerprints, so all say the same.
+std::string disagreement(const int64_t* reference, const int64_t* theirs, int r) {
+  const std::string other = "rank " + std::to_string(r);
+  if (reference[kDetail] != theirs[kDetail]) { // Note [LOCKSTEP_DEBUG=detail]
+    auto mode = [](const int64_t* f) { return f[kDetail] == 1 ? "LOCKSTEP_DEBUG=detail" : "LOCKSTEP_DEBUG off"; };
+    return "ranks disagree on LOCKSTEP_DEBUG, so none of them sent this collective: rank 0 runs with " +
+           std::string(mode(reference)) + " but " + other + " with " + mode(theirs) +
+           ". Set it alike on every rank: detail or off.";
+  }
+  const bool detail = reference[kDetail] == 1;
+  const std::string runs = "rank 0 runs " + describe(reference) + " but " + other + " runs " + describe(theirs);
+  std::string text = detail ? "LOCKSTEP_DEBUG=detail: ranks disagree on collective #" + std::to_string(reference[kSeq]) +
+                                  ": " + runs
+                            : "ranks disagree on this collective, so none of them sent it: " + runs;
+  if (detail && theirs[kSeq] != reference[kSeq]) {
+    text += " as its collective #" + std::to_string(theirs[kSeq]);
+  }
+  text += difference_hint(reference, theirs);
+  text += detail ? ", so none of them sent it. " : ". ";
+  text += "Every rank must call the same collectives in the same order, with tensors of the same sizes and dtypes: "
+          "look for a branch, a batch, a model or DistributedOptions (bucket_cap_mb) that differ between ranks.";
+  if (!detail) {
+    text += " LOCKSTEP_DEBUG=detail also numbers the collectives and names their shapes.";
+  }
+  return text;
 }
 
 // Note [A group whose collective failed]
@@ -305,7 +402,8 @@ class GatheredWork : public Work {
 
 class CheckedGroup : public ForwardingGroup {
  public:
-  explicit CheckedGroup(std::shared_ptr<GroupImpl> inner) : ForwardingGroup(std::move(inner)), thread_([this] { loop(); }) {}
+  CheckedGroup(std::shared_ptr<GroupImpl> inner, bool detail)
+      : ForwardingGroup(std::move(inner)), detail_(detail), thread_([this] { loop(); }) {}
   ~CheckedGroup() override {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -316,15 +414,15 @@ class CheckedGroup : public ForwardingGroup {
   }
 
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
-    return enqueue(fingerprint_of(kAllreduce, static_cast<int64_t>(op), tensors), device_of(tensors), std::move(what),
+    return enqueue(kAllreduce, static_cast<int64_t>(op), tensors, std::move(what),
                    [inner = inner_, tensors, op](const std::string& w) mutable { return inner->allreduce(tensors, op, w); });
   }
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
-    return enqueue(fingerprint_of(kBroadcast, root, tensors), device_of(tensors), std::move(what),
+    return enqueue(kBroadcast, root, tensors, std::move(what),
                    [inner = inner_, tensors, root](const std::string& w) mutable { return inner->broadcast(tensors, root, w); });
   }
   std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
-    return enqueue(fingerprint_of(kAllGather, 0, {input}), input.device(), std::move(what),
+    return enqueue(kAllGather, 0, {input}, std::move(what),
                    [inner = inner_, targets = outputs, input](const std::string& w) mutable -> std::shared_ptr<Work> {
                      auto gathered = std::make_shared<std::vector<torch::Tensor>>(targets);
                      auto work = inner->all_gather(*gathered, input, w);
@@ -332,32 +430,31 @@ class CheckedGroup : public ForwardingGroup {
                    });
   }
   std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what) override {
-    return enqueue(fingerprint_of(kReduceScatter, static_cast<int64_t>(op), {input}), input.device(), std::move(what),
+    return enqueue(kReduceScatter, static_cast<int64_t>(op), {input}, std::move(what),
                    [inner = inner_, output, input, op](const std::string& w) mutable {
                      return inner->reduce_scatter(output, input, op, w);
                    });
   }
   std::shared_ptr<Work> barrier(std::string what) override {
-    return enqueue(fingerprint_of(kBarrier, 0, {}), torch::kCPU, std::move(what),
-                   [inner = inner_](const std::string& w) { return inner->barrier(w); });
+    return enqueue(kBarrier, 0, {}, std::move(what), [inner = inner_](const std::string& w) { return inner->barrier(w); });
   }
 
  private:
-  static torch::Device device_of(const std::vector<torch::Tensor>& tensors) {
-    return tensors.empty() ? torch::Device(torch::kCPU) : tensors[0].device();
-  }
-
-  std::shared_ptr<Work> enqueue(Fingerprint fingerprint, torch::Device device, std::string what,
+  // `tensors`: those the backend gets, which the fingerprint describes.
+  std::shared_ptr<Work> enqueue(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors, std::string what,
                                 std::function<std::shared_ptr<Work>(const std::string&)> start) {
     auto job = std::make_shared<Job>();
     job->broken = broken_;
-    job->fingerprint = fingerprint;
-    job->device = device;
-    job->stream = caller_stream(device);
+    job->fingerprint = fingerprint_of(kind, arg, tensors);
+    job->device = tensors.empty() ? torch::Device(torch::kCPU) : tensors[0].device();
+    job->stream = caller_stream(job->device);
     job->what = std::move(what);
     job->start = std::move(start);
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (detail_) { // numbered in the order the queue, and so every rank, sends them
+        add_detail(job->fingerprint, next_seq_++, tensors);
+      }
       queue_.push_back(job);
     }
     queued_.notify_one();
@@ -432,30 +529,40 @@ class CheckedGroup : public ForwardingGroup {
     const auto reference = all[0].cpu();
     for (int r = 1; r < size(); ++r) {
       const auto theirs = all[r].cpu();
-      TORCH_CHECK(torch::equal(theirs, reference), "lockstep: rank ", rank(), " of ", size(), ": ", job.what,
-                  ": ranks disagree on this collective, so none of them sent it: rank 0 runs ",
-                  describe(reference.data_ptr<int64_t>()), " but rank ", r, " runs ", describe(theirs.data_ptr<int64_t>()),
-                  difference_hint(reference.data_ptr<int64_t>(), theirs.data_ptr<int64_t>()), ". Every rank must call the same collectives in the same order, with tensors of the same sizes and "
-                  "dtypes: look for a branch, a batch, a model or DistributedOptions (bucket_cap_mb) that differ between "
-                  "ranks. LOCKSTEP_DEBUG=detail also compares shapes and numbers the collectives.");
+      TORCH_CHECK(torch::equal(theirs, reference), "lockstep: rank ", rank(), " of ", size(), ": ", job.what, ": ",
+                  disagreement(reference.data_ptr<int64_t>(), theirs.data_ptr<int64_t>(), r));
     }
   }
 
+  const bool detail_; // Note [LOCKSTEP_DEBUG=detail]
   std::mutex mutex_;
   std::condition_variable queued_;
   std::deque<std::shared_ptr<Job>> queue_;
+  int64_t next_seq_ = 0; // the next collective's number, under LOCKSTEP_DEBUG=detail
   bool stop_ = false;
   std::shared_ptr<Broken> broken_ = std::make_shared<Broken>();
   std::thread thread_; // last: started once the rest exists
 };
 
+bool debug_detail() {
+  const char* text = std::getenv("LOCKSTEP_DEBUG");
+  if (text == nullptr || *text == '\0' || std::string(text) == "off") {
+    return false;
+  }
+  TORCH_CHECK(std::string(text) == "detail", "lockstep: environment variable LOCKSTEP_DEBUG=\"", text,
+              "\" is not a setting; expected detail (the agreement check also numbers the collectives and compares "
+              "their shapes: Note [LOCKSTEP_DEBUG=detail] in src/comm/collective_check.cpp) or off.");
+  return true;
+}
+
 } // namespace
 
 std::shared_ptr<GroupImpl> checked(std::shared_ptr<GroupImpl> impl) {
+  const bool detail = debug_detail(); // read, and a wrong value refused, for a group of one too
   if (impl->size() == 1) {
     return impl;
   }
-  return std::make_shared<CheckedGroup>(std::move(impl));
+  return std::make_shared<CheckedGroup>(std::move(impl), detail);
 }
 
 } // namespace detail

@@ -15,7 +15,10 @@ namespace detail {
 
 /// `impl` with every collective checked against every rank's before it is
 /// sent, on a thread of the group's own, so that the caller does not wait;
-/// `impl` itself for a group of one.
+/// `impl` itself for a group of one. LOCKSTEP_DEBUG=detail (read here, and
+/// a value other than detail or off refused) makes the check also number the
+/// collectives and compare their shapes (Note [LOCKSTEP_DEBUG=detail] in
+/// src/comm/collective_check.cpp).
 std::shared_ptr<GroupImpl> checked(std::shared_ptr<GroupImpl> impl);
 
 /// While alive, collectives this thread starts carry `tag` in the check's

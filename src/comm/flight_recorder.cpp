@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -18,7 +19,7 @@
 #include <deque>
 #include <fstream>
 #include <mutex>
-#include <sstream>
+#include <string>
 #include <vector>
 
 namespace lockstep {
@@ -45,12 +46,12 @@ namespace detail {
 // names the first sequence number where they disagree or where some never
 // arrived (tools/desync_report.h).
 //
-// LOCKSTEP_DEBUG=detail adds, before each collective, an all_gather of a
-// fingerprint (sequence number, operation, reduction or root, dtype, shape)
-// through the backend itself, not recorded. A mismatch throws on every rank
-// naming rank 0's and the first differing rank's collectives and the
-// sequence number, instead of a hang or a silently wrong sum. It costs one
-// small collective per collective; docs/performance.md has the figure.
+// The recorder only records: it sends nothing of its own. The check before
+// each collective is the layer below (Note [Ranks agree before they send]);
+// under LOCKSTEP_DEBUG=detail its errors carry the same sequence numbers as
+// this record (Note [LOCKSTEP_DEBUG=detail]), and its failures reach this
+// layer from wait() like the collective's own, so they are recorded and
+// dumped.
 //
 // Over NCCL, Work::wait() only makes the current CUDA stream wait, so
 // "completed" there means queued on the GPU, and a peer that never arrives is
@@ -72,20 +73,8 @@ const char* reduction_name(ReduceOp backend_op) {
   return kReduceNames[caller_reduction(static_cast<int64_t>(backend_op))];
 }
 
-constexpr int64_t kShownDims = 5;
-// seq, op, arg, dtype, numel, tensors, ndim, then kShownDims dims.
-constexpr int64_t kFingerprintSize = 7 + kShownDims;
-
 int64_t unix_ms(std::chrono::system_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    text += (i ? ", " : "") + std::to_string(shape[i]);
-  }
-  return text + "]";
 }
 
 struct Entry {
@@ -224,38 +213,6 @@ size_t trace_buffer_size() {
   return static_cast<size_t>(value);
 }
 
-bool debug_detail() {
-  const char* text = std::getenv("LOCKSTEP_DEBUG");
-  if (text == nullptr || *text == '\0' || std::string(text) == "off") {
-    return false;
-  }
-  TORCH_CHECK(std::string(text) == "detail", "lockstep: environment variable LOCKSTEP_DEBUG=\"", text,
-              "\" is not a setting; expected detail (check every collective against every rank's) or off.");
-  return true;
-}
-
-// What a fingerprint (see Note [Flight recorder]) says, in words.
-std::string describe_fingerprint(const torch::Tensor& f) {
-  const auto* v = f.data_ptr<int64_t>();
-  std::ostringstream out;
-  const auto op = static_cast<Op>(v[1]);
-  out << kOpNames[op];
-  if (op == kAllreduce || op == kReduceScatter) {
-    out << " (" << kReduceNames[v[2]] << ")";
-  } else if (op == kBroadcast) {
-    out << " from rank " << v[2];
-  }
-  if (op != kBarrier) {
-    std::vector<int64_t> dims(v + 7, v + 7 + std::min<int64_t>(v[6], kShownDims));
-    out << " of " << shape_text(dims) << (v[6] > kShownDims ? "..." : "") << " "
-        << c10::toString(static_cast<c10::ScalarType>(v[3]));
-    if (v[5] > 1) {
-      out << " (" << v[5] << " tensors, " << v[4] << " elements)";
-    }
-  }
-  return out.str();
-}
-
 class RecordedWork : public Work {
  public:
   RecordedWork(std::shared_ptr<Work> inner, std::shared_ptr<FlightRecorder> recorder, int64_t seq)
@@ -282,47 +239,43 @@ class RecordedWork : public Work {
 
 class RecordedGroup : public ForwardingGroup {
  public:
-  RecordedGroup(std::shared_ptr<GroupImpl> inner, size_t capacity, bool check)
+  RecordedGroup(std::shared_ptr<GroupImpl> inner, size_t capacity)
       : ForwardingGroup(std::move(inner)),
         recorder_(std::make_shared<FlightRecorder>(inner_->rank(), inner_->size(), inner_->backend(), inner_->timeout(),
-                                                   capacity)),
-        check_(check) {
+                                                   capacity)) {
     std::lock_guard<std::mutex> lock(registry_mutex());
     registry().push_back(recorder_);
   }
 
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
-    return run(kAllreduce, static_cast<int64_t>(op), reduction_name(op), tensors, what,
+    return run(kAllreduce, reduction_name(op), tensors, what,
                [&] { return inner_->allreduce(tensors, op, what); });
   }
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
-    return run(kBroadcast, root, "root " + std::to_string(root), tensors, what,
+    return run(kBroadcast, "root " + std::to_string(root), tensors, what,
                [&] { return inner_->broadcast(tensors, root, what); });
   }
   std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
     std::vector<torch::Tensor> inputs{input};
-    return run(kAllGather, 0, "", inputs, what, [&] { return inner_->all_gather(outputs, input, what); });
+    return run(kAllGather, "", inputs, what, [&] { return inner_->all_gather(outputs, input, what); });
   }
   std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what) override {
     std::vector<torch::Tensor> inputs{input};
-    return run(kReduceScatter, static_cast<int64_t>(op), reduction_name(op), inputs, what,
+    return run(kReduceScatter, reduction_name(op), inputs, what,
                [&] { return inner_->reduce_scatter(output, input, op, what); });
   }
   std::shared_ptr<Work> barrier(std::string what) override {
     std::vector<torch::Tensor> none;
-    return run(kBarrier, 0, "", none, what, [&] { return inner_->barrier(what); });
+    return run(kBarrier, "", none, what, [&] { return inner_->barrier(what); });
   }
 
  private:
   template <typename Issue>
-  std::shared_ptr<Work> run(Op op, int64_t arg, std::string arg_text, const std::vector<torch::Tensor>& tensors,
+  std::shared_ptr<Work> run(Op op, std::string arg_text, const std::vector<torch::Tensor>& tensors,
                             const std::string& what, Issue issue) {
     const int64_t seq = recorder_->start(op, std::move(arg_text), tensors, what);
     std::shared_ptr<Work> work;
     try {
-      if (check_) { // its failures (ranks that disagree, one that never came) are the collective's: recorded, dumped
-        check_same_everywhere(seq, op, arg, tensors, what);
-      }
       work = issue();
     } catch (const c10::Error& e) {
       recorder_->finish(seq, "failed", e.what_without_backtrace());
@@ -333,58 +286,7 @@ class RecordedGroup : public ForwardingGroup {
     return std::make_shared<RecordedWork>(std::move(work), recorder_, seq);
   }
 
-  // LOCKSTEP_DEBUG=detail: Note [Flight recorder].
-  void check_same_everywhere(int64_t seq, Op op, int64_t arg, const std::vector<torch::Tensor>& tensors,
-                             const std::string& what) {
-    torch::Device device = torch::kCPU;
-    if (!tensors.empty()) {
-      device = tensors[0].device();
-    } else if (!inner_->supports(Collective::AllGather, torch::kLong, torch::kCPU)) {
-      return; // a barrier over a backend without CPU tensors (NCCL): it has no shape to get wrong
-    }
-    auto mine = torch::zeros({kFingerprintSize}, torch::kLong);
-    auto* v = mine.data_ptr<int64_t>();
-    v[0] = seq;
-    v[1] = op;
-    v[2] = arg;
-    if (!tensors.empty()) {
-      v[3] = static_cast<int64_t>(tensors[0].scalar_type());
-      for (const auto& t : tensors) {
-        v[4] += t.numel();
-      }
-      v[5] = static_cast<int64_t>(tensors.size());
-      v[6] = tensors[0].dim();
-      for (int64_t d = 0; d < std::min<int64_t>(tensors[0].dim(), kShownDims); ++d) {
-        v[7 + d] = tensors[0].size(d);
-      }
-    }
-    auto input = mine.to(device);
-    std::vector<torch::Tensor> outputs;
-    for (int r = 0; r < inner_->size(); ++r) {
-      outputs.push_back(torch::empty_like(input));
-    }
-    CallerView own({input}, -1); // this all_gather's, not the collective's it checks (Note [The caller's collective])
-    inner_->all_gather(outputs, input, "LOCKSTEP_DEBUG=detail's check before collective #" + std::to_string(v[0]))->wait();
-    const auto reference = outputs[0].cpu();
-    for (int r = 1; r < inner_->size(); ++r) {
-      const auto theirs = outputs[r].cpu();
-      if (torch::equal(theirs, reference)) {
-        continue;
-      }
-      const std::string mine_note = inner_->rank() == 0 || inner_->rank() == r ? " ('" + what + "' on this rank)" : "";
-      TORCH_CHECK(false, "lockstep: rank ", inner_->rank(), " of ", inner_->size(), ": LOCKSTEP_DEBUG=detail: ranks "
-                  "disagree on collective #", reference.data_ptr<int64_t>()[0], ": rank 0 runs ",
-                  describe_fingerprint(reference), " but rank ", r, " runs ", describe_fingerprint(theirs),
-                  theirs.data_ptr<int64_t>()[0] != reference.data_ptr<int64_t>()[0]
-                      ? " as its collective #" + std::to_string(theirs.data_ptr<int64_t>()[0])
-                      : std::string(),
-                  mine_note, ". Every rank must run the same collectives in the same order with the same shapes "
-                  "and dtypes: look for a rank-dependent branch or a different number of steps on some rank.");
-    }
-  }
-
   std::shared_ptr<FlightRecorder> recorder_;
-  bool check_;
 };
 
 } // namespace
@@ -393,83 +295,102 @@ std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl) {
   static std::once_flag dump_before_abort;
   std::call_once(dump_before_abort, [] { on_before_abort(dump_flight_records); }); // src/comm/before_abort.h
   const size_t capacity = trace_buffer_size();
-  const bool check = debug_detail();
-  if (capacity == 0 && !check) {
+  if (capacity == 0) {
     return impl;
   }
-  return std::make_shared<RecordedGroup>(std::move(impl), capacity, check);
+  return std::make_shared<RecordedGroup>(std::move(impl), capacity);
 }
 
-void dump_flight_records(const std::string& reason) {
-  if (g_dumped.exchange(true)) {
-    return;
-  }
+namespace {
+
+std::vector<std::shared_ptr<FlightRecorder>> live_recorders() {
   std::vector<std::shared_ptr<FlightRecorder>> recorders;
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    for (const auto& weak : registry()) {
-      if (auto r = weak.lock()) {
-        recorders.push_back(std::move(r));
-      }
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (const auto& weak : registry()) {
+    if (auto r = weak.lock()) {
+      recorders.push_back(std::move(r));
     }
   }
-  if (recorders.empty()) {
-    return;
-  }
-  const int rank = recorders.front()->rank();
+  return recorders;
+}
+
+nlohmann::json record_of(const std::vector<std::shared_ptr<FlightRecorder>>& recorders, int rank,
+                         const std::string& reason) {
   nlohmann::json record = {{"rank", rank}, {"pid", static_cast<int64_t>(::getpid())}, {"reason", reason},
                            {"dumped_unix_ms", unix_ms(std::chrono::system_clock::now())}, {"groups", nlohmann::json::array()}};
   for (size_t i = 0; i < recorders.size(); ++i) {
     record["groups"].push_back(recorders[i]->to_json(i));
   }
+  return record;
+}
 
-  std::string where = "set LOCKSTEP_TRACE_DIR (lockstep-run --log-dir does) for the whole record";
+// Writes the record to $LOCKSTEP_TRACE_DIR, where set, through a partial file
+// renamed once whole; returns where the whole record is, for the summary.
+std::string write_record(const nlohmann::json& record, int rank) {
   const char* dir = std::getenv("LOCKSTEP_TRACE_DIR");
-  if (dir != nullptr && *dir != '\0') {
-    const std::string path = std::string(dir) + "/lockstep_trace_rank" + std::to_string(rank) + ".json";
-    const std::string partial = path + ".partial";
-    std::ofstream out(partial);
-    out << record.dump(1) << "\n";
-    out.close();
-    if (out && std::rename(partial.c_str(), path.c_str()) == 0) {
-      where = "whole record: " + path;
-    } else {
-      where = "could not write the whole record to " + path;
-    }
+  if (dir == nullptr || *dir == '\0') {
+    return "set LOCKSTEP_TRACE_DIR (lockstep-run --log-dir does) for the whole record";
   }
-  // The summary: the last few collectives of the first group, where DDP runs.
-  const auto& group = record["groups"][0];
-  const auto& collectives = group["collectives"];
+  const std::string path = std::string(dir) + "/lockstep_trace_rank" + std::to_string(rank) + ".json";
+  const std::string partial = path + ".partial";
+  std::ofstream out(partial);
+  out << record.dump(1) << "\n";
+  out.close();
+  if (out && std::rename(partial.c_str(), path.c_str()) == 0) {
+    return "whole record: " + path;
+  }
+  return "could not write the whole record to " + path;
+}
+
+// One collective of the record as a line of the summary.
+std::string summary_line(const nlohmann::json& c) {
+  std::string text = "  #" + std::to_string(c["seq"].get<int64_t>()) + " " + c["op"].get<std::string>();
+  if (!c["arg"].get<std::string>().empty()) {
+    text += " (" + c["arg"].get<std::string>() + ")";
+  }
+  if (c["op"] != "barrier") {
+    text += " of " + std::to_string(c["numel"].get<int64_t>()) + " " + c["dtype"].get<std::string>();
+  }
+  if (c["what"] != c["op"]) {
+    text += ", " + c["what"].get<std::string>();
+  }
+  char state[64];
+  if (c.contains("waited_ms")) {
+    std::snprintf(state, sizeof(state), "%s, waited %.1f s", c["state"].get<std::string>().c_str(),
+                  c["waited_ms"].get<double>() / 1000.0);
+  } else {
+    std::snprintf(state, sizeof(state), "%s after %.1f ms", c["state"].get<std::string>().c_str(),
+                  c["duration_ms"].get<double>());
+  }
+  return text + ": " + state + "\n";
+}
+
+// The summary for stderr: the last few collectives of the first group, where DDP runs.
+std::string summary_of(const nlohmann::json& record, int rank, const std::string& where) {
+  const auto& collectives = record["groups"][0]["collectives"];
   std::string text = "lockstep: rank " + std::to_string(rank) + ": flight recorder, the last collectives of this rank (" +
       where + "):\n";
   const size_t shown = std::min<size_t>(collectives.size(), 5);
   for (size_t k = collectives.size() - shown; k < collectives.size(); ++k) {
-    const auto& c = collectives[k];
-    text += "  #" + std::to_string(c["seq"].get<int64_t>()) + " " + c["op"].get<std::string>();
-    if (!c["arg"].get<std::string>().empty()) {
-      text += " (" + c["arg"].get<std::string>() + ")";
-    }
-    if (c["op"] != "barrier") {
-      text += " of " + std::to_string(c["numel"].get<int64_t>()) + " " + c["dtype"].get<std::string>();
-    }
-    if (c["what"] != c["op"]) {
-      text += ", " + c["what"].get<std::string>();
-    }
-    text += ": ";
-    if (c.contains("waited_ms")) {
-      char waited[64];
-      std::snprintf(waited, sizeof(waited), "%s, waited %.1f s", c["state"].get<std::string>().c_str(),
-                    c["waited_ms"].get<double>() / 1000.0);
-      text += waited;
-    } else {
-      char took[64];
-      std::snprintf(took, sizeof(took), "%s after %.1f ms", c["state"].get<std::string>().c_str(),
-                    c["duration_ms"].get<double>());
-      text += took;
-    }
-    text += "\n";
+    text += summary_line(collectives[k]);
   }
-  std::fputs(text.c_str(), stderr);
+  return text;
+}
+
+} // namespace
+
+void dump_flight_records(const std::string& reason) {
+  if (g_dumped.exchange(true)) {
+    return;
+  }
+  const auto recorders = live_recorders();
+  if (recorders.empty()) {
+    return;
+  }
+  const int rank = recorders.front()->rank();
+  const auto record = record_of(recorders, rank, reason);
+  const std::string where = write_record(record, rank);
+  std::fputs(summary_of(record, rank, where).c_str(), stderr);
   std::fflush(stderr);
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 
-// Internal: the flight recorder and the desync check, as a GroupImpl that
-// wraps a backend's (Note [Flight recorder] in src/comm/flight_recorder.cpp).
+// Internal: the flight recorder, as a GroupImpl that wraps a backend's (Note
+// [Flight recorder] in src/comm/flight_recorder.cpp). It only records: the
+// check before each collective is src/comm/collective_check.h's.
 
 #include <lockstep/backend.h>
 
@@ -12,8 +13,7 @@ namespace lockstep {
 namespace detail {
 
 /// `impl` with every collective recorded (the last $LOCKSTEP_TRACE_BUFFER_SIZE,
-/// default kDefaultTraceBufferSize; 0 turns recording off) and, under
-/// LOCKSTEP_DEBUG=detail, checked against every rank's before it starts.
+/// default kDefaultTraceBufferSize); `impl` itself where that is 0.
 std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl);
 
 /// Writes every group's record of this process: a summary to stderr, and the
