@@ -19,15 +19,9 @@ void Reducer::State::finalize_backward() {
   finalize_queued = false;
   phase = Phase::Idle;
   torch::NoGradGuard no_grad;
-  struct BackwardSpan { // Note [Timeline]: from the first hook to the end of this callback
-    int64_t start;
-    bool shadow;
-    ~BackwardSpan() {
-      if (timeline::enabled() && !shadow) {
-        timeline::detail::record("backward", start, timeline::detail::now_us());
-      }
-    }
-  } backward_span{backward_start_us, shadowing};
+  // Note [Timeline]: from the first hook to the end of this callback; a
+  // shadow backward has no hook, and no span.
+  const timeline::Span backward = shadowing ? timeline::Span() : std::move(backward_span);
 
   const std::vector<size_t> unused = record_unused();
   // What got no gradient goes in as it is (zeros if nothing), so that every
@@ -117,10 +111,7 @@ std::vector<torch::Tensor> Reducer::State::wait_buckets() {
     auto& bucket = buckets[b];
     auto averaged = bucket.result->wait();
     bucket.result.reset();
-    if (timeline::enabled()) {
-      timeline::detail::record("allreduce bucket " + std::to_string(b), bucket.launched_us, timeline::detail::now_us(),
-                               "collectives", bucket.bytes);
-    }
+    bucket.allreduce_span.end();
     TORCH_CHECK(averaged.defined(), where(), "the communication hook's result for ", bucket.name,
                 " is an undefined tensor; it must be the bucket's ", bucket.buffer.numel(),
                 " reduced values, as comm_hooks::allreduce's is.");
@@ -142,7 +133,7 @@ std::vector<torch::Tensor> Reducer::State::wait_buckets() {
 void Reducer::State::copy_out(const std::vector<torch::Tensor>& reduced) {
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& bucket = buckets[b];
-    const int64_t copy_start = timeline::enabled() ? timeline::detail::now_us() : 0;
+    timeline::Span span([&] { return "copy-out bucket " + std::to_string(b); }, bucket.bytes);
     if (!reduced[b].is_same(bucket.buffer)) {
       bucket.buffer.copy_(reduced[b].view(bucket.buffer.sizes()));
     }
@@ -162,10 +153,6 @@ void Reducer::State::copy_out(const std::vector<torch::Tensor>& reduced) {
       } else {
         grad = bucket.views[k].clone();
       }
-    }
-    if (timeline::enabled()) {
-      timeline::detail::record("copy-out bucket " + std::to_string(b), copy_start, timeline::detail::now_us(), "",
-                               bucket.bytes);
     }
   }
 }

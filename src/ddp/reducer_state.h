@@ -5,6 +5,7 @@
 
 #include <lockstep/detail/reducer.h>
 #include <lockstep/distributed_data_parallel.h>
+#include <lockstep/timeline.h>
 
 #include "util/torch_compat.h"
 
@@ -133,7 +134,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     std::shared_ptr<PendingReduction> result;
     std::string name;
     int64_t bytes = 0;
-    int64_t launched_us = 0; // Note [Timeline] in src/util/timeline.cpp
+    timeline::Span allreduce_span; // from its launch to its wait (Note [Timeline] in src/util/timeline.cpp)
   };
 
   std::vector<torch::Tensor> params;
@@ -163,7 +164,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   std::vector<torch::Tensor> saved_grads; // per param: a bucket-view .grad's value before copy-in
   std::vector<detail::NodePtr> accumulators;
   std::vector<uintptr_t> hook_keys;
-  int64_t backward_start_us = 0;
+  timeline::Span backward_span; // from the first hook to the end of finalize_backward
 
   std::string where() const {
     return "lockstep::DistributedDataParallel: rank " + std::to_string(group.rank()) + ": ";

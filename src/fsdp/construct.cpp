@@ -338,7 +338,7 @@ void ShardedCore::State::plan_buckets() {
   backward_reads.assign(gather_buckets.size(), 0);
   last_backward_reads.assign(gather_buckets.size(), 1); // before any backward, expect every one read
   for (auto g = gather_buckets.rbegin(); g != gather_buckets.rend(); ++g) {
-    reduce_buckets.push_back(Bucket{{g->rbegin(), g->rend()}, nullptr, torch::Tensor(), 0});
+    reduce_buckets.push_back(Bucket{{g->rbegin(), g->rend()}, nullptr, torch::Tensor(), timeline::Span()});
   }
 }
 

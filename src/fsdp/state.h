@@ -6,6 +6,7 @@
 // src/fsdp/backward.cpp. Note [Sharded step] describes both.
 
 #include <lockstep/fully_sharded_data_parallel.h>
+#include <lockstep/timeline.h>
 
 #include "fsdp/flat_param.h"
 #include "fsdp/storage_watch.h"
@@ -60,7 +61,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
     std::vector<size_t> members;
     std::shared_ptr<Work> work;
     torch::Tensor output;
-    int64_t start_us = 0;
+    timeline::Span span; // from its start to its wait (Note [Timeline] in src/util/timeline.cpp)
   };
   std::vector<std::vector<size_t>> gather_buckets;
   std::vector<size_t> bucket_of; // each flat's gather bucket
