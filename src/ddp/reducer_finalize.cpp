@@ -24,15 +24,7 @@ void Reducer::State::finalize_backward() {
   const timeline::Span backward = shadowing ? timeline::Span() : std::move(backward_span);
 
   const std::vector<size_t> unused = record_unused();
-  // What got no gradient goes in as it is (zeros if nothing), so that every
-  // bucket is reduced on every rank in the same order: nobody waits for a
-  // collective that never comes.
-  for (size_t i : unused) {
-    copy_in_unused(i);
-    mark_ready(i);
-  }
-  launch_ready_buckets(true);
-  TORCH_INTERNAL_ASSERT(next_bucket == buckets.size());
+  launch_remaining_buckets(unused);
 
   // Small collectives beside the buckets, launched in the same order on
   // every rank: static_graph's flag where a hook reduces the buckets (Note
@@ -64,17 +56,34 @@ void Reducer::State::finalize_backward() {
     throw_static_graph_error();
   }
   if (used_flags.work) {
-    const auto counts = used_flags.result();
-    const auto* count = counts.data_ptr<float>();
-    for (size_t i = 0; i < params.size(); ++i) {
-      global_unused[i] = count[i] == 0 ? 1 : 0;
-    }
-    static_used_known = options.static_graph();
+    record_global_unused(used_flags.result());
   }
   copy_out(reduced);
   if (unused_ranks.work) {
     check_unused(unused, static_cast<int>(unused_ranks.result().item<float>()));
   }
+}
+
+// What got no gradient goes in as it is (zeros if nothing), so that every
+// bucket is reduced on every rank in the same order: nobody waits for a
+// collective that never comes.
+void Reducer::State::launch_remaining_buckets(const std::vector<size_t>& unused) {
+  for (size_t i : unused) {
+    copy_in_unused(i);
+    mark_ready(i);
+  }
+  launch_ready_buckets(true);
+  TORCH_INTERNAL_ASSERT(next_bucket == buckets.size());
+}
+
+// From the allreduce of which parameters each rank used (Note [Unused
+// parameters]): per parameter, how many ranks used it.
+void Reducer::State::record_global_unused(const torch::Tensor& counts) {
+  const auto* count = counts.data_ptr<float>();
+  for (size_t i = 0; i < params.size(); ++i) {
+    global_unused[i] = count[i] == 0 ? 1 : 0;
+  }
+  static_used_known = options.static_graph();
 }
 
 std::vector<size_t> Reducer::State::record_unused() {

@@ -194,6 +194,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void launch_ready_buckets(bool backward_ended);
   void finalize_backward();
   std::vector<size_t> record_unused();
+  void launch_remaining_buckets(const std::vector<size_t>& unused);
+  void record_global_unused(const torch::Tensor& counts);
   std::vector<torch::Tensor> wait_buckets();
   void copy_out(const std::vector<torch::Tensor>& reduced);
   void check_unused(const std::vector<size_t>& unused, int ranks) const;
