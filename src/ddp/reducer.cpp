@@ -4,6 +4,7 @@
 #include <lockstep/timeline.h>
 
 #include "ddp/reducer_state.h"
+#include "util/bucket_key.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -85,7 +86,7 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
   std::vector<std::string> keys;
   for (const auto& p : params) {
     bytes.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
-    keys.push_back(std::string(c10::toString(p.scalar_type())) + "@" + p.device().str());
+    keys.push_back(bucket_key(p.scalar_type(), p.device()));
   }
   auto assignment = compute_bucket_assignment(
       bytes, keys, std::min(options.first_bucket_bytes(), options.bucket_bytes()), options.bucket_bytes(), order);
