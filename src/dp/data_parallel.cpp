@@ -385,7 +385,7 @@ StepInputs DataParallelCore::apply(const Plan& plan, const std::function<void(si
     s.leaves = &inputs.leaves[r];
     s.sources = r == plan.used.front() ? &inputs.sources : nullptr;
   }
-  run_replicas(*pool_, plan.used, options_.devices(), "forward", [&](size_t r) { fn(r, scatters[r]); });
+  detail::map_replicas(*pool_, plan.used, options_.devices(), "forward", [&](size_t r) { fn(r, scatters[r]); });
   check_shared_unchanged(plan, scatters);
   return inputs;
 }
@@ -544,7 +544,7 @@ void DataParallelCore::attach_backward(
   }
 }
 
-void DataParallelCore::run_on_all(const std::function<void(size_t)>& fn) {
+void DataParallelCore::map_replicas(const std::function<void(size_t)>& fn) {
   if (!pool_) {
     fn(0);
     return;
@@ -553,7 +553,7 @@ void DataParallelCore::run_on_all(const std::function<void(size_t)>& fn) {
   for (size_t r = 0; r < all.size(); ++r) {
     all[r] = r;
   }
-  run_replicas(*pool_, all, options_.devices(), "map_replicas", fn);
+  detail::map_replicas(*pool_, all, options_.devices(), "map_replicas", fn);
 }
 
 void DataParallelCore::train(bool on) {

@@ -145,7 +145,7 @@ namespace {
 
 } // namespace
 
-void run_replicas(
+void map_replicas(
     WorkerPool& pool,
     const std::vector<size_t>& which,
     const std::vector<torch::Device>& devices,
