@@ -102,7 +102,7 @@ TEST(DataParallel, ReplicaThreadsDropTheirCastCacheAfterEachStep) {
     std::vector<torch::Tensor> outputs(2);
     {
       AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
-      detail::run_replicas(pool, {0, 1}, devices, "forward", [&](size_t r) { outputs[r] = torch::mm(x, w); });
+      detail::map_replicas(pool, {0, 1}, devices, "forward", [&](size_t r) { outputs[r] = torch::mm(x, w); });
     }
     const auto fresh = torch::mm(x.to(torch::kBFloat16), w.detach().to(torch::kBFloat16));
     for (size_t r = 0; r < 2; ++r) {

@@ -2,7 +2,7 @@
 // rank's file goes, where lockstep-run keeps a restarted job's earlier ones,
 // and how a track's overlapping spans are laid out in lanes.
 
-#include <lockstep/timeline.h>
+#include "util/timeline_detail.h"
 
 #include <gtest/gtest.h>
 

@@ -2,8 +2,8 @@
 
 // lockstep-run --timeline: the ranks' Chrome-trace files merged into one.
 
-#include <lockstep/timeline.h>
 #include <nlohmann/json.hpp>
+#include <src/util/timeline_detail.h> // with_tag, without LibTorch
 
 #include <algorithm>
 #include <cerrno>

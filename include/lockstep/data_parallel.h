@@ -170,10 +170,10 @@ class DataParallelImpl : public detail::WrapperModule<M> {
       std::vector<std::invoke_result_t<F&, Impl&>>> {
     using R = std::invoke_result_t<F&, Impl&>;
     if constexpr (std::is_void<R>::value) {
-      core_->run_on_all([&](size_t r) { f(*replicas_[r]); });
+      core_->map_replicas([&](size_t r) { f(*replicas_[r]); });
     } else {
       std::vector<c10::optional<R>> slots(replicas_.size());
-      core_->run_on_all([&](size_t r) { slots[r].emplace(f(*replicas_[r])); });
+      core_->map_replicas([&](size_t r) { slots[r].emplace(f(*replicas_[r])); });
       std::vector<R> results;
       results.reserve(slots.size());
       for (auto& s : slots) {

@@ -9,11 +9,10 @@
 /// src/util/timeline.cpp, and `lockstep-run --timeline FILE`, which merges the
 /// ranks' files into one.
 
-#include <chrono>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
-#include <vector>
 
 namespace lockstep {
 /// The timeline of each training step (LOCKSTEP_TIMELINE), and the spans your
@@ -21,23 +20,7 @@ namespace lockstep {
 namespace timeline {
 
 namespace detail {
-extern const bool kEnabled; // LOCKSTEP_TIMELINE set, read once at start
-int64_t now_us();
-void record(const std::string& name, int64_t start_us, int64_t end_us, const std::string& track = "",
-            int64_t bytes = -1);
-/// The file rank `rank` of `world_size` writes for LOCKSTEP_TIMELINE=`path`
-/// (Note [Timeline]).
-std::string rank_path(std::string path, int rank, int world_size);
-/// For spans [start, end) of one track, in any order, the lane of each:
-/// spans of one lane never overlap, and lanes are as few as can be.
-std::vector<int> lanes_for(const std::vector<std::pair<int64_t, int64_t>>& spans);
-/// `path` with `tag` before its file name's extension: ("t.json", ".rank1")
-/// gives "t.rank1.json". Also lockstep-run's, which has no LibTorch.
-inline std::string with_tag(std::string path, const std::string& tag) {
-  const size_t name = path.find_last_of('/') + 1; // 0 without a folder
-  const size_t dot = path.find_last_of('.');
-  return path.insert(dot != std::string::npos && dot > name ? dot : path.size(), tag);
-}
+extern const bool kEnabled; // LOCKSTEP_TIMELINE set, read once at start; inline below, so that off costs a branch
 } // namespace detail
 
 /// Whether LOCKSTEP_TIMELINE names a file: when not, spans cost one branch.
@@ -45,29 +28,77 @@ inline bool enabled() {
   return detail::kEnabled;
 }
 
-/// A span on the calling thread's track, from construction to destruction.
-/// `name` is only read when the timeline is on.
+/// A span of the timeline, from construction to end() or destruction,
+/// whichever comes first. Off, it records nothing and reads nothing.
 class Span {
  public:
-  /// Starts a span called `name` (not copied: it must outlive the span).
+  /// A span that records nothing (as one moved from, or ended, does).
+  Span() = default;
+
+  /// Starts a span called `name`: a std::string (or what makes one), or a
+  /// function returning one, called only when the timeline is on, for a
+  /// name built at run time: `Span([&] { return "step " + std::to_string(i); })`.
   /// `bytes`, unless -1, is shown with it: the bytes the work it times moved.
-  explicit Span(const char* name, int64_t bytes = -1) : name_(name), bytes_(bytes) {
+  /// It goes on the calling thread's track, or on the track named `track`
+  /// (not copied: it must outlive the span), whose spans may overlap.
+  template <typename Name, typename = std::enable_if_t<!std::is_same<std::decay_t<Name>, Span>::value>>
+  explicit Span(Name&& name, int64_t bytes = -1, const char* track = "") {
     if (enabled()) {
-      start_ = detail::now_us();
+      if constexpr (std::is_invocable<Name>::value) {
+        name_ = std::forward<Name>(name)();
+      } else {
+        name_ = std::forward<Name>(name);
+      }
+      bytes_ = bytes;
+      track_ = track;
+      start();
     }
   }
-  ~Span() {
-    if (enabled()) {
-      detail::record(name_, start_, detail::now_us(), "", bytes_);
+
+  /// Takes `other`'s place; `other` records nothing.
+  Span(Span&& other) noexcept {
+    *this = std::move(other);
+  }
+  /// Ends this span, then takes `other`'s place; `other` records nothing.
+  Span& operator=(Span&& other) noexcept {
+    if (this != &other) {
+      end();
+      name_ = std::move(other.name_);
+      track_ = other.track_;
+      bytes_ = other.bytes_;
+      start_us_ = other.start_us_;
+      running_ = std::exchange(other.running_, false);
     }
+    return *this;
   }
   Span(const Span&) = delete;
   Span& operator=(const Span&) = delete;
+  ~Span() {
+    end();
+  }
+
+  /// The bytes shown with it, for work whose size is known once it started.
+  void set_bytes(int64_t bytes) {
+    bytes_ = bytes;
+  }
+
+  /// Records the span, ending now; a span ends once, so later calls, and
+  /// its destruction, record nothing.
+  void end() {
+    if (running_) {
+      finish();
+    }
+  }
 
  private:
-  const char* name_;
-  int64_t bytes_;
-  int64_t start_ = 0;
+  void start();
+  void finish();
+
+  std::string name_;
+  const char* track_ = "";
+  int64_t bytes_ = -1;
+  int64_t start_us_ = 0;
+  bool running_ = false;
 };
 
 /// Writes the events so far to $LOCKSTEP_TIMELINE (also done at exit).

@@ -1,4 +1,5 @@
 #include "comm/collective_args.h"
+#include "comm/forwarding_work.h"
 
 #include <lockstep/detail/c10d_group.h>
 
@@ -167,13 +168,13 @@ void divide_first(Packed& packed, int divisor) {
 
 namespace {
 
-class FinishedWork : public Work {
+class FinishedWork : public ForwardingWork {
  public:
   FinishedWork(std::shared_ptr<Work> work, Packed packed, int divisor)
-      : work_(std::move(work)), packed_(std::move(packed)), divisor_(divisor) {}
+      : ForwardingWork(std::move(work)), packed_(std::move(packed)), divisor_(divisor) {}
 
   void wait() override {
-    work_->wait();
+    inner_->wait();
     if (finished_) {
       return; // a second wait() must not divide or copy again
     }
@@ -201,34 +202,27 @@ class FinishedWork : public Work {
       }
     }
   }
-  bool started() const override {
-    return work_->started();
-  }
 
  private:
-  std::shared_ptr<Work> work_;
   Packed packed_;
   int divisor_;
   bool finished_ = false;
 };
 
-class ThenWork : public Work {
+class ThenWork : public ForwardingWork {
  public:
-  ThenWork(std::shared_ptr<Work> work, std::function<void()> then) : work_(std::move(work)), then_(std::move(then)) {}
+  ThenWork(std::shared_ptr<Work> work, std::function<void()> then)
+      : ForwardingWork(std::move(work)), then_(std::move(then)) {}
   void wait() override {
-    work_->wait();
+    inner_->wait();
     if (then_) {
       auto then = std::move(then_);
       then_ = nullptr;
       then();
     }
   }
-  bool started() const override {
-    return work_->started();
-  }
 
  private:
-  std::shared_ptr<Work> work_;
   std::function<void()> then_;
 };
 

@@ -77,6 +77,34 @@ bool read_mpi_launcher(LaunchEnv& env, const std::function<const char*(const cha
   return true;
 }
 
+// Rank, size and local rank from `options`, else from torchrun's variables
+// (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE, LOCAL_RANK).
+void read_torchrun_env(LaunchEnv& env, const ProcessGroupOptions& options,
+                       const std::function<const char*(const char*)>& get) {
+  env.world_size = options.world_size() > 0
+      ? options.world_size()
+      : parse_int("WORLD_SIZE", get("WORLD_SIZE"), 1, 1 << 20, "a whole number >= 1");
+  if (options.rank() >= 0) {
+    env.rank = options.rank();
+  } else {
+    env.rank = parse_int("RANK", get("RANK"), 0, 1 << 20, "a whole number in [0, WORLD_SIZE)");
+    TORCH_CHECK(env.rank < env.world_size, "lockstep: environment variable RANK=", env.rank,
+                " is out of range for WORLD_SIZE=", env.world_size, "; expected 0 <= RANK < WORLD_SIZE.");
+  }
+  if (const char* v = get("LOCAL_WORLD_SIZE")) {
+    env.local_world_size = parse_int("LOCAL_WORLD_SIZE", v, 1, 1 << 20, "a whole number >= 1");
+  }
+  if (const char* v = get("LOCAL_RANK")) {
+    env.local_rank = parse_int("LOCAL_RANK", v, 0, 1 << 20, "a whole number in [0, LOCAL_WORLD_SIZE)");
+    // Only against a LOCAL_WORLD_SIZE that was given: launchers that set
+    // LOCAL_RANK alone (DeepSpeed's, hand-written scripts) are valid, as
+    // PyTorch's init_process_group, which reads neither, takes them.
+    TORCH_CHECK(get("LOCAL_WORLD_SIZE") == nullptr || env.local_rank < env.local_world_size,
+                "lockstep: environment variable LOCAL_RANK=", env.local_rank, " is out of range for LOCAL_WORLD_SIZE=",
+                env.local_world_size, "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
+  }
+}
+
 } // namespace
 
 const char* find_mpi_launcher(const std::function<const char*(const char*)>& get) {
@@ -94,28 +122,7 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
   const bool from_mpi = options.world_size() <= 0 && options.rank() < 0 && get("WORLD_SIZE") == nullptr &&
       get("RANK") == nullptr && read_mpi_launcher(env, get);
   if (!from_mpi) {
-    env.world_size = options.world_size() > 0
-        ? options.world_size()
-        : parse_int("WORLD_SIZE", get("WORLD_SIZE"), 1, 1 << 20, "a whole number >= 1");
-    if (options.rank() >= 0) {
-      env.rank = options.rank();
-    } else {
-      env.rank = parse_int("RANK", get("RANK"), 0, 1 << 20, "a whole number in [0, WORLD_SIZE)");
-      TORCH_CHECK(env.rank < env.world_size, "lockstep: environment variable RANK=", env.rank,
-                  " is out of range for WORLD_SIZE=", env.world_size, "; expected 0 <= RANK < WORLD_SIZE.");
-    }
-    if (const char* v = get("LOCAL_WORLD_SIZE")) {
-      env.local_world_size = parse_int("LOCAL_WORLD_SIZE", v, 1, 1 << 20, "a whole number >= 1");
-    }
-    if (const char* v = get("LOCAL_RANK")) {
-      env.local_rank = parse_int("LOCAL_RANK", v, 0, 1 << 20, "a whole number in [0, LOCAL_WORLD_SIZE)");
-      // Only against a LOCAL_WORLD_SIZE that was given: launchers that set
-      // LOCAL_RANK alone (DeepSpeed's, hand-written scripts) are valid, as
-      // PyTorch's init_process_group, which reads neither, takes them.
-      TORCH_CHECK(get("LOCAL_WORLD_SIZE") == nullptr || env.local_rank < env.local_world_size,
-                  "lockstep: environment variable LOCAL_RANK=", env.local_rank, " is out of range for LOCAL_WORLD_SIZE=",
-                  env.local_world_size, "; expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE.");
-    }
+    read_torchrun_env(env, options, get);
   }
   TORCH_CHECK(
       env.rank >= 0 && env.rank < env.world_size, "lockstep: rank ", env.rank, " is out of range for world size ",

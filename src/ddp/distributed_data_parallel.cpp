@@ -2,6 +2,7 @@
 #include <lockstep/sync_batch_norm.h>
 
 #include "ddp/reducer.h"
+#include "util/bucket_key.h"
 
 #include <torch/torch.h>
 
@@ -154,7 +155,7 @@ void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Ten
   torch::NoGradGuard no_grad;
   std::map<std::string, std::vector<torch::Tensor>> by_kind;
   for (const auto& t : tensors) {
-    by_kind[std::string(c10::toString(t.scalar_type())) + "@" + t.device().str()].push_back(t);
+    by_kind[bucket_key(t.scalar_type(), t.device())].push_back(t);
   }
   for (auto& [kind, group_tensors] : by_kind) {
     std::vector<torch::Tensor> flat_parts;

@@ -4,6 +4,7 @@
 #include <lockstep/timeline.h>
 
 #include "ddp/reducer_state.h"
+#include "util/bucket_key.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -85,7 +86,7 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
   std::vector<std::string> keys;
   for (const auto& p : params) {
     bytes.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
-    keys.push_back(std::string(c10::toString(p.scalar_type())) + "@" + p.device().str());
+    keys.push_back(bucket_key(p.scalar_type(), p.device()));
   }
   auto assignment = compute_bucket_assignment(
       bytes, keys, std::min(options.first_bucket_bytes(), options.bucket_bytes()), options.bucket_bytes(), order);
@@ -313,7 +314,7 @@ void Reducer::State::autograd_hook(size_t index) {
       "use no_sync() to accumulate gradients over several passes.");
   if (!finalize_queued) {
     finalize_queued = true;
-    backward_start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
+    backward_span = timeline::Span("backward");
     std::weak_ptr<State> weak = shared_from_this();
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
       if (auto state = weak.lock()) {
@@ -355,13 +356,14 @@ void Reducer::State::copy_in(size_t index) {
   auto& view = buckets[slot_of[index].first].views[slot_of[index].second];
   auto& grad = params[index].mutable_grad();
   torch::NoGradGuard no_grad;
-  const int64_t copy_start = timeline::enabled() ? timeline::detail::now_us() : 0;
-  // The built-in allreduce sums what the ranks put in: put in grad / divisor,
-  // in the same pass as the copy.
-  const bool built_in = !options.comm_hook();
   TORCH_CHECK(!grad.defined() || grad.layout() == torch::kStrided, where(), "parameter '", names[index],
               "' received a sparse gradient (an Embedding or EmbeddingBag with sparse(true)?), but "
               "DistributedDataParallel reduces dense gradients only. Construct that layer with sparse(false).");
+  timeline::Span span([&] { return "copy-in bucket " + std::to_string(slot_of[index].first); },
+                      view.numel() * static_cast<int64_t>(view.element_size()));
+  // The built-in allreduce sums what the ranks put in: put in grad / divisor,
+  // in the same pass as the copy.
+  const bool built_in = !options.comm_hook();
   if (!grad.defined()) {
     view.zero_();
   } else if (options.gradient_as_bucket_view() && grad.data_ptr() == view.data_ptr()) {
@@ -385,10 +387,6 @@ void Reducer::State::copy_in(size_t index) {
     if (options.gradient_as_bucket_view()) {
       grad = view; // zero_grad(set_to_none) or a stolen gradient replaced the view
     }
-  }
-  if (timeline::enabled()) {
-    timeline::detail::record("copy-in bucket " + std::to_string(slot_of[index].first), copy_start,
-                             timeline::detail::now_us(), "", view.numel() * static_cast<int64_t>(view.element_size()));
   }
 }
 
@@ -431,7 +429,8 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
     if (flagged) {
       bucket.buffer[-1].fill_(surprised() ? 1 : 0);
     }
-    bucket.launched_us = timeline::enabled() ? timeline::detail::now_us() : 0;
+    bucket.allreduce_span =
+        timeline::Span([&] { return "allreduce bucket " + std::to_string(next_bucket); }, bucket.bytes, "collectives");
     if (options.comm_hook()) {
       GradBucket view{next_bucket, bucket.buffer, bucket.params, bucket.name, bucket.views,
                       next_bucket + 1 == buckets.size(), weak_from_this()};

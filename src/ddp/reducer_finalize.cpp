@@ -19,26 +19,12 @@ void Reducer::State::finalize_backward() {
   finalize_queued = false;
   phase = Phase::Idle;
   torch::NoGradGuard no_grad;
-  struct BackwardSpan { // Note [Timeline]: from the first hook to the end of this callback
-    int64_t start;
-    bool shadow;
-    ~BackwardSpan() {
-      if (timeline::enabled() && !shadow) {
-        timeline::detail::record("backward", start, timeline::detail::now_us());
-      }
-    }
-  } backward_span{backward_start_us, shadowing};
+  // Note [Timeline]: from the first hook to the end of this callback; a
+  // shadow backward has no hook, and no span.
+  const timeline::Span backward = shadowing ? timeline::Span() : std::move(backward_span);
 
   const std::vector<size_t> unused = record_unused();
-  // What got no gradient goes in as it is (zeros if nothing), so that every
-  // bucket is reduced on every rank in the same order: nobody waits for a
-  // collective that never comes.
-  for (size_t i : unused) {
-    copy_in_unused(i);
-    mark_ready(i);
-  }
-  launch_ready_buckets(true);
-  TORCH_INTERNAL_ASSERT(next_bucket == buckets.size());
+  launch_remaining_buckets(unused);
 
   // Small collectives beside the buckets, launched in the same order on
   // every rank: static_graph's flag where a hook reduces the buckets (Note
@@ -70,17 +56,34 @@ void Reducer::State::finalize_backward() {
     throw_static_graph_error();
   }
   if (used_flags.work) {
-    const auto counts = used_flags.result();
-    const auto* count = counts.data_ptr<float>();
-    for (size_t i = 0; i < params.size(); ++i) {
-      global_unused[i] = count[i] == 0 ? 1 : 0;
-    }
-    static_used_known = options.static_graph();
+    record_global_unused(used_flags.result());
   }
   copy_out(reduced);
   if (unused_ranks.work) {
     check_unused(unused, static_cast<int>(unused_ranks.result().item<float>()));
   }
+}
+
+// What got no gradient goes in as it is (zeros if nothing), so that every
+// bucket is reduced on every rank in the same order: nobody waits for a
+// collective that never comes.
+void Reducer::State::launch_remaining_buckets(const std::vector<size_t>& unused) {
+  for (size_t i : unused) {
+    copy_in_unused(i);
+    mark_ready(i);
+  }
+  launch_ready_buckets(true);
+  TORCH_INTERNAL_ASSERT(next_bucket == buckets.size());
+}
+
+// From the allreduce of which parameters each rank used (Note [Unused
+// parameters]): per parameter, how many ranks used it.
+void Reducer::State::record_global_unused(const torch::Tensor& counts) {
+  const auto* count = counts.data_ptr<float>();
+  for (size_t i = 0; i < params.size(); ++i) {
+    global_unused[i] = count[i] == 0 ? 1 : 0;
+  }
+  static_used_known = options.static_graph();
 }
 
 std::vector<size_t> Reducer::State::record_unused() {
@@ -117,10 +120,7 @@ std::vector<torch::Tensor> Reducer::State::wait_buckets() {
     auto& bucket = buckets[b];
     auto averaged = bucket.result->wait();
     bucket.result.reset();
-    if (timeline::enabled()) {
-      timeline::detail::record("allreduce bucket " + std::to_string(b), bucket.launched_us, timeline::detail::now_us(),
-                               "collectives", bucket.bytes);
-    }
+    bucket.allreduce_span.end();
     TORCH_CHECK(averaged.defined(), where(), "the communication hook's result for ", bucket.name,
                 " is an undefined tensor; it must be the bucket's ", bucket.buffer.numel(),
                 " reduced values, as comm_hooks::allreduce's is.");
@@ -142,7 +142,7 @@ std::vector<torch::Tensor> Reducer::State::wait_buckets() {
 void Reducer::State::copy_out(const std::vector<torch::Tensor>& reduced) {
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& bucket = buckets[b];
-    const int64_t copy_start = timeline::enabled() ? timeline::detail::now_us() : 0;
+    timeline::Span span([&] { return "copy-out bucket " + std::to_string(b); }, bucket.bytes);
     if (!reduced[b].is_same(bucket.buffer)) {
       bucket.buffer.copy_(reduced[b].view(bucket.buffer.sizes()));
     }
@@ -162,10 +162,6 @@ void Reducer::State::copy_out(const std::vector<torch::Tensor>& reduced) {
       } else {
         grad = bucket.views[k].clone();
       }
-    }
-    if (timeline::enabled()) {
-      timeline::detail::record("copy-out bucket " + std::to_string(b), copy_start, timeline::detail::now_us(), "",
-                               bucket.bytes);
     }
   }
 }

@@ -3,9 +3,10 @@
 // Internal: the reducer's state, shared by src/ddp/reducer.cpp (buckets, hooks,
 // the step's start) and src/ddp/reducer_finalize.cpp (the end of backward).
 
-#include "ddp/reducer.h"
 #include <lockstep/distributed_options.h>
+#include <lockstep/timeline.h>
 
+#include "ddp/reducer.h"
 #include "util/torch_compat.h"
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -133,7 +134,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     std::shared_ptr<PendingReduction> result;
     std::string name;
     int64_t bytes = 0;
-    int64_t launched_us = 0; // Note [Timeline] in src/util/timeline.cpp
+    timeline::Span allreduce_span; // from its launch to its wait (Note [Timeline] in src/util/timeline.cpp)
   };
 
   std::vector<torch::Tensor> params;
@@ -163,7 +164,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   std::vector<torch::Tensor> saved_grads; // per param: a bucket-view .grad's value before copy-in
   std::vector<detail::NodePtr> accumulators;
   std::vector<uintptr_t> hook_keys;
-  int64_t backward_start_us = 0;
+  timeline::Span backward_span; // from the first hook to the end of finalize_backward
 
   std::string where() const {
     return "lockstep::DistributedDataParallel: rank " + std::to_string(group.rank()) + ": ";
@@ -193,6 +194,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void launch_ready_buckets(bool backward_ended);
   void finalize_backward();
   std::vector<size_t> record_unused();
+  void launch_remaining_buckets(const std::vector<size_t>& unused);
+  void record_global_unused(const torch::Tensor& counts);
   std::vector<torch::Tensor> wait_buckets();
   void copy_out(const std::vector<torch::Tensor>& reduced);
   void check_unused(const std::vector<size_t>& unused, int ranks) const;

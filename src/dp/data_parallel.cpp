@@ -385,7 +385,7 @@ StepInputs DataParallelCore::apply(const Plan& plan, const std::function<void(si
     s.leaves = &inputs.leaves[r];
     s.sources = r == plan.used.front() ? &inputs.sources : nullptr;
   }
-  run_replicas(*pool_, plan.used, options_.devices(), "forward", [&](size_t r) { fn(r, scatters[r]); });
+  detail::map_replicas(*pool_, plan.used, options_.devices(), "forward", [&](size_t r) { fn(r, scatters[r]); });
   check_shared_unchanged(plan, scatters);
   return inputs;
 }
@@ -423,6 +423,28 @@ std::vector<size_t> needing_grad(const std::vector<torch::Tensor>& tensors) {
     }
   }
   return indices;
+}
+
+// The tensors of `tensors` at `indices`, appended to `out` in that order.
+void append_picked(std::vector<torch::Tensor>& out, const std::vector<torch::Tensor>& tensors,
+                   const std::vector<size_t>& indices) {
+  for (size_t i : indices) {
+    out.push_back(tensors[i]);
+  }
+}
+
+// How `source` reached the replicas that `plan` runs, for ParallelBackward
+// to cut its gradient back.
+InputMeta input_meta(const InputSource& source, const Plan& plan) {
+  InputMeta meta;
+  meta.split = source.split;
+  meta.dim = source.dim;
+  meta.options = source.tensor.options();
+  meta.shape = source.tensor.sizes().vec();
+  for (size_t r : plan.used) {
+    meta.sizes.push_back(plan.sizes[r]);
+  }
+  return meta;
 }
 
 } // namespace
@@ -493,23 +515,11 @@ void DataParallelCore::attach_backward(
   // so their gradients sum back too), then inputs.
   const auto grad_params = needing_grad(source_params_);
   const auto grad_buffers = needing_grad(source_buffers_);
-  for (size_t p : grad_params) {
-    backward.params.push_back(source_params_[p]);
-  }
-  for (size_t b : grad_buffers) {
-    backward.params.push_back(source_buffers_[b]);
-  }
+  append_picked(backward.params, source_params_, grad_params);
+  append_picked(backward.params, source_buffers_, grad_buffers);
   variable_list next_edges = backward.params;
   for (const auto& source : inputs.sources) {
-    InputMeta meta;
-    meta.split = source.split;
-    meta.dim = source.dim;
-    meta.options = source.tensor.options();
-    meta.shape = source.tensor.sizes().vec();
-    for (size_t r : plan.used) {
-      meta.sizes.push_back(plan.sizes[r]);
-    }
-    backward.inputs.push_back(std::move(meta));
+    backward.inputs.push_back(input_meta(source, plan));
     next_edges.push_back(source.tensor);
   }
   for (size_t i = 0; i < plan.used.size(); ++i) {
@@ -521,12 +531,8 @@ void DataParallelCore::attach_backward(
       const auto& t = flat[i][j];
       graph.outputs.push_back(t.requires_grad() ? t : torch::Tensor());
     }
-    for (size_t p : grad_params) {
-      graph.params.push_back(params_[r][p]);
-    }
-    for (size_t b : grad_buffers) {
-      graph.params.push_back(buffers_[r][b]);
-    }
+    append_picked(graph.params, params_[r], grad_params);
+    append_picked(graph.params, buffers_[r], grad_buffers);
     graph.leaves = std::move(inputs.leaves[r]);
     TORCH_INTERNAL_ASSERT(graph.leaves.size() == inputs.sources.size());
     backward.replicas.push_back(std::move(graph));
@@ -538,7 +544,7 @@ void DataParallelCore::attach_backward(
   }
 }
 
-void DataParallelCore::run_on_all(const std::function<void(size_t)>& fn) {
+void DataParallelCore::map_replicas(const std::function<void(size_t)>& fn) {
   if (!pool_) {
     fn(0);
     return;
@@ -547,7 +553,7 @@ void DataParallelCore::run_on_all(const std::function<void(size_t)>& fn) {
   for (size_t r = 0; r < all.size(); ++r) {
     all[r] = r;
   }
-  run_replicas(*pool_, all, options_.devices(), "map_replicas", fn);
+  detail::map_replicas(*pool_, all, options_.devices(), "map_replicas", fn);
 }
 
 void DataParallelCore::train(bool on) {

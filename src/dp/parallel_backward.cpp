@@ -147,7 +147,7 @@ variable_list ParallelBackward::apply(variable_list&& grads) {
     }
   }
   if (!on_workers.empty()) {
-    run_replicas(*plan_.pool, on_workers, plan_.devices, "backward", [&](size_t r) { backward_one(worker_graph[r]); });
+    map_replicas(*plan_.pool, on_workers, plan_.devices, "backward", [&](size_t r) { backward_one(worker_graph[r]); });
   }
   if (!keep_graph) {
     release_variables();
@@ -258,7 +258,7 @@ void ParallelBackward::sum_param_gradients(
   for (size_t i = 0; i < workers.size(); ++i) {
     slot[workers[i]] = i;
   }
-  run_replicas(*plan_.pool, workers, plan_.devices, "backward", [&](size_t r) {
+  map_replicas(*plan_.pool, workers, plan_.devices, "backward", [&](size_t r) {
     for (size_t p = 0; p < n_params; ++p) {
       if (owner[p] == slot[r]) {
         sum_param(p);

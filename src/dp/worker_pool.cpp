@@ -145,7 +145,7 @@ namespace {
 
 } // namespace
 
-void run_replicas(
+void map_replicas(
     WorkerPool& pool,
     const std::vector<size_t>& which,
     const std::vector<torch::Device>& devices,
@@ -172,11 +172,8 @@ void run_replicas(
     if (streams[r]) {
       stream_guard.reset_stream(*streams[r]);
     }
-    const int64_t start = timeline::enabled() ? timeline::detail::now_us() : 0;
+    timeline::Span span([&] { return "replica " + std::to_string(r) + " " + stage; }); // Note [Timeline]
     fn(r);
-    if (timeline::enabled()) { // Note [Timeline] in src/util/timeline.cpp
-      timeline::detail::record("replica " + std::to_string(r) + " " + stage, start, timeline::detail::now_us());
-    }
   });
   for (size_t i = 0; i < which.size(); ++i) {
     if (errors[i]) {

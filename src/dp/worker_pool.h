@@ -63,7 +63,7 @@ class WorkerPool {
 /// memory cache. Before CPU replicas run, the caller's idle OpenMP team ends
 /// (release_idle_openmp_team). Throws a c10::Error naming the first replica
 /// that threw, its device and `stage`.
-void run_replicas(
+void map_replicas(
     WorkerPool& pool,
     const std::vector<size_t>& which,
     const std::vector<torch::Device>& devices,

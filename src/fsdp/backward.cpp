@@ -194,7 +194,8 @@ void ShardedCore::State::launch(Bucket& bucket) {
     offset += flats[i].layout.shard;
   }
   rows.narrow(1, offset, members).copy_(torch::tensor(used, torch::kDouble).expand({world, members}));
-  bucket.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
+  bucket.span = timeline::Span([&] { return (sharded() ? "reduce_scatter " : "allreduce ") + bucket_name(bucket.members); },
+                               -1, "collectives");
   const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +
       " (" + std::to_string(input.numel()) + " elements)";
   CollectiveTag tag(1 + (&bucket - reduce_buckets.data())); // Note [Collective tags]
@@ -220,11 +221,8 @@ torch::Tensor storage_prefix(const torch::Tensor& t, int64_t numel) {
 // Waits for the bucket and adds each member's part to its shard's .grad.
 void ShardedCore::State::land(Bucket& bucket) {
   bucket.work->wait();
-  if (timeline::enabled()) {
-    timeline::detail::record((sharded() ? "reduce_scatter " : "allreduce ") + bucket_name(bucket.members),
-                             bucket.start_us, timeline::detail::now_us(), "collectives",
-                             bucket.output.numel() * bucket.output.element_size() * (sharded() ? group.size() : 1));
-  }
+  bucket.span.set_bytes(bucket.output.numel() * bucket.output.element_size() * (sharded() ? group.size() : 1));
+  bucket.span.end();
   const auto members = static_cast<int64_t>(bucket.members.size());
   // Note [Units no rank used]: the members' flags follow their gradients.
   const auto shares = bucket.output.narrow(0, bucket.output.numel() - members, members);

@@ -303,6 +303,27 @@ void check_same_save(const ProcessGroup& group, torch::Device device, int64_t sa
   }
 }
 
+// The index.json of the folder `dir` that save_sharded wrote, in a format
+// this lockstep reads.
+nlohmann::json read_index(const std::string& dir, const std::string& index_path) {
+  struct stat info {};
+  const bool found = ::stat(dir.c_str(), &info) == 0;
+  TORCH_CHECK(found && S_ISDIR(info.st_mode), "lockstep::load_sharded: the folder ", dir, " ",
+              found ? "is a file" : "is missing (" + std::string(std::strerror(errno)) + ")",
+              ": load the folder that save_sharded wrote.");
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(read_framed(index_path));
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "lockstep::load_sharded: ", index_path, " is not an index that save_sharded wrote: ", e.what());
+  }
+  const auto format = index.is_object() ? index.value("format", nlohmann::json()) : nlohmann::json();
+  TORCH_CHECK(format == kIndexFormat, "lockstep::load_sharded: ", index_path, " is of format ", format.dump(),
+              ", and this lockstep reads format ", kIndexFormat, ": another version of lockstep wrote it. Load it with "
+              "that version.");
+  return index;
+}
+
 } // namespace
 
 // Note [Sharded checkpoint files]: every rank writes its shards, then rank 0
@@ -438,21 +459,7 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
 std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer, const std::string& dir,
                                               int64_t& save_id) {
   const std::string index_path = dir + "/index.json";
-  struct stat info {};
-  const bool found = ::stat(dir.c_str(), &info) == 0;
-  TORCH_CHECK(found && S_ISDIR(info.st_mode), "lockstep::load_sharded: the folder ", dir, " ",
-              found ? "is a file" : "is missing (" + std::string(std::strerror(errno)) + ")",
-              ": load the folder that save_sharded wrote.");
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(read_framed(index_path));
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "lockstep::load_sharded: ", index_path, " is not an index that save_sharded wrote: ", e.what());
-  }
-  const auto format = index.is_object() ? index.value("format", nlohmann::json()) : nlohmann::json();
-  TORCH_CHECK(format == kIndexFormat, "lockstep::load_sharded: ", index_path, " is of format ", format.dump(),
-              ", and this lockstep reads format ", kIndexFormat, ": another version of lockstep wrote it. Load it with "
-              "that version.");
+  const nlohmann::json index = read_index(dir, index_path);
   save_id = index.value("save_id", int64_t{0});
   const auto all = flats();
   TORCH_CHECK(index.at("flats").size() == all.size(), "lockstep::load_sharded: ", index_path, " holds ",

@@ -9,6 +9,7 @@
 #include "fsdp/flat_param.h"
 #include "fsdp/state.h"
 #include "fsdp/storage_watch.h"
+#include "util/bucket_key.h"
 #include "util/shard_registry.h"
 
 #include <torch/csrc/autograd/function.h>
@@ -323,7 +324,7 @@ void ShardedCore::State::plan_buckets() {
   std::vector<std::string> keys;
   for (const auto& flat : flats) {
     bytes.push_back(flat.layout.padded * static_cast<int64_t>(c10::elementSize(flat.dtype)));
-    keys.push_back(std::string(c10::toString(flat.dtype)) + "@" + flat.device.str());
+    keys.push_back(bucket_key(flat.dtype, flat.device));
   }
   std::vector<size_t> forward(flats.size());
   std::iota(forward.begin(), forward.end(), size_t{0});
@@ -338,7 +339,7 @@ void ShardedCore::State::plan_buckets() {
   backward_reads.assign(gather_buckets.size(), 0);
   last_backward_reads.assign(gather_buckets.size(), 1); // before any backward, expect every one read
   for (auto g = gather_buckets.rbegin(); g != gather_buckets.rend(); ++g) {
-    reduce_buckets.push_back(Bucket{{g->rbegin(), g->rend()}, nullptr, torch::Tensor(), 0});
+    reduce_buckets.push_back(Bucket{{g->rbegin(), g->rend()}, nullptr, torch::Tensor(), timeline::Span()});
   }
 }
 

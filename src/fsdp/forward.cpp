@@ -106,7 +106,7 @@ void ShardedCore::State::start_bucket(size_t g) {
   if (b.members.empty()) {
     return;
   }
-  b.start_us = timeline::enabled() ? timeline::detail::now_us() : 0;
+  b.span = timeline::Span([&] { return "all_gather " + bucket_name(b.members); }, -1, "collectives");
   start_gather(b);
   in_flight.push_back(std::move(b));
 }
@@ -147,10 +147,8 @@ void ShardedCore::State::wait_in_flight(size_t flat) {
     Bucket b = std::move(in_flight.front());
     in_flight.pop_front();
     b.work->wait();
-    if (timeline::enabled()) {
-      timeline::detail::record("all_gather " + bucket_name(b.members), b.start_us, timeline::detail::now_us(),
-                               "collectives", b.output.numel() * b.output.element_size());
-    }
+    b.span.set_bytes(b.output.numel() * b.output.element_size());
+    b.span.end();
     unpack_gathered(b);
     if (std::find(b.members.begin(), b.members.end(), flat) != b.members.end()) {
       return;

@@ -7,6 +7,7 @@
 
 #include <lockstep/detail/sharded_core.h>
 #include <lockstep/sharding_options.h>
+#include <lockstep/timeline.h>
 
 #include "fsdp/flat_param.h"
 #include "fsdp/storage_watch.h"
@@ -61,7 +62,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
     std::vector<size_t> members;
     std::shared_ptr<Work> work;
     torch::Tensor output;
-    int64_t start_us = 0;
+    timeline::Span span; // from its start to its wait (Note [Timeline] in src/util/timeline.cpp)
   };
   std::vector<std::vector<size_t>> gather_buckets;
   std::vector<size_t> bucket_of; // each flat's gather bucket

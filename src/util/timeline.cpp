@@ -1,9 +1,12 @@
 #include <lockstep/timeline.h>
 
+#include "util/timeline_detail.h"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -260,6 +263,16 @@ void record(const std::string& name, int64_t start_us, int64_t end_us, const std
 }
 
 } // namespace detail
+
+void Span::start() {
+  start_us_ = detail::now_us();
+  running_ = true;
+}
+
+void Span::finish() {
+  running_ = false;
+  detail::record(name_, start_us_, detail::now_us(), track_, bytes_);
+}
 
 void flush() {
   if (enabled()) {

@@ -133,7 +133,7 @@ class DataParallelCore {
       StepInputs&& inputs);
 
   /// fn(replica) on every replica's worker, or on the caller with one replica.
-  void run_on_all(const std::function<void(size_t)>& fn);
+  void map_replicas(const std::function<void(size_t)>& fn);
 
   /// Mirrors train()/eval() and dtype changes of the wrapped module.
   void train(bool on);
