@@ -4,6 +4,8 @@
 // flight records (Note [Flight recorder] in src/comm/flight_recorder.cpp), the
 // first collective where the ranks disagree or where some never arrived.
 
+#include <common/rank_list.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -20,13 +22,7 @@ inline std::string trace_file(const std::string& dir, int rank) {
   return dir + "/lockstep_trace_rank" + std::to_string(rank) + ".json";
 }
 
-inline std::string rank_list(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t k = 0; k < ranks.size(); ++k) {
-    text += (k == 0 ? "" : k + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[k]);
-  }
-  return text;
-}
+using common::rank_list;
 
 // "allreduce (sum) of 4096 Float, allreduce of bucket 2 (3 parameters, 0.0 MiB)"
 inline std::string describe_collective(const nlohmann::json& c) {
