@@ -201,6 +201,49 @@ struct ReversedNetImpl : torch::nn::Cloneable<ReversedNetImpl> {
 };
 TORCH_MODULE(ReversedNet);
 
+// The names of the parameters in bucket 0, each followed by a space.
+std::string first_bucket_names(DistributedDataParallel<ReversedNet>& ddp, const std::vector<std::string>& names) {
+  std::string text;
+  const auto buckets = ddp->buckets();
+  for (size_t i : buckets.front()) {
+    text += names[i] + " ";
+  }
+  return text;
+}
+
+void check_same_buckets_across_ranks(const ProcessGroup& group, DistributedDataParallel<ReversedNet>& ddp) {
+  std::vector<int64_t> flat;
+  for (const auto& bucket : ddp->buckets()) {
+    flat.push_back(-1);
+    flat.insert(flat.end(), bucket.begin(), bucket.end());
+  }
+  auto layouts = group.all_gather(torch::tensor(flat));
+  for (size_t k = 1; k < layouts.size(); ++k) {
+    check(torch::equal(layouts[0], layouts[k]), "rank " + std::to_string(k) + " has rank 0's buckets", group.rank());
+  }
+}
+
+// Rows of micro-batch `micro` for `rank`, out of a batch of three
+// micro-batches per rank.
+using MicroRows = std::function<std::pair<torch::Tensor, torch::Tensor>(int micro, int rank)>;
+
+// What rebuild's two DDP steps must equal: step 1 on micro-batch 0; step 2
+// on micro-batches 1 and 2, averaged over ranks.
+void rebuild_reference_steps(ReversedNet& reference, torch::optim::SGD& ref_opt, const MicroRows& rows, int world) {
+  for (int micro = 0; micro < 3; ++micro) {
+    if (micro != 2) {
+      ref_opt.zero_grad();
+    }
+    for (int k = 0; k < world; ++k) {
+      auto [xr, yr] = rows(micro, k);
+      (torch::mse_loss(reference(xr), yr) / world).backward();
+    }
+    if (micro != 1) {
+      ref_opt.step();
+    }
+  }
+}
+
 // The first step's gradient order rebuilds the buckets at the second
 // reducing forward, the same on every rank; a no_sync step in between
 // carries its accumulated gradients into the new buckets.
@@ -215,17 +258,10 @@ void rebuild(const ProcessGroup& group, bool views) {
   torch::optim::SGD opt(ddp->parameters(), 0.1);
   torch::optim::SGD ref_opt(reference->parameters(), 0.1);
   const auto names = net->named_parameters().keys();
-  auto first_bucket_names = [&] {
-    std::string text;
-    const auto buckets = ddp->buckets();
-    for (size_t i : buckets.front()) {
-      text += names[i] + " ";
-    }
-    return text;
-  };
-  check(first_bucket_names().find("l1.") != std::string::npos, "before the rebuild, bucket 0 follows registration: " + first_bucket_names(), r);
+  check(first_bucket_names(ddp, names).find("l1.") != std::string::npos,
+        "before the rebuild, bucket 0 follows registration: " + first_bucket_names(ddp, names), r);
   auto [x, y] = lockstep::testing::global_batch(kPerRank * world * 3, 0);
-  auto rows = [&](int micro, int rank) {
+  const MicroRows rows = [&x = x, &y = y, world](int micro, int rank) {
     const int64_t start = (micro * world + rank) * kPerRank;
     return std::make_pair(x.narrow(0, start, kPerRank), y.narrow(0, start, kPerRank));
   };
@@ -244,31 +280,11 @@ void rebuild(const ProcessGroup& group, bool views) {
   auto [x2, y2] = rows(2, r);
   torch::mse_loss(ddp(x2), y2).backward();
   opt.step();
-  const auto after = first_bucket_names();
+  const auto after = first_bucket_names(ddp, names);
   check(after.find("l3.") != std::string::npos && after.find("l1.") == std::string::npos,
         "after the rebuild, bucket 0 holds l3, whose gradients come first: " + after, r);
-  std::vector<int64_t> flat;
-  for (const auto& bucket : ddp->buckets()) {
-    flat.push_back(-1);
-    flat.insert(flat.end(), bucket.begin(), bucket.end());
-  }
-  auto layouts = group.all_gather(torch::tensor(flat));
-  for (size_t k = 1; k < layouts.size(); ++k) {
-    check(torch::equal(layouts[0], layouts[k]), "rank " + std::to_string(k) + " has rank 0's buckets", r);
-  }
-  // Reference: step 1 on micro-batch 0; step 2 on micro-batches 1 and 2, averaged over ranks.
-  for (int micro = 0; micro < 3; ++micro) {
-    if (micro != 2) {
-      ref_opt.zero_grad();
-    }
-    for (int k = 0; k < world; ++k) {
-      auto [xr, yr] = rows(micro, k);
-      (torch::mse_loss(reference(xr), yr) / world).backward();
-    }
-    if (micro != 1) {
-      ref_opt.step();
-    }
-  }
+  check_same_buckets_across_ranks(group, ddp);
+  rebuild_reference_steps(reference, ref_opt, rows, world);
   check_close(*reference, *net, 1e-5, 1e-6, r, "after the rebuild");
   check_identical_across_ranks(group, *net);
 }
