@@ -13,6 +13,8 @@
 
 #include <examples/models.h>
 
+#include "bench_cli.h"
+
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -136,48 +138,37 @@ void run_model(const std::string& self, const std::string& model, int rounds, do
   std::fflush(stdout);
 }
 
-std::string own_path() {
-  char path[4096];
-  const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
-  TORCH_CHECK(n > 0, "lockstep-bench-amp: cannot read /proc/self/exe");
-  return std::string(path, static_cast<size_t>(n));
-}
-
 } // namespace
 
 int main(int argc, char** argv) {
-  int rounds = 5;
-  double seconds = 2.0;
-  std::string only;
-  std::string contender;
+  lockstep::bench::RoundOptions options;
   bool fp16 = false;
   CLI::App app{"lockstep-bench-amp: training-step throughput in fp32 and under bf16 autocast on the CPU, side by "
                "side in one run (median samples/s and ratio of medians)."};
-  app.add_option("--rounds", rounds, "Rounds; each times every contender once")->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--seconds", seconds, "Seconds per contender and round")->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--model", only, "Only this model (default: both)")->check(CLI::IsMember({"mlp", "cnn"}));
-  app.add_option("--contender", contender, "Time only this precision, once, in this process (needs --model)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  lockstep::bench::add_round_options(app, options);
+  lockstep::bench::add_model_option(app, options);
+  lockstep::bench::add_contender_option(app, options, "Time only this precision, once, in this process (needs --model)",
+                                        {"fp32", "bf16", "fp16"});
   app.add_flag("--fp16", fp16, "Also time autocast to float16 (PyTorch 2.4 or later)");
   CLI11_PARSE(app, argc, argv);
+  const std::string& only = options.only;
+  const std::string& contender = options.contender;
   try {
     if (!contender.empty()) {
       TORCH_CHECK(!only.empty(), "lockstep-bench-amp: --contender needs --model");
       const auto dtype = contender == "bf16" ? torch::kBFloat16 : contender == "fp16" ? torch::kHalf : torch::kFloat;
       if (only == "mlp") {
-        time_contender(lockstep::examples::make_mlp(), {256, 784}, dtype, seconds);
+        time_contender(lockstep::examples::make_mlp(), {256, 784}, dtype, options.seconds);
       } else {
-        time_contender(lockstep::examples::ConvNet(), {128, 1, 28, 28}, dtype, seconds);
+        time_contender(lockstep::examples::ConvNet(), {128, 1, 28, 28}, dtype, options.seconds);
       }
       return 0;
     }
-    std::printf("lockstep-bench-amp: %d rounds of %.1f s per contender, %d intra-op threads, LibTorch %s\n", rounds,
-                seconds, at::get_num_threads(), TORCH_VERSION);
+    std::printf("lockstep-bench-amp: %d rounds of %.1f s per contender, %d intra-op threads, LibTorch %s\n",
+                options.rounds, options.seconds, at::get_num_threads(), TORCH_VERSION);
     for (const std::string model : {"mlp", "cnn"}) {
       if (only.empty() || only == model) {
-        run_model(own_path(), model, rounds, seconds, fp16);
+        run_model(lockstep::bench::own_path("lockstep-bench-amp"), model, options.rounds, options.seconds, fp16);
       }
     }
   } catch (const c10::Error& e) {

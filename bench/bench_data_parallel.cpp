@@ -20,6 +20,8 @@
 #include <examples/blas_check.h>
 #include <examples/models.h>
 
+#include "bench_cli.h"
+
 #include <lockstep/lockstep.h>
 
 #include <CLI/CLI.hpp>
@@ -272,38 +274,27 @@ void run_cpu_model(const std::string& self, const std::string& model, int64_t ba
   std::fflush(stdout);
 }
 
-std::string own_path() {
-  char path[4096];
-  const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
-  TORCH_CHECK(n > 0, "lockstep-bench-dp: cannot read /proc/self/exe");
-  return std::string(path, static_cast<size_t>(n));
-}
-
-} // namespace
-
-int main(int argc, char** argv) {
-  int rounds = 5;
-  double seconds = 2.0;
+struct Options : lockstep::bench::RoundOptions {
   int replicas = 2;
-  std::string only;
   std::string device = "cpu";
-  std::string contender;
+};
+
+// Parses the command line into `options`; returns -1 to go on, else the
+// exit code (0 after --help, 2 for a refused command line).
+int parse_options(int argc, char** argv, Options& options) {
   CLI::App app{"lockstep-bench-dp: training-step throughput of the bare module against lockstep::DataParallel, "
                "side by side in one run (median samples/s and ratio of medians)."};
-  app.add_option("--rounds", rounds, "Rounds; each times every contender once")->check(CLI::PositiveNumber)
+  lockstep::bench::add_round_options(app, options);
+  app.add_option("--replicas", options.replicas, "DataParallel's CPU replicas")->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--seconds", seconds, "Seconds per contender and round")->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--replicas", replicas, "DataParallel's CPU replicas")->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--model", only, "Only this model (default: both)")->check(CLI::IsMember({"mlp", "cnn"}));
-  app.add_option("--device", device, "cpu: CPU replicas; cuda: every visible GPU, and DDP over NCCL")
+  lockstep::bench::add_model_option(app, options);
+  app.add_option("--device", options.device, "cpu: CPU replicas; cuda: every visible GPU, and DDP over NCCL")
       ->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  app.add_option("--contender", contender, "Time only this CPU contender, once, in this process (needs --model)")
-      ->check(CLI::IsMember({"bare", "dataparallel", "ceiling", "bare-after-dp", "threads"}));
+  lockstep::bench::add_contender_option(app, options, "Time only this CPU contender, once, in this process (needs --model)",
+                                        {"bare", "dataparallel", "ceiling", "bare-after-dp", "threads"});
   try {
     app.parse(argc, argv);
-    if (!contender.empty() && (only.empty() || device != "cpu")) {
+    if (!options.contender.empty() && (options.only.empty() || options.device != "cpu")) {
       throw CLI::ValidationError("--contender", "needs --model and the cpu device");
     }
   } catch (const CLI::ParseError& e) {
@@ -314,37 +305,54 @@ int main(int argc, char** argv) {
                  "[--device cpu|cuda] [--contender NAME]\n", e.what(), argv[0]);
     return 2;
   }
+  return -1;
+}
+
+constexpr int64_t kMlpBatch = 256;
+constexpr int64_t kCnnBatch = 128;
+
+// Every contender of each model (or of --model's), round after round.
+void run_all(const Options& options) {
+  const bool cuda = options.device == "cuda";
+  if (cuda) {
+    TORCH_CHECK(torch::cuda::is_available(), "lockstep-bench-dp --device cuda: this process sees no CUDA device.");
+    std::printf("%d CUDA device(s); DataParallel uses all of them\n", static_cast<int>(torch::cuda::device_count()));
+  } else {
+    std::printf("threads %d, BLAS %s, %d CPU replicas; each contender in its own process\n", at::get_num_threads(),
+                lockstep::examples::loaded_blas().c_str(), options.replicas);
+  }
+  const std::string self = lockstep::bench::own_path("lockstep-bench-dp");
+  for (const auto& [model, batch] : {std::make_pair(std::string("mlp"), kMlpBatch), std::make_pair(std::string("cnn"), kCnnBatch)}) {
+    if (!options.only.empty() && options.only != model) {
+      continue;
+    }
+    if (cuda) {
+      run_gpu_model(model, batch, options.rounds, options.seconds);
+    } else {
+      run_cpu_model(self, model, batch, options.rounds, options.seconds, options.replicas);
+    }
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  if (const int exit_code = parse_options(argc, argv, options); exit_code >= 0) {
+    return exit_code;
+  }
   try {
     lockstep::examples::require_fast_blas("lockstep-bench-dp");
     // "All cores" explicitly: libtorch's own default can be lower (it asks
     // cpuinfo for physical cores, which fails on some virtual machines).
     at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
     torch::manual_seed(0);
-    const int64_t mlp_batch = 256;
-    const int64_t cnn_batch = 128;
-    if (!contender.empty()) {
-      run_one(only, contender, only == "mlp" ? mlp_batch : cnn_batch, seconds, replicas);
+    if (!options.contender.empty()) {
+      run_one(options.only, options.contender, options.only == "mlp" ? kMlpBatch : kCnnBatch, options.seconds,
+              options.replicas);
       return 0;
     }
-    const bool cuda = device == "cuda";
-    if (cuda) {
-      TORCH_CHECK(torch::cuda::is_available(), "lockstep-bench-dp --device cuda: this process sees no CUDA device.");
-      std::printf("%d CUDA device(s); DataParallel uses all of them\n", static_cast<int>(torch::cuda::device_count()));
-    } else {
-      std::printf("threads %d, BLAS %s, %d CPU replicas; each contender in its own process\n", at::get_num_threads(),
-                  lockstep::examples::loaded_blas().c_str(), replicas);
-    }
-    const std::string self = own_path();
-    for (const auto& [model, batch] : {std::make_pair(std::string("mlp"), mlp_batch), std::make_pair(std::string("cnn"), cnn_batch)}) {
-      if (!only.empty() && only != model) {
-        continue;
-      }
-      if (cuda) {
-        run_gpu_model(model, batch, rounds, seconds);
-      } else {
-        run_cpu_model(self, model, batch, rounds, seconds, replicas);
-      }
-    }
+    run_all(options);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

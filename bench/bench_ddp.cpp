@@ -125,72 +125,73 @@ std::function<void()> communication_alone(const std::vector<std::vector<size_t>>
   };
 }
 
+// `net` as `mode` wraps it: the forward to call, the parameters to optimize,
+// and the wrapper that holds them (none for naive and nocomm).
 template <typename M>
-void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
-         const BenchOptions& bench) {
-  const std::string& optimizer_name = bench.optimizer;
-  const int64_t batch = 256 / group.size();
-  const int64_t features = model == "mlp" ? 784 : 256;
-  auto x = torch::randn({batch, features});
-  auto y = torch::randint(0, 10, {batch});
-
-  std::function<torch::Tensor(const torch::Tensor&)> forward = [net](const torch::Tensor& in) mutable { return net->forward(in); };
+struct Wrapped {
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::vector<torch::Tensor> params;
   std::shared_ptr<lockstep::DistributedDataParallel<M>> ddp;
   std::shared_ptr<lockstep::FullyShardedDataParallel<M>> fsdp;
-  std::vector<torch::Tensor> params = net->parameters();
+};
+
+template <typename M>
+std::shared_ptr<lockstep::FullyShardedDataParallel<M>> shard(M net, const lockstep::ProcessGroup& group,
+                                                             const std::string& mode) {
+  const auto strategy = mode == "noshard" ? lockstep::ShardingStrategy::NoShard
+      : mode.rfind("gradop", 0) == 0      ? lockstep::ShardingStrategy::ShardGradOp
+                                          : lockstep::ShardingStrategy::FullShard;
+  auto options = lockstep::ShardingOptions().strategy(strategy);
+  if (mode == "fullshard-bf16") {
+    options.param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat);
+  }
+  return std::make_shared<lockstep::FullyShardedDataParallel<M>>(net, group, options);
+}
+
+template <typename M>
+std::shared_ptr<lockstep::DistributedDataParallel<M>> replicate(M net, const lockstep::ProcessGroup& group,
+                                                                const std::string& mode, const BenchOptions& bench) {
+  auto options = lockstep::DistributedOptions()
+                     .gradient_as_bucket_view(mode == "views")
+                     .static_graph(mode == "static")
+                     .rebuild_buckets(mode != "norebuild")
+                     .bucket_cap_mb(bench.bucket_cap_mb);
+  if (mode == "powersgd") {
+    options.comm_hook(lockstep::comm_hooks::powersgd(
+        lockstep::PowerSGDOptions().rank(bench.powersgd_rank).start_iteration(2)));
+  }
+  return std::make_shared<lockstep::DistributedDataParallel<M>>(net, group, options);
+}
+
+template <typename M>
+Wrapped<M> wrap(M net, const lockstep::ProcessGroup& group, const std::string& mode, const BenchOptions& bench) {
+  Wrapped<M> wrapped;
+  wrapped.forward = [net](const torch::Tensor& in) mutable { return net->forward(in); };
+  wrapped.params = net->parameters();
   if (sharded(mode)) {
-    const auto strategy = mode == "noshard" ? lockstep::ShardingStrategy::NoShard
-        : mode.rfind("gradop", 0) == 0      ? lockstep::ShardingStrategy::ShardGradOp
-                                            : lockstep::ShardingStrategy::FullShard;
-    auto options = lockstep::ShardingOptions().strategy(strategy);
-    if (mode == "fullshard-bf16") {
-      options.param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat);
-    }
-    fsdp = std::make_shared<lockstep::FullyShardedDataParallel<M>>(net, group, options);
-    forward = [fsdp](const torch::Tensor& in) { return (*fsdp)(in); };
-    params = (*fsdp)->parameters();
+    auto fsdp = wrapped.fsdp = shard(net, group, mode);
+    wrapped.forward = [fsdp](const torch::Tensor& in) { return (*fsdp)(in); };
+    wrapped.params = (*fsdp)->parameters();
   } else if (mode != "naive" && mode != "nocomm") {
-    auto options = lockstep::DistributedOptions()
-                       .gradient_as_bucket_view(mode == "views")
-                       .static_graph(mode == "static")
-                       .rebuild_buckets(mode != "norebuild")
-                       .bucket_cap_mb(bench.bucket_cap_mb);
-    if (mode == "powersgd") {
-      options.comm_hook(lockstep::comm_hooks::powersgd(
-          lockstep::PowerSGDOptions().rank(bench.powersgd_rank).start_iteration(2)));
-    }
-    ddp = std::make_shared<lockstep::DistributedDataParallel<M>>(net, group, options);
-    forward = [ddp](const torch::Tensor& in) { return (*ddp)(in); };
+    auto ddp = wrapped.ddp = replicate(net, group, mode, bench);
+    wrapped.forward = [ddp](const torch::Tensor& in) { return (*ddp)(in); };
   } else if (mode == "naive") {
     for (auto& p : net->parameters()) { // the initial broadcast naive code often forgets
       group.broadcast(p, 0);
     }
   }
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (optimizer_name == "adam") {
-    optimizer = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
-  } else {
-    optimizer = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9));
+  return wrapped;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, const std::vector<torch::Tensor>& params) {
+  if (name == "adam") {
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
   }
-  std::function<void()> comm_step;
-  if (mode == "comm") {
-    comm_step = communication_alone((*ddp)->buckets(), net->parameters(), group);
-  }
-  auto step = [&] {
-    if (comm_step) {
-      comm_step();
-      return;
-    }
-    optimizer->zero_grad();
-    torch::cross_entropy_loss(forward(x).to(torch::kFloat), y).backward();
-    if (mode == "naive") {
-      for (auto& p : net->parameters()) {
-        group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
-      }
-    }
-    lockstep::timeline::Span span("optimizer step");
-    optimizer->step();
-  };
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9));
+}
+
+// Seconds for `steps` calls of `step` on every rank, after 5 untimed ones.
+double time_steps(const std::function<void()>& step, int steps, const lockstep::ProcessGroup& group) {
   for (int i = 0; i < 5; ++i) {
     step();
   }
@@ -200,7 +201,12 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
     step();
   }
   group.barrier();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Rank 0's line: MODE MODEL steps_per_s=X rss_mb=R0,R1 base_mb=B0,B1.
+void print_result(const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
+                  double seconds) {
   auto rss = group.all_gather(torch::tensor({peak_rss_mb()}, torch::kDouble));
   auto base = group.all_gather(torch::tensor({base_rss_mb}, torch::kDouble));
   if (group.rank() == 0) {
@@ -214,6 +220,37 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
     }
     std::printf("\n");
   }
+}
+
+template <typename M>
+void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
+         const BenchOptions& bench) {
+  const int64_t batch = 256 / group.size();
+  const int64_t features = model == "mlp" ? 784 : 256;
+  auto x = torch::randn({batch, features});
+  auto y = torch::randint(0, 10, {batch});
+  auto wrapped = wrap(net, group, mode, bench);
+  auto optimizer = make_optimizer(bench.optimizer, wrapped.params);
+  std::function<void()> comm_step;
+  if (mode == "comm") {
+    comm_step = communication_alone((*wrapped.ddp)->buckets(), net->parameters(), group);
+  }
+  auto step = [&] {
+    if (comm_step) {
+      comm_step();
+      return;
+    }
+    optimizer->zero_grad();
+    torch::cross_entropy_loss(wrapped.forward(x).to(torch::kFloat), y).backward();
+    if (mode == "naive") {
+      for (auto& p : net->parameters()) {
+        group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
+      }
+    }
+    lockstep::timeline::Span span("optimizer step");
+    optimizer->step();
+  };
+  print_result(group, mode, model, steps, time_steps(step, steps, group));
 }
 
 // A group whose collectives do nothing but fill all_gather's results (the
@@ -305,33 +342,31 @@ int time_collectives(const std::string& backend, double mib) {
   return 0;
 }
 
-} // namespace
-
-int main(int argc, char** argv) {
-  if (argc == 2 && std::string(argv[1]) == "recorder") {
-    return time_recorder();
-  }
-  if (argc >= 2 && argc <= 4 && std::string(argv[1]) == "collectives") {
-    return time_collectives(argc >= 3 ? argv[2] : "gloo", argc == 4 ? std::atof(argv[3]) : 4);
-  }
+// A timed run's command line: MODE MODEL STEPS and the options.
+struct RunOptions {
   std::string mode;
   std::string model;
   int steps = 0;
   BenchOptions bench;
+};
+
+// Parses the command line into `options`; returns -1 to go on, else the exit
+// code (0 after --help, 2 for a refused command line).
+int parse_options(int argc, char** argv, RunOptions& options) {
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
-  app.add_option("MODE", mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
+  app.add_option("MODE", options.mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
                  "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward) or nocomm (no communication)")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
                                          "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
                                          "gradop-mpi", "fullshard-bf16", "powersgd", "comm"}));
-  app.add_option("MODEL", model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
+  app.add_option("MODEL", options.model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
                  "last layer first) or wide (8 x Linear(2048, 2048))")
       ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide"}));
-  app.add_option("--optimizer", bench.optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
-  app.add_option("--bucket-cap-mb", bench.bucket_cap_mb, "DDP's bucket_cap_mb")->check(CLI::PositiveNumber);
-  app.add_option("--powersgd-rank", bench.powersgd_rank, "powersgd: the approximation's rank")->check(CLI::PositiveNumber);
-  app.add_option("STEPS", steps, "Timed optimizer steps, after 5 untimed ones")->required()->check(CLI::PositiveNumber);
+  app.add_option("--optimizer", options.bench.optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  app.add_option("--bucket-cap-mb", options.bench.bucket_cap_mb, "DDP's bucket_cap_mb")->check(CLI::PositiveNumber);
+  app.add_option("--powersgd-rank", options.bench.powersgd_rank, "powersgd: the approximation's rank")->check(CLI::PositiveNumber);
+  app.add_option("STEPS", options.steps, "Timed optimizer steps, after 5 untimed ones")->required()->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -344,6 +379,23 @@ int main(int argc, char** argv) {
                  e.what(), argv[0], argv[0]);
     return 2;
   }
+  return -1;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "recorder") {
+    return time_recorder();
+  }
+  if (argc >= 2 && argc <= 4 && std::string(argv[1]) == "collectives") {
+    return time_collectives(argc >= 3 ? argv[2] : "gloo", argc == 4 ? std::atof(argv[3]) : 4);
+  }
+  RunOptions run_options;
+  if (const int exit_code = parse_options(argc, argv, run_options); exit_code >= 0) {
+    return exit_code;
+  }
+  const auto& [mode, model, steps, bench] = run_options;
   try {
     lockstep::examples::require_fast_blas("lockstep-bench-ddp");
     at::set_num_threads(1); // one core per rank, as the Python contender

@@ -492,6 +492,68 @@ void back_onto_the_models_device(const std::vector<torch::Tensor>& loaded, const
   }
 }
 
+/// A model tensor as it was before loading replaced it: what the loaded one
+/// must match.
+struct ExpectedTensor {
+  std::string name;
+  std::vector<int64_t> sizes;
+  caffe2::TypeMeta dtype;
+  torch::Device device;
+};
+
+/// The model's parameters and buffers, in model_tensors' order.
+inline std::vector<ExpectedTensor> expected_tensors(torch::nn::Module& model) {
+  std::vector<ExpectedTensor> expected;
+  for (const auto& group : {model.named_parameters(), model.named_buffers()}) {
+    for (const auto& item : group) {
+      expected.push_back({item.key(), item.value().sizes().vec(), item.value().dtype(), item.value().device()});
+    }
+  }
+  return expected;
+}
+
+/// Checks that what was loaded from `path` has the shapes and dtypes of the
+/// model's tensors, and of the optimizer's parameters.
+inline void check_loaded_shapes(const std::string& path, const std::vector<torch::Tensor>& loaded,
+                                const std::vector<ExpectedTensor>& expected, torch::optim::Optimizer& optimizer) {
+  // LibTorch's load replaces a tensor whatever its shape: compare with the model's.
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const auto& want = expected[i];
+    TORCH_CHECK(loaded[i].sizes() == want.sizes && loaded[i].dtype() == want.dtype, "lockstep-train: checkpoint ",
+                path, " does not match this model: '", want.name, "' is ", loaded[i].sizes(), " ", loaded[i].dtype(),
+                " there but ", c10::IntArrayRef(want.sizes), " ", want.dtype, " here. It was written by another model "
+                "configuration; delete it, or point --checkpoint elsewhere.");
+  }
+  for (const auto& [param, state_tensor] : optimizer_tensors(optimizer)) {
+    TORCH_CHECK(!state_tensor.defined() || state_tensor.sizes() == param.sizes(), "lockstep-train: checkpoint ", path,
+                " does not match this optimizer: a state tensor is ", state_tensor.sizes(), " for a parameter of ",
+                param.sizes(), ". Delete it, or point --checkpoint elsewhere.");
+  }
+}
+
+/// Reads the model, the optimizer and the training state from `archive`,
+/// and returns the content hashes stored beside them (model, optimizer).
+inline std::pair<torch::Tensor, torch::Tensor> read_whole_checkpoint(
+    const std::string& path, torch::serialize::InputArchive& archive, int64_t format, torch::nn::Module& model,
+    torch::optim::Optimizer& optimizer, TrainingState& state) {
+  torch::Tensor model_hash, stored_optimizer_hash;
+  try {
+    torch::serialize::InputArchive model_archive, optimizer_archive;
+    archive.read("model", model_archive);
+    archive.read("optimizer", optimizer_archive);
+    model.load(model_archive);
+    optimizer.load(optimizer_archive);
+    archive.read("model_hash", model_hash);
+    archive.read("optimizer_hash", stored_optimizer_hash);
+    state = read_state(archive, format);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " does not match this model or optimizer: ",
+                error_message(e), " It was written by another model configuration; delete it, or point "
+                "--checkpoint elsewhere.");
+  }
+  return {model_hash, stored_optimizer_hash};
+}
+
 /// Loads `path` into `model`, `optimizer` and `state`; false if there is no
 /// such file. A file that is not a whole lockstep-train checkpoint of this
 /// model is a clear error.
@@ -509,49 +571,10 @@ inline bool load_checkpoint(
   TORCH_CHECK(!archive.try_read("shards", shards), "lockstep-train: checkpoint ", path, " was written with --sharding: "
               "the model and optimizer are in ", shards_dir(path, shards.defined() ? shards.item<int64_t>() : 0),
               "/. Resume it with --sharding (any strategy, at any world size), or point --checkpoint elsewhere.");
-  const auto named = model.named_parameters();
-  const auto named_buffers = model.named_buffers();
-  struct Expected {
-    std::string name;
-    std::vector<int64_t> sizes;
-    caffe2::TypeMeta dtype;
-    torch::Device device;
-  };
-  std::vector<Expected> expected; // the model's, before loading replaces them
-  for (const auto& group : {named, named_buffers}) {
-    for (const auto& item : group) {
-      expected.push_back({item.key(), item.value().sizes().vec(), item.value().dtype(), item.value().device()});
-    }
-  }
-  torch::Tensor model_hash, stored_optimizer_hash;
-  try {
-    torch::serialize::InputArchive model_archive, optimizer_archive;
-    archive.read("model", model_archive);
-    archive.read("optimizer", optimizer_archive);
-    model.load(model_archive);
-    optimizer.load(optimizer_archive);
-    archive.read("model_hash", model_hash);
-    archive.read("optimizer_hash", stored_optimizer_hash);
-    state = read_state(archive, format);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "lockstep-train: checkpoint ", path, " does not match this model or optimizer: ",
-                error_message(e), " It was written by another model configuration; delete it, or point "
-                "--checkpoint elsewhere.");
-  }
-  // LibTorch's load replaces a tensor whatever its shape: compare with the model's.
+  const auto expected = expected_tensors(model); // the model's, before loading replaces them
+  const auto [model_hash, stored_optimizer_hash] = read_whole_checkpoint(path, archive, format, model, optimizer, state);
   const auto loaded = model_tensors(model);
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const auto& want = expected[i];
-    TORCH_CHECK(loaded[i].sizes() == want.sizes && loaded[i].dtype() == want.dtype, "lockstep-train: checkpoint ",
-                path, " does not match this model: '", want.name, "' is ", loaded[i].sizes(), " ", loaded[i].dtype(),
-                " there but ", c10::IntArrayRef(want.sizes), " ", want.dtype, " here. It was written by another model "
-                "configuration; delete it, or point --checkpoint elsewhere.");
-  }
-  for (const auto& [param, state_tensor] : optimizer_tensors(optimizer)) {
-    TORCH_CHECK(!state_tensor.defined() || state_tensor.sizes() == param.sizes(), "lockstep-train: checkpoint ", path,
-                " does not match this optimizer: a state tensor is ", state_tensor.sizes(), " for a parameter of ",
-                param.sizes(), ". Delete it, or point --checkpoint elsewhere.");
-  }
+  check_loaded_shapes(path, loaded, expected, optimizer);
   back_onto_the_models_device(loaded, expected, optimizer);
   const bool model_intact = hash_tensor(content_hash(loaded)).equal(model_hash);
   TORCH_CHECK(model_intact && hash_tensor(optimizer_hash(optimizer)).equal(stored_optimizer_hash),

@@ -40,33 +40,33 @@ inline std::string idx_path(const std::string& dir, const std::string& name) {
   throw IdxError(plain + "(.gz): no such file; --data needs a directory with MNIST's four IDX files, gzipped or not");
 }
 
-/// The IDX file at `path`: magic 0x0000080N (unsigned bytes, N dimensions),
-/// big-endian sizes, then the bytes. `dims` is N: 3 for images (rows, 28,
-/// 28), 1 for labels. Returns a uint8 tensor of the header's shape.
-inline torch::Tensor read_idx(const std::string& path, int dims) {
-  std::unique_ptr<gzFile_s, decltype(&::gzclose)> file(::gzopen(path.c_str(), "rb"), ::gzclose);
-  if (!file) {
-    throw IdxError(path + ": cannot open it");
-  }
-  auto read = [&](void* into, int64_t bytes) -> int64_t {
-    int64_t done = 0;
-    while (done < bytes) {
-      const auto chunk = static_cast<unsigned>(std::min<int64_t>(bytes - done, 1 << 30));
-      const int got = ::gzread(file.get(), static_cast<char*>(into) + done, chunk);
-      if (got < 0) {
-        int code = 0;
-        throw IdxError(path + ": unreadable (" + ::gzerror(file.get(), &code) + ")");
-      }
-      if (got == 0) {
-        break;
-      }
-      done += got;
+using GzFile = std::unique_ptr<gzFile_s, decltype(&::gzclose)>;
+
+// Reads up to `bytes` from `file` (`path`) into `into`; fewer only at the end
+// of the file. Returns how many it read.
+inline int64_t read_gz(const GzFile& file, const std::string& path, void* into, int64_t bytes) {
+  int64_t done = 0;
+  while (done < bytes) {
+    const auto chunk = static_cast<unsigned>(std::min<int64_t>(bytes - done, 1 << 30));
+    const int got = ::gzread(file.get(), static_cast<char*>(into) + done, chunk);
+    if (got < 0) {
+      int code = 0;
+      throw IdxError(path + ": unreadable (" + ::gzerror(file.get(), &code) + ")");
     }
-    return done;
-  };
+    if (got == 0) {
+      break;
+    }
+    done += got;
+  }
+  return done;
+}
+
+// The shape an IDX header of `dims` dimensions declares, checked: the magic,
+// MNIST's 28x28 images, and a row count that could be real.
+inline std::vector<int64_t> read_idx_shape(const GzFile& file, const std::string& path, int dims) {
   unsigned char header[4 + 4 * 3];
   const int64_t header_bytes = 4 + 4 * dims;
-  if (read(header, header_bytes) != header_bytes) {
+  if (read_gz(file, path, header, header_bytes) != header_bytes) {
     throw IdxError(path + ": truncated: shorter than an IDX header");
   }
   auto be32 = [&](int i) {
@@ -88,35 +88,53 @@ inline torch::Tensor read_idx(const std::string& path, int dims) {
     throw IdxError(path + ": images are " + std::to_string(shape[1]) + "x" + std::to_string(shape[2]) +
                    "; the model takes MNIST's 28x28");
   }
-  const int64_t row_bytes = dims == 3 ? 28 * 28 : 1;
   constexpr int64_t kMaxRows = int64_t{1} << 24; // 16.7 million: a header claiming more is damaged
   if (shape[0] > kMaxRows) {
     throw IdxError(path + ": the header declares " + std::to_string(shape[0]) + " rows, too many to be real");
   }
-  const int64_t total = shape[0] * row_bytes;
-  // Read in chunks, and allocate the tensor only once the data is there: a
-  // damaged header can claim up to 13 GB of rows in a file of a few bytes.
+  return shape;
+}
+
+// The `total` bytes of data after the header of `rows` rows, and nothing
+// more. Read in chunks, and the tensor allocated only once the data is
+// there: a damaged header can claim up to 13 GB of rows in a file of a few
+// bytes.
+inline std::vector<uint8_t> read_idx_data(const GzFile& file, const std::string& path, int64_t rows, int64_t total) {
   constexpr int64_t kChunk = int64_t{16} << 20;
   std::vector<uint8_t> bytes;
   int64_t got = 0;
   while (got < total) {
     const int64_t want = std::min(kChunk, total - got);
     bytes.resize(static_cast<size_t>(got + want));
-    const int64_t chunk = read(bytes.data() + got, want);
+    const int64_t chunk = read_gz(file, path, bytes.data() + got, want);
     got += chunk;
     if (chunk < want) {
       break;
     }
   }
   if (got != total) {
-    throw IdxError(path + ": truncated: the header declares " + std::to_string(shape[0]) + " rows (" +
+    throw IdxError(path + ": truncated: the header declares " + std::to_string(rows) + " rows (" +
                    std::to_string(total) + " bytes of data) but the file holds " + std::to_string(got) + " bytes");
   }
   char extra = 0;
-  if (read(&extra, 1) != 0) {
-    throw IdxError(path + ": longer than its header declares (" + std::to_string(shape[0]) +
+  if (read_gz(file, path, &extra, 1) != 0) {
+    throw IdxError(path + ": longer than its header declares (" + std::to_string(rows) +
                    " rows): damaged, or not an IDX file");
   }
+  return bytes;
+}
+
+/// The IDX file at `path`: magic 0x0000080N (unsigned bytes, N dimensions),
+/// big-endian sizes, then the bytes. `dims` is N: 3 for images (rows, 28,
+/// 28), 1 for labels. Returns a uint8 tensor of the header's shape.
+inline torch::Tensor read_idx(const std::string& path, int dims) {
+  GzFile file(::gzopen(path.c_str(), "rb"), ::gzclose);
+  if (!file) {
+    throw IdxError(path + ": cannot open it");
+  }
+  const auto shape = read_idx_shape(file, path, dims);
+  const int64_t row_bytes = dims == 3 ? 28 * 28 : 1;
+  const auto bytes = read_idx_data(file, path, shape[0], shape[0] * row_bytes);
   auto data = torch::empty(shape, torch::kUInt8);
   std::copy(bytes.begin(), bytes.end(), data.data_ptr<uint8_t>());
   return data;

@@ -79,9 +79,8 @@ inline std::map<std::string, std::string> sharding_spellings() {
   return names;
 }
 
-inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
-  app.set_version_flag("--version", std::string("lockstep-train ") + LOCKSTEP_VERSION);
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
+// --data, --synthetic, the sample counts and --export-mnist.
+inline void add_data_options(CLI::App& app, DataOptions& data, std::string& export_dir) {
   using common::whole_number;
   app.add_option("--data", data.dir, "Directory with MNIST-format IDX files (train-images-idx3-ubyte, ..., gzipped or "
                  "not: MNIST, Fashion-MNIST, KMNIST), any number of rows. Default: " + std::string(kFashionMnist) +
@@ -98,7 +97,11 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
   app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
                  "directory (60000/10000 samples, MNIST's own counts) and exit")
       ->check(CLI::ExistingDirectory)->group("Data");
+}
 
+// The optimizer, its schedule, the seed and the arithmetic.
+inline void add_training_options(CLI::App& app, Config& config) {
+  using common::whole_number;
   app.add_option("--epochs", config.epochs, "Passes over the training set")->check(common::positive())
       ->check(whole_number(1, kMaxEpochs))
       ->capture_default_str()->group("Training");
@@ -126,6 +129,11 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
   app.add_option("--loss-scale-growth-interval", config.growth_interval, "--precision fp16: steps without overflow "
                  "before the loss scale doubles (GradScaler's growth_interval)")
       ->check(common::positive())->check(common::whole_number(1, INT32_MAX))->capture_default_str()->group("Training");
+}
+
+// --comm-hook and PowerSGD's settings.
+inline void add_comm_hook_options(CLI::App& app, Config& config) {
+  using common::whole_number;
   app.add_option("--comm-hook", config.comm_hook, "Under DDP: how each bucket of gradients is reduced: none (a "
                  "plain allreduce), fp16 or bf16 (sent as 16-bit values), or powersgd (low-rank compression with "
                  "error feedback, for slow links; its state is saved in the checkpoint)")
@@ -136,13 +144,22 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
   app.add_option("--powersgd-start", config.powersgd_start, "--comm-hook powersgd: steps of plain allreduce before "
                  "compression starts (about a tenth of the run is a good start)")
       ->check(whole_number(0, kMaxCount))->capture_default_str()->group("Distributed");
+}
+
+// Threads per process, and DataParallel's replicas without a launcher.
+inline void add_parallelism_options(CLI::App& app, Config& config) {
+  using common::whole_number;
   app.add_option("--threads", config.threads, "Intra-op threads per process (default: OMP_NUM_THREADS, which "
                  "lockstep-run sets to each rank's share of the cores, else every core)")
       ->check(common::non_negative())->check(whole_number(0, kMaxThreads))->group("Training");
   app.add_option("--replicas", config.replicas, "Without a launcher: DataParallel CPU replicas (0: "
                  "lockstep::default_devices(): every GPU, or one CPU replica without one)")
       ->check(common::non_negative())->check(whole_number(0, kMaxReplicas))->capture_default_str()->group("Training");
+}
 
+// Where the model, the checkpoints and the metrics go, and how often.
+inline void add_output_options(CLI::App& app, Config& config) {
+  using common::whole_number;
   app.add_option("--out", config.out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. "
                  "Default: runs/<the launcher's run id, else the time>")->group("Outputs");
   app.add_option("--save", config.save_path, "Save the trained model here instead of OUT/model.pt (torch::save; "
@@ -158,6 +175,10 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
       ->check(common::non_negative())->check(whole_number(0, kMaxCount))->capture_default_str()->group("Outputs");
   app.add_option("--log-every", config.log_every, "Steps between training records in metrics.jsonl")
       ->check(common::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Outputs");
+}
+
+// Under a launcher: the ranks' timeout and FullyShardedDataParallel's strategy.
+inline void add_launcher_options(CLI::App& app, Config& config) {
   app.add_option("--timeout", config.timeout_seconds, "Under DDP: seconds to wait for the other ranks (store, "
                  "connections, each collective) before failing. Default: LOCKSTEP_TIMEOUT, else 300")
       ->check(CLI::Range(1, 7 * 24 * 3600))->group("Distributed");
@@ -167,6 +188,18 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
                  "(CHECKPOINT.shards-STEP/) and resume at any world size; --save is still a whole, bare model. "
                  "PyTorch's names work too: full-shard, shard-grad-op, no-shard (or with _)")
       ->transform(CLI::CheckedTransformer(sharding_spellings(), CLI::ignore_case))->group("Distributed");
+}
+
+inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
+  app.set_version_flag("--version", std::string("lockstep-train ") + LOCKSTEP_VERSION);
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast); // scripts/main.sh's defaults, then yours
+  // Added in this order: --help lists the groups, and the options in each, as they come.
+  add_data_options(app, data, export_dir);
+  add_training_options(app, config);
+  add_comm_hook_options(app, config);
+  add_parallelism_options(app, config);
+  add_output_options(app, config);
+  add_launcher_options(app, config);
   app.footer(
       "Under lockstep-run, torchrun, mpirun or srun, each process is one rank of DistributedDataParallel and reads "
       "its share of each global batch of the epoch's order (drawn from --seed and the epoch); otherwise one process trains with "

@@ -5,100 +5,92 @@
 //
 //   lockstep_collectives_worker contract|size_mismatch
 //
-// Prints "rank R: OK" and exits 0 when every check passed, "rank R: CHECK
-// FAILED: ..." for each failed one and exits 1, "rank R: ERROR: ..." and
-// exits 3 on an unexpected lockstep error.
+// support/run_worker.h makes the group and reports the checks.
 
 #include <lockstep/lockstep.h>
 
 #include "support/collective_contract.h"
+#include "support/run_worker.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
+namespace {
+
+using lockstep::testing::Check;
+
+// Note [MPI's thread and timeouts]: lockstep initialised MPI, and asked Open
+// MPI to yield while idle (mpirun sets no such variable).
+void check_mpi_yields(const Check& check) {
+  const char* yield = std::getenv("OMPI_MCA_mpi_yield_when_idle");
+  check(yield != nullptr && std::string(yield) == "1", "Open MPI was asked to yield while idle");
+}
+
+// What the mpi backend refuses, each saying why.
+void check_mpi_refusals(lockstep::ProcessGroup& group, const Check& check) {
+  // MPI's counts are ints: 2^32 + 8 bytes (never touched: refused before
+  // MPI reads them), which a cast made 8, are an error on every rank, not a
+  // sum of the first 8.
+  auto huge = torch::empty({(int64_t{1} << 32) + 8}, torch::kByte);
+  lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
+    group.allreduce_async({huge}, lockstep::ReduceOp::Max, "4 GiB")->wait();
+  }), {"the mpi backend moves at most 2147483647 elements per rank", "this one has 4294967304"}, "4 GiB");
+  // A second group would call MPI from a second thread while this one's
+  // does, under MPI_THREAD_SERIALIZED: refused, on this rank alone, before
+  // it calls MPI.
+  lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
+    lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
+  }), {"the mpi backend takes one group per process at a time, and one is alive"}, "a second mpi group");
+  // Tensors on a device MPI does not take are refused saying so, not as a
+  // dtype it lacks.
+  lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
+    group.allreduce_async({torch::empty({2}, torch::kMeta)}, lockstep::ReduceOp::Sum, "meta")->wait();
+  }), {"the mpi backend takes no tensors on meta", "Send a copy on the CPU"}, "a meta tensor");
+}
+
+// Once the group is gone, a new one can be made, though a Work of its
+// collectives is still held.
+void check_mpi_group_made_again(lockstep::ProcessGroup& group, const Check& check) {
+  auto kept = torch::ones({2});
+  auto work = group.allreduce_async({kept}, lockstep::ReduceOp::Sum, "a collective whose Work is kept");
+  work->wait();
+  const int size = group.size();
+  group = lockstep::ProcessGroup();
+  lockstep::testing::attempt(check, "a new mpi group once the first is destroyed", [&] {
+    group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
+    auto t = torch::ones({2});
+    group.allreduce(t);
+    check(torch::equal(t, torch::full({2}, static_cast<float>(size))), "the new mpi group sums");
+  });
+}
+
+void contract(lockstep::testing::WorkerContext& context) {
+  auto& group = context.group;
+  const auto& check = context.check;
+  lockstep::testing::check_several_tensors(group, check);
+  lockstep::testing::check_integer_average(group, check);
+  lockstep::testing::check_empty_list(group, check);
+  lockstep::testing::check_local_refusal(group, check);
+  lockstep::testing::check_bfloat16_and_bool(group, check);
+  lockstep::testing::check_collectives_in_inference_mode(group, check);
+  lockstep::testing::check_in_place_and_parameters(group, check);
+  if (group.backend() == "mpi") {
+    check_mpi_yields(check);
+    check_mpi_refusals(group, check);
+    check_mpi_group_made_again(group, check);
+  }
+}
+
+void size_mismatch(lockstep::testing::WorkerContext& context) {
+  lockstep::testing::check_size_mismatch(context.group, context.check);
+  lockstep::testing::check_meaning_mismatch(context.group, context.check);
+}
+
+} // namespace
+
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s contract|size_mismatch\n", argv[0]);
-    return 2;
-  }
-  const std::string scenario = argv[1];
-  int rank = -1;
-  int failures = 0;
-  try {
-    const char* backend = std::getenv("LOCKSTEP_TEST_BACKEND");
-    auto options = lockstep::ProcessGroupOptions().backend(backend != nullptr ? backend : "gloo");
-    if (scenario == "size_mismatch") {
-      options.timeout(std::chrono::seconds(10));
-    }
-    auto group = lockstep::init_process_group(options);
-    rank = group.rank();
-    const lockstep::testing::Check check = [&](bool ok, const std::string& what) {
-      if (!ok) {
-        std::printf("rank %d: CHECK FAILED: %s\n", rank, what.c_str());
-        ++failures;
-      }
-    };
-    if (scenario == "contract") {
-      lockstep::testing::check_several_tensors(group, check);
-      lockstep::testing::check_integer_average(group, check);
-      lockstep::testing::check_empty_list(group, check);
-      lockstep::testing::check_local_refusal(group, check);
-      lockstep::testing::check_bfloat16_and_bool(group, check);
-      lockstep::testing::check_collectives_in_inference_mode(group, check);
-      lockstep::testing::check_in_place_and_parameters(group, check);
-      if (group.backend() == "mpi") {
-        // Note [MPI's thread and timeouts]: lockstep initialised MPI, and
-        // asked Open MPI to yield while idle (mpirun sets no such variable).
-        const char* yield = std::getenv("OMPI_MCA_mpi_yield_when_idle");
-        check(yield != nullptr && std::string(yield) == "1", "Open MPI was asked to yield while idle");
-        // MPI's counts are ints: 2^32 + 8 bytes (never touched: refused
-        // before MPI reads them), which a cast made 8, are an error on
-        // every rank, not a sum of the first 8.
-        auto huge = torch::empty({(int64_t{1} << 32) + 8}, torch::kByte);
-        lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
-          group.allreduce_async({huge}, lockstep::ReduceOp::Max, "4 GiB")->wait();
-        }), {"the mpi backend moves at most 2147483647 elements per rank", "this one has 4294967304"}, "4 GiB");
-        // A second group would call MPI from a second thread while this
-        // one's does, under MPI_THREAD_SERIALIZED: refused, on this rank
-        // alone, before it calls MPI.
-        lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
-          lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
-        }), {"the mpi backend takes one group per process at a time, and one is alive"}, "a second mpi group");
-        // Tensors on a device MPI does not take are refused saying so, not
-        // as a dtype it lacks.
-        lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
-          group.allreduce_async({torch::empty({2}, torch::kMeta)}, lockstep::ReduceOp::Sum, "meta")->wait();
-        }), {"the mpi backend takes no tensors on meta", "Send a copy on the CPU"}, "a meta tensor");
-        // Once that group is gone, a new one can be made, though a Work of
-        // its collectives is still held.
-        auto kept = torch::ones({2});
-        auto work = group.allreduce_async({kept}, lockstep::ReduceOp::Sum, "a collective whose Work is kept");
-        work->wait();
-        const int size = group.size();
-        group = lockstep::ProcessGroup();
-        lockstep::testing::attempt(check, "a new mpi group once the first is destroyed", [&] {
-          group = lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
-          auto t = torch::ones({2});
-          group.allreduce(t);
-          check(torch::equal(t, torch::full({2}, static_cast<float>(size))), "the new mpi group sums");
-        });
-      }
-    } else if (scenario == "size_mismatch") {
-      lockstep::testing::check_size_mismatch(group, check);
-      lockstep::testing::check_meaning_mismatch(group, check);
-    } else {
-      std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
-      return 2;
-    }
-  } catch (const c10::Error& e) {
-    std::printf("rank %d: ERROR: %s\n", rank, e.what_without_backtrace());
-    std::fflush(stdout);
-    return 3;
-  }
-  if (failures == 0) {
-    std::printf("rank %d: OK\n", rank);
-  }
-  std::fflush(stdout);
-  return failures == 0 ? 0 : 1;
+  lockstep::testing::WorkerScenario mismatched{size_mismatch};
+  mismatched.timeout = std::chrono::seconds(10);
+  return lockstep::testing::run_worker(argc, argv, {{"contract", {contract}}, {"size_mismatch", mismatched}});
 }

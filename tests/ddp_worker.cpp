@@ -1,16 +1,15 @@
-// One rank of a multi-process DDP test. Reads torchrun's environment (RANK,
-// WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or mpirun's with
-// LOCKSTEP_TEST_BACKEND=mpi, and runs one scenario:
+// One rank of a multi-process DDP test (support/run_worker.h reads the
+// environment, makes the group and reports):
 //
-//   lockstep_ddp_worker SCENARIO
+//   lockstep_ddp_worker SCENARIO [TAG]
 //
-// Prints "rank R: OK" and exits 0 when every check passed, "rank R: ERROR:
-// <message>" and exits 3 on a lockstep error, exits 1 on a failed check.
+// A TAG only marks the processes for a test's pgrep.
 
 #include <lockstep/lockstep.h>
 
 #include "support/ddp_models.h"
 #include "support/powersgd_checks.h"
+#include "support/run_worker.h"
 #include "support/worker.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -23,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -37,7 +37,6 @@ using lockstep::testing::OddNetImpl;
 using lockstep::testing::kPerRank;
 
 using lockstep::testing::check;
-using lockstep::testing::failures;
 
 // Trains `steps` SGD steps through DDP on this rank's rows, and a bare copy on
 // the whole batch; the two must agree.
@@ -202,6 +201,49 @@ struct ReversedNetImpl : torch::nn::Cloneable<ReversedNetImpl> {
 };
 TORCH_MODULE(ReversedNet);
 
+// The names of the parameters in bucket 0, each followed by a space.
+std::string first_bucket_names(DistributedDataParallel<ReversedNet>& ddp, const std::vector<std::string>& names) {
+  std::string text;
+  const auto buckets = ddp->buckets();
+  for (size_t i : buckets.front()) {
+    text += names[i] + " ";
+  }
+  return text;
+}
+
+void check_same_buckets_across_ranks(const ProcessGroup& group, DistributedDataParallel<ReversedNet>& ddp) {
+  std::vector<int64_t> flat;
+  for (const auto& bucket : ddp->buckets()) {
+    flat.push_back(-1);
+    flat.insert(flat.end(), bucket.begin(), bucket.end());
+  }
+  auto layouts = group.all_gather(torch::tensor(flat));
+  for (size_t k = 1; k < layouts.size(); ++k) {
+    check(torch::equal(layouts[0], layouts[k]), "rank " + std::to_string(k) + " has rank 0's buckets", group.rank());
+  }
+}
+
+// Rows of micro-batch `micro` for `rank`, out of a batch of three
+// micro-batches per rank.
+using MicroRows = std::function<std::pair<torch::Tensor, torch::Tensor>(int micro, int rank)>;
+
+// What rebuild's two DDP steps must equal: step 1 on micro-batch 0; step 2
+// on micro-batches 1 and 2, averaged over ranks.
+void rebuild_reference_steps(ReversedNet& reference, torch::optim::SGD& ref_opt, const MicroRows& rows, int world) {
+  for (int micro = 0; micro < 3; ++micro) {
+    if (micro != 2) {
+      ref_opt.zero_grad();
+    }
+    for (int k = 0; k < world; ++k) {
+      auto [xr, yr] = rows(micro, k);
+      (torch::mse_loss(reference(xr), yr) / world).backward();
+    }
+    if (micro != 1) {
+      ref_opt.step();
+    }
+  }
+}
+
 // The first step's gradient order rebuilds the buckets at the second
 // reducing forward, the same on every rank; a no_sync step in between
 // carries its accumulated gradients into the new buckets.
@@ -216,17 +258,10 @@ void rebuild(const ProcessGroup& group, bool views) {
   torch::optim::SGD opt(ddp->parameters(), 0.1);
   torch::optim::SGD ref_opt(reference->parameters(), 0.1);
   const auto names = net->named_parameters().keys();
-  auto first_bucket_names = [&] {
-    std::string text;
-    const auto buckets = ddp->buckets();
-    for (size_t i : buckets.front()) {
-      text += names[i] + " ";
-    }
-    return text;
-  };
-  check(first_bucket_names().find("l1.") != std::string::npos, "before the rebuild, bucket 0 follows registration: " + first_bucket_names(), r);
+  check(first_bucket_names(ddp, names).find("l1.") != std::string::npos,
+        "before the rebuild, bucket 0 follows registration: " + first_bucket_names(ddp, names), r);
   auto [x, y] = lockstep::testing::global_batch(kPerRank * world * 3, 0);
-  auto rows = [&](int micro, int rank) {
+  const MicroRows rows = [&x = x, &y = y, world](int micro, int rank) {
     const int64_t start = (micro * world + rank) * kPerRank;
     return std::make_pair(x.narrow(0, start, kPerRank), y.narrow(0, start, kPerRank));
   };
@@ -245,31 +280,11 @@ void rebuild(const ProcessGroup& group, bool views) {
   auto [x2, y2] = rows(2, r);
   torch::mse_loss(ddp(x2), y2).backward();
   opt.step();
-  const auto after = first_bucket_names();
+  const auto after = first_bucket_names(ddp, names);
   check(after.find("l3.") != std::string::npos && after.find("l1.") == std::string::npos,
         "after the rebuild, bucket 0 holds l3, whose gradients come first: " + after, r);
-  std::vector<int64_t> flat;
-  for (const auto& bucket : ddp->buckets()) {
-    flat.push_back(-1);
-    flat.insert(flat.end(), bucket.begin(), bucket.end());
-  }
-  auto layouts = group.all_gather(torch::tensor(flat));
-  for (size_t k = 1; k < layouts.size(); ++k) {
-    check(torch::equal(layouts[0], layouts[k]), "rank " + std::to_string(k) + " has rank 0's buckets", r);
-  }
-  // Reference: step 1 on micro-batch 0; step 2 on micro-batches 1 and 2, averaged over ranks.
-  for (int micro = 0; micro < 3; ++micro) {
-    if (micro != 2) {
-      ref_opt.zero_grad();
-    }
-    for (int k = 0; k < world; ++k) {
-      auto [xr, yr] = rows(micro, k);
-      (torch::mse_loss(reference(xr), yr) / world).backward();
-    }
-    if (micro != 1) {
-      ref_opt.step();
-    }
-  }
+  check_same_buckets_across_ranks(group, ddp);
+  rebuild_reference_steps(reference, ref_opt, rows, world);
   check_close(*reference, *net, 1e-5, 1e-6, r, "after the rebuild");
   check_identical_across_ranks(group, *net);
 }
@@ -418,111 +433,82 @@ ProcessGroup group_joined_late(const char* backend) {
   return lockstep::new_group(c10::make_intrusive<c10d::HashStore>(), rank, size, backend, std::chrono::seconds(3));
 }
 
+// Scenarios whose group waits for a rank that never comes: a short timeout.
+constexpr std::chrono::seconds kShortTimeout{3};
+
+// Runs `scenario` on the group alone.
+lockstep::testing::WorkerScenario on_group(std::function<void(const ProcessGroup&)> scenario) {
+  return {[scenario](lockstep::testing::WorkerContext& context) { scenario(context.group); }};
+}
+
+lockstep::testing::WorkerScenario timing_out(std::function<void(const ProcessGroup&)> scenario) {
+  auto entry = on_group(std::move(scenario));
+  entry.timeout = kShortTimeout;
+  return entry;
+}
+
+// support/powersgd_checks.h
+void powersgd(lockstep::testing::WorkerContext& context) {
+  lockstep::testing::check_powersgd_averages_exactly_at_the_rank(context.group, context.check);
+  lockstep::testing::check_powersgd_ranks_agree(context.group, false, context.check);
+  lockstep::testing::check_powersgd_ranks_agree(context.group, true, context.check);
+  lockstep::testing::check_powersgd_recovers_from_zero_and_inf(context.group, context.check);
+}
+
+lockstep::testing::WorkerTable scenarios() {
+  using lockstep::comm_hooks::bf16_compress;
+  using lockstep::comm_hooks::fp16_compress;
+  auto tcp_store = on_group(collectives);
+  tcp_store.make_group = [](const std::string&) { return group_over_own_tcp_store(); };
+  auto new_group_late = on_group(collectives);
+  new_group_late.make_group = [](const std::string& backend) { return group_joined_late(backend.c_str()); };
+  return {
+      {"equivalence", on_group([](const ProcessGroup& g) { train_and_compare(g, DistributedOptions(), 1e-5, 1e-6); })},
+      {"views", on_group([](const ProcessGroup& g) {
+         train_and_compare(g, DistributedOptions().gradient_as_bucket_view(true).bucket_cap_mb(1e-4), 1e-5, 1e-6);
+       })},
+      {"no_sync", on_group(no_sync)},
+      {"unused", on_group([](const ProcessGroup& g) { unused(g, false); })},
+      {"unused_allowed", on_group([](const ProcessGroup& g) { unused(g, true); })},
+      {"mismatch", on_group(mismatch)},
+      {"stall", timing_out(stall)},
+      {"fp16", on_group([](const ProcessGroup& g) { train_and_compare(g, DistributedOptions().comm_hook(fp16_compress), 1e-2, 1e-3); })},
+      {"bf16", on_group([](const ProcessGroup& g) { train_and_compare(g, DistributedOptions().comm_hook(bf16_compress), 5e-2, 1e-2); })},
+      {"collectives", on_group(collectives)},
+      {"early_exit", timing_out(early_exit)},
+      {"syncbn", on_group(lockstep::testing::sync_batch_norm)},
+      {"syncbn_cuda", on_group(lockstep::testing::sync_batch_norm_cuda)},
+      {"syncbn_ddp", on_group(lockstep::testing::sync_batch_norm_ddp)},
+      {"join", on_group([](const ProcessGroup& g) { lockstep::testing::join(g, {5, 7, 3}, true); })},
+      {"join_by_training", on_group([](const ProcessGroup& g) { lockstep::testing::join(g, {5, 7, 3}, false); })},
+      // Rank 0 has nothing: another rank roots the broadcasts.
+      {"join_empty", on_group([](const ProcessGroup& g) { lockstep::testing::join(g, {0, 3, 2}, true); })},
+      {"join_throw", on_group([](const ProcessGroup& g) { lockstep::testing::join_throw(g, {5, 7, 3}); })},
+      {"rebuild", on_group([](const ProcessGroup& g) { rebuild(g, false); })},
+      {"rebuild_views", on_group([](const ProcessGroup& g) { rebuild(g, true); })},
+      {"static_graph", on_group(static_graph)},
+      {"static_graph_missing", on_group([](const ProcessGroup& g) { static_graph_broken(g, true); })},
+      {"static_graph_extra", on_group([](const ProcessGroup& g) { static_graph_broken(g, false); })},
+      {"desync_skip", timing_out(desync_skip)},
+      {"desync_avg", on_group(desync_avg)},
+      {"desync_shape", on_group([](const ProcessGroup& g) { desync_detail(g, false); })},
+      {"desync_op", on_group([](const ProcessGroup& g) { desync_detail(g, true); })},
+      {"timeline", on_group(timeline_steps)},
+      {"shared", on_group(lockstep::testing::shared_parameters)},
+      {"unused_no_sync", on_group([](const ProcessGroup& g) {
+         lockstep::testing::unused_across_no_sync(g, false);
+         lockstep::testing::unused_across_no_sync(g, true);
+       })},
+      {"wrapped_twice", on_group(lockstep::testing::wrapped_twice)},
+      {"options_differ", on_group(lockstep::testing::options_differ)},
+      {"powersgd", {powersgd}},
+      {"tcp_store", tcp_store},
+      {"new_group_late", new_group_late},
+  };
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2 && argc != 3) { // a third argument only tags the processes for the test's pgrep
-    std::fprintf(stderr, "usage: %s equivalence|views|no_sync|unused|unused_allowed|mismatch|stall|fp16|bf16|collectives|"
-                 "early_exit|syncbn|syncbn_cuda|syncbn_ddp|join|join_by_training|join_empty|join_throw|rebuild|rebuild_views|"
-                 "static_graph|static_graph_missing|static_graph_extra|desync_skip|desync_avg|desync_shape|desync_op|timeline|shared|unused_no_sync|wrapped_twice|options_differ|powersgd|tcp_store|new_group_late [TAG]\n", argv[0]);
-    return 2;
-  }
-  const std::string scenario = argv[1];
-  int rank = -1;
-  try {
-    // gloo under lockstep-run's variables; LOCKSTEP_TEST_BACKEND=mpi under mpirun.
-    const char* backend = std::getenv("LOCKSTEP_TEST_BACKEND");
-    auto options = lockstep::ProcessGroupOptions().backend(backend != nullptr ? backend : "gloo");
-    if (scenario == "stall" || scenario == "early_exit" || scenario == "desync_skip") {
-      options.timeout(std::chrono::seconds(3));
-    }
-    auto group = scenario == "tcp_store"        ? group_over_own_tcp_store()
-                 : scenario == "new_group_late" ? group_joined_late(backend != nullptr ? backend : "gloo")
-                                                : lockstep::init_process_group(options);
-    rank = group.rank();
-    if (scenario == "equivalence") {
-      train_and_compare(group, DistributedOptions(), 1e-5, 1e-6);
-    } else if (scenario == "views") {
-      train_and_compare(group, DistributedOptions().gradient_as_bucket_view(true).bucket_cap_mb(1e-4), 1e-5, 1e-6);
-    } else if (scenario == "fp16") {
-      train_and_compare(group, DistributedOptions().comm_hook(lockstep::comm_hooks::fp16_compress), 1e-2, 1e-3);
-    } else if (scenario == "bf16") {
-      train_and_compare(group, DistributedOptions().comm_hook(lockstep::comm_hooks::bf16_compress), 5e-2, 1e-2);
-    } else if (scenario == "no_sync") {
-      no_sync(group);
-    } else if (scenario == "unused") {
-      unused(group, false);
-    } else if (scenario == "unused_allowed") {
-      unused(group, true);
-    } else if (scenario == "mismatch") {
-      mismatch(group);
-    } else if (scenario == "stall") {
-      stall(group);
-    } else if (scenario == "collectives" || scenario == "tcp_store" || scenario == "new_group_late") {
-      collectives(group);
-    } else if (scenario == "early_exit") {
-      early_exit(group);
-    } else if (scenario == "syncbn") {
-      sync_batch_norm(group);
-    } else if (scenario == "syncbn_cuda") {
-      sync_batch_norm_cuda(group);
-    } else if (scenario == "syncbn_ddp") {
-      sync_batch_norm_ddp(group);
-    } else if (scenario == "join") {
-      join(group, {5, 7, 3}, true);
-    } else if (scenario == "join_by_training") {
-      join(group, {5, 7, 3}, false);
-    } else if (scenario == "join_empty") { // rank 0 has nothing: another rank roots the broadcasts
-      join(group, {0, 3, 2}, true);
-    } else if (scenario == "join_throw") {
-      join_throw(group, {5, 7, 3});
-    } else if (scenario == "rebuild") {
-      rebuild(group, false);
-    } else if (scenario == "rebuild_views") {
-      rebuild(group, true);
-    } else if (scenario == "static_graph") {
-      static_graph(group);
-    } else if (scenario == "static_graph_missing") {
-      static_graph_broken(group, true);
-    } else if (scenario == "static_graph_extra") {
-      static_graph_broken(group, false);
-    } else if (scenario == "timeline") {
-      timeline_steps(group);
-    } else if (scenario == "desync_skip") {
-      desync_skip(group);
-    } else if (scenario == "desync_avg") {
-      desync_avg(group);
-    } else if (scenario == "desync_shape") {
-      desync_detail(group, false);
-    } else if (scenario == "desync_op") {
-      desync_detail(group, true);
-    } else if (scenario == "shared") {
-      lockstep::testing::shared_parameters(group);
-    } else if (scenario == "unused_no_sync") {
-      lockstep::testing::unused_across_no_sync(group, false);
-      lockstep::testing::unused_across_no_sync(group, true);
-    } else if (scenario == "wrapped_twice") {
-      lockstep::testing::wrapped_twice(group);
-    } else if (scenario == "options_differ") {
-      lockstep::testing::options_differ(group);
-    } else if (scenario == "powersgd") { // support/powersgd_checks.h
-      const lockstep::testing::Check checked = [rank](bool ok, const std::string& what) { check(ok, what, rank); };
-      lockstep::testing::check_powersgd_averages_exactly_at_the_rank(group, checked);
-      lockstep::testing::check_powersgd_ranks_agree(group, false, checked);
-      lockstep::testing::check_powersgd_ranks_agree(group, true, checked);
-      lockstep::testing::check_powersgd_recovers_from_zero_and_inf(group, checked);
-    } else {
-      std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
-      return 2;
-    }
-  } catch (const c10::Error& e) {
-    std::printf("rank %d: ERROR: %s\n", rank, e.what_without_backtrace());
-    std::fflush(stdout);
-    return 3;
-  }
-  if (failures == 0) {
-    std::printf("rank %d: OK\n", rank);
-  }
-  std::fflush(stdout);
-  return failures == 0 ? 0 : 1;
+  return lockstep::testing::run_worker(argc, argv, scenarios());
 }

@@ -16,78 +16,104 @@
 namespace lockstep {
 namespace testing {
 
+namespace {
+
+struct SyncBnCase {
+  std::vector<int64_t> trailing; // dimensions after (N, C)
+  std::vector<int64_t> rows; // per rank, for up to 3 ranks
+};
+
+constexpr int64_t kSyncBnChannels = 3;
+
+// One training step of `sync` on this rank's rows of a batch of `shape`
+// against `reference` on the whole batch; `offsets`: where each rank's rows
+// start.
+void check_sync_bn_step(const ProcessGroup& group, lockstep::SyncBatchNorm& sync, torch::nn::AnyModule& reference,
+                        const std::vector<int64_t>& shape, const std::vector<int64_t>& offsets, int step,
+                        const std::string& what) {
+  const int r = group.rank();
+  const int64_t mine = offsets[r + 1] - offsets[r];
+  torch::manual_seed(40 + step);
+  // Far from zero mean: a plain sum of squares would lose the variance.
+  auto x = torch::randn(shape) * 2 + 50;
+  auto g = torch::randn(shape);
+  {
+    torch::NoGradGuard no_grad; // different parameters than 1 and 0, the same on every rank
+    sync->weight.copy_(torch::linspace(0.5, 1.5, kSyncBnChannels) + step);
+    sync->bias.copy_(torch::linspace(-1, 1, kSyncBnChannels));
+    reference.ptr()->named_parameters()["weight"].copy_(sync->weight);
+    reference.ptr()->named_parameters()["bias"].copy_(sync->bias);
+  }
+  auto x_all = x.clone().requires_grad_(true);
+  auto y_all = reference.forward(x_all);
+  (y_all * g).sum().backward();
+  auto x_mine = x.narrow(0, offsets[r], mine).clone().requires_grad_(true);
+  auto y_mine = sync(x_mine);
+  (y_mine * g.narrow(0, offsets[r], mine)).sum().backward();
+  check(torch::allclose(y_mine, y_all.narrow(0, offsets[r], mine), 1e-5, 1e-5), "output, " + what, r);
+  check(torch::allclose(x_mine.grad(), x_all.grad().narrow(0, offsets[r], mine), 1e-5, 1e-5), "input gradient, " + what, r);
+  for (const char* name : {"weight", "bias"}) {
+    auto summed = sync->named_parameters()[name].grad().clone();
+    group.allreduce(summed);
+    const auto expected = reference.ptr()->named_parameters()[name].grad();
+    check(torch::allclose(summed, expected, 1e-5, 1e-4), std::string(name) + " gradient summed over ranks, " + what, r);
+    sync->named_parameters()[name].mutable_grad().reset();
+    reference.ptr()->named_parameters()[name].mutable_grad().reset();
+  }
+  for (const char* name : {"running_mean", "running_var", "num_batches_tracked"}) {
+    check(torch::allclose(sync->named_buffers()[name].to(torch::kDouble),
+                          reference.ptr()->named_buffers()[name].to(torch::kDouble), 1e-5, 1e-5),
+          std::string(name) + ", " + what, r);
+  }
+}
+
+// Two steps of one case: its input's trailing dimensions and each rank's rows.
+void check_sync_bn_case(const ProcessGroup& group, const SyncBnCase& c) {
+  const int r = group.rank();
+  std::vector<int64_t> offsets{0};
+  for (int k = 0; k < group.size(); ++k) {
+    offsets.push_back(offsets.back() + c.rows[k % 3]);
+  }
+  const int64_t mine = c.rows[r % 3];
+  const std::string what = std::to_string(2 + c.trailing.size()) + "-D input, " + std::to_string(mine) + " rows on this rank";
+  torch::nn::AnyModule reference;
+  if (c.trailing.size() <= 1) {
+    reference = torch::nn::AnyModule(torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(kSyncBnChannels).momentum(0.3)));
+  } else {
+    reference = torch::nn::AnyModule(torch::nn::BatchNorm2d(torch::nn::BatchNormOptions(kSyncBnChannels).momentum(0.3)));
+  }
+  lockstep::SyncBatchNorm sync(torch::nn::BatchNormOptions(kSyncBnChannels).momentum(0.3), group);
+  std::vector<int64_t> shape{offsets.back(), kSyncBnChannels};
+  shape.insert(shape.end(), c.trailing.begin(), c.trailing.end());
+  for (int step = 0; step < 2; ++step) {
+    check_sync_bn_step(group, sync, reference, shape, offsets, step, what);
+  }
+}
+
+// Eval mode: the running statistics, and no collective.
+void check_sync_bn_eval(const ProcessGroup& group) {
+  const int r = group.rank();
+  auto counting = std::make_shared<CountingGroup>(group);
+  lockstep::SyncBatchNorm sync{torch::nn::BatchNormOptions(kSyncBnChannels), ProcessGroup(counting)};
+  torch::nn::BatchNorm1d bn(kSyncBnChannels);
+  sync->eval();
+  bn->eval();
+  auto x = torch::randn({4, kSyncBnChannels}) + static_cast<double>(r);
+  check(torch::equal(sync(x), bn(x)), "eval mode is BatchNorm's", r);
+  check(counting->allreduces == 0, "eval mode communicates nothing: " + std::to_string(counting->allreduces) + " allreduces", r);
+}
+
+} // namespace
+
 // SyncBatchNorm on uneven batches (0 included) against one BatchNorm on the
 // concatenated batch: output, input gradient, summed parameter gradients and
 // running statistics, over two steps, for 2-, 3- and 4-D input.
 void sync_batch_norm(const ProcessGroup& group) {
-  const int r = group.rank();
-  const int world = group.size();
-  struct Case {
-    std::vector<int64_t> trailing; // dimensions after (N, C)
-    std::vector<int64_t> rows; // per rank, for up to 3 ranks
-  };
-  const std::vector<Case> cases = {{{}, {3, 0, 4}}, {{5}, {0, 3, 2}}, {{3, 2}, {2, 5, 0}}};
-  const int64_t channels = 3;
+  const std::vector<SyncBnCase> cases = {{{}, {3, 0, 4}}, {{5}, {0, 3, 2}}, {{3, 2}, {2, 5, 0}}};
   for (const auto& c : cases) {
-    std::vector<int64_t> offsets{0};
-    for (int k = 0; k < world; ++k) {
-      offsets.push_back(offsets.back() + c.rows[k % 3]);
-    }
-    const int64_t mine = c.rows[r % 3];
-    const std::string what = std::to_string(2 + c.trailing.size()) + "-D input, " + std::to_string(mine) + " rows on this rank";
-    torch::nn::AnyModule reference;
-    if (c.trailing.size() <= 1) {
-      reference = torch::nn::AnyModule(torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(channels).momentum(0.3)));
-    } else {
-      reference = torch::nn::AnyModule(torch::nn::BatchNorm2d(torch::nn::BatchNormOptions(channels).momentum(0.3)));
-    }
-    lockstep::SyncBatchNorm sync(torch::nn::BatchNormOptions(channels).momentum(0.3), group);
-    for (int step = 0; step < 2; ++step) {
-      torch::manual_seed(40 + step);
-      std::vector<int64_t> shape{offsets.back(), channels};
-      shape.insert(shape.end(), c.trailing.begin(), c.trailing.end());
-      // Far from zero mean: a plain sum of squares would lose the variance.
-      auto x = torch::randn(shape) * 2 + 50;
-      auto g = torch::randn(shape);
-      {
-        torch::NoGradGuard no_grad; // different parameters than 1 and 0, the same on every rank
-        sync->weight.copy_(torch::linspace(0.5, 1.5, channels) + step);
-        sync->bias.copy_(torch::linspace(-1, 1, channels));
-        reference.ptr()->named_parameters()["weight"].copy_(sync->weight);
-        reference.ptr()->named_parameters()["bias"].copy_(sync->bias);
-      }
-      auto x_all = x.clone().requires_grad_(true);
-      auto y_all = reference.forward(x_all);
-      (y_all * g).sum().backward();
-      auto x_mine = x.narrow(0, offsets[r], mine).clone().requires_grad_(true);
-      auto y_mine = sync(x_mine);
-      (y_mine * g.narrow(0, offsets[r], mine)).sum().backward();
-      check(torch::allclose(y_mine, y_all.narrow(0, offsets[r], mine), 1e-5, 1e-5), "output, " + what, r);
-      check(torch::allclose(x_mine.grad(), x_all.grad().narrow(0, offsets[r], mine), 1e-5, 1e-5), "input gradient, " + what, r);
-      for (const char* name : {"weight", "bias"}) {
-        auto summed = sync->named_parameters()[name].grad().clone();
-        group.allreduce(summed);
-        const auto expected = reference.ptr()->named_parameters()[name].grad();
-        check(torch::allclose(summed, expected, 1e-5, 1e-4), std::string(name) + " gradient summed over ranks, " + what, r);
-        sync->named_parameters()[name].mutable_grad().reset();
-        reference.ptr()->named_parameters()[name].mutable_grad().reset();
-      }
-      for (const char* name : {"running_mean", "running_var", "num_batches_tracked"}) {
-        check(torch::allclose(sync->named_buffers()[name].to(torch::kDouble),
-                              reference.ptr()->named_buffers()[name].to(torch::kDouble), 1e-5, 1e-5),
-              std::string(name) + ", " + what, r);
-      }
-    }
+    check_sync_bn_case(group, c);
   }
-  // Eval mode: the running statistics, and no collective.
-  auto counting = std::make_shared<CountingGroup>(group);
-  lockstep::SyncBatchNorm sync{torch::nn::BatchNormOptions(channels), ProcessGroup(counting)};
-  torch::nn::BatchNorm1d bn(channels);
-  sync->eval();
-  bn->eval();
-  auto x = torch::randn({4, channels}) + static_cast<double>(r);
-  check(torch::equal(sync(x), bn(x)), "eval mode is BatchNorm's", r);
-  check(counting->allreduces == 0, "eval mode communicates nothing: " + std::to_string(counting->allreduces) + " allreduces", r);
+  check_sync_bn_eval(group);
 }
 
 // SyncBatchNorm on CUDA input over the group (Gloo reduces CUDA tensors too),
@@ -176,6 +202,52 @@ std::pair<torch::Tensor, torch::Tensor> join_batch(int rank, int index) {
   return {x.narrow(0, rank * kPerRank, kPerRank), y.narrow(0, rank * kPerRank, kPerRank)};
 }
 
+// What join must equal, in one process: at each iteration, the sum of the
+// gradients of the ranks that still have a batch (of `counts`), divided by
+// the world size or by their number.
+void join_reference_steps(JoinNet& reference, torch::optim::SGD& ref_opt, const std::vector<int>& counts,
+                          bool divide_by_initial_world_size) {
+  const int world = static_cast<int>(counts.size());
+  const int iterations = *std::max_element(counts.begin(), counts.end());
+  for (int b = 0; b < iterations; ++b) {
+    std::vector<int> training;
+    for (int k = 0; k < world; ++k) {
+      if (counts[k] > b) {
+        training.push_back(k);
+      }
+    }
+    const double divisor = divide_by_initial_world_size ? world : static_cast<double>(training.size());
+    ref_opt.zero_grad();
+    for (int k : training) {
+      auto [x, y] = join_batch(k, b);
+      (torch::mse_loss(reference(x), y) / divisor).backward();
+    }
+    ref_opt.step();
+  }
+}
+
+void check_buffers_identical_across_ranks(const ProcessGroup& group, torch::nn::Module& net) {
+  for (const auto& b : net.named_buffers()) {
+    auto all = group.all_gather(b.value());
+    for (size_t k = 1; k < all.size(); ++k) {
+      check(torch::equal(all[0], all[k]), "buffer '" + b.key() + "' bitwise equal on rank " + std::to_string(k), group.rank());
+    }
+  }
+}
+
+// Out of join, nothing changes: one more step on every rank, with no join
+// round. A fresh optimizer: the ranks that joined early skipped steps, so
+// their momentum differs (JoinGuard's documentation says so).
+void check_step_out_of_join(const ProcessGroup& group, DistributedDataParallel<JoinNet>& ddp, CountingGroup& counting) {
+  torch::optim::SGD after(ddp->parameters(), 0.1);
+  auto [x, y] = join_batch(group.rank(), 0);
+  after.zero_grad();
+  const int before = counting.allreduces;
+  torch::mse_loss(ddp(x), y).backward();
+  after.step();
+  check(counting.allreduces - before == static_cast<int>(ddp->buckets().size()) + 1, "no round out of join", group.rank());
+}
+
 // Ranks given `counts` batches train under join; the result must equal the
 // same schedule computed by hand in one process: at each iteration, the sum
 // of the gradients of the ranks that still have a batch, divided by the world
@@ -206,40 +278,11 @@ void join(const ProcessGroup& group, std::vector<int> counts, bool divide_by_ini
     }
     guard.finish();
   }
-  const int iterations = *std::max_element(counts.begin(), counts.end());
-  for (int b = 0; b < iterations; ++b) {
-    std::vector<int> training;
-    for (int k = 0; k < world; ++k) {
-      if (counts[k] > b) {
-        training.push_back(k);
-      }
-    }
-    const double divisor = divide_by_initial_world_size ? world : static_cast<double>(training.size());
-    ref_opt.zero_grad();
-    for (int k : training) {
-      auto [x, y] = join_batch(k, b);
-      (torch::mse_loss(reference(x), y) / divisor).backward();
-    }
-    ref_opt.step();
-  }
+  join_reference_steps(reference, ref_opt, counts, divide_by_initial_world_size);
   check_close(*reference, *net, 1e-5, 1e-6, r, "after join");
   check_identical_across_ranks(group, *net, " after join");
-  for (const auto& b : net->named_buffers()) {
-    auto all = group.all_gather(b.value());
-    for (size_t k = 1; k < all.size(); ++k) {
-      check(torch::equal(all[0], all[k]), "buffer '" + b.key() + "' bitwise equal on rank " + std::to_string(k), r);
-    }
-  }
-  // Out of join, nothing changes: one more step on every rank. A fresh
-  // optimizer: the ranks that joined early skipped steps, so their momentum
-  // differs (JoinGuard's documentation says so).
-  torch::optim::SGD after(ddp->parameters(), 0.1);
-  auto [x, y] = join_batch(r, 0);
-  after.zero_grad();
-  const int before = counting->allreduces;
-  torch::mse_loss(ddp(x), y).backward();
-  after.step();
-  check(counting->allreduces - before == static_cast<int>(ddp->buckets().size()) + 1, "no round out of join", r);
+  check_buffers_identical_across_ranks(group, *net);
+  check_step_out_of_join(group, ddp, *counting);
   check_identical_across_ranks(group, *net, " after a step out of join");
 }
 

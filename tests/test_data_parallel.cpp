@@ -245,6 +245,43 @@ TEST(DataParallel, RetainGraphAllowsSecondBackward) {
   EXPECT_NE(again.find("second time"), std::string::npos) << again;
 }
 
+// The bare module's forward on DataParallel's chunks of `x` (`sizes` rows
+// each, from the same buffers), leaving its buffers as DataParallel keeps
+// them: chunk 0's (Broadcast) or the average weighted by rows (Average).
+torch::Tensor forward_as_replicas(Cnn& bare, const torch::Tensor& x, const std::vector<int64_t>& sizes,
+                                  BufferSync sync) {
+  std::vector<torch::Tensor> initial, after0, sum;
+  for (auto& b : bare->named_buffers()) {
+    initial.push_back(b.value().clone());
+  }
+  std::vector<torch::Tensor> outs;
+  int64_t offset = 0;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    outs.push_back(bare(x.narrow(0, offset, sizes[k])));
+    offset += sizes[k];
+    auto now = bare->named_buffers();
+    for (size_t i = 0; i < now.size(); ++i) {
+      torch::NoGradGuard g;
+      auto v = now[i].value().clone();
+      if (k == 0) {
+        after0.push_back(v);
+        sum.push_back(v.is_floating_point() ? v * (5.0 / 8) : v);
+      } else if (v.is_floating_point()) {
+        sum[i] = sum[i] + v * (3.0 / 8);
+      }
+      now[i].value().data().copy_(initial[i]); // .data(): as DataParallel, see average_buffers
+    }
+  }
+  {
+    torch::NoGradGuard g;
+    auto now = bare->named_buffers();
+    for (size_t i = 0; i < now.size(); ++i) {
+      now[i].value().data().copy_(sync == BufferSync::Average ? sum[i] : after0[i]);
+    }
+  }
+  return torch::cat(outs);
+}
+
 // BatchNorm in training mode normalises each replica's chunk with that chunk's
 // statistics (as PyTorch's DataParallel does); the reference is therefore the
 // bare module run on the same chunks, with buffers kept as BufferSync says.
@@ -261,37 +298,7 @@ void cnn_equivalence(BufferSync sync) {
     auto x = torch::randn({8, 1, 6, 6});
     opt_bare.zero_grad();
     opt_dp.zero_grad();
-    auto start = bare->named_buffers();
-    std::vector<torch::Tensor> initial, after0, sum;
-    for (auto& b : start) {
-      initial.push_back(b.value().clone());
-    }
-    std::vector<torch::Tensor> outs;
-    int64_t offset = 0;
-    for (size_t k = 0; k < sizes.size(); ++k) {
-      outs.push_back(bare(x.narrow(0, offset, sizes[k])));
-      offset += sizes[k];
-      auto now = bare->named_buffers();
-      for (size_t i = 0; i < now.size(); ++i) {
-        torch::NoGradGuard g;
-        auto v = now[i].value().clone();
-        if (k == 0) {
-          after0.push_back(v);
-          sum.push_back(v.is_floating_point() ? v * (5.0 / 8) : v);
-        } else if (v.is_floating_point()) {
-          sum[i] = sum[i] + v * (3.0 / 8);
-        }
-        now[i].value().data().copy_(initial[i]); // .data(): as DataParallel, see average_buffers
-      }
-    }
-    {
-      torch::NoGradGuard g;
-      auto now = bare->named_buffers();
-      for (size_t i = 0; i < now.size(); ++i) {
-        now[i].value().data().copy_(sync == BufferSync::Average ? sum[i] : after0[i]);
-      }
-    }
-    auto loss_bare = torch::cross_entropy_loss(torch::cat(outs), y);
+    auto loss_bare = torch::cross_entropy_loss(forward_as_replicas(bare, x, sizes, sync), y);
     auto loss_dp = torch::cross_entropy_loss(dp(x), y);
     EXPECT_TRUE(torch::allclose(loss_bare, loss_dp, 1e-5, 1e-6));
     loss_bare.backward();

@@ -4,6 +4,8 @@
 // flight records (Note [Flight recorder] in src/comm/flight_recorder.cpp), the
 // first collective where the ranks disagree or where some never arrived.
 
+#include <common/rank_list.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -20,13 +22,7 @@ inline std::string trace_file(const std::string& dir, int rank) {
   return dir + "/lockstep_trace_rank" + std::to_string(rank) + ".json";
 }
 
-inline std::string rank_list(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t k = 0; k < ranks.size(); ++k) {
-    text += (k == 0 ? "" : k + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[k]);
-  }
-  return text;
-}
+using common::rank_list;
 
 // "allreduce (sum) of 4096 Float, allreduce of bucket 2 (3 parameters, 0.0 MiB)"
 inline std::string describe_collective(const nlohmann::json& c) {
@@ -133,6 +129,86 @@ inline std::string other_nodes_text(const std::vector<int>& elsewhere) {
       "they are") + " not in these records";
 }
 
+// One group's records indexed by rank and sequence number, with the range of
+// numbers that every rank's record still holds.
+struct SeqRecords {
+  std::map<int, std::map<int64_t, nlohmann::json>> by_seq;
+  int64_t lo = 0;
+  int64_t hi = -1;
+  int64_t fewest = -1; // issued by the rank that issued the fewest
+};
+
+inline SeqRecords index_by_seq(const std::map<int, nlohmann::json>& groups) {
+  SeqRecords records;
+  for (const auto& [rank, group] : groups) {
+    auto& mine = records.by_seq[rank];
+    const int64_t issued = group.value("issued", int64_t{0});
+    int64_t first = issued;
+    for (const auto& c : group.value("collectives", nlohmann::json::array())) {
+      mine[c.value("seq", int64_t{0})] = c;
+      first = std::min(first, c.value("seq", int64_t{0}));
+    }
+    records.lo = std::max(records.lo, first); // below it, some rank's buffer has forgotten
+    records.hi = std::max(records.hi, issued - 1);
+    records.fewest = records.fewest < 0 ? issued : std::min(records.fewest, issued);
+  }
+  return records;
+}
+
+// Collective #s started by every rank in `present` and not completed on
+// some: the transport's fault when `everyone` ran here, else maybe a rank
+// `elsewhere`'s. Empty when it completed everywhere.
+inline std::string unfinished_text(SeqRecords& records, int64_t s, const std::vector<int>& present,
+                                   const std::string& what, bool everyone, const std::vector<int>& elsewhere) {
+  std::vector<int> unfinished;
+  for (int r : present) {
+    if (records.by_seq[r][s].value("state", "") != "completed") {
+      unfinished.push_back(r);
+    }
+  }
+  if (!unfinished.empty() && everyone && !elsewhere.empty()) {
+    return "every rank of this node started " + what + ", and it did not complete on " + rank_list(unfinished) +
+        "; " + other_nodes_text(elsewhere) + ": one of them may have died or stalled there. See the output of "
+        "their nodes' launchers (the root cause and desync report there).";
+  }
+  if (!unfinished.empty() && everyone) {
+    return "every rank started " + what + ", and it did not complete on " + rank_list(unfinished) +
+        ": the ranks agree, so the connection between them failed or was too slow (see the errors above).";
+  }
+  return "";
+}
+
+// Where the ranks part at collective #s, or "" if they agree on it.
+inline std::string desync_at(SeqRecords& records, int64_t s, const std::map<int, nlohmann::json>& groups, bool everyone,
+                             const std::vector<int>& elsewhere) {
+  std::vector<int> absent;
+  std::vector<int> present;
+  for (const auto& [rank, group] : groups) {
+    (s < group.value("issued", int64_t{0}) ? present : absent).push_back(rank);
+  }
+  if (present.empty()) {
+    return "";
+  }
+  const auto& first = records.by_seq[present[0]][s];
+  const std::string what = "collective #" + std::to_string(s) + " (" + describe_collective(first) + ")";
+  if (!absent.empty()) {
+    std::map<int, nlohmann::json> started; // the present ranks' record of #s
+    for (int r : present) {
+      started[r] = records.by_seq[r][s];
+    }
+    return never_started(absent, started, what);
+  }
+  for (size_t k = 1; k < present.size(); ++k) {
+    const auto& other = records.by_seq[present[k]][s];
+    if (!same_collective(first, other)) {
+      return "rank " + std::to_string(present[0]) + " ran " + describe_against(first, other) + " as #" +
+          std::to_string(s) + " where rank " + std::to_string(present[k]) + " ran " + describe_against(other, first) +
+          ": the ranks issued different collectives from here on.";
+    }
+  }
+  return unfinished_text(records, s, present, what, everyone, elsewhere);
+}
+
 // One group's records, by rank: the first sequence number where they part.
 // Empty when they agree. `everyone`: no rank's record is missing, so a
 // collective that every record started and none finished is the transport's
@@ -140,65 +216,14 @@ inline std::string other_nodes_text(const std::vector<int>& elsewhere) {
 // have died or stalled, and only their own launcher's records say.
 inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool everyone,
                                const std::vector<int>& elsewhere = {}) {
-  std::map<int, std::map<int64_t, nlohmann::json>> by_seq;
-  int64_t lo = 0;
-  int64_t hi = -1;
-  int64_t fewest = -1; // issued by the rank that issued the fewest
-  for (const auto& [rank, group] : groups) {
-    auto& mine = by_seq[rank];
-    const int64_t issued = group.value("issued", int64_t{0});
-    int64_t first = issued;
-    for (const auto& c : group.value("collectives", nlohmann::json::array())) {
-      mine[c.value("seq", int64_t{0})] = c;
-      first = std::min(first, c.value("seq", int64_t{0}));
-    }
-    lo = std::max(lo, first); // below it, some rank's buffer has forgotten
-    hi = std::max(hi, issued - 1);
-    fewest = fewest < 0 ? issued : std::min(fewest, issued);
+  auto records = index_by_seq(groups);
+  if (records.fewest < records.lo && records.fewest <= records.hi) {
+    return forgotten_collective(groups, records.fewest);
   }
-  if (fewest < lo && fewest <= hi) {
-    return forgotten_collective(groups, fewest);
-  }
-  for (int64_t s = lo; s <= hi; ++s) {
-    std::vector<int> absent;
-    std::vector<int> present;
-    for (const auto& [rank, group] : groups) {
-      (s < group.value("issued", int64_t{0}) ? present : absent).push_back(rank);
-    }
-    if (present.empty()) {
-      continue;
-    }
-    const auto& first = by_seq[present[0]][s];
-    const std::string what = "collective #" + std::to_string(s) + " (" + describe_collective(first) + ")";
-    if (!absent.empty()) {
-      std::map<int, nlohmann::json> started; // the present ranks' record of #s
-      for (int r : present) {
-        started[r] = by_seq[r][s];
-      }
-      return never_started(absent, started, what);
-    }
-    for (size_t k = 1; k < present.size(); ++k) {
-      const auto& other = by_seq[present[k]][s];
-      if (!same_collective(first, other)) {
-        return "rank " + std::to_string(present[0]) + " ran " + describe_against(first, other) + " as #" +
-            std::to_string(s) + " where rank " + std::to_string(present[k]) + " ran " + describe_against(other, first) +
-            ": the ranks issued different collectives from here on.";
-      }
-    }
-    std::vector<int> unfinished;
-    for (int r : present) {
-      if (by_seq[r][s].value("state", "") != "completed") {
-        unfinished.push_back(r);
-      }
-    }
-    if (!unfinished.empty() && everyone && !elsewhere.empty()) {
-      return "every rank of this node started " + what + ", and it did not complete on " + rank_list(unfinished) +
-          "; " + other_nodes_text(elsewhere) + ": one of them may have died or stalled there. See the output of "
-          "their nodes' launchers (the root cause and desync report there).";
-    }
-    if (!unfinished.empty() && everyone) {
-      return "every rank started " + what + ", and it did not complete on " + rank_list(unfinished) +
-          ": the ranks agree, so the connection between them failed or was too slow (see the errors above).";
+  for (int64_t s = records.lo; s <= records.hi; ++s) {
+    auto found = desync_at(records, s, groups, everyone, elsewhere);
+    if (!found.empty()) {
+      return found;
     }
   }
   return "";

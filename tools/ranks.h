@@ -120,6 +120,67 @@ inline std::vector<std::string> rank_environment(const std::vector<std::pair<std
   return env;
 }
 
+// NULL-terminated pointers into `strings`, as execve takes them; valid while
+// `strings` is.
+inline std::vector<char*> c_strings(const std::vector<std::string>& strings) {
+  std::vector<char*> pointers;
+  for (const auto& text : strings) {
+    pointers.push_back(const_cast<char*>(text.c_str()));
+  }
+  pointers.push_back(nullptr);
+  return pointers;
+}
+
+// What a forked rank executes, all made before fork(): after it, a child of
+// a threaded process may only call async-signal-safe functions.
+struct RankExec {
+  std::string program;
+  std::vector<std::string> env_strings;
+  std::vector<char*> envp;
+  std::vector<char*> argv; // into the caller's command, which outlives the fork
+  std::string cannot_run;
+  int null_in = -1; // stdin for the rank, when the launcher's is a terminal
+};
+
+inline void prepare_exec(RankExec& exec, const std::string& program, const std::vector<std::string>& command,
+                         const std::vector<std::pair<std::string, std::string>>& env) {
+  exec.program = program;
+  // A terminal on stdin stays the launcher's: the ranks run in a process
+  // group of their own, in the background of the terminal's session, and
+  // the first to read it would be stopped (SIGTTIN) with its whole group,
+  // silently, while the launcher waited for good. They read /dev/null
+  // (end of file) instead; a pipe or a file on stdin stays shared.
+  exec.null_in = ::isatty(0) ? ::open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
+  exec.env_strings = rank_environment(env);
+  exec.envp = c_strings(exec.env_strings);
+  exec.argv = c_strings(command);
+  exec.cannot_run = "lockstep-run: cannot run " + program + ": ";
+}
+
+// The forked child: joins process group `group`, puts its stdout and stderr
+// on the pipes' write ends, and executes; async-signal-safe calls only.
+[[noreturn]] inline void exec_rank(const RankExec& exec, pid_t group, pid_t parent, int out_fd, int err_fd) {
+  ::setpgid(0, group); // one process group per attempt: signal_all reaches every rank and its children
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) {
+    ::_exit(1); // the launcher died between fork and prctl
+  }
+  ::dup2(out_fd, 1); // dup2 clears O_CLOEXEC on the copies; the originals close at exec
+  ::dup2(err_fd, 2);
+  if (exec.null_in >= 0) {
+    ::dup2(exec.null_in, 0);
+  }
+  ::signal(SIGINT, SIG_DFL);
+  ::signal(SIGTERM, SIG_DFL);
+  ::signal(SIGHUP, SIG_DFL);
+  ::execve(exec.program.c_str(), exec.argv.data(), exec.envp.data());
+  const char* why = ::strerror(errno);
+  (void)!::write(2, exec.cannot_run.data(), exec.cannot_run.size());
+  (void)!::write(2, why, ::strlen(why));
+  (void)!::write(2, "\n", 1);
+  ::_exit(127);
+}
+
 // Forks rank `r` into process group `group` (0: a new one, whose id, the
 // first rank's pid, is stored there), with its stdout and stderr on pipes
 // that pump() reads, and executes `program` there with `command` as its
@@ -134,45 +195,12 @@ inline void spawn_rank(Rank& r, const std::string& program, const std::vector<st
     std::perror("lockstep-run: pipe");
     std::exit(1);
   }
-  // A terminal on stdin stays the launcher's: the ranks run in a process
-  // group of their own, in the background of the terminal's session, and
-  // the first to read it would be stopped (SIGTTIN) with its whole group,
-  // silently, while the launcher waited for good. They read /dev/null
-  // (end of file) instead; a pipe or a file on stdin stays shared.
-  const int null_in = ::isatty(0) ? ::open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
-  const std::vector<std::string> env_strings = rank_environment(env);
-  std::vector<char*> envp, argv;
-  for (const auto& e : env_strings) {
-    envp.push_back(const_cast<char*>(e.c_str()));
-  }
-  envp.push_back(nullptr);
-  for (const auto& a : command) {
-    argv.push_back(const_cast<char*>(a.c_str()));
-  }
-  argv.push_back(nullptr);
-  const std::string cannot_run = "lockstep-run: cannot run " + program + ": ";
+  RankExec exec;
+  prepare_exec(exec, program, command, env);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid == 0) {
-    ::setpgid(0, group); // one process group per attempt: signal_all reaches every rank and its children
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) {
-      ::_exit(1); // the launcher died between fork and prctl
-    }
-    ::dup2(out[1], 1); // dup2 clears O_CLOEXEC on the copies; the originals close at exec
-    ::dup2(err[1], 2);
-    if (null_in >= 0) {
-      ::dup2(null_in, 0);
-    }
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
-    ::signal(SIGHUP, SIG_DFL);
-    ::execve(program.c_str(), argv.data(), envp.data());
-    const char* why = ::strerror(errno);
-    (void)!::write(2, cannot_run.data(), cannot_run.size());
-    (void)!::write(2, why, ::strlen(why));
-    (void)!::write(2, "\n", 1);
-    ::_exit(127);
+    exec_rank(exec, group, parent, out[1], err[1]);
   }
   if (pid < 0) {
     std::perror("lockstep-run: fork");
@@ -184,8 +212,8 @@ inline void spawn_rank(Rank& r, const std::string& program, const std::vector<st
   ::setpgid(pid, group); // also from here: no race with the first signal
   ::close(out[1]);
   ::close(err[1]);
-  if (null_in >= 0) {
-    ::close(null_in);
+  if (exec.null_in >= 0) {
+    ::close(exec.null_in);
   }
   r.pid = pid;
   r.out_fd = out[0];

@@ -503,18 +503,9 @@ inline void note_static_local_addr(RunOptions& options) {
   }
 }
 
-/// The options of `argv` (argv[0] is the program's name), checked against
-/// each other, with Slurm's defaults from `get` (Note [lockstep-run under
-/// srun]). Throws RunUsageError.
-inline RunOptions parse_run_options(int argc, const char* const* argv, const GetEnv& get = [](const char*) -> const char* {
-  return nullptr;
-}) {
-  RunOptions options;
-  CLI::App app{"lockstep-run: starts N ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
-               "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
-               "output with their rank, stops the job when one fails, and restarts it up to --max-restarts times."};
-  describe_run_options(app, options);
-  app.set_version_flag("--version", std::string("lockstep-run ") + LOCKSTEP_VERSION);
+// Parses `argv` into the options `app` describes; --help and --version, and
+// what CLI11 refuses, end here as a RunUsageError.
+inline void parse_into_options(CLI::App& app, int argc, const char* const* argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForVersion& e) {
@@ -525,7 +516,10 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
     }
     throw RunUsageError(e.what(), common::kUsageError);
   }
-  auto fail = [](const std::string& message) { throw RunUsageError(message, common::kUsageError); };
+}
+
+// PROGRAM and its arguments: what the options leave over.
+inline void take_program(RunOptions& options, const CLI::App& app, const Fail& fail) {
   options.command = app.remaining(); // prefix_command leaves PROGRAM and its arguments there
   if (!options.command.empty() && options.command[0] == "--") {
     options.command.erase(options.command.begin()); // "--" ends the options, as for torchrun
@@ -536,21 +530,11 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
   if (options.command.empty()) {
     fail("PROGRAM is missing.");
   }
-  parse_nproc_per_node(options, fail);
-  apply_torchrun_flags(options, app, fail);
-  const bool backend_given = !options.rdzv_backend.empty();
-  parse_nnodes(options, fail);
-  apply_slurm_step(options, app, get, fail);
-  if (!backend_given) {
-    options.rdzv_backend.clear(); // picked again from what Slurm's step added
-  }
-  parse_nnodes(options, fail);
-  check_node_rank(options, app.count("--node-rank") > 0, backend_given, fail); // Note [--node-rank and the rendezvous]
-  note_static_local_addr(options);
-  if (options.elastic()) {
-    parse_rendezvous(options, fail);
-    return options;
-  }
+}
+
+// A static job's meeting point: --master-addr, or --rdzv-endpoint as
+// torchrun takes it, or loopback for one node.
+inline void check_static_meeting(RunOptions& options, const Fail& fail) {
   if (options.master_addr.empty() && !options.rdzv_endpoint.empty()) {
     parse_rendezvous(options, fail); // a static job meeting at --rdzv-endpoint, as torchrun's
     options.master_addr = options.rdzv_host;
@@ -566,6 +550,39 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
            "can reach.");
     }
     options.master_addr = "127.0.0.1"; // one node: the store stays on loopback
+  }
+}
+
+/// The options of `argv` (argv[0] is the program's name), checked against
+/// each other, with Slurm's defaults from `get` (Note [lockstep-run under
+/// srun]). Throws RunUsageError.
+inline RunOptions parse_run_options(int argc, const char* const* argv, const GetEnv& get = [](const char*) -> const char* {
+  return nullptr;
+}) {
+  RunOptions options;
+  CLI::App app{"lockstep-run: starts N ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
+               "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
+               "output with their rank, stops the job when one fails, and restarts it up to --max-restarts times."};
+  describe_run_options(app, options);
+  app.set_version_flag("--version", std::string("lockstep-run ") + LOCKSTEP_VERSION);
+  parse_into_options(app, argc, argv);
+  auto fail = [](const std::string& message) { throw RunUsageError(message, common::kUsageError); };
+  take_program(options, app, fail);
+  parse_nproc_per_node(options, fail);
+  apply_torchrun_flags(options, app, fail);
+  const bool backend_given = !options.rdzv_backend.empty();
+  parse_nnodes(options, fail);
+  apply_slurm_step(options, app, get, fail);
+  if (!backend_given) {
+    options.rdzv_backend.clear(); // picked again from what Slurm's step added
+  }
+  parse_nnodes(options, fail);
+  check_node_rank(options, app.count("--node-rank") > 0, backend_given, fail); // Note [--node-rank and the rendezvous]
+  note_static_local_addr(options);
+  if (options.elastic()) {
+    parse_rendezvous(options, fail);
+  } else {
+    check_static_meeting(options, fail);
   }
   return options;
 }

@@ -6,6 +6,8 @@
 #include <lockstep/distributed_options.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include <common/rank_list.h>
+
 #include "ddp/reducer.h"
 
 #include <torch/torch.h>
@@ -39,17 +41,7 @@ namespace detail {
 // guard's destructor only resets the flags here: communicating from a
 // destructor, while an exception unwinds, could hang.
 
-namespace {
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string text;
-  for (size_t k = 0; k < ranks.size(); ++k) {
-    text += (k == 0 ? "" : ", ") + std::to_string(ranks[k]);
-  }
-  return text;
-}
-
-} // namespace
+using common::rank_list;
 
 DistributedCore::JoinRound DistributedCore::join_round(bool training, bool reduce) {
   const int world = group_.size();
@@ -80,7 +72,7 @@ int DistributedCore::join_forward_round(bool reduce) {
   const auto round = join_round(true, reduce);
   const int training = static_cast<int>(round.training.size());
   TORCH_CHECK(!join_throw_on_early_termination_ || training == group_.size(), "lockstep::DistributedDataParallel: rank ",
-              group_.rank(), ": only rank(s) ", rank_list(round.training), " of ", group_.size(),
+              group_.rank(), ": only ", rank_list(round.training), " of ", group_.size(),
               " still have inputs; the others ran out (JoinOptions().throw_on_early_termination(true) makes this an "
               "error on every rank). Give every rank the same number of batches, or join without it.");
   reducer_->set_divisor(join_divide_by_initial_world_size_ ? group_.size() : training);
@@ -120,7 +112,7 @@ void DistributedCore::finish_join() {
     }
     first_round = false;
     TORCH_CHECK(!join_throw_on_early_termination_, "lockstep::DistributedDataParallel: rank ", group_.rank(),
-                ": this rank ran out of inputs while rank(s) ", rank_list(round.training), " still have some "
+                ": this rank ran out of inputs while ", rank_list(round.training), " still have some "
                 "(JoinOptions().throw_on_early_termination(true) makes this an error on every rank). Give every rank "
                 "the same number of batches, or join without it.");
     const int root = round.training.front();

@@ -1,12 +1,14 @@
 #pragma once
 
 // Checks shared by the scenarios of lockstep_ddp_worker (tests/ddp_worker.cpp
-// and the files beside it): a failed check prints "CHECK FAILED" and counts,
-// so that every check of a scenario runs and the process exits 1 at the end.
+// and the files beside it): a failed check prints "CHECK FAILED" and counts
+// (support/run_worker.h), so that every check of a scenario runs and the
+// process exits 1 at the end.
 
 #include <lockstep/lockstep.h>
 
 #include "ddp_models.h"
+#include "run_worker.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -18,12 +20,9 @@
 namespace lockstep {
 namespace testing {
 
-inline int failures = 0;
-
 inline void check(bool ok, const std::string& what, int rank) {
   if (!ok) {
-    std::printf("rank %d: CHECK FAILED: %s\n", rank, what.c_str());
-    ++failures;
+    report_failure(rank, what);
   }
 }
 
