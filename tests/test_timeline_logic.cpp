@@ -4,6 +4,8 @@
 
 #include "util/timeline_detail.h"
 
+#include <common/path_tag.h>
+
 #include <gtest/gtest.h>
 
 namespace lockstep {
@@ -11,7 +13,7 @@ namespace {
 
 using timeline::detail::lanes_for;
 using timeline::detail::rank_path;
-using timeline::detail::with_tag;
+using common::with_tag;
 
 TEST(TimelinePaths, TheRankFillsInEveryPercentR) {
   EXPECT_EQ(rank_path("/tmp/t%r.json", 3, 4), "/tmp/t3.json");

@@ -2,8 +2,9 @@
 
 // lockstep-run --timeline: the ranks' Chrome-trace files merged into one.
 
+#include <common/path_tag.h>
+
 #include <nlohmann/json.hpp>
-#include <src/util/timeline_detail.h> // with_tag, without LibTorch
 
 #include <algorithm>
 #include <cerrno>
@@ -22,7 +23,7 @@ namespace tools {
 // aside, before the next attempt's takes its path; nothing if that attempt
 // wrote none.
 inline void keep_attempt_timeline(const std::string& path, int attempt) {
-  const std::string kept = lockstep::timeline::detail::with_tag(path, ".attempt" + std::to_string(attempt));
+  const std::string kept = lockstep::common::with_tag(path, ".attempt" + std::to_string(attempt));
   if (std::rename(path.c_str(), kept.c_str()) == 0) {
     std::fprintf(stderr, "lockstep-run: the timeline of attempt %d is now %s\n", attempt, kept.c_str());
   } else if (errno != ENOENT) {

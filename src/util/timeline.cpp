@@ -2,6 +2,8 @@
 
 #include "util/timeline_detail.h"
 
+#include <common/path_tag.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -250,7 +252,7 @@ std::string rank_path(std::string path, int rank, int world_size) {
   for (size_t at; (at = path.find("%r")) != std::string::npos;) {
     path.replace(at, 2, std::to_string(rank));
   }
-  return has_rank || world_size <= 1 ? path : with_tag(path, ".rank" + std::to_string(rank));
+  return has_rank || world_size <= 1 ? path : common::with_tag(path, ".rank" + std::to_string(rank));
 }
 
 int64_t now_us() {

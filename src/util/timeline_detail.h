@@ -1,8 +1,7 @@
 #pragma once
 
 // The timeline's internals (Note [Timeline] in src/util/timeline.cpp): the
-// clock, the recorder, and the paths and lanes of its files. lockstep-run,
-// which has no LibTorch, shares with_tag.
+// clock, the recorder, and the paths and lanes of its files.
 
 #include <cstdint>
 #include <string>
@@ -25,14 +24,6 @@ std::string rank_path(std::string path, int rank, int world_size);
 /// For spans [start, end) of one track, in any order, the lane of each:
 /// spans of one lane never overlap, and lanes are as few as can be.
 std::vector<int> lanes_for(const std::vector<std::pair<int64_t, int64_t>>& spans);
-/// `path` with `tag` before its file name's extension: ("t.json", ".rank1")
-/// gives "t.rank1.json".
-inline std::string with_tag(std::string path, const std::string& tag) {
-  const size_t name = path.find_last_of('/') + 1; // 0 without a folder
-  const size_t dot = path.find_last_of('.');
-  return path.insert(dot != std::string::npos && dot > name ? dot : path.size(), tag);
-}
-
 } // namespace detail
 } // namespace timeline
 } // namespace lockstep
