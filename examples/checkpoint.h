@@ -9,7 +9,7 @@
 // the content against hashes stored at save time: a foreign or damaged file is
 // an error, never a silently different model.
 
-#include <lockstep/detail/checked_file.h>
+#include <src/util/checked_file.h> // the library's atomic, checksummed files
 #include <common/process_files.h>
 
 #include <torch/torch.h>

@@ -1,7 +1,7 @@
 // Checked files (the trainer's and sharded checkpoints): a write the disk
 // refuses, and folders removed without following links.
 
-#include <lockstep/detail/checked_file.h>
+#include "../src/util/checked_file.h"
 
 #include "support/errors.h"
 #include "support/scratch.h"

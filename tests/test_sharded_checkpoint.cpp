@@ -5,7 +5,7 @@
 // full optimizer refused on one rank; and a load onto another device. (Checkpoints that work, at another world size too, are in
 // test_fully_sharded.cpp.)
 
-#include <lockstep/detail/checked_file.h>
+#include "../src/util/checked_file.h"
 #include <lockstep/lockstep.h>
 
 #include "../src/util/torch_compat.h"

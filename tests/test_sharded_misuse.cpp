@@ -2,7 +2,7 @@
 // error on every rank, and the model stays usable; never a crash, and never
 // parameters that silently hold other values. Ranks as threads.
 
-#include <lockstep/detail/checked_file.h>
+#include "../src/util/checked_file.h"
 #include <lockstep/lockstep.h>
 
 #include "support/errors.h"

@@ -3,7 +3,7 @@
 
 #include <lockstep/fully_sharded_data_parallel.h>
 
-#include <lockstep/detail/checked_file.h>
+#include "util/checked_file.h"
 
 #include "fsdp/flat_param.h"
 #include "fsdp/optimizer.h"

@@ -1,4 +1,4 @@
-#include <lockstep/detail/checked_file.h>
+#include "util/checked_file.h"
 
 #include <c10/util/Exception.h>
 

@@ -6,7 +6,7 @@
 // LOCKSTEP_KEEP_TEST_FILES=1, so that a failure can be read afterwards and
 // a passing suite leaves nothing behind.
 
-#include <lockstep/detail/checked_file.h>
+#include "util/checked_file.h"
 
 #include <gtest/gtest.h>
 
