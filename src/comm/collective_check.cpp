@@ -1,6 +1,7 @@
 #include "comm/collective_check.h"
 
 #include "comm/forwarding_group.h"
+#include "comm/forwarding_work.h"
 #include "util/caller_stream.h"
 
 #include <c10/util/Exception.h>
@@ -376,13 +377,13 @@ class QueuedWork : public Work {
 // GroupImpl may fill `outputs` by assigning new tensors to its elements
 // (one that forwards to another ProcessGroup does), and the caller's vector
 // is not the one that the group's thread hands to the backend.
-class GatheredWork : public Work {
+class GatheredWork : public ForwardingWork {
  public:
   GatheredWork(std::shared_ptr<Work> work, std::shared_ptr<std::vector<torch::Tensor>> gathered,
                std::vector<torch::Tensor> targets)
-      : work_(std::move(work)), gathered_(std::move(gathered)), targets_(std::move(targets)) {}
+      : ForwardingWork(std::move(work)), gathered_(std::move(gathered)), targets_(std::move(targets)) {}
   void wait() override {
-    work_->wait();
+    inner_->wait();
     for (size_t r = 0; r < targets_.size() && r < gathered_->size(); ++r) {
       if (!(*gathered_)[r].is_same(targets_[r])) {
         targets_[r].copy_((*gathered_)[r]);
@@ -390,12 +391,8 @@ class GatheredWork : public Work {
     }
     targets_.clear(); // copied once
   }
-  bool started() const override {
-    return work_->started();
-  }
 
  private:
-  std::shared_ptr<Work> work_;
   std::shared_ptr<std::vector<torch::Tensor>> gathered_;
   std::vector<torch::Tensor> targets_;
 };

@@ -3,6 +3,7 @@
 #include "comm/before_abort.h"
 #include "comm/collective_check.h"
 #include "comm/forwarding_group.h"
+#include "comm/forwarding_work.h"
 
 #include <torch/types.h>
 
@@ -213,10 +214,10 @@ size_t trace_buffer_size() {
   return static_cast<size_t>(value);
 }
 
-class RecordedWork : public Work {
+class RecordedWork : public ForwardingWork {
  public:
   RecordedWork(std::shared_ptr<Work> inner, std::shared_ptr<FlightRecorder> recorder, int64_t seq)
-      : inner_(std::move(inner)), recorder_(std::move(recorder)), seq_(seq) {}
+      : ForwardingWork(std::move(inner)), recorder_(std::move(recorder)), seq_(seq) {}
   void wait() override {
     try {
       inner_->wait();
@@ -227,12 +228,8 @@ class RecordedWork : public Work {
     }
     recorder_->finish(seq_, "completed");
   }
-  bool started() const override {
-    return inner_->started();
-  }
 
  private:
-  std::shared_ptr<Work> inner_;
   std::shared_ptr<FlightRecorder> recorder_;
   int64_t seq_;
 };
