@@ -45,6 +45,7 @@ struct Config {
   std::string out_dir;
   std::string save_path;
   std::string checkpoint_path;
+  std::string init_from;
   int64_t checkpoint_every = 500;
   int64_t eval_every = 0;
   int64_t log_every = 50;
@@ -160,10 +161,15 @@ inline void add_parallelism_options(CLI::App& app, Config& config) {
 // Where the model, the checkpoints and the metrics go, and how often.
 inline void add_output_options(CLI::App& app, Config& config) {
   using common::whole_number;
-  app.add_option("--out", config.out_dir, "Output folder: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png. "
-                 "Default: runs/<the launcher's run id, else the time>")->group("Outputs");
+  app.add_option("--out", config.out_dir, "Output folder: metrics.jsonl, model.pt, model.safetensors, "
+                 "checkpoint.ckpt, curves.png. Default: runs/<the launcher's run id, else the time>")->group("Outputs");
   app.add_option("--save", config.save_path, "Save the trained model here instead of OUT/model.pt (torch::save; "
-                 "loads into a bare model)")->group("Outputs");
+                 "loads into a bare model), and as safetensors beside it (FILE with .pt replaced by .safetensors), "
+                 "which Python's safetensors reads (examples/python/evaluate.py)")->group("Outputs");
+  app.add_option("--init-from", config.init_from, "Start from the weights in this safetensors file, strictly (every "
+                 "name, shape and dtype of the CNN): a model.safetensors of an earlier run, or Python's "
+                 "model.state_dict() saved with safetensors.torch.save_file. A checkpoint that resumes takes "
+                 "precedence")->check(CLI::ExistingFile)->group("Outputs");
   app.add_option("--checkpoint", config.checkpoint_path, "Checkpoint file instead of OUT/checkpoint.ckpt: resumed "
                  "from when it exists, written (by rank 0, atomically) every --checkpoint-every steps and every epoch")
       ->group("Outputs");

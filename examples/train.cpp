@@ -27,6 +27,7 @@
 #include "sampling.h"
 #include "setup.h"
 #include "summary.h"
+#include "weights.h"
 
 #include <lockstep/lockstep.h>
 
@@ -455,13 +456,16 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
   const int world_size = run.setup.world_size;
   std::vector<std::string> outputs{"metrics.jsonl"};
   if (!config.save_path.empty()) {
+    const std::string safetensors = lockstep::examples::safetensors_beside(config.save_path);
     try {
       torch::save(run.net, config.save_path);
+      lockstep::save_safetensors(run.net, safetensors);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "lockstep-train: cannot write the model to --save ", config.save_path, ": ",
                   e.what_without_backtrace());
     }
     outputs.push_back(config.save_path);
+    outputs.push_back(safetensors);
   }
   if (!config.checkpoint_path.empty()) {
     outputs.push_back(config.checkpoint_path);
@@ -584,6 +588,7 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(parsed.seed);
     ConvNet net;
+    lockstep::examples::init_from(net, parsed.init_from);
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.
     const bool launched = lockstep::launched_by_launcher();

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_launch_env fuzz_run_options fuzz_chunk_sizes fuzz_checkpoint fuzz_idx)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_launch_env fuzz_run_options fuzz_chunk_sizes fuzz_checkpoint fuzz_idx fuzz_safetensors)
 
 LOCKSTEP_TORCH=debian LOCKSTEP_SETUP_FUZZ=1 bash scripts/setup.sh
 build=build-fuzz

@@ -105,3 +105,15 @@ if [ "$have" != "$wanted" ]; then
     exit 1
   fi
 fi
+# The other pins of scripts/requirements-current.txt (safetensors, for the
+# tests against Python's files), small beside torch: installed when missing
+# or at another version.
+while read -r pin; do
+  package=${pin%%==*} version=${pin##*==}
+  [ "$package" = torch ] && continue
+  have=$(.venv/bin/python -m pip show "$package" 2>/dev/null | sed -n 's/^Version: //p' || true)
+  if [ "$have" != "$version" ]; then
+    echo "setup: installing $pin into .venv/"
+    .venv/bin/python -m pip install -q --no-cache-dir --disable-pip-version-check "$pin"
+  fi
+done < <(grep -E '^[A-Za-z0-9_.-]+==' scripts/requirements-current.txt)

@@ -287,6 +287,18 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
   torch::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0) {
     return core_->clip_grad_norm_(max_norm, norm_type);
   }
+  /// Its core, for lockstep::save_safetensors and load_safetensors.
+  detail::ShardedCore& sharded_core() const override {
+    return *core_;
+  }
+  /// See lockstep::save_sharded(model, dir).
+  void save_sharded(const std::string& dir) const {
+    core_->save_sharded_weights(dir);
+  }
+  /// See lockstep::load_sharded(model, dir).
+  void load_sharded(const std::string& dir) {
+    core_->load_sharded_weights(dir);
+  }
   /// See lockstep::save_sharded.
   int64_t save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
     return core_->save_sharded(optimizer, dir);
@@ -343,6 +355,33 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
 /// `lockstep::FullyShardedDataParallel<Net> model(net, group, ShardingOptions())`.
 template <typename M>
 using FullyShardedDataParallel = detail::ForwardingHolder<FullyShardedDataParallelImpl<M>>;
+
+/// Writes the model's weights to the folder `dir` (made if missing) as
+/// PyTorch's distributed checkpoint writes them with
+/// `HuggingFaceStorageWriter(dir, save_distributed=True)`: each rank writes
+/// its own shards, with no communication, as safetensors files whose
+/// `DCP_SHARDING_INFO` gives each piece's offsets. Python's
+/// `dcp.load(state_dict, storage_reader=HuggingFaceStorageReader(dir))` reads
+/// them into a plain module or an FSDP2 one at any world size. Rank 0 writes
+/// `lockstep_save.json` last: a save stopped halfway never loads. Earlier
+/// shard files in `dir` are removed first. Every rank calls it.
+template <typename M>
+void save_sharded(const FullyShardedDataParallel<M>& model, const std::string& dir) {
+  model->save_sharded(dir);
+}
+
+/// Loads a folder that save_sharded(model, dir) wrote, or that PyTorch's
+/// `dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(dir,
+/// save_distributed=True))` wrote (FSDP2 included), at any world size: each
+/// rank reads only the pieces its shards cover. Every parameter and buffer
+/// must be in it, of the same shape and dtype; names beyond the model's are
+/// left alone, as `dcp.load` leaves them. A damaged, incomplete or mixed
+/// folder is an error naming the file, and nothing is loaded on any rank.
+/// Every rank calls it.
+template <typename M>
+void load_sharded(FullyShardedDataParallel<M>& model, const std::string& dir) {
+  model->load_sharded(dir);
+}
 
 /// Writes this rank's shards and its optimizer's state for them to `dir`
 /// (made if missing): one file per rank and index.json, each written

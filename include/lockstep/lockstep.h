@@ -31,6 +31,9 @@
 ///   c10d process group.
 /// - lockstep::AutocastGuard and lockstep::GradScaler (amp.h): mixed
 ///   precision.
+/// - lockstep::save_safetensors and load_safetensors (safetensors.h):
+///   weights in and out of LibTorch, in the format Python's safetensors and
+///   Hugging Face use.
 /// - lockstep::SyncBatchNorm (sync_batch_norm.h), communication hooks
 ///   (comm_hooks.h, powersgd.h) and the step timeline (timeline.h).
 ///
@@ -47,6 +50,7 @@
 #include <lockstep/sharding_options.h>
 #include <lockstep/powersgd.h>
 #include <lockstep/process_group.h>
+#include <lockstep/safetensors.h>
 #include <lockstep/scatter_gather.h>
 #include <lockstep/sync_batch_norm.h>
 #include <lockstep/timeline.h>

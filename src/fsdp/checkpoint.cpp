@@ -265,11 +265,6 @@ void on_every_rank(const ProcessGroup& group, torch::Device device, const std::s
   }
 }
 
-namespace {
-
-constexpr int kIndexFormat = 1;
-
-// A number that tells one save from another, the same on every rank.
 int64_t new_save_id(const ProcessGroup& group, torch::Device device) {
   auto id = torch::full({1}, 0, torch::TensorOptions(torch::kLong).device(device));
   if (group.rank() == 0) {
@@ -280,6 +275,10 @@ int64_t new_save_id(const ProcessGroup& group, torch::Device device) {
   group.broadcast(id, 0);
   return id.item<int64_t>();
 }
+
+namespace {
+
+constexpr int kIndexFormat = 1;
 
 // Note [One save on every rank]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -54,6 +54,10 @@ void install_group_options(torch::optim::Optimizer& optimizer, const GroupOption
 
 /// control_device's for the flat parameters' device.
 torch::Device control_device_of(const ProcessGroup& group, const std::vector<FlatParam*>& flats);
+
+/// A number that tells one save from another, the same on every rank
+/// (rank 0's, broadcast; src/fsdp/checkpoint.cpp).
+int64_t new_save_id(const ProcessGroup& group, torch::Device device);
 /// Runs `step` on every rank, then every rank learns whether every other got
 /// through it, so that none waits for one that failed: the failing rank
 /// throws its own error, the others one naming it and `failure`, saying

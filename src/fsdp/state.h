@@ -11,6 +11,8 @@
 
 #include "fsdp/flat_param.h"
 #include "fsdp/storage_watch.h"
+#include "io/dcp_hf.h"
+#include "io/safetensors_file.h"
 #include "util/cpu_cache.h"
 
 #include <torch/csrc/autograd/function.h>
@@ -110,6 +112,19 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   void begin_forward();
   void begin_backward();
   void end_pass();
+
+  // src/fsdp/safetensors.cpp: Note [Saving sharded weights as safetensors].
+  struct OneFlat { // the flat buffer gathered last, whole, on the CPU
+    size_t f = kNone;
+    torch::Tensor full;
+  };
+  torch::Tensor gathered_in_own_dtype(OneFlat& cache, size_t f);
+  // src/fsdp/dcp_checkpoint.cpp: Note [A flat shard as boxes].
+  std::vector<BoxSource> shard_boxes() const;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> stage_dcp_load(const DcpCheckpoint& checkpoint) const;
+  std::vector<SafetensorsSource> safetensors_sources(const std::string& who);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> stage_safetensors_load(const std::string& path,
+                                                                              const SafetensorsLoadOptions& options);
 
   // src/fsdp/precision.cpp: Note [Sharded mixed precision].
   void set_precision(const ShardingOptions& options);

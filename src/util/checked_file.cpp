@@ -48,24 +48,15 @@ bool crc32_matches(const char* data, size_t size, uint32_t expected) {
   return crc32_of(data, size) == expected;
 }
 
-void write_checked_file(const std::string& path, const std::string& magic, const std::string& payload,
-                        const std::string& who) {
-  std::string header = magic;
-  const uint64_t length = payload.size();
-  const uint32_t crc = crc32_of(payload.data(), payload.size());
-  for (int i = 0; i < 8; ++i) {
-    header += static_cast<char>((length >> (8 * i)) & 0xff);
-  }
-  for (int i = 0; i < 4; ++i) {
-    header += static_cast<char>((crc >> (8 * i)) & 0xff);
-  }
+void write_file_atomically(const std::string& path, const std::function<void(std::ostream&)>& write,
+                           const std::string& who) {
   const std::string temporary = path + ".tmp." + std::to_string(::getpid());
   // A write that fails leaves no partial temporary file behind: on a full
   // disk it would hold the space the next save needs.
   try {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
+    TORCH_CHECK(out.is_open(), who, ": cannot create ", temporary, " (", std::strerror(errno), ").");
+    write(out);
     out.close();
     TORCH_CHECK(!out.fail(), who, ": cannot write ", temporary, " (", std::strerror(errno), ").");
     sync_path(temporary, O_RDONLY, who);
@@ -77,6 +68,26 @@ void write_checked_file(const std::string& path, const std::string& magic, const
   }
   const auto slash = path.find_last_of('/');
   sync_path(slash == std::string::npos ? "." : path.substr(0, slash + 1), O_RDONLY | O_DIRECTORY, who);
+}
+
+void write_checked_file(const std::string& path, const std::string& magic, const std::string& payload,
+                        const std::string& who) {
+  std::string header = magic;
+  const uint64_t length = payload.size();
+  const uint32_t crc = crc32_of(payload.data(), payload.size());
+  for (int i = 0; i < 8; ++i) {
+    header += static_cast<char>((length >> (8 * i)) & 0xff);
+  }
+  for (int i = 0; i < 4; ++i) {
+    header += static_cast<char>((crc >> (8 * i)) & 0xff);
+  }
+  write_file_atomically(
+      path,
+      [&](std::ostream& out) {
+        out.write(header.data(), static_cast<std::streamsize>(header.size()));
+        out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
+      },
+      who);
 }
 
 // Note [The wheel's std::filesystem]

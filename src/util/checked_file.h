@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <ostream>
 #include <string>
 
 namespace lockstep {
@@ -20,6 +22,12 @@ uint32_t crc32_of(const char* data, size_t size);
 /// which would otherwise copy the right checksum into damaged inputs and
 /// feed them to LibTorch's reader (tests/fuzz/CMakeLists.txt).
 bool crc32_matches(const char* data, size_t size, uint32_t expected);
+
+/// Calls `write` on a temporary file beside `path`, syncs it, renames it to
+/// `path`, and syncs the folder: `path` is the old file or the whole new one,
+/// never part of it. Errors start with `who`.
+void write_file_atomically(const std::string& path, const std::function<void(std::ostream&)>& write,
+                           const std::string& who);
 
 /// `magic`, length, CRC-32 and `payload` to a temporary file beside `path`,
 /// synced, renamed to `path`, and the folder synced. Errors start with `who`.

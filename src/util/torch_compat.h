@@ -19,6 +19,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace lockstep {
 namespace detail {
@@ -149,6 +150,28 @@ inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
 }
 constexpr bool kCpuAutocastTakesHalf = false;
 #endif
+
+/// The safetensors dtypes that only some LibTorch releases have, by their
+/// safetensors names (the Python package's table, safetensors/torch.py):
+/// float8 came in 2.1 (its fnuz variants in 2.2), the unsigned integers
+/// wider than a byte in 2.3.
+inline std::vector<std::pair<std::string, c10::ScalarType>> versioned_safetensors_dtypes() {
+  std::vector<std::pair<std::string, c10::ScalarType>> dtypes;
+#if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 201
+  dtypes.emplace_back("F8_E4M3", c10::ScalarType::Float8_e4m3fn);
+  dtypes.emplace_back("F8_E5M2", c10::ScalarType::Float8_e5m2);
+#endif
+#if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 202
+  dtypes.emplace_back("F8_E4M3FNUZ", c10::ScalarType::Float8_e4m3fnuz);
+  dtypes.emplace_back("F8_E5M2FNUZ", c10::ScalarType::Float8_e5m2fnuz);
+#endif
+#if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 203
+  dtypes.emplace_back("U16", c10::ScalarType::UInt16);
+  dtypes.emplace_back("U32", c10::ScalarType::UInt32);
+  dtypes.emplace_back("U64", c10::ScalarType::UInt64);
+#endif
+  return dtypes;
+}
 
 /// The base of a CPU allocator, which defines allocate_block. Allocator's
 /// allocate is const in 1.13 and not in 2.x, where it also asks for copy_data;

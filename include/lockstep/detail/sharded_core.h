@@ -20,6 +20,9 @@
 
 namespace lockstep {
 
+class SafetensorsSaveOptions;
+class SafetensorsLoadOptions;
+
 struct FlatParamInfo;
 struct ShardingOptions;
 
@@ -47,8 +50,11 @@ struct FlatParam;
 /// Marks every FullyShardedDataParallelImpl, whatever its module's type, so
 /// that a wrapper finds one nested in the module it wraps (Note [Nested
 /// wrappers] in src/fsdp/construct.cpp).
+class ShardedCore;
 struct ShardedWrapperMark {
   virtual ~ShardedWrapperMark() = default;
+  /// Its core: lockstep::save_safetensors and load_safetensors reach it so.
+  virtual ShardedCore& sharded_core() const = 0;
 };
 
 class ShardedCore {
@@ -100,6 +106,15 @@ class ShardedCore {
   /// lockstep::save_sharded and load_sharded (src/fsdp/checkpoint.cpp).
   int64_t save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
   void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir, std::optional<int64_t> expected_save_id);
+  /// lockstep::save_sharded(model, dir) and load_sharded(model, dir): the
+  /// weights in PyTorch's distributed checkpoint layout
+  /// (src/fsdp/dcp_checkpoint.cpp).
+  void save_sharded_weights(const std::string& dir) const;
+  void load_sharded_weights(const std::string& dir);
+  /// lockstep::save_safetensors and load_safetensors of the wrapper
+  /// (src/fsdp/safetensors.cpp).
+  void save_safetensors(const std::string& path, const SafetensorsSaveOptions& options) const;
+  void load_safetensors(const std::string& path, const SafetensorsLoadOptions& options);
   /// FullyShardedDataParallelImpl's save and load: an error that says how
   /// to checkpoint instead (src/fsdp/checkpoint.cpp).
   [[noreturn]] void refuse_serialization(const char* what) const;

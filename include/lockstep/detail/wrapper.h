@@ -16,8 +16,15 @@
 namespace lockstep {
 namespace detail {
 
+/// What any WrapperModule is, whatever M: lockstep::save_safetensors and
+/// load_safetensors reach the wrapped module through it.
+struct ReplicaWrapperMark {
+  virtual ~ReplicaWrapperMark() = default;
+  virtual torch::nn::Module& wrapped_module() const = 0;
+};
+
 template <typename M>
-class WrapperModule : public torch::nn::Module {
+class WrapperModule : public torch::nn::Module, public ReplicaWrapperMark {
  public:
   WrapperModule(M module, const char* who) : module_(std::move(module)) {
     TORCH_CHECK(!module_.is_empty(), who, ": the module to wrap is empty (a null holder).");
@@ -27,6 +34,9 @@ class WrapperModule : public torch::nn::Module {
   /// The wrapped module.
   M module() const {
     return module_;
+  }
+  torch::nn::Module& wrapped_module() const override {
+    return *module_.ptr();
   }
 
   /// Saves the wrapped module as if it were bare: no "module." prefix, so the

@@ -1,0 +1,193 @@
+// lockstep::save_safetensors and load_safetensors of a
+// FullyShardedDataParallel: the whole model in one safetensors file (or an
+// index and its files) under the bare module's names, written by rank 0 and
+// read by every rank for its own shards.
+
+#include "fsdp/optimizer.h"
+#include "fsdp/state.h"
+#include "io/safetensors_file.h"
+
+#include <c10/util/accumulate.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+
+namespace lockstep {
+namespace detail {
+
+namespace {
+
+// Note [Saving sharded weights as safetensors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every rank plans the same files from the same names, shapes and dtypes,
+// then asks for each tensor's bytes in the order rank 0 writes them. A
+// parameter's bytes come from its flat buffer, all-gathered when its first
+// parameter is asked for, in its own dtype (not param_dtype's), and kept
+// only until another flat's is: the peak is one unit, not the model. Rank 0
+// writes; the others take part in the same all-gathers and drop the bytes.
+// If rank 0's writing fails, it still joins the all-gathers left, so that
+// no rank waits for it, and the verdict (on_every_rank) ends the save with
+// an error on every rank.
+SafetensorsSource source(const std::string& name, torch::ScalarType dtype, std::vector<int64_t> shape,
+                         std::function<torch::Tensor()> bytes) {
+  SafetensorsSource source;
+  source.entry.name = name;
+  source.entry.dtype = dtype;
+  source.entry.shape = std::move(shape);
+  source.bytes = std::move(bytes);
+  return source;
+}
+
+} // namespace
+
+torch::Tensor ShardedCore::State::gathered_in_own_dtype(OneFlat& cache, size_t f) {
+  if (cache.f != f) {
+    cache.full = torch::Tensor();
+    const auto& flat = flats[f];
+    torch::NoGradGuard no_grad;
+    torch::Tensor full = flat.shard.detach();
+    if (sharded()) {
+      full = torch::empty({flat.layout.padded}, flat.options());
+      group.all_gather_into_async(full, flat.shard.detach().contiguous(),
+                                  "all_gather of " + bucket_name({f}) + " for save_safetensors")
+          ->wait();
+    }
+    cache.full = full.to(torch::kCPU);
+    cache.f = f;
+  }
+  return cache.full;
+}
+
+std::vector<SafetensorsSource> ShardedCore::State::safetensors_sources(const std::string& who) {
+  std::vector<SafetensorsSource> sources;
+  auto cache = std::make_shared<OneFlat>();
+  for (size_t f = 0; f < flats.size(); ++f) {
+    const auto& flat = flats[f];
+    for (size_t j = 0; j < flat.params.size(); ++j) {
+      safetensors_dtype_name(flat.dtype, who + ": parameter '" + flat.names[j] + "'");
+      sources.push_back(source(flat.names[j], flat.dtype, flat.shapes[j], [this, cache, f, j] {
+        const auto& flat = flats[f];
+        const int64_t numel = c10::multiply_integers(flat.shapes[j]);
+        return gathered_in_own_dtype(*cache, f).narrow(0, flat.offsets[j], numel).view(flat.shapes[j]);
+      }));
+    }
+  }
+  for (const auto& [name, tensor] : whole) {
+    safetensors_dtype_name(tensor.scalar_type(), who + ": '" + name + "'");
+    sources.push_back(source(name, tensor.scalar_type(), tensor.sizes().vec(), [tensor = tensor] {
+      torch::NoGradGuard no_grad;
+      return tensor.detach().to(torch::kCPU).contiguous();
+    }));
+  }
+  return sources;
+}
+
+void ShardedCore::save_safetensors(const std::string& path, const SafetensorsSaveOptions& options) const {
+  auto& s = *state_;
+  const std::string who = s.where() + "save_safetensors(" + path + ")";
+  auto sources = s.safetensors_sources(who);
+  const auto plan = plan_safetensors_save(sources, path, options, who);
+  auto calls = std::make_shared<size_t>(0);
+  for (auto& source : sources) {
+    source.bytes = [inner = std::move(source.bytes), calls] {
+      ++*calls;
+      return inner();
+    };
+  }
+  std::vector<size_t> sequence;
+  for (const auto& file : plan.files) {
+    sequence.insert(sequence.end(), file.order.begin(), file.order.end());
+  }
+  auto take_part_from = [&](size_t k) {
+    for (; k < sequence.size(); ++k) {
+      sources[sequence[k]].bytes();
+    }
+  };
+  on_every_rank(group_, control_device_of(group_, flats()), "save_safetensors(" + path + ")", [&] {
+    if (group_.rank() != 0) {
+      take_part_from(0);
+      return;
+    }
+    try {
+      write_safetensors_save(plan, sources, who);
+    } catch (...) {
+      take_part_from(*calls);
+      throw;
+    }
+  }, "is on that rank");
+}
+
+void ShardedCore::load_safetensors(const std::string& path, const SafetensorsLoadOptions& options) {
+  auto& s = *state_;
+  TORCH_CHECK(!s.summoned, s.where(), "load_safetensors() inside summon_full_params(): the guard's end would "
+              "overwrite (writeback) or hide what it loads. End the guard first.");
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies; // (live, loaded)
+  on_every_rank(group_, control_device_of(group_, flats()), "load_safetensors(" + path + ")",
+                [&] { copies = s.stage_safetensors_load(path, options); }, "is on that rank");
+  if (s.forwarded) { // Note [Loading between forward and backward]
+    Unwatched unwatched;
+    if (s.sharded()) {
+      s.forget_gathered();
+    }
+    s.forwarded = false;
+    s.forward_dropped_by = "load_safetensors()";
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& [live, loaded] : copies) {
+    live.detach().copy_(loaded);
+  }
+}
+
+// Each flat's shard on this rank, from the bytes of the parameters it
+// covers (and no others), and the whole tensors: checked, not yet copied.
+std::vector<std::pair<torch::Tensor, torch::Tensor>> ShardedCore::State::stage_safetensors_load(
+    const std::string& path, const SafetensorsLoadOptions& options) {
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<torch::ScalarType> dtypes;
+  std::vector<std::pair<size_t, size_t>> flat_of; // (flat, parameter), or (kNone, index into whole)
+  for (size_t f = 0; f < flats.size(); ++f) {
+    for (size_t j = 0; j < flats[f].params.size(); ++j) {
+      names.push_back(flats[f].names[j]);
+      shapes.push_back(flats[f].shapes[j]);
+      dtypes.push_back(flats[f].dtype);
+      flat_of.emplace_back(f, j);
+    }
+  }
+  for (size_t w = 0; w < whole.size(); ++w) {
+    names.push_back(whole[w].first);
+    shapes.push_back(whole[w].second.sizes().vec());
+    dtypes.push_back(whole[w].second.scalar_type());
+    flat_of.emplace_back(kNone, w);
+  }
+  const auto set = open_safetensors_set(path);
+  const auto match = match_state(names, shapes, dtypes, set, options, path);
+  const int rank = sharded() ? group.rank() : 0;
+  std::vector<torch::Tensor> shards;
+  for (const auto& flat : flats) {
+    shards.push_back(flat.shard.detach().cpu().clone());
+  }
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
+  for (const auto& [i, where] : match.pairs) {
+    const auto loaded = set.files[where->file].tensor(where->entry);
+    const auto [f, j] = flat_of[i];
+    if (f == kNone) {
+      copies.emplace_back(whole[j].second, loaded);
+      continue;
+    }
+    const auto& flat = flats[f];
+    const int64_t begin = std::max<int64_t>(flat.offsets[j], rank * flat.layout.shard);
+    const int64_t end = std::min<int64_t>(flat.offsets[j] + loaded.numel(), (rank + 1) * flat.layout.shard);
+    if (begin < end) {
+      shards[f].narrow(0, begin - rank * flat.layout.shard, end - begin)
+          .copy_(loaded.reshape({-1}).narrow(0, begin - flat.offsets[j], end - begin));
+    }
+  }
+  for (size_t f = 0; f < flats.size(); ++f) {
+    copies.emplace_back(flats[f].shard, shards[f]);
+  }
+  return copies;
+}
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,95 @@
+#pragma once
+
+// Internal: PyTorch's distributed checkpoint in its Hugging Face layout
+// (torch/distributed/checkpoint/hf_storage.py): a folder of safetensors
+// files, each holding at most one box of a tensor under the tensor's name,
+// with the boxes' offsets in __metadata__["DCP_SHARDING_INFO"], a JSON
+// string {"name": {"saved_offsets": [...]}}. A tensor's shape is the
+// largest offset + size over its boxes, as HuggingFaceStorageReader takes
+// it; no other file is needed. Lockstep adds lockstep_save.json, written
+// last, so that a save stopped halfway, or files of two saves, never load
+// (Note [Sharded safetensors saves]).
+
+#include "io/boxes.h"
+#include "io/safetensors_file.h"
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+/// One box of a tensor that a rank writes.
+struct BoxSource {
+  std::string name;
+  torch::ScalarType dtype = torch::kFloat;
+  Box box;
+  std::function<torch::Tensor()> bytes; // contiguous, CPU, box.sizes
+};
+
+/// The file names rank `rank` writes (and removes before a save):
+/// shard-<rank+1>-model-<k>-of-<n>.safetensors, as torch's writer names them.
+std::string dcp_file_name(int rank, size_t k, size_t n);
+bool is_dcp_file_of_rank(const std::string& name, int rank);
+/// The number in a shard file's name (rank + 1), or 0 if it is not one.
+int dcp_file_rank_number(const std::string& name);
+
+/// Writes `boxes` into `dir`: the k-th box of each tensor goes to file k, so
+/// no file holds two boxes of one tensor. `metadata` goes into every file's
+/// __metadata__ beside DCP_SHARDING_INFO. Returns the files' names.
+std::vector<std::string> write_dcp_boxes(const std::string& dir, int rank, const std::vector<BoxSource>& boxes,
+                                         const SafetensorsMetadata& metadata, const std::string& who);
+
+/// A folder's boxes, by tensor name.
+struct DcpCheckpoint {
+  std::string dir;
+  std::vector<SafetensorsFile> files;
+  struct Saved {
+    size_t file;
+    size_t entry;
+    Box box;
+  };
+  std::map<std::string, std::vector<Saved>> boxes; // each box once
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::map<std::string, torch::ScalarType> dtypes;
+};
+
+/// Opens the `files` of `dir` (all of its *.safetensors when empty) and
+/// checks that each tensor's boxes agree in dtype and tile its shape.
+DcpCheckpoint open_dcp(const std::string& dir, const std::vector<std::string>& files);
+
+/// The *.safetensors files in `dir`, sorted.
+std::vector<std::string> safetensors_in(const std::string& dir);
+
+// Note [Sharded safetensors saves]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each rank writes its own files, each atomically; rank 0 writes
+// lockstep_save.json last, once every rank's files are whole, naming the
+// save's id and its files, and every file carries the id in its
+// __metadata__ (lockstep_save_id). A load reads the files the record names
+// and refuses one of another save; a folder whose files carry an id but
+// that has no record is a save stopped halfway, refused. A folder without
+// either is PyTorch's (HuggingFaceStorageWriter), read whole. Before a save
+// writes, rank 0 removes the record and every rank its own earlier files,
+// so that PyTorch's reader, which reads every file of the folder, never
+// meets another save's.
+constexpr char kDcpSaveRecord[] = "lockstep_save.json";
+
+/// Removes what an earlier save left that this one would not overwrite:
+/// rank `rank`'s shard files; on rank 0 also the record and the files of
+/// ranks at or past `world`. Makes `dir` if it is missing.
+void clear_dcp_save(const std::string& dir, int rank, int world, const std::string& who);
+/// Rank 0, once every rank's files are written: the record.
+void write_dcp_save_record(const std::string& dir, const std::string& save_id, const std::vector<std::string>& files,
+                           const std::string& who);
+/// The checkpoint in `dir`, by Note [Sharded safetensors saves].
+DcpCheckpoint open_dcp_save(const std::string& dir);
+
+/// Copies box `target` of tensor `name` from the checkpoint into `dest`
+/// (contiguous, of target's sizes; converted to its dtype).
+void read_box(const DcpCheckpoint& checkpoint, const std::string& name, const Box& target, const torch::Tensor& dest);
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,380 @@
+#include "io/safetensors_file.h"
+
+#include "util/checked_file.h"
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+namespace lockstep {
+namespace detail {
+
+namespace {
+
+bool file_exists(const std::string& path) {
+  struct stat status {};
+  return ::stat(path.c_str(), &status) == 0 && S_ISREG(status.st_mode);
+}
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string folder_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? std::string() : path.substr(0, slash + 1);
+}
+
+std::string path_of(const SafetensorsSavePlan& plan) {
+  return plan.index_path.empty() ? plan.files.at(0).path : plan.index_path;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream text;
+  text << "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    text << (i == 0 ? "" : ", ") << shape[i];
+  }
+  text << "]";
+  return text.str();
+}
+
+std::string quoted_list(const std::vector<std::string>& names) {
+  std::string text;
+  for (const auto& name : names) {
+    text += (text.empty() ? "\"" : ", \"") + name + "\"";
+  }
+  return text;
+}
+
+const std::string* metadata_value(const SafetensorsMetadata& metadata, const std::string& key) {
+  for (const auto& [name, value] : metadata) {
+    if (name == key) {
+      return &value;
+    }
+  }
+  return nullptr;
+}
+
+nlohmann::ordered_json read_index(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "cannot open the safetensors index ", path, " (", std::strerror(errno), ").");
+  nlohmann::ordered_json index;
+  try {
+    index = nlohmann::ordered_json::parse(in);
+  } catch (const nlohmann::ordered_json::exception& e) {
+    TORCH_CHECK(false, path, ": the safetensors index is not valid JSON (", e.what(), ").");
+  }
+  TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), path,
+              ": a safetensors index needs a \"weight_map\" object of tensor names to file names.");
+  return index;
+}
+
+// An index's file name: a file beside it, never a path out of its folder.
+std::string indexed_file(const std::string& index_path, const std::string& name, const nlohmann::ordered_json& file) {
+  TORCH_CHECK(file.is_string(), index_path, ": tensor '", name, "' maps to ", file.dump(), ", not a file name.");
+  const auto text = file.get<std::string>();
+  TORCH_CHECK(!text.empty() && text.find('/') == std::string::npos && text != "." && text != "..", index_path,
+              ": tensor '", name, "' maps to '", text, "', which is not the name of a file beside the index.");
+  return text;
+}
+
+SafetensorsSet open_index(const std::string& index_path) {
+  const auto index = read_index(index_path);
+  SafetensorsSet set;
+  std::map<std::string, size_t> file_numbers;
+  std::map<std::string, std::string> file_of_name;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    const auto text = indexed_file(index_path, name, file);
+    file_of_name[name] = text;
+    if (file_numbers.emplace(text, set.files.size()).second) {
+      set.files.push_back(open_safetensors(folder_of(index_path) + text));
+    }
+  }
+  // Note [Safetensors save ids]: the index and its files name one save.
+  std::string save_id;
+  if (index.contains("metadata") && index["metadata"].is_object() && index["metadata"].contains("lockstep_save_id")) {
+    save_id = index["metadata"]["lockstep_save_id"].dump();
+  }
+  for (const auto& [text, f] : file_numbers) {
+    const auto& file = set.files[f];
+    const auto* id = metadata_value(file.header.metadata, "lockstep_save_id");
+    TORCH_CHECK(save_id.empty() || (id != nullptr && nlohmann::json(*id).dump() == save_id), file.path,
+                " belongs to another save than its index ", index_path,
+                ": a save was stopped halfway or files of two saves were mixed. Save the model again.");
+    for (size_t e = 0; e < file.header.entries.size(); ++e) {
+      const auto& name = file.header.entries[e].name;
+      const auto mapped = file_of_name.find(name);
+      TORCH_CHECK(mapped != file_of_name.end() && mapped->second == text, file.path, " holds tensor '", name,
+                  "', which its index ", index_path,
+                  (mapped == file_of_name.end() ? " does not name." : " maps to " + mapped->second + "."));
+    }
+  }
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    const size_t f = file_numbers.at(file.get<std::string>());
+    const auto& entries = set.files[f].header.entries;
+    size_t e = 0;
+    while (e < entries.size() && entries[e].name != name) {
+      ++e;
+    }
+    TORCH_CHECK(e < entries.size(), index_path, " maps tensor '", name, "' to ", set.files[f].path,
+                ", which does not hold it. The files and the index are of different saves.");
+    set.tensors.push_back({name, f, e});
+  }
+  return set;
+}
+
+} // namespace
+
+torch::Tensor SafetensorsFile::tensor(size_t i) const {
+  const auto& entry = header.entries.at(i);
+  const auto options = torch::TensorOptions().dtype(entry.dtype);
+  if (entry.end == entry.begin) {
+    return torch::empty(entry.shape, options);
+  }
+  char* data = bytes.get() + header.data_start + entry.begin;
+  auto keep = bytes;
+  auto view = torch::from_blob(data, entry.shape, [keep](void*) {}, options);
+  const bool aligned = reinterpret_cast<uintptr_t>(data) % c10::elementSize(entry.dtype) == 0;
+  return aligned ? view : view.clone();
+}
+
+SafetensorsFile open_safetensors(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "cannot open the safetensors file ", path, " (", std::strerror(errno), ").");
+  struct stat status {};
+  const bool stated = ::fstat(fd, &status) == 0;
+  const int stat_error = errno;
+  SafetensorsFile file;
+  file.path = path;
+  file.size = stated ? static_cast<uint64_t>(status.st_size) : 0;
+  void* mapped = MAP_FAILED;
+  if (stated && file.size > 0) {
+    mapped = ::mmap(nullptr, file.size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  }
+  const int map_error = errno;
+  ::close(fd);
+  TORCH_CHECK(stated, "cannot read the size of ", path, " (", std::strerror(stat_error), ").");
+  TORCH_CHECK(file.size == 0 || mapped != MAP_FAILED, "cannot map ", path, " (", std::strerror(map_error), ").");
+  if (mapped != MAP_FAILED) {
+    const uint64_t size = file.size;
+    file.bytes = std::shared_ptr<char>(static_cast<char*>(mapped), [size](char* p) { ::munmap(p, size); });
+  }
+  static const char kEmpty[1] = {0};
+  file.header = parse_safetensors(file.bytes ? file.bytes.get() : kEmpty, file.size, path);
+  return file;
+}
+
+SafetensorsSet open_safetensors_set(const std::string& path) {
+  if (ends_with(path, ".index.json")) {
+    return open_index(path);
+  }
+  if (!file_exists(path) && file_exists(path + ".index.json")) {
+    return open_index(path + ".index.json");
+  }
+  TORCH_CHECK(file_exists(path), "cannot open the safetensors file ", path, ": there is no such file (nor an index ",
+              path, ".index.json beside it).");
+  SafetensorsSet set;
+  set.files.push_back(open_safetensors(path));
+  const auto& entries = set.files[0].header.entries;
+  for (size_t e = 0; e < entries.size(); ++e) {
+    set.tensors.push_back({entries[e].name, 0, e});
+  }
+  return set;
+}
+
+SafetensorsMetadata with_format(SafetensorsMetadata metadata) {
+  if (metadata_value(metadata, "format") == nullptr) {
+    metadata.insert(metadata.begin(), {"format", "pt"});
+  }
+  return metadata;
+}
+
+namespace {
+
+SafetensorsFilePlan plan_file(const std::vector<SafetensorsSource>& sources, const std::vector<size_t>& members,
+                              const std::string& path, const SafetensorsMetadata& metadata) {
+  std::vector<SafetensorsEntry> entries;
+  std::map<std::string, size_t> by_name;
+  for (size_t i : members) {
+    entries.push_back(sources[i].entry);
+    by_name.emplace(sources[i].entry.name, i);
+  }
+  SafetensorsFilePlan file;
+  file.path = path;
+  file.header = safetensors_header(entries, metadata);
+  for (const auto& entry : entries) {
+    file.order.push_back(by_name.at(entry.name));
+  }
+  return file;
+}
+
+uint64_t byte_count(const SafetensorsEntry& entry) {
+  uint64_t numel = 1;
+  for (int64_t dim : entry.shape) {
+    numel *= static_cast<uint64_t>(dim);
+  }
+  return numel * c10::elementSize(entry.dtype);
+}
+
+// Note [Safetensors save ids]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A save split into files writes them one by one under fixed names
+// (model-00001-of-00003.safetensors, ...), then the index. A save stopped
+// halfway, or files copied from two saves, would otherwise load as one model
+// made of two. Every file's __metadata__ and the index's "metadata" carry the
+// same random lockstep_save_id, and reading an index refuses a file whose id
+// differs. An index without one (Hugging Face's) is read as it is.
+std::string new_save_id() {
+  std::random_device random;
+  std::ostringstream text;
+  text << std::hex << random() << random() << random() << random();
+  return text.str();
+}
+
+std::string numbered_file(const std::string& stem, size_t i, size_t count) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "-%05zu-of-%05zu.safetensors", i + 1, count);
+  return stem + name;
+}
+
+} // namespace
+
+SafetensorsSavePlan plan_safetensors_save(const std::vector<SafetensorsSource>& sources, const std::string& path,
+                                          const SafetensorsSaveOptions& options, const std::string& who) {
+  std::map<std::string, size_t> names;
+  std::vector<std::vector<size_t>> groups(1);
+  uint64_t total = 0, in_group = 0;
+  const auto limit = static_cast<uint64_t>(options.max_shard_bytes());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const auto& name = sources[i].entry.name;
+    TORCH_CHECK(!name.empty() && name != "__metadata__", who, ": '", name, "' cannot name a tensor in safetensors.");
+    TORCH_CHECK(names.emplace(name, i).second, who, ": two tensors are named '", name, "'.");
+    const uint64_t bytes = byte_count(sources[i].entry);
+    if (limit > 0 && in_group > 0 && in_group + bytes > limit) {
+      groups.emplace_back();
+      in_group = 0;
+    }
+    groups.back().push_back(i);
+    in_group += bytes;
+    total += bytes;
+  }
+  SafetensorsSavePlan plan;
+  if (groups.size() == 1) {
+    plan.files.push_back(plan_file(sources, groups[0], path, with_format(options.metadata())));
+    plan.superseded = path + ".index.json";
+    return plan;
+  }
+  TORCH_CHECK(ends_with(path, ".safetensors"), who, ": ", path, " must end in .safetensors to be split into files",
+              " (model.safetensors becomes model-00001-of-00002.safetensors, ... and model.safetensors.index.json).");
+  const std::string stem = path.substr(0, path.size() - std::string(".safetensors").size());
+  const std::string id = new_save_id();
+  auto metadata = with_format(options.metadata());
+  metadata.emplace_back("lockstep_save_id", id);
+  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    plan.files.push_back(plan_file(sources, groups[g], numbered_file(stem, g, groups.size()), metadata));
+    const auto file = plan.files.back().path.substr(folder_of(path).size());
+    for (size_t i : groups[g]) {
+      weight_map[sources[i].entry.name] = file;
+    }
+  }
+  nlohmann::ordered_json index = {{"metadata", {{"total_size", total}, {"lockstep_save_id", id}}},
+                                  {"weight_map", std::move(weight_map)}};
+  plan.index_path = path + ".index.json";
+  plan.index = index.dump(2) + "\n";
+  plan.superseded = path;
+  return plan;
+}
+
+void write_safetensors_save(const SafetensorsSavePlan& plan, const std::vector<SafetensorsSource>& sources,
+                            const std::string& who) {
+  for (const auto& file : plan.files) {
+    write_file_atomically(
+        file.path,
+        [&](std::ostream& out) {
+          out.write(file.header.data(), static_cast<std::streamsize>(file.header.size()));
+          for (size_t i : file.order) {
+            const torch::Tensor bytes = sources[i].bytes();
+            TORCH_INTERNAL_ASSERT(bytes.is_contiguous() && bytes.device().is_cpu() &&
+                                  static_cast<uint64_t>(bytes.nbytes()) == byte_count(sources[i].entry));
+            out.write(static_cast<const char*>(bytes.data_ptr()), static_cast<std::streamsize>(bytes.nbytes()));
+          }
+        },
+        who);
+  }
+  if (!plan.index_path.empty()) {
+    write_file_atomically(
+        plan.index_path, [&](std::ostream& out) { out << plan.index; }, who);
+  }
+  if (file_exists(plan.superseded)) {
+    TORCH_CHECK(std::remove(plan.superseded.c_str()) == 0, who, ": saved to ", path_of(plan),
+                ", but cannot remove the earlier save's ", plan.superseded, " (", std::strerror(errno),
+                "), which a load would read instead. Remove it.");
+  }
+}
+
+StateMatch match_state(const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
+                       const std::vector<torch::ScalarType>& dtypes, const SafetensorsSet& set,
+                       const SafetensorsLoadOptions& options, const std::string& file) {
+  std::map<std::string, const SafetensorsSet::Where*> in_file;
+  for (const auto& where : set.tensors) {
+    in_file.emplace(where.name, &where);
+  }
+  StateMatch match;
+  std::vector<std::string> missing, unexpected, mismatches;
+  std::map<std::string, size_t> in_module;
+  for (size_t i = 0; i < names.size(); ++i) {
+    in_module.emplace(names[i], i);
+    const auto found = in_file.find(names[i]);
+    if (found == in_file.end()) {
+      missing.push_back(names[i]);
+      continue;
+    }
+    const auto& entry = set.entry(*found->second);
+    if (entry.shape != shapes[i]) {
+      mismatches.push_back("size mismatch for " + names[i] + ": copying a param with shape " + shape_text(entry.shape) +
+                           " from checkpoint, the shape in current model is " + shape_text(shapes[i]) + ".");
+    } else if (entry.dtype != dtypes[i] && !options.convert_dtypes()) {
+      mismatches.push_back(std::string("dtype mismatch for ") + names[i] + ": the file has " +
+                           c10::toString(entry.dtype) + ", the model " + c10::toString(dtypes[i]) +
+                           " (SafetensorsLoadOptions().convert_dtypes(true) converts it).");
+    }
+    match.pairs.emplace_back(i, found->second);
+  }
+  for (const auto& where : set.tensors) {
+    if (in_module.count(where.name) == 0) {
+      unexpected.push_back(where.name);
+    }
+  }
+  std::string errors;
+  if (options.strict() && !missing.empty()) {
+    errors += "\n\tMissing key(s) in state_dict: " + quoted_list(missing) + ".";
+  }
+  if (options.strict() && !unexpected.empty()) {
+    errors += "\n\tUnexpected key(s) in state_dict: " + quoted_list(unexpected) + ".";
+  }
+  for (const auto& mismatch : mismatches) {
+    errors += "\n\t" + mismatch;
+  }
+  TORCH_CHECK(errors.empty(), "Error(s) in loading ", file, " (nothing was loaded):", errors,
+              options.strict() && (!missing.empty() || !unexpected.empty())
+                  ? "\nSafetensorsLoadOptions().strict(false) loads the names that match and leaves the rest."
+                  : "");
+  return match;
+}
+
+} // namespace detail
+} // namespace lockstep

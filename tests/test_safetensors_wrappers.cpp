@@ -1,0 +1,245 @@
+// save_safetensors and load_safetensors through the wrappers: DataParallel
+// and DistributedDataParallel under the bare module's names, and
+// FullyShardedDataParallel collectively, each strategy, across world sizes.
+
+#include <lockstep/lockstep.h>
+
+#include "support/dp_models.h"
+#include "support/errors.h"
+#include "support/scratch.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+namespace lockstep {
+namespace {
+
+// A model whose units (each direct child) have parameters and buffers, and
+// parameters that do not divide evenly over 2 or 3 ranks.
+torch::nn::Sequential bn_net() {
+  return torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::BatchNorm1d(7), torch::nn::Linear(7, 3));
+}
+
+torch::nn::Sequential trained_bn_net(int seed) {
+  torch::manual_seed(seed);
+  auto net = bn_net();
+  net->forward(torch::randn({6, 5}));
+  return net;
+}
+
+// One copy of `net` per rank, made before the ranks start: a module is
+// wrapped by one wrapper at a time.
+std::vector<torch::nn::Sequential> copies_of(const torch::nn::Sequential& net, int ranks) {
+  std::vector<torch::nn::Sequential> copies;
+  for (int r = 0; r < ranks; ++r) {
+    copies.emplace_back(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone()));
+  }
+  return copies;
+}
+
+void expect_same_state(const torch::OrderedDict<std::string, torch::Tensor>& read, const torch::nn::Module& bare) {
+  size_t count = 0;
+  for (const auto& list : {bare.named_parameters(), bare.named_buffers()}) {
+    for (const auto& item : list) {
+      ASSERT_TRUE(read.contains(item.key())) << item.key();
+      const auto a = read[item.key()].contiguous();
+      const auto b = item.value().contiguous();
+      EXPECT_TRUE(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+                  std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0)
+          << item.key();
+      ++count;
+    }
+  }
+  EXPECT_EQ(read.size(), count);
+}
+
+TEST(SafetensorsWrappers, DataParallelSavesAndLoadsUnderTheBareNames) {
+  auto bare = trained_bn_net(3);
+  const auto path = testing::scratch("dp.safetensors");
+  save_safetensors(bare, path);
+  DataParallel<torch::nn::Sequential> dp(bn_net(), DataParallelOptions().devices(testing::dp_models::cpus(2)));
+  load_safetensors(dp, path);
+  expect_same_state(read_safetensors(path), *dp->module());
+  dp->eval();
+  bare->eval();
+  const auto x = torch::randn({4, 5});
+  EXPECT_TRUE(torch::equal(dp->forward(x), bare->forward(x)));
+  const auto again = testing::scratch("dp_again.safetensors");
+  save_safetensors(dp, again);
+  expect_same_state(read_safetensors(again), *bare);
+}
+
+TEST(SafetensorsWrappers, DistributedDataParallelSavesAndLoadsUnderTheBareNames) {
+  auto bare = trained_bn_net(4);
+  const auto path = testing::scratch("ddp.safetensors");
+  save_safetensors(bare, path);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    DistributedDataParallel<torch::nn::Sequential> ddp(bn_net(), group);
+    load_safetensors(ddp, path);
+    expect_same_state(read_safetensors(path), *ddp->module());
+  });
+}
+
+// Saved at 2 ranks by each strategy, the file is the bare module's, bit for
+// bit; loaded at 3 ranks, every rank's summoned parameters are the file's.
+TEST(SafetensorsWrappers, FullyShardedSavesTheWholeModelAndLoadsAtAnotherWorldSize) {
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
+    auto bare = trained_bn_net(5);
+    const auto path = testing::scratch("fsdp.safetensors");
+    const auto split = testing::scratch("fsdp_split.safetensors");
+    testing::spawn(2, [&](ProcessGroup& group) {
+      torch::manual_seed(99); // other weights than the bare model's: the wrapper copies rank 0's
+      auto net = bn_net();
+      torch::NoGradGuard no_grad;
+      for (const auto& item : bare->named_parameters()) {
+        net->named_parameters()[item.key()].copy_(item.value());
+      }
+      for (const auto& item : bare->named_buffers()) {
+        net->named_buffers()[item.key()].copy_(item.value());
+      }
+      FullyShardedDataParallel<torch::nn::Sequential> model(net, group, ShardingOptions().strategy(strategy));
+      save_safetensors(model, path);
+      save_safetensors(model, split, SafetensorsSaveOptions().max_shard_bytes(64));
+    });
+    expect_same_state(read_safetensors(path), *bare);
+    expect_same_state(read_safetensors(split), *bare);
+    testing::spawn(3, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<torch::nn::Sequential> model(bn_net(), group, ShardingOptions().strategy(strategy));
+      load_safetensors(model, split);
+      auto full = model->summon_full_params();
+      expect_same_state(read_safetensors(path), *model->module());
+    });
+  }
+}
+
+TEST(SafetensorsWrappers, FullyShardedLoadFailingOnOneRankFailsOnEveryRankAndLoadsNothing) {
+  auto bare = trained_bn_net(6);
+  const auto path = testing::scratch("one_rank.safetensors");
+  save_safetensors(bare, path);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(bn_net(), group);
+    torch::Tensor before;
+    {
+      auto full = model->summon_full_params();
+      before = model->module()->named_parameters()["0.weight"].clone();
+    }
+    const std::string mine = group.rank() == 0 ? path : path + ".absent";
+    if (group.rank() == 0) {
+      EXPECT_ERROR_SAYS(load_safetensors(model, mine), "load_safetensors(", "on rank 1 failed");
+    } else {
+      EXPECT_ERROR_SAYS(load_safetensors(model, mine), "there is no such file");
+    }
+    auto full = model->summon_full_params();
+    EXPECT_TRUE(torch::equal(model->module()->named_parameters()["0.weight"], before));
+  });
+}
+
+std::vector<std::string> files_starting(const std::string& dir, const std::string& prefix) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) {
+      names.push_back(name);
+    }
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// save_sharded(model, dir): PyTorch's distributed checkpoint layout, each
+// rank its shards as boxes; loaded at another world size, bit for bit.
+TEST(DcpCheckpoint, SavedAtTwoRanksLoadsAtThreeEachStrategy) {
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
+    auto bare = trained_bn_net(7);
+    const auto dir = testing::scratch("dcp_two");
+    const auto nets = copies_of(bare, 2);
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<torch::nn::Sequential> model(nets[group.rank()], group,
+                                                             ShardingOptions().strategy(strategy));
+      save_sharded(model, dir);
+    });
+    EXPECT_TRUE(std::filesystem::exists(dir + "/lockstep_save.json"));
+    EXPECT_FALSE(files_starting(dir, "shard-00001-model-").empty());
+    testing::spawn(3, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<torch::nn::Sequential> model(bn_net(), group, ShardingOptions().strategy(strategy));
+      load_sharded(model, dir);
+      auto full = model->summon_full_params();
+      torch::OrderedDict<std::string, torch::Tensor> expected;
+      for (const auto& list : {bare->named_parameters(), bare->named_buffers()}) {
+        for (const auto& item : list) {
+          expected.insert(item.key(), item.value());
+        }
+      }
+      expect_same_state(expected, *model->module());
+    });
+  }
+}
+
+void save_two_ranks(const std::string& dir, int seed) {
+  const auto nets = copies_of(trained_bn_net(seed), 2);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(nets[group.rank()], group);
+    save_sharded(model, dir);
+  });
+}
+
+std::string load_error(const std::string& dir) {
+  std::string error;
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(bn_net(), group);
+    const auto mine = testing::error_of([&] { load_sharded(model, dir); });
+    if (group.rank() == 0) {
+      error = mine;
+    }
+  });
+  return error;
+}
+
+TEST(DcpCheckpoint, ASaveStoppedBeforeItsRecordNeverLoads) {
+  const auto dir = testing::scratch("dcp_stopped");
+  save_two_ranks(dir, 8);
+  std::filesystem::remove(dir + "/lockstep_save.json");
+  EXPECT_NE(load_error(dir).find("was written by a lockstep save that did not finish"), std::string::npos);
+}
+
+TEST(DcpCheckpoint, AFileOfAnotherSaveIsAnErrorNamingIt) {
+  const auto first = testing::scratch("dcp_first");
+  const auto second = testing::scratch("dcp_second");
+  save_two_ranks(first, 9);
+  save_two_ranks(second, 10);
+  const auto names = files_starting(first, "shard-00002-");
+  ASSERT_FALSE(names.empty());
+  std::filesystem::copy_file(second + "/" + names[0], first + "/" + names[0],
+                             std::filesystem::copy_options::overwrite_existing);
+  const auto error = load_error(first);
+  EXPECT_NE(error.find(names[0] + " belongs to another save"), std::string::npos) << error;
+}
+
+TEST(DcpCheckpoint, AFileMissingFromTheRecordIsAnErrorNamingIt) {
+  const auto dir = testing::scratch("dcp_missing");
+  save_two_ranks(dir, 11);
+  const auto names = files_starting(dir, "shard-00002-");
+  ASSERT_FALSE(names.empty());
+  std::filesystem::remove(dir + "/" + names.back());
+  EXPECT_NE(load_error(dir).find("cannot open the safetensors file " + dir + "/" + names.back()), std::string::npos);
+}
+
+// A folder without Lockstep's record, as PyTorch writes it: a tensor whose
+// boxes leave elements out is an error naming it, not a silent hole.
+TEST(DcpCheckpoint, BoxesThatLeaveAHoleAreAnErrorNamingTheTensor) {
+  const auto dir = testing::scratch("dcp_hole");
+  std::filesystem::create_directory(dir);
+  torch::OrderedDict<std::string, torch::Tensor> tensors;
+  tensors.insert("w", torch::zeros({2, 5}));
+  write_safetensors(tensors, dir + "/a.safetensors", {{"DCP_SHARDING_INFO", R"({"w": {"saved_offsets": [5, 0]}})"}});
+  EXPECT_NE(load_error(dir).find("the boxes of tensor 'w' hold 10 of its 35 elements"), std::string::npos);
+}
+
+} // namespace
+} // namespace lockstep
