@@ -121,15 +121,10 @@ std::string dcp_file_name(int rank, size_t k, size_t n) {
 int dcp_file_rank_number(const std::string& name) {
   int number = 0;
   char rest[64] = {0};
-  if (std::sscanf(name.c_str(), "shard-%5d-model-%63s", &number, rest) != 2 || name.size() < 12 ||
-      name.compare(name.size() - 12, 12, ".safetensors") != 0) {
+  if (std::sscanf(name.c_str(), "shard-%5d-model-%63s", &number, rest) != 2 || !ends_with(name, ".safetensors")) {
     return 0;
   }
   return number;
-}
-
-bool is_dcp_file_of_rank(const std::string& name, int rank) {
-  return dcp_file_rank_number(name) == rank + 1;
 }
 
 std::vector<std::string> write_dcp_boxes(const std::string& dir, int rank, const std::vector<BoxSource>& boxes,
@@ -169,7 +164,7 @@ std::vector<std::string> safetensors_in(const std::string& dir) {
   std::vector<std::string> names;
   while (const dirent* entry = ::readdir(folder)) {
     const std::string name = entry->d_name;
-    if (name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0) {
+    if (name.size() > 12 && ends_with(name, ".safetensors")) {
       names.push_back(name);
     }
   }

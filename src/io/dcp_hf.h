@@ -32,7 +32,6 @@ struct BoxSource {
 /// The file names rank `rank` writes (and removes before a save):
 /// shard-<rank+1>-model-<k>-of-<n>.safetensors, as torch's writer names them.
 std::string dcp_file_name(int rank, size_t k, size_t n);
-bool is_dcp_file_of_rank(const std::string& name, int rank);
 /// The number in a shard file's name (rank + 1), or 0 if it is not one.
 int dcp_file_rank_number(const std::string& name);
 

@@ -87,6 +87,9 @@ SafetensorsSavePlan plan_safetensors_save(const std::vector<SafetensorsSource>& 
 void write_safetensors_save(const SafetensorsSavePlan& plan, const std::vector<SafetensorsSource>& sources,
                             const std::string& who);
 
+/// Whether `text` ends with `suffix`.
+bool ends_with(const std::string& text, const std::string& suffix);
+
 /// {"format": "pt"} first, unless `metadata` has a format.
 SafetensorsMetadata with_format(SafetensorsMetadata metadata);
 

@@ -280,6 +280,26 @@ std::vector<Endpoint> check_endpoints_reachable(
   return all;
 }
 
+// Note [Every rank has connected]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// c10d's Gloo group connects each pair of ranks in its constructor
+// (connectFullMesh), and a pair's two ends do not finish together: the end
+// that connects is done once the kernel completes the TCP handshake, while
+// the listening end still waits for its loop thread to accept, and its own
+// thread to see the pair connected. A peer that closes the pair in between
+// makes that wait throw "Connection closed by peer" out of the constructor.
+// So a rank that made its group and dropped it at once (no collective, or
+// only ones refused before anything was sent) would fail another rank's
+// join, although both did everything right. Each rank therefore leaves the join
+// through a Gloo barrier, which no rank passes before every rank has entered
+// it, that is, has returned from connectFullMesh: no rank closes a pair that
+// another is still connecting. A pair sends only once its receiver has said
+// it is ready (Note [Receive before sending]), so each of the barrier's
+// messages arrives before its sender can leave and close; a close afterwards
+// fails only a later call on that pair, as a peer that is gone must. (Over
+// the store instead, a rank could still wait on it when the rank whose
+// process holds it returns and ends.)
+
 // Note [Gloo's reduce-scatter]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // c10d's Gloo has no reduce-scatter in LibTorch 1.13, and in 2.x emulates one
@@ -572,6 +592,9 @@ std::shared_ptr<GroupImpl> make_gloo_group(
   }
   options->threads = 2;
   auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+  if (size > 1) {
+    group->barrier()->wait(); // Note [Every rank has connected]
+  }
   // LibTorch 1.x's ProcessGroupGloo is a c10d::ProcessGroup, 2.x's a c10d::Backend:
   // C10dGroup takes either.
   return std::make_shared<GlooGroup>(std::move(group), "gloo", timeout, std::move(diagnose));
