@@ -32,11 +32,13 @@ class SafetensorsSaveOptions {
   /// a tensor larger than the limit gets a file of its own. 0 (the default):
   /// one file, however large.
   SafetensorsSaveOptions& max_shard_bytes(int64_t bytes);
+  /// The limit set, 0 for one file.
   int64_t max_shard_bytes() const {
     return max_shard_bytes_;
   }
   /// Pairs written to `__metadata__` besides `{"format": "pt"}`.
   SafetensorsSaveOptions& metadata(SafetensorsMetadata metadata);
+  /// The pairs set.
   const SafetensorsMetadata& metadata() const {
     return metadata_;
   }
@@ -54,12 +56,14 @@ class SafetensorsLoadOptions {
   /// Python's `load_state_dict(strict=True)`. Not strict: the names both have
   /// are loaded, the others left alone. Shapes must match either way.
   SafetensorsLoadOptions& strict(bool strict);
+  /// Whether the load is strict.
   bool strict() const {
     return strict_;
   }
   /// A tensor whose dtype differs from the module's is an error unless this
   /// is on; then it is converted (bf16 weights into an fp32 model, say).
   SafetensorsLoadOptions& convert_dtypes(bool convert);
+  /// Whether dtypes are converted.
   bool convert_dtypes() const {
     return convert_dtypes_;
   }
@@ -102,23 +106,26 @@ void save_safetensors(const torch::nn::Module& module, const std::string& path,
 /// is collective: each rank reads only the bytes of its own shards.
 void load_safetensors(torch::nn::Module& module, const std::string& path, const SafetensorsLoadOptions& options = {});
 
-/// save_safetensors and load_safetensors of a module held by a ModuleHolder
-/// (`Net net; lockstep::save_safetensors(net, path);`) or a shared_ptr.
+/// save_safetensors of a module held by a ModuleHolder
+/// (`Net net; lockstep::save_safetensors(net, path);`).
 template <typename Impl>
 void save_safetensors(const torch::nn::ModuleHolder<Impl>& module, const std::string& path,
                       const SafetensorsSaveOptions& options = {}) {
   save_safetensors(static_cast<const torch::nn::Module&>(*module), path, options);
 }
+/// load_safetensors into a module held by a ModuleHolder.
 template <typename Impl>
 void load_safetensors(const torch::nn::ModuleHolder<Impl>& module, const std::string& path,
                       const SafetensorsLoadOptions& options = {}) {
   load_safetensors(static_cast<torch::nn::Module&>(*module.ptr()), path, options);
 }
+/// save_safetensors of a module held by a shared_ptr.
 template <typename Impl>
 void save_safetensors(const std::shared_ptr<Impl>& module, const std::string& path,
                       const SafetensorsSaveOptions& options = {}) {
   save_safetensors(static_cast<const torch::nn::Module&>(*module), path, options);
 }
+/// load_safetensors into a module held by a shared_ptr.
 template <typename Impl>
 void load_safetensors(const std::shared_ptr<Impl>& module, const std::string& path,
                       const SafetensorsLoadOptions& options = {}) {
