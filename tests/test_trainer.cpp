@@ -230,6 +230,15 @@ TEST(FashionMnist, TwoRankEvaluationEqualsOneProcessOnTheSavedModel) {
   torch::NoGradGuard no_grad;
   auto predicted = net(images.narrow(0, 0, 301)).argmax(1);
   EXPECT_EQ(predicted.eq(labels.narrow(0, 0, 301)).sum().item<int64_t>(), correct);
+  // model.safetensors beside it holds the same parameters and buffers.
+  examples::ConvNet from_safetensors;
+  load_safetensors(from_safetensors, out + "/model.safetensors");
+  for (const auto& item : net->named_parameters()) {
+    EXPECT_TRUE(torch::equal(from_safetensors->named_parameters()[item.key()], item.value())) << item.key();
+  }
+  for (const auto& item : net->named_buffers()) {
+    EXPECT_TRUE(torch::equal(from_safetensors->named_buffers()[item.key()], item.value())) << item.key();
+  }
 
   // metrics.jsonl: 20 steps, a training record every 4, an evaluation at
   // steps 6, 12 and 18, and one record per epoch.
@@ -249,7 +258,8 @@ TEST(FashionMnist, TwoRankEvaluationEqualsOneProcessOnTheSavedModel) {
   struct stat info {};
   ASSERT_EQ(stat((out + "/curves.png").c_str(), &info), 0) << p.output;
   EXPECT_GT(info.st_size, 1000);
-  EXPECT_NE(p.output.find("outputs in " + out + "/: metrics.jsonl, model.pt, checkpoint.ckpt, curves.png"),
+  EXPECT_NE(p.output.find("outputs in " + out + "/: metrics.jsonl, model.pt, model.safetensors, checkpoint.ckpt, "
+                          "curves.png"),
             std::string::npos) << p.output;
 }
 
