@@ -27,7 +27,7 @@ bool same_bytes(const torch::Tensor& a, const torch::Tensor& b) {
   const auto x = a.contiguous();
   const auto y = b.contiguous();
   return x.scalar_type() == y.scalar_type() && x.sizes() == y.sizes() && x.nbytes() == y.nbytes() &&
-      std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+      (x.nbytes() == 0 || std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0); // an empty tensor's data is null
 }
 
 // Random bits of `dtype` (any pattern, NaNs included; 0 or 1 for bool).

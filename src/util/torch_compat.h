@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/types.h>
 #include <torch/version.h>
 
 #include <memory>
