@@ -141,9 +141,14 @@ bool on_ranks(int world, const std::function<void(lockstep::ProcessGroup&)>& fn)
 int fsdp_save_dcp(const std::string& dir, int world, const std::string& ref) {
   auto bare = dcp_model();
   lockstep::save_safetensors(bare, ref);
+  // A copy per rank, made here: ranks that each seeded and built one would
+  // share the global generator, and rank 0's could differ from REF.
+  std::vector<torch::nn::Sequential> nets;
+  for (int r = 0; r < world; ++r) {
+    nets.emplace_back(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(bare->clone()));
+  }
   return on_ranks(world, [&](lockstep::ProcessGroup& group) {
-    auto net = dcp_model(); // every rank builds the same; the wrapper copies rank 0's anyway
-    lockstep::FullyShardedDataParallel<torch::nn::Sequential> model(net, group);
+    lockstep::FullyShardedDataParallel<torch::nn::Sequential> model(nets[group.rank()], group);
     lockstep::save_sharded(model, dir);
   }) ? 0 : 1;
 }
