@@ -1,11 +1,12 @@
 // save_sharded and load_sharded when something goes wrong, ranks as
 // threads: a layer of another shape, the files of two saves in one
 // folder, a rank that cannot write its file, a save without optimizer
-// state, ranks that load different saves, an index of another format; a
-// full optimizer refused on one rank; and a load onto another device. (Checkpoints that work, at another world size too, are in
-// test_fully_sharded.cpp.)
+// state, ranks that load different saves; a full optimizer refused on one
+// rank. (Checkpoints that work, at another world size too, are in
+// test_fully_sharded.cpp; lockstep's earlier format in
+// test_sharded_checkpoint_v1.cpp.)
 
-#include "../src/util/checked_file.h"
+#include "../src/io/dcp_hf.h"
 #include <lockstep/lockstep.h>
 
 #include "../src/util/torch_compat.h"
@@ -35,6 +36,11 @@ std::string checkpoint_dir(const std::string& name) {
   return testing::scratch("ckpt_" + name);
 }
 
+// The file rank `rank` of a save at 2 ranks writes.
+std::string shard_of(const std::string& dir, int rank) {
+  return dir + "/" + detail::dcp_file_name(rank, 0, 1);
+}
+
 void save(ProcessGroup& group, const std::string& dir) {
   FullyShardedDataParallel<Net> model(one_layer(false), group);
   torch::optim::Adam adam(model->parameters());
@@ -47,13 +53,13 @@ TEST(ShardedCheckpoint, ALayerOfAnotherShapeIsAnErrorNamingTheParameter) {
     save(group, dir);
     FullyShardedDataParallel<Net> model(one_layer(/*reshaped=*/true), group);
     torch::optim::Adam adam(model->parameters());
-    EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), "'s parameter 0 was '0.weight' of shape [2, 6], but here it is "
-                      "'0.weight' of shape [4, 3]", "with the same layers in the same order");
+    EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), "size mismatch for 0.weight: the checkpoint's is [2, 6], the "
+                      "model's [4, 3]", "nothing was loaded");
   });
 }
 
 // A save stopped halfway into a folder that held an earlier save: rank 1's
-// file is the earlier save's. Every rank refuses; rank 1 names the file.
+// file is the earlier save's. Every rank refuses, naming the file.
 TEST(ShardedCheckpoint, FilesOfTwoSavesAreAnErrorNamingTheFile) {
   const auto earlier = checkpoint_dir("earlier");
   const auto later = checkpoint_dir("later");
@@ -61,18 +67,12 @@ TEST(ShardedCheckpoint, FilesOfTwoSavesAreAnErrorNamingTheFile) {
     save(group, earlier);
     save(group, later);
   });
-  std::filesystem::copy_file(earlier + "/shard-1-of-2.pt", later + "/shard-1-of-2.pt",
-                             std::filesystem::copy_options::overwrite_existing);
-  const std::string mixed = later + "/shard-1-of-2.pt was written by another save than";
-  const std::string named = "load_sharded of " + later + " on rank 1 failed";
+  std::filesystem::copy_file(shard_of(earlier, 1), shard_of(later, 1), std::filesystem::copy_options::overwrite_existing);
+  const std::string mixed = shard_of(later, 1) + " belongs to another save than " + later + "/lockstep_save.json";
   testing::spawn(2, [&](ProcessGroup& group) {
     FullyShardedDataParallel<Net> model(one_layer(false), group);
     torch::optim::Adam adam(model->parameters());
-    if (group.rank() == 1) {
-      EXPECT_ERROR_SAYS(load_sharded(model, adam, later), mixed.c_str(), "the folder holds files of two saves");
-    } else {
-      EXPECT_ERROR_SAYS(load_sharded(model, adam, later), named.c_str(), "its own error names the file");
-    }
+    EXPECT_ERROR_SAYS(load_sharded(model, adam, later), mixed.c_str(), "the folder mixes files of two saves");
   });
 }
 
@@ -97,7 +97,7 @@ TEST(ShardedCheckpoint, AFailedLoadChangesNothingOnAnyRank) {
     save_sharded(model, adam, later);
     group.barrier();
     if (group.rank() == 0) {
-      std::filesystem::copy_file(earlier + "/shard-1-of-2.pt", later + "/shard-1-of-2.pt",
+      std::filesystem::copy_file(shard_of(earlier, 1), shard_of(later, 1),
                                  std::filesystem::copy_options::overwrite_existing);
     }
     group.barrier();
@@ -127,20 +127,23 @@ TEST(ShardedCheckpoint, AnOptimizerWhoseStateCannotBeReshardedIsRefusedBeforeAny
     EXPECT_ERROR_SAYS(save_sharded(model, lbfgs, dir), "lockstep::save_sharded: the optimizer (",
                       "is not one whose state can be resharded", "Save a full checkpoint under summon_full_params()");
   });
-  EXPECT_FALSE(std::filesystem::exists(dir + "/shard-0-of-2.pt"));
-  EXPECT_FALSE(std::filesystem::exists(dir + "/index.json"));
+  EXPECT_FALSE(std::filesystem::exists(shard_of(dir, 0)));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/lockstep_save.json"));
 }
 
-// Rank 1 cannot write its file (a folder stands in its place): every rank
-// ends with an error at once, none waits for the collective timeout.
+// Rank 1 cannot write its file (a folder that is not empty stands in its
+// place): every rank ends with an error at once, none waits for the
+// collective timeout.
 TEST(ShardedCheckpoint, ARankThatCannotWriteIsAnErrorOnEveryRank) {
   const auto dir = checkpoint_dir("unwritable");
-  std::filesystem::create_directories(dir + "/shard-1-of-2.pt");
+  std::filesystem::create_directories(shard_of(dir, 1) + "/inside");
+  const std::string named = "save_sharded of " + dir + " on rank 1 failed";
+  const std::string own = "cannot remove the earlier save's " + shard_of(dir, 1);
   testing::spawn(2, [&](ProcessGroup& group) {
     if (group.rank() == 1) {
-      EXPECT_ERROR_SAYS(save(group, dir), "shard-1-of-2.pt");
+      EXPECT_ERROR_SAYS(save(group, dir), own.c_str());
     } else {
-      EXPECT_ERROR_SAYS(save(group, dir), "save_sharded's shard file on rank 1 failed", "its own error names the file");
+      EXPECT_ERROR_SAYS(save(group, dir), named.c_str(), "its own error names the file");
     }
   }, std::chrono::seconds(20));
 }
@@ -229,23 +232,6 @@ TEST(ShardedCheckpoint, AFullOptimizerRefusedOnOneRankIsAnErrorOnEveryRank) {
         }
       },
       std::chrono::seconds(10));
-}
-
-// An index of another format, or without what save_sharded writes, is an
-// error naming it, not a JSON library's exception.
-TEST(ShardedCheckpoint, AnIndexOfAnotherFormatIsAnErrorNamingIt) {
-  const auto dir = checkpoint_dir("format");
-  testing::spawn(2, [&](ProcessGroup& group) { save(group, dir); });
-  const auto load_with_index = [&](const std::string& text, const std::string& says) {
-    detail::write_checked_file(dir + "/index.json", "LOCKSTEP-SHARD\n", text, "test");
-    testing::spawn(2, [&](ProcessGroup& group) {
-      FullyShardedDataParallel<Net> model(one_layer(false), group);
-      torch::optim::Adam adam(model->parameters());
-      EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), says.c_str());
-    });
-  };
-  load_with_index("{\"format\": 2, \"world_size\": 2}\n", dir + "/index.json is of format 2, and this lockstep reads format 1");
-  load_with_index("{\"format\": 1}\n", dir + "/index.json lacks what save_sharded writes");
 }
 
 // A caller that records the id save_sharded returned (the trainer's

@@ -293,20 +293,20 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
   }
   /// See lockstep::save_sharded(model, dir).
   void save_sharded(const std::string& dir) const {
-    core_->save_sharded_weights(dir);
+    core_->save_sharded(nullptr, dir);
   }
   /// See lockstep::load_sharded(model, dir).
   void load_sharded(const std::string& dir) {
-    core_->load_sharded_weights(dir);
+    core_->load_sharded(nullptr, dir, std::nullopt);
   }
   /// See lockstep::save_sharded.
   int64_t save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
-    return core_->save_sharded(optimizer, dir);
+    return core_->save_sharded(&optimizer, dir);
   }
   /// See lockstep::load_sharded.
   void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir,
                     std::optional<int64_t> save_id = std::nullopt) {
-    core_->load_sharded(optimizer, dir, save_id);
+    core_->load_sharded(&optimizer, dir, save_id);
   }
   /// See lockstep::full_optimizer_state.
   void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const {
@@ -374,8 +374,10 @@ void save_sharded(const FullyShardedDataParallel<M>& model, const std::string& d
 /// `dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(dir,
 /// save_distributed=True))` wrote (FSDP2 included), at any world size: each
 /// rank reads only the pieces its shards cover. Every parameter and buffer
-/// must be in it, of the same shape and dtype; names beyond the model's are
-/// left alone, as `dcp.load` leaves them. A damaged, incomplete or mixed
+/// must be in it, of the same shape and dtype, and nothing else but an
+/// optimizer's state (`state.<parameter>.<key>`), which stays unread, as
+/// `load_state_dict` lists missing and unexpected names. A folder in
+/// lockstep's earlier format loads too. A damaged, incomplete or mixed
 /// folder is an error naming the file, and nothing is loaded on any rank.
 /// Every rank calls it.
 template <typename M>
@@ -383,13 +385,17 @@ void load_sharded(FullyShardedDataParallel<M>& model, const std::string& dir) {
   model->load_sharded(dir);
 }
 
-/// Writes this rank's shards and its optimizer's state for them to `dir`
-/// (made if missing): one file per rank and index.json, each written
-/// atomically and checksummed (Note [Sharded checkpoint] in
-/// src/fsdp/checkpoint.cpp), with the optimizer's parameter groups'
-/// options. Every rank calls it. Returns the save's id, the same on every
-/// rank, which each of its files carries: a caller that records it beside
-/// the folder (a training checkpoint naming its shards) gives it to
+/// Writes the model's weights and its optimizer's state to the folder `dir`
+/// (made if missing), as save_sharded(model, dir) writes the weights: the
+/// state beside them under PyTorch's names, `state.<parameter>.exp_avg`
+/// and so on, each rank its own shards of it, so that Python's `dcp.load`
+/// reads it into an optimizer of a plain module or of FSDP2. What is not a
+/// tensor, the optimizer's type and its parameter groups' options, goes in
+/// `lockstep_save.json` under "optimizer". Adam, AdamW, SGD, RMSprop and
+/// Adagrad; another optimizer is refused before anything is written.
+/// Every rank calls it. Returns the save's id, the same on every rank,
+/// which each of its files carries: a caller that records it beside the
+/// folder (a training checkpoint naming its shards) gives it to
 /// load_sharded, which then refuses a folder of another save.
 template <typename M>
 int64_t save_sharded(const FullyShardedDataParallel<M>& model, torch::optim::Optimizer& optimizer,
@@ -398,10 +404,15 @@ int64_t save_sharded(const FullyShardedDataParallel<M>& model, torch::optim::Opt
 }
 
 /// Reads what save_sharded wrote into this rank's shards and optimizer
-/// state, at any world size: each rank reads the ranges it now owns. The
+/// state, at any world size: each rank reads the pieces it now owns. The
 /// optimizer must be made from model->parameters(); as torch::load of an
 /// optimizer, its parameter groups' options (learning rate, momentum) become
-/// the saved ones. `save_id`, when given, is the one save_sharded returned:
+/// the saved ones. A folder that PyTorch wrote loads too: its
+/// `state.<parameter>.<key>` tensors, where it has them, become the
+/// optimizer's state, and the caller's options stay. A folder without
+/// optimizer state leaves the optimizer without state, as a fresh one. A
+/// folder in lockstep's earlier format (index.json and shard-R-of-W.pt)
+/// still loads. `save_id`, when given, is the one save_sharded returned:
 /// a folder of another save is an error. A damaged or mismatched file is an
 /// error naming it, and nothing is loaded on any rank. Every rank calls it.
 template <typename M>

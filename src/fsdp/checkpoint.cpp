@@ -1,5 +1,7 @@
-// lockstep::save_sharded and load_sharded: one file per rank and an index,
-// read back at any world size.
+// load_sharded of a folder in lockstep's earlier sharded format (one
+// framed LibTorch archive per rank and an index), at any world size, so that
+// runs saved before the safetensors layout (src/fsdp/dcp_checkpoint.cpp)
+// resume; and what both formats share: every rank's verdict, the save's id.
 
 #include <lockstep/fully_sharded_data_parallel.h>
 
@@ -8,6 +10,7 @@
 #include "fsdp/flat_param.h"
 #include "fsdp/optimizer.h"
 #include "fsdp/state.h"
+#include "io/dcp_hf.h"
 
 #include <torch/optim.h>
 #include <torch/serialize.h>
@@ -38,7 +41,7 @@ namespace detail {
 
 // Note [Sharded checkpoint]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
-// DIR/index.json names the world size that saved, and per flat parameter
+// The earlier format, which load_sharded still reads: DIR/index.json names the world size that saved, and per flat parameter
 // its unit, dtype, element count, shard size and parameter names.
 // DIR/shard-R-of-W.pt is rank R's LibTorch archive: per flat parameter f,
 // "f<f>.values" (its padded shard) and "f<f>.state" (the optimizer's state
@@ -61,10 +64,6 @@ namespace {
 
 constexpr char kMagic[] = "LOCKSTEP-SHARD\n";
 constexpr size_t kMagicSize = sizeof(kMagic) - 1;
-
-void write_framed(const std::string& path, const std::string& payload) {
-  write_checked_file(path, std::string(kMagic, kMagicSize), payload, "lockstep::save_sharded");
-}
 
 std::string read_framed(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -276,10 +275,6 @@ int64_t new_save_id(const ProcessGroup& group, torch::Device device) {
   return id.item<int64_t>();
 }
 
-namespace {
-
-constexpr int kIndexFormat = 1;
-
 // Note [One save on every rank]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Each rank reads the folder it is given, and each folder may be whole and
@@ -302,14 +297,27 @@ void check_same_save(const ProcessGroup& group, torch::Device device, int64_t sa
   }
 }
 
-// The index.json of the folder `dir` that save_sharded wrote, in a format
-// this lockstep reads.
-nlohmann::json read_index(const std::string& dir, const std::string& index_path) {
+void check_checkpoint_folder(const std::string& dir) {
   struct stat info {};
   const bool found = ::stat(dir.c_str(), &info) == 0;
   TORCH_CHECK(found && S_ISDIR(info.st_mode), "lockstep::load_sharded: the folder ", dir, " ",
               found ? "is a file" : "is missing (" + std::string(std::strerror(errno)) + ")",
               ": load the folder that save_sharded wrote.");
+}
+
+bool is_lockstep_v1_folder(const std::string& dir) {
+  struct stat info {};
+  return ::stat((dir + "/index.json").c_str(), &info) == 0 &&
+      ::stat((dir + "/" + kDcpSaveRecord).c_str(), &info) != 0;
+}
+
+namespace {
+
+constexpr int kIndexFormat = 1;
+
+// The index.json of the folder `dir` that save_sharded wrote, in a format
+// this lockstep reads.
+nlohmann::json read_index(const std::string& index_path) {
   nlohmann::json index;
   try {
     index = nlohmann::json::parse(read_framed(index_path));
@@ -325,99 +333,8 @@ nlohmann::json read_index(const std::string& dir, const std::string& index_path)
 
 } // namespace
 
-// Note [Sharded checkpoint files]: every rank writes its shards, then rank 0
-// the index, each file atomically; all carry one save's id. A save stopped
-// halfway in a folder that held an earlier one (a job preempted while it
-// saves to "latest/") leaves the earlier index, or shards of two saves,
-// which load_sharded refuses, naming the file, instead of mixing them.
-int64_t ShardedCore::save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const {
-  TORCH_CHECK(!state_->summoned, state_->where(), "save_sharded() inside summon_full_params(): the shards take the "
-              "guard's edits only when it ends, so the checkpoint would hold the parameters as they were before it "
-              "beside buffers and frozen parameters as they are now. End the guard first.");
-  const int world = sharded() ? group_.size() : 1;
-  if (group_.rank() == 0) {
-    std::error_code ignored; // a folder that cannot be made is named by the write that fails in it
-    std::filesystem::create_directories(dir, ignored);
-  }
-  const auto device = control_device_of(group_, flats());
-  const int64_t save_id = new_save_id(group_, device); // also: the folder exists
-  on_every_rank(group_, device, "save_sharded's shard file", [&] {
-    new_state(optimizer, "lockstep::save_sharded"); // a checkpoint that no load could read is refused now
-    if (group_.rank() < world) {
-      write_framed(shard_file(dir, group_.rank(), world), shard_payload(optimizer, save_id));
-    }
-  });
-  on_every_rank(group_, device, "save_sharded's index", [&] {
-    if (group_.rank() == 0) {
-      nlohmann::json index = {{"format", kIndexFormat}, {"world_size", world}, {"save_id", save_id},
-                              {"optimizer", optimizer_kind(optimizer)},
-                              {"flats", nlohmann::json::array()}, {"whole", nlohmann::json::array()}};
-      for (const auto* flat : flats()) {
-        index["flats"].push_back({{"unit", flat->unit}, {"dtype", c10::toString(flat->dtype)},
-                                  {"numel", flat->layout.numel}, {"shard", flat->layout.shard}, {"names", flat->names},
-                                  {"shapes", flat->shapes}});
-      }
-      for (const auto& named : whole()) {
-        index["whole"].push_back(named.first);
-      }
-      std::ostringstream text;
-      text << index.dump(1) << "\n";
-      write_framed(dir + "/index.json", text.str());
-    }
-  });
-  return save_id;
-}
-
-// This rank's file: its shard of every flat parameter, with the optimizer's
-// state for it, and on rank 0 what is kept whole.
-std::string ShardedCore::shard_payload(torch::optim::Optimizer& optimizer, int64_t save_id) const {
-  torch::serialize::OutputArchive archive;
-  archive.write("save_id", torch::full({1}, save_id, torch::kLong));
-  const auto all = flats();
-  for (size_t f = 0; f < all.size(); ++f) {
-    torch::serialize::OutputArchive flat;
-    flat.write("values", all[f]->shard.detach());
-    auto it = optimizer.state().find(optimizer_state_key(optimizer.state(), all[f]->shard));
-    if (it != optimizer.state().end()) {
-      torch::serialize::OutputArchive state;
-      it->second->serialize(state);
-      flat.write("state", state);
-    }
-    archive.write("f" + std::to_string(f), flat);
-  }
-  if (group_.rank() == 0) {
-    torch::serialize::OutputArchive rest;
-    for (size_t i = 0; i < whole().size(); ++i) {
-      rest.write("w" + std::to_string(i), whole()[i].second.detach());
-    }
-    archive.write("whole", rest);
-    torch::serialize::OutputArchive groups;
-    write_group_options(optimizer, groups);
-    archive.write("groups", groups);
-  }
-  std::ostringstream payload;
-  archive.save_to(payload);
-  return payload.str();
-}
-
-// Note [Loading between forward and backward]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Inside summon_full_params the guard's end would copy the summoned values
-// over what was loaded (writeback), or leave the module's parameters at the
-// old ones until then: an error. After a forward whose backward has not
-// come, the load is allowed (the forward may have been a prediction whose
-// graph was dropped), but what the forward gathered is forgotten, so that
-// the next forward gathers the loaded values, and a backward of that
-// forward, which would give the loaded parameters gradients computed at
-// the old ones, is an error (ShardedCore::State::refuse_unforwarded).
-// summon_full_params() after such a forward does the same (a validation
-// forward in grad mode, then a full checkpoint): its guard may write
-// edits back.
-void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir,
-                               std::optional<int64_t> expected_save_id) {
-  auto& s = *state_;
-  TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
-              "(writeback) or hide what it loads. End the guard first.");
+void ShardedCore::load_sharded_v1(torch::optim::Optimizer* optimizer, const std::string& dir,
+                                  std::optional<int64_t> expected_save_id) {
   std::function<void()> commit;
   int64_t save_id = 0;
   const auto device = control_device_of(group_, flats());
@@ -434,14 +351,7 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
     }
   });
   check_same_save(group_, device, save_id, dir);
-  if (s.forwarded) {
-    Unwatched unwatched;
-    if (s.sharded()) {
-      s.forget_gathered();
-    }
-    s.forwarded = false;
-    s.forward_dropped_by = "load_sharded()";
-  }
+  state_->drop_forward("load_sharded()");
   commit();
 }
 
@@ -455,19 +365,21 @@ void ShardedCore::load_sharded(torch::optim::Optimizer& optimizer, const std::st
 // every check made into new tensors first (the shards' and the state's
 // size again, for the moment of the load), the ranks learn that all got
 // through (on_every_rank), and only then is anything copied in.
-std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer, const std::string& dir,
+std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer* optimizer, const std::string& dir,
                                               int64_t& save_id) {
   const std::string index_path = dir + "/index.json";
-  const nlohmann::json index = read_index(dir, index_path);
+  const nlohmann::json index = read_index(index_path);
   save_id = index.value("save_id", int64_t{0});
   const auto all = flats();
   TORCH_CHECK(index.at("flats").size() == all.size(), "lockstep::load_sharded: ", index_path, " holds ",
               index.at("flats").size(), " flat parameters, but this model has ", all.size(),
               ". Load it into the model that saved it, wrapped with the same units.");
-  const auto saved_kind = index.value("optimizer", optimizer_kind(optimizer)); // older indexes have none
-  TORCH_CHECK(saved_kind == optimizer_kind(optimizer), "lockstep::load_sharded: ", index_path, " holds the state of ",
-              saved_kind, ", but this optimizer is ", optimizer_kind(optimizer), ": that state would fill the wrong "
-              "fields. Load it with ", saved_kind, ".");
+  if (optimizer != nullptr) {
+    const auto saved_kind = index.value("optimizer", optimizer_kind(*optimizer)); // older indexes have none
+    TORCH_CHECK(saved_kind == optimizer_kind(*optimizer), "lockstep::load_sharded: ", index_path, " holds the state of ",
+                saved_kind, ", but this optimizer is ", optimizer_kind(*optimizer), ": that state would fill the wrong "
+                "fields. Load it with ", saved_kind, ".");
+  }
   OldShards old(dir, index.at("world_size").get<int>(),
                 index.contains("save_id") ? std::optional<int64_t>(index.at("save_id").get<int64_t>()) : std::nullopt);
   const int rank = sharded() ? group_.rank() : 0;
@@ -488,22 +400,26 @@ std::function<void()> ShardedCore::stage_load(torch::optim::Optimizer& optimizer
     const int64_t begin = rank * flat.layout.shard;
     const int64_t end = begin + flat.layout.shard;
     copies.emplace_back(flat.shard, old_range(old, f, "values", old_shard, flat.layout.numel, begin, end, flat.options()));
-    states.emplace_back(flat.shard, reshard_state(old, f, flat, old_shard, begin, end, optimizer));
+    if (optimizer != nullptr) {
+      states.emplace_back(flat.shard, reshard_state(old, f, flat, old_shard, begin, end, *optimizer));
+    }
   }
   stage_whole(old, index, index_path, whole(), copies);
   torch::serialize::InputArchive saved_groups;
-  const auto groups = old.archive(0).try_read("groups", saved_groups)
-      ? read_group_options(optimizer, saved_groups, shard_file(dir, 0, old.world()))
+  const auto groups = optimizer != nullptr && old.archive(0).try_read("groups", saved_groups)
+      ? read_group_options(*optimizer, saved_groups, shard_file(dir, 0, old.world()))
       : GroupOptions{};
-  return [&optimizer, copies = std::move(copies), states = std::move(states), groups] {
+  return [optimizer, copies = std::move(copies), states = std::move(states), groups] {
     torch::NoGradGuard no_grad;
     for (const auto& [live, loaded] : copies) {
       live.detach().copy_(loaded);
     }
     for (const auto& [shard, state] : states) {
-      install_state(optimizer, shard, state);
+      install_state(*optimizer, shard, state);
     }
-    install_group_options(optimizer, groups);
+    if (optimizer != nullptr) {
+      install_group_options(*optimizer, groups);
+    }
   };
 }
 

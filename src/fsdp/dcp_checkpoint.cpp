@@ -1,9 +1,13 @@
-// lockstep::save_sharded(model, dir) and load_sharded(model, dir): a
-// FullyShardedDataParallel's weights as PyTorch's distributed checkpoint
-// writes them with HuggingFaceStorageWriter(dir, save_distributed=True)
-// (src/io/dcp_hf.h), so that Python's dcp.load reads them at any world size,
-// and a folder that FSDP2 wrote loads here at any other.
+// lockstep::save_sharded and load_sharded: a FullyShardedDataParallel's
+// weights, and its optimizer's state (src/fsdp/dcp_optimizer.cpp), as
+// PyTorch's distributed checkpoint writes them with
+// HuggingFaceStorageWriter(dir, save_distributed=True) (src/io/dcp_hf.h), so
+// that Python's dcp.load reads them at any world size, and a folder that
+// FSDP2 wrote loads here at any other. Folders in lockstep's earlier format
+// load by src/fsdp/checkpoint.cpp.
 
+#include "fsdp/dcp_optimizer.h"
+#include "fsdp/flat_boxes.h"
 #include "fsdp/optimizer.h"
 #include "fsdp/state.h"
 #include "io/dcp_hf.h"
@@ -16,64 +20,12 @@
 namespace lockstep {
 namespace detail {
 
-namespace {
-
-// What part of a flat buffer's elements this rank holds and saves: its
-// shard; all of it on rank 0 under NoShard (every rank holds the same).
-std::pair<int64_t, int64_t> saved_range(const FlatParam& flat, int rank, bool sharded) {
-  if (!sharded) {
-    return rank == 0 ? std::make_pair(int64_t{0}, flat.layout.numel) : std::make_pair(int64_t{0}, int64_t{0});
-  }
-  const int64_t begin = std::min(rank * flat.layout.shard, flat.layout.numel);
-  return {begin, std::min(begin + flat.layout.shard, flat.layout.numel)};
-}
-
-// Calls fn(j, box, at) for each box of each parameter of `flat` within
-// elements [begin, end) of the flat buffer; `at` is the box's first
-// element's place in that range (Note [A flat shard as boxes]).
-template <typename Fn>
-void for_each_box(const FlatParam& flat, int64_t begin, int64_t end, Fn fn) {
-  for (size_t j = 0; j < flat.params.size(); ++j) {
-    const int64_t first = flat.offsets[j];
-    const int64_t last = first + c10::multiply_integers(flat.shapes[j]);
-    const int64_t from = std::max(first, begin);
-    const int64_t to = std::min(last, end);
-    if (from >= to) {
-      continue;
-    }
-    int64_t at = from - begin;
-    for (auto& box : boxes_of_range(flat.shapes[j], from - first, to - first)) {
-      const int64_t numel = box.numel();
-      fn(j, std::move(box), at);
-      at += numel;
-    }
-  }
-}
-
-Box whole_box(const torch::Tensor& tensor) {
-  Box box;
-  box.sizes = tensor.sizes().vec();
-  box.offsets.assign(box.sizes.size(), 0);
-  return box;
-}
-
-} // namespace
-
 std::vector<BoxSource> ShardedCore::State::shard_boxes() const {
   std::vector<BoxSource> boxes;
   const int rank = group.rank();
   for (const auto& flat : flats) {
-    const auto [begin, end] = saved_range(flat, rank, sharded());
-    const torch::Tensor shard = flat.shard;
-    const int64_t shard_begin = sharded() ? begin : 0;
-    for_each_box(flat, begin, end, [&](size_t j, Box box, int64_t at) {
-      const int64_t start = begin - shard_begin + at;
-      const auto sizes = box.sizes;
-      boxes.push_back({flat.names[j], flat.dtype, std::move(box), [shard, start, sizes] {
-                         torch::NoGradGuard no_grad;
-                         return shard.detach().narrow(0, start, c10::multiply_integers(sizes)).cpu().contiguous().view(sizes);
-                       }});
-    });
+    auto more = shard_boxes_of(flat, flat.shard, rank, sharded(), [&](size_t j) { return flat.names[j]; });
+    boxes.insert(boxes.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
   }
   if (rank == 0) {
     for (const auto& [name, tensor] : whole) {
@@ -86,18 +38,32 @@ std::vector<BoxSource> ShardedCore::State::shard_boxes() const {
   return boxes;
 }
 
-void ShardedCore::save_sharded_weights(const std::string& dir) const {
+int64_t ShardedCore::save_sharded(torch::optim::Optimizer* optimizer, const std::string& dir) const {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "save_sharded() inside summon_full_params(): the shards take the guard's edits "
-              "only when it ends. End the guard first.");
+              "only when it ends, so the checkpoint would hold the parameters as they were before it beside buffers "
+              "and frozen parameters as they are now. End the guard first.");
   const std::string who = s.where() + "save_sharded(" + dir + ")";
   const auto device = control_device_of(group_, flats());
   const int rank = group_.rank();
-  on_every_rank(group_, device, "save_sharded of " + dir, [&] { clear_dcp_save(dir, rank, group_.size(), who); });
-  const std::string id = std::to_string(new_save_id(group_, device));
+  nlohmann::json more = nlohmann::json::object();
+  on_every_rank(group_, device, "save_sharded of " + dir, [&] {
+    if (optimizer != nullptr) { // a checkpoint that no load could read is refused before anything is removed
+      new_state(*optimizer, "lockstep::save_sharded");
+      more = optimizer_record(*optimizer, flats());
+    }
+    clear_dcp_save(dir, rank, group_.size(), who);
+  });
+  const int64_t id = new_save_id(group_, device);
   std::vector<std::string> files;
-  on_every_rank(group_, device, "save_sharded of " + dir,
-                [&] { files = write_dcp_boxes(dir, rank, s.shard_boxes(), {{"lockstep_save_id", id}}, who); });
+  on_every_rank(group_, device, "save_sharded of " + dir, [&] {
+    auto boxes = s.shard_boxes();
+    if (optimizer != nullptr) {
+      auto state = optimizer_state_boxes(*optimizer, flats(), rank, sharded());
+      boxes.insert(boxes.end(), std::make_move_iterator(state.begin()), std::make_move_iterator(state.end()));
+    }
+    files = write_dcp_boxes(dir, rank, boxes, {{"lockstep_save_id", std::to_string(id)}}, who);
+  });
   auto counts = torch::zeros({group_.size()}, torch::kLong);
   counts[rank] = static_cast<int64_t>(files.size());
   counts = counts.to(device);
@@ -114,43 +80,94 @@ void ShardedCore::save_sharded_weights(const std::string& dir) const {
         all.push_back(dcp_file_name(r, k, n));
       }
     }
-    write_dcp_save_record(dir, id, all, who);
+    write_dcp_save_record(dir, std::to_string(id), all, more, who);
   });
+  return id;
 }
 
-void ShardedCore::load_sharded_weights(const std::string& dir) {
+namespace {
+
+// The id lockstep's record gives the save; 0 for a folder PyTorch wrote.
+int64_t save_id_of(const DcpCheckpoint& checkpoint) {
+  if (!checkpoint.record.is_object()) {
+    return 0;
+  }
+  const auto id = checkpoint.record.value("lockstep_save_id", std::string());
+  try {
+    return std::stoll(id);
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, checkpoint.dir, "/", kDcpSaveRecord, ": the save id \"", id, "\" is not a number. Load an "
+                "earlier checkpoint, or save again.");
+  }
+}
+
+} // namespace
+
+// Note [Loading between forward and backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Inside summon_full_params the guard's end would copy the summoned values
+// over what was loaded (writeback), or leave the module's parameters at the
+// old ones until then: an error. After a forward whose backward has not
+// come, the load is allowed (the forward may have been a prediction whose
+// graph was dropped), but what the forward gathered is forgotten, so that
+// the next forward gathers the loaded values, and a backward of that
+// forward, which would give the loaded parameters gradients computed at
+// the old ones, is an error (ShardedCore::State::refuse_unforwarded).
+// summon_full_params() after such a forward does the same (a validation
+// forward in grad mode, then a full checkpoint): its guard may write
+// edits back.
+void ShardedCore::load_sharded(torch::optim::Optimizer* optimizer, const std::string& dir,
+                               std::optional<int64_t> expected_save_id) {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
               "(writeback) or hide what it loads. End the guard first.");
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
-  on_every_rank(group_, control_device_of(group_, flats()), "load_sharded of " + dir,
-                [&] { copies = s.stage_dcp_load(open_dcp_save(dir)); });
-  if (s.forwarded) { // Note [Loading between forward and backward]
-    Unwatched unwatched;
-    if (s.sharded()) {
-      s.forget_gathered();
-    }
-    s.forwarded = false;
-    s.forward_dropped_by = "load_sharded()";
+  check_checkpoint_folder(dir);
+  if (is_lockstep_v1_folder(dir)) {
+    load_sharded_v1(optimizer, dir, expected_save_id);
+    return;
   }
+  const auto device = control_device_of(group_, flats());
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
+  StagedOptimizer staged;
+  int64_t save_id = 0;
+  on_every_rank(group_, device, "load_sharded of " + dir, [&] {
+    const auto checkpoint = open_dcp_save(dir);
+    save_id = save_id_of(checkpoint);
+    TORCH_CHECK(!expected_save_id || save_id == *expected_save_id, "lockstep::load_sharded: ", dir, " holds save ",
+                save_id, ", not save ", *expected_save_id, " that the caller names: the folder was written by "
+                "another save (another run's folder, or one written over since). Load the folder that this save "
+                "wrote, or start from scratch.");
+    copies = s.stage_dcp_load(checkpoint);
+    if (optimizer != nullptr) {
+      staged = stage_optimizer_load(*optimizer, checkpoint, flats(), sharded() ? group_.rank() : 0);
+    }
+  });
+  check_same_save(group_, device, save_id, dir);
+  s.drop_forward("load_sharded()");
   torch::NoGradGuard no_grad;
   for (const auto& [live, loaded] : copies) {
     live.detach().copy_(loaded);
+  }
+  if (optimizer != nullptr) {
+    install_optimizer(*optimizer, staged);
   }
 }
 
 namespace {
 
-// Missing names, then shapes and dtypes, as load_safetensors checks them;
-// names the checkpoint has beyond the model's are left alone, as
-// PyTorch's dcp.load leaves them (the optimizer's state may be beside).
+// Missing names, unexpected ones, then shapes and dtypes, as
+// load_safetensors checks them; the optimizer's state beside the weights
+// (state.<name>.<key>) is not unexpected.
 void check_covers(const DcpCheckpoint& checkpoint, const std::vector<std::string>& names,
                   const std::vector<std::vector<int64_t>>& shapes, const std::vector<torch::ScalarType>& dtypes) {
-  std::string missing, errors;
+  std::string missing, unexpected, errors;
+  const auto list = [](std::string& names, const std::string& name) {
+    names += (names.empty() ? "\"" : ", \"") + name + "\"";
+  };
   for (size_t i = 0; i < names.size(); ++i) {
     const auto shape = checkpoint.shapes.find(names[i]);
     if (shape == checkpoint.shapes.end()) {
-      missing += (missing.empty() ? "\"" : ", \"") + names[i] + "\"";
+      list(missing, names[i]);
     } else if (shape->second != shapes[i]) {
       errors += "\n\tsize mismatch for " + names[i] + ": the checkpoint's is " + c10::str(c10::IntArrayRef(shape->second)) +
           ", the model's " + c10::str(c10::IntArrayRef(shapes[i])) + ".";
@@ -158,6 +175,14 @@ void check_covers(const DcpCheckpoint& checkpoint, const std::vector<std::string
       errors += "\n\tdtype mismatch for " + names[i] + ": the checkpoint has " +
           c10::toString(checkpoint.dtypes.at(names[i])) + ", the model " + c10::toString(dtypes[i]) + ".";
     }
+  }
+  for (const auto& [name, shape] : checkpoint.shapes) {
+    if (std::find(names.begin(), names.end(), name) == names.end() && !is_optimizer_state_name(name, names)) {
+      list(unexpected, name);
+    }
+  }
+  if (!unexpected.empty()) {
+    errors = "\n\tUnexpected key(s) in the checkpoint: " + unexpected + "." + errors;
   }
   if (!missing.empty()) {
     errors = "\n\tMissing key(s) in the checkpoint: " + missing + "." + errors;
@@ -189,7 +214,7 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> ShardedCore::State::stage_d
   const int rank = sharded() ? group.rank() : 0;
   for (const auto& flat : flats) {
     auto shard = flat.shard.detach().cpu().clone();
-    const int64_t begin = rank * flat.layout.shard;
+    const int64_t begin = std::min(rank * flat.layout.shard, flat.layout.numel);
     const int64_t end = std::min(begin + flat.layout.shard, flat.layout.numel);
     for_each_box(flat, begin, end, [&](size_t j, const Box& box, int64_t at) {
       read_box(checkpoint, flat.names[j], box, shard.narrow(0, at, box.numel()).view(box.sizes));

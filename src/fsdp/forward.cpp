@@ -394,6 +394,18 @@ void ShardedCore::before_forward() {
   }
 }
 
+void ShardedCore::State::drop_forward(const char* load) {
+  if (!forwarded) {
+    return;
+  }
+  Unwatched unwatched;
+  if (sharded()) {
+    forget_gathered();
+  }
+  forwarded = false;
+  forward_dropped_by = load;
+}
+
 void ShardedCore::after_forward(const std::vector<torch::Tensor>& outputs) {
   auto& s = *state_;
   Unwatched unwatched;

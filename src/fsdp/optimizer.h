@@ -1,9 +1,10 @@
 #pragma once
 
 // Internal: the optimizer's state of a FullyShardedDataParallel's shards, as
-// save_sharded, load_sharded (src/fsdp/checkpoint.cpp) and
-// full_optimizer_state (src/fsdp/optimizer.cpp) read and write it, and
-// how they fail on every rank alike.
+// save_sharded, load_sharded (src/fsdp/dcp_checkpoint.cpp, and
+// src/fsdp/checkpoint.cpp for the earlier format) and full_optimizer_state
+// (src/fsdp/optimizer.cpp) read and write it, and how they fail on every
+// rank alike.
 
 #include <lockstep/process_group.h>
 
@@ -58,6 +59,15 @@ torch::Device control_device_of(const ProcessGroup& group, const std::vector<Fla
 /// A number that tells one save from another, the same on every rank
 /// (rank 0's, broadcast; src/fsdp/checkpoint.cpp).
 int64_t new_save_id(const ProcessGroup& group, torch::Device device);
+/// Note [One save on every rank]: every rank learns that all loaded save
+/// `save_id`, or fails naming the rank that did not.
+void check_same_save(const ProcessGroup& group, torch::Device device, int64_t save_id, const std::string& dir);
+/// An error unless `dir` is a folder (load_sharded's first check).
+void check_checkpoint_folder(const std::string& dir);
+/// Whether `dir` holds lockstep's earlier sharded format (index.json and
+/// shard-R-of-W.pt, Note [Sharded checkpoint] in src/fsdp/checkpoint.cpp)
+/// and no later save.
+bool is_lockstep_v1_folder(const std::string& dir);
 /// Runs `step` on every rank, then every rank learns whether every other got
 /// through it, so that none waits for one that failed: the failing rank
 /// throws its own error, the others one naming it and `failure`, saying

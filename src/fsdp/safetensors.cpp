@@ -124,14 +124,7 @@ void ShardedCore::load_safetensors(const std::string& path, const SafetensorsLoa
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies; // (live, loaded)
   on_every_rank(group_, control_device_of(group_, flats()), "load_safetensors(" + path + ")",
                 [&] { copies = s.stage_safetensors_load(path, options); }, "is on that rank");
-  if (s.forwarded) { // Note [Loading between forward and backward]
-    Unwatched unwatched;
-    if (s.sharded()) {
-      s.forget_gathered();
-    }
-    s.forwarded = false;
-    s.forward_dropped_by = "load_safetensors()";
-  }
+  s.drop_forward("load_safetensors()");
   torch::NoGradGuard no_grad;
   for (const auto& [live, loaded] : copies) {
     live.detach().copy_(loaded);

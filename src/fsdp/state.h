@@ -112,6 +112,8 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   void begin_forward();
   void begin_backward();
   void end_pass();
+  /// Note [Loading between forward and backward]: a load by `load` ("load_sharded()").
+  void drop_forward(const char* load);
 
   // src/fsdp/safetensors.cpp: Note [Saving sharded weights as safetensors].
   struct OneFlat { // the flat buffer gathered last, whole, on the CPU

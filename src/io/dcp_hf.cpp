@@ -20,6 +20,12 @@ namespace detail {
 namespace {
 
 constexpr char kShardingInfo[] = "DCP_SHARDING_INFO";
+constexpr char kChecksums[] = "lockstep_crc32";
+
+uint32_t crc_of(const torch::Tensor& tensor) {
+  const auto bytes = tensor.contiguous();
+  return crc32_of(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
+}
 
 std::vector<int64_t> offsets_of(const nlohmann::json& info, const std::string& where) {
   TORCH_CHECK(info.is_object() && info.contains("saved_offsets") && info["saved_offsets"].is_array(), where,
@@ -32,17 +38,18 @@ std::vector<int64_t> offsets_of(const nlohmann::json& info, const std::string& w
   return offsets;
 }
 
-// DCP_SHARDING_INFO of one file, parsed: {} for a file without it (a plain
-// Hugging Face file, whose tensors are whole).
-nlohmann::json sharding_info(const SafetensorsFile& file) {
-  for (const auto& [key, value] : file.header.metadata) {
-    if (key == kShardingInfo) {
+// The JSON object in one file's __metadata__[key], parsed: {} for a file
+// without it (a plain Hugging Face file, whose tensors are whole and carry
+// no checksums).
+nlohmann::json metadata_object(const SafetensorsFile& file, const char* key) {
+  for (const auto& [name, value] : file.header.metadata) {
+    if (name == key) {
       try {
         auto info = nlohmann::json::parse(value);
-        TORCH_CHECK(info.is_object(), file.path, ": DCP_SHARDING_INFO is not a JSON object.");
+        TORCH_CHECK(info.is_object(), file.path, ": ", key, " is not a JSON object.");
         return info;
       } catch (const nlohmann::json::exception& e) {
-        TORCH_CHECK(false, file.path, ": DCP_SHARDING_INFO is not valid JSON (", e.what(), ").");
+        TORCH_CHECK(false, file.path, ": ", key, " is not valid JSON (", e.what(), ").");
       }
     }
   }
@@ -51,10 +58,17 @@ nlohmann::json sharding_info(const SafetensorsFile& file) {
 
 void add_boxes(DcpCheckpoint& checkpoint, size_t f) {
   const auto& file = checkpoint.files[f];
-  const auto info = sharding_info(file);
+  const auto info = metadata_object(file, kShardingInfo);
+  const auto checksums = metadata_object(file, kChecksums);
   for (size_t e = 0; e < file.header.entries.size(); ++e) {
     const auto& entry = file.header.entries[e];
     const std::string where = file.path + ": tensor '" + entry.name + "'";
+    std::optional<uint32_t> crc;
+    if (!checksums.empty()) {
+      TORCH_CHECK(checksums.contains(entry.name) && checksums[entry.name].is_number_unsigned(), where,
+                  " has no checksum in lockstep_crc32: the file is damaged. Load an earlier checkpoint, or save again.");
+      crc = checksums[entry.name].get<uint32_t>();
+    }
     Box box;
     box.sizes = entry.shape;
     if (info.empty()) {
@@ -73,7 +87,7 @@ void add_boxes(DcpCheckpoint& checkpoint, size_t f) {
       return saved.box.offsets == box.offsets && saved.box.sizes == box.sizes;
     });
     if (!again) { // a replicated tensor may be saved by several ranks
-      boxes.push_back({f, e, std::move(box)});
+      boxes.push_back({f, e, std::move(box), crc});
     }
   }
 }
@@ -142,13 +156,17 @@ std::vector<std::string> write_dcp_boxes(const std::string& dir, int rank, const
   for (size_t k = 0; k < files.size(); ++k) {
     std::vector<SafetensorsSource> sources;
     nlohmann::json info = nlohmann::json::object();
+    nlohmann::json checksums = nlohmann::json::object();
     for (size_t i : files[k]) {
       const auto& box = boxes[i];
-      sources.push_back({{box.name, box.dtype, box.box.sizes, 0, 0}, box.bytes});
+      const auto bytes = box.bytes(); // a piece of this rank's shard: held until the file is written
+      sources.push_back({{box.name, box.dtype, box.box.sizes, 0, 0}, [bytes] { return bytes; }});
       info[box.name] = {{"saved_offsets", box.box.offsets}};
+      checksums[box.name] = crc_of(bytes);
     }
     auto file_metadata = metadata;
     file_metadata.emplace_back(kShardingInfo, info.dump());
+    file_metadata.emplace_back(kChecksums, checksums.dump());
     file_metadata.emplace_back("DCP_VERSION", "1.0");
     names.push_back(dcp_file_name(rank, k, files.size()));
     const auto plan = plan_safetensors_save(sources, dir + "/" + names.back(),
@@ -189,9 +207,10 @@ DcpCheckpoint open_dcp(const std::string& dir, const std::vector<std::string>& f
 void clear_dcp_save(const std::string& dir, int rank, int world, const std::string& who) {
   ::mkdir(dir.c_str(), 0777); // an existing folder, or one that cannot be made: the next step says which
   if (rank == 0) {
-    const std::string record = dir + "/" + kDcpSaveRecord;
-    TORCH_CHECK(std::remove(record.c_str()) == 0 || errno == ENOENT, who, ": cannot remove the earlier save's ", record,
-                " (", std::strerror(errno), ").");
+    for (const std::string record : {dir + "/" + kDcpSaveRecord, dir + "/index.json"}) {
+      TORCH_CHECK(std::remove(record.c_str()) == 0 || errno == ENOENT, who, ": cannot remove the earlier save's ",
+                  record, " (", std::strerror(errno), ").");
+    }
   }
   for (const auto& name : safetensors_in(dir)) {
     const int number = dcp_file_rank_number(name);
@@ -204,8 +223,9 @@ void clear_dcp_save(const std::string& dir, int rank, int world, const std::stri
 }
 
 void write_dcp_save_record(const std::string& dir, const std::string& save_id, const std::vector<std::string>& files,
-                           const std::string& who) {
-  const nlohmann::json record = {{"format", "pytorch-dcp-huggingface"}, {"lockstep_save_id", save_id}, {"files", files}};
+                           const nlohmann::json& more, const std::string& who) {
+  nlohmann::json record = {{"format", "pytorch-dcp-huggingface"}, {"lockstep_save_id", save_id}, {"files", files}};
+  record.update(more);
   write_file_atomically(
       dir + "/" + kDcpSaveRecord, [&](std::ostream& out) { out << record.dump(1) << "\n"; }, who);
 }
@@ -244,6 +264,7 @@ DcpCheckpoint open_dcp_save(const std::string& dir) {
   }
   const auto id = record["lockstep_save_id"].get<std::string>();
   auto checkpoint = open_dcp(dir, record["files"].get<std::vector<std::string>>());
+  checkpoint.record = std::move(record);
   for (const auto& file : checkpoint.files) {
     const auto* theirs = save_id_of(file);
     TORCH_CHECK(theirs != nullptr && *theirs == id, file.path, " belongs to another save than ", record_path,
@@ -261,6 +282,9 @@ void read_box(const DcpCheckpoint& checkpoint, const std::string& name, const Bo
       continue;
     }
     auto source = checkpoint.files[saved.file].tensor(saved.entry);
+    TORCH_CHECK(!saved.crc || crc_of(source) == *saved.crc, checkpoint.files[saved.file].path, ": tensor '", name,
+                "' is damaged: its checksum does not match its content. Restore the file from a copy, or load an "
+                "earlier checkpoint.");
     auto into = dest;
     for (size_t d = 0; d < common.offsets.size(); ++d) {
       source = source.narrow(static_cast<int64_t>(d), common.offsets[d] - saved.box.offsets[d], common.sizes[d]);

@@ -13,8 +13,11 @@
 #include "io/boxes.h"
 #include "io/safetensors_file.h"
 
+#include <nlohmann/json.hpp>
+
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,7 +40,8 @@ int dcp_file_rank_number(const std::string& name);
 
 /// Writes `boxes` into `dir`: the k-th box of each tensor goes to file k, so
 /// no file holds two boxes of one tensor. `metadata` goes into every file's
-/// __metadata__ beside DCP_SHARDING_INFO. Returns the files' names.
+/// __metadata__ beside DCP_SHARDING_INFO and the tensors' CRC-32s. Returns
+/// the files' names.
 std::vector<std::string> write_dcp_boxes(const std::string& dir, int rank, const std::vector<BoxSource>& boxes,
                                          const SafetensorsMetadata& metadata, const std::string& who);
 
@@ -49,10 +53,12 @@ struct DcpCheckpoint {
     size_t file;
     size_t entry;
     Box box;
+    std::optional<uint32_t> crc; // lockstep's files carry each tensor's (Note [Sharded safetensors saves])
   };
   std::map<std::string, std::vector<Saved>> boxes; // each box once
   std::map<std::string, std::vector<int64_t>> shapes;
   std::map<std::string, torch::ScalarType> dtypes;
+  nlohmann::json record; // lockstep_save.json; null for a folder PyTorch wrote
 };
 
 /// Opens the `files` of `dir` (all of its *.safetensors when empty) and
@@ -73,21 +79,28 @@ std::vector<std::string> safetensors_in(const std::string& dir);
 // either is PyTorch's (HuggingFaceStorageWriter), read whole. Before a save
 // writes, rank 0 removes the record and every rank its own earlier files,
 // so that PyTorch's reader, which reads every file of the folder, never
-// meets another save's.
+// meets another save's. Each file's __metadata__ also holds the CRC-32 of
+// each of its tensors (lockstep_crc32, a JSON object by name), which a
+// load checks for each tensor it reads: a damaged file is an error naming
+// it and the tensor, as the checksums of lockstep's other files make it.
 constexpr char kDcpSaveRecord[] = "lockstep_save.json";
 
 /// Removes what an earlier save left that this one would not overwrite:
 /// rank `rank`'s shard files; on rank 0 also the record and the files of
-/// ranks at or past `world`. Makes `dir` if it is missing.
+/// ranks at or past `world`, and lockstep's earlier index.json, which
+/// load_sharded would otherwise take for this save. Makes `dir` if it is
+/// missing.
 void clear_dcp_save(const std::string& dir, int rank, int world, const std::string& who);
-/// Rank 0, once every rank's files are written: the record.
+/// Rank 0, once every rank's files are written: the record, with
+/// `more` (an object: the optimizer's options) beside the id and files.
 void write_dcp_save_record(const std::string& dir, const std::string& save_id, const std::vector<std::string>& files,
-                           const std::string& who);
+                           const nlohmann::json& more, const std::string& who);
 /// The checkpoint in `dir`, by Note [Sharded safetensors saves].
 DcpCheckpoint open_dcp_save(const std::string& dir);
 
 /// Copies box `target` of tensor `name` from the checkpoint into `dest`
-/// (contiguous, of target's sizes; converted to its dtype).
+/// (contiguous, of target's sizes; converted to its dtype), checking the
+/// CRC-32 of each saved box it reads from.
 void read_box(const DcpCheckpoint& checkpoint, const std::string& name, const Box& target, const torch::Tensor& dest);
 
 } // namespace detail

@@ -103,14 +103,11 @@ class ShardedCore {
   /// FullyShardedDataParallelImpl::clip_grad_norm_ (src/fsdp/backward.cpp).
   torch::Tensor clip_grad_norm_(double max_norm, double norm_type);
 
-  /// lockstep::save_sharded and load_sharded (src/fsdp/checkpoint.cpp).
-  int64_t save_sharded(torch::optim::Optimizer& optimizer, const std::string& dir) const;
-  void load_sharded(torch::optim::Optimizer& optimizer, const std::string& dir, std::optional<int64_t> expected_save_id);
-  /// lockstep::save_sharded(model, dir) and load_sharded(model, dir): the
-  /// weights in PyTorch's distributed checkpoint layout
-  /// (src/fsdp/dcp_checkpoint.cpp).
-  void save_sharded_weights(const std::string& dir) const;
-  void load_sharded_weights(const std::string& dir);
+  /// lockstep::save_sharded and load_sharded, in PyTorch's distributed
+  /// checkpoint layout (src/fsdp/dcp_checkpoint.cpp); `optimizer` nullptr:
+  /// the weights alone.
+  int64_t save_sharded(torch::optim::Optimizer* optimizer, const std::string& dir) const;
+  void load_sharded(torch::optim::Optimizer* optimizer, const std::string& dir, std::optional<int64_t> expected_save_id);
   /// lockstep::save_safetensors and load_safetensors of the wrapper
   /// (src/fsdp/safetensors.cpp).
   void save_safetensors(const std::string& path, const SafetensorsSaveOptions& options) const;
@@ -129,10 +126,11 @@ class ShardedCore {
   /// Buffers and frozen parameters: the model's state that is not sharded.
   const std::vector<std::pair<std::string, torch::Tensor>>& whole() const;
   bool sharded() const;
-  /// Reads and checks what load_sharded would change; returns the change (Note [A load changes all or nothing]),
+  /// load_sharded of a folder in lockstep's earlier format (src/fsdp/checkpoint.cpp).
+  void load_sharded_v1(torch::optim::Optimizer* optimizer, const std::string& dir, std::optional<int64_t> expected_save_id);
+  /// Reads and checks what load_sharded_v1 would change; returns the change (Note [A load changes all or nothing]),
   /// and sets `save_id` to the save's (0 for an index without one).
-  std::function<void()> stage_load(torch::optim::Optimizer& optimizer, const std::string& dir, int64_t& save_id);
-  std::string shard_payload(torch::optim::Optimizer& optimizer, int64_t save_id) const;
+  std::function<void()> stage_load(torch::optim::Optimizer* optimizer, const std::string& dir, int64_t& save_id);
   void shard_flat(torch::nn::Module& owner, size_t f);
   struct State;
   std::shared_ptr<State> state_;

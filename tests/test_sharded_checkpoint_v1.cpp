@@ -1,0 +1,177 @@
+// Folders in lockstep's earlier sharded format (index.json and
+// shard-R-of-W.pt, Note [Sharded checkpoint]) keep loading, so that runs
+// saved before the safetensors layout resume: tests/data/sharded_v1 was
+// written by that lockstep (world size 2, a Linear and a BatchNorm in one
+// unit, Adam after one step); it loads at 1, 2 and 3 ranks to what one
+// bare step gives, and its integrity checks still hold.
+
+#include "../src/util/checked_file.h"
+#include <lockstep/lockstep.h>
+
+#include "support/errors.h"
+#include "support/scratch.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace sharded_v1_tests {
+namespace {
+
+using Net = torch::nn::Sequential;
+
+// The saved model before its step: fixed values, no random draw.
+Net fixture_model() {
+  Net net(torch::nn::Linear(torch::nn::LinearOptions(6, 2).bias(false)), torch::nn::BatchNorm1d(2));
+  torch::NoGradGuard no_grad;
+  net[0]->as<torch::nn::Linear>()->weight.copy_(torch::arange(12, torch::kFloat).view({2, 6}) / 10 - 0.5);
+  net[1]->as<torch::nn::BatchNorm1d>()->weight.copy_(torch::tensor({1.5F, 0.5F}));
+  return net;
+}
+
+torch::Tensor fixture_input() {
+  return torch::arange(18, torch::kFloat).view({3, 6}) / 7 - 1;
+}
+
+template <typename Model>
+void fixture_step(Model& model, torch::optim::Optimizer& adam) {
+  adam.zero_grad();
+  model->forward(fixture_input()).pow(2).sum().backward();
+  adam.step();
+}
+
+// A copy of the fixture in this test's scratch folder, for a test to damage.
+std::string fixture_copy(const std::string& name) {
+  const auto dir = testing::scratch("v1_" + name);
+  std::filesystem::copy(std::string(LOCKSTEP_TEST_DATA_DIR) + "/sharded_v1", dir,
+                        std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+  return dir;
+}
+
+// The model's parameters and buffers, whole, on every rank.
+std::vector<torch::Tensor> values_of(FullyShardedDataParallel<Net>& model) {
+  auto full = model->summon_full_params();
+  std::vector<torch::Tensor> values;
+  for (const auto& item : model->module()->named_parameters()) {
+    values.push_back(item.value().detach().clone());
+  }
+  for (const auto& item : model->module()->named_buffers()) {
+    values.push_back(item.value().clone());
+  }
+  return values;
+}
+
+std::vector<torch::Tensor> values_of(const Net& net) {
+  std::vector<torch::Tensor> values;
+  for (const auto& item : net->named_parameters()) {
+    values.push_back(item.value().detach().clone());
+  }
+  for (const auto& item : net->named_buffers()) {
+    values.push_back(item.value().clone());
+  }
+  return values;
+}
+
+void expect_equal(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_TRUE(torch::equal(got[i], want[i])) << what << ", tensor " << i << ": " << got[i] << " vs " << want[i];
+  }
+}
+
+// Adam's exp_avg and exp_avg_sq for each parameter of `net`, from `adam`.
+std::vector<torch::Tensor> moments_of(const Net& net, torch::optim::Adam& adam) {
+  std::vector<torch::Tensor> moments;
+  for (const auto& p : net->parameters()) {
+    const auto& state = static_cast<torch::optim::AdamParamState&>(*adam.state().at(p.unsafeGetTensorImpl()));
+    moments.push_back(state.exp_avg().clone());
+    moments.push_back(state.exp_avg_sq().clone());
+  }
+  return moments;
+}
+
+// The folder saved at 2 ranks loads at 1, 2 and 3 into weights, optimizer
+// state and options equal to one bare step's, and the next step agrees.
+TEST(ShardedCheckpointV1, TheEarlierFormatLoadsAtAnyWorldSize) {
+  auto reference = fixture_model();
+  torch::optim::Adam reference_adam(reference->parameters(), torch::optim::AdamOptions(0.1));
+  fixture_step(reference, reference_adam);
+  const auto once = values_of(reference);
+  const auto moments = moments_of(reference, reference_adam);
+  fixture_step(reference, reference_adam);
+  const auto twice = values_of(reference);
+  const auto dir = fixture_copy("any_world");
+  for (int world : {1, 2, 3}) {
+    testing::spawn(world, [&](ProcessGroup& group) {
+      const std::string at = "loaded at " + std::to_string(world) + " ranks, rank " + std::to_string(group.rank());
+      Net other(torch::nn::Linear(torch::nn::LinearOptions(6, 2).bias(false)), torch::nn::BatchNorm1d(2));
+      FullyShardedDataParallel<Net> model(other, group);
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.5));
+      load_sharded(model, adam, dir);
+      expect_equal(values_of(model), once, at);
+      EXPECT_EQ(static_cast<const torch::optim::AdamOptions&>(adam.param_groups()[0].options()).lr(), 0.1) << at;
+      torch::optim::Adam full(model->module()->parameters());
+      full_optimizer_state(model, adam, full);
+      expect_equal(moments_of(model->module(), full), moments, at + ", Adam's moments");
+      fixture_step(model, adam);
+      expect_equal(values_of(model), twice, at + ", after one more step");
+    });
+  }
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(Net(torch::nn::Linear(torch::nn::LinearOptions(6, 2).bias(false)),
+                                            torch::nn::BatchNorm1d(2)),
+                                        group);
+    load_sharded(model, dir);
+    expect_equal(values_of(model), once, "the weights alone");
+  });
+}
+
+// The earlier format's own checks: a damaged file, shards of another save
+// than the index's, an index of another format or without what a save
+// writes, and a layer of another shape, each an error naming it.
+TEST(ShardedCheckpointV1, TheEarlierFormatsChecksStillHold) {
+  const auto load_says = [](const std::string& dir, const std::string& says, bool reshaped = false) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<Net> model(
+          Net(torch::nn::Linear(torch::nn::LinearOptions(reshaped ? 3 : 6, reshaped ? 4 : 2).bias(false)),
+              torch::nn::BatchNorm1d(2)),
+          group);
+      torch::optim::Adam adam(model->parameters());
+      EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), says.c_str());
+    });
+  };
+  const auto damaged = fixture_copy("damaged");
+  for (const char* shard : {"/shard-0-of-2.pt", "/shard-1-of-2.pt"}) { // each rank reads its own
+    std::fstream file(damaged + shard, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(100);
+    file.put('\x7f');
+  }
+  load_says(damaged, "-of-2.pt is damaged: its checksum does not match its content");
+  const auto index_with = [](const std::string& dir, const std::string& text) {
+    detail::write_checked_file(dir + "/index.json", "LOCKSTEP-SHARD\n", text, "test");
+  };
+  const auto mixed = fixture_copy("mixed");
+  auto index = nlohmann::json::parse(std::ifstream(mixed + "/index.json").ignore(27));
+  index["save_id"] = index["save_id"].get<int64_t>() + 1;
+  index_with(mixed, index.dump());
+  load_says(mixed, "-of-2.pt was written by another save than " + mixed + "/index.json");
+  const auto format = fixture_copy("format");
+  index_with(format, "{\"format\": 2, \"world_size\": 2}\n");
+  load_says(format, format + "/index.json is of format 2, and this lockstep reads format 1");
+  index_with(format, "{\"format\": 1}\n");
+  load_says(format, format + "/index.json lacks what save_sharded writes");
+  load_says(fixture_copy("reshaped"), "'s parameter 0 was '0.weight' of shape [2, 6], but here it is '0.weight' of "
+            "shape [4, 3]", /*reshaped=*/true);
+}
+
+} // namespace
+} // namespace sharded_v1_tests
+} // namespace lockstep
