@@ -6,8 +6,10 @@
 //   lockstep_safetensors_interop cnn-check MODEL IO    exit 1 unless MODEL gives IO's output within 1e-6
 // and the C++ side of tests/python/dcp_interop.py, FullyShardedDataParallel
 // over WORLD ranks (threads) and PyTorch's distributed checkpoint layout:
-//   lockstep_safetensors_interop fsdp-save-dcp DIR WORLD REF  save_sharded(model, DIR); the whole state to REF
-//   lockstep_safetensors_interop fsdp-load-dcp DIR WORLD REF  load_sharded(model, DIR); exit 1 unless it is REF's
+//   lockstep_safetensors_interop fsdp-save-dcp DIR WORLD REF  one Adam step, save_sharded(model, adam, DIR);
+//                                                             the whole state and Adam's to REF
+//   lockstep_safetensors_interop fsdp-load-dcp DIR WORLD REF  load_sharded(model, adam, DIR); exit 1 unless
+//                                                             it is REF's
 
 #include <lockstep/lockstep.h>
 
@@ -138,9 +140,26 @@ bool on_ranks(int world, const std::function<void(lockstep::ProcessGroup&)>& fn)
   return ok;
 }
 
+// Adam's state of the wrapped module's parameters under PyTorch's names
+// (state.<name>.exp_avg, .exp_avg_sq, .step), gathered from every rank.
+void add_full_adam_state(lockstep::FullyShardedDataParallel<torch::nn::Sequential>& model, torch::optim::Adam& adam,
+                         torch::OrderedDict<std::string, torch::Tensor>& into) {
+  torch::optim::Adam full(model->module()->parameters());
+  lockstep::full_optimizer_state(model, adam, full);
+  for (const auto& item : model->module()->named_parameters()) {
+    const auto key = lockstep::detail::optimizer_state_key(full.state(), item.value());
+    const auto& state = static_cast<const torch::optim::AdamParamState&>(*full.state().at(key));
+    into.insert("state." + item.key() + ".exp_avg", state.exp_avg().clone());
+    into.insert("state." + item.key() + ".exp_avg_sq", state.exp_avg_sq().clone());
+    into.insert("state." + item.key() + ".step", torch::tensor(state.step(), torch::kLong));
+  }
+}
+
+// The model after one Adam step, saved with its optimizer's state; REF:
+// its parameters, buffers and Adam's state, whole.
 int fsdp_save_dcp(const std::string& dir, int world, const std::string& ref) {
   auto bare = dcp_model();
-  lockstep::save_safetensors(bare, ref);
+  const auto input = torch::randn({6, 5});
   // A copy per rank, made here: ranks that each seeded and built one would
   // share the global generator, and rank 0's could differ from REF.
   std::vector<torch::nn::Sequential> nets;
@@ -149,31 +168,65 @@ int fsdp_save_dcp(const std::string& dir, int world, const std::string& ref) {
   }
   return on_ranks(world, [&](lockstep::ProcessGroup& group) {
     lockstep::FullyShardedDataParallel<torch::nn::Sequential> model(nets[group.rank()], group);
-    lockstep::save_sharded(model, dir);
-  }) ? 0 : 1;
-}
-
-int fsdp_load_dcp(const std::string& dir, int world, const std::string& ref) {
-  const auto expected = lockstep::read_safetensors(ref);
-  std::atomic<int> mismatches{0};
-  const bool ran = on_ranks(world, [&](lockstep::ProcessGroup& group) {
-    lockstep::FullyShardedDataParallel<torch::nn::Sequential> model(torch::nn::Sequential(
-        torch::nn::Linear(5, 7), torch::nn::BatchNorm1d(7), torch::nn::Linear(7, 3)), group);
-    lockstep::load_sharded(model, dir);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    model(input).pow(2).sum().backward();
+    adam.step();
+    lockstep::save_sharded(model, adam, dir);
+    torch::OrderedDict<std::string, torch::Tensor> whole;
+    add_full_adam_state(model, adam, whole);
     auto full = model->summon_full_params();
     for (const auto& list : {model->module()->named_parameters(), model->module()->named_buffers()}) {
       for (const auto& item : list) {
-        const auto& want = expected[item.key()];
-        if (!(want.sizes() == item.value().sizes() && want.scalar_type() == item.value().scalar_type() &&
-              std::memcmp(want.contiguous().data_ptr(), item.value().contiguous().data_ptr(), want.nbytes()) == 0)) {
-          std::cerr << "rank " << group.rank() << ": " << item.key() << " differs from " << ref << "\n";
-          ++mismatches;
-        }
+        whole.insert(item.key(), item.value().detach().clone());
       }
     }
+    if (group.rank() == 0) {
+      lockstep::write_safetensors(whole, ref);
+    }
+  }) ? 0 : 1;
+}
+
+bool same_bits(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+      std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(), a.nbytes()) == 0;
+}
+
+// Loads DIR with Adam at WORLD ranks; every parameter, buffer and state
+// tensor that REF holds must be its bitwise (a step count: its number).
+int fsdp_load_dcp(const std::string& dir, int world, const std::string& ref) {
+  const auto expected = lockstep::read_safetensors(ref);
+  std::atomic<int> mismatches{0};
+  std::atomic<int> compared{0};
+  const bool ran = on_ranks(world, [&](lockstep::ProcessGroup& group) {
+    lockstep::FullyShardedDataParallel<torch::nn::Sequential> model(torch::nn::Sequential(
+        torch::nn::Linear(5, 7), torch::nn::BatchNorm1d(7), torch::nn::Linear(7, 3)), group);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.5));
+    lockstep::load_sharded(model, adam, dir);
+    torch::OrderedDict<std::string, torch::Tensor> loaded;
+    add_full_adam_state(model, adam, loaded);
+    auto full = model->summon_full_params();
+    for (const auto& list : {model->module()->named_parameters(), model->module()->named_buffers()}) {
+      for (const auto& item : list) {
+        loaded.insert(item.key(), item.value());
+      }
+    }
+    for (const auto& item : loaded) {
+      const auto* want = expected.find(item.key());
+      if (want == nullptr) {
+        std::cerr << "rank " << group.rank() << ": " << ref << " has no " << item.key() << "\n";
+        ++mismatches;
+      } else if (item.key().size() > 5 && item.key().compare(item.key().size() - 5, 5, ".step") == 0
+                     ? want->item<double>() != item.value().item<double>()
+                     : !same_bits(*want, item.value())) {
+        std::cerr << "rank " << group.rank() << ": " << item.key() << " differs from " << ref << "\n";
+        ++mismatches;
+      }
+      ++compared;
+    }
   });
-  std::cout << "fsdp-load-dcp: " << (ran && mismatches == 0 ? "every rank's parameters and buffers are REF's bitwise"
-                                                               : "FAILED") << "\n";
+  std::cout << "fsdp-load-dcp: " << (ran && mismatches == 0 ? "every rank's parameters, buffers and Adam state are "
+                                                               "REF's bitwise" : "FAILED")
+            << " (" << compared << " tensors compared)\n";
   return ran && mismatches == 0 ? 0 : 1;
 }
 

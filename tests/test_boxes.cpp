@@ -1,11 +1,15 @@
 // Note [A flat shard as boxes] (src/io/boxes.h): a range of a tensor's
-// elements as boxes, each contiguous in the range, and box intersections.
+// elements as boxes, each contiguous in the range, and box intersections;
+// and the optimizer state's names beside them (Note [Optimizer state in the
+// DCP layout]).
 
+#include "../src/fsdp/dcp_optimizer.h"
 #include "../src/io/boxes.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <string>
 #include <vector>
 
 namespace lockstep {
@@ -64,6 +68,22 @@ TEST(Boxes, IntersectionIsTheCommonBoxOrNone) {
   EXPECT_EQ(common.offsets, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(common.sizes, (std::vector<int64_t>{2, 2}));
   EXPECT_FALSE(detail::intersect({{0, 0}, {2, 2}}, {{2, 0}, {1, 2}}, common));
+}
+
+// PyTorch's names for a parameter's optimizer state, and which names a
+// model-only load leaves alone: state.<parameter>.<key> of the model's own
+// parameters, the key without a dot (a deeper name is another parameter's).
+TEST(DcpOptimizerNames, StateNamesArePyTorchsAndOnlyTheModelsParametersOnes) {
+  EXPECT_EQ(detail::optimizer_state_name("0.weight", "exp_avg"), "state.0.weight.exp_avg");
+  const std::vector<std::string> parameters{"0.weight", "fc.bias", "state"};
+  EXPECT_TRUE(detail::is_optimizer_state_name("state.0.weight.exp_avg", parameters));
+  EXPECT_TRUE(detail::is_optimizer_state_name("state.fc.bias.step", parameters));
+  EXPECT_TRUE(detail::is_optimizer_state_name("state.state.step", parameters)); // a parameter named "state"
+  EXPECT_FALSE(detail::is_optimizer_state_name("state.fc.weight.exp_avg", parameters)); // not the model's
+  EXPECT_FALSE(detail::is_optimizer_state_name("state.0.weight", parameters));          // no key
+  EXPECT_FALSE(detail::is_optimizer_state_name("state.", parameters));
+  EXPECT_FALSE(detail::is_optimizer_state_name("optim.state.0.weight.exp_avg", parameters));
+  EXPECT_FALSE(detail::is_optimizer_state_name("0.weight", parameters));
 }
 
 } // namespace

@@ -6,6 +6,8 @@
 
 #include <lockstep/lockstep.h>
 
+#include "../src/util/torch_compat.h"
+
 #include "support/errors.h"
 #include "support/scratch.h"
 #include "support/threads.h"
@@ -39,7 +41,8 @@ struct Moments {
 Moments moments_of(torch::nn::Module& net, torch::optim::Adam& adam) {
   Moments moments;
   for (const auto& p : net.parameters()) {
-    const auto& state = static_cast<torch::optim::AdamParamState&>(*adam.state().at(p.unsafeGetTensorImpl()));
+    const auto& state =
+        static_cast<torch::optim::AdamParamState&>(*adam.state().at(detail::optimizer_state_key(adam.state(), p)));
     moments.tensors.push_back(state.exp_avg().clone());
     moments.tensors.push_back(state.exp_avg_sq().clone());
     moments.steps.push_back(state.step());

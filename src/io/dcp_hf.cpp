@@ -205,9 +205,14 @@ DcpCheckpoint open_dcp(const std::string& dir, const std::vector<std::string>& f
 }
 
 void clear_dcp_save(const std::string& dir, int rank, int world, const std::string& who) {
-  ::mkdir(dir.c_str(), 0777); // an existing folder, or one that cannot be made: the next step says which
+  // `dir` and the folders above it, as PyTorch's writer makes them; an
+  // existing one, or one that cannot be made: the next step says which.
+  for (size_t slash = dir.find('/', 1); slash != std::string::npos; slash = dir.find('/', slash + 1)) {
+    ::mkdir(dir.substr(0, slash).c_str(), 0777);
+  }
+  ::mkdir(dir.c_str(), 0777);
   if (rank == 0) {
-    for (const std::string record : {dir + "/" + kDcpSaveRecord, dir + "/index.json"}) {
+    for (const std::string& record : {dir + "/" + kDcpSaveRecord, dir + "/index.json"}) {
       TORCH_CHECK(std::remove(record.c_str()) == 0 || errno == ENOENT, who, ": cannot remove the earlier save's ",
                   record, " (", std::strerror(errno), ").");
     }

@@ -4,14 +4,17 @@
 
 TOOL is lockstep_safetensors_interop (tests/safetensors_interop.cpp), with its
 fsdp-save-dcp and fsdp-load-dcp commands. The model on both sides is
-Sequential(Linear(5,7), BatchNorm1d(7), Linear(7,3)). Each check prints a
-line; the script exits 1 if any failed:
+Sequential(Linear(5,7), BatchNorm1d(7), Linear(7,3)), after one Adam step,
+saved with Adam's state (state.<name>.exp_avg, .exp_avg_sq, .step). Each
+check prints a line; the script exits 1 if any failed:
   - lockstep's FSDP saves at 2 ranks a folder whose files all carry
     DCP_SHARDING_INFO, and which loads bitwise equal to lockstep's full state
-    (a) in this process, with dcp.load and no process group, and (b) in
-    FSDP2 (fully_shard) at 3 ranks over gloo, full_tensor() on every rank;
+    and Adam's (a) in this process, with dcp.load and no process group, and
+    (b) in FSDP2 (fully_shard) at 3 ranks over gloo, full_tensor() on every
+    rank, the optimizer's state through get_optimizer_state_dict;
   - a folder FSDP2 saves at 2 ranks (HuggingFaceStorageWriter,
-    save_distributed=True) loads in lockstep's FSDP at 3 ranks bitwise;
+    save_distributed=True), with its Adam's state, loads in lockstep's FSDP
+    and Adam at 3 ranks bitwise;
   - torch's consolidate_safetensors_files turns lockstep's folder into one
     file whose tensors equal lockstep's full state bitwise.
 Each child (TOOL, or this script as one rank of a process group) has a
@@ -62,9 +65,23 @@ def bitwise(a, b):
 
 
 def mismatches(state, ref):
-    """Names that differ between a state (plain tensors) and ref, bitwise; missing or extra names too."""
+    """Names that differ between a state (plain tensors) and ref, bitwise (a step count: by value); missing or
+    extra names too."""
     bad = sorted(set(state) ^ set(ref))
-    return bad + [k for k in state if k in ref and not bitwise(state[k], ref[k])]
+    return bad + [k for k in state if k in ref and not (
+        float(state[k]) == float(ref[k]) if k.endswith(".step") else bitwise(state[k], ref[k]))]
+
+
+def flat_optimizer_state(state):
+    """An optimizer state dict's "state" ({name: {key: tensor}}) as DCP names it: state.<name>.<key>, in full."""
+    return {f"state.{name}.{key}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().contiguous()
+            for name, keys in state.items() for key, v in keys.items()}
+
+
+def zero_adam_state(net):
+    """What a fresh Adam's state would be after its first step, as PyTorch's state dict holds it, by name."""
+    return {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.tensor(0.0)}
+            for name, p in net.named_parameters()}
 
 
 def clobber(state):
@@ -146,19 +163,31 @@ def full_state(net):
 
 
 def rank_load(rank, world, ckpt, ref):
-    """FSDP2 loads ckpt; every tensor in full must equal ref's. Exits 1 otherwise."""
+    """FSDP2 and its Adam load ckpt; every tensor in full must equal ref's. Exits 1 otherwise."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     net = fsdp2(model(), world)
+    opt = torch.optim.Adam(net.parameters(), lr=0.5)
+    osd = get_optimizer_state_dict(net, opt)  # Adam's state made, as a first step would make it
     state = net.state_dict()
     clobber(state)
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(ckpt))
+    for keys in osd["state"].values():
+        clobber(keys)
+    dcp.load({**state, "state": osd["state"]}, storage_reader=HuggingFaceStorageReader(ckpt))
     net.load_state_dict(state)
-    bad = mismatches(full_state(net), load_file(ref))
+    set_optimizer_state_dict(net, opt, osd)
+    loaded = {**full_state(net), **flat_optimizer_state(get_optimizer_state_dict(net, opt)["state"])}
+    bad = mismatches(loaded, load_file(ref))
     print(f"rank {rank}: " + (f"differ from the reference: {bad}" if bad else "all tensors bitwise equal"))
     return 1 if bad else 0
 
 
 def rank_save(rank, world, ckpt, ref):
-    """FSDP2 saves a model with non-default weights and BN statistics; rank 0 writes its full state to ref."""
+    """FSDP2 saves a model with non-default weights and BN statistics after one Adam step, with Adam's state
+    ({**model state, "state": optimizer state}, as DCP's HF writer takes tensors only); rank 0 writes the
+    full state and Adam's to ref."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     torch.manual_seed(0)  # the same numbers on every rank, before FSDP2 shards them
     net = model()
     with torch.no_grad():
@@ -167,8 +196,13 @@ def rank_save(rank, world, ckpt, ref):
         net.train()
         net(torch.randn(6, 5) * 2 + 1)  # running statistics far from the defaults
     net = fsdp2(net, world)
-    dcp.save(net.state_dict(), storage_writer=HuggingFaceStorageWriter(ckpt, save_distributed=True))
-    full = full_state(net)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    net(torch.randn(6, 5)).pow(2).sum().backward()
+    opt.step()
+    osd = get_optimizer_state_dict(net, opt)
+    dcp.save({**net.state_dict(), "state": osd["state"]},
+             storage_writer=HuggingFaceStorageWriter(ckpt, save_distributed=True))
+    full = {**full_state(net), **flat_optimizer_state(osd["state"])}
     if rank == 0:
         save_file(full, ref)
     return 0
@@ -199,8 +233,10 @@ def lockstep_to_python(tool, folder):
     if why:
         return None
     expected = load_file(ref)
-    check(sorted(expected) == sorted(model().state_dict()),
-          f"lockstep's reference holds the model's state-dict names ({', '.join(sorted(expected))})")
+    names = sorted(model().state_dict()) + sorted(f"state.{name}.{key}" for name, _ in model().named_parameters()
+                                                  for key in ("exp_avg", "exp_avg_sq", "step"))
+    check(sorted(expected) == sorted(names),
+          f"lockstep's reference holds the model's state-dict names and Adam's ({', '.join(sorted(expected))})")
 
     files, without = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors")), []
     for name in files:
@@ -211,19 +247,20 @@ def lockstep_to_python(tool, folder):
           f"for every tensor" + (f" (missing {without})" if without else ""))
 
     try:
-        state = model().state_dict()
+        net = model()
+        state, optimizer_state = net.state_dict(), zero_adam_state(net)
         clobber(state)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=HuggingFaceStorageReader(ckpt))
-        bad = mismatches(state, expected)
-        check(not bad, "Python, no process group, loads lockstep's folder bitwise"
+            dcp.load({**state, "state": optimizer_state}, storage_reader=HuggingFaceStorageReader(ckpt))
+        bad = mismatches({**state, **flat_optimizer_state(optimizer_state)}, expected)
+        check(not bad, "Python, no process group, loads lockstep's folder and Adam's state bitwise"
               + (f" (differ: {bad})" if bad else ""))
     except ERRORS as e:
         check(False, f"Python, no process group, loads lockstep's folder ({short(e)})")
 
     for rank, why in enumerate(spawn(folder, "load", 3, ckpt, ref)):
-        check(why is None, f"FSDP2 rank {rank} of 3 loads lockstep's 2-rank folder bitwise"
+        check(why is None, f"FSDP2 and Adam, rank {rank} of 3, load lockstep's 2-rank folder bitwise"
               + (f" ({why})" if why else ""))
     return ckpt, expected
 
@@ -234,7 +271,7 @@ def python_to_lockstep(tool, folder):
     check(not why, "FSDP2 saves at 2 ranks in DCP HF layout" + (f" ({why})" if why else ""))
     if not why:
         why = run_tool(tool, "fsdp-load-dcp", ckpt, "3", ref)
-        check(why is None, "lockstep's FSDP at 3 ranks loads FSDP2's 2-rank folder bitwise"
+        check(why is None, "lockstep's FSDP and Adam at 3 ranks load FSDP2's 2-rank folder bitwise"
               + (f" ({why})" if why else ""))
 
 
@@ -244,7 +281,7 @@ def consolidation(folder, ckpt, expected):
     # BatchNorm's int64 num_batches_tracked would fail it (its 0-d data would be skipped too).
     out = os.path.join(folder, "consolidated")
     os.makedirs(out)
-    floats = {k: 1 for k, v in expected.items() if v.is_floating_point()}
+    floats = {k: 1 for k, v in expected.items() if v.is_floating_point() and not k.startswith("state.")}
     try:
         from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
