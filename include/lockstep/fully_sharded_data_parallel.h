@@ -375,7 +375,7 @@ void save_sharded(const FullyShardedDataParallel<M>& model, const std::string& d
 /// save_distributed=True))` wrote (FSDP2 included), at any world size: each
 /// rank reads only the pieces its shards cover. Every parameter and buffer
 /// must be in it, of the same shape and dtype, and nothing else but an
-/// optimizer's state (`state.<parameter>.<key>`), which stays unread, as
+/// optimizer's state (`state.NAME.KEY`), which stays unread, as
 /// `load_state_dict` lists missing and unexpected names. A folder in
 /// lockstep's earlier format loads too. A damaged, incomplete or mixed
 /// folder is an error naming the file, and nothing is loaded on any rank.
@@ -387,7 +387,7 @@ void load_sharded(FullyShardedDataParallel<M>& model, const std::string& dir) {
 
 /// Writes the model's weights and its optimizer's state to the folder `dir`
 /// (made if missing), as save_sharded(model, dir) writes the weights: the
-/// state beside them under PyTorch's names, `state.<parameter>.exp_avg`
+/// state beside them under PyTorch's names, `state.NAME.exp_avg`
 /// and so on, each rank its own shards of it, so that Python's `dcp.load`
 /// reads it into an optimizer of a plain module or of FSDP2. What is not a
 /// tensor, the optimizer's type and its parameter groups' options, goes in
@@ -408,7 +408,7 @@ int64_t save_sharded(const FullyShardedDataParallel<M>& model, torch::optim::Opt
 /// optimizer must be made from model->parameters(); as torch::load of an
 /// optimizer, its parameter groups' options (learning rate, momentum) become
 /// the saved ones. A folder that PyTorch wrote loads too: its
-/// `state.<parameter>.<key>` tensors, where it has them, become the
+/// `state.NAME.KEY` tensors, where it has them, become the
 /// optimizer's state, and the caller's options stay. A folder without
 /// optimizer state leaves the optimizer without state, as a fresh one. A
 /// folder in lockstep's earlier format (index.json and shard-R-of-W.pt)
