@@ -41,8 +41,9 @@ namespace detail {
 
 // Note [Sharded checkpoint]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
-// The earlier format, which load_sharded still reads: DIR/index.json names the world size that saved, and per flat parameter
-// its unit, dtype, element count, shard size and parameter names.
+// The earlier format, which load_sharded still reads: DIR/index.json names
+// the world size that saved, the save's id, and per flat parameter its
+// unit, dtype, element count, shard size and parameter names.
 // DIR/shard-R-of-W.pt is rank R's LibTorch archive: per flat parameter f,
 // "f<f>.values" (its padded shard) and "f<f>.state" (the optimizer's state
 // for it, as the optimizer's own serialize() writes it). What is not sharded
@@ -97,7 +98,7 @@ std::string shard_file(const std::string& dir, int rank, int world) {
 // Old shards, read once each.
 class OldShards {
  public:
-  // `save_id`: the index's (Note [Sharded checkpoint files]), or nullopt
+  // `save_id`: the index's, which each of the save's files carries, or nullopt
   // for an index written before saves had one.
   OldShards(std::string dir, int world, std::optional<int64_t> save_id)
       : dir_(std::move(dir)), world_(world), save_id_(save_id) {}

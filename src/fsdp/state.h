@@ -79,7 +79,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // that used it (Note [Units no rank used]).
   std::vector<std::pair<size_t, torch::Tensor>> fresh_grads;
   // What is not sharded but is the model's state: buffers and frozen
-  // parameters, by name, the live tensors (Note [Sharded checkpoint]).
+  // parameters, by name, the live tensors, which checkpoints save whole.
   std::vector<std::pair<std::string, torch::Tensor>> whole;
   size_t first_frozen = 0; // whole's frozen parameters follow its buffers
 
