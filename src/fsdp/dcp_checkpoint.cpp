@@ -4,7 +4,7 @@
 // HuggingFaceStorageWriter(dir, save_distributed=True) (src/io/dcp_hf.h), so
 // that Python's dcp.load reads them at any world size, and a folder that
 // FSDP2 wrote loads here at any other. Folders in lockstep's earlier format
-// load by src/fsdp/checkpoint.cpp.
+// load by src/fsdp/checkpoint_v1.cpp.
 
 #include "fsdp/dcp_optimizer.h"
 #include "fsdp/flat_boxes.h"

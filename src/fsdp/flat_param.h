@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: what FullyShardedDataParallel keeps per unit and dtype, shared by
-// src/fsdp/forward.cpp and src/fsdp/checkpoint.cpp.
+// src/fsdp/forward.cpp and src/fsdp/checkpoint_v1.cpp.
 
 #include <lockstep/detail/sharded_core.h>
 

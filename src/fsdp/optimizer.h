@@ -2,7 +2,7 @@
 
 // Internal: the optimizer's state of a FullyShardedDataParallel's shards, as
 // save_sharded, load_sharded (src/fsdp/dcp_checkpoint.cpp, and
-// src/fsdp/checkpoint.cpp for the earlier format) and full_optimizer_state
+// src/fsdp/checkpoint_v1.cpp for the earlier format) and full_optimizer_state
 // (src/fsdp/optimizer.cpp) read and write it, and how they fail on every
 // rank alike.
 
@@ -57,7 +57,7 @@ void install_group_options(torch::optim::Optimizer& optimizer, const GroupOption
 torch::Device control_device_of(const ProcessGroup& group, const std::vector<FlatParam*>& flats);
 
 /// A number that tells one save from another, the same on every rank
-/// (rank 0's, broadcast; src/fsdp/checkpoint.cpp).
+/// (rank 0's, broadcast; src/fsdp/checkpoint_v1.cpp).
 int64_t new_save_id(const ProcessGroup& group, torch::Device device);
 /// Note [One save on every rank]: every rank learns that all loaded save
 /// `save_id`, or fails naming the rank that did not.
@@ -65,7 +65,7 @@ void check_same_save(const ProcessGroup& group, torch::Device device, int64_t sa
 /// An error unless `dir` is a folder (load_sharded's first check).
 void check_checkpoint_folder(const std::string& dir);
 /// Whether `dir` holds lockstep's earlier sharded format (index.json and
-/// shard-R-of-W.pt, Note [Sharded checkpoint] in src/fsdp/checkpoint.cpp)
+/// shard-R-of-W.pt, Note [Sharded checkpoint] in src/fsdp/checkpoint_v1.cpp)
 /// and no later save.
 bool is_lockstep_v1_folder(const std::string& dir);
 /// Runs `step` on every rank, then every rank learns whether every other got

@@ -113,9 +113,9 @@ class ShardedCore {
   void save_safetensors(const std::string& path, const SafetensorsSaveOptions& options) const;
   void load_safetensors(const std::string& path, const SafetensorsLoadOptions& options);
   /// FullyShardedDataParallelImpl's save and load: an error that says how
-  /// to checkpoint instead (src/fsdp/checkpoint.cpp).
+  /// to checkpoint instead (src/fsdp/checkpoint_v1.cpp).
   [[noreturn]] void refuse_serialization(const char* what) const;
-  /// lockstep::full_optimizer_state (src/fsdp/checkpoint.cpp).
+  /// lockstep::full_optimizer_state (src/fsdp/checkpoint_v1.cpp).
   void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const;
   /// lockstep::shard_full_optimizer_state (src/fsdp/optimizer.cpp).
   void shard_full_optimizer_state(torch::optim::Optimizer& full, torch::optim::Optimizer& optimizer);
@@ -126,7 +126,7 @@ class ShardedCore {
   /// Buffers and frozen parameters: the model's state that is not sharded.
   const std::vector<std::pair<std::string, torch::Tensor>>& whole() const;
   bool sharded() const;
-  /// load_sharded of a folder in lockstep's earlier format (src/fsdp/checkpoint.cpp).
+  /// load_sharded of a folder in lockstep's earlier format (src/fsdp/checkpoint_v1.cpp).
   void load_sharded_v1(torch::optim::Optimizer* optimizer, const std::string& dir, std::optional<int64_t> expected_save_id);
   /// Reads and checks what load_sharded_v1 would change; returns the change (Note [A load changes all or nothing]),
   /// and sets `save_id` to the save's (0 for an index without one).
