@@ -6,6 +6,7 @@
 // FSDP2 wrote loads here at any other. Folders in lockstep's earlier format
 // load by src/fsdp/checkpoint_v1.cpp.
 
+#include "fsdp/checkpoint_common.h"
 #include "fsdp/dcp_optimizer.h"
 #include "fsdp/flat_boxes.h"
 #include "fsdp/optimizer.h"

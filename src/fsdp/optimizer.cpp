@@ -4,6 +4,8 @@
 
 #include "fsdp/optimizer.h"
 
+#include "fsdp/checkpoint_common.h"
+
 #include <lockstep/fully_sharded_data_parallel.h>
 
 #include "fsdp/state.h"

@@ -3,17 +3,13 @@
 // Internal: the optimizer's state of a FullyShardedDataParallel's shards, as
 // save_sharded, load_sharded (src/fsdp/dcp_checkpoint.cpp, and
 // src/fsdp/checkpoint_v1.cpp for the earlier format) and full_optimizer_state
-// (src/fsdp/optimizer.cpp) read and write it, and how they fail on every
-// rank alike.
-
-#include <lockstep/process_group.h>
+// (src/fsdp/optimizer.cpp) read and write it.
 
 #include "fsdp/flat_param.h"
 
 #include <torch/optim.h>
 #include <torch/serialize.h>
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,28 +48,6 @@ using GroupOptions = std::vector<std::shared_ptr<torch::optim::OptimizerOptions>
 GroupOptions read_group_options(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive,
                                 const std::string& file);
 void install_group_options(torch::optim::Optimizer& optimizer, const GroupOptions& options);
-
-/// control_device's for the flat parameters' device.
-torch::Device control_device_of(const ProcessGroup& group, const std::vector<FlatParam*>& flats);
-
-/// A number that tells one save from another, the same on every rank
-/// (rank 0's, broadcast; src/fsdp/checkpoint_v1.cpp).
-int64_t new_save_id(const ProcessGroup& group, torch::Device device);
-/// Note [One save on every rank]: every rank learns that all loaded save
-/// `save_id`, or fails naming the rank that did not.
-void check_same_save(const ProcessGroup& group, torch::Device device, int64_t save_id, const std::string& dir);
-/// An error unless `dir` is a folder (load_sharded's first check).
-void check_checkpoint_folder(const std::string& dir);
-/// Whether `dir` holds lockstep's earlier sharded format (index.json and
-/// shard-R-of-W.pt, Note [Sharded checkpoint] in src/fsdp/checkpoint_v1.cpp)
-/// and no later save.
-bool is_lockstep_v1_folder(const std::string& dir);
-/// Runs `step` on every rank, then every rank learns whether every other got
-/// through it, so that none waits for one that failed: the failing rank
-/// throws its own error, the others one naming it and `failure`, saying
-/// that its own error `tells`. `device`: control_device_of's.
-void on_every_rank(const ProcessGroup& group, torch::Device device, const std::string& failure,
-                   const std::function<void()>& step, const char* tells = "names the file and what is wrong with it");
 
 } // namespace detail
 } // namespace lockstep

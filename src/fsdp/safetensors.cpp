@@ -3,7 +3,7 @@
 // index and its files) under the bare module's names, written by rank 0 and
 // read by every rank for its own shards.
 
-#include "fsdp/optimizer.h"
+#include "fsdp/checkpoint_common.h"
 #include "fsdp/state.h"
 #include "io/safetensors_file.h"
 

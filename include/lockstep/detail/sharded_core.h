@@ -113,9 +113,9 @@ class ShardedCore {
   void save_safetensors(const std::string& path, const SafetensorsSaveOptions& options) const;
   void load_safetensors(const std::string& path, const SafetensorsLoadOptions& options);
   /// FullyShardedDataParallelImpl's save and load: an error that says how
-  /// to checkpoint instead (src/fsdp/checkpoint_v1.cpp).
+  /// to checkpoint instead (src/fsdp/checkpoint_common.cpp).
   [[noreturn]] void refuse_serialization(const char* what) const;
-  /// lockstep::full_optimizer_state (src/fsdp/checkpoint_v1.cpp).
+  /// lockstep::full_optimizer_state (src/fsdp/optimizer.cpp).
   void full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const;
   /// lockstep::shard_full_optimizer_state (src/fsdp/optimizer.cpp).
   void shard_full_optimizer_state(torch::optim::Optimizer& full, torch::optim::Optimizer& optimizer);
