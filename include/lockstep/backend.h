@@ -91,6 +91,17 @@ class GroupImpl {
   virtual bool cheap_collective_starts() const {
     return false;
   }
+  /// Whether a collective on `device` can only ever complete against a
+  /// collective of the same kind on the other ranks: one that meets another
+  /// kind moves no bytes and fails at the timeout. Gloo's does, each kind
+  /// having slots of its own; MPI and NCCL match collectives by their order
+  /// alone, and must keep false. Where true, the collectives of a bucket
+  /// plan that every rank agreed on are sent without the check before each
+  /// (Note [Planned collectives] in src/comm/planned_collective.cpp).
+  virtual bool pairs_collectives_by_kind(torch::Device device) const {
+    (void)device;
+    return false;
+  }
 };
 
 } // namespace lockstep

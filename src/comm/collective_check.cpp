@@ -2,6 +2,7 @@
 
 #include "comm/forwarding_group.h"
 #include "comm/forwarding_work.h"
+#include "comm/planned_collective.h"
 #include "util/caller_stream.h"
 
 #include <c10/util/Exception.h>
@@ -335,6 +336,10 @@ struct Job {
   c10::optional<c10::Stream> stream; // Note [The caller's stream]
   std::string what;
   std::function<std::shared_ptr<Work>(const std::string& what)> start;
+  // Note [Planned collectives]: where this collective carries its words,
+  // sent without the check before it; undefined for a checked one.
+  torch::Tensor words;
+  int rank = 0, size = 1;
   std::mutex mutex;
   std::condition_variable changed;
   bool taken = false; // the group's thread has begun it
@@ -362,6 +367,10 @@ class QueuedWork : public Work {
     } catch (const std::exception& e) {
       job_->broken->record(job_->what, e); // Note [A group whose collective failed]
       throw;
+    }
+    if (job_->words.defined()) { // Note [Planned collectives]
+      const std::string error = plan_words_disagreement(job_->words, job_->size);
+      TORCH_CHECK(error.empty(), "lockstep: rank ", job_->rank, " of ", job_->size, ": ", job_->what, ": ", error);
     }
   }
   bool started() const override {
@@ -447,15 +456,48 @@ class CheckedGroup : public ForwardingGroup {
     job->stream = caller_stream(job->device);
     job->what = std::move(what);
     job->start = std::move(start);
+    job->words = planned_words(kind, arg, tensors);
+    job->rank = rank();
+    job->size = size();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (detail_) { // numbered in the order the queue, and so every rank, sends them
-        add_detail(job->fingerprint, next_seq_++, tensors);
+      const int64_t seq = next_seq_++; // numbered in the order the queue, and so every rank, sends them
+      if (detail_) {
+        add_detail(job->fingerprint, seq, tensors);
+      }
+      if (job->words.defined()) {
+        PlanWords words = current_plan_words();
+        words.seq = seq;
+        write_plan_words(job->words, job->rank, job->size, words);
+        if (queue_.empty() && !busy_) {
+          run(*job); // nothing to check first, nor to wait for: started here, in order, without a thread hop
+          return std::make_shared<QueuedWork>(std::move(job));
+        }
       }
       queue_.push_back(job);
     }
     queued_.notify_one();
     return std::make_shared<QueuedWork>(std::move(job));
+  }
+
+  // Note [Planned collectives]: the room for the words at the end of a
+  // planned allreduce's tensor, where it goes without the check; otherwise
+  // undefined, with the room zeroed (its sum is not read).
+  torch::Tensor planned_words(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) const {
+    const int64_t room = plan_words_elements(size());
+    if (current_plan_words().plan < 0 || kind != kAllreduce || arg != static_cast<int64_t>(ReduceOp::Sum) ||
+        tensors.size() != 1 || room == 0) {
+      return {};
+    }
+    const auto& t = tensors[0];
+    TORCH_INTERNAL_ASSERT(t.is_contiguous() && t.numel() >= room && at::isFloatingType(t.scalar_type()),
+                          "a planned collective without room for its words");
+    auto words = t.view(-1).narrow(0, t.numel() - room, room);
+    if (detail_ || !inner_->pairs_collectives_by_kind(t.device())) {
+      words.zero_();
+      return {};
+    }
+    return words;
   }
 
   void loop() {
@@ -467,9 +509,11 @@ class CheckedGroup : public ForwardingGroup {
       }
       auto job = std::move(queue_.front());
       queue_.pop_front();
+      busy_ = true;
       lock.unlock();
       run(*job);
       lock.lock();
+      busy_ = false;
     }
   }
 
@@ -487,7 +531,9 @@ class CheckedGroup : public ForwardingGroup {
                   "earlier collective of this group failed, so its ranks can no longer be kept in step. Let the "
                   "error end the job (a launcher restarts it from the last checkpoint), or make a new group on every "
                   "rank. The first failure: ", broken);
-      agree(job);
+      if (!job.words.defined()) {
+        agree(job);
+      }
       work = job.start(job.what);
     } catch (...) {
       error = std::current_exception();
@@ -535,7 +581,8 @@ class CheckedGroup : public ForwardingGroup {
   std::mutex mutex_;
   std::condition_variable queued_;
   std::deque<std::shared_ptr<Job>> queue_;
-  int64_t next_seq_ = 0; // the next collective's number, under LOCKSTEP_DEBUG=detail
+  int64_t next_seq_ = 0; // the next collective's number
+  bool busy_ = false; // the thread is checking or starting a collective it took from the queue
   bool stop_ = false;
   std::shared_ptr<Broken> broken_ = std::make_shared<Broken>();
   std::thread thread_; // last: started once the rest exists

@@ -37,6 +37,9 @@ class ForwardingGroup : public GroupImpl {
   bool cheap_collective_starts() const override {
     return inner_->cheap_collective_starts();
   }
+  bool pairs_collectives_by_kind(torch::Device device) const override {
+    return inner_->pairs_collectives_by_kind(device);
+  }
 
  protected:
   std::shared_ptr<GroupImpl> inner_;

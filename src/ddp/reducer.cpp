@@ -3,6 +3,7 @@
 #include <lockstep/distributed_options.h>
 #include <lockstep/timeline.h>
 
+#include "comm/planned_collective.h"
 #include "ddp/reducer_state.h"
 #include "util/bucket_key.h"
 
@@ -91,6 +92,10 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
   auto assignment = compute_bucket_assignment(
       bytes, keys, std::min(options.first_bucket_bytes(), options.bucket_bytes()), options.bucket_bytes(), order);
   std::vector<Bucket> built;
+  std::vector<PlanItem> plan_items;
+  // Note [Planned collectives]: a hook may reduce less than the buffer, so
+  // its buckets carry no words.
+  const int64_t words = options.comm_hook() ? 0 : plan_words_elements(group.size());
   slot_of.assign(params.size(), {0, 0});
   torch::NoGradGuard no_grad;
   for (size_t b = 0; b < assignment.size(); ++b) {
@@ -102,7 +107,9 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
     }
     const bool flag = flag_in_last_bucket() && b + 1 == assignment.size();
     const auto& first = params[bucket.params.front()];
-    bucket.buffer = torch::zeros({numel + (flag ? 1 : 0)}, first.options().requires_grad(false));
+    bucket.numel = numel;
+    bucket.buffer = torch::zeros({numel + (flag ? 1 : 0) + words}, first.options().requires_grad(false));
+    plan_items.push_back({bucket.buffer.numel(), bucket.buffer.scalar_type()});
     int64_t offset = 0;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const auto& p = params[bucket.params[k]];
@@ -121,6 +128,7 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
     built.push_back(std::move(bucket));
   }
   buckets = std::move(built);
+  plan = agree_on_plan(group, "DistributedDataParallel's buckets", plan_items, params[0].device());
   if (options.gradient_as_bucket_view()) {
     // .grad is the bucket slot: backward accumulates into the bucket, and no
     // copy or gradient-sized memory is needed besides it. A gradient already
@@ -427,7 +435,7 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
     }
     auto& bucket = buckets[next_bucket];
     if (flagged) {
-      bucket.buffer[-1].fill_(surprised() ? 1 : 0);
+      bucket.buffer[bucket.numel].fill_(last_bucket_flag());
     }
     bucket.allreduce_span =
         timeline::Span([&] { return "allreduce bucket " + std::to_string(next_bucket); }, bucket.bytes, "collectives");
@@ -437,6 +445,7 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
       bucket.result = options.comm_hook()(group, view);
     } else {
       // The gradients were divided by the divisor on their way in.
+      PlannedCollective planned(plan, static_cast<int64_t>(next_bucket));
       bucket.result = comm_hooks::pending(
           group.allreduce_async({bucket.buffer}, ReduceOp::Sum, "allreduce of " + bucket.name), bucket.buffer);
     }

@@ -24,12 +24,13 @@ void Reducer::State::finalize_backward() {
   const timeline::Span backward = shadowing ? timeline::Span() : std::move(backward_span);
 
   const std::vector<size_t> unused = record_unused();
+  had_unused = !unused.empty() && !shadowing;
   launch_remaining_buckets(unused);
 
   // Small collectives beside the buckets, launched in the same order on
-  // every rank: static_graph's flag where a hook reduces the buckets (Note
-  // [Static graph]), which parameters each rank used (Note [Unused
-  // parameters]), and plain mode's check.
+  // every rank: static_graph's flag, or plain mode's check, where a hook
+  // reduces the buckets (Note [Static graph]), and which parameters each rank
+  // used (Note [Unused parameters]).
   SmallCollective static_flag, used_flags, unused_ranks;
   if (options.static_graph() && !flag_in_last_bucket()) {
     static_flag.launch(group, torch::full({1}, surprised() ? 1.0f : 0.0f, torch::TensorOptions().device(params[0].device())),
@@ -43,24 +44,25 @@ void Reducer::State::finalize_backward() {
     used_flags.launch(group, torch::tensor(flags).to(params[0].device()), "the allreduce of which parameters each rank used");
   }
   used_since_sync.assign(params.size(), 0);
-  if (checks_unused()) {
-    const bool mine = !unused.empty() && !shadowing;
-    unused_ranks.launch(group, torch::full({1}, mine ? 1.0f : 0.0f, torch::TensorOptions().device(params[0].device())),
+  if (checks_unused() && !flag_in_last_bucket()) {
+    unused_ranks.launch(group, torch::full({1}, had_unused ? 1.0f : 0.0f, torch::TensorOptions().device(params[0].device())),
                         "the check for parameters without gradients");
   }
 
   const auto reduced = wait_buckets();
-  const bool broken = flag_in_last_bucket() ? reduced.back()[-1].item<double>() != 0
-                                            : static_flag.work && static_flag.result().item<float>() != 0;
-  if (broken) {
+  const double flag = flag_in_last_bucket() ? reduced.back()[buckets.back().numel].item<double>()
+                      : static_flag.work     ? static_flag.result().item<float>()
+                      : unused_ranks.work    ? unused_ranks.result().item<float>()
+                                             : 0.0;
+  if (options.static_graph() && flag != 0) {
     throw_static_graph_error();
   }
   if (used_flags.work) {
     record_global_unused(used_flags.result());
   }
   copy_out(reduced);
-  if (unused_ranks.work) {
-    check_unused(unused, static_cast<int>(unused_ranks.result().item<float>()));
+  if (checks_unused()) {
+    check_unused(unused, static_cast<int>(flag));
   }
 }
 

@@ -77,9 +77,10 @@ namespace detail {
 // and plain mode's check collective. A broken promise must still fail on
 // every rank, with no collective added to the normal step. So the last
 // bucket carries one trailing element, a flag: a rank that saw a recorded
-// parameter without gradient, or an unrecorded one with one, sets it. The
-// last bucket is launched only once backward has ended, when both kinds of
-// surprise are known; it is waited for with the others, and a non-zero flag
+// parameter without gradient, or an unrecorded one with one, sets it. Plain
+// mode's check, whether a rank had parameters without gradients, travels in
+// that element in the same way. The last bucket is launched only once
+// backward has ended, when both kinds of surprise are known; it is waited for with the others, and a non-zero flag
 // makes every rank exchange what it saw, in one all_gather, and throw the
 // same error naming the rank and the parameter. Under a communication hook
 // the flag travels alone instead, in one more float's allreduce after the
@@ -128,7 +129,11 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
 
   struct Bucket {
     std::vector<size_t> params;
-    torch::Tensor buffer; // the gradients, then the static_graph flag in the last bucket
+    // The gradients; in the last bucket, the flag (Note [Static graph]); then,
+    // without a hook, room for the words (Note [Planned collectives] in
+    // src/comm/planned_collective.cpp).
+    torch::Tensor buffer;
+    int64_t numel = 0; // the gradients' elements, which the flag follows
     std::vector<torch::Tensor> views; // per param of the bucket, shaped as the param
     size_t pending = 0;
     std::shared_ptr<PendingReduction> result;
@@ -142,6 +147,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   ProcessGroup group;
   DistributedOptions options;
   std::vector<Bucket> buckets;
+  int64_t plan = -1; // the buckets' allreduces, as the ranks agreed on them
+  bool had_unused = false; // plain mode: this rank's last backward left parameters without gradients
   std::vector<std::pair<size_t, size_t>> slot_of; // param -> (bucket, position)
   std::vector<char> ready;
   size_t next_bucket = 0;
@@ -180,7 +187,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
   // Note [Static graph]: where the flag travels.
   bool flag_in_last_bucket() const {
-    return options.static_graph() && !options.comm_hook();
+    return (options.static_graph() || checks_unused()) && !options.comm_hook();
+  }
+  float last_bucket_flag() const {
+    return (options.static_graph() ? surprised() : had_unused) ? 1.0f : 0.0f;
   }
   bool surprised() const {
     return std::any_of(surprises.begin(), surprises.end(), [](int64_t s) { return s != kNone; });

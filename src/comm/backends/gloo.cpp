@@ -487,6 +487,13 @@ class RingWork : public Work {
 class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
  public:
   using C10dGroup::C10dGroup;
+  // An allreduce is c10d's, on Gloo's allreduce slots: it pairs only with
+  // allreduces. Lockstep's rings (all-gathers and reduce-scatters) use
+  // send and receive slots of their own. CUDA tensors go through c10d's
+  // staging copies, which this has not been shown for, so they keep the check.
+  bool pairs_collectives_by_kind(torch::Device device) const override {
+    return device.is_cpu();
+  }
   bool supports(Collective, torch::ScalarType dtype, torch::Device device) const override {
     if (!device.is_cpu() && !device.is_cuda()) {
       return false;

@@ -1,0 +1,70 @@
+#pragma once
+
+// Internal: collectives of a plan that every rank agreed on once (DDP's
+// buckets), which the agreement check then lets go without a round trip
+// before each, checking words they carry instead (Note [Planned collectives]
+// in src/comm/planned_collective.cpp).
+
+#include <lockstep/process_group.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+/// One collective of a plan: its tensor's elements (the words' room
+/// included) and dtype.
+struct PlanItem {
+  int64_t elements = 0;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+};
+
+/// Every rank's `items` compared in one checked all_gather on `device`.
+/// Equal, every rank returns the same id for the plan; otherwise every rank
+/// throws, naming `label` ("DistributedDataParallel's buckets") and the
+/// first ranks whose plans differ.
+int64_t agree_on_plan(const ProcessGroup& group, const std::string& label, const std::vector<PlanItem>& items,
+                      torch::Device device);
+
+/// How many elements a planned collective keeps free at the end of its
+/// tensor for the words, in a group of `size` ranks; 0 where the group is
+/// too large to carry them (its collectives are then checked as any other).
+int64_t plan_words_elements(int size);
+
+/// While alive, the allreduce (Sum) this thread starts is item `item` of the
+/// plan `plan`, and the last plan_words_elements() elements of its tensor
+/// are free for the words.
+class PlannedCollective {
+ public:
+  PlannedCollective(int64_t plan, int64_t item);
+  ~PlannedCollective();
+  PlannedCollective(const PlannedCollective&) = delete;
+  PlannedCollective& operator=(const PlannedCollective&) = delete;
+
+ private:
+  int64_t previous_plan_, previous_item_;
+};
+
+/// What a planned collective says of itself: its plan, its item, and its
+/// number among its group's collectives.
+struct PlanWords {
+  int64_t plan = -1, item = 0, seq = 0;
+};
+
+/// The plan and item a PlannedCollective marks on this thread; plan -1
+/// where none does.
+PlanWords current_plan_words();
+
+/// Writes `words` into rank `rank`'s slot of `room` (plan_words_elements(size)
+/// elements of a floating-point tensor) and zeros the other ranks' slots, so
+/// that after an allreduce (Sum) each slot holds its rank's words exactly.
+void write_plan_words(torch::Tensor room, int rank, int size, const PlanWords& words);
+
+/// After the allreduce: "" when every rank's words in `room` equal rank 0's,
+/// otherwise the error every rank raises, naming both.
+std::string plan_words_disagreement(const torch::Tensor& room, int size);
+
+} // namespace detail
+} // namespace lockstep
