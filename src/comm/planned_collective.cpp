@@ -179,7 +179,7 @@ int64_t agree_on_plan(const ProcessGroup& group, const std::string& label, const
 }
 
 int64_t plan_words_elements(int size) {
-  return size <= kMaxPlanRanks ? size * kDigits : 0;
+  return size >= 2 && size <= kMaxPlanRanks ? size * kDigits : 0; // a group of one is not checked
 }
 
 PlannedCollective::PlannedCollective(int64_t plan, int64_t item)

@@ -1,0 +1,164 @@
+// Planned collectives over Gloo, ranks as threads (Note [Planned collectives]
+// in src/comm/planned_collective.cpp): a plan that differs between ranks
+// fails when it is agreed, an agreed plan's allreduces go without the check
+// before each and carry words, and words that differ are an error on every
+// rank once the allreduce completes.
+
+#include <lockstep/lockstep.h>
+
+#include "comm/planned_collective.h"
+#include "ddp/reducer.h"
+#include "support/collective_contract.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace planned_test {
+
+constexpr int64_t kGradients = 1000;
+
+// An agreed plan of two items of the same size, each a gradient bucket with
+// room for the words.
+int64_t two_item_plan(const ProcessGroup& group) {
+  const int64_t elements = kGradients + detail::plan_words_elements(group.size());
+  return detail::agree_on_plan(group, "the test's plan", {{elements, torch::kFloat}, {elements, torch::kFloat}},
+                               torch::kCPU);
+}
+
+std::shared_ptr<Work> planned_allreduce(const ProcessGroup& group, torch::Tensor& bucket, int64_t plan, int64_t item,
+                                        const std::string& what) {
+  detail::PlannedCollective planned(plan, item);
+  return group.allreduce_async({bucket}, ReduceOp::Sum, what);
+}
+
+torch::Tensor words_of(const torch::Tensor& bucket, const ProcessGroup& group) {
+  return bucket.narrow(0, kGradients, detail::plan_words_elements(group.size()));
+}
+
+// Every rank's error, by rank.
+std::vector<std::string> errors_on(int size, const std::function<std::string(ProcessGroup&)>& fn,
+                                   std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  std::mutex mutex;
+  std::vector<std::string> errors(size);
+  testing::spawn(
+      size,
+      [&](ProcessGroup& group) {
+        const std::string error = fn(group);
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[group.rank()] = error;
+      },
+      timeout);
+  return errors;
+}
+
+// The bucket plan of DistributedDataParallel's reducer is agreed when it is
+// made: a rank whose buckets differ fails there, with every other rank,
+// before any bucket is sent. (DistributedDataParallel's own options check
+// catches a bucket_cap_mb that differs before its reducer is made: this is
+// the reducer alone, as a rank whose plan differs for any other reason.)
+TEST(PlannedCollectives, ABucketPlanThatDiffersOnOneRankFailsOnEveryRank) {
+  const auto errors = errors_on(3, [](ProcessGroup& group) {
+    torch::manual_seed(1);
+    auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, 4));
+    std::vector<std::string> names;
+    for (const auto& item : net->named_parameters()) {
+      names.push_back(item.key());
+    }
+    const auto options = DistributedOptions().bucket_cap_mb(group.rank() == 2 ? 1e-6 : 25.0);
+    return testing::message_of([&] { detail::Reducer reducer(net->parameters(), names, group, options); });
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) + " of 3: ranks disagree on DistributedDataParallel's "
+                             "buckets, so none of them was sent: rank 0 plans 1 ("),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("but rank 2 plans 4 ("), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("bucket_cap_mb"), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
+// Over Gloo, an agreed plan's allreduce goes without a check before it: it
+// carries every rank's words, which read back equal. Under
+// LOCKSTEP_DEBUG=detail it is checked as any other, and its room stays zero.
+TEST(PlannedCollectives, GoUncheckedOverGlooCarryingWordsAndCheckedUnderDebugDetail) {
+  for (const bool detail : {false, true}) {
+    if (detail) {
+      setenv("LOCKSTEP_DEBUG", "detail", 1);
+    }
+    testing::spawn(3, [&](ProcessGroup& group) {
+      const int64_t plan = two_item_plan(group);
+      for (int step = 0; step < 3; ++step) {
+        for (int64_t item = 0; item < 2; ++item) {
+          auto bucket = torch::full({kGradients + detail::plan_words_elements(group.size())}, 1.0f);
+          planned_allreduce(group, bucket, plan, item, "allreduce of bucket " + std::to_string(item))->wait();
+          EXPECT_TRUE(bucket.narrow(0, 0, kGradients).eq(3).all().item<bool>()) << "rank " << group.rank();
+          const auto words = words_of(bucket, group);
+          EXPECT_EQ(detail::plan_words_disagreement(words, group.size()), "");
+          EXPECT_EQ(words.abs().sum().item<float>() == 0, detail) << "rank " << group.rank() << ": the words "
+                                                                  << (detail ? "travelled under detail" : "are missing");
+        }
+      }
+    });
+    unsetenv("LOCKSTEP_DEBUG");
+  }
+}
+
+// Two ranks that send other items of the plan, of the same size: both
+// allreduces complete, and every rank's wait() throws, naming its collective
+// and both items; the ranks stay paired, so the group goes on.
+TEST(PlannedCollectives, AnotherItemOnOneRankIsAnErrorOnEveryRankOnceItCompletes) {
+  const auto errors = errors_on(2, [](ProcessGroup& group) {
+    const int64_t plan = two_item_plan(group);
+    auto bucket = torch::ones({kGradients + detail::plan_words_elements(group.size())});
+    const int64_t item = group.rank();
+    const std::string error = testing::message_of(
+        [&] { planned_allreduce(group, bucket, plan, item, "allreduce of bucket " + std::to_string(item))->wait(); });
+    auto after = torch::full({5}, static_cast<float>(group.rank()));
+    group.allreduce(after);
+    EXPECT_TRUE(after.eq(1).all().item<bool>()) << "rank " << group.rank() << ": the group did not go on";
+    return error;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) + " of 2: allreduce of bucket " + std::to_string(r) +
+                             ": ranks disagree on this collective, found once it completed, so its result is not "
+                             "used: rank 0 sent item 0 of plan "),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("(the test's plan) as its collective #1 but rank 1 sent item 1 of plan"),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
+// A planned allreduce that meets another rank's checked collective moves no
+// bytes (Gloo pairs only collectives of one kind): both fail at the group's
+// timeout, each naming its own, and no process dies.
+TEST(PlannedCollectives, APlannedAllreduceMeetingACheckedOneFailsAtTheTimeoutOnEveryRank) {
+  const auto errors = errors_on(
+      2,
+      [](ProcessGroup& group) {
+        const int64_t plan = two_item_plan(group);
+        auto bucket = torch::ones({kGradients + detail::plan_words_elements(group.size())});
+        return testing::message_of([&] {
+          if (group.rank() == 0) {
+            planned_allreduce(group, bucket, plan, 0, "allreduce of bucket 0")->wait();
+          } else {
+            group.allreduce_async({bucket}, ReduceOp::Sum, "an allreduce of the caller's")->wait();
+          }
+        });
+      },
+      std::chrono::seconds(3));
+  EXPECT_NE(errors[0].find("allreduce of bucket 0"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("an allreduce of the caller's"), std::string::npos) << errors[1];
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) + " of 2"), std::string::npos) << errors[r];
+  }
+}
+
+} // namespace planned_test
+} // namespace lockstep
