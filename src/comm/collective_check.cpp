@@ -52,6 +52,10 @@ namespace detail {
 // is kept, and collectives still overlap with each other and with backward.
 // The cost is one small all_gather per collective, off the caller's thread:
 // it delays each collective's start by a round trip (docs/performance.md).
+// DistributedDataParallel's buckets avoid it over Gloo: their plan is agreed
+// once, and each carries words checked after it completes instead (Note
+// [Planned collectives] in src/comm/planned_collective.cpp); with nothing
+// queued before it, such a collective starts on the caller's thread.
 // Over NCCL the collective is started from this thread, so it waits for that
 // thread's current CUDA stream, the device's default one; a barrier is not
 // checked there, having no CUDA tensor to check with (NCCL's own watchdog
