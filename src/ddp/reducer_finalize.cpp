@@ -49,7 +49,10 @@ void Reducer::State::finalize_backward() {
                         "the check for parameters without gradients");
   }
 
-  const auto reduced = wait_buckets();
+  // Plain mode's reductions need nothing but themselves to be copied out:
+  // each is, while the next is still on its way.
+  const bool copy_each = !options.comm_hook() && !options.static_graph() && !reduces_used_flags();
+  const auto reduced = wait_buckets(copy_each);
   const double flag = flag_in_last_bucket() ? reduced.back()[buckets.back().numel].item<double>()
                       : static_flag.work     ? static_flag.result().item<float>()
                       : unused_ranks.work    ? unused_ranks.result().item<float>()
@@ -60,7 +63,11 @@ void Reducer::State::finalize_backward() {
   if (used_flags.work) {
     record_global_unused(used_flags.result());
   }
-  copy_out(reduced);
+  if (!copy_each) {
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      copy_out(b, reduced[b]);
+    }
+  }
   if (checks_unused()) {
     check_unused(unused, static_cast<int>(flag));
   }
@@ -116,7 +123,7 @@ std::vector<size_t> Reducer::State::record_unused() {
   return unused;
 }
 
-std::vector<torch::Tensor> Reducer::State::wait_buckets() {
+std::vector<torch::Tensor> Reducer::State::wait_buckets(bool copy_each) {
   std::vector<torch::Tensor> reduced;
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& bucket = buckets[b];
@@ -134,6 +141,9 @@ std::vector<torch::Tensor> Reducer::State::wait_buckets() {
                 "the communication hook returned ", averaged.scalar_type(), " values for ", bucket.name,
                 ", whose gradients are ", bucket.buffer.scalar_type(), ": a hook that compresses to integers must "
                 "decompress (scale back, and cast to a floating-point type) before it returns.");
+    if (copy_each) {
+      copy_out(b, averaged);
+    }
     reduced.push_back(std::move(averaged));
   }
   return reduced;
@@ -141,29 +151,27 @@ std::vector<torch::Tensor> Reducer::State::wait_buckets() {
 
 // The averages into .grad, except for what no rank used (Note [Unused
 // parameters]), whose .grad is left as it was.
-void Reducer::State::copy_out(const std::vector<torch::Tensor>& reduced) {
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    auto& bucket = buckets[b];
-    timeline::Span span([&] { return "copy-out bucket " + std::to_string(b); }, bucket.bytes);
-    if (!reduced[b].is_same(bucket.buffer)) {
-      bucket.buffer.copy_(reduced[b].view(bucket.buffer.sizes()));
-    }
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      const size_t index = bucket.params[k];
-      auto& grad = params[index].mutable_grad();
-      const auto saved = std::move(saved_grads[index]);
-      saved_grads[index] = torch::Tensor();
-      if (global_unused[index]) {
-        if (saved.defined()) {
-          bucket.views[k].copy_(saved);
-        }
-      } else if (options.gradient_as_bucket_view()) {
-        grad = bucket.views[k];
-      } else if (grad.defined()) {
-        grad.copy_(bucket.views[k]);
-      } else {
-        grad = bucket.views[k].clone();
+void Reducer::State::copy_out(size_t b, const torch::Tensor& reduced) {
+  auto& bucket = buckets[b];
+  timeline::Span span([&] { return "copy-out bucket " + std::to_string(b); }, bucket.bytes);
+  if (!reduced.is_same(bucket.buffer)) {
+    bucket.buffer.copy_(reduced.view(bucket.buffer.sizes()));
+  }
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    const size_t index = bucket.params[k];
+    auto& grad = params[index].mutable_grad();
+    const auto saved = std::move(saved_grads[index]);
+    saved_grads[index] = torch::Tensor();
+    if (global_unused[index]) {
+      if (saved.defined()) {
+        bucket.views[k].copy_(saved);
       }
+    } else if (options.gradient_as_bucket_view()) {
+      grad = bucket.views[k];
+    } else if (grad.defined()) {
+      grad.copy_(bucket.views[k]);
+    } else {
+      grad = bucket.views[k].clone();
     }
   }
 }

@@ -206,8 +206,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   std::vector<size_t> record_unused();
   void launch_remaining_buckets(const std::vector<size_t>& unused);
   void record_global_unused(const torch::Tensor& counts);
-  std::vector<torch::Tensor> wait_buckets();
-  void copy_out(const std::vector<torch::Tensor>& reduced);
+  // Every bucket's reduction, in order; with `copy_each`, each copied out
+  // as soon as it is there.
+  std::vector<torch::Tensor> wait_buckets(bool copy_each);
+  void copy_out(size_t bucket, const torch::Tensor& reduced);
   void check_unused(const std::vector<size_t>& unused, int ranks) const;
   void throw_static_graph_error();
 };
