@@ -1,8 +1,11 @@
 # Fails unless every test ctest lists in BUILD_DIR has a label and a timeout:
 # `ctest -L threads` (CI's TSan step) and the per-test timeouts depend on
 # them, and a pattern CMake cannot quote in gtest_discover_tests' PROPERTIES
-# drops them silently (see tests/CMakeLists.txt).
+# drops them silently (see tests/CMakeLists.txt). Fails too where two tests
+# share a name: a gtest suite in two test programs (Note [One test process
+# per suite]) would run under one name.
 #   cmake -DCTEST=... -DBUILD_DIR=... -P check_test_properties.cmake
+cmake_minimum_required(VERSION 3.19)
 execute_process(COMMAND ${CTEST} --test-dir ${BUILD_DIR} --show-only=json-v1
   OUTPUT_VARIABLE json RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
@@ -13,9 +16,15 @@ if(count EQUAL 0)
   message(FATAL_ERROR "ctest lists no tests in ${BUILD_DIR}")
 endif()
 set(missing "")
+set(names "")
+set(repeated "")
 math(EXPR last "${count} - 1")
 foreach(i RANGE ${last})
   string(JSON name GET "${json}" tests ${i} name)
+  if(name IN_LIST names)
+    list(APPEND repeated "${name}")
+  endif()
+  list(APPEND names "${name}")
   string(JSON properties ERROR_VARIABLE no_properties GET "${json}" tests ${i} properties)
   set(has_labels FALSE)
   set(has_timeout FALSE)
@@ -41,4 +50,8 @@ if(n_missing GREATER 0)
   message(FATAL_ERROR "${n_missing} of ${count} tests have no label or no timeout, among them: ${first}. "
     "Check the PROPERTIES of gtest_discover_tests and set_tests_properties in tests/CMakeLists.txt.")
 endif()
-message(STATUS "all ${count} tests have a label and a timeout")
+if(repeated)
+  message(FATAL_ERROR "more than one test is named ${repeated}: give the gtest suite in the thread tests "
+    "another name (the convention: SuiteThreads).")
+endif()
+message(STATUS "all ${count} tests have a label, a timeout and a name of their own")

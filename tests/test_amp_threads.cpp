@@ -23,7 +23,7 @@ namespace {
 
 using testing::kCheck;
 
-TEST(AutocastGuard, IsTheCallingThreadsOnly) {
+TEST(AutocastGuardThreads, IsTheCallingThreadsOnly) {
   auto a = torch::randn({4, 4});
   AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
   EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
@@ -35,7 +35,7 @@ TEST(AutocastGuard, IsTheCallingThreadsOnly) {
 // Two optional guards reset in the order they were made: while the inner
 // one lives, the thread stays under its autocast, and when it ends the
 // thread is as it was before the outer one (not left under autocast).
-TEST(AutocastGuard, GuardsEndedOutOfOrderLeaveTheThreadAsItWas) {
+TEST(AutocastGuardThreads, GuardsEndedOutOfOrderLeaveTheThreadAsItWas) {
   auto a = torch::randn({4, 4});
   std::optional<AutocastGuard> outer(std::in_place, torch::kCPU, torch::kBFloat16);
   std::optional<AutocastGuard> inner(std::in_place, torch::kCPU, torch::kBFloat16);
@@ -48,7 +48,7 @@ TEST(AutocastGuard, GuardsEndedOutOfOrderLeaveTheThreadAsItWas) {
 // Ended on another thread, a guard cannot restore its own thread's state:
 // an error that says so, rather than leaving that thread under autocast
 // without a word.
-TEST(AutocastGuard, AGuardEndedOnAnotherThreadIsAnError) {
+TEST(AutocastGuardThreads, AGuardEndedOnAnotherThreadIsAnError) {
   AutocastGuard* guard = nullptr; // not a unique_ptr: its reset() is noexcept, and this destructor throws
   std::thread([&] { guard = new AutocastGuard(torch::kCPU, torch::kBFloat16); }).join();
   std::string error;
@@ -115,11 +115,11 @@ TEST(DataParallel, ReplicaThreadsDropTheirCastCacheAfterEachStep) {
   }
 }
 
-TEST(GradScaler, UnderDdpAnInfOnOneRankSkipsOnEveryRank) {
+TEST(GradScalerThreads, UnderDdpAnInfOnOneRankSkipsOnEveryRank) {
   testing::spawn(2, [](ProcessGroup& group) { testing::check_ddp_scaler_skips_together(group, kCheck); });
 }
 
-TEST(GradScaler, UnderFsdpTheGroupMakesEveryRankSkipAnInfInOneShard) {
+TEST(GradScalerThreads, UnderFsdpTheGroupMakesEveryRankSkipAnInfInOneShard) {
   for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     testing::spawn(2, [&](ProcessGroup& group) { testing::check_fsdp_scaler_skips_together(group, strategy, kCheck); });
   }
@@ -130,7 +130,7 @@ TEST(GradScaler, UnderFsdpTheGroupMakesEveryRankSkipAnInfInOneShard) {
 // the ranks' collectives part (one rank steps, the other reduces something
 // else), the error of the rank that unscales names it, as DDP's and FSDP's
 // name theirs, instead of an unnamed "allreduce (max) of 2 Float".
-TEST(GradScaler, ItsFoundInfAgreementIsNamedInErrors) {
+TEST(GradScalerThreads, ItsFoundInfAgreementIsNamedInErrors) {
   std::mutex mutex;
   std::vector<std::string> errors(2);
   testing::spawn(
