@@ -9,6 +9,7 @@
 #include "comm/planned_collective.h"
 #include "ddp/reducer.h"
 #include "support/collective_contract.h"
+#include "support/powersgd_checks.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -30,7 +32,7 @@ constexpr int64_t kGradients = 1000;
 int64_t two_item_plan(const ProcessGroup& group) {
   const int64_t elements = kGradients + detail::plan_words_elements(group.size());
   return detail::agree_on_plan(group, "the test's plan", {{elements, torch::kFloat}, {elements, torch::kFloat}},
-                               torch::kCPU);
+                               torch::kCPU, "");
 }
 
 std::shared_ptr<Work> planned_allreduce(const ProcessGroup& group, torch::Tensor& bucket, int64_t plan, int64_t item,
@@ -158,6 +160,74 @@ TEST(PlannedCollectives, APlannedAllreduceMeetingACheckedOneFailsAtTheTimeoutOnE
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r].find("rank " + std::to_string(r) + " of 2"), std::string::npos) << errors[r];
   }
+}
+
+// Note [Recurring plans]: the first iteration is recorded and checked, the
+// next agrees on it and goes planned, item by item, until an item differs;
+// from there the iteration is checked, and the one after agrees anew.
+TEST(PlannedCollectives, ARecurringPlanIsWhatTheLastIterationSentUntilAnItemDiffers) {
+  using Sent = std::vector<std::pair<int64_t, int64_t>>;
+  std::vector<Sent> sent(2);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    detail::RecurringPlan plan("the test's collectives", "");
+    const detail::PlanItem a{100, torch::kFloat}, b{40, torch::kFloat}, c{40, torch::kHalf};
+    for (const auto& items : std::vector<std::vector<detail::PlanItem>>{{a, b}, {a, b}, {a, c, b}, {a, c, b}, {a}}) {
+      plan.start_iteration(group, torch::kCPU);
+      for (const auto& item : items) {
+        sent[group.rank()].push_back(plan.next(item));
+      }
+    }
+  });
+  EXPECT_EQ(sent[0], sent[1]);
+  const auto& s = sent[0];
+  ASSERT_EQ(s.size(), 11u);
+  const int64_t first = s[2].first, second = s[7].first;
+  EXPECT_GE(first, 0);
+  EXPECT_GE(second, 0);
+  EXPECT_NE(first, second);
+  const Sent expected{{-1, 0}, {-1, 1}, {first, 0}, {first, 1}, {first, 0}, {-1, 1}, {-1, 2},
+                      {second, 0}, {second, 1}, {second, 2}, {second, 0}};
+  EXPECT_EQ(s, expected);
+}
+
+// A rank whose iteration sent other collectives than the others' fails with
+// every rank when they agree, before any of the next iteration's is sent.
+TEST(PlannedCollectives, ARecurringPlanThatDiffersOnOneRankFailsOnEveryRankWhenAgreed) {
+  const auto errors = errors_on(3, [](ProcessGroup& group) {
+    detail::RecurringPlan plan("the test's collectives", "Look at the test.");
+    plan.start_iteration(group, torch::kCPU);
+    plan.next({100, torch::kFloat});
+    plan.next({group.rank() == 2 ? int64_t{41} : int64_t{40}, torch::kFloat});
+    return testing::message_of([&] { plan.start_iteration(group, torch::kCPU); });
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) + " of 3: ranks disagree on the test's collectives, so "
+                             "none of them was sent: rank 0 plans 2 (140 elements): [100 Float, 40 Float] but "
+                             "rank 2 plans 2 (141 elements): [100 Float, 41 Float]. Look at the test."),
+              std::string::npos)
+        << errors[r];
+  }
+}
+
+// PowerSGD's P's and Q's go as a recurring plan: bucket layouts that change
+// on every rank (a rebuild) leave the plan and are agreed anew, and every
+// iteration's compressed average stays exact where it can be (rank-3
+// matrices at rank 3).
+TEST(PlannedCollectives, PowerSGDsAllreducesStayExactThroughALayoutThatChangesOnEveryRank) {
+  testing::spawn(3, [](ProcessGroup& group) {
+    PowerSGD powersgd(PowerSGDOptions().rank(3).start_iteration(0).error_feedback(false).warm_start(false));
+    auto generator = at::detail::createCPUGenerator(11); // the same on every rank
+    for (const int64_t rows : {16, 16, 24, 24, 24}) {
+      auto a = torch::randn({rows, 3}, generator, torch::kFloat);
+      auto b = torch::randn({10, 3}, generator, torch::kFloat);
+      auto mean = torch::matmul(a, (b + 1).t()); // ranks 0, 1 and 2 hold B + 0, 1, 2
+      auto bucket = testing::bucket_of({torch::matmul(a, (b + group.rank()).t()), torch::full({5}, group.rank())});
+      powersgd(group, bucket)->wait();
+      const double error = (bucket.gradients[0] - mean).abs().max().item<double>();
+      EXPECT_LT(error, 1e-4 * mean.abs().max().item<double>()) << "rank " << group.rank() << ", " << rows << " rows";
+      EXPECT_TRUE(torch::equal(bucket.gradients[1], torch::ones({5}))) << "rank " << group.rank();
+    }
+  });
 }
 
 } // namespace planned_test

@@ -154,7 +154,7 @@ std::string sent(const PlanWords& w) {
 } // namespace
 
 int64_t agree_on_plan(const ProcessGroup& group, const std::string& label, const std::vector<PlanItem>& items,
-                      torch::Device device) {
+                      torch::Device device, const std::string& hint) {
   static std::atomic<int64_t> next_id{0};
   const int64_t proposal = next_id++ % (kDigitBase * kDigitBase);
   const auto mine = digest_of(items, proposal);
@@ -168,14 +168,49 @@ int64_t agree_on_plan(const ProcessGroup& group, const std::string& label, const
     const bool same = std::equal(ours + kItems, ours + kPlanFields, theirs + kItems);
     TORCH_CHECK(same, "lockstep: rank ", group.rank(), " of ", group.size(), ": ranks disagree on ", label,
                 ", so none of them was sent: rank 0 plans ", items_of(ours), " but rank ", r, " plans ",
-                items_of(theirs), ". Each rank makes them from the model, the order its parameters' gradients "
-                "became ready in, and DistributedOptions (bucket_cap_mb): look for one of these that differs "
-                "between ranks.");
+                items_of(theirs), ". ", hint);
   }
   const int64_t id = ours[kProposal];
   std::lock_guard<std::mutex> lock(labels_mutex);
   labels()[id] = label;
   return id;
+}
+
+// Note [Recurring plans]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A comm hook's collectives (PowerSGD's: each bucket's P, then one Q for
+// all) are not known before its first iteration sends them, and a P must
+// go while backward still runs, before the next bucket exists. So the plan
+// is what the last iteration sent: the first iteration's collectives are
+// checked as any other, and recorded; the next iteration starts with one
+// agreement on that record (agree_on_plan) and sends its collectives as
+// planned items while each has the agreed item's size and dtype, in order.
+// From the first that differs (a bucket laid out anew, or another dtype),
+// the rest of the iteration is checked, and the iteration after agrees on
+// the new record. Every rank sees the same record in a job that runs the
+// same code, so every rank leaves the plan at the same collective and
+// agrees at the same step. A rank whose record differs throws, with every
+// other, at that agreement; one that leaves the plan alone sends a checked
+// collective against the others' planned ones, which pair with nothing,
+// and every rank fails at the group's timeout, naming its collective.
+
+RecurringPlan::RecurringPlan(std::string label, std::string hint) : label_(std::move(label)), hint_(std::move(hint)) {}
+
+void RecurringPlan::start_iteration(const ProcessGroup& group, torch::Device device) {
+  if (!sent_.empty() && (plan_ < 0 || sent_ != agreed_)) {
+    plan_ = -1; // agree_on_plan may throw: no plan until it returns
+    agreed_ = std::move(sent_);
+    plan_ = agree_on_plan(group, label_, agreed_, device, hint_);
+  }
+  sent_.clear();
+  on_plan_ = plan_ >= 0;
+}
+
+std::pair<int64_t, int64_t> RecurringPlan::next(const PlanItem& item) {
+  const size_t index = sent_.size();
+  sent_.push_back(item);
+  on_plan_ = on_plan_ && index < agreed_.size() && agreed_[index] == item;
+  return {on_plan_ ? plan_ : -1, static_cast<int64_t>(index)};
 }
 
 int64_t plan_words_elements(int size) {

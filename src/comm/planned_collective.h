@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -19,14 +20,40 @@ namespace detail {
 struct PlanItem {
   int64_t elements = 0;
   c10::ScalarType dtype = c10::ScalarType::Float;
+  bool operator==(const PlanItem& other) const {
+    return elements == other.elements && dtype == other.dtype;
+  }
 };
 
 /// Every rank's `items` compared in one checked all_gather on `device`.
 /// Equal, every rank returns the same id for the plan; otherwise every rank
 /// throws, naming `label` ("DistributedDataParallel's buckets") and the
-/// first ranks whose plans differ.
+/// first ranks whose plans differ, followed by `hint` (where to look).
 int64_t agree_on_plan(const ProcessGroup& group, const std::string& label, const std::vector<PlanItem>& items,
-                      torch::Device device);
+                      torch::Device device, const std::string& hint);
+
+/// The collectives a caller sends again every iteration, in one order
+/// (PowerSGD's P's and Q's), planned from what the last iteration sent:
+/// Note [Recurring plans] in src/comm/planned_collective.cpp.
+class RecurringPlan {
+ public:
+  RecurringPlan(std::string label, std::string hint);
+  /// Where what the last iteration sent is not the plan agreed, agrees on
+  /// it (agree_on_plan, which throws where ranks differ); then starts this
+  /// iteration's record.
+  void start_iteration(const ProcessGroup& group, torch::Device device);
+  /// Records the iteration's next collective, `item`. Returns its plan and
+  /// its index in it, or plan -1 where it does not follow the agreed plan
+  /// (nor does any later one of this iteration): the collective is then
+  /// checked as any other.
+  std::pair<int64_t, int64_t> next(const PlanItem& item);
+
+ private:
+  std::string label_, hint_;
+  std::vector<PlanItem> agreed_, sent_;
+  int64_t plan_ = -1;
+  bool on_plan_ = false;
+};
 
 /// How many elements a planned collective keeps free at the end of its
 /// tensor for the words, in a group of `size` ranks; 0 where the group is

@@ -1,6 +1,7 @@
 #include <lockstep/powersgd.h>
 #include <lockstep/timeline.h>
 
+#include "comm/planned_collective.h"
 #include "ddp/powersgd_plan.h"
 
 #include <torch/torch.h>
@@ -38,7 +39,10 @@
 // backward, for every bucket whose step 3 was issued, in bucket order, and
 // one allreduce carries the Q's of all of them; each bucket's wait then
 // finishes with step 5. So the P round trips overlap backward, and the Q's
-// cost one round trip a step, however many buckets there are.
+// cost one round trip a step, however many buckets there are. From the
+// second compressed iteration on, the P's and Q's go as a plan, with no
+// agreement round trip before each (Note [Recurring plans]); each carries
+// the words' room at its end.
 //
 // The first iterations (start_iteration) are plain allreduces:
 // compressing early gradients costs accuracy. The state is kept by
@@ -171,6 +175,10 @@ struct PowerSGDState {
   explicit PowerSGDState(PowerSGDOptions o) : options(std::move(o)) {}
   PowerSGDOptions options;
   std::mutex mutex;
+  // Each iteration's P and Q allreduces (Note [Recurring plans]).
+  RecurringPlan collectives{"PowerSGD's allreduces",
+                            "PowerSGD makes them from DistributedDataParallel's buckets and PowerSGDOptions (rank, "
+                            "min_compression_rate): look for one of these that differs between ranks."};
   int64_t iteration = 0;
   int64_t draws = 0; // rounds that drew Q's: the next one's seed is (options.seed, draws)
   double compression_rate = 0;
@@ -295,7 +303,10 @@ void Round::start() {
     add_errors();
   }
   start_qs();
-  first_ = torch::empty({plan_.whole_elements + plan_.p_elements}, bucket_.buffer.options());
+  // The words' room at the end (Note [Planned collectives]).
+  const int64_t room = plan_words_elements(group_.size());
+  first_ = torch::empty({plan_.whole_elements + plan_.p_elements + room}, bucket_.buffer.options());
+  first_.narrow(0, plan_.whole_elements + plan_.p_elements, room).zero_();
   int64_t at = 0;
   for (const auto& [offset, numel] : plan_.whole) {
     first_.narrow(0, at, numel).copy_(bucket_.buffer.narrow(0, offset, numel));
@@ -308,6 +319,8 @@ void Round::start() {
     orthogonalize_(qs_[i]);
     ps_[i].copy_(thin_times(qs_[i], matrices_[i].t()));
   }
+  const auto [plan, item] = state_->collectives.next({first_.numel(), first_.scalar_type()});
+  PlannedCollective planned(plan, item);
   // Avg, not Sum: Note [Average] divides float16 before it sums, so two
   // ranks' 40000 do not become inf. An averaged P is the summed one's
   // direction, which is all the orthonormalisation keeps.
@@ -362,8 +375,18 @@ void Round::exchange_qs(PowerSGDState& state) {
     batch->names += (batch->names.empty() ? "" : ", ") + round->bucket_.name;
   }
   for (auto& batch : batches) {
-    auto work = batch.rounds.front()->group_.allreduce_async(batch.qs, ReduceOp::Avg, // as P's
-                                                             "PowerSGD's Q allreduce of " + batch.names);
+    const auto& group = batch.rounds.front()->group_;
+    const int64_t room = plan_words_elements(group.size());
+    if (room > 0) {
+      batch.qs.push_back(torch::zeros({room}, batch.qs[0].options())); // the words' (Note [Planned collectives])
+    }
+    int64_t elements = 0;
+    for (const auto& q : batch.qs) {
+      elements += q.numel();
+    }
+    const auto [plan, item] = state.collectives.next({elements, batch.qs[0].scalar_type()});
+    PlannedCollective planned(plan, item);
+    auto work = group.allreduce_async(batch.qs, ReduceOp::Avg, "PowerSGD's Q allreduce of " + batch.names); // as P's
     for (auto& round : batch.rounds) {
       round->second_work_ = work;
     }
@@ -464,6 +487,9 @@ std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group
   }
   if (!compress) {
     return comm_hooks::allreduce(group, bucket);
+  }
+  if (bucket.index == 0) {
+    state_->collectives.start_iteration(group, bucket.buffer.device());
   }
   ++state_->now.rounds;
   state_->now.last_started = bucket.last;

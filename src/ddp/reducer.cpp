@@ -74,6 +74,11 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(
 }
 namespace {
 
+// Where to look when the ranks' bucket plans differ (agree_on_plan).
+constexpr const char* kBucketPlanHint =
+    "Each rank makes them from the model, the order its parameters' gradients became ready in, and "
+    "DistributedOptions (bucket_cap_mb): look for one of these that differs between ranks.";
+
 std::string mib(int64_t bytes) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1024 * 1024));
@@ -128,7 +133,7 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
     built.push_back(std::move(bucket));
   }
   buckets = std::move(built);
-  plan = agree_on_plan(group, "DistributedDataParallel's buckets", plan_items, params[0].device());
+  plan = agree_on_plan(group, "DistributedDataParallel's buckets", plan_items, params[0].device(), kBucketPlanHint);
   if (options.gradient_as_bucket_view()) {
     // .grad is the bucket slot: backward accumulates into the bucket, and no
     // copy or gradient-sized memory is needed besides it. A gradient already
