@@ -162,6 +162,24 @@ TEST(PlannedCollectives, APlannedAllreduceMeetingACheckedOneFailsAtTheTimeoutOnE
   }
 }
 
+// A planned average read twice (PowerSGD's rounds share one Q allreduce,
+// and each waits on it): the words are read once, at the first wait(),
+// before the average divides the room with the rest.
+TEST(PlannedCollectives, APlannedAverageCanBeWaitedOnAgain) {
+  testing::spawn(3, [](ProcessGroup& group) {
+    const int64_t plan = two_item_plan(group);
+    auto bucket = torch::full({kGradients + detail::plan_words_elements(group.size())}, 3.0f);
+    std::shared_ptr<Work> work;
+    {
+      detail::PlannedCollective planned(plan, 0);
+      work = group.allreduce_async({bucket}, ReduceOp::Avg, "an average of bucket 0");
+    }
+    work->wait();
+    work->wait();
+    EXPECT_TRUE(bucket.narrow(0, 0, kGradients).eq(3).all().item<bool>()) << "rank " << group.rank();
+  });
+}
+
 // Note [Recurring plans]: the first iteration is recorded and checked, the
 // next agrees on it and goes planned, item by item, until an item differs;
 // from there the iteration is checked, and the one after agrees anew.
@@ -212,20 +230,36 @@ TEST(PlannedCollectives, ARecurringPlanThatDiffersOnOneRankFailsOnEveryRankWhenA
 // PowerSGD's P's and Q's go as a recurring plan: bucket layouts that change
 // on every rank (a rebuild) leave the plan and are agreed anew, and every
 // iteration's compressed average stays exact where it can be (rank-3
-// matrices at rank 3).
+// matrices at rank 3), in both buckets, which share one Q allreduce.
 TEST(PlannedCollectives, PowerSGDsAllreducesStayExactThroughALayoutThatChangesOnEveryRank) {
   testing::spawn(3, [](ProcessGroup& group) {
     PowerSGD powersgd(PowerSGDOptions().rank(3).start_iteration(0).error_feedback(false).warm_start(false));
     auto generator = at::detail::createCPUGenerator(11); // the same on every rank
     for (const int64_t rows : {16, 16, 24, 24, 24}) {
-      auto a = torch::randn({rows, 3}, generator, torch::kFloat);
-      auto b = torch::randn({10, 3}, generator, torch::kFloat);
-      auto mean = torch::matmul(a, (b + 1).t()); // ranks 0, 1 and 2 hold B + 0, 1, 2
-      auto bucket = testing::bucket_of({torch::matmul(a, (b + group.rank()).t()), torch::full({5}, group.rank())});
-      powersgd(group, bucket)->wait();
-      const double error = (bucket.gradients[0] - mean).abs().max().item<double>();
-      EXPECT_LT(error, 1e-4 * mean.abs().max().item<double>()) << "rank " << group.rank() << ", " << rows << " rows";
-      EXPECT_TRUE(torch::equal(bucket.gradients[1], torch::ones({5}))) << "rank " << group.rank();
+      std::vector<GradBucket> buckets;
+      std::vector<torch::Tensor> means;
+      for (size_t b = 0; b < 2; ++b) {
+        auto left = torch::randn({rows + static_cast<int64_t>(b), 3}, generator, torch::kFloat);
+        auto right = torch::randn({10, 3}, generator, torch::kFloat);
+        means.push_back(torch::matmul(left, (right + 1).t())); // ranks 0, 1 and 2 hold right + 0, 1, 2
+        buckets.push_back(
+            testing::bucket_of({torch::matmul(left, (right + group.rank()).t()), torch::full({5}, group.rank())}));
+        buckets[b].index = b;
+        buckets[b].last = b == 1;
+        buckets[b].parameters = {2 * b, 2 * b + 1};
+        buckets[b].name = "bucket " + std::to_string(b);
+      }
+      std::vector<std::shared_ptr<PendingReduction>> pending;
+      for (auto& bucket : buckets) {
+        pending.push_back(powersgd(group, bucket));
+      }
+      for (size_t b = 0; b < 2; ++b) {
+        pending[b]->wait();
+        const auto& mean = means[b];
+        const double error = (buckets[b].gradients[0] - mean).abs().max().item<double>();
+        EXPECT_LT(error, 1e-4 * mean.abs().max().item<double>()) << "rank " << group.rank() << ", bucket " << b;
+        EXPECT_TRUE(torch::equal(buckets[b].gradients[1], torch::ones({5}))) << "rank " << group.rank();
+      }
     }
   });
 }

@@ -103,6 +103,8 @@ struct Job {
   // Note [Planned collectives]: where this collective carries its words,
   // sent without the check before it; undefined for a checked one.
   torch::Tensor words;
+  bool words_read = false; // once: a later wait() may find them divided (Avg) or written over
+  std::string words_error;
   int rank = 0, size = 1;
   std::mutex mutex;
   std::condition_variable changed;
@@ -133,7 +135,15 @@ class QueuedWork : public Work {
       throw;
     }
     if (job_->words.defined()) { // Note [Planned collectives]
-      const std::string error = plan_words_disagreement(job_->words, job_->size);
+      std::string error;
+      {
+        std::lock_guard<std::mutex> lock(job_->mutex);
+        if (!job_->words_read) {
+          job_->words_error = plan_words_disagreement(job_->words, job_->size);
+          job_->words_read = true;
+        }
+        error = job_->words_error;
+      }
       TORCH_CHECK(error.empty(), "lockstep: rank ", job_->rank, " of ", job_->size, ": ", job_->what, ": ", error);
     }
   }
