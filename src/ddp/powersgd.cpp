@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -149,6 +150,7 @@ class Round : public PendingReduction {
   void add_errors();
   void start_qs();
   void finish();
+  bool finite_result() const;
   ParameterMemory& memory_of(size_t gradient) {
     return state_->memory[bucket_.parameters[gradient]];
   }
@@ -317,7 +319,7 @@ void Round::finish() {
   // Note [PowerSGD's state]: the averaged gradients and every Q are the
   // same on every rank, so is this decision.
   const auto gradients = bucket_.buffer.narrow(0, 0, plan_.parameter_elements);
-  now.finite = now.finite && torch::isfinite(gradients).all().item<bool>() && torch::isfinite(q_memory_).all().item<bool>();
+  now.finite = now.finite && finite_result();
   if (now.finite) {
     for (size_t i = 0; i < matrices_.size(); ++i) {
       const bool degenerate = (qs_[i].abs().amax(0) == 0).any().item<bool>();
@@ -334,6 +336,50 @@ void Round::finish() {
   if (++now.finished == now.rounds && now.last_started) {
     state_->end_iteration();
   }
+}
+
+// The largest finite value of `dtype`; 0 for one with no bound to check.
+double largest_finite(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kHalf:
+      return static_cast<double>(std::numeric_limits<c10::Half>::max());
+    case torch::kBFloat16:
+      return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
+    case torch::kFloat:
+      return std::numeric_limits<float>::max();
+    case torch::kDouble:
+      return std::numeric_limits<double>::max();
+    default:
+      return 0;
+  }
+}
+
+// Whether the averaged gradients and every Q are finite (Note [PowerSGD's
+// state]), without a pass over the bucket: each whole gradient is read, and
+// each M = P Q^T is judged by its factors, since no element of it exceeds
+// r max|P| max|Q| (twice that allows for rounding). M itself is read only
+// where that bound does not fit its dtype, or is not a number.
+bool Round::finite_result() const {
+  if (!torch::isfinite(q_memory_).all().item<bool>()) {
+    return false;
+  }
+  int64_t at = 0;
+  for (const auto& [offset, numel] : plan_.whole) {
+    const int64_t inside = std::min(numel, plan_.parameter_elements - offset); // not what follows the gradients
+    if (inside > 0 && !torch::isfinite(first_.narrow(0, at, inside)).all().item<bool>()) {
+      return false;
+    }
+    at += numel;
+  }
+  const double largest = largest_finite(bucket_.buffer.scalar_type());
+  for (size_t i = 0; i < matrices_.size(); ++i) {
+    const double bound = 2.0 * static_cast<double>(plan_.matrices[i].rank) * ps_[i].abs().max().item<double>() *
+                         qs_[i].abs().max().item<double>();
+    if (!(bound < largest) && !torch::isfinite(matrices_[i]).all().item<bool>()) {
+      return false;
+    }
+  }
+  return true;
 }
 
 torch::Tensor Round::wait() {
