@@ -91,7 +91,8 @@ for model in sys.argv[2:]:
     print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
     known = ("lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi", "python", "naive", "nocomm",
              "gradop", "fullshard", "noshard", "gradop-mpi", "fullshard-mpi", "python-fsdp")
-    for mode in [m for m in known if m in med]:
+    # Every contender measured: the known ones in this order, then the rest (powersgd, ...).
+    for mode in [m for m in known if m in med] + sorted(m for m in med if m not in known):
         above = ""
         if base[(model, mode)]:
             above = f" ({statistics.median(rss[(model, mode)]) - statistics.median(base[(model, mode)]):.1f} above the process before the model)"
@@ -100,7 +101,8 @@ for model in sys.argv[2:]:
     for peer in [m for m in ("python", "nocomm") if "mpi" in med and m in med]:
         print(f"  mpi/{peer} = {med['mpi'] / med[peer]:.3f}")
     # Sharded data parallelism against DDP on the same backend, and against PyTorch's FSDP.
-    for mine, peer in (("gradop", "lockstep"), ("fullshard", "lockstep"), ("noshard", "lockstep"),
+    for mine, peer in (("powersgd", "nocomm"), ("powersgd", "lockstep"),
+                       ("gradop", "lockstep"), ("fullshard", "lockstep"), ("noshard", "lockstep"),
                        ("gradop-mpi", "mpi"), ("fullshard-mpi", "mpi"), ("fullshard", "python-fsdp")):
         if mine in med and peer in med:
             print(f"  {mine}/{peer} = {med[mine] / med[peer]:.3f}   peak RSS {mine}/{peer} = "
