@@ -15,6 +15,8 @@
 #include <torch/nn/pimpl.h>
 #include <torch/serialize/archive.h>
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -135,8 +137,32 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   template <typename... Args>
   auto forward(Args&&... args) -> decltype(std::declval<Impl&>().forward(std::forward<Args>(args)...)) {
     timeline::Span span("forward");
-    core_->before_forward();
+    core_->before_forward(detail::leading_batch_size(args...));
     return module_->forward(std::forward<Args>(args)...);
+  }
+
+  /// Deterministic mode (DistributedOptions().deterministic(true)): one
+  /// step's gradients, the same to the bit at every world size W that divides
+  /// micro_batches() V. Calls `loss_of(v)` for this rank's micro-batches of
+  /// the step, v = rank*V/W .. (rank+1)*V/W - 1, each with the default
+  /// generator seeded from (seed, step, v), and runs backward on each loss
+  /// alone. `loss_of` runs forward through this wrapper on micro-batch v of
+  /// the step (the same samples at every W) and returns its mean loss. Every
+  /// .grad is then the mean over all V micro-batches, summed exactly across
+  /// ranks; returns the mean of the V losses, the same on every rank.
+  ///
+  /// ```
+  /// for (int64_t step = 0; step < steps; ++step) {
+  ///   ddp->backward_micro_batches(step, [&](int64_t v) {
+  ///     auto [x, y] = micro_batch(step, v);         // samples v*m .. v*m+m-1 of the step
+  ///     return torch::nll_loss(ddp->forward(x), y);  // the micro-batch's mean
+  ///   });
+  ///   optimizer.step();
+  /// }
+  /// ```
+  double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) {
+    timeline::Span span("backward_micro_batches");
+    return core_->backward_micro_batches(step, loss_of);
   }
 
   /// See NoSyncGuard: `{ auto guard = ddp->no_sync(); ... }`.

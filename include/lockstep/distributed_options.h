@@ -49,6 +49,22 @@ struct DistributedOptions {
   /// gradients became ready, as c10d does; false keeps reverse registration
   /// order (Note [Rebuilding buckets] in src/ddp/reducer_state.h).
   TORCH_ARG(bool, rebuild_buckets) = true;
+  /// Deterministic mode: the same gradients, to the bit, at every world size
+  /// that divides micro_batches. Gradients then come only from
+  /// DistributedDataParallelImpl::backward_micro_batches, which runs each
+  /// micro-batch alone and sums them exactly (Note [The same bits at any
+  /// world size] in src/ddp/micro_batch_reducer.cpp).
+  TORCH_ARG(bool, deterministic) = false;
+  /// Deterministic mode: V, the number of micro-batches in a step's global
+  /// batch. Each of W ranks runs V/W of them; W must divide V.
+  TORCH_ARG(int64_t, micro_batches) = 0;
+  /// Deterministic mode: the samples in each micro-batch, which forward checks
+  /// on its first tensor argument (dim 0); 0 checks nothing.
+  TORCH_ARG(int64_t, micro_batch_size) = 0;
+  /// Deterministic mode: seeds the random numbers of each micro-batch's
+  /// forward and backward (dropout), with the step and the micro-batch's
+  /// index, so that they are the same on whichever rank it runs.
+  TORCH_ARG(uint64_t, seed) = 0;
 
  public: // TORCH_ARG leaves the rest private
   /// bucket_bytes in MiB, as PyTorch's bucket_cap_mb; at least one byte.

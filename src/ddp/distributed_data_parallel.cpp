@@ -1,6 +1,7 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include "ddp/micro_batch_reducer.h"
 #include "ddp/reducer.h"
 #include "util/bucket_key.h"
 
@@ -42,7 +43,9 @@ std::string describe(const DistributedOptions& options) {
   out << "bucket_bytes=" << options.bucket_bytes() << ", first_bucket_bytes=" << options.first_bucket_bytes()
       << ", find_unused_parameters=" << options.find_unused_parameters() << ", static_graph=" << options.static_graph()
       << ", broadcast_buffers=" << options.broadcast_buffers() << ", rebuild_buckets=" << options.rebuild_buckets()
-      << ", comm_hook=" << (options.comm_hook() ? "set" : "none");
+      << ", comm_hook=" << (options.comm_hook() ? "set" : "none") << ", deterministic=" << options.deterministic()
+      << ", micro_batches=" << options.micro_batches() << ", micro_batch_size=" << options.micro_batch_size()
+      << ", seed=" << options.seed();
   return out.str();
 }
 
@@ -88,6 +91,22 @@ std::string rank0_text(const ProcessGroup& group, const std::string& text, torch
   group.broadcast_async({bytes}, 0, what)->wait();
   bytes = bytes.cpu();
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), bytes.numel());
+}
+
+// Note [The same bits at any world size] in src/ddp/micro_batch_reducer.cpp:
+// BatchNorm's running statistics would depend on which micro-batches each
+// rank ran.
+void check_no_batch_norm(torch::nn::Module& module, int rank) {
+  for (const auto& named : module.named_modules()) {
+    const auto& m = named.value();
+    const bool batch_norm = m->as<torch::nn::BatchNorm1dImpl>() != nullptr ||
+        m->as<torch::nn::BatchNorm2dImpl>() != nullptr || m->as<torch::nn::BatchNorm3dImpl>() != nullptr ||
+        m->as<SyncBatchNormImpl>() != nullptr;
+    TORCH_CHECK(!batch_norm, "lockstep::DistributedDataParallel: rank ", rank, ": deterministic(true) cannot keep "
+                "the running statistics of '", named.key().empty() ? std::string("the module") : named.key(), "' (",
+                m->name(), ") the same at every world size: they depend on which micro-batches each rank ran. Use "
+                "a normalisation without running statistics (LayerNorm, GroupNorm), or leave deterministic off.");
+  }
 }
 
 } // namespace
@@ -199,13 +218,32 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   buffers_ = unique_tensors(module.buffers());
   detail::label_sync_batch_norms(module);
   broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");
-  reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
+  if (options.deterministic()) {
+    check_no_batch_norm(module, group_.rank());
+    std::vector<std::pair<std::string, torch::Tensor>> buffers;
+    for (const auto& b : module.named_buffers()) {
+      buffers.emplace_back(b.key(), b.value());
+    }
+    micro_batches_ = std::make_unique<MicroBatchReducer>(std::move(params), std::move(names), std::move(buffers),
+                                                         group_, options);
+  } else {
+    reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
+  }
+}
+
+double DistributedCore::backward_micro_batches(int64_t step,
+                                               const std::function<torch::Tensor(int64_t)>& loss_of) {
+  TORCH_CHECK(micro_batches_ != nullptr, "lockstep::DistributedDataParallel: rank ", group_.rank(),
+              ": backward_micro_batches needs DistributedOptions().deterministic(true).micro_batches(V); this wrapper "
+              "reduces in backward, as PyTorch's DDP.");
+  check_still_frozen();
+  return micro_batches_->backward_micro_batches(step, loss_of);
 }
 
 DistributedCore::~DistributedCore() = default;
 
 std::vector<std::vector<size_t>> DistributedCore::buckets() const {
-  return reducer_->buckets();
+  return reducer_ ? reducer_->buckets() : std::vector<std::vector<size_t>>{};
 }
 
 // The parameters, and the buffers unless broadcast_buffers(false) keeps
@@ -228,7 +266,14 @@ void DistributedCore::check_still_frozen() const {
   }
 }
 
-void DistributedCore::before_forward() {
+void DistributedCore::before_forward(int64_t batch) {
+  if (micro_batches_) {
+    TORCH_CHECK(sync_, "lockstep::DistributedDataParallel: rank ", group_.rank(), ": no_sync() has no use in "
+                "deterministic mode, where backward_micro_batches accumulates a step's micro-batches itself.");
+    check_still_frozen();
+    micro_batches_->check_forward(batch);
+    return; // buffers stay as wrapping made them: the step's check compares them
+  }
   reducer_->check_last_backward_finished();
   reducer_->check_hooks_attached();
   check_still_frozen();

@@ -82,6 +82,8 @@ int DistributedCore::join_forward_round(bool reduce) {
 void DistributedCore::begin_join(bool divide_by_initial_world_size, bool throw_on_early_termination) {
   const std::string where = "lockstep::DistributedDataParallel::join: rank " + std::to_string(group_.rank()) + ": ";
   TORCH_CHECK(!joining_, where, "already joined; finish() the first JoinGuard before making another.");
+  TORCH_CHECK(micro_batches_ == nullptr, where, "deterministic mode has no join: every rank runs V/W micro-batches "
+              "of every step, so that the step is the same at any world size. Give every rank as many steps.");
   TORCH_CHECK(divide_by_initial_world_size || !has_comm_hook_, where, "JoinOptions().divide_by_initial_world_size(false) "
               "needs the built-in allreduce, but a comm hook is set and chooses its own divisor. Divide in the hook, "
               "or keep the default divisor.");

@@ -8,8 +8,11 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -19,6 +22,7 @@ struct DistributedOptions;
 
 namespace detail {
 
+class MicroBatchReducer;
 class Reducer;
 
 /// The part of DistributedDataParallel that does not depend on the module's
@@ -29,8 +33,11 @@ class DistributedCore {
   ~DistributedCore();
 
   /// Buffers from rank 0 if asked, and the reducer told what the next
-  /// backward must do.
-  void before_forward();
+  /// backward must do. `batch`: the first tensor argument's size in dim 0,
+  /// -1 if none (deterministic mode checks it).
+  void before_forward(int64_t batch = -1);
+  /// DistributedDataParallelImpl::backward_micro_batches.
+  double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of);
 
   const ProcessGroup& group() const {
     return group_;
@@ -76,8 +83,22 @@ class DistributedCore {
   bool join_throw_on_early_termination_ = false;
   std::vector<torch::Tensor> buffers_;
   std::vector<std::pair<std::string, torch::Tensor>> frozen_; // name, parameter
-  std::unique_ptr<Reducer> reducer_;
+  std::unique_ptr<Reducer> reducer_; // null in deterministic mode
+  std::unique_ptr<MicroBatchReducer> micro_batches_; // deterministic mode's, null otherwise
 };
+
+/// The size in dim 0 of the first tensor among `args`, -1 if none.
+inline int64_t leading_batch_size() {
+  return -1;
+}
+template <typename First, typename... Rest>
+int64_t leading_batch_size(const First& first, const Rest&... rest) {
+  if constexpr (std::is_same_v<std::decay_t<First>, torch::Tensor>) {
+    return first.defined() && first.dim() > 0 ? first.size(0) : -1;
+  } else {
+    return leading_batch_size(rest...);
+  }
+}
 
 /// Checks that every rank has the same parameters (count, names, shapes,
 /// dtypes, in order) and the same `options` (a description of what sets the

@@ -1,0 +1,298 @@
+#include "ddp/micro_batch_reducer.h"
+
+#include <lockstep/distributed_options.h>
+#include <lockstep/timeline.h>
+
+#include "ddp/exact_sum.h"
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <sstream>
+
+namespace lockstep {
+namespace detail {
+
+// Note [The same bits at any world size]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A step's global batch is V micro-batches of one size. In deterministic
+// mode, rank r of W runs micro-batches r*V/W .. (r+1)*V/W - 1, each alone:
+// its forward and backward at the micro-batch's shape, its gradient kept
+// apart from the others'. What every micro-batch computes is then the same
+// at any W: the same parameters (by induction over the steps), the same
+// samples (the caller maps micro-batch v to samples by global index), and
+// the same random numbers (the default generator of the CPU and of the
+// module's device is seeded from (seed, step, v) for its forward and
+// backward, and restored after). Intra-op threads must be as many at every
+// W: a matrix product may split its sums by thread.
+//
+// What differs between W is how the V gradients are added: locally or across
+// ranks, in an order set by the ring. A float sum depends on its order. So
+// they are added as integers, whose sum does not. For each parameter, the
+// ranks first learn the largest |g| over all V micro-batches (M, in an
+// all_gather: a max is exact in any order), then scale each gradient by 2^e,
+// the largest power of two for which V values below M cannot overflow 2^62,
+// and round to int64. Local sums and one allreduce (Sum) of int64 give every
+// rank the same integers at any W; the gradient is that sum times 2^-e over
+// V, computed in double and rounded to the parameter's dtype.
+//
+// Precision: an element keeps every bit of its float value where
+// |g| >= M * 2^-38 (2^62 over V <= 2^(62-t), minus float's 24 bits and t);
+// smaller ones are rounded to multiples of M * 2^(t-62), an error below
+// float's own when it adds V values near M. The other way, fixing one
+// reduction tree over the V micro-batches whose subtrees the ranks compute,
+// works only for W whose shares are subtrees (powers of two), or sends every
+// micro-batch's gradient whole; int64 costs twice a float allreduce's bytes
+// and the maxima's all_gather, at any W.
+//
+// Other state: a parameter whose maximum is not finite (inf or NaN in some
+// micro-batch) gets a NaN gradient on every rank, which GradScaler's and
+// clipping's checks see. The losses go in the same all_gather, so every rank
+// returns their mean added in micro-batch order. Buffers that forward changes
+// (BatchNorm's statistics) would depend on which micro-batches each rank
+// ran, so BatchNorm is refused when wrapping, and a hash of every buffer
+// goes in the all_gather: buffers that differ between ranks after a step are
+// an error naming the first.
+
+namespace {
+
+// The default generator of `device` (and of the CPU), seeded for one
+// micro-batch while alive, then restored, so that the caller's own draws go
+// on as if the micro-batch drew nothing.
+class SeededGenerators {
+ public:
+  SeededGenerators(torch::Device device, uint64_t seed) {
+    seed_one(torch::Device(torch::kCPU), seed);
+    if (!device.is_cpu()) {
+      seed_one(device, seed);
+    }
+  }
+  ~SeededGenerators() {
+    for (size_t i = 0; i < generators_.size(); ++i) {
+      std::lock_guard<std::mutex> lock(generators_[i].mutex());
+      generators_[i].set_state(saved_[i]);
+    }
+  }
+  SeededGenerators(const SeededGenerators&) = delete;
+  SeededGenerators& operator=(const SeededGenerators&) = delete;
+
+ private:
+  void seed_one(torch::Device device, uint64_t seed) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    saved_.push_back(generator.get_state());
+    generator.set_current_seed(seed);
+    generators_.push_back(generator);
+  }
+  std::vector<at::Generator> generators_;
+  std::vector<torch::Tensor> saved_;
+};
+
+// FNV-1a over a tensor's bytes, as a double's bits: the all_gather moves it
+// as it is.
+double hash_of(const torch::Tensor& tensor) {
+  const auto bytes = tensor.detach().cpu().contiguous();
+  const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
+  uint64_t hash = 1469598103934665603ull;
+  for (size_t i = 0; i < bytes.nbytes(); ++i) {
+    hash = (hash ^ data[i]) * 1099511628211ull;
+  }
+  double bits = 0;
+  std::memcpy(&bits, &hash, sizeof(bits));
+  return bits;
+}
+
+bool same_bits(double a, double b) {
+  return std::memcmp(&a, &b, sizeof(a)) == 0;
+}
+
+// The larger of two maxima, NaN if either is.
+double max_of(double a, double b) {
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
+}
+
+} // namespace
+
+struct MicroBatchReducer::Gathered {
+  std::vector<double> maxima; // per parameter, over every rank's micro-batches
+  double mean_loss = 0;
+};
+
+MicroBatchReducer::MicroBatchReducer(std::vector<torch::Tensor> params, std::vector<std::string> names,
+                                     std::vector<std::pair<std::string, torch::Tensor>> buffers, ProcessGroup group,
+                                     const DistributedOptions& options)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      buffers_(std::move(buffers)),
+      group_(std::move(group)),
+      micro_batches_(options.micro_batches()),
+      micro_batch_size_(options.micro_batch_size()),
+      seed_(options.seed()),
+      device_(params_.at(0).device()) {
+  TORCH_CHECK(micro_batches_ > 0, where(), "deterministic(true) needs micro_batches(V), the number of micro-batches in "
+              "a step's global batch, but got ", micro_batches_, ". Set it to the same V at every world size.");
+  TORCH_CHECK(micro_batches_ % group_.size() == 0, where(), "micro_batches(", micro_batches_, ") is not a multiple of "
+              "the world size ", group_.size(), ": every rank runs V/W micro-batches of a step. Run at a world size "
+              "that divides ", micro_batches_, ", or choose a V that ", group_.size(), " divides.");
+  TORCH_CHECK(micro_batch_size_ >= 0, where(), "micro_batch_size must be >= 0 (0 checks nothing), but got ",
+              micro_batch_size_, ".");
+  TORCH_CHECK(!options.comm_hook() && !options.gradient_as_bucket_view(), where(), "deterministic(true) sums the "
+              "gradients itself, exactly: it takes neither a comm_hook nor gradient_as_bucket_view. Leave them unset.");
+  TORCH_CHECK(group_.supports(Collective::Allreduce, torch::kLong, device_), where(), "the ", group_.backend(),
+              " backend cannot allreduce int64 tensors on ", device_, ", which deterministic(true) sums the gradients "
+              "in. Use gloo, mpi or nccl.");
+}
+
+std::string MicroBatchReducer::where() const {
+  return "lockstep::DistributedDataParallel (deterministic, rank " + std::to_string(group_.rank()) + " of " +
+      std::to_string(group_.size()) + "): ";
+}
+
+void MicroBatchReducer::check_forward(int64_t batch) const {
+  if (running_ < 0) {
+    TORCH_CHECK(!torch::GradMode::is_enabled(), where(), "a forward with autograd on ran outside "
+                "backward_micro_batches(step, loss_of). In deterministic mode, gradients come only from there, where "
+                "each micro-batch runs alone and the ranks sum them exactly. Call forward inside loss_of, or under "
+                "torch::NoGradGuard to evaluate.");
+    return;
+  }
+  TORCH_CHECK(micro_batch_size_ == 0 || batch == micro_batch_size_, where(), "micro-batch ", running_,
+              "'s forward got a batch of ", batch < 0 ? std::string("no tensor") : std::to_string(batch),
+              " (the first tensor argument's size in dim 0), but micro_batch_size is ", micro_batch_size_,
+              ". Every micro-batch must have micro_batch_size samples, at every world size: the sum of their "
+              "gradients over V is then the mean over the global batch.");
+}
+
+double MicroBatchReducer::backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) {
+  TORCH_CHECK(step >= 0, where(), "step must be >= 0, but got ", step, ".");
+  TORCH_CHECK(running_ < 0, where(), "backward_micro_batches was called from inside its own loss_of.");
+  TORCH_CHECK(torch::GradMode::is_enabled(), where(), "backward_micro_batches needs autograd on, but it ran under "
+              "torch::NoGradGuard.");
+  const int64_t share = micro_batches_ / group_.size();
+  const int64_t first = group_.rank() * share;
+  std::vector<std::vector<torch::Tensor>> grads(share);
+  std::vector<double> losses;
+  for (auto& p : params_) {
+    p.mutable_grad().reset(); // each micro-batch's gradient alone
+  }
+  struct Running {
+    int64_t& running;
+    ~Running() {
+      running = -1;
+    }
+  } running{running_};
+  for (int64_t k = 0; k < share; ++k) {
+    const int64_t v = first + k;
+    timeline::Span span([v] { return "micro-batch " + std::to_string(v); });
+    SeededGenerators seeded(device_, micro_batch_seed(seed_, step, v));
+    running_ = v;
+    torch::Tensor loss = loss_of(v);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()) && loss.requires_grad(),
+                where(), "loss_of(", v, ") must return the micro-batch's loss: one floating-point element that "
+                "requires a gradient, but it returned ", loss.defined() ? loss.toString() + " of " +
+                std::to_string(loss.numel()) + " elements" + (loss.requires_grad() ? "" : " without a gradient")
+                : std::string("an undefined tensor"), ".");
+    loss.backward();
+    losses.push_back(loss.item<double>());
+    for (auto& p : params_) {
+      grads[k].push_back(p.grad());
+      p.mutable_grad().reset();
+    }
+  }
+  running_ = -1;
+  const Gathered gathered = gather(step, grads, losses);
+  reduce(step, grads, gathered);
+  return gathered.mean_loss;
+}
+
+MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads,
+                                                      const std::vector<double>& losses) const {
+  timeline::Span span("deterministic: maxima, losses and buffers");
+  const size_t count = params_.size(), share = losses.size();
+  std::vector<double> mine;
+  for (size_t p = 0; p < count; ++p) {
+    double largest = 0;
+    for (const auto& micro_batch : grads) {
+      if (micro_batch[p].defined()) {
+        largest = max_of(largest, micro_batch[p].abs().max().item<double>());
+      }
+    }
+    mine.push_back(largest);
+  }
+  mine.insert(mine.end(), losses.begin(), losses.end());
+  for (const auto& buffer : buffers_) {
+    mine.push_back(hash_of(buffer.second));
+  }
+  auto theirs = group_.all_gather(torch::tensor(mine, torch::kDouble).to(device_));
+  Gathered gathered;
+  gathered.maxima.assign(count, 0);
+  double loss_sum = 0; // in micro-batch order: rank 0's share first
+  std::vector<double> rank0;
+  for (size_t r = 0; r < theirs.size(); ++r) {
+    const auto values = theirs[r].cpu();
+    const double* data = values.data_ptr<double>();
+    for (size_t p = 0; p < count; ++p) {
+      gathered.maxima[p] = max_of(gathered.maxima[p], data[p]);
+    }
+    for (size_t k = 0; k < share; ++k) {
+      loss_sum += data[count + k];
+    }
+    for (size_t b = 0; b < buffers_.size(); ++b) {
+      const double hash = data[count + share + b];
+      TORCH_CHECK(r == 0 || same_bits(hash, rank0[b]), where(), "after step ", step, ", buffer '", buffers_[b].first,
+                  "' differs between rank 0 and rank ", r, ". A buffer that forward changes depends on which "
+                  "micro-batches each rank ran, so deterministic mode cannot keep it the same at every world size. "
+                  "Make it a parameter, or keep it constant during training.");
+      if (r == 0) {
+        rank0.push_back(hash);
+      }
+    }
+  }
+  gathered.mean_loss = loss_sum / static_cast<double>(micro_batches_);
+  return gathered;
+}
+
+void MicroBatchReducer::reduce(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads,
+                               const Gathered& gathered) {
+  timeline::Span span("deterministic: the exact sum");
+  int64_t total = 0;
+  for (const auto& p : params_) {
+    total += p.numel();
+  }
+  auto sum = torch::zeros({total}, torch::TensorOptions().dtype(torch::kLong).device(device_));
+  std::vector<int> exponents(params_.size(), 0);
+  int64_t offset = 0;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    const int64_t n = params_[p].numel();
+    if (std::isfinite(gathered.maxima[p])) {
+      exponents[p] = fixed_point_exponent(gathered.maxima[p], micro_batches_);
+      auto part = sum.narrow(0, offset, n);
+      for (const auto& micro_batch : grads) {
+        if (micro_batch[p].defined()) {
+          add_fixed_point(part, micro_batch[p], exponents[p]);
+        }
+      }
+    }
+    offset += n;
+  }
+  group_.allreduce_async({sum}, ReduceOp::Sum, "the exact sum of step " + std::to_string(step) +
+                         "'s gradients (deterministic DistributedDataParallel)")->wait();
+  offset = 0;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    auto& param = params_[p];
+    const int64_t n = param.numel();
+    auto grad = std::isfinite(gathered.maxima[p])
+        ? from_fixed_point(sum.narrow(0, offset, n), exponents[p], micro_batches_, param.scalar_type())
+        : torch::full({n}, std::numeric_limits<double>::quiet_NaN(), param.options());
+    param.mutable_grad() = grad.view(param.sizes());
+    offset += n;
+  }
+}
+
+} // namespace detail
+} // namespace lockstep

@@ -1,0 +1,97 @@
+#pragma once
+
+// DistributedDataParallel's deterministic mode: the same bits at any world
+// size. The checks run the same on ranks as threads (test_deterministic.cpp,
+// Gloo) and as processes (ddp_worker.cpp: Gloo, and MPI under mpirun); each
+// compares this group's training with one rank's, run in this process.
+
+#include <lockstep/lockstep.h>
+
+#include "collective_contract.h"
+#include "ddp_models.h"
+
+#include <torch/torch.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace testing {
+
+/// An MLP whose parameters are set from a formula, not a generator: every
+/// rank, thread or process builds the same one without seeding anything.
+struct DeterministicNetImpl : torch::nn::Cloneable<DeterministicNetImpl> {
+  explicit DeterministicNetImpl(double dropout = 0) : dropout(dropout) {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(7, 24));
+    fc2 = register_module("fc2", torch::nn::Linear(24, 3));
+    torch::NoGradGuard no_grad;
+    int64_t i = 0;
+    for (auto& p : parameters()) {
+      p.copy_(torch::sin(torch::arange(p.numel(), torch::kFloat) * 0.71 + static_cast<double>(++i)).view_as(p) * 0.4);
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc2(torch::dropout(torch::tanh(fc1(x)), dropout, is_training()));
+  }
+  double dropout;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(DeterministicNet);
+
+struct DeterministicRun {
+  int64_t micro_batches = 12, micro_batch_size = 3, steps = 3;
+  std::string optimizer = "sgd"; // "sgd" (momentum 0.9) or "adam"
+  double dropout = 0;
+  uint64_t seed = 5;
+};
+
+/// Trains a DeterministicNet for `run` on `group` and returns every parameter,
+/// flat, after the last step, with the losses the steps returned appended.
+inline torch::Tensor train_deterministic(const ProcessGroup& group, const DeterministicRun& run) {
+  DeterministicNet net(run.dropout);
+  auto options = DistributedOptions().deterministic(true).micro_batches(run.micro_batches)
+                     .micro_batch_size(run.micro_batch_size).seed(run.seed);
+  DistributedDataParallel<DeterministicNet> ddp(net, group, options);
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (run.optimizer == "adam") {
+    optimizer = std::make_unique<torch::optim::Adam>(ddp->parameters(), torch::optim::AdamOptions(0.01));
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  std::vector<double> losses;
+  const int64_t m = run.micro_batch_size;
+  for (int64_t step = 0; step < run.steps; ++step) {
+    const auto batch = global_batch(run.micro_batches * m, step);
+    losses.push_back(ddp->backward_micro_batches(step, [&](int64_t v) {
+      auto out = ddp->forward(batch.first.narrow(0, v * m, m));
+      return torch::mse_loss(out, batch.second.narrow(0, v * m, m));
+    }));
+    optimizer->step();
+  }
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : net->parameters()) {
+    flat.push_back(p.detach().reshape({-1}).to(torch::kDouble));
+  }
+  flat.push_back(torch::tensor(losses, torch::kDouble));
+  return torch::cat(flat);
+}
+
+/// This group's training against one rank's, to the bit.
+inline void check_same_bits_as_one_rank(const ProcessGroup& group, const DeterministicRun& run, const Check& check) {
+  const auto alone = train_deterministic(ProcessGroup(), run);
+  const auto together = train_deterministic(group, run);
+  const std::string what = " (" + run.optimizer + ", dropout " + std::to_string(run.dropout) + ", W=" +
+      std::to_string(group.size()) + ", rank " + std::to_string(group.rank()) + ")";
+  const bool same = alone.numel() == together.numel() &&
+      std::memcmp(alone.data_ptr(), together.data_ptr(), alone.nbytes()) == 0;
+  check(same, "the parameters and losses are bitwise those of one rank" + what + "; largest difference " +
+                  std::to_string((alone - together).abs().max().item<double>()));
+  check(torch::isfinite(together).all().item<bool>(), "the training stayed finite" + what);
+}
+
+} // namespace testing
+} // namespace lockstep

@@ -1,0 +1,125 @@
+// DistributedDataParallel's deterministic mode with ranks as threads: the
+// same bits at W = 2, 3 and 4 as on one rank, and each refusal. Dropout is
+// checked with ranks as processes (ddp_worker.cpp): threads share the
+// process's default generator.
+
+#include <lockstep/lockstep.h>
+
+#include "support/deterministic_checks.h"
+#include "support/errors.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace lockstep {
+namespace {
+
+using testing::DeterministicNet;
+using testing::DeterministicRun;
+
+// Note [The same bits at any world size]: a matrix product may split its
+// sums by thread, so every W runs with as many intra-op threads.
+class Deterministic : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    torch::set_num_threads(1);
+  }
+};
+
+TEST_F(Deterministic, SgdGivesOneRanksBitsAtTwoThreeAndFourRanks) {
+  for (int world : {2, 3, 4}) {
+    testing::spawn(world, [](ProcessGroup& group) {
+      testing::check_same_bits_as_one_rank(group, DeterministicRun(), testing::kCheck);
+    });
+  }
+}
+
+TEST_F(Deterministic, AdamGivesOneRanksBitsAtTwoAndThreeRanks) {
+  DeterministicRun run;
+  run.optimizer = "adam";
+  for (int world : {2, 3}) {
+    testing::spawn(world, [&](ProcessGroup& group) { testing::check_same_bits_as_one_rank(group, run, testing::kCheck); });
+  }
+}
+
+// The gradient is the mean over the global batch, as one backward over it
+// gives it up to rounding: the loss is each micro-batch's mean, over V.
+TEST_F(Deterministic, TheGradientIsTheMeanOverTheGlobalBatch) {
+  DeterministicNet net, bare;
+  DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(),
+                                                DistributedOptions().deterministic(true).micro_batches(4));
+  const auto batch = testing::global_batch(12, 0);
+  const double loss = ddp->backward_micro_batches(0, [&](int64_t v) {
+    return torch::mse_loss(ddp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
+  });
+  auto whole = torch::mse_loss(bare->forward(batch.first), batch.second);
+  whole.backward();
+  EXPECT_NEAR(loss, whole.item<double>(), 1e-6);
+  for (size_t i = 0; i < net->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::allclose(net->parameters()[i].grad(), bare->parameters()[i].grad(), 1e-5, 1e-6)) << i;
+  }
+}
+
+TEST_F(Deterministic, TheSeedSetsEachMicroBatchsDropout) {
+  auto grads = [](uint64_t seed, DeterministicNet net) {
+    DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(),
+                                                  DistributedOptions().deterministic(true).micro_batches(2).seed(seed));
+    const auto batch = testing::global_batch(4, 0);
+    ddp->backward_micro_batches(0, [&](int64_t v) {
+      return torch::mse_loss(ddp->forward(batch.first.narrow(0, 2 * v, 2)), batch.second.narrow(0, 2 * v, 2));
+    });
+    return net->fc1->weight.grad().clone();
+  };
+  EXPECT_TRUE(torch::equal(grads(1, DeterministicNet(0.5)), grads(1, DeterministicNet(0.5))));
+  EXPECT_FALSE(torch::equal(grads(1, DeterministicNet(0.5)), grads(2, DeterministicNet(0.5))));
+  DeterministicNet net(0.5); // its Linear layers draw when made
+  torch::manual_seed(7);
+  const auto expected = torch::rand({3});
+  torch::manual_seed(7);
+  grads(3, net);
+  EXPECT_TRUE(torch::equal(torch::rand({3}), expected)) << "the caller's generator goes on as if nothing drew from it";
+}
+
+DistributedOptions deterministic() {
+  return DistributedOptions().deterministic(true).micro_batches(4);
+}
+
+TEST_F(Deterministic, RefusesWhatItCannotKeepExact) {
+  DeterministicNet net;
+  EXPECT_ERROR_SAYS(DistributedDataParallel<DeterministicNet>(net, ProcessGroup(), DistributedOptions().deterministic(true)),
+                    "needs micro_batches(V)");
+  EXPECT_ERROR_SAYS(DistributedDataParallel<DeterministicNet>(net, ProcessGroup(),
+                                                              deterministic().comm_hook(comm_hooks::fp16_compress)),
+                    "neither a comm_hook");
+  torch::nn::Sequential with_bn(torch::nn::Linear(7, 4), torch::nn::BatchNorm1d(4));
+  EXPECT_ERROR_SAYS(DistributedDataParallel<torch::nn::Sequential>(with_bn, ProcessGroup(), deterministic()),
+                    "running statistics of '1'", "LayerNorm");
+}
+
+TEST_F(Deterministic, RefusesGradientsFromElsewhere) {
+  DeterministicNet net;
+  DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(), deterministic().micro_batch_size(3));
+  const auto x = torch::ones({3, 7});
+  EXPECT_ERROR_SAYS(ddp->forward(x), "outside backward_micro_batches", "NoGradGuard");
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(ddp->forward(x).size(0), 3); // evaluation
+  }
+  EXPECT_ERROR_SAYS(ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(torch::ones({2, 7})).sum(); }),
+                    "micro-batch 0's forward got a batch of 2", "micro_batch_size is 3");
+  EXPECT_ERROR_SAYS(ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(x); }),
+                    "loss_of(0) must return the micro-batch's loss", "9 elements");
+  EXPECT_ERROR_SAYS([&] {
+    auto guard = ddp->no_sync();
+    ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(x).sum(); });
+  }(), "no_sync() has no use");
+  EXPECT_ERROR_SAYS(ddp->join(), "deterministic mode has no join");
+  DeterministicNet other;
+  DistributedDataParallel<DeterministicNet> plain(other, ProcessGroup());
+  EXPECT_ERROR_SAYS(plain->backward_micro_batches(0, [&](int64_t) { return plain->forward(x).sum(); }),
+                    "needs DistributedOptions().deterministic(true)");
+}
+
+} // namespace
+} // namespace lockstep

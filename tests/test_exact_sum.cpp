@@ -1,0 +1,144 @@
+// The pure parts of deterministic mode's sum (src/ddp/exact_sum.h): the
+// integers do not depend on the order or grouping of the terms, and what
+// comes back is the mean to float's precision.
+
+#include "ddp/exact_sum.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+namespace {
+
+// Twelve micro-batches' "gradients", over many orders of magnitude.
+std::vector<torch::Tensor> terms() {
+  torch::manual_seed(3);
+  std::vector<torch::Tensor> out;
+  for (int v = 0; v < 12; ++v) {
+    out.push_back(torch::randn({4096}) * torch::pow(10.0, torch::randint(-8, 3, {4096}).to(torch::kFloat)));
+  }
+  return out;
+}
+
+double max_abs(const std::vector<torch::Tensor>& values) {
+  double m = 0;
+  for (const auto& v : values) {
+    m = std::max(m, v.abs().max().item<double>());
+  }
+  return m;
+}
+
+TEST(ExactSum, TheExponentIsTheLargestThatCannotOverflow) {
+  for (double m : {1.0, 0.75, 3e-41, 1e-8, 123.0, 3.4e38}) {
+    for (int64_t terms : {1, 2, 3, 12, 1024}) {
+      const int e = fixed_point_exponent(m, terms);
+      // terms * m * 2^e < 2^62, and with e + 1 a sum of terms copies of the
+      // next power of two above m reaches it.
+      EXPECT_LT(std::log2(static_cast<double>(terms)) + std::log2(m) + e, 62.0) << m << " " << terms;
+      int p = 0;
+      std::frexp(m, &p);
+      const int bits = static_cast<int>(std::ceil(std::log2(static_cast<double>(terms))));
+      EXPECT_EQ(p + bits + e, 62) << m << " " << terms;
+    }
+  }
+  EXPECT_EQ(fixed_point_exponent(0.0, 5), 0);
+}
+
+// Micro-batches 0..11 summed as W = 1, 2, 3, 4 and 6 ranks would sum them
+// (each rank its share, then the shares across ranks in another order),
+// where float sums differ.
+TEST(ExactSum, EveryGroupingGivesTheSameIntegers) {
+  const auto values = terms();
+  const int e = fixed_point_exponent(max_abs(values), 12);
+  std::vector<torch::Tensor> sums;
+  std::vector<torch::Tensor> float_sums;
+  for (int world : {1, 2, 3, 4, 6}) {
+    const int share = 12 / world;
+    auto total = torch::zeros({4096}, torch::kLong);
+    auto float_total = torch::zeros({4096});
+    for (int r = world - 1; r >= 0; --r) { // across ranks: last rank first
+      auto partial = torch::zeros({4096}, torch::kLong);
+      auto float_partial = torch::zeros({4096});
+      for (int k = 0; k < share; ++k) {
+        add_fixed_point(partial, values[r * share + k], e);
+        float_partial += values[r * share + k];
+      }
+      total += partial;
+      float_total += float_partial;
+    }
+    sums.push_back(total);
+    float_sums.push_back(float_total);
+  }
+  bool floats_differ = false;
+  for (size_t i = 1; i < sums.size(); ++i) {
+    EXPECT_TRUE(torch::equal(sums[0], sums[i])) << i;
+    floats_differ = floats_differ || !torch::equal(float_sums[0], float_sums[i]);
+  }
+  EXPECT_TRUE(floats_differ) << "the float sums must depend on the grouping, or this test shows nothing";
+}
+
+TEST(ExactSum, TheMeanIsFloatsOwnRoundingOfTheExactOne) {
+  const auto values = terms();
+  const int e = fixed_point_exponent(max_abs(values), 12);
+  auto sum = torch::zeros({4096}, torch::kLong);
+  auto exact = torch::zeros({4096}, torch::kDouble);
+  for (const auto& v : values) {
+    add_fixed_point(sum, v, e);
+    exact += v.to(torch::kDouble);
+  }
+  const auto mean = from_fixed_point(sum, e, 12, torch::kFloat);
+  EXPECT_EQ(mean.scalar_type(), torch::kFloat);
+  const auto reference = (exact / 12).to(torch::kFloat);
+  // Above M * 2^-30, the mean is within one float ulp of the exact one.
+  const auto large = reference.abs() > max_abs(values) * std::ldexp(1.0, -30);
+  const auto ulp = torch::nextafter(reference.abs(), torch::full({4096}, INFINITY)) - reference.abs();
+  EXPECT_TRUE(((mean - reference).abs() <= ulp).masked_select(large).all().item<bool>());
+}
+
+TEST(ExactSum, OneTermComesBackBitForBit) {
+  for (double scale : {1e-40, 1e-20, 1.0, 1e20, 1e38}) {
+    auto value = (torch::linspace(0.25, 1, 97) * scale).to(torch::kFloat);
+    const int e = fixed_point_exponent(value.abs().max().item<double>(), 1);
+    auto sum = torch::zeros({97}, torch::kLong);
+    add_fixed_point(sum, value, e);
+    EXPECT_TRUE(torch::equal(from_fixed_point(sum, e, 1, torch::kFloat), value)) << scale;
+  }
+  auto d = torch::linspace(-1, 1, 33, torch::kDouble) * 1e-300;
+  const int e = fixed_point_exponent(1e-300, 1);
+  auto sum = torch::zeros({33}, torch::kLong);
+  add_fixed_point(sum, d, e);
+  EXPECT_TRUE(torch::allclose(from_fixed_point(sum, e, 1, torch::kDouble), d, 1e-15, 0));
+}
+
+TEST(ExactSum, AddingDoesNotChangeTheTerm) {
+  auto value = torch::full({5}, 0.5);
+  auto sum = torch::zeros({5}, torch::kLong);
+  add_fixed_point(sum, value, 10);
+  EXPECT_TRUE(torch::equal(value, torch::full({5}, 0.5)));
+  EXPECT_TRUE(torch::equal(sum, torch::full({5}, 512, torch::kLong)));
+}
+
+TEST(ExactSum, EachMicroBatchHasASeedOfItsOwn) {
+  EXPECT_EQ(micro_batch_seed(1, 2, 3), micro_batch_seed(1, 2, 3));
+  std::vector<uint64_t> seeds;
+  for (uint64_t seed : {0, 1}) {
+    for (int64_t step : {0, 1, 2}) {
+      for (int64_t v : {0, 1, 2}) {
+        seeds.push_back(micro_batch_seed(seed, step, v));
+      }
+    }
+  }
+  std::sort(seeds.begin(), seeds.end());
+  EXPECT_EQ(std::unique(seeds.begin(), seeds.end()), seeds.end());
+}
+
+} // namespace
+} // namespace detail
+} // namespace lockstep
