@@ -8,6 +8,7 @@
 #include <lockstep/lockstep.h>
 
 #include "support/ddp_models.h"
+#include "support/deterministic_checks.h"
 #include "support/powersgd_checks.h"
 #include "support/run_worker.h"
 #include "support/worker.h"
@@ -455,6 +456,28 @@ void powersgd(lockstep::testing::WorkerContext& context) {
   lockstep::testing::check_powersgd_recovers_from_zero_and_inf(context.group, context.check);
 }
 
+// support/deterministic_checks.h, with dropout: each micro-batch draws the
+// same numbers on whichever rank runs it.
+void deterministic(const ProcessGroup& group) {
+  lockstep::testing::DeterministicRun run;
+  run.dropout = 0.3;
+  for (const char* optimizer : {"sgd", "adam"}) {
+    run.optimizer = optimizer;
+    lockstep::testing::check_same_bits_as_one_rank(group, run, [&](bool ok, const std::string& what) {
+      lockstep::testing::check(ok, what, group.rank());
+    });
+  }
+}
+
+// V = 3 micro-batches cannot be shared by 2 ranks: every rank refuses.
+void deterministic_indivisible(const ProcessGroup& group) {
+  lockstep::testing::expect_error(group, [&] {
+    lockstep::testing::DeterministicNet net;
+    DistributedDataParallel<lockstep::testing::DeterministicNet>(
+        net, group, DistributedOptions().deterministic(true).micro_batches(3));
+  }, {"micro_batches(3) is not a multiple of the world size 2", "rank " + std::to_string(group.rank())});
+}
+
 lockstep::testing::WorkerTable scenarios() {
   using lockstep::comm_hooks::bf16_compress;
   using lockstep::comm_hooks::fp16_compress;
@@ -502,6 +525,8 @@ lockstep::testing::WorkerTable scenarios() {
       {"wrapped_twice", on_group(lockstep::testing::wrapped_twice)},
       {"options_differ", on_group(lockstep::testing::options_differ)},
       {"powersgd", {powersgd}},
+      {"deterministic", on_group(deterministic)},
+      {"deterministic_indivisible", on_group(deterministic_indivisible)},
       {"tcp_store", tcp_store},
       {"new_group_late", new_group_late},
   };

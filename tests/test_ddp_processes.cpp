@@ -101,6 +101,15 @@ TEST(DdpProcesses, TwoRanksMatchOneProcessOnTheWholeBatch) {
   expect_all_ok("equivalence");
 }
 
+// Note [The same bits at any world size]: dropout and both optimizers,
+// against one rank in each process.
+TEST(DdpProcesses, DeterministicModeGivesOneRanksBitsAtTwoThreeAndFourRanks) {
+  for (int world : {2, 3, 4}) {
+    expect_all_ok("deterministic", world);
+  }
+  expect_all_ok("deterministic_indivisible", 2);
+}
+
 TEST(DdpProcesses, GradientAsBucketViewWithManyBuckets) {
   expect_all_ok("views");
 }
