@@ -43,6 +43,36 @@ TEST_F(Deterministic, AdamGivesOneRanksBitsAtTwoAndThreeRanks) {
   }
 }
 
+TEST_F(Deterministic, BatchNormGivesOneRanksBitsAtTwoAndThreeRanks) {
+  DeterministicRun run;
+  run.batch_norm = true;
+  for (int world : {2, 3}) {
+    testing::spawn(world, [&](ProcessGroup& group) { testing::check_same_bits_as_one_rank(group, run, testing::kCheck); });
+  }
+}
+
+// Note [Running statistics over micro-batches]: the statistics are those of
+// one BatchNorm that saw the micro-batches in order, up to rounding.
+TEST_F(Deterministic, BatchNormStatisticsAreThoseOfTheMicroBatchesInOrder) {
+  DeterministicNet net(0, true), bare(0, true);
+  DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(),
+                                                DistributedOptions().deterministic(true).micro_batches(4));
+  for (int64_t step = 0; step < 2; ++step) {
+    const auto batch = testing::global_batch(12, step);
+    ddp->backward_micro_batches(step, [&](int64_t v) {
+      return torch::mse_loss(ddp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
+    });
+    torch::NoGradGuard no_grad;
+    for (int64_t v = 0; v < 4; ++v) {
+      bare->forward(batch.first.narrow(0, 3 * v, 3));
+    }
+  }
+  EXPECT_TRUE(torch::allclose(net->norm->running_mean, bare->norm->running_mean, 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(net->norm->running_var, bare->norm->running_var, 1e-6, 1e-7));
+  EXPECT_EQ(net->norm->num_batches_tracked.item<int64_t>(), 8);
+  EXPECT_FALSE(torch::equal(net->norm->running_mean, torch::zeros({24})));
+}
+
 // The gradient is the mean over the global batch, as one backward over it
 // gives it up to rounding: the loss is each micro-batch's mean, over V.
 TEST_F(Deterministic, TheGradientIsTheMeanOverTheGlobalBatch) {
@@ -92,9 +122,34 @@ TEST_F(Deterministic, RefusesWhatItCannotKeepExact) {
   EXPECT_ERROR_SAYS(DistributedDataParallel<DeterministicNet>(net, ProcessGroup(),
                                                               deterministic().comm_hook(comm_hooks::fp16_compress)),
                     "neither a comm_hook");
-  torch::nn::Sequential with_bn(torch::nn::Linear(7, 4), torch::nn::BatchNorm1d(4));
-  EXPECT_ERROR_SAYS(DistributedDataParallel<torch::nn::Sequential>(with_bn, ProcessGroup(), deterministic()),
-                    "running statistics of '1'", "LayerNorm");
+  torch::nn::Sequential cumulative(torch::nn::Linear(7, 4),
+                                   torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(4).momentum(c10::nullopt)));
+  EXPECT_ERROR_SAYS(DistributedDataParallel<torch::nn::Sequential>(cumulative, ProcessGroup(), deterministic()),
+                    "'1' (torch::nn::BatchNorm1d", "keeps a cumulative average", "Give it a momentum");
+  torch::nn::Sequential synced(torch::nn::Linear(7, 4), SyncBatchNorm(torch::nn::BatchNormOptions(4)));
+  EXPECT_ERROR_SAYS(DistributedDataParallel<torch::nn::Sequential>(synced, ProcessGroup(), deterministic()),
+                    "'1' is a lockstep::SyncBatchNorm");
+}
+
+struct TwiceNormImpl : torch::nn::Module {
+  TwiceNormImpl() {
+    fc = register_module("fc", torch::nn::Linear(7, 7));
+    norm = register_module("norm", torch::nn::BatchNorm1d(7));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return norm(fc(norm(x)));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+};
+TORCH_MODULE(TwiceNorm);
+
+TEST_F(Deterministic, RefusesABatchNormRunTwiceInOneMicroBatch) {
+  TwiceNorm net;
+  DistributedDataParallel<TwiceNorm> ddp(net, ProcessGroup(), deterministic());
+  const auto x = torch::randn({3, 7});
+  EXPECT_ERROR_SAYS(ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(x).sum(); }),
+                    "'norm' ran 2 times in micro-batch 0");
 }
 
 TEST_F(Deterministic, RefusesGradientsFromElsewhere) {

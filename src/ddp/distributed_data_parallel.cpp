@@ -93,22 +93,6 @@ std::string rank0_text(const ProcessGroup& group, const std::string& text, torch
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), bytes.numel());
 }
 
-// Note [The same bits at any world size] in src/ddp/micro_batch_reducer.cpp:
-// BatchNorm's running statistics would depend on which micro-batches each
-// rank ran.
-void check_no_batch_norm(torch::nn::Module& module, int rank) {
-  for (const auto& named : module.named_modules()) {
-    const auto& m = named.value();
-    const bool batch_norm = m->as<torch::nn::BatchNorm1dImpl>() != nullptr ||
-        m->as<torch::nn::BatchNorm2dImpl>() != nullptr || m->as<torch::nn::BatchNorm3dImpl>() != nullptr ||
-        m->as<SyncBatchNormImpl>() != nullptr;
-    TORCH_CHECK(!batch_norm, "lockstep::DistributedDataParallel: rank ", rank, ": deterministic(true) cannot keep "
-                "the running statistics of '", named.key().empty() ? std::string("the module") : named.key(), "' (",
-                m->name(), ") the same at every world size: they depend on which micro-batches each rank ran. Use "
-                "a normalisation without running statistics (LayerNorm, GroupNorm), or leave deterministic off.");
-  }
-}
-
 } // namespace
 
 void verify_same_parameters(
@@ -219,13 +203,7 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   detail::label_sync_batch_norms(module);
   broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");
   if (options.deterministic()) {
-    check_no_batch_norm(module, group_.rank());
-    std::vector<std::pair<std::string, torch::Tensor>> buffers;
-    for (const auto& b : module.named_buffers()) {
-      buffers.emplace_back(b.key(), b.value());
-    }
-    micro_batches_ = std::make_unique<MicroBatchReducer>(std::move(params), std::move(names), std::move(buffers),
-                                                         group_, options);
+    micro_batches_ = std::make_unique<MicroBatchReducer>(module, std::move(params), std::move(names), group_, options);
   } else {
     reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
   }

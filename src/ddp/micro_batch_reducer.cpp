@@ -53,11 +53,12 @@ namespace detail {
 // Other state: a parameter whose maximum is not finite (inf or NaN in some
 // micro-batch) gets a NaN gradient on every rank, which GradScaler's and
 // clipping's checks see. The losses go in the same all_gather, so every rank
-// returns their mean added in micro-batch order. Buffers that forward changes
-// (BatchNorm's statistics) would depend on which micro-batches each rank
-// ran, so BatchNorm is refused when wrapping, and a hash of every buffer
-// goes in the all_gather: buffers that differ between ranks after a step are
-// an error naming the first.
+// returns their mean added in micro-batch order, and so do BatchNorm's
+// updates (Note [Running statistics over micro-batches] in
+// src/ddp/micro_batch_norms.cpp). Any other buffer that forward changed
+// would depend on which micro-batches each rank ran: a hash of every buffer
+// as the step starts goes in the all_gather too, and buffers that differ
+// between ranks are an error naming the first.
 
 namespace {
 
@@ -123,13 +124,13 @@ struct MicroBatchReducer::Gathered {
   double mean_loss = 0;
 };
 
-MicroBatchReducer::MicroBatchReducer(std::vector<torch::Tensor> params, std::vector<std::string> names,
-                                     std::vector<std::pair<std::string, torch::Tensor>> buffers, ProcessGroup group,
+MicroBatchReducer::MicroBatchReducer(torch::nn::Module& module, std::vector<torch::Tensor> params,
+                                     std::vector<std::string> names, ProcessGroup group,
                                      const DistributedOptions& options)
     : params_(std::move(params)),
       names_(std::move(names)),
-      buffers_(std::move(buffers)),
       group_(std::move(group)),
+      norms_(module, where()),
       micro_batches_(options.micro_batches()),
       micro_batch_size_(options.micro_batch_size()),
       seed_(options.seed()),
@@ -146,6 +147,9 @@ MicroBatchReducer::MicroBatchReducer(std::vector<torch::Tensor> params, std::vec
   TORCH_CHECK(group_.supports(Collective::Allreduce, torch::kLong, device_), where(), "the ", group_.backend(),
               " backend cannot allreduce int64 tensors on ", device_, ", which deterministic(true) sums the gradients "
               "in. Use gloo, mpi or nccl.");
+  for (const auto& b : module.named_buffers()) {
+    buffers_.emplace_back(b.key(), b.value());
+  }
 }
 
 std::string MicroBatchReducer::where() const {
@@ -176,7 +180,10 @@ double MicroBatchReducer::backward_micro_batches(int64_t step, const std::functi
   const int64_t share = micro_batches_ / group_.size();
   const int64_t first = group_.rank() * share;
   std::vector<std::vector<torch::Tensor>> grads(share);
-  std::vector<double> losses;
+  std::vector<double> losses, buffer_hashes;
+  for (const auto& buffer : buffers_) {
+    buffer_hashes.push_back(hash_of(buffer.second));
+  }
   for (auto& p : params_) {
     p.mutable_grad().reset(); // each micro-batch's gradient alone
   }
@@ -190,6 +197,7 @@ double MicroBatchReducer::backward_micro_batches(int64_t step, const std::functi
     const int64_t v = first + k;
     timeline::Span span([v] { return "micro-batch " + std::to_string(v); });
     SeededGenerators seeded(device_, micro_batch_seed(seed_, step, v));
+    norms_.begin(k);
     running_ = v;
     torch::Tensor loss = loss_of(v);
     TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()) && loss.requires_grad(),
@@ -198,6 +206,7 @@ double MicroBatchReducer::backward_micro_batches(int64_t step, const std::functi
                 std::to_string(loss.numel()) + " elements" + (loss.requires_grad() ? "" : " without a gradient")
                 : std::string("an undefined tensor"), ".");
     loss.backward();
+    norms_.end(k);
     losses.push_back(loss.item<double>());
     for (auto& p : params_) {
       grads[k].push_back(p.grad());
@@ -205,13 +214,14 @@ double MicroBatchReducer::backward_micro_batches(int64_t step, const std::functi
     }
   }
   running_ = -1;
-  const Gathered gathered = gather(step, grads, losses);
+  const Gathered gathered = gather(step, grads, losses, buffer_hashes);
   reduce(step, grads, gathered);
   return gathered.mean_loss;
 }
 
 MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads,
-                                                      const std::vector<double>& losses) const {
+                                                      const std::vector<double>& losses,
+                                                      const std::vector<double>& buffer_hashes) {
   timeline::Span span("deterministic: maxima, losses and buffers");
   const size_t count = params_.size(), share = losses.size();
   std::vector<double> mine;
@@ -225,17 +235,20 @@ MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::v
     mine.push_back(largest);
   }
   mine.insert(mine.end(), losses.begin(), losses.end());
-  for (const auto& buffer : buffers_) {
-    mine.push_back(hash_of(buffer.second));
-  }
+  mine.insert(mine.end(), buffer_hashes.begin(), buffer_hashes.end());
+  const auto records = norms_.recorded();
+  mine.insert(mine.end(), records.begin(), records.end());
   auto theirs = group_.all_gather(torch::tensor(mine, torch::kDouble).to(device_));
   Gathered gathered;
   gathered.maxima.assign(count, 0);
   double loss_sum = 0; // in micro-batch order: rank 0's share first
   std::vector<double> rank0;
+  std::vector<torch::Tensor> on_cpu;
+  std::vector<const double*> norm_records;
   for (size_t r = 0; r < theirs.size(); ++r) {
-    const auto values = theirs[r].cpu();
-    const double* data = values.data_ptr<double>();
+    on_cpu.push_back(theirs[r].cpu());
+    const double* data = on_cpu.back().data_ptr<double>();
+    norm_records.push_back(data + count + share + buffers_.size());
     for (size_t p = 0; p < count; ++p) {
       gathered.maxima[p] = max_of(gathered.maxima[p], data[p]);
     }
@@ -244,16 +257,18 @@ MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::v
     }
     for (size_t b = 0; b < buffers_.size(); ++b) {
       const double hash = data[count + share + b];
-      TORCH_CHECK(r == 0 || same_bits(hash, rank0[b]), where(), "after step ", step, ", buffer '", buffers_[b].first,
-                  "' differs between rank 0 and rank ", r, ". A buffer that forward changes depends on which "
-                  "micro-batches each rank ran, so deterministic mode cannot keep it the same at every world size. "
-                  "Make it a parameter, or keep it constant during training.");
+      TORCH_CHECK(r == 0 || same_bits(hash, rank0[b]), where(), "as step ", step, " starts, buffer '",
+                  buffers_[b].first, "' differs between rank 0 and rank ", r, ". A buffer that forward changes "
+                  "(other than BatchNorm's statistics) depends on which micro-batches each rank ran, so "
+                  "deterministic mode cannot keep it the same at every world size. Make it a parameter, or keep it "
+                  "constant during training.");
       if (r == 0) {
         rank0.push_back(hash);
       }
     }
   }
   gathered.mean_loss = loss_sum / static_cast<double>(micro_batches_);
+  norms_.replay(norm_records, static_cast<int64_t>(share));
   return gathered;
 }
 

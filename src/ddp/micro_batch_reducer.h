@@ -7,6 +7,9 @@
 
 #include <lockstep/process_group.h>
 
+#include "ddp/micro_batch_norms.h"
+
+#include <torch/nn/module.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -22,11 +25,11 @@ namespace detail {
 
 class MicroBatchReducer {
  public:
-  /// `buffers`: the module's, by name, which every rank must still hold
-  /// alike after each step.
-  MicroBatchReducer(std::vector<torch::Tensor> params, std::vector<std::string> names,
-                    std::vector<std::pair<std::string, torch::Tensor>> buffers, ProcessGroup group,
-                    const DistributedOptions& options);
+  /// `params` (named `names`) are `module`'s, whose buffers every rank must
+  /// hold alike at each step's start, and whose BatchNorms' statistics it
+  /// keeps (Note [Running statistics over micro-batches]).
+  MicroBatchReducer(torch::nn::Module& module, std::vector<torch::Tensor> params, std::vector<std::string> names,
+                    ProcessGroup group, const DistributedOptions& options);
 
   /// DistributedDataParallelImpl::backward_micro_batches.
   double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of);
@@ -41,7 +44,7 @@ class MicroBatchReducer {
   // Every rank's maxima, losses and buffer hashes, laid out per rank.
   struct Gathered;
   Gathered gather(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads,
-                  const std::vector<double>& losses) const;
+                  const std::vector<double>& losses, const std::vector<double>& buffer_hashes);
   void reduce(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads, const Gathered& gathered);
   std::string where() const;
 
@@ -49,6 +52,7 @@ class MicroBatchReducer {
   std::vector<std::string> names_;
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;
   ProcessGroup group_;
+  MicroBatchNorms norms_;
   int64_t micro_batches_, micro_batch_size_;
   uint64_t seed_;
   torch::Device device_;

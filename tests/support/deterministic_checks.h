@@ -22,12 +22,15 @@ namespace testing {
 /// An MLP whose parameters are set from a formula, not a generator: every
 /// rank, thread or process builds the same one without seeding anything.
 struct DeterministicNetImpl : torch::nn::Cloneable<DeterministicNetImpl> {
-  explicit DeterministicNetImpl(double dropout = 0) : dropout(dropout) {
+  explicit DeterministicNetImpl(double dropout = 0, bool batch_norm = false) : dropout(dropout), batch_norm(batch_norm) {
     reset();
   }
   void reset() override {
     fc1 = register_module("fc1", torch::nn::Linear(7, 24));
     fc2 = register_module("fc2", torch::nn::Linear(24, 3));
+    if (batch_norm) {
+      norm = register_module("norm", torch::nn::BatchNorm1d(24));
+    }
     torch::NoGradGuard no_grad;
     int64_t i = 0;
     for (auto& p : parameters()) {
@@ -35,10 +38,16 @@ struct DeterministicNetImpl : torch::nn::Cloneable<DeterministicNetImpl> {
     }
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return fc2(torch::dropout(torch::tanh(fc1(x)), dropout, is_training()));
+    auto h = fc1(x);
+    if (batch_norm) {
+      h = norm(h);
+    }
+    return fc2(torch::dropout(torch::tanh(h), dropout, is_training()));
   }
   double dropout;
+  bool batch_norm;
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
 };
 TORCH_MODULE(DeterministicNet);
 
@@ -46,13 +55,15 @@ struct DeterministicRun {
   int64_t micro_batches = 12, micro_batch_size = 3, steps = 3;
   std::string optimizer = "sgd"; // "sgd" (momentum 0.9) or "adam"
   double dropout = 0;
+  bool batch_norm = false;
   uint64_t seed = 5;
 };
 
-/// Trains a DeterministicNet for `run` on `group` and returns every parameter,
-/// flat, after the last step, with the losses the steps returned appended.
+/// Trains a DeterministicNet for `run` on `group` and returns every parameter
+/// and buffer, flat, after the last step, with the losses the steps returned
+/// appended.
 inline torch::Tensor train_deterministic(const ProcessGroup& group, const DeterministicRun& run) {
-  DeterministicNet net(run.dropout);
+  DeterministicNet net(run.dropout, run.batch_norm);
   auto options = DistributedOptions().deterministic(true).micro_batches(run.micro_batches)
                      .micro_batch_size(run.micro_batch_size).seed(run.seed);
   DistributedDataParallel<DeterministicNet> ddp(net, group, options);
@@ -76,6 +87,9 @@ inline torch::Tensor train_deterministic(const ProcessGroup& group, const Determ
   for (const auto& p : net->parameters()) {
     flat.push_back(p.detach().reshape({-1}).to(torch::kDouble));
   }
+  for (const auto& b : net->buffers()) {
+    flat.push_back(b.detach().reshape({-1}).to(torch::kDouble));
+  }
   flat.push_back(torch::tensor(losses, torch::kDouble));
   return torch::cat(flat);
 }
@@ -84,7 +98,8 @@ inline torch::Tensor train_deterministic(const ProcessGroup& group, const Determ
 inline void check_same_bits_as_one_rank(const ProcessGroup& group, const DeterministicRun& run, const Check& check) {
   const auto alone = train_deterministic(ProcessGroup(), run);
   const auto together = train_deterministic(group, run);
-  const std::string what = " (" + run.optimizer + ", dropout " + std::to_string(run.dropout) + ", W=" +
+  const std::string what = " (" + run.optimizer + ", dropout " + std::to_string(run.dropout) +
+      (run.batch_norm ? ", BatchNorm" : "") + ", W=" +
       std::to_string(group.size()) + ", rank " + std::to_string(group.rank()) + ")";
   const bool same = alone.numel() == together.numel() &&
       std::memcmp(alone.data_ptr(), together.data_ptr(), alone.nbytes()) == 0;
