@@ -156,6 +156,9 @@ std::shared_ptr<lockstep::DistributedDataParallel<M>> replicate(M net, const loc
                      .static_graph(mode == "static")
                      .rebuild_buckets(mode != "norebuild")
                      .bucket_cap_mb(bench.bucket_cap_mb);
+  if (mode == "deterministic") { // one micro-batch per rank: each rank's work is plain DDP's
+    options.deterministic(true).micro_batches(group.size());
+  }
   if (mode == "powersgd") {
     options.comm_hook(lockstep::comm_hooks::powersgd(
         lockstep::PowerSGDOptions().rank(bench.powersgd_rank).start_iteration(2)));
@@ -225,9 +228,9 @@ void print_result(const lockstep::ProcessGroup& group, const std::string& mode, 
 template <typename M>
 void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
          const BenchOptions& bench) {
-  const int64_t batch = 256 / group.size();
+  const int64_t batch = (model == "cnn" ? 64 : 256) / group.size();
   const int64_t features = model == "mlp" ? 784 : 256;
-  auto x = torch::randn({batch, features});
+  auto x = model == "cnn" ? torch::randn({batch, 1, 28, 28}) : torch::randn({batch, features});
   auto y = torch::randint(0, 10, {batch});
   auto wrapped = wrap(net, group, mode, bench);
   auto optimizer = make_optimizer(bench.optimizer, wrapped.params);
@@ -235,9 +238,18 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
   if (mode == "comm") {
     comm_step = communication_alone((*wrapped.ddp)->buckets(), net->parameters(), group);
   }
+  int64_t steps_taken = 0;
   auto step = [&] {
     if (comm_step) {
       comm_step();
+      return;
+    }
+    if (mode == "deterministic") { // Note [The same bits at any world size]
+      (*wrapped.ddp)->backward_micro_batches(steps_taken++, [&](int64_t) {
+        return torch::cross_entropy_loss(wrapped.forward(x), y);
+      });
+      lockstep::timeline::Span span("optimizer step");
+      optimizer->step();
       return;
     }
     optimizer->zero_grad();
@@ -356,13 +368,13 @@ int parse_options(int argc, char** argv, RunOptions& options) {
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
   app.add_option("MODE", options.mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
-                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward) or nocomm (no communication)")
+                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward), nocomm (no communication), deterministic (one micro-batch per rank) or the sharded and compressed modes")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
                                          "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
-                                         "gradop-mpi", "fullshard-bf16", "powersgd", "comm"}));
+                                         "gradop-mpi", "fullshard-bf16", "powersgd", "comm", "deterministic"}));
   app.add_option("MODEL", options.model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
-                 "last layer first) or wide (8 x Linear(2048, 2048))")
-      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide"}));
+                 "last layer first), wide (8 x Linear(2048, 2048)) or cnn (the trainer's, with BatchNorm, batch 64)")
+      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide", "cnn"}));
   app.add_option("--optimizer", options.bench.optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
   app.add_option("--bucket-cap-mb", options.bench.bucket_cap_mb, "DDP's bucket_cap_mb")->check(CLI::PositiveNumber);
   app.add_option("--powersgd-rank", options.bench.powersgd_rank, "powersgd: the approximation's rank")->check(CLI::PositiveNumber);
@@ -411,6 +423,8 @@ int main(int argc, char** argv) {
     base_rss_mb = peak_rss_mb();
     if (model == "reversed") {
       run(ReversedDeep(), group, mode, model, steps, bench);
+    } else if (model == "cnn") {
+      run(lockstep::examples::ConvNet(), group, mode, model, steps, bench);
     } else {
       run(make_model(model), group, mode, model, steps, bench);
     }

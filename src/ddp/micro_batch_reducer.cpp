@@ -274,7 +274,7 @@ MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::v
 
 void MicroBatchReducer::reduce(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads,
                                const Gathered& gathered) {
-  timeline::Span span("deterministic: the exact sum");
+  timeline::Span to_integers("deterministic: to integers");
   int64_t total = 0;
   for (const auto& p : params_) {
     total += p.numel();
@@ -295,8 +295,12 @@ void MicroBatchReducer::reduce(int64_t step, const std::vector<std::vector<torch
     }
     offset += n;
   }
+  to_integers = timeline::Span();
+  timeline::Span allreduce("deterministic: allreduce of int64", sum.numel() * 8);
   group_.allreduce_async({sum}, ReduceOp::Sum, "the exact sum of step " + std::to_string(step) +
                          "'s gradients (deterministic DistributedDataParallel)")->wait();
+  allreduce = timeline::Span();
+  timeline::Span to_floats("deterministic: back to floats");
   offset = 0;
   for (size_t p = 0; p < params_.size(); ++p) {
     auto& param = params_[p];
