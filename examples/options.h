@@ -56,6 +56,8 @@ struct Config {
   std::string comm_hook = "none";  // DDP's bucket reduction: none, fp16, bf16 or powersgd
   int64_t powersgd_rank = 4;
   int64_t powersgd_start = 10;     // plain allreduce for this many steps first
+  int64_t micro_batch_size = 0;    // --deterministic: samples per micro-batch
+  bool deterministic = false;      // DDP's deterministic mode: the same bits at any world size
 };
 
 // Bounds of the whole-number flags: beyond them a number is a typo, or would
@@ -194,6 +196,13 @@ inline void add_launcher_options(CLI::App& app, Config& config) {
                  "(CHECKPOINT.shards-STEP/) and resume at any world size; --save is still a whole, bare model. "
                  "PyTorch's names work too: full-shard, shard-grad-op, no-shard (or with _)")
       ->transform(CLI::CheckedTransformer(sharding_spellings(), CLI::ignore_case))->group("Distributed");
+  app.add_flag("--deterministic", config.deterministic, "Under DDP: the same final parameters, to the bit, at every "
+               "world size that divides the micro-batches of a batch (--batch-size / --micro-batch-size), and after "
+               "a resume at another one. Each micro-batch runs alone and the ranks sum exactly. Intra-op threads "
+               "default to 1 (--threads), so that every world size computes alike")->group("Distributed");
+  app.add_option("--micro-batch-size", config.micro_batch_size, "--deterministic: samples per micro-batch; "
+                 "--batch-size must be a multiple of it")
+      ->check(CLI::Range(int64_t{1}, kMaxCount))->group("Distributed");
 }
 
 inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::string& export_dir) {
@@ -281,6 +290,11 @@ inline void check_launch_flags(const Config& config, bool launched) {
                      "lockstep-train --sharding " + config.sharding + ". Alone, lockstep-train trains with "
                      "DataParallel, which does not shard.");
   }
+  if (config.deterministic && (!launched || !config.sharding.empty() || config.comm_hook != "none")) {
+    throw UsageError(std::string("--deterministic is DistributedDataParallel's mode: run it under a launcher, "
+                     "without --sharding or --comm-hook") + (launched ? "" : " (lockstep-run --nproc-per-node 1 for "
+                     "one rank)") + ".");
+  }
   if (config.comm_hook != "none" && (!launched || !config.sharding.empty())) {
     throw UsageError("--comm-hook " + config.comm_hook + " sets how DistributedDataParallel reduces its buckets: run "
                      "it under a launcher (lockstep-run, torchrun, mpirun, srun) and without --sharding" +
@@ -328,6 +342,15 @@ inline int parse_command_line(
   // Given explicitly, the sample counts take the first N of each split of the files.
   data.first_train = app.count("--train-samples") > 0;
   data.first_test = app.count("--test-samples") > 0;
+  if (config.deterministic != (config.micro_batch_size > 0)) {
+    return refuse(config.deterministic ? "--deterministic needs --micro-batch-size N: the samples of each micro-batch, "
+                                         "the same at every world size."
+                                       : "--micro-batch-size sets --deterministic's micro-batches; add --deterministic.");
+  }
+  if (config.deterministic && config.batch_size % config.micro_batch_size != 0) {
+    return refuse("--batch-size " + std::to_string(config.batch_size) + " is not a multiple of --micro-batch-size " +
+                  std::to_string(config.micro_batch_size) + ": a batch is a whole number of micro-batches.");
+  }
   for (const char* flag : {"--powersgd-rank", "--powersgd-start"}) {
     if (app.count(flag) > 0 && config.comm_hook != "powersgd") {
       std::fprintf(stderr, "lockstep-train: %s has no effect without --comm-hook powersgd (here --comm-hook %s); "

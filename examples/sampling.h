@@ -32,7 +32,10 @@
 // So every batch has at least --batch-size rows (unless the epoch has fewer),
 // and at most twice that less one; under DDP the rows past a multiple of the
 // world size are left out of that last batch, so that every rank takes as
-// many.
+// many. Under --deterministic every batch has exactly --batch-size rows,
+// cut into micro-batches of --micro-batch-size in this order, and the rows
+// past the epoch's last whole batch are left out: micro-batch v of a step
+// then holds the same rows at every world size.
 
 #include <torch/torch.h>
 
@@ -50,6 +53,7 @@ struct BatchPlan {
   int world_size = 1;
   int rank = 0;
   uint64_t seed = 1;
+  bool whole_batches = false; // --deterministic: every batch --batch-size rows; the epoch's rest is left out
 };
 
 /// SplitMix64's finaliser: nearby inputs give unrelated outputs.
@@ -66,6 +70,9 @@ inline uint64_t mix_bits(uint64_t x) {
 /// over (Note [Data order]).
 inline int64_t batch_rows_at(const BatchPlan& plan, int64_t at) {
   const int64_t remaining = std::max<int64_t>(0, plan.samples - at);
+  if (plan.whole_batches) {
+    return remaining >= plan.batch_size ? plan.batch_size : 0;
+  }
   const int64_t rows = remaining < 2 * plan.batch_size ? remaining : plan.batch_size;
   return rows - rows % plan.world_size;
 }

@@ -118,6 +118,13 @@ inline Config settled_config(Config config, const lockstep::ProcessGroup* group)
     config.out_dir = default_out_dir();
   }
   if (group != nullptr) {
+    const int64_t micro_batches = config.deterministic ? config.batch_size / config.micro_batch_size : 0;
+    if (config.deterministic && micro_batches % group->size() != 0) {
+      throw UsageError("--batch-size " + std::to_string(config.batch_size) + " holds " + std::to_string(micro_batches) +
+                       " micro-batches of --micro-batch-size " + std::to_string(config.micro_batch_size) + ", which " +
+                       std::to_string(group->size()) + " ranks cannot share evenly; run at a world size that divides " +
+                       std::to_string(micro_batches) + ".");
+    }
     if (config.batch_size % group->size() != 0) {
       throw UsageError("--batch-size " + std::to_string(config.batch_size) + " does not split evenly over " +
                        std::to_string(group->size()) + " ranks; pick a multiple of " + std::to_string(group->size()) +
@@ -288,6 +295,8 @@ struct Setup {
   std::string description; // "DistributedDataParallel over 2 ranks (gloo)"
   // The wrapped model's forward.
   std::function<torch::Tensor(const torch::Tensor&)> forward;
+  // --deterministic: DistributedDataParallelImpl::backward_micro_batches; else empty.
+  std::function<double(int64_t, const std::function<torch::Tensor(int64_t)>&)> backward_micro_batches;
   // Steps the model: on the whole model's parameters, or on this rank's
   // shards under --sharding.
   std::shared_ptr<torch::optim::SGD> optimizer;
@@ -329,7 +338,8 @@ inline Setup launched_setup(const lockstep::ProcessGroup& group, ConvNet& net, c
   setup.world_size = group.size();
   setup.device = group_device(group);
   net->to(setup.device);
-  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, group.size(), group.rank(), config.seed};
+  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, group.size(), group.rank(), config.seed,
+                         config.deterministic};
   // Loss and accuracy sums as doubles: exact for any count below 2^53.
   setup.combine = [group, device = setup.device](const Tally& mine) {
     auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
@@ -384,10 +394,22 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, ConvNet& net
     return found;
   });
   check_ranks_resumed_alike(group, config, setup.state, *net, optimizer);
-  lockstep::DistributedDataParallel<ConvNet> model(net, group, lockstep::DistributedOptions().comm_hook(hook.hook));
+  auto options = lockstep::DistributedOptions().comm_hook(hook.hook);
+  if (config.deterministic) { // Note [The same bits at any world size] in src/ddp/micro_batch_reducer.cpp
+    options.deterministic(true).micro_batches(config.batch_size / config.micro_batch_size)
+        .micro_batch_size(config.micro_batch_size).seed(config.seed);
+  }
+  lockstep::DistributedDataParallel<ConvNet> model(net, group, options);
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
+  if (config.deterministic) {
+    setup.backward_micro_batches = [model](int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) mutable {
+      return model->backward_micro_batches(step, loss_of);
+    };
+  }
   setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() +
-                      ")" + hook.description;
+                      ")" + hook.description +
+                      (config.deterministic ? ", deterministic: " + std::to_string(options.micro_batches()) +
+                       " micro-batches of " + std::to_string(config.micro_batch_size) + " a batch" : "");
   if (hook.powersgd) {
     setup.compression_rate = [powersgd = *hook.powersgd] { return powersgd.compression_rate(); };
   }

@@ -75,7 +75,7 @@ using lockstep::examples::TrainingState;
 
 // Settings of the whole process, made before any tensor: a fast BLAS, a heap
 // that keeps freed memory, and the intra-op thread count.
-void prepare_process(int threads) {
+void prepare_process(int threads, bool deterministic) {
   lockstep::examples::require_fast_blas("lockstep-train");
   // Keep freed memory in the heap instead of returning every large tensor
   // to the kernel: fresh pages fault and are zeroed on each step otherwise,
@@ -85,8 +85,10 @@ void prepare_process(int threads) {
   // --threads, else OMP_NUM_THREADS (lockstep-run gives each rank its
   // share), else every core: libtorch's own default can be lower (it asks
   // cpuinfo for physical cores, which fails on some virtual machines).
-  const char* omp = std::getenv("OMP_NUM_THREADS");
+  // --deterministic: 1, so that every world size computes each micro-batch alike.
+  const char* omp = deterministic ? nullptr : std::getenv("OMP_NUM_THREADS");
   at::set_num_threads(threads > 0                            ? threads
+                      : deterministic                        ? 1
                       : omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
                                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 }
@@ -221,17 +223,11 @@ Tally evaluate(const Run& run) {
   return run.setup.combine(mine);
 }
 
-// One optimizer step on the training rows `index` at learning rate `lr`;
-// returns this rank's tally of the batch.
-Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
+// The rows `index` through the model under --precision's autocast: the
+// mean loss, and this rank's tally.
+std::pair<torch::Tensor, Tally> forward_rows(const Run& run, const torch::Tensor& index) {
   auto x = run.data.train.images.index_select(0, index).to(run.setup.device);
   auto y = run.data.train.labels.index_select(0, index).to(run.setup.device);
-  // The command line's options, every step: LibTorch 2.x's optimizer load
-  // restores a checkpoint's options too, which would keep the old --momentum.
-  for (auto& group : run.optimizer.param_groups()) {
-    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr).momentum(run.config.momentum);
-  }
-  run.optimizer.zero_grad();
   torch::Tensor logits;
   torch::Tensor loss;
   {
@@ -239,14 +235,47 @@ Tally train_step(const Run& run, const torch::Tensor& index, double lr) {
     logits = run.setup.forward(x);
     loss = torch::cross_entropy_loss(logits, y);
   }
-  run.scaler.scale(loss).backward();
+  const int64_t b = index.size(0);
+  return {loss, Tally{loss.item<double>() * b, logits.argmax(1).eq(y).sum().item<int64_t>(), b}};
+}
+
+// --deterministic: this rank's share of the batch, `index`, as micro-batches
+// rank * share .. of the whole batch (Note [The same bits at any world size]).
+Tally backward_micro_batches(const Run& run, const torch::Tensor& index, int64_t step) {
+  const int64_t size = run.config.micro_batch_size;
+  const int64_t first = run.setup.rank * (index.size(0) / size);
+  Tally tally;
+  run.setup.backward_micro_batches(step, [&](int64_t v) {
+    auto [loss, rows] = forward_rows(run, index.narrow(0, (v - first) * size, size));
+    tally += rows;
+    return run.scaler.scale(loss);
+  });
+  return tally;
+}
+
+// Optimizer step `step` on the training rows `index` at learning rate `lr`;
+// returns this rank's tally of the batch.
+Tally train_step(const Run& run, const torch::Tensor& index, double lr, int64_t step) {
+  // The command line's options, every step: LibTorch 2.x's optimizer load
+  // restores a checkpoint's options too, which would keep the old --momentum.
+  for (auto& group : run.optimizer.param_groups()) {
+    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr).momentum(run.config.momentum);
+  }
+  run.optimizer.zero_grad();
+  Tally tally;
+  if (run.setup.backward_micro_batches) {
+    tally = backward_micro_batches(run, index, step);
+  } else {
+    torch::Tensor loss;
+    std::tie(loss, tally) = forward_rows(run, index);
+    run.scaler.scale(loss).backward();
+  }
   {
     lockstep::timeline::Span span("optimizer step");
     run.scaler.step(run.optimizer); // skipped on an fp16 overflow, on every rank alike
     run.scaler.update();
   }
-  const int64_t b = index.size(0);
-  return Tally{loss.item<double>() * b, logits.argmax(1).eq(y).sum().item<int64_t>(), b};
+  return tally;
 }
 
 // Writes where training stands (every rank calls it; rank 0 writes unless
@@ -406,7 +435,7 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
   for (size_t i = 0; i < batches.size(); ++i) {
     maybe_inject_fault(run.setup.rank, state.step);
     const double lr = lr_at(config, state.step + epoch.schedule_shift, epoch.batch_count, epoch.total_steps);
-    epoch.pending += train_step(run, batches[i], lr);
+    epoch.pending += train_step(run, batches[i], lr, state.step);
     if (state.unsynced_counts.defined()) {
       state.unsynced_counts.index_add_(0, batches[i], torch::ones({batches[i].size(0)}, torch::kInt32));
     }
@@ -576,7 +605,7 @@ int main(int argc, char** argv) {
     return exit_code; // --help, or a refusal
   }
   try {
-    prepare_process(parsed.threads);
+    prepare_process(parsed.threads, parsed.deterministic);
     if (!export_dir.empty()) {
       lockstep::examples::export_synthetic(export_dir, parsed.seed);
       std::printf("lockstep-train: wrote the synthetic dataset (seed %llu) as MNIST IDX files in %s\n",

@@ -91,6 +91,24 @@ TEST_F(Deterministic, TheGradientIsTheMeanOverTheGlobalBatch) {
   }
 }
 
+// A gradient is a tensor of its own: zero_grad(false) (1.13's zero_grad())
+// detaches it in place, which a view would refuse.
+TEST_F(Deterministic, GradientsAreNotViews) {
+  DeterministicNet net;
+  DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(),
+                                                DistributedOptions().deterministic(true).micro_batches(2));
+  const auto x = torch::ones({2, 7});
+  ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(x).sum(); });
+  for (const auto& p : net->parameters()) {
+    EXPECT_FALSE(p.grad().is_view());
+  }
+  for (auto& p : net->parameters()) { // Optimizer::zero_grad's loop without set_to_none
+    p.mutable_grad().detach_();
+    p.mutable_grad().zero_();
+  }
+  EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), torch::zeros_like(net->fc1->weight)));
+}
+
 TEST_F(Deterministic, TheSeedSetsEachMicroBatchsDropout) {
   auto grads = [](uint64_t seed, DeterministicNet net) {
     DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(),

@@ -27,7 +27,7 @@ std::vector<torch::Tensor> terms() {
   return out;
 }
 
-double max_abs(const std::vector<torch::Tensor>& values) {
+double largest_of(const std::vector<torch::Tensor>& values) {
   double m = 0;
   for (const auto& v : values) {
     m = std::max(m, v.abs().max().item<double>());
@@ -56,7 +56,7 @@ TEST(ExactSum, TheExponentIsTheLargestThatCannotOverflow) {
 // where float sums differ.
 TEST(ExactSum, EveryGroupingGivesTheSameIntegers) {
   const auto values = terms();
-  const int e = fixed_point_exponent(max_abs(values), 12);
+  const int e = fixed_point_exponent(largest_of(values), 12);
   std::vector<torch::Tensor> sums;
   std::vector<torch::Tensor> float_sums;
   for (int world : {1, 2, 3, 4, 6}) {
@@ -86,18 +86,18 @@ TEST(ExactSum, EveryGroupingGivesTheSameIntegers) {
 
 TEST(ExactSum, TheMeanIsFloatsOwnRoundingOfTheExactOne) {
   const auto values = terms();
-  const int e = fixed_point_exponent(max_abs(values), 12);
+  const int e = fixed_point_exponent(largest_of(values), 12);
   auto sum = torch::zeros({4096}, torch::kLong);
   auto exact = torch::zeros({4096}, torch::kDouble);
   for (const auto& v : values) {
     add_fixed_point(sum, v, e);
     exact += v.to(torch::kDouble);
   }
-  const auto mean = from_fixed_point(sum, e, 12, torch::kFloat);
+  const auto mean = from_fixed_point(sum, e, 12, torch::kFloat, {4096});
   EXPECT_EQ(mean.scalar_type(), torch::kFloat);
   const auto reference = (exact / 12).to(torch::kFloat);
   // Above M * 2^-30, the mean is within one float ulp of the exact one.
-  const auto large = reference.abs() > max_abs(values) * std::ldexp(1.0, -30);
+  const auto large = reference.abs() > largest_of(values) * std::ldexp(1.0, -30);
   const auto ulp = torch::nextafter(reference.abs(), torch::full({4096}, INFINITY)) - reference.abs();
   EXPECT_TRUE(((mean - reference).abs() <= ulp).masked_select(large).all().item<bool>());
 }
@@ -108,13 +108,13 @@ TEST(ExactSum, OneTermComesBackBitForBit) {
     const int e = fixed_point_exponent(value.abs().max().item<double>(), 1);
     auto sum = torch::zeros({97}, torch::kLong);
     add_fixed_point(sum, value, e);
-    EXPECT_TRUE(torch::equal(from_fixed_point(sum, e, 1, torch::kFloat), value)) << scale;
+    EXPECT_TRUE(torch::equal(from_fixed_point(sum, e, 1, torch::kFloat, {97}), value)) << scale;
   }
   auto d = torch::linspace(-1, 1, 33, torch::kDouble) * 1e-300;
   const int e = fixed_point_exponent(1e-300, 1);
   auto sum = torch::zeros({33}, torch::kLong);
   add_fixed_point(sum, d, e);
-  EXPECT_TRUE(torch::allclose(from_fixed_point(sum, e, 1, torch::kDouble), d, 1e-15, 0));
+  EXPECT_TRUE(torch::allclose(from_fixed_point(sum, e, 1, torch::kDouble, {33}), d, 1e-15, 0));
 }
 
 TEST(ExactSum, AddingDoesNotChangeTheTerm) {
@@ -123,6 +123,28 @@ TEST(ExactSum, AddingDoesNotChangeTheTerm) {
   add_fixed_point(sum, value, 10);
   EXPECT_TRUE(torch::equal(value, torch::full({5}, 0.5)));
   EXPECT_TRUE(torch::equal(sum, torch::full({5}, 512, torch::kLong)));
+}
+
+// The one-pass loops (contiguous float and double on the CPU) and
+// LibTorch's operators (anything else, a GPU's tensors among it) give the
+// same integers and the same floats back.
+TEST(ExactSum, TheLoopsAndTheOperatorsAgree) {
+  const auto values = terms();
+  const auto matrix = values[0].view({64, 64}) + values[1].view({64, 64});
+  const int e = fixed_point_exponent(max_abs(matrix), 3);
+  auto fast = torch::zeros({4096}, torch::kLong);
+  auto general = torch::zeros({4096}, torch::kLong);
+  add_fixed_point(fast, matrix.t().contiguous(), e);
+  add_fixed_point(general, matrix.t(), e); // not contiguous
+  EXPECT_TRUE(torch::equal(fast, general));
+  EXPECT_EQ(max_abs(matrix.t()), max_abs(matrix));
+  EXPECT_EQ(max_abs(matrix), matrix.abs().max().item<double>());
+  EXPECT_TRUE(std::isnan(max_abs(torch::tensor({1.0, std::nan(""), 2.0}))));
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    const auto loop = from_fixed_point(fast * 3, e, 12, dtype, {4096});
+    const auto ops = (fast * 3).to(torch::kDouble).mul_(std::ldexp(1.0, -e / 2)).mul_(std::ldexp(1.0, -e + e / 2)).div_(12.0).to(dtype);
+    EXPECT_TRUE(torch::equal(loop, ops)) << dtype;
+  }
 }
 
 TEST(ExactSum, EachMicroBatchHasASeedOfItsOwn) {

@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 
 namespace lockstep {
@@ -10,10 +12,7 @@ namespace detail {
 namespace {
 
 constexpr int kSumBits = 62; // below int64's 63, so no sum reaches its limit
-
-// Scaling by 2^e stays exact in float only while 2^e itself is a float:
-// larger steps are taken in two.
-constexpr int kOneStep = 120;
+constexpr int64_t kGrain = 1 << 15; // elements per task of at::parallel_for
 
 int ceil_log2(int64_t n) {
   int bits = 0;
@@ -21,6 +20,51 @@ int ceil_log2(int64_t n) {
     ++bits;
   }
   return bits;
+}
+
+// One pass over the elements where they are contiguous float or double on
+// the CPU; elsewhere (a GPU) LibTorch's operators compute the same values.
+bool on_cpu_as_float_or_double(const torch::Tensor& t) {
+  return t.is_cpu() && t.is_contiguous() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kDouble);
+}
+
+// 2^exponent as two factors, each a double: a subnormal gradient's exponent
+// is above 1023, double's largest. Multiplied in turn, they scale exactly
+// wherever the result is a normal double.
+struct Scale {
+  explicit Scale(int exponent) : first(std::ldexp(1.0, exponent / 2)), second(std::ldexp(1.0, exponent - exponent / 2)) {}
+  double first, second;
+};
+
+template <typename T>
+void add_scaled(int64_t* sum, const T* value, int64_t n, Scale scale) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      sum[i] += static_cast<int64_t>(std::nearbyint(static_cast<double>(value[i]) * scale.first * scale.second));
+    }
+  });
+}
+
+template <typename T>
+void scale_back(T* out, const int64_t* sum, int64_t n, Scale scale, double divisor) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      out[i] = static_cast<T>(static_cast<double>(sum[i]) * scale.first * scale.second / divisor);
+    }
+  });
+}
+
+template <typename T>
+double max_abs_of(const T* value, int64_t n) {
+  double largest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = std::fabs(static_cast<double>(value[i]));
+    if (std::isnan(x)) {
+      return x;
+    }
+    largest = x > largest ? x : largest;
+  }
+  return largest;
 }
 
 } // namespace
@@ -36,22 +80,51 @@ int fixed_point_exponent(double max_abs, int64_t terms) {
   return kSumBits - e - ceil_log2(terms);
 }
 
-void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent) {
-  TORCH_INTERNAL_ASSERT(sum.scalar_type() == torch::kLong && sum.numel() == value.numel());
-  const auto type = value.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  auto scaled = value.reshape({-1}).to(type, /*non_blocking=*/false, /*copy=*/true);
-  for (int left = exponent; left != 0;) {
-    const int step = left > kOneStep ? kOneStep : (left < -kOneStep ? -kOneStep : left);
-    scaled.mul_(std::ldexp(1.0, step));
-    left -= step;
+double max_abs(const torch::Tensor& value) {
+  if (value.numel() == 0) {
+    return 0;
   }
-  sum.view({-1}).add_(scaled.round_().to(torch::kLong));
+  if (!on_cpu_as_float_or_double(value)) {
+    return value.abs().max().item<double>();
+  }
+  return value.scalar_type() == torch::kFloat ? max_abs_of(value.data_ptr<float>(), value.numel())
+                                              : max_abs_of(value.data_ptr<double>(), value.numel());
 }
 
-torch::Tensor from_fixed_point(const torch::Tensor& sum, int exponent, int64_t divisor, torch::ScalarType dtype) {
-  auto value = sum.to(torch::kDouble);
-  value.mul_(std::ldexp(1.0, -exponent)).div_(static_cast<double>(divisor));
-  return value.to(dtype);
+void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent) {
+  TORCH_INTERNAL_ASSERT(sum.scalar_type() == torch::kLong && sum.is_contiguous() && sum.numel() == value.numel());
+  const Scale scale(exponent);
+  if (!sum.is_cpu() || !on_cpu_as_float_or_double(value)) {
+    // std::nearbyint and torch::round both round half to even.
+    auto scaled = value.reshape({-1}).to(torch::kDouble).mul(scale.first).mul_(scale.second);
+    sum.view({-1}).add_(scaled.round_().to(torch::kLong));
+    return;
+  }
+  auto* out = sum.data_ptr<int64_t>();
+  if (value.scalar_type() == torch::kFloat) {
+    add_scaled(out, value.data_ptr<float>(), value.numel(), scale);
+  } else {
+    add_scaled(out, value.data_ptr<double>(), value.numel(), scale);
+  }
+}
+
+torch::Tensor from_fixed_point(const torch::Tensor& sum, int exponent, int64_t divisor, torch::ScalarType dtype,
+                               at::IntArrayRef sizes) {
+  const Scale scale(-exponent);
+  auto out = torch::empty(sizes, sum.options().dtype(dtype));
+  TORCH_INTERNAL_ASSERT(out.numel() == sum.numel());
+  if (!sum.is_cpu() || !sum.is_contiguous() || (dtype != torch::kFloat && dtype != torch::kDouble)) {
+    auto value = sum.reshape({-1}).to(torch::kDouble).mul_(scale.first).mul_(scale.second);
+    out.view({-1}).copy_(value.div_(static_cast<double>(divisor)));
+    return out;
+  }
+  const auto* in = sum.data_ptr<int64_t>();
+  if (dtype == torch::kFloat) {
+    scale_back(out.data_ptr<float>(), in, sum.numel(), scale, static_cast<double>(divisor));
+  } else {
+    scale_back(out.data_ptr<double>(), in, sum.numel(), scale, static_cast<double>(divisor));
+  }
+  return out;
 }
 
 uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t micro_batch) {

@@ -18,14 +18,19 @@ namespace detail {
 /// and >= 0; 0 gives 0.
 int fixed_point_exponent(double max_abs, int64_t terms);
 
+/// The largest |x| over `value`'s elements; NaN if one is NaN.
+double max_abs(const torch::Tensor& value);
+
 /// Adds round(value * 2^exponent), half to even, to `sum` (int64, as many
-/// elements as `value`). value * 2^exponent is exact in value's floating
-/// point type (at least float), so the rounding is the only one.
+/// elements as `value`, contiguous). value * 2^exponent is exact in double,
+/// so the rounding is the only one.
 void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent);
 
 /// sum * 2^-exponent / divisor, computed in double and rounded once more to
-/// `dtype`.
-torch::Tensor from_fixed_point(const torch::Tensor& sum, int exponent, int64_t divisor, torch::ScalarType dtype);
+/// `dtype`, as a tensor of its own shaped `sizes` (a gradient: no view, which
+/// zero_grad could not detach).
+torch::Tensor from_fixed_point(const torch::Tensor& sum, int exponent, int64_t divisor, torch::ScalarType dtype,
+                               at::IntArrayRef sizes);
 
 /// A seed for micro-batch `micro_batch` of step `step` of a run seeded with
 /// `seed`: the same wherever that micro-batch runs.

@@ -229,7 +229,7 @@ MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::v
     double largest = 0;
     for (const auto& micro_batch : grads) {
       if (micro_batch[p].defined()) {
-        largest = max_of(largest, micro_batch[p].abs().max().item<double>());
+        largest = max_of(largest, max_abs(micro_batch[p]));
       }
     }
     mine.push_back(largest);
@@ -306,9 +306,9 @@ void MicroBatchReducer::reduce(int64_t step, const std::vector<std::vector<torch
     auto& param = params_[p];
     const int64_t n = param.numel();
     auto grad = std::isfinite(gathered.maxima[p])
-        ? from_fixed_point(sum.narrow(0, offset, n), exponents[p], micro_batches_, param.scalar_type())
-        : torch::full({n}, std::numeric_limits<double>::quiet_NaN(), param.options());
-    param.mutable_grad() = grad.view(param.sizes());
+        ? from_fixed_point(sum.narrow(0, offset, n), exponents[p], micro_batches_, param.scalar_type(), param.sizes())
+        : torch::full(param.sizes(), std::numeric_limits<double>::quiet_NaN(), param.options());
+    param.mutable_grad() = grad;
     offset += n;
   }
 }

@@ -1,0 +1,95 @@
+// lockstep-train --deterministic: the same final parameters at every world
+// size that divides the micro-batches, in fp32 and bf16, and after a resume
+// at another world size (Note [The same bits at any world size]).
+
+#include "support/launch.h"
+#include "support/processes.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+using namespace testing::jobs;
+using testing::Process;
+
+// 48-sample batches of 6 micro-batches: 1, 2 and 3 ranks share them.
+std::vector<std::string> deterministic(const std::string& marker, const std::string& checkpoint = "") {
+  auto args = with_flag(trainer(marker, checkpoint), "--batch-size", "48");
+  args.insert(args.end(), {"--deterministic", "--micro-batch-size", "8"});
+  return args;
+}
+
+Process ranks(int world, const std::vector<std::string>& args, const std::string& name,
+              const std::vector<std::string>& env = {}) {
+  return launch({"--nproc-per-node", std::to_string(world), "--master-port", port()}, args, name, env);
+}
+
+TEST(TrainerDeterministic, OneTwoAndThreeRanksEndWithTheSameParameters) {
+  std::vector<std::string> hashes;
+  for (int world : {1, 2, 3}) {
+    const auto p = ranks(world, deterministic("det" + std::to_string(world)), "det" + std::to_string(world));
+    ASSERT_EQ(p.exit_code, 0) << p.output;
+    EXPECT_NE(p.output.find("deterministic: 6 micro-batches of 8 a batch"), std::string::npos) << p.output;
+    hashes.push_back(final_hash(p.output));
+    EXPECT_FALSE(hashes.back().empty()) << p.output;
+  }
+  EXPECT_EQ(hashes[0], hashes[1]);
+  EXPECT_EQ(hashes[0], hashes[2]);
+}
+
+TEST(TrainerDeterministic, Bf16OnOneAndTwoRanksEndsWithTheSameParameters) {
+  auto bf16 = [](const std::string& marker) {
+    auto args = deterministic(marker);
+    args.insert(args.end(), {"--precision", "bf16"});
+    return args;
+  };
+  const auto one = ranks(1, bf16("det_bf16_1"), "det_bf16_1");
+  const auto two = ranks(2, bf16("det_bf16_2"), "det_bf16_2");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_EQ(final_hash(one.output), final_hash(two.output)) << one.output << two.output;
+  EXPECT_NE(final_hash(one.output), final_hash(ranks(1, deterministic("det_fp32"), "det_fp32").output));
+}
+
+// Two ranks stop at step 10 (the checkpoint is step 8's); three go on from
+// there, and end where two ranks that never stopped end.
+TEST(TrainerDeterministic, AResumeAtAnotherWorldSizeEndsWithTheUninterruptedParameters) {
+  const std::string checkpoint = temp("det_resume.ckpt");
+  const auto whole = ranks(2, deterministic("det_whole"), "det_whole");
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto stopped = ranks(2, deterministic("det_resume", checkpoint), "det_stopped", {"LOCKSTEP_FAULT=0:10"});
+  ASSERT_NE(stopped.exit_code, 0) << stopped.output;
+  const auto resumed = ranks(3, deterministic("det_resume", checkpoint), "det_resumed");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("at step 8"), std::string::npos) << resumed.output;
+  EXPECT_EQ(final_hash(resumed.output), final_hash(whole.output)) << resumed.output;
+}
+
+// A command line is refused before anything starts (exit 2); a world size
+// that cannot share the micro-batches, by every rank.
+TEST(TrainerDeterministic, WhatCannotBeKeptExactIsRefused) {
+  auto alone = [](const std::vector<std::string>& args, const std::string& name) {
+    return testing::run(args, {}, temp(name + ".log"), kDeadline);
+  };
+  auto refused = [](const Process& p, int exit_code, const std::string& says) {
+    EXPECT_EQ(p.exit_code, exit_code) << p.output;
+    EXPECT_NE(p.output.find(says), std::string::npos) << p.output;
+  };
+  auto without_size = trainer("det_refused");
+  without_size.push_back("--deterministic");
+  refused(alone(without_size, "det_no_size"), 2, "--deterministic needs --micro-batch-size N");
+  refused(alone(with_flag(deterministic("det_refused"), "--micro-batch-size", "7"), "det_size7"), 2,
+          "--batch-size 48 is not a multiple of --micro-batch-size 7");
+  refused(alone(deterministic("det_alone"), "det_alone"), 2, "--deterministic is DistributedDataParallel's mode");
+  auto with_sharding = deterministic("det_refused");
+  with_sharding.insert(with_sharding.end(), {"--sharding", "full"});
+  refused(ranks(1, with_sharding, "det_sharded"), 1, "without --sharding or --comm-hook");
+  refused(ranks(4, deterministic("det_refused"), "det_four"), 1, "6 micro-batches of --micro-batch-size 8, which 4 ranks");
+}
+
+} // namespace
+} // namespace lockstep
