@@ -56,6 +56,7 @@ struct DeterministicRun {
   std::string optimizer = "sgd"; // "sgd" (momentum 0.9) or "adam"
   double dropout = 0;
   bool batch_norm = false;
+  double clip = 0; // > 0: clip the gradients' whole norm to it before each step
   uint64_t seed = 5;
 };
 
@@ -81,6 +82,9 @@ inline torch::Tensor train_deterministic(const ProcessGroup& group, const Determ
       auto out = ddp->forward(batch.first.narrow(0, v * m, m));
       return torch::mse_loss(out, batch.second.narrow(0, v * m, m));
     }));
+    if (run.clip > 0) { // every rank holds the whole, same gradients: the norm is the same at every W
+      torch::nn::utils::clip_grad_norm_(ddp->parameters(), run.clip);
+    }
     optimizer->step();
   }
   std::vector<torch::Tensor> flat;
@@ -99,7 +103,7 @@ inline void check_same_bits_as_one_rank(const ProcessGroup& group, const Determi
   const auto alone = train_deterministic(ProcessGroup(), run);
   const auto together = train_deterministic(group, run);
   const std::string what = " (" + run.optimizer + ", dropout " + std::to_string(run.dropout) +
-      (run.batch_norm ? ", BatchNorm" : "") + ", W=" +
+      (run.batch_norm ? ", BatchNorm" : "") + (run.clip > 0 ? ", clipped" : "") + ", W=" +
       std::to_string(group.size()) + ", rank " + std::to_string(group.rank()) + ")";
   const bool same = alone.numel() == together.numel() &&
       std::memcmp(alone.data_ptr(), together.data_ptr(), alone.nbytes()) == 0;
