@@ -117,12 +117,19 @@ TEST(ExactSum, OneTermComesBackBitForBit) {
   EXPECT_TRUE(torch::allclose(from_fixed_point(sum, e, 1, torch::kDouble, {33}), d, 1e-15, 0));
 }
 
-TEST(ExactSum, AddingDoesNotChangeTheTerm) {
+TEST(ExactSum, AddingDoesNotChangeTheTermAndWritingReplacesTheSum) {
   auto value = torch::full({5}, 0.5);
   auto sum = torch::zeros({5}, torch::kLong);
   add_fixed_point(sum, value, 10);
   EXPECT_TRUE(torch::equal(value, torch::full({5}, 0.5)));
   EXPECT_TRUE(torch::equal(sum, torch::full({5}, 512, torch::kLong)));
+  add_fixed_point(sum, value, 3, /*add=*/false);
+  EXPECT_TRUE(torch::equal(sum, torch::full({5}, 4, torch::kLong)));
+  auto strided = torch::full({5, 2}, 0.25).select(1, 0); // not contiguous: LibTorch's operators
+  add_fixed_point(sum, strided, 4, /*add=*/false);
+  EXPECT_TRUE(torch::equal(sum, torch::full({5}, 4, torch::kLong)));
+  add_fixed_point(sum, strided, 4);
+  EXPECT_TRUE(torch::equal(sum, torch::full({5}, 8, torch::kLong)));
 }
 
 // The one-pass loops (contiguous float and double on the CPU) and

@@ -37,10 +37,11 @@ struct Scale {
 };
 
 template <typename T>
-void add_scaled(int64_t* sum, const T* value, int64_t n, Scale scale) {
+void add_scaled(int64_t* sum, const T* value, int64_t n, Scale scale, bool add) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      sum[i] += static_cast<int64_t>(std::nearbyint(static_cast<double>(value[i]) * scale.first * scale.second));
+      const auto q = static_cast<int64_t>(std::nearbyint(static_cast<double>(value[i]) * scale.first * scale.second));
+      sum[i] = add ? sum[i] + q : q;
     }
   });
 }
@@ -91,20 +92,20 @@ double max_abs(const torch::Tensor& value) {
                                               : max_abs_of(value.data_ptr<double>(), value.numel());
 }
 
-void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent) {
+void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent, bool add) {
   TORCH_INTERNAL_ASSERT(sum.scalar_type() == torch::kLong && sum.is_contiguous() && sum.numel() == value.numel());
   const Scale scale(exponent);
   if (!sum.is_cpu() || !on_cpu_as_float_or_double(value)) {
     // std::nearbyint and torch::round both round half to even.
-    auto scaled = value.reshape({-1}).to(torch::kDouble).mul(scale.first).mul_(scale.second);
-    sum.view({-1}).add_(scaled.round_().to(torch::kLong));
+    auto scaled = value.reshape({-1}).to(torch::kDouble).mul(scale.first).mul_(scale.second).round_();
+    add ? sum.view({-1}).add_(scaled.to(torch::kLong)) : sum.view({-1}).copy_(scaled);
     return;
   }
   auto* out = sum.data_ptr<int64_t>();
   if (value.scalar_type() == torch::kFloat) {
-    add_scaled(out, value.data_ptr<float>(), value.numel(), scale);
+    add_scaled(out, value.data_ptr<float>(), value.numel(), scale, add);
   } else {
-    add_scaled(out, value.data_ptr<double>(), value.numel(), scale);
+    add_scaled(out, value.data_ptr<double>(), value.numel(), scale, add);
   }
 }
 

@@ -22,9 +22,9 @@ int fixed_point_exponent(double max_abs, int64_t terms);
 double max_abs(const torch::Tensor& value);
 
 /// Adds round(value * 2^exponent), half to even, to `sum` (int64, as many
-/// elements as `value`, contiguous). value * 2^exponent is exact in double,
-/// so the rounding is the only one.
-void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent);
+/// elements as `value`, contiguous), or with `add` false writes it there.
+/// value * 2^exponent is exact in double, so the rounding is the only one.
+void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent, bool add = true);
 
 /// sum * 2^-exponent / divisor, computed in double and rounded once more to
 /// `dtype`, as a tensor of its own shaped `sizes` (a gradient: no view, which

@@ -279,19 +279,24 @@ void MicroBatchReducer::reduce(int64_t step, const std::vector<std::vector<torch
   for (const auto& p : params_) {
     total += p.numel();
   }
-  auto sum = torch::zeros({total}, torch::TensorOptions().dtype(torch::kLong).device(device_));
+  auto sum = torch::empty({total}, torch::TensorOptions().dtype(torch::kLong).device(device_));
   std::vector<int> exponents(params_.size(), 0);
   int64_t offset = 0;
   for (size_t p = 0; p < params_.size(); ++p) {
     const int64_t n = params_[p].numel();
+    auto part = sum.narrow(0, offset, n);
+    bool written = false; // the first term is written, not added: no pass to zero the sum first
     if (std::isfinite(gathered.maxima[p])) {
       exponents[p] = fixed_point_exponent(gathered.maxima[p], micro_batches_);
-      auto part = sum.narrow(0, offset, n);
       for (const auto& micro_batch : grads) {
         if (micro_batch[p].defined()) {
-          add_fixed_point(part, micro_batch[p], exponents[p]);
+          add_fixed_point(part, micro_batch[p], exponents[p], written);
+          written = true;
         }
       }
+    }
+    if (!written) {
+      part.zero_();
     }
     offset += n;
   }
