@@ -183,6 +183,32 @@ TEST(Elastic, DoubleAgentElasticShrinksToTheSurvivor) {
   EXPECT_EQ(events, 1);
 }
 
+// Note [The same bits at any world size]: under lockstep-train
+// --deterministic, the job that lost a node and went on alone from its
+// checkpoint ends with the parameters of a job that never lost one.
+TEST(Elastic, DeterministicShrinkEndsWithTheUninterruptedParameters) {
+  auto program = [](const std::string& name) {
+    auto args = long_trainer(name);
+    args.insert(args.end(), {"--deterministic", "--micro-batch-size", "16"});
+    return args;
+  };
+  const auto whole = launch({"--nproc-per-node", "2", "--master-port", port()}, program("deterministic_whole"),
+                            "deterministic_whole", {kOneThread});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  ElasticJob job("deterministic_shrink", "1:2");
+  job.program = program(job.name);
+  job.start_host();
+  job.start_node();
+  ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
+  kill_node(job.nodes[1]);
+  testing::wait_all(job.nodes, kDeadline);
+  const std::string& survivor = job.nodes[0].output;
+  ASSERT_EQ(job.nodes[0].exit_code, 0) << survivor;
+  EXPECT_NE(survivor.find("membership change: world size 2 -> 1"), std::string::npos) << survivor;
+  EXPECT_FALSE(final_hash(whole.output).empty()) << whole.output;
+  EXPECT_EQ(final_hash(survivor), final_hash(whole.output)) << survivor;
+}
+
 // A node that arrives while a 1:2 job runs alone waits; the running node
 // sees it and starts a round with both.
 TEST(Elastic, NodeJoiningARunningJobGrowsIt) {
