@@ -10,6 +10,7 @@
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 namespace lockstep {
@@ -47,6 +48,20 @@ TEST_F(Deterministic, AdamWithClippingGivesOneRanksBitsAtTwoAndThreeRanks) {
 TEST_F(Deterministic, BatchNormGivesOneRanksBitsAtTwoAndThreeRanks) {
   DeterministicRun run;
   run.batch_norm = true;
+  for (int world : {2, 3}) {
+    testing::spawn(world, [&](ProcessGroup& group) { testing::check_same_bits_as_one_rank(group, run, testing::kCheck); });
+  }
+}
+
+// On a GPU, over Gloo's staging copies (NCCL takes one rank per GPU): the
+// same bits at two and three ranks, with BatchNorm and deterministic kernels.
+TEST_F(Deterministic, OneRanksBitsOnTheGpu_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  DeterministicRun run;
+  run.batch_norm = true;
+  run.device = torch::Device(torch::kCUDA, 0);
   for (int world : {2, 3}) {
     testing::spawn(world, [&](ProcessGroup& group) { testing::check_same_bits_as_one_rank(group, run, testing::kCheck); });
   }

@@ -53,7 +53,10 @@ struct DistributedOptions {
   /// that divides micro_batches. Gradients then come only from
   /// DistributedDataParallelImpl::backward_micro_batches, which runs each
   /// micro-batch alone and sums them exactly (Note [The same bits at any
-  /// world size] in src/ddp/micro_batch_reducer.cpp).
+  /// world size] in src/ddp/micro_batch_reducer.cpp). On a GPU it turns on
+  /// the process's deterministic algorithms
+  /// (at::globalContext().setDeterministicAlgorithms), and sets
+  /// CUBLAS_WORKSPACE_CONFIG=:4096:8 unless it is set.
   TORCH_ARG(bool, deterministic) = false;
   /// Deterministic mode: V, the number of micro-batches in a step's global
   /// batch. Each of W ranks runs V/W of them; W must divide V.

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -149,6 +150,14 @@ MicroBatchReducer::MicroBatchReducer(torch::nn::Module& module, std::vector<torc
               "in. Use gloo, mpi or nccl.");
   for (const auto& b : module.named_buffers()) {
     buffers_.emplace_back(b.key(), b.value());
+  }
+  if (device_.is_cuda()) {
+    // Note [The same bits at any world size]: a GPU kernel may add in an
+    // order of its own (atomics), so the process asks for deterministic
+    // ones, and an operator without one is PyTorch's error naming it. cuBLAS
+    // reads its workspace setting when it first starts.
+    ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
   }
 }
 

@@ -57,6 +57,7 @@ struct DeterministicRun {
   double dropout = 0;
   bool batch_norm = false;
   double clip = 0; // > 0: clip the gradients' whole norm to it before each step
+  torch::Device device = torch::kCPU;
   uint64_t seed = 5;
 };
 
@@ -65,6 +66,7 @@ struct DeterministicRun {
 /// appended.
 inline torch::Tensor train_deterministic(const ProcessGroup& group, const DeterministicRun& run) {
   DeterministicNet net(run.dropout, run.batch_norm);
+  net->to(run.device);
   auto options = DistributedOptions().deterministic(true).micro_batches(run.micro_batches)
                      .micro_batch_size(run.micro_batch_size).seed(run.seed);
   DistributedDataParallel<DeterministicNet> ddp(net, group, options);
@@ -77,7 +79,8 @@ inline torch::Tensor train_deterministic(const ProcessGroup& group, const Determ
   std::vector<double> losses;
   const int64_t m = run.micro_batch_size;
   for (int64_t step = 0; step < run.steps; ++step) {
-    const auto batch = global_batch(run.micro_batches * m, step);
+    auto batch = global_batch(run.micro_batches * m, step);
+    batch = {batch.first.to(run.device), batch.second.to(run.device)};
     losses.push_back(ddp->backward_micro_batches(step, [&](int64_t v) {
       auto out = ddp->forward(batch.first.narrow(0, v * m, m));
       return torch::mse_loss(out, batch.second.narrow(0, v * m, m));
@@ -89,10 +92,10 @@ inline torch::Tensor train_deterministic(const ProcessGroup& group, const Determ
   }
   std::vector<torch::Tensor> flat;
   for (const auto& p : net->parameters()) {
-    flat.push_back(p.detach().reshape({-1}).to(torch::kDouble));
+    flat.push_back(p.detach().reshape({-1}).to(torch::kDouble).cpu());
   }
   for (const auto& b : net->buffers()) {
-    flat.push_back(b.detach().reshape({-1}).to(torch::kDouble));
+    flat.push_back(b.detach().reshape({-1}).to(torch::kDouble).cpu());
   }
   flat.push_back(torch::tensor(losses, torch::kDouble));
   return torch::cat(flat);
