@@ -150,15 +150,21 @@ TEST(Elastic, DoubleAgentFaultTolerance) {
   EXPECT_FALSE(uninterrupted_hash().empty());
 }
 
-// test_double_agent_elastic: a 1:2 job loses a node for good; the other
-// finishes alone, from the checkpoint, at world size 1, and says so.
-TEST(Elastic, DoubleAgentElasticShrinksToTheSurvivor) {
-  ElasticJob job("elastic_shrink", "1:2");
+// Starts `job`'s two nodes, kills the second once the first checkpoint is
+// written, and waits for the first to finish alone.
+void lose_a_node(ElasticJob& job) {
   job.start_host();
   job.start_node();
   ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
   kill_node(job.nodes[1]);
   testing::wait_all(job.nodes, kDeadline);
+}
+
+// test_double_agent_elastic: a 1:2 job loses a node for good; the other
+// finishes alone, from the checkpoint, at world size 1, and says so.
+TEST(Elastic, DoubleAgentElasticShrinksToTheSurvivor) {
+  ElasticJob job("elastic_shrink", "1:2");
+  ASSERT_NO_FATAL_FAILURE(lose_a_node(job));
   const std::string& survivor = job.nodes[0].output;
   EXPECT_EQ(job.nodes[0].exit_code, 0) << survivor;
   EXPECT_NE(survivor.find("lockstep-run: membership changed: world size 2 -> 1"), std::string::npos) << survivor;
@@ -197,11 +203,7 @@ TEST(Elastic, DeterministicShrinkEndsWithTheUninterruptedParameters) {
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   ElasticJob job("deterministic_shrink", "1:2");
   job.program = program(job.name);
-  job.start_host();
-  job.start_node();
-  ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
-  kill_node(job.nodes[1]);
-  testing::wait_all(job.nodes, kDeadline);
+  ASSERT_NO_FATAL_FAILURE(lose_a_node(job));
   const std::string& survivor = job.nodes[0].output;
   ASSERT_EQ(job.nodes[0].exit_code, 0) << survivor;
   EXPECT_NE(survivor.find("membership change: world size 2 -> 1"), std::string::npos) << survivor;

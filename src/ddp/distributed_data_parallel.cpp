@@ -203,7 +203,7 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   detail::label_sync_batch_norms(module);
   broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");
   if (options.deterministic()) {
-    micro_batches_ = std::make_unique<MicroBatchReducer>(module, std::move(params), std::move(names), group_, options);
+    micro_batches_ = std::make_unique<MicroBatchReducer>(module, std::move(params), group_, options);
   } else {
     reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
   }

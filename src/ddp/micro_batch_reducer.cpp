@@ -125,11 +125,9 @@ struct MicroBatchReducer::Gathered {
   double mean_loss = 0;
 };
 
-MicroBatchReducer::MicroBatchReducer(torch::nn::Module& module, std::vector<torch::Tensor> params,
-                                     std::vector<std::string> names, ProcessGroup group,
+MicroBatchReducer::MicroBatchReducer(torch::nn::Module& module, std::vector<torch::Tensor> params, ProcessGroup group,
                                      const DistributedOptions& options)
     : params_(std::move(params)),
-      names_(std::move(names)),
       group_(std::move(group)),
       norms_(module, where()),
       micro_batches_(options.micro_batches()),

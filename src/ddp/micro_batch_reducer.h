@@ -25,11 +25,11 @@ namespace detail {
 
 class MicroBatchReducer {
  public:
-  /// `params` (named `names`) are `module`'s, whose buffers every rank must
+  /// `params` are `module`'s, whose buffers every rank must
   /// hold alike at each step's start, and whose BatchNorms' statistics it
   /// keeps (Note [Running statistics over micro-batches]).
-  MicroBatchReducer(torch::nn::Module& module, std::vector<torch::Tensor> params, std::vector<std::string> names,
-                    ProcessGroup group, const DistributedOptions& options);
+  MicroBatchReducer(torch::nn::Module& module, std::vector<torch::Tensor> params, ProcessGroup group,
+                    const DistributedOptions& options);
 
   /// DistributedDataParallelImpl::backward_micro_batches.
   double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of);
@@ -49,7 +49,6 @@ class MicroBatchReducer {
   std::string where() const;
 
   std::vector<torch::Tensor> params_;
-  std::vector<std::string> names_;
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;
   ProcessGroup group_;
   MicroBatchNorms norms_;
