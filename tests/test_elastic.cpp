@@ -189,26 +189,51 @@ TEST(Elastic, DoubleAgentElasticShrinksToTheSurvivor) {
   EXPECT_EQ(events, 1);
 }
 
+// lockstep-train --deterministic on 8192 samples, batches of 4 micro-batches.
+std::vector<std::string> deterministic_trainer(const std::string& name) {
+  auto args = long_trainer(name);
+  args.insert(args.end(), {"--deterministic", "--micro-batch-size", "16"});
+  return args;
+}
+
+// The hash of deterministic_trainer's job on 2 ranks that nothing interrupts.
+const std::string& deterministic_hash() {
+  static const std::string hash = [] {
+    const auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, deterministic_trainer("deterministic_whole"),
+                          "deterministic_whole", {kOneThread});
+    EXPECT_EQ(p.exit_code, 0) << p.output;
+    EXPECT_FALSE(final_hash(p.output).empty()) << p.output;
+    return final_hash(p.output);
+  }();
+  return hash;
+}
+
 // Note [The same bits at any world size]: under lockstep-train
 // --deterministic, the job that lost a node and went on alone from its
 // checkpoint ends with the parameters of a job that never lost one.
 TEST(Elastic, DeterministicShrinkEndsWithTheUninterruptedParameters) {
-  auto program = [](const std::string& name) {
-    auto args = long_trainer(name);
-    args.insert(args.end(), {"--deterministic", "--micro-batch-size", "16"});
-    return args;
-  };
-  const auto whole = launch({"--nproc-per-node", "2", "--master-port", port()}, program("deterministic_whole"),
-                            "deterministic_whole", {kOneThread});
-  ASSERT_EQ(whole.exit_code, 0) << whole.output;
   ElasticJob job("deterministic_shrink", "1:2");
-  job.program = program(job.name);
+  job.program = deterministic_trainer(job.name);
   ASSERT_NO_FATAL_FAILURE(lose_a_node(job));
   const std::string& survivor = job.nodes[0].output;
   ASSERT_EQ(job.nodes[0].exit_code, 0) << survivor;
   EXPECT_NE(survivor.find("membership change: world size 2 -> 1"), std::string::npos) << survivor;
-  EXPECT_FALSE(final_hash(whole.output).empty()) << whole.output;
-  EXPECT_EQ(final_hash(survivor), final_hash(whole.output)) << survivor;
+  EXPECT_EQ(final_hash(survivor), deterministic_hash()) << survivor;
+}
+
+// The same when a node joins a job that runs alone: it grows to 2 ranks
+// from the checkpoint, and ends with the uninterrupted job's parameters.
+TEST(Elastic, DeterministicGrowthEndsWithTheUninterruptedParameters) {
+  ElasticJob job("deterministic_grow", "1:2");
+  job.program = deterministic_trainer(job.name);
+  job.start_host();
+  ASSERT_TRUE(wait_for_file(job.checkpoint(), 60)) << "the job never wrote its first checkpoint";
+  job.start_node();
+  testing::wait_all(job.nodes, kDeadline);
+  const std::string& first = job.nodes[0].output;
+  ASSERT_EQ(job.nodes[0].exit_code, 0) << first;
+  EXPECT_NE(first.find("membership change: world size 1 -> 2 at step"), std::string::npos) << first;
+  EXPECT_EQ(final_hash(first), deterministic_hash()) << first;
 }
 
 // A node that arrives while a 1:2 job runs alone waits; the running node
