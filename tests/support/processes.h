@@ -12,9 +12,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <dirent.h>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -25,8 +27,42 @@ extern char** environ;
 namespace lockstep {
 namespace testing {
 
-/// A port nobody listens on right now (the kernel picks it).
+// Note [Ports below the ephemeral range]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A test gives its job a port (a store's, a rendezvous endpoint's) some time
+// before the job listens on it. A port the kernel picked with bind(0) is in
+// the ephemeral range, which it also gives every outgoing connection: under
+// ctest -j2, another test's Gloo connections took one in that window, no
+// launcher could listen, and an elastic job waited out its join_timeout. So
+// the tests' ports come from below that range, where the kernel gives
+// none on its own; each is free when picked.
+
+/// Whether nothing is bound to 127.0.0.1:`port` now.
+inline bool port_is_free(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return free;
+}
+
+/// A port nobody uses right now, below the ephemeral range (Note [Ports below
+/// the ephemeral range]); one the kernel picks if none is found there.
 inline int free_port() {
+  int first_ephemeral = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> first_ephemeral;
+  const int low = std::max(1024, first_ephemeral - 16384);
+  static std::mt19937 random(static_cast<unsigned>(getpid()) * 2654435761u ^
+                             static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  for (int attempt = 0; attempt < 200 && low < first_ephemeral; ++attempt) {
+    const int port = low + static_cast<int>(random() % static_cast<unsigned>(first_ephemeral - low));
+    if (port_is_free(port)) {
+      return port;
+    }
+  }
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
