@@ -42,10 +42,10 @@ namespace detail {
 // rank the same integers at any W; the gradient is that sum times 2^-e over
 // V, computed in double and rounded to the parameter's dtype.
 //
-// Precision: an element keeps every bit of its float value where
-// |g| >= M * 2^-38 (2^62 over V <= 2^(62-t), minus float's 24 bits and t);
-// smaller ones are rounded to multiples of M * 2^(t-62), an error below
-// float's own when it adds V values near M. The other way, fixing one
+// Precision: with t = ceil(log2 V), M * 2^e is at least 2^(61-t), so an
+// element keeps every bit of its float value where |g| >= M * 2^(t-38)
+// (M * 2^-34 for V = 12); smaller ones are rounded to multiples of 2^-e,
+// at most M * 2^(t-61), an error far below a float sum's own near M. The other way, fixing one
 // reduction tree over the V micro-batches whose subtrees the ranks compute,
 // works only for W whose shares are subtrees (powers of two), or sends every
 // micro-batch's gradient whole; int64 costs twice a float allreduce's bytes
