@@ -186,6 +186,57 @@ TEST_F(Deterministic, RefusesABatchNormRunTwiceInOneMicroBatch) {
                     "'norm' ran 2 times in micro-batch 0");
 }
 
+TEST_F(Deterministic, RefusesAMisusedStep) {
+  DeterministicNet net;
+  DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(), deterministic());
+  const auto x = torch::ones({3, 7});
+  auto loss_of = [&](int64_t) { return ddp->forward(x).sum(); };
+  EXPECT_ERROR_SAYS(ddp->backward_micro_batches(-1, loss_of), "step must be >= 0, but got -1");
+  EXPECT_ERROR_SAYS(ddp->backward_micro_batches(0, [&](int64_t) {
+    ddp->backward_micro_batches(0, loss_of);
+    return ddp->forward(x).sum();
+  }), "called from inside its own loss_of");
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_ERROR_SAYS(ddp->backward_micro_batches(0, loss_of), "needs autograd on");
+  }
+  EXPECT_ERROR_SAYS(DistributedDataParallel<DeterministicNet>(DeterministicNet(), ProcessGroup(),
+                                                              deterministic().gradient_as_bucket_view(true)),
+                    "nor gradient_as_bucket_view");
+  EXPECT_ERROR_SAYS(DistributedDataParallel<DeterministicNet>(DeterministicNet(), ProcessGroup(),
+                                                              deterministic().micro_batch_size(-2)),
+                    "micro_batch_size must be >= 0");
+  ddp->backward_micro_batches(1, loss_of); // each refusal left the wrapper usable
+}
+
+// A buffer that forward changes from the data differs between ranks after a
+// step: the next step names it on every rank.
+struct CountingNetImpl : torch::nn::Module {
+  CountingNetImpl() {
+    fc = register_module("fc", torch::nn::Linear(7, 3));
+    seen = register_buffer("seen", torch::zeros({1}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    seen.add_(x.sum().detach());
+    return fc(x);
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor seen;
+};
+TORCH_MODULE(CountingNet);
+
+TEST_F(Deterministic, RefusesABufferThatDiffersBetweenRanks) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    CountingNet net;
+    DistributedDataParallel<CountingNet> ddp(net, group, DistributedOptions().deterministic(true).micro_batches(2));
+    const auto x = torch::full({2, 7}, static_cast<double>(group.rank() + 1));
+    auto loss_of = [&](int64_t) { return ddp->forward(x).sum(); };
+    ddp->backward_micro_batches(0, loss_of);
+    EXPECT_ERROR_SAYS(ddp->backward_micro_batches(1, loss_of), "as step 1 starts, buffer 'seen' differs between rank 0 "
+                      "and rank 1");
+  });
+}
+
 TEST_F(Deterministic, RefusesGradientsFromElsewhere) {
   DeterministicNet net;
   DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(), deterministic().micro_batch_size(3));
