@@ -1,8 +1,8 @@
-// The pure parts of deterministic mode's sum (src/ddp/exact_sum.h): the
+// The pure parts of deterministic mode's sum (src/deterministic/exact_sum.h): the
 // integers do not depend on the order or grouping of the terms, and what
 // comes back is the mean to float's precision.
 
-#include "ddp/exact_sum.h"
+#include "deterministic/exact_sum.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

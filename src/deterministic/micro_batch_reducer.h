@@ -1,13 +1,13 @@
 #pragma once
 
 // Internal: DistributedDataParallel's deterministic mode (Note [The same bits
-// at any world size] in src/ddp/micro_batch_reducer.cpp). Each rank runs its
+// at any world size] in src/deterministic/micro_batch_reducer.cpp). Each rank runs its
 // share of a step's micro-batches one by one, keeps each one's gradient, and
 // the ranks sum them exactly, in int64.
 
 #include <lockstep/process_group.h>
 
-#include "ddp/micro_batch_norms.h"
+#include "deterministic/micro_batch_norms.h"
 
 #include <torch/nn/module.h>
 #include <torch/types.h>

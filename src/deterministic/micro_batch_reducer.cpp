@@ -1,9 +1,9 @@
-#include "ddp/micro_batch_reducer.h"
+#include "deterministic/micro_batch_reducer.h"
 
 #include <lockstep/distributed_options.h>
 #include <lockstep/timeline.h>
 
-#include "ddp/exact_sum.h"
+#include "deterministic/exact_sum.h"
 
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
@@ -56,7 +56,7 @@ namespace detail {
 // clipping's checks see. The losses go in the same all_gather, so every rank
 // returns their mean added in micro-batch order, and so do BatchNorm's
 // updates (Note [Running statistics over micro-batches] in
-// src/ddp/micro_batch_norms.cpp). Any other buffer that forward changed
+// src/deterministic/micro_batch_norms.cpp). Any other buffer that forward changed
 // would depend on which micro-batches each rank ran: a hash of every buffer
 // as the step starts goes in the all_gather too, and buffers that differ
 // between ranks are an error naming the first.

@@ -1,4 +1,4 @@
-#include "ddp/micro_batch_norms.h"
+#include "deterministic/micro_batch_norms.h"
 
 #include <lockstep/sync_batch_norm.h>
 

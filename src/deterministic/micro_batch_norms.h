@@ -2,7 +2,7 @@
 
 // Internal: BatchNorm's running statistics in DistributedDataParallel's
 // deterministic mode (Note [Running statistics over micro-batches] in
-// src/ddp/micro_batch_norms.cpp): each micro-batch's update is recorded
+// src/deterministic/micro_batch_norms.cpp): each micro-batch's update is recorded
 // alone, and every rank replays all of a step's updates in micro-batch order.
 
 #include <torch/nn/module.h>

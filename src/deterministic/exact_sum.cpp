@@ -1,4 +1,4 @@
-#include "ddp/exact_sum.h"
+#include "deterministic/exact_sum.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
