@@ -395,7 +395,7 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, ConvNet& net
   });
   check_ranks_resumed_alike(group, config, setup.state, *net, optimizer);
   auto options = lockstep::DistributedOptions().comm_hook(hook.hook);
-  if (config.deterministic) { // Note [The same bits at any world size] in src/deterministic/micro_batch_reducer.cpp
+  if (config.deterministic) { // Note [The same bits at any world size] in src/deterministic/micro_batch_step.cpp
     options.deterministic(true).micro_batches(config.batch_size / config.micro_batch_size)
         .micro_batch_size(config.micro_batch_size).seed(config.seed);
   }

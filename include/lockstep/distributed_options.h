@@ -53,7 +53,7 @@ struct DistributedOptions {
   /// that divides micro_batches. Gradients then come only from
   /// DistributedDataParallelImpl::backward_micro_batches, which runs each
   /// micro-batch alone and sums them exactly (Note [The same bits at any
-  /// world size] in src/deterministic/micro_batch_reducer.cpp). On a GPU it turns on
+  /// world size] in src/deterministic/micro_batch_step.cpp). On a GPU it turns on
   /// the process's deterministic algorithms
   /// (at::globalContext().setDeterministicAlgorithms), and sets
   /// CUBLAS_WORKSPACE_CONFIG=:4096:8 unless it is set.

@@ -1,7 +1,7 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
-#include "deterministic/micro_batch_reducer.h"
+#include "deterministic/micro_batch_step.h"
 #include "ddp/reducer.h"
 #include "util/bucket_key.h"
 

@@ -1,7 +1,7 @@
 #pragma once
 
 // The pure parts of deterministic mode's gradient sum (Note [The same bits at
-// any world size] in src/deterministic/micro_batch_reducer.cpp): every micro-batch's
+// any world size] in src/deterministic/micro_batch_step.cpp): every micro-batch's
 // gradient is scaled by a power of two into int64, whose sum does not depend
 // on the order it is taken in. Unit-tested in tests/test_exact_sum.cpp.
 

@@ -1,4 +1,4 @@
-#include "deterministic/micro_batch_reducer.h"
+#include "deterministic/micro_batch_step.h"
 
 #include <lockstep/distributed_options.h>
 #include <lockstep/timeline.h>

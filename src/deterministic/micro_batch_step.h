@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: DistributedDataParallel's deterministic mode (Note [The same bits
-// at any world size] in src/deterministic/micro_batch_reducer.cpp). Each rank runs its
+// at any world size] in src/deterministic/micro_batch_step.cpp). Each rank runs its
 // share of a step's micro-batches one by one, keeps each one's gradient, and
 // the ranks sum them exactly, in int64.
 
