@@ -203,19 +203,10 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   detail::label_sync_batch_norms(module);
   broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");
   if (options.deterministic()) {
-    micro_batches_ = std::make_unique<MicroBatchReducer>(module, std::move(params), group_, options);
+    make_deterministic(std::move(params), options);
   } else {
     reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
   }
-}
-
-double DistributedCore::backward_micro_batches(int64_t step,
-                                               const std::function<torch::Tensor(int64_t)>& loss_of) {
-  TORCH_CHECK(micro_batches_ != nullptr, "lockstep::DistributedDataParallel: rank ", group_.rank(),
-              ": backward_micro_batches needs DistributedOptions().deterministic(true).micro_batches(V); this wrapper "
-              "reduces in backward, as PyTorch's DDP.");
-  check_still_frozen();
-  return micro_batches_->backward_micro_batches(step, loss_of);
 }
 
 DistributedCore::~DistributedCore() = default;

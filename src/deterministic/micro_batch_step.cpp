@@ -1,6 +1,5 @@
 #include "deterministic/micro_batch_step.h"
 
-#include <lockstep/distributed_options.h>
 #include <lockstep/timeline.h>
 
 #include "deterministic/exact_sum.h"
@@ -120,30 +119,62 @@ double max_of(double a, double b) {
 
 } // namespace
 
-struct MicroBatchReducer::Gathered {
-  std::vector<double> maxima; // per parameter, over every rank's micro-batches
-  double mean_loss = 0;
-};
+void write_fixed_point(torch::Tensor& sum, const std::vector<FixedPointPiece>& pieces,
+                       const MicroBatchGradients& gradients) {
+  int64_t covered = 0;
+  for (const auto& piece : pieces) {
+    covered += piece.count;
+  }
+  const bool zeroed = covered < sum.numel(); // else each piece's first term is written, not added
+  if (zeroed) {
+    sum.zero_();
+  }
+  for (const auto& piece : pieces) {
+    const double largest = gradients.maxima[piece.param];
+    auto part = sum.narrow(0, piece.at, piece.count);
+    bool written = zeroed;
+    if (std::isfinite(largest)) {
+      const int exponent = fixed_point_exponent(largest, gradients.micro_batches);
+      for (const auto& micro_batch : gradients.grads) {
+        const auto& grad = micro_batch[piece.param];
+        if (grad.defined()) {
+          add_fixed_point(part, grad.narrow(0, piece.begin, piece.count), exponent, written);
+          written = true;
+        }
+      }
+    }
+    if (!written) {
+      part.zero_();
+    }
+  }
+}
 
-MicroBatchReducer::MicroBatchReducer(torch::nn::Module& module, std::vector<torch::Tensor> params, ProcessGroup group,
-                                     const DistributedOptions& options)
-    : params_(std::move(params)),
-      group_(std::move(group)),
-      norms_(module, where()),
-      micro_batches_(options.micro_batches()),
-      micro_batch_size_(options.micro_batch_size()),
-      seed_(options.seed()),
-      device_(params_.at(0).device()) {
-  TORCH_CHECK(micro_batches_ > 0, where(), "deterministic(true) needs micro_batches(V), the number of micro-batches in "
-              "a step's global batch, but got ", micro_batches_, ". Set it to the same V at every world size.");
-  TORCH_CHECK(micro_batches_ % group_.size() == 0, where(), "micro_batches(", micro_batches_, ") is not a multiple of "
-              "the world size ", group_.size(), ": every rank runs V/W micro-batches of a step. Run at a world size "
-              "that divides ", micro_batches_, ", or choose a V that ", group_.size(), " divides.");
-  TORCH_CHECK(micro_batch_size_ >= 0, where(), "micro_batch_size must be >= 0 (0 checks nothing), but got ",
-              micro_batch_size_, ".");
-  TORCH_CHECK(!options.comm_hook() && !options.gradient_as_bucket_view(), where(), "deterministic(true) sums the "
-              "gradients itself, exactly: it takes neither a comm_hook nor gradient_as_bucket_view. Leave them unset.");
-  TORCH_CHECK(group_.supports(Collective::Allreduce, torch::kLong, device_), where(), "the ", group_.backend(),
+torch::Tensor read_fixed_point(const torch::Tensor& sum, const FixedPointPiece& piece,
+                               const MicroBatchGradients& gradients, torch::ScalarType dtype, at::IntArrayRef sizes) {
+  const double largest = gradients.maxima[piece.param];
+  if (!std::isfinite(largest)) {
+    return torch::full(sizes, std::numeric_limits<double>::quiet_NaN(), sum.options().dtype(dtype));
+  }
+  return from_fixed_point(sum.narrow(0, piece.at, piece.count), fixed_point_exponent(largest, gradients.micro_batches),
+                          gradients.micro_batches, dtype, sizes);
+}
+
+MicroBatchStep::MicroBatchStep(torch::nn::Module& module, ProcessGroup group, const MicroBatchConfig& config,
+                               torch::Device device, std::string where)
+    : group_(std::move(group)),
+      where_(std::move(where)),
+      norms_(module, where_),
+      config_(config),
+      device_(device) {
+  const int64_t v = config_.micro_batches;
+  TORCH_CHECK(v > 0, where_, "deterministic(true) needs micro_batches(V), the number of micro-batches in a step's "
+              "global batch, but got ", v, ". Set it to the same V at every world size.");
+  TORCH_CHECK(v % group_.size() == 0, where_, "micro_batches(", v, ") is not a multiple of the world size ",
+              group_.size(), ": every rank runs V/W micro-batches of a step. Run at a world size that divides ", v,
+              ", or choose a V that ", group_.size(), " divides.");
+  TORCH_CHECK(config_.micro_batch_size >= 0, where_, "micro_batch_size must be >= 0 (0 checks nothing), but got ",
+              config_.micro_batch_size, ".");
+  TORCH_CHECK(group_.supports(Collective::Allreduce, torch::kLong, device_), where_, "the ", group_.backend(),
               " backend cannot allreduce int64 tensors on ", device_, ", which deterministic(true) sums the gradients "
               "in. Use gloo, mpi or nccl.");
   for (const auto& b : module.named_buffers()) {
@@ -159,41 +190,36 @@ MicroBatchReducer::MicroBatchReducer(torch::nn::Module& module, std::vector<torc
   }
 }
 
-std::string MicroBatchReducer::where() const {
-  return "lockstep::DistributedDataParallel (deterministic, rank " + std::to_string(group_.rank()) + " of " +
-      std::to_string(group_.size()) + "): ";
-}
-
-void MicroBatchReducer::check_forward(int64_t batch) const {
+void MicroBatchStep::check_forward(int64_t batch) const {
   if (running_ < 0) {
-    TORCH_CHECK(!torch::GradMode::is_enabled(), where(), "a forward with autograd on ran outside "
+    TORCH_CHECK(!torch::GradMode::is_enabled(), where_, "a forward with autograd on ran outside "
                 "backward_micro_batches(step, loss_of). In deterministic mode, gradients come only from there, where "
                 "each micro-batch runs alone and the ranks sum them exactly. Call forward inside loss_of, or under "
                 "torch::NoGradGuard to evaluate.");
     return;
   }
-  TORCH_CHECK(micro_batch_size_ == 0 || batch == micro_batch_size_, where(), "micro-batch ", running_,
-              "'s forward got a batch of ", batch < 0 ? std::string("no tensor") : std::to_string(batch),
-              " (the first tensor argument's size in dim 0), but micro_batch_size is ", micro_batch_size_,
-              ". Every micro-batch must have micro_batch_size samples, at every world size: the sum of their "
-              "gradients over V is then the mean over the global batch.");
+  const int64_t size = config_.micro_batch_size;
+  TORCH_CHECK(size == 0 || batch == size, where_, "micro-batch ", running_, "'s forward got a batch of ",
+              batch < 0 ? std::string("no tensor") : std::to_string(batch), " (the first tensor argument's size in "
+              "dim 0), but micro_batch_size is ", size, ". Every micro-batch must have micro_batch_size samples, at "
+              "every world size: the sum of their gradients over V is then the mean over the global batch.");
 }
 
-double MicroBatchReducer::backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) {
-  TORCH_CHECK(step >= 0, where(), "step must be >= 0, but got ", step, ".");
-  TORCH_CHECK(running_ < 0, where(), "backward_micro_batches was called from inside its own loss_of.");
-  TORCH_CHECK(torch::GradMode::is_enabled(), where(), "backward_micro_batches needs autograd on, but it ran under "
+MicroBatchGradients MicroBatchStep::run(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of,
+                                        const std::function<std::vector<torch::Tensor>()>& take) {
+  TORCH_CHECK(step >= 0, where_, "step must be >= 0, but got ", step, ".");
+  TORCH_CHECK(running_ < 0, where_, "backward_micro_batches was called from inside its own loss_of.");
+  TORCH_CHECK(torch::GradMode::is_enabled(), where_, "backward_micro_batches needs autograd on, but it ran under "
               "torch::NoGradGuard.");
-  const int64_t share = micro_batches_ / group_.size();
+  const int64_t share = config_.micro_batches / group_.size();
   const int64_t first = group_.rank() * share;
-  std::vector<std::vector<torch::Tensor>> grads(share);
+  MicroBatchGradients gradients;
+  gradients.micro_batches = config_.micro_batches;
   std::vector<double> losses, buffer_hashes;
   for (const auto& buffer : buffers_) {
     buffer_hashes.push_back(hash_of(buffer.second));
   }
-  for (auto& p : params_) {
-    p.mutable_grad().reset(); // each micro-batch's gradient alone
-  }
+  take(); // each micro-batch's gradient alone
   struct Running {
     int64_t& running;
     ~Running() {
@@ -203,38 +229,37 @@ double MicroBatchReducer::backward_micro_batches(int64_t step, const std::functi
   for (int64_t k = 0; k < share; ++k) {
     const int64_t v = first + k;
     timeline::Span span([v] { return "micro-batch " + std::to_string(v); });
-    SeededGenerators seeded(device_, micro_batch_seed(seed_, step, v));
+    SeededGenerators seeded(device_, micro_batch_seed(config_.seed, step, v));
     norms_.begin(k);
     running_ = v;
     torch::Tensor loss = loss_of(v);
     TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()) && loss.requires_grad(),
-                where(), "loss_of(", v, ") must return the micro-batch's loss: one floating-point element that "
+                where_, "loss_of(", v, ") must return the micro-batch's loss: one floating-point element that "
                 "requires a gradient, but it returned ", loss.defined() ? loss.toString() + " of " +
                 std::to_string(loss.numel()) + " elements" + (loss.requires_grad() ? "" : " without a gradient")
                 : std::string("an undefined tensor"), ".");
     loss.backward();
+    running_ = -1;
     norms_.end(k);
     losses.push_back(loss.item<double>());
-    for (auto& p : params_) {
-      grads[k].push_back(p.grad());
-      p.mutable_grad().reset();
+    auto grads = take();
+    for (auto& grad : grads) {
+      grad = grad.defined() ? grad.reshape({-1}) : grad;
     }
+    gradients.grads.push_back(std::move(grads));
   }
-  running_ = -1;
-  const Gathered gathered = gather(step, grads, losses, buffer_hashes);
-  reduce(step, grads, gathered);
-  return gathered.mean_loss;
+  gather(step, gradients, losses, buffer_hashes);
+  return gradients;
 }
 
-MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads,
-                                                      const std::vector<double>& losses,
-                                                      const std::vector<double>& buffer_hashes) {
+void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const std::vector<double>& losses,
+                            const std::vector<double>& buffer_hashes) {
   timeline::Span span("deterministic: maxima, losses and buffers");
-  const size_t count = params_.size(), share = losses.size();
+  const size_t count = gradients.grads.empty() ? 0 : gradients.grads[0].size(), share = losses.size();
   std::vector<double> mine;
   for (size_t p = 0; p < count; ++p) {
     double largest = 0;
-    for (const auto& micro_batch : grads) {
+    for (const auto& micro_batch : gradients.grads) {
       if (micro_batch[p].defined()) {
         largest = max_of(largest, max_abs(micro_batch[p]));
       }
@@ -246,8 +271,7 @@ MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::v
   const auto records = norms_.recorded();
   mine.insert(mine.end(), records.begin(), records.end());
   auto theirs = group_.all_gather(torch::tensor(mine, torch::kDouble).to(device_));
-  Gathered gathered;
-  gathered.maxima.assign(count, 0);
+  gradients.maxima.assign(count, 0);
   double loss_sum = 0; // in micro-batch order: rank 0's share first
   std::vector<double> rank0;
   std::vector<torch::Tensor> on_cpu;
@@ -257,14 +281,14 @@ MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::v
     const double* data = on_cpu.back().data_ptr<double>();
     norm_records.push_back(data + count + share + buffers_.size());
     for (size_t p = 0; p < count; ++p) {
-      gathered.maxima[p] = max_of(gathered.maxima[p], data[p]);
+      gradients.maxima[p] = max_of(gradients.maxima[p], data[p]);
     }
     for (size_t k = 0; k < share; ++k) {
       loss_sum += data[count + k];
     }
     for (size_t b = 0; b < buffers_.size(); ++b) {
       const double hash = data[count + share + b];
-      TORCH_CHECK(r == 0 || same_bits(hash, rank0[b]), where(), "as step ", step, " starts, buffer '",
+      TORCH_CHECK(r == 0 || same_bits(hash, rank0[b]), where_, "as step ", step, " starts, buffer '",
                   buffers_[b].first, "' differs between rank 0 and rank ", r, ". A buffer that forward changes "
                   "(other than BatchNorm's statistics) depends on which micro-batches each rank ran, so "
                   "deterministic mode cannot keep it the same at every world size. Make it a parameter, or keep it "
@@ -274,55 +298,8 @@ MicroBatchReducer::Gathered MicroBatchReducer::gather(int64_t step, const std::v
       }
     }
   }
-  gathered.mean_loss = loss_sum / static_cast<double>(micro_batches_);
+  gradients.mean_loss = loss_sum / static_cast<double>(config_.micro_batches);
   norms_.replay(norm_records, static_cast<int64_t>(share));
-  return gathered;
-}
-
-void MicroBatchReducer::reduce(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads,
-                               const Gathered& gathered) {
-  timeline::Span to_integers("deterministic: to integers");
-  int64_t total = 0;
-  for (const auto& p : params_) {
-    total += p.numel();
-  }
-  auto sum = torch::empty({total}, torch::TensorOptions().dtype(torch::kLong).device(device_));
-  std::vector<int> exponents(params_.size(), 0);
-  int64_t offset = 0;
-  for (size_t p = 0; p < params_.size(); ++p) {
-    const int64_t n = params_[p].numel();
-    auto part = sum.narrow(0, offset, n);
-    bool written = false; // the first term is written, not added: no pass to zero the sum first
-    if (std::isfinite(gathered.maxima[p])) {
-      exponents[p] = fixed_point_exponent(gathered.maxima[p], micro_batches_);
-      for (const auto& micro_batch : grads) {
-        if (micro_batch[p].defined()) {
-          add_fixed_point(part, micro_batch[p], exponents[p], written);
-          written = true;
-        }
-      }
-    }
-    if (!written) {
-      part.zero_();
-    }
-    offset += n;
-  }
-  to_integers = timeline::Span();
-  timeline::Span allreduce("deterministic: allreduce of int64", sum.numel() * 8);
-  group_.allreduce_async({sum}, ReduceOp::Sum, "the exact sum of step " + std::to_string(step) +
-                         "'s gradients (deterministic DistributedDataParallel)")->wait();
-  allreduce = timeline::Span();
-  timeline::Span to_floats("deterministic: back to floats");
-  offset = 0;
-  for (size_t p = 0; p < params_.size(); ++p) {
-    auto& param = params_[p];
-    const int64_t n = param.numel();
-    auto grad = std::isfinite(gathered.maxima[p])
-        ? from_fixed_point(sum.narrow(0, offset, n), exponents[p], micro_batches_, param.scalar_type(), param.sizes())
-        : torch::full(param.sizes(), std::numeric_limits<double>::quiet_NaN(), param.options());
-    param.mutable_grad() = grad;
-    offset += n;
-  }
 }
 
 } // namespace detail

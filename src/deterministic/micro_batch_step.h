@@ -1,9 +1,12 @@
 #pragma once
 
-// Internal: DistributedDataParallel's deterministic mode (Note [The same bits
-// at any world size] in src/deterministic/micro_batch_step.cpp). Each rank runs its
-// share of a step's micro-batches one by one, keeps each one's gradient, and
-// the ranks sum them exactly, in int64.
+// Internal: the step of deterministic mode that every wrapper shares (Note
+// [The same bits at any world size] in src/deterministic/micro_batch_step.cpp).
+// Each rank runs its share of a step's micro-batches one by one and keeps each
+// one's gradient; the ranks then agree on each parameter's largest gradient,
+// the losses and the BatchNorm updates. How the gradients are then summed in
+// int64 is the wrapper's: one allreduce (DistributedDataParallel) or one
+// reduce-scatter (FullyShardedDataParallel), laid out with FixedPointPiece.
 
 #include <lockstep/process_group.h>
 
@@ -18,42 +21,82 @@
 #include <vector>
 
 namespace lockstep {
-
-struct DistributedOptions;
-
 namespace detail {
 
-class MicroBatchReducer {
- public:
-  /// `params` are `module`'s, whose buffers every rank must
-  /// hold alike at each step's start, and whose BatchNorms' statistics it
-  /// keeps (Note [Running statistics over micro-batches]).
-  MicroBatchReducer(torch::nn::Module& module, std::vector<torch::Tensor> params, ProcessGroup group,
-                    const DistributedOptions& options);
+/// What a wrapper's options set in deterministic mode.
+struct MicroBatchConfig {
+  int64_t micro_batches = 0; // V
+  int64_t micro_batch_size = 0; // 0 checks nothing
+  uint64_t seed = 0;
+};
 
-  /// DistributedDataParallelImpl::backward_micro_batches.
-  double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of);
+/// One step's micro-batch gradients, and what the ranks agreed on.
+struct MicroBatchGradients {
+  /// [micro-batch k of this rank][parameter]: flat, contiguous, undefined
+  /// where the micro-batch gave the parameter none.
+  std::vector<std::vector<torch::Tensor>> grads;
+  /// Per parameter, the largest |g| over every rank's micro-batches; NaN
+  /// where one was not finite.
+  std::vector<double> maxima;
+  int64_t micro_batches = 0; // V
+  double mean_loss = 0; // over all V micro-batches, added in micro-batch order
+};
+
+/// Elements [begin, begin + count) of parameter `param`, at `at` in an int64
+/// buffer of the step's exact sum.
+struct FixedPointPiece {
+  size_t param;
+  int64_t begin, count, at;
+};
+
+/// Writes into `sum` (int64, contiguous) this rank's micro-batches' gradients
+/// of each piece, scaled by its parameter's exponent and added; zeros where
+/// no piece lies, and in a piece no micro-batch gave a gradient.
+void write_fixed_point(torch::Tensor& sum, const std::vector<FixedPointPiece>& pieces,
+                       const MicroBatchGradients& gradients);
+
+/// A piece's gradient once `sum` holds every rank's sum: the mean over the V
+/// micro-batches in `dtype`, shaped `sizes`; NaN where the parameter's
+/// maximum was not finite.
+torch::Tensor read_fixed_point(const torch::Tensor& sum, const FixedPointPiece& piece,
+                               const MicroBatchGradients& gradients, torch::ScalarType dtype, at::IntArrayRef sizes);
+
+class MicroBatchStep {
+ public:
+  /// `module` is the wrapped module: its buffers must be alike on every rank
+  /// as each step starts, and its BatchNorms' statistics are kept (Note
+  /// [Running statistics over micro-batches]). `where` begins each error.
+  /// On a GPU `device`, turns the process's deterministic algorithms on.
+  MicroBatchStep(torch::nn::Module& module, ProcessGroup group, const MicroBatchConfig& config, torch::Device device,
+                 std::string where);
+
+  /// Runs this rank's micro-batches of `step`: after micro-batch v's
+  /// loss_of(v) and its backward, `take()` returns the gradient it gave
+  /// each parameter (undefined where none) and clears them.
+  MicroBatchGradients run(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of,
+                          const std::function<std::vector<torch::Tensor>()>& take);
 
   /// At each forward through the wrapper: refuses one that would make a
-  /// gradient outside backward_micro_batches, and one whose batch (the
-  /// first tensor argument's size in dim 0, -1 if none) is not
-  /// micro_batch_size.
+  /// gradient outside run(), and one whose batch (the first tensor
+  /// argument's size in dim 0, -1 if none) is not micro_batch_size.
   void check_forward(int64_t batch) const;
 
- private:
-  // Every rank's maxima, losses and buffer hashes, laid out per rank.
-  struct Gathered;
-  Gathered gather(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads,
-                  const std::vector<double>& losses, const std::vector<double>& buffer_hashes);
-  void reduce(int64_t step, const std::vector<std::vector<torch::Tensor>>& grads, const Gathered& gathered);
-  std::string where() const;
+  const std::string& where() const {
+    return where_;
+  }
+  const ProcessGroup& group() const {
+    return group_;
+  }
 
-  std::vector<torch::Tensor> params_;
+ private:
+  void gather(int64_t step, MicroBatchGradients& gradients, const std::vector<double>& losses,
+              const std::vector<double>& buffer_hashes);
+
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;
   ProcessGroup group_;
+  std::string where_;
   MicroBatchNorms norms_;
-  int64_t micro_batches_, micro_batch_size_;
-  uint64_t seed_;
+  MicroBatchConfig config_;
   torch::Device device_;
   int64_t running_ = -1; // the micro-batch whose loss is being computed, -1 outside one
 };

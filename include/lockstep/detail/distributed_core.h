@@ -22,7 +22,7 @@ struct DistributedOptions;
 
 namespace detail {
 
-class MicroBatchReducer;
+class MicroBatchStep;
 class Reducer;
 
 /// The part of DistributedDataParallel that does not depend on the module's
@@ -72,6 +72,7 @@ class DistributedCore {
   // A parameter frozen at wrapping has no hook: unfreezing it later would
   // leave its gradient local to each rank.
   void check_still_frozen() const;
+  void make_deterministic(std::vector<torch::Tensor> params, const DistributedOptions& options);
 
   torch::nn::Module& module_;
   bool sync_ = true;
@@ -84,7 +85,9 @@ class DistributedCore {
   std::vector<torch::Tensor> buffers_;
   std::vector<std::pair<std::string, torch::Tensor>> frozen_; // name, parameter
   std::unique_ptr<Reducer> reducer_; // null in deterministic mode
-  std::unique_ptr<MicroBatchReducer> micro_batches_; // deterministic mode's, null otherwise
+  // Deterministic mode's step and trainable parameters (src/ddp/deterministic.cpp), null otherwise.
+  std::unique_ptr<MicroBatchStep> micro_batches_;
+  std::vector<torch::Tensor> exact_params_;
 };
 
 /// The size in dim 0 of the first tensor among `args`, -1 if none.
