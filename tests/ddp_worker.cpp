@@ -457,16 +457,20 @@ void powersgd(lockstep::testing::WorkerContext& context) {
 }
 
 // support/deterministic_checks.h, with dropout: each micro-batch draws the
-// same numbers on whichever rank runs it (and with BatchNorm under Adam).
+// same numbers on whichever rank runs it (and with BatchNorm under Adam),
+// under DDP and each FSDP strategy, against DDP on one rank.
 void deterministic(const ProcessGroup& group) {
   lockstep::testing::DeterministicRun run;
   run.dropout = 0.3;
-  for (const char* optimizer : {"sgd", "adam"}) {
-    run.optimizer = optimizer;
-    run.batch_norm = run.optimizer == "adam";
-    lockstep::testing::check_same_bits_as_one_rank(group, run, [&](bool ok, const std::string& what) {
-      lockstep::testing::check(ok, what, group.rank());
-    });
+  for (const char* wrapper : {"ddp", "full", "grad-op", "no-shard"}) {
+    for (const char* optimizer : {"sgd", "adam"}) {
+      run.wrapper = wrapper;
+      run.optimizer = optimizer;
+      run.batch_norm = run.optimizer == "adam";
+      lockstep::testing::check_same_bits_as_one_rank(group, run, [&](bool ok, const std::string& what) {
+        lockstep::testing::check(ok, what, group.rank());
+      });
+    }
   }
 }
 

@@ -17,6 +17,7 @@
 #include <torch/serialize/archive.h>
 
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -241,7 +242,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
   template <typename... Args>
   auto forward(Args&&... args) -> decltype(std::declval<Impl&>().forward(std::forward<Args>(args)...)) {
     timeline::Span span("forward");
-    core_->before_forward();
+    core_->before_forward(detail::leading_batch_size(args...));
     auto output = [&]() -> decltype(auto) {
       try {
         if constexpr (detail::kForwardTakesCastArguments<Impl, Args&&...>) {
@@ -258,6 +259,19 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
     detail::collect_tensors(output, outputs);
     core_->after_forward(outputs);
     return output;
+  }
+
+  /// Deterministic mode (ShardingOptions().deterministic(true)): one step's
+  /// backward, as DistributedDataParallelImpl::backward_micro_batches: calls
+  /// `loss_of(v)` for this rank's micro-batches of `step` (v from r*V/W to
+  /// (r+1)*V/W - 1), each a forward through this wrapper and its backward
+  /// alone; then the shards' .grad are this rank's part of the mean over all
+  /// V micro-batches, summed exactly in int64, the same bits at every world
+  /// size and strategy. Returns the mean of the V losses. Every rank calls
+  /// it, with the same `step`.
+  double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) {
+    timeline::Span span("backward_micro_batches");
+    return core_->backward_micro_batches(step, loss_of);
   }
 
   /// The wrapped module (see the class comment for its parameters).

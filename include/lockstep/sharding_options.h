@@ -7,6 +7,7 @@
 #include <torch/arg.h>
 #include <torch/types.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -51,6 +52,24 @@ struct ShardingOptions {
   /// parameters' own dtype. torch::kFloat beside a bf16 param_dtype keeps
   /// the average exact to fp32 at twice the reduce-scatter's bytes.
   TORCH_ARG(std::optional<torch::ScalarType>, reduce_dtype) = std::nullopt;
+  /// Deterministic mode, as DistributedOptions::deterministic: the same
+  /// parameters, to the bit, at every world size that divides
+  /// micro_batches, under every strategy, and as DistributedDataParallel's
+  /// deterministic mode gives. Gradients then come only from
+  /// FullyShardedDataParallelImpl::backward_micro_batches, and
+  /// clip_grad_norm_ computes the norm as torch::nn::utils::clip_grad_norm_
+  /// does on the whole gradient. reduce_dtype then has no effect: the sum is
+  /// exact.
+  TORCH_ARG(bool, deterministic) = false;
+  /// Deterministic mode: V, the number of micro-batches in a step's global
+  /// batch. Each of W ranks runs V/W of them; W must divide V.
+  TORCH_ARG(int64_t, micro_batches) = 0;
+  /// Deterministic mode: the samples in each micro-batch, which forward checks
+  /// on its first tensor argument (dim 0); 0 checks nothing.
+  TORCH_ARG(int64_t, micro_batch_size) = 0;
+  /// Deterministic mode: seeds each micro-batch's random numbers with the
+  /// step and the micro-batch's index (DistributedOptions::seed).
+  TORCH_ARG(uint64_t, seed) = 0;
 };
 
 } // namespace lockstep

@@ -60,7 +60,7 @@ void ShardedCore::State::on_output_gradient() {
 void ShardedCore::State::decide_sync() {
   if (!backward_decided) {
     backward_decided = true;
-    backward_syncs = sync;
+    backward_syncs = sync && !keep_grads;
   }
 }
 
@@ -287,7 +287,7 @@ void ShardedCore::State::finalize() {
     }
     drop_unused_fresh_grads();
     next_launch = 0;
-  } else {
+  } else if (!keep_grads) {
     set_aside_accumulated();
   }
   end_pass();
@@ -310,6 +310,9 @@ torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_
   TORCH_CHECK(norm_type > 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ", group_.rank(),
               ": norm_type ", norm_type, " is not a norm; pass 2.0 (the default), 1.0, or "
               "std::numeric_limits<double>::infinity()");
+  if (state_->micro_batches) {
+    return state_->exact_clip_grad_norm_(max_norm, norm_type);
+  }
   const bool largest = std::isinf(norm_type);
   std::vector<torch::Tensor> grads;
   torch::Device device = torch::kCPU;

@@ -418,6 +418,9 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   if (!s.flats.empty() && s.flats.front().device.is_cpu()) {
     s.cache_user = std::make_unique<CpuCacheUser>(); // Note [A sharded step's memory]
   }
+  if (options.deterministic()) {
+    make_deterministic(module, options);
+  }
   for (const auto& flat : s.flats) {
     note_wrapped(flat.params);
   }

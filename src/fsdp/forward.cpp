@@ -375,9 +375,14 @@ void ShardedCore::State::end_pass() {
   }
 }
 
-void ShardedCore::before_forward() {
+void ShardedCore::before_forward(int64_t batch) {
   auto& s = *state_;
   TORCH_CHECK(!s.summoned, s.where(), "forward inside summon_full_params(). End the guard first.");
+  if (s.micro_batches) {
+    TORCH_CHECK(s.sync, s.where(), "no_sync() has no use in deterministic mode, where backward_micro_batches "
+                "accumulates a step's micro-batches itself.");
+    s.micro_batches->check_forward(batch);
+  }
   // The callback that ends a backward is queued by its first hook; an
   // exception inside backward drops it, and with it the reduce-scatters.
   TORCH_CHECK(!s.finalize_queued, s.where(), "the last backward stopped with an error before its end, so its "

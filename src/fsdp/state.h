@@ -9,6 +9,7 @@
 #include <lockstep/sharding_options.h>
 #include <lockstep/timeline.h>
 
+#include "deterministic/micro_batch_step.h"
 #include "fsdp/flat_param.h"
 #include "fsdp/storage_watch.h"
 #include "io/dcp_hf.h"
@@ -53,6 +54,12 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // between forward and backward].
   const char* forward_dropped_by = nullptr;
   bool sync = true; // ShardedCore::set_sync: no_sync() sets it false
+  // Deterministic mode (src/fsdp/deterministic.cpp): its step, and the
+  // flats' parameters (flat, index) in the module's order; keep_grads while
+  // a micro-batch's backward leaves its gradients on the parameters.
+  std::unique_ptr<MicroBatchStep> micro_batches;
+  std::vector<std::pair<size_t, size_t>> module_order;
+  bool keep_grads = false;
   // Note [no_sync at backward]: whether the backward under way reduces.
   bool backward_syncs = true;
   bool backward_decided = false;
@@ -167,6 +174,10 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   [[noreturn]] void refuse_unforwarded(const std::string& what) const;
   void on_output_gradient();
   void decide_sync();
+  // src/fsdp/deterministic.cpp.
+  std::vector<torch::Tensor> take_micro_batch_gradients();
+  void reduce_exactly(int64_t step, const MicroBatchGradients& gradients);
+  torch::Tensor exact_clip_grad_norm_(double max_norm, double norm_type);
 };
 
 } // namespace detail

@@ -90,19 +90,6 @@ class DistributedCore {
   std::vector<torch::Tensor> exact_params_;
 };
 
-/// The size in dim 0 of the first tensor among `args`, -1 if none.
-inline int64_t leading_batch_size() {
-  return -1;
-}
-template <typename First, typename... Rest>
-int64_t leading_batch_size(const First& first, const Rest&... rest) {
-  if constexpr (std::is_same_v<std::decay_t<First>, torch::Tensor>) {
-    return first.defined() && first.dim() > 0 ? first.size(0) : -1;
-  } else {
-    return leading_batch_size(rest...);
-  }
-}
-
 /// Checks that every rank has the same parameters (count, names, shapes,
 /// dtypes, in order) and the same `options` (a description of what sets the
 /// collectives); a mismatch throws on every rank, naming the first

@@ -68,7 +68,11 @@ class ShardedCore {
   ShardedCore& operator=(const ShardedCore&) = delete;
 
   /// Gathers the units' parameters and points the module's at them.
-  void before_forward();
+  /// `batch`: the first tensor argument's size in dim 0, -1 if none
+  /// (deterministic mode checks it).
+  void before_forward(int64_t batch = -1);
+  /// FullyShardedDataParallelImpl::backward_micro_batches (src/fsdp/deterministic.cpp).
+  double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of);
   /// Frees what the strategy frees after forward, and hooks the outputs so
   /// that backward gathers it again first.
   void after_forward(const std::vector<torch::Tensor>& outputs);
@@ -132,6 +136,8 @@ class ShardedCore {
   /// and sets `save_id` to the save's (0 for an index without one).
   std::function<void()> stage_load(torch::optim::Optimizer* optimizer, const std::string& dir, int64_t& save_id);
   void shard_flat(torch::nn::Module& owner, size_t f);
+  /// Deterministic mode's step (src/fsdp/deterministic.cpp).
+  void make_deterministic(torch::nn::Module& module, const ShardingOptions& options);
   struct State;
   std::shared_ptr<State> state_;
   ProcessGroup group_;

@@ -11,10 +11,25 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace lockstep {
 namespace detail {
+
+/// The size in dim 0 of the first tensor among `args`, -1 if none.
+inline int64_t leading_batch_size() {
+  return -1;
+}
+template <typename First, typename... Rest>
+int64_t leading_batch_size(const First& first, const Rest&... rest) {
+  if constexpr (std::is_same_v<std::decay_t<First>, torch::Tensor>) {
+    return first.defined() && first.dim() > 0 ? first.size(0) : -1;
+  } else {
+    return leading_batch_size(rest...);
+  }
+}
 
 /// What any WrapperModule is, whatever M: lockstep::save_safetensors and
 /// load_safetensors reach the wrapped module through it.
