@@ -373,6 +373,21 @@ inline void say_launched_setup(const Setup& setup, const Dataset& data, const Co
   }
 }
 
+// --deterministic: the model's backward_micro_batches as the step's backward.
+template <typename Model>
+void set_deterministic_step(Setup& setup, Model& model, const Config& config) {
+  if (config.deterministic) {
+    setup.backward_micro_batches = [model](int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) mutable {
+      return model->backward_micro_batches(step, loss_of);
+    };
+  }
+}
+
+inline std::string deterministic_description(const Config& config) {
+  return config.deterministic ? ", deterministic: " + std::to_string(config.batch_size / config.micro_batch_size) +
+      " micro-batches of " + std::to_string(config.micro_batch_size) + " a batch" : "";
+}
+
 inline lockstep::ProcessGroup launched_group(const Config& config) {
   return lockstep::init_process_group(
       lockstep::ProcessGroupOptions().timeout(std::chrono::seconds(config.timeout_seconds))); // 0: LOCKSTEP_TIMEOUT
@@ -401,15 +416,9 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, ConvNet& net
   }
   lockstep::DistributedDataParallel<ConvNet> model(net, group, options);
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
-  if (config.deterministic) {
-    setup.backward_micro_batches = [model](int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) mutable {
-      return model->backward_micro_batches(step, loss_of);
-    };
-  }
+  set_deterministic_step(setup, model, config);
   setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() +
-                      ")" + hook.description +
-                      (config.deterministic ? ", deterministic: " + std::to_string(options.micro_batches()) +
-                       " micro-batches of " + std::to_string(config.micro_batch_size) + " a batch" : "");
+                      ")" + hook.description + deterministic_description(config);
   if (hook.powersgd) {
     setup.compression_rate = [powersgd = *hook.powersgd] { return powersgd.compression_rate(); };
   }
@@ -475,8 +484,12 @@ bool load_whole_into_shards(Model& model, ConvNet& net, torch::optim::Optimizer&
 inline Setup sharded_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data,
                            const DataSignature& signature, const Config& config) {
   Setup setup = launched_setup(group, net, data, config);
-  lockstep::FullyShardedDataParallel<ConvNet> model(
-      net, group, lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding)));
+  auto options = lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding));
+  if (config.deterministic) { // Note [Sharded exact sums] in src/fsdp/deterministic.cpp
+    options.deterministic(true).micro_batches(config.batch_size / config.micro_batch_size)
+        .micro_batch_size(config.micro_batch_size).seed(config.seed);
+  }
+  lockstep::FullyShardedDataParallel<ConvNet> model(net, group, options);
   setup.optimizer = make_optimizer(model->parameters(), config);
   auto& optimizer = *setup.optimizer;
   ShardsRef shards;
@@ -503,8 +516,10 @@ inline Setup sharded_setup(const lockstep::ProcessGroup& group, ConvNet& net, co
   setup.full_params = [model]() mutable {
     return std::static_pointer_cast<void>(std::make_shared<lockstep::FullParamsGuard>(model->summon_full_params()));
   };
+  set_deterministic_step(setup, model, config);
   setup.description = "FullyShardedDataParallel (--sharding " + config.sharding + ") over " +
-                      std::to_string(group.size()) + " ranks (" + group.backend() + ")";
+                      std::to_string(group.size()) + " ranks (" + group.backend() + ")" +
+                      deterministic_description(config);
   setup.save_checkpoint = [rank = group.rank(), path = config.checkpoint_path, model, optimizer = setup.optimizer](
                               const TrainingState& state) {
     const int64_t save_id = model->save_sharded(*optimizer, shards_dir(path, state.step));
