@@ -1,7 +1,7 @@
 // FullyShardedDataParallel's deterministic mode with ranks as threads: each
 // strategy at W = 1, 2, 3 and 4 gives the bits of DistributedDataParallel
 // on one rank (Note [Sharded exact sums] in src/fsdp/deterministic.cpp), and
-// each refusal of its own.
+// so does DataParallel's; and each refusal of their own.
 
 #include <lockstep/lockstep.h>
 
@@ -56,6 +56,44 @@ TEST_F(DeterministicSharded, BatchNormGivesOneDdpRanksBits) {
       testing::spawn(world, [&](ProcessGroup& group) { testing::check_same_bits_as_one_rank(group, run, testing::kCheck); });
     }
   }
+}
+
+// DataParallel on two CPU replicas: DDP's bits, with BatchNorm, dropout and
+// clipping under Adam (one process: the micro-batches run in turn on the
+// caller's thread, so dropout's generator is its own).
+TEST_F(DeterministicSharded, DataParallelGivesOneDdpRanksBits) {
+  DeterministicRun run;
+  run.wrapper = "dp";
+  run.dropout = 0.3;
+  for (const char* optimizer : {"sgd", "adam"}) {
+    run.optimizer = optimizer;
+    run.batch_norm = run.optimizer == "adam";
+    run.clip = run.optimizer == "adam" ? 0.05 : 0;
+    testing::check_same_bits_as_one_rank(ProcessGroup(), run, testing::kCheck);
+  }
+}
+
+TEST_F(DeterministicSharded, DataParallelRefusesAMisusedStep) {
+  const auto options = DataParallelOptions().devices({torch::kCPU, torch::kCPU}).deterministic(true).micro_batches(4)
+                           .micro_batch_size(3);
+  EXPECT_ERROR_SAYS(DataParallel<DeterministicNet>(DeterministicNet(), DataParallelOptions().deterministic(true)),
+                    "lockstep::DataParallel (deterministic)", "needs micro_batches(V)");
+  DataParallel<DeterministicNet> dp(DeterministicNet(), options);
+  const auto x = torch::ones({3, 7});
+  EXPECT_ERROR_SAYS(dp->forward(x), "outside backward_micro_batches");
+  EXPECT_ERROR_SAYS(dp->backward_micro_batches(0, [&](int64_t) { return dp->forward(torch::ones({2, 7})).sum(); }),
+                    "micro-batch 0's forward got a batch of 2");
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(dp->forward(torch::ones({6, 7})).size(0), 6); // evaluation, on the replicas
+  }
+  dp->backward_micro_batches(0, [&](int64_t) { return dp->forward(x).sum(); });
+  for (const auto& p : dp->parameters()) {
+    EXPECT_TRUE(p.grad().defined());
+  }
+  DataParallel<DeterministicNet> plain(DeterministicNet(), DataParallelOptions().devices({torch::kCPU, torch::kCPU}));
+  EXPECT_ERROR_SAYS(plain->backward_micro_batches(0, [&](int64_t) { return plain->forward(x).sum(); }),
+                    "needs DataParallelOptions().deterministic(true)");
 }
 
 ShardingOptions sharded_deterministic() {

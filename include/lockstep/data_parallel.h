@@ -103,6 +103,9 @@ class DataParallelImpl : public detail::WrapperModule<M> {
       }
     }
     all.assign(replicas_.begin(), replicas_.end());
+    if (options.deterministic()) {
+      determinism_ = std::make_unique<detail::DataParallelDeterminism>(*module_, options);
+    }
     core_ = std::make_unique<detail::DataParallelCore>(module_.ptr(), std::move(all), std::move(options));
   }
 
@@ -112,7 +115,8 @@ class DataParallelImpl : public detail::WrapperModule<M> {
   auto forward(Args&&... args) -> decltype(std::declval<Impl&>().forward(std::declval<detail::scatter_t<Args>>()...)) {
     using Output = decltype(std::declval<Impl&>().forward(std::declval<detail::scatter_t<Args>>()...));
     const auto& options = core_->options();
-    if (detail::DataParallelCore::runs_alone(options)) {
+    if (detail::DataParallelCore::runs_alone(options) ||
+        (determinism_ && determinism_->forward_alone(detail::leading_batch_size(args...)))) {
       // One device: the module itself, with inputs moved there, and no threads.
       detail::ReplicaScatter identity;
       identity.device = options.devices()[0];
@@ -146,6 +150,19 @@ class DataParallelImpl : public detail::WrapperModule<M> {
     Output result = detail::Gather<Output>::rebuild(ordered, gathered.tensors, next);
     TORCH_INTERNAL_ASSERT(next == gathered.tensors.size());
     return result;
+  }
+
+  /// Deterministic mode (DataParallelOptions().deterministic(true)): one
+  /// step's backward, as DistributedDataParallelImpl::backward_micro_batches
+  /// with one rank: calls `loss_of(v)` for each of the V micro-batches of
+  /// `step` in order, each a forward through this wrapper and its backward
+  /// alone; then the parameters' .grad are the mean over them, summed
+  /// exactly, the bits DistributedDataParallel gives at any world size.
+  /// Returns the mean of the V losses.
+  double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) {
+    TORCH_CHECK(determinism_ != nullptr, "lockstep::DataParallel: backward_micro_batches needs "
+                "DataParallelOptions().deterministic(true).micro_batches(V); this wrapper reduces in backward.");
+    return determinism_->backward_micro_batches(step, loss_of);
   }
 
   /// All replicas, in device order. Each is a clone sharing the wrapped
@@ -221,6 +238,7 @@ class DataParallelImpl : public detail::WrapperModule<M> {
  private:
   using detail::WrapperModule<M>::module_;
   std::vector<std::shared_ptr<Impl>> replicas_;
+  std::unique_ptr<detail::DataParallelDeterminism> determinism_; // null unless deterministic
   std::unique_ptr<detail::DataParallelCore> core_;
 };
 

@@ -53,6 +53,23 @@ struct DataParallelOptions {
   /// Intra-op threads of each CPU replica. 0: the caller's thread count split
   /// evenly between the CPU replicas (at least one each).
   TORCH_ARG(int64_t, intra_op_threads) = 0;
+  /// Deterministic mode, as DistributedOptions::deterministic: the same
+  /// parameters, to the bit, as DistributedDataParallel's and
+  /// FullyShardedDataParallel's deterministic modes give at any world size.
+  /// Gradients then come only from DataParallelImpl::backward_micro_batches,
+  /// which runs the micro-batches one after another through the wrapped
+  /// module on devices[0], as one rank of DistributedDataParallel would:
+  /// the replicas, which share the process's random generator, run only
+  /// forwards without autograd (evaluation).
+  TORCH_ARG(bool, deterministic) = false;
+  /// Deterministic mode: V, the number of micro-batches in a step's global batch.
+  TORCH_ARG(int64_t, micro_batches) = 0;
+  /// Deterministic mode: the samples in each micro-batch, which forward checks
+  /// on its first tensor argument (dim 0); 0 checks nothing.
+  TORCH_ARG(int64_t, micro_batch_size) = 0;
+  /// Deterministic mode: seeds each micro-batch's random numbers with the
+  /// step and the micro-batch's index (DistributedOptions::seed).
+  TORCH_ARG(uint64_t, seed) = 0;
 };
 
 /// CPU replicas used when there is no GPU: one, which is the bare module with

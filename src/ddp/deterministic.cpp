@@ -3,7 +3,6 @@
 // bits at any world size] in src/deterministic/micro_batch_step.cpp).
 
 #include <lockstep/distributed_data_parallel.h>
-#include <lockstep/timeline.h>
 
 #include "deterministic/micro_batch_step.h"
 
@@ -31,34 +30,7 @@ double DistributedCore::backward_micro_batches(int64_t step,
               ": backward_micro_batches needs DistributedOptions().deterministic(true).micro_batches(V); this wrapper "
               "reduces in backward, as PyTorch's DDP.");
   check_still_frozen();
-  const auto gradients = micro_batches_->run(step, loss_of, [this] {
-    std::vector<torch::Tensor> grads;
-    for (auto& p : exact_params_) {
-      grads.push_back(std::move(p.mutable_grad()));
-      p.mutable_grad().reset();
-    }
-    return grads;
-  });
-  timeline::Span to_integers("deterministic: to integers");
-  std::vector<FixedPointPiece> pieces;
-  int64_t total = 0;
-  for (size_t p = 0; p < exact_params_.size(); ++p) {
-    pieces.push_back({p, 0, exact_params_[p].numel(), total});
-    total += exact_params_[p].numel();
-  }
-  auto sum = torch::empty({total}, torch::TensorOptions().dtype(torch::kLong).device(exact_params_[0].device()));
-  write_fixed_point(sum, pieces, gradients);
-  to_integers.end();
-  timeline::Span allreduce("deterministic: allreduce of int64", sum.numel() * 8);
-  group_.allreduce_async({sum}, ReduceOp::Sum, "the exact sum of step " + std::to_string(step) +
-                         "'s gradients (deterministic DistributedDataParallel)")->wait();
-  allreduce.end();
-  timeline::Span to_floats("deterministic: back to floats");
-  for (const auto& piece : pieces) {
-    auto& param = exact_params_[piece.param];
-    param.mutable_grad() = read_fixed_point(sum, piece, gradients, param.scalar_type(), param.sizes());
-  }
-  return gradients.mean_loss;
+  return step_whole_parameters(*micro_batches_, exact_params_, step, loss_of, "deterministic DistributedDataParallel");
 }
 
 } // namespace detail

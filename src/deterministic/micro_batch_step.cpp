@@ -302,5 +302,37 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
   norms_.replay(norm_records, static_cast<int64_t>(share));
 }
 
+double step_whole_parameters(MicroBatchStep& micro_batches, std::vector<torch::Tensor>& params, int64_t step,
+                             const std::function<torch::Tensor(int64_t)>& loss_of, const std::string& who) {
+  const auto gradients = micro_batches.run(step, loss_of, [&params] {
+    std::vector<torch::Tensor> grads;
+    for (auto& p : params) {
+      grads.push_back(std::move(p.mutable_grad()));
+      p.mutable_grad().reset();
+    }
+    return grads;
+  });
+  timeline::Span to_integers("deterministic: to integers");
+  std::vector<FixedPointPiece> pieces;
+  int64_t total = 0;
+  for (size_t p = 0; p < params.size(); ++p) {
+    pieces.push_back({p, 0, params[p].numel(), total});
+    total += params[p].numel();
+  }
+  auto sum = torch::empty({total}, torch::TensorOptions().dtype(torch::kLong).device(params.at(0).device()));
+  write_fixed_point(sum, pieces, gradients);
+  to_integers.end();
+  timeline::Span allreduce("deterministic: allreduce of int64", sum.numel() * 8);
+  micro_batches.group().allreduce_async({sum}, ReduceOp::Sum, "the exact sum of step " + std::to_string(step) +
+                                        "'s gradients (" + who + ")")->wait();
+  allreduce.end();
+  timeline::Span to_floats("deterministic: back to floats");
+  for (const auto& piece : pieces) {
+    auto& param = params[piece.param];
+    param.mutable_grad() = read_fixed_point(sum, piece, gradients, param.scalar_type(), param.sizes());
+  }
+  return gradients.mean_loss;
+}
+
 } // namespace detail
 } // namespace lockstep

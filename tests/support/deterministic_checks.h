@@ -63,7 +63,8 @@ struct DeterministicRun {
   uint64_t seed = 5;
   // "ddp", or FullyShardedDataParallel's strategy: "full", "grad-op",
   // "no-shard"; "full-reordered" is FullShard with units {"fc2", "fc1"},
-  // whose flats are not in the module's order.
+  // whose flats are not in the module's order; "dp": DataParallel on
+  // two CPU replicas (its group must be of one).
   std::string wrapper = "ddp";
 };
 
@@ -79,7 +80,7 @@ double deterministic_step(Wrapper& wrapper, const DeterministicRun& run, torch::
     return torch::mse_loss(out, batch.second.narrow(0, v * m, m));
   });
   if (run.clip > 0) {
-    if constexpr (std::is_same_v<Wrapper, DistributedDataParallel<DeterministicNet>>) {
+    if constexpr (!std::is_same_v<Wrapper, FullyShardedDataParallel<DeterministicNet>>) {
       // every rank holds the whole, same gradients: the norm is the same at every W
       torch::nn::utils::clip_grad_norm_(wrapper->parameters(), run.clip);
     } else {
@@ -136,6 +137,17 @@ inline torch::Tensor train_deterministic(const ProcessGroup& group, const Determ
     auto optimizer = deterministic_optimizer(run, ddp->parameters());
     for (int64_t step = 0; step < run.steps; ++step) {
       losses.push_back(deterministic_step(ddp, run, *optimizer, step));
+    }
+    return state();
+  }
+  if (run.wrapper == "dp") {
+    TORCH_INTERNAL_ASSERT(group.size() == 1);
+    auto options = DataParallelOptions().devices({torch::kCPU, torch::kCPU}).deterministic(true)
+                       .micro_batches(run.micro_batches).micro_batch_size(run.micro_batch_size).seed(run.seed);
+    DataParallel<DeterministicNet> dp(net, options);
+    auto optimizer = deterministic_optimizer(run, dp->parameters());
+    for (int64_t step = 0; step < run.steps; ++step) {
+      losses.push_back(deterministic_step(dp, run, *optimizer, step));
     }
     return state();
   }

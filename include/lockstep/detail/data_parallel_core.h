@@ -22,6 +22,26 @@ namespace lockstep {
 namespace detail {
 
 class WorkerPool;
+class MicroBatchStep;
+
+/// DataParallel's deterministic mode (src/dp/deterministic.cpp): the
+/// micro-batches through the wrapped module, summed as one rank of
+/// DistributedDataParallel sums them.
+class DataParallelDeterminism {
+ public:
+  DataParallelDeterminism(torch::nn::Module& module, const DataParallelOptions& options);
+  ~DataParallelDeterminism();
+  /// DataParallelImpl::backward_micro_batches.
+  double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of);
+  /// Whether a forward with this `batch` (-1: no tensor) runs the wrapped
+  /// module alone: one with autograd on, which must come from inside
+  /// backward_micro_batches (else an error).
+  bool forward_alone(int64_t batch) const;
+
+ private:
+  std::unique_ptr<MicroBatchStep> step_;
+  std::vector<torch::Tensor> params_;
+};
 
 /// Fills in default devices, gives bare CUDA devices an index, and checks
 /// every option, before anything is cloned.
