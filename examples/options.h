@@ -196,9 +196,10 @@ inline void add_launcher_options(CLI::App& app, Config& config) {
                  "(CHECKPOINT.shards-STEP/) and resume at any world size; --save is still a whole, bare model. "
                  "PyTorch's names work too: full-shard, shard-grad-op, no-shard (or with _)")
       ->transform(CLI::CheckedTransformer(sharding_spellings(), CLI::ignore_case))->group("Distributed");
-  app.add_flag("--deterministic", config.deterministic, "Under DDP or --sharding: the same final parameters, to the "
-               "bit, at every world size that divides the micro-batches of a batch (--batch-size / "
-               "--micro-batch-size), after a resume at another one, and under DDP and every --sharding alike. Each micro-batch runs alone and the ranks sum exactly. Intra-op threads "
+  app.add_flag("--deterministic", config.deterministic, "The same final parameters, to the bit, at every world size "
+               "that divides the micro-batches of a batch (--batch-size / --micro-batch-size), after a resume at "
+               "another one, and under DDP, every --sharding and DataParallel (--replicas, which then runs the "
+               "micro-batches in turn) alike. Each micro-batch runs alone and the ranks sum exactly. Intra-op threads "
                "default to 1 (--threads), so that every world size computes alike")->group("Distributed");
   app.add_option("--micro-batch-size", config.micro_batch_size, "--deterministic: samples per micro-batch; "
                  "--batch-size must be a multiple of it")
@@ -290,10 +291,8 @@ inline void check_launch_flags(const Config& config, bool launched) {
                      "lockstep-train --sharding " + config.sharding + ". Alone, lockstep-train trains with "
                      "DataParallel, which does not shard.");
   }
-  if (config.deterministic && (!launched || config.comm_hook != "none")) {
-    throw UsageError(std::string("--deterministic is a mode of DistributedDataParallel and of --sharding: run it "
-                     "under a launcher, without --comm-hook") + (launched ? "" : " (lockstep-run --nproc-per-node 1 "
-                     "for one rank)") + ".");
+  if (config.deterministic && config.comm_hook != "none") {
+    throw UsageError("--deterministic sums the gradients exactly, itself: it takes no --comm-hook.");
   }
   if (config.comm_hook != "none" && (!launched || !config.sharding.empty())) {
     throw UsageError("--comm-hook " + config.comm_hook + " sets how DistributedDataParallel reduces its buckets: run "

@@ -543,8 +543,12 @@ inline Setup data_parallel_setup(ConvNet& net, const Dataset& data, const DataSi
     setup.device = lockstep::default_devices()[0]; // the first GPU, where DataParallel wants the module
     net->to(setup.device);
   }
+  if (config.deterministic) { // src/dp/deterministic.cpp
+    options.deterministic(true).micro_batches(config.batch_size / config.micro_batch_size)
+        .micro_batch_size(config.micro_batch_size).seed(config.seed);
+  }
   setup.optimizer = make_optimizer(net->parameters(), config);
-  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, 1, 0, config.seed};
+  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, 1, 0, config.seed, config.deterministic};
   setup.state = resume(config, setup.plan, signature, true, [&](TrainingState& state) {
     return load_checkpoint(config.checkpoint_path, *net, *setup.optimizer, state);
   });
@@ -554,7 +558,8 @@ inline Setup data_parallel_setup(ConvNet& net, const Dataset& data, const DataSi
   for (const auto& d : model->devices()) {
     devices += (devices.empty() ? "" : ",") + d.str();
   }
-  setup.description = "DataParallel on [" + devices + "]";
+  set_deterministic_step(setup, model, config);
+  setup.description = "DataParallel on [" + devices + "]" + deterministic_description(config);
   setup.combine = [](const Tally& mine) { return mine; };
   setup.sync_buffers = [] {};
   setup.full_params = [] { return std::shared_ptr<void>(); };

@@ -24,6 +24,7 @@ class DeterministicSharded : public ::testing::Test {
     torch::set_num_threads(1); // Note [The same bits at any world size]
   }
 };
+using DeterministicDataParallel = DeterministicSharded;
 
 TEST_F(DeterministicSharded, EveryStrategyGivesOneDdpRanksBitsAtOneToFourRanks) {
   for (const char* wrapper : {"full", "grad-op", "no-shard", "full-reordered"}) {
@@ -61,7 +62,7 @@ TEST_F(DeterministicSharded, BatchNormGivesOneDdpRanksBits) {
 // DataParallel on two CPU replicas: DDP's bits, with BatchNorm, dropout and
 // clipping under Adam (one process: the micro-batches run in turn on the
 // caller's thread, so dropout's generator is its own).
-TEST_F(DeterministicSharded, DataParallelGivesOneDdpRanksBits) {
+TEST_F(DeterministicDataParallel, GivesOneDdpRanksBits) {
   DeterministicRun run;
   run.wrapper = "dp";
   run.dropout = 0.3;
@@ -73,7 +74,7 @@ TEST_F(DeterministicSharded, DataParallelGivesOneDdpRanksBits) {
   }
 }
 
-TEST_F(DeterministicSharded, DataParallelRefusesAMisusedStep) {
+TEST_F(DeterministicDataParallel, RefusesAMisusedStep) {
   const auto options = DataParallelOptions().devices({torch::kCPU, torch::kCPU}).deterministic(true).micro_batches(4)
                            .micro_batch_size(3);
   EXPECT_ERROR_SAYS(DataParallel<DeterministicNet>(DeterministicNet(), DataParallelOptions().deterministic(true)),

@@ -1,6 +1,7 @@
 // lockstep-train --deterministic: the same final parameters at every world
-// size that divides the micro-batches, under DDP and every --sharding, in
-// fp32 and bf16, and after a resume at another world size (Note [The same bits at any world size]).
+// size that divides the micro-batches, under DDP, every --sharding and
+// DataParallel, in fp32 and bf16, and after a resume at another world size
+// (Note [The same bits at any world size]).
 
 #include "support/launch.h"
 #include "support/processes.h"
@@ -62,9 +63,10 @@ std::vector<std::string> sharded(const std::string& marker, const std::string& s
   return args;
 }
 
-// Note [Sharded exact sums]: every --sharding at 1, 2 and 3 ranks ends with
-// DDP's parameters, and so does a sharded run in bf16 with DDP's in bf16.
-TEST(TrainerDeterministic, EveryShardingEndsWithDdpsParameters) {
+// Note [Sharded exact sums]: every --sharding at 1, 2 and 3 ranks, and
+// DataParallel on two replicas, end with DDP's parameters, and a sharded run
+// in bf16 with DDP's in bf16.
+TEST(TrainerDeterministic, EveryShardingAndDataParallelEndWithDdpsParameters) {
   const auto ddp = ranks(2, deterministic("det_ddp"), "det_ddp");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
   const std::vector<std::pair<std::string, int>> runs = {{"full", 3}, {"grad-op", 2}, {"none", 1}};
@@ -77,6 +79,12 @@ TEST(TrainerDeterministic, EveryShardingEndsWithDdpsParameters) {
     EXPECT_NE(p.output.find("deterministic: 6 micro-batches of 8 a batch"), std::string::npos) << p.output;
     EXPECT_EQ(final_hash(p.output), final_hash(ddp.output)) << p.output;
   }
+  auto replicas = deterministic("det_dp");
+  replicas.insert(replicas.end(), {"--replicas", "2"});
+  const auto dp = testing::run(replicas, {}, temp("det_dp.log"), kDeadline);
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  EXPECT_NE(dp.output.find("DataParallel on [cpu,cpu], deterministic: 6 micro-batches"), std::string::npos) << dp.output;
+  EXPECT_EQ(final_hash(dp.output), final_hash(ddp.output)) << dp.output;
   auto bf16 = [](std::vector<std::string> args) {
     args.insert(args.end(), {"--precision", "bf16"});
     return args;
@@ -126,11 +134,9 @@ TEST(TrainerDeterministic, WhatCannotBeKeptExactIsRefused) {
   refused(alone(without_size, "det_no_size"), 2, "--deterministic needs --micro-batch-size N");
   refused(alone(with_flag(deterministic("det_refused"), "--micro-batch-size", "7"), "det_size7"), 2,
           "--batch-size 48 is not a multiple of --micro-batch-size 7");
-  refused(alone(deterministic("det_alone"), "det_alone"), 2,
-          "--deterministic is a mode of DistributedDataParallel and of --sharding");
   auto hooked = deterministic("det_refused");
   hooked.insert(hooked.end(), {"--comm-hook", "fp16"});
-  refused(ranks(1, hooked, "det_hooked"), 1, "without --comm-hook");
+  refused(ranks(1, hooked, "det_hooked"), 1, "it takes no --comm-hook");
   refused(ranks(4, deterministic("det_refused"), "det_four"), 1, "6 micro-batches of --micro-batch-size 8, which 4 ranks");
 }
 
