@@ -145,6 +145,9 @@ std::shared_ptr<lockstep::FullyShardedDataParallel<M>> shard(M net, const lockst
   if (mode == "fullshard-bf16") {
     options.param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat);
   }
+  if (mode == "fullshard-deterministic") { // one micro-batch per rank, as "deterministic"
+    options.deterministic(true).micro_batches(group.size());
+  }
   return std::make_shared<lockstep::FullyShardedDataParallel<M>>(net, group, options);
 }
 
@@ -244,10 +247,14 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
       comm_step();
       return;
     }
-    if (mode == "deterministic") { // Note [The same bits at any world size]
-      (*wrapped.ddp)->backward_micro_batches(steps_taken++, [&](int64_t) {
-        return torch::cross_entropy_loss(wrapped.forward(x), y);
-      });
+    if (mode == "deterministic" || mode == "fullshard-deterministic") { // Note [The same bits at any world size]
+      auto loss_of = [&](int64_t) { return torch::cross_entropy_loss(wrapped.forward(x), y); };
+      if (wrapped.ddp) {
+        (*wrapped.ddp)->backward_micro_batches(steps_taken, loss_of);
+      } else {
+        (*wrapped.fsdp)->backward_micro_batches(steps_taken, loss_of);
+      }
+      ++steps_taken;
       lockstep::timeline::Span span("optimizer step");
       optimizer->step();
       return;
@@ -368,10 +375,11 @@ int parse_options(int argc, char** argv, RunOptions& options) {
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
   app.add_option("MODE", options.mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
-                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward), nocomm (no communication), deterministic (one micro-batch per rank) or the sharded and compressed modes")
+                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward), nocomm (no communication), deterministic and fullshard-deterministic (one micro-batch per rank) or the sharded and compressed modes")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
                                          "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
-                                         "gradop-mpi", "fullshard-bf16", "powersgd", "comm", "deterministic"}));
+                                         "gradop-mpi", "fullshard-bf16", "powersgd", "comm", "deterministic",
+                                         "fullshard-deterministic"}));
   app.add_option("MODEL", options.model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
                  "last layer first), wide (8 x Linear(2048, 2048)) or cnn (the trainer's, with BatchNorm, batch 64)")
       ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide", "cnn"}));

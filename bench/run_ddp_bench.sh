@@ -102,6 +102,7 @@ for model in sys.argv[2:]:
         print(f"  mpi/{peer} = {med['mpi'] / med[peer]:.3f}")
     # Sharded data parallelism against DDP on the same backend, and against PyTorch's FSDP.
     for mine, peer in (("powersgd", "nocomm"), ("powersgd", "lockstep"), ("deterministic", "lockstep"),
+                       ("fullshard-deterministic", "fullshard"),
                        ("gradop", "lockstep"), ("fullshard", "lockstep"), ("noshard", "lockstep"),
                        ("gradop-mpi", "mpi"), ("fullshard-mpi", "mpi"), ("fullshard", "python-fsdp")):
         if mine in med and peer in med:
