@@ -39,16 +39,21 @@ namespace detail {
 // the largest power of two for which V values below M cannot overflow 2^62,
 // and round to int64. Local sums and one allreduce (Sum) of int64 give every
 // rank the same integers at any W; the gradient is that sum times 2^-e over
-// V, computed in double and rounded to the parameter's dtype.
+// V, computed in double and rounded to the parameter's dtype. Each element's
+// integer and gradient depend only on that element's terms and its
+// parameter's e, so a wrapper may lay the sum out as it likes
+// (FixedPointPiece): FullyShardedDataParallel reduce-scatters it into its
+// shards (Note [Sharded exact sums] in src/fsdp/deterministic.cpp) and gets
+// DistributedDataParallel's bits; DataParallel sums as one rank.
 //
 // Precision: with t = ceil(log2 V), M * 2^e is at least 2^(61-t), so an
 // element keeps every bit of its float value where |g| >= M * 2^(t-38)
 // (M * 2^-34 for V = 12); smaller ones are rounded to multiples of 2^-e,
-// at most M * 2^(t-61), an error far below a float sum's own near M. The other way, fixing one
-// reduction tree over the V micro-batches whose subtrees the ranks compute,
-// works only for W whose shares are subtrees (powers of two), or sends every
-// micro-batch's gradient whole; int64 costs twice a float allreduce's bytes
-// and the maxima's all_gather, at any W.
+// at most M * 2^(t-61), an error far below a float sum's own near M. The
+// other way, fixing one reduction tree over the V micro-batches whose
+// subtrees the ranks compute, works only for W whose shares are subtrees
+// (powers of two), or sends every micro-batch's gradient whole; int64 costs
+// twice a float allreduce's bytes and the maxima's all_gather, at any W.
 //
 // Other state: a parameter whose maximum is not finite (inf or NaN in some
 // micro-batch) gets a NaN gradient on every rank, which GradScaler's and
