@@ -40,6 +40,7 @@
 /// README.md says how to build, train and launch; docs/design.md how each
 /// part works.
 
+#include <lockstep/activation_checkpoint.h>
 #include <lockstep/amp.h>
 #include <lockstep/comm_hooks.h>
 #include <lockstep/data_parallel.h>

@@ -1,0 +1,64 @@
+#pragma once
+
+/// \file
+/// Activation checkpointing, as Python's torch.utils.checkpoint: a segment
+/// of forward that keeps none of its activations, and runs again in
+/// backward to make them (Note [Activation checkpointing] in
+/// src/activation_checkpoint.cpp).
+
+#include <torch/types.h>
+
+#include <cstddef>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+
+/// Returns fn(inputs), keeping for backward only `inputs`, the random
+/// generators' states and the autocast state, not the activations inside fn.
+/// Backward runs fn again on the same inputs, with the CPU's generator (and
+/// the generators of the inputs' GPUs) as forward left them and under the
+/// same autocast, so dropout draws the same numbers: the gradients are
+/// bitwise those without checkpointing. The parameters fn reads (a module's,
+/// captured by the lambda) get their gradients through the same backward
+/// as the rest of the model, so DistributedDataParallel,
+/// FullyShardedDataParallel and DataParallel reduce them as usual.
+///
+/// fn is kept, and called again in backward, after the caller's frame is
+/// gone: it must capture by value what it reads (a module holder, `this`),
+/// never a reference to a local. It must compute the same thing when run
+/// again: the same operations on
+/// the same tensors, with no side effects beyond BatchNorm-like buffer
+/// updates (which then happen twice, as in PyTorch). fn may read tensors it
+/// is not given, parameters or results computed before it: their gradients
+/// reach them too. Without autograd (NoGradGuard) fn simply runs.
+std::vector<torch::Tensor> checkpoint(
+    const std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>& fn,
+    const std::vector<torch::Tensor>& inputs);
+
+namespace detail {
+template <size_t... I>
+auto tensors_as_tuple(const std::vector<torch::Tensor>& in, std::index_sequence<I...>) {
+  return std::tuple<const std::decay_t<decltype(in[I])>&...>(in[I]...);
+}
+} // namespace detail
+
+/// checkpoint for a segment of tensors in, one tensor out (fn is copied):
+/// `x = lockstep::checkpoint([block = block](const torch::Tensor& h) { return block(h); }, x);`
+template <typename F, typename... Tensors>
+torch::Tensor checkpoint(F&& fn, const torch::Tensor& first, const Tensors&... rest) {
+  static_assert((std::is_convertible_v<const Tensors&, const torch::Tensor&> && ...),
+                "lockstep::checkpoint(fn, inputs...): every input must be a torch::Tensor");
+  auto outputs = checkpoint(
+      [fn = std::forward<F>(fn)](const std::vector<torch::Tensor>& in) mutable {
+        return std::apply([&fn](const auto&... t) { return std::vector<torch::Tensor>{fn(t...)}; },
+                          detail::tensors_as_tuple(in, std::index_sequence_for<torch::Tensor, Tensors...>{}));
+      },
+      std::vector<torch::Tensor>{first, rest...});
+  return outputs.at(0);
+}
+
+} // namespace lockstep

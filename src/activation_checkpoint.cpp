@@ -1,0 +1,252 @@
+#include <lockstep/activation_checkpoint.h>
+
+#include "util/autocast_state.h"
+#include "util/torch_compat.h"
+
+#include <ATen/Context.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <unordered_set>
+#include <utility>
+
+namespace lockstep {
+namespace detail {
+namespace {
+
+// Note [Activation checkpointing]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// As torch.utils.checkpoint, the segment's forward keeps its inputs, not its
+// activations, and backward runs it again. Python's default (non-reentrant)
+// version finds what the segment saved through saved-tensor hooks, which
+// LibTorch does not have from C++; its reentrant version runs a backward
+// of its own inside the outer one, and so accumulates the parameters'
+// gradients there, where DistributedDataParallel's and
+// FullyShardedDataParallel's end-of-backward callbacks would attach to the
+// inner backward and run before the rest of the model's gradients came.
+// Here the segment's gradients go through the outer backward instead. The
+// first run of fn, with autograd on, shows which edges its graph leaves by:
+// the inputs' (detached copies), the parameters' gradient accumulators, and
+// any node fn did not make (a tensor computed before it, a DataParallel
+// replica's parameter). One
+// node, CheckpointBackward, then stands for the whole segment: its next
+// edges are those, and fn's graph is dropped with its activations. In
+// backward the node runs fn again on the saved inputs, computes the
+// gradients that reach those same edges (the engine's capture, which
+// accumulates nothing), and hands them to the outer backward, which
+// accumulates them and runs every hook as it would without checkpointing.
+// fn runs again with the generators set to the states they had before its
+// first run (then restored), and under the autocast state it ran in, so it
+// computes the same values: the gradients are the same bits.
+
+struct Segment {
+  std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> fn;
+  std::vector<torch::Tensor> inputs; // detached, requires_grad as given
+  std::vector<size_t> differentiable; // fn's outputs that have a gradient, in order
+  std::vector<std::pair<at::Generator, torch::Tensor>> generators; // and their states before fn
+  AutocastState autocast;
+};
+
+// The states of `segment`'s generators for the lifetime of this object.
+class GeneratorsAsBefore {
+ public:
+  explicit GeneratorsAsBefore(const Segment& segment) {
+    for (const auto& [generator, state] : segment.generators) {
+      auto g = generator;
+      std::lock_guard<std::mutex> lock(g.mutex());
+      now_.emplace_back(g, g.get_state());
+      g.set_state(state);
+    }
+  }
+  ~GeneratorsAsBefore() {
+    for (auto& [generator, state] : now_) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    }
+  }
+  GeneratorsAsBefore(const GeneratorsAsBefore&) = delete;
+  GeneratorsAsBefore& operator=(const GeneratorsAsBefore&) = delete;
+
+ private:
+  std::vector<std::pair<at::Generator, torch::Tensor>> now_;
+};
+
+class CheckpointBackward : public torch::autograd::Node {
+ public:
+  CheckpointBackward(std::shared_ptr<Segment> segment, size_t leaving_inputs)
+      : segment_(std::move(segment)), leaving_inputs_(leaving_inputs) {}
+  std::string name() const override {
+    return "lockstep::CheckpointBackward";
+  }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  void release_variables() override {
+    segment_.reset();
+  }
+
+ private:
+  std::shared_ptr<Segment> segment_;
+  size_t leaving_inputs_; // the first next edges: the inputs that require a gradient
+};
+
+torch::autograd::variable_list CheckpointBackward::apply(torch::autograd::variable_list&& grads) {
+  TORCH_CHECK(segment_, "lockstep::checkpoint: the segment's backward ran a second time, after its inputs were "
+              "freed. Pass retain_graph=true to the first backward to run it twice.");
+  const bool create_graph = torch::GradMode::is_enabled();
+  torch::autograd::variable_list outputs;
+  torch::autograd::edge_list capture;
+  {
+    GeneratorsAsBefore generators(*segment_);
+    ReplicaAutocast autocast(segment_->autocast);
+    torch::AutoGradMode grad_mode(true);
+    std::vector<torch::Tensor> inputs;
+    for (const auto& input : segment_->inputs) {
+      inputs.push_back(input.detach().requires_grad_(input.requires_grad()));
+      if (input.requires_grad()) {
+        capture.push_back(torch::autograd::impl::gradient_edge(inputs.back()));
+      }
+    }
+    TORCH_INTERNAL_ASSERT(capture.size() == leaving_inputs_);
+    outputs = segment_->fn(inputs);
+  }
+  for (size_t e = leaving_inputs_; e < num_outputs(); ++e) {
+    capture.push_back(next_edge(e));
+  }
+  torch::autograd::edge_list roots;
+  torch::autograd::variable_list root_grads;
+  for (size_t k = 0; k < segment_->differentiable.size(); ++k) {
+    const auto& output = outputs.at(segment_->differentiable[k]);
+    TORCH_CHECK(output.requires_grad(), "lockstep::checkpoint: output ", segment_->differentiable[k], " of the segment "
+                "had a gradient in forward and has none when backward runs it again: fn must compute the same thing "
+                "both times.");
+    if (grads[k].defined()) {
+      roots.push_back(torch::autograd::impl::gradient_edge(output));
+      root_grads.push_back(grads[k]);
+    }
+  }
+  if (roots.empty()) {
+    return torch::autograd::variable_list(num_outputs());
+  }
+  return torch::autograd::Engine::get_default_engine().execute(roots, root_grads, /*keep_graph=*/false, create_graph,
+                                                               /*accumulate_grad=*/false, capture);
+}
+
+// The sequence numbers this thread gave the nodes fn made: [first, last).
+struct MadeByFn {
+  uint64_t thread, first, last;
+  bool operator()(const torch::autograd::Node& node) const {
+    return node.thread_id() == thread && node.sequence_nr() >= first && node.sequence_nr() < last;
+  }
+};
+
+// The edges by which fn's graph, from `outputs`, leaves the segment: to a
+// gradient accumulator other than the inputs' (`own`), or to a node fn did
+// not make (a node's sequence number counts per thread, so a node of
+// another thread, a DataParallel replica's parameter, is never taken for
+// one of fn's), each once, in the order met.
+torch::autograd::edge_list edges_out(const std::vector<torch::Tensor>& outputs,
+                                     const std::unordered_set<const torch::autograd::Node*>& own, MadeByFn made) {
+  torch::autograd::edge_list out;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  auto visit = [&](const torch::autograd::Edge& edge) {
+    auto* node = edge.function.get();
+    if (node == nullptr || own.count(node) != 0) {
+      return;
+    }
+    const bool leaves = dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr || !made(*node);
+    if (leaves) {
+      for (const auto& e : out) {
+        if (e.function.get() == node && e.input_nr == edge.input_nr) {
+          return;
+        }
+      }
+      out.push_back(edge);
+    } else if (seen.insert(node).second) {
+      stack.push_back(node);
+    }
+  };
+  for (const auto& output : outputs) {
+    if (output.defined() && output.requires_grad()) {
+      visit(torch::autograd::impl::gradient_edge(output));
+    }
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      visit(edge);
+    }
+  }
+  return out;
+}
+
+} // namespace
+} // namespace detail
+
+std::vector<torch::Tensor> checkpoint(
+    const std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>& fn,
+    const std::vector<torch::Tensor>& inputs) {
+  TORCH_CHECK(fn, "lockstep::checkpoint: fn is empty.");
+  if (!torch::GradMode::is_enabled()) {
+    return fn(inputs);
+  }
+  auto segment = std::make_shared<detail::Segment>();
+  segment->fn = fn;
+  segment->autocast = detail::AutocastState::current();
+  std::vector<torch::Device> devices{torch::kCPU};
+  std::unordered_set<const torch::autograd::Node*> own;
+  torch::autograd::edge_list leaving; // the inputs' own edges first
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK(inputs[i].defined(), "lockstep::checkpoint: input ", i, " is an undefined tensor.");
+    segment->inputs.push_back(inputs[i].detach().requires_grad_(inputs[i].requires_grad()));
+    if (inputs[i].requires_grad()) {
+      own.insert(torch::autograd::impl::gradient_edge(segment->inputs.back()).function.get());
+      leaving.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
+    }
+    const auto device = inputs[i].device();
+    if (!device.is_cpu() && std::find(devices.begin(), devices.end(), device) == devices.end()) {
+      devices.push_back(device);
+    }
+  }
+  for (const auto& device : devices) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    segment->generators.emplace_back(generator, generator.get_state());
+  }
+  const size_t leaving_inputs = leaving.size();
+  std::vector<torch::Tensor> outputs;
+  {
+    const uint64_t first = at::sequence_number::peek();
+    auto graph = fn(segment->inputs);
+    const detail::MadeByFn made{at::RecordFunction::currentThreadId(), first, at::sequence_number::peek()};
+    auto out = detail::edges_out(graph, own, made);
+    leaving.insert(leaving.end(), out.begin(), out.end());
+    for (size_t k = 0; k < graph.size(); ++k) {
+      if (graph[k].defined() && graph[k].requires_grad()) {
+        segment->differentiable.push_back(k);
+      }
+      outputs.push_back(graph[k].defined() ? graph[k].detach() : graph[k]);
+    }
+  } // fn's graph, and with it its activations, goes here
+  if (segment->differentiable.empty()) {
+    return outputs;
+  }
+  auto node = detail::make_node<detail::CheckpointBackward>(segment, leaving_inputs);
+  node->set_next_edges(std::move(leaving));
+  for (size_t k : segment->differentiable) {
+    torch::autograd::set_history(outputs[k], node);
+  }
+  return outputs;
+}
+
+} // namespace lockstep

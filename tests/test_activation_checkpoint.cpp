@@ -1,0 +1,186 @@
+// lockstep::checkpoint (Note [Activation checkpointing]): the segment's
+// activations are freed after forward, and the gradients are bitwise those
+// without checkpointing: bare, with dropout, under bf16 autocast, with a
+// tensor the segment reads from outside, and through DDP, FSDP and
+// DataParallel with ranks as threads.
+
+#include <lockstep/lockstep.h>
+
+#include "support/errors.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+// Two blocks with dropout; `checkpointed` runs each block as a segment.
+struct BlocksImpl : torch::nn::Cloneable<BlocksImpl> {
+  explicit BlocksImpl(bool checkpointed = false) : checkpointed(checkpointed) {
+    reset();
+  }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(7, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 32));
+    head = register_module("head", torch::nn::Linear(32, 3));
+    torch::NoGradGuard no_grad;
+    int64_t i = 0;
+    for (auto& p : parameters()) {
+      p.copy_(torch::cos(torch::arange(p.numel(), torch::kFloat) * 0.37 + static_cast<double>(++i)).view_as(p) * 0.3);
+    }
+  }
+  torch::Tensor block(torch::nn::Linear& fc, const torch::Tensor& x) {
+    return torch::dropout(torch::gelu(fc(x)), 0.2, is_training());
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = x;
+    for (auto* fc : {&fc1, &fc2}) {
+      // The segment runs again in backward: it holds the layer, not the loop's reference to it.
+      h = checkpointed ? lockstep::checkpoint([this, fc = *fc](const torch::Tensor& in) mutable { return block(fc, in); }, h)
+                       : block(*fc, h);
+    }
+    return head(h);
+  }
+  bool checkpointed;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
+};
+TORCH_MODULE(Blocks);
+
+torch::Tensor gradients(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : params) {
+    flat.push_back(p.grad().defined() ? p.grad().reshape({-1}).to(torch::kFloat) : torch::zeros({p.numel()}));
+  }
+  return torch::cat(flat);
+}
+
+bool same_bits(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+      std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(), a.nbytes()) == 0;
+}
+
+// One step of Blocks on a fixed batch from a fixed seed: the gradients and
+// the generator's next draw.
+std::pair<torch::Tensor, double> step(bool checkpointed, bool bf16 = false) {
+  torch::manual_seed(11);
+  Blocks net(checkpointed);
+  const auto x = torch::sin(torch::arange(8 * 7, torch::kFloat) * 0.3).view({8, 7});
+  const auto y = torch::cos(torch::arange(8 * 3, torch::kFloat) * 0.2).view({8, 3});
+  {
+    std::optional<AutocastGuard> autocast;
+    if (bf16) {
+      autocast.emplace(torch::kCPU, torch::kBFloat16);
+    }
+    torch::mse_loss(net->forward(x).to(torch::kFloat), y).backward();
+  }
+  return {gradients(net->parameters()), torch::rand({1}).item<double>()};
+}
+
+TEST(ActivationCheckpoint, GivesTheSameGradientsWithDropout) {
+  const auto [plain, plain_next] = step(false);
+  const auto [checkpointed, checkpointed_next] = step(true);
+  EXPECT_TRUE(same_bits(plain, checkpointed)) << (plain - checkpointed).abs().max().item<double>();
+  EXPECT_EQ(plain_next, checkpointed_next); // the generator goes on as if the segments ran once
+  EXPECT_GT(plain.abs().sum().item<double>(), 0);
+}
+
+TEST(ActivationCheckpoint, GivesTheSameGradientsUnderBf16Autocast) {
+  EXPECT_TRUE(same_bits(step(false, true).first, step(true, true).first));
+  EXPECT_FALSE(same_bits(step(false, true).first, step(false, false).first)); // bf16 did change them
+}
+
+TEST(ActivationCheckpoint, FreesTheSegmentsActivations) {
+  auto w = torch::randn({16, 16}, torch::requires_grad());
+  const auto x = torch::randn({4, 16});
+  for (bool checkpointed : {false, true}) {
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> inside;
+    auto fn = [&](const torch::Tensor& in) {
+      auto hidden = torch::tanh(in.matmul(w)); // tanh's backward saves its result
+      inside.emplace(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(hidden.storage().unsafeGetStorageImpl()));
+      return torch::tanh(hidden).sum(1);
+    };
+    auto out = checkpointed ? checkpoint(fn, x) : fn(x);
+    ASSERT_TRUE(inside.has_value());
+    EXPECT_EQ(inside->expired(), checkpointed) << "checkpointed " << checkpointed;
+    out.sum().backward();
+  }
+}
+
+// A segment that reads a tensor computed before it, not given to it: the
+// gradient reaches the leaf behind that tensor.
+TEST(ActivationCheckpoint, GradientsReachWhatTheSegmentReadsFromOutside) {
+  auto w = torch::randn({5, 5}, torch::requires_grad());
+  auto x = torch::randn({3, 5}, torch::requires_grad());
+  std::vector<torch::Tensor> grads[2];
+  for (bool checkpointed : {false, true}) {
+    w.mutable_grad().reset();
+    x.mutable_grad().reset();
+    const auto scaled = w * 2; // outside the segment
+    auto fn = [&](const torch::Tensor& in) { return torch::relu(in.matmul(scaled)).pow(2); };
+    (checkpointed ? checkpoint(fn, x) : fn(x)).sum().backward();
+    grads[checkpointed] = {w.grad().clone(), x.grad().clone()};
+  }
+  EXPECT_TRUE(same_bits(grads[0][0], grads[1][0]));
+  EXPECT_TRUE(same_bits(grads[0][1], grads[1][1]));
+}
+
+TEST(ActivationCheckpoint, RefusesABackwardAfterItsGraphWasFreedAndRunsPlainWithoutAutograd) {
+  auto w = torch::randn({4, 4}, torch::requires_grad());
+  auto fn = [&](const torch::Tensor& in) { return in.matmul(w).tanh(); };
+  auto out = checkpoint(fn, torch::randn({2, 4})).sum();
+  out.backward({}, /*retain_graph=*/true);
+  const auto once = w.grad().clone();
+  out.backward(); // retained: the segment runs a third time
+  EXPECT_TRUE(torch::equal(w.grad(), once * 2));
+  EXPECT_ERROR_SAYS(out.backward(), "the segment's backward ran a second time");
+  torch::NoGradGuard no_grad;
+  EXPECT_FALSE(checkpoint(fn, torch::randn({2, 4})).requires_grad());
+}
+
+// Each wrapper's gradients, with and without checkpointing, to the bit.
+template <typename Make>
+void expect_same_through(const std::string& what, int world, const Make& make) {
+  testing::spawn(world, [&](ProcessGroup& group) {
+    torch::Tensor grads[2];
+    for (bool checkpointed : {false, true}) {
+      Blocks net(checkpointed);
+      net->eval(); // no dropout: ranks as threads share the generator
+      auto [forward, params] = make(group, net);
+      const auto x = torch::sin(torch::arange(6 * 7, torch::kFloat) * (0.3 + group.rank())).view({6, 7});
+      forward(x).pow(2).mean().backward();
+      grads[checkpointed] = gradients(params);
+    }
+    EXPECT_TRUE(same_bits(grads[0], grads[1])) << what << ", rank " << group.rank();
+  });
+}
+
+TEST(ActivationCheckpoint, GivesTheSameGradientsThroughEachWrapper) {
+  torch::set_num_threads(1);
+  using Forward = std::function<torch::Tensor(const torch::Tensor&)>;
+  expect_same_through("DistributedDataParallel", 2, [](ProcessGroup& group, Blocks net) {
+    DistributedDataParallel<Blocks> ddp(net, group);
+    return std::make_pair(Forward([ddp](const torch::Tensor& x) mutable { return ddp->forward(x); }),
+                          ddp->parameters());
+  });
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp}) {
+    expect_same_through("FullyShardedDataParallel", 2, [strategy](ProcessGroup& group, Blocks net) {
+      FullyShardedDataParallel<Blocks> fsdp(net, group, ShardingOptions().strategy(strategy));
+      return std::make_pair(Forward([fsdp](const torch::Tensor& x) mutable { return fsdp->forward(x); }),
+                            fsdp->parameters());
+    });
+  }
+  expect_same_through("DataParallel", 1, [](ProcessGroup&, Blocks net) {
+    DataParallel<Blocks> dp(net, DataParallelOptions().devices({torch::kCPU, torch::kCPU}));
+    return std::make_pair(Forward([dp](const torch::Tensor& x) mutable { return dp->forward(x); }),
+                          dp->parameters());
+  });
+}
+
+} // namespace
+} // namespace lockstep
