@@ -39,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 namespace {
 
@@ -142,6 +143,13 @@ std::shared_ptr<lockstep::FullyShardedDataParallel<M>> shard(M net, const lockst
       : mode.rfind("gradop", 0) == 0      ? lockstep::ShardingStrategy::ShardGradOp
                                           : lockstep::ShardingStrategy::FullShard;
   auto options = lockstep::ShardingOptions().strategy(strategy);
+  if constexpr (std::is_same_v<M, lockstep::examples::VisionTransformer>) {
+    std::vector<std::string> blocks;
+    for (int64_t i = 0; i < net->depth; ++i) {
+      blocks.push_back("blocks." + std::to_string(i)); // each block a unit, as lockstep-train --model vit
+    }
+    options.units(blocks);
+  }
   if (mode == "fullshard-bf16") {
     options.param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat);
   }
@@ -231,9 +239,10 @@ void print_result(const lockstep::ProcessGroup& group, const std::string& mode, 
 template <typename M>
 void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
          const BenchOptions& bench) {
-  const int64_t batch = (model == "cnn" ? 64 : 256) / group.size();
+  const bool images = model == "cnn" || model == "vit";
+  const int64_t batch = (images ? 64 : 256) / group.size();
   const int64_t features = model == "mlp" ? 784 : 256;
-  auto x = model == "cnn" ? torch::randn({batch, 1, 28, 28}) : torch::randn({batch, features});
+  auto x = images ? torch::randn({batch, 1, 28, 28}) : torch::randn({batch, features});
   auto y = torch::randint(0, 10, {batch});
   auto wrapped = wrap(net, group, mode, bench);
   auto optimizer = make_optimizer(bench.optimizer, wrapped.params);
@@ -381,8 +390,9 @@ int parse_options(int argc, char** argv, RunOptions& options) {
                                          "gradop-mpi", "fullshard-bf16", "powersgd", "comm", "deterministic",
                                          "fullshard-deterministic"}));
   app.add_option("MODEL", options.model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
-                 "last layer first), wide (8 x Linear(2048, 2048)) or cnn (the trainer's, with BatchNorm, batch 64)")
-      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide", "cnn"}));
+                 "last layer first), wide (8 x Linear(2048, 2048)), cnn (the trainer's, with BatchNorm, batch 64) or vit (the "
+                 "trainer's --model vit, batch 64)")
+      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide", "cnn", "vit"}));
   app.add_option("--optimizer", options.bench.optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
   app.add_option("--bucket-cap-mb", options.bench.bucket_cap_mb, "DDP's bucket_cap_mb")->check(CLI::PositiveNumber);
   app.add_option("--powersgd-rank", options.bench.powersgd_rank, "powersgd: the approximation's rank")->check(CLI::PositiveNumber);
@@ -433,6 +443,8 @@ int main(int argc, char** argv) {
       run(ReversedDeep(), group, mode, model, steps, bench);
     } else if (model == "cnn") {
       run(lockstep::examples::ConvNet(), group, mode, model, steps, bench);
+    } else if (model == "vit") {
+      run(lockstep::examples::VisionTransformer(), group, mode, model, steps, bench);
     } else {
       run(make_model(model), group, mode, model, steps, bench);
     }

@@ -24,7 +24,66 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 
+class ConvNet(nn.Module):
+    """examples/models.h's ConvNet."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32)
+        self.fc1, self.fc2 = nn.Linear(32 * 7 * 7, 128), nn.Linear(128, 10)
+
+    def forward(self, x):
+        h = torch.max_pool2d(torch.relu(self.bn1(self.conv1(x))), 2)
+        h = torch.max_pool2d(torch.relu(self.bn2(self.conv2(h))), 2)
+        return self.fc2(torch.relu(self.fc1(h.flatten(1))))
+
+
+class ViTBlock(nn.Module):
+    """examples/models.h's ViTBlock: pre-norm attention (one qkv projection) and a 4x MLP."""
+
+    def __init__(self, dim, heads, dropout):
+        super().__init__()
+        self.dim, self.heads, self.p = dim, heads, dropout
+        self.norm1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm2, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        batch, length, head_dim = x.size(0), x.size(1), self.dim // self.heads
+        parts = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
+        scores = parts[0].matmul(parts[1].transpose(-2, -1)) / head_dim ** 0.5
+        drop = lambda t: torch.dropout(t, self.p, self.training)
+        attended = drop(torch.softmax(scores, -1)).matmul(parts[2])
+        h = x + drop(self.proj(attended.transpose(1, 2).reshape(batch, length, self.dim)))
+        return h + drop(self.fc2(drop(torch.nn.functional.gelu(self.fc1(self.norm2(h))))))
+
+
+class VisionTransformer(nn.Module):
+    """examples/models.h's VisionTransformer: 4x4 patches, a class token, 4 blocks of width 64."""
+
+    def __init__(self, dim=64, depth=4, heads=4, dropout=0.1):
+        super().__init__()
+        self.dim, self.p = dim, dropout
+        self.patch = nn.Conv2d(1, dim, 4, stride=4)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 50, dim) * 0.02)
+        self.blocks = nn.ModuleList([ViTBlock(dim, heads, dropout) for _ in range(depth)])
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 10)
+
+    def forward(self, x):
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls_token.expand(x.size(0), 1, self.dim), tokens], 1) + self.pos_embed
+        tokens = torch.dropout(tokens, self.p, self.training)
+        for block in self.blocks:
+            tokens = block(tokens)
+        return self.head(self.norm(tokens[:, 0]))
+
+
 def make_model(name):
+    if name == "cnn":
+        return ConvNet()
+    if name == "vit":
+        return VisionTransformer()
     if name == "mlp":
         return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     if name == "wide":
@@ -45,8 +104,9 @@ def join_group(rank, world, port):
 
 def time_training(label, net, model_name, steps, rank, world, optimizer):
     """Times `steps` steps of `net` after 5 untimed ones; rank 0 prints LABEL MODEL steps_per_s=X rss_mb=R0,R1."""
-    batch = 256 // world
-    x = torch.randn(batch, 784 if model_name == "mlp" else 256)
+    images = model_name in ("cnn", "vit")
+    batch = (64 if images else 256) // world
+    x = torch.randn(batch, 1, 28, 28) if images else torch.randn(batch, 784 if model_name == "mlp" else 256)
     y = torch.randint(0, 10, (batch,))
     if optimizer == "adam":
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)

@@ -2,7 +2,14 @@
 
 // The models the trainer and the benchmarks share.
 
+#include <lockstep/activation_checkpoint.h>
+
 #include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace lockstep {
 namespace examples {
@@ -30,6 +37,132 @@ struct ConvNetImpl : torch::nn::Cloneable<ConvNetImpl> {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 TORCH_MODULE(ConvNet);
+
+/// One pre-norm transformer block: multi-head self-attention, then an MLP
+/// of 4x the width, each added to its input. Attention is written out
+/// (one qkv projection, matmuls and a softmax) rather than
+/// torch::nn::MultiheadAttention, which takes [length, batch, dim] and
+/// projects q, k and v apart: one projection and batch-first shapes save
+/// two transposes and two matmuls per block.
+struct ViTBlockImpl : torch::nn::Cloneable<ViTBlockImpl> {
+  ViTBlockImpl(int64_t dim, int64_t heads, double dropout) : dim(dim), heads(heads), dropout(dropout) {
+    reset();
+  }
+  void reset() override {
+    norm1 = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+    qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
+    proj = register_module("proj", torch::nn::Linear(dim, dim));
+    norm2 = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+    fc1 = register_module("fc1", torch::nn::Linear(dim, 4 * dim));
+    fc2 = register_module("fc2", torch::nn::Linear(4 * dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t batch = x.size(0), length = x.size(1), head_dim = dim / heads;
+    auto parts = qkv(norm1(x)).view({batch, length, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
+    auto scores = parts[0].matmul(parts[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+    auto attended = torch::dropout(torch::softmax(scores, -1), dropout, is_training()).matmul(parts[2]);
+    auto h = x + torch::dropout(proj(attended.transpose(1, 2).reshape({batch, length, dim})), dropout, is_training());
+    auto mlp = fc2(torch::dropout(torch::gelu(fc1(norm2(h))), dropout, is_training()));
+    return h + torch::dropout(mlp, dropout, is_training());
+  }
+  int64_t dim, heads;
+  double dropout;
+  torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(ViTBlock);
+
+/// A Vision Transformer for 1x28x28 images: 4x4 patches (49 of them) and a
+/// class token, learned position embeddings, pre-norm blocks, and a linear
+/// head on the class token. With `checkpointed`, each block is a segment of
+/// lockstep::checkpoint: its activations are made again in backward.
+struct VisionTransformerImpl : torch::nn::Cloneable<VisionTransformerImpl> {
+  explicit VisionTransformerImpl(int64_t dim = 64, int64_t depth = 4, int64_t heads = 4, double dropout = 0.1,
+                                 bool checkpointed = false)
+      : dim(dim), depth(depth), heads(heads), dropout(dropout), checkpointed(checkpointed) {
+    reset();
+  }
+  void reset() override {
+    patch = register_module("patch", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, dim, 4).stride(4)));
+    cls_token = register_parameter("cls_token", torch::zeros({1, 1, dim}));
+    pos_embed = register_parameter("pos_embed", torch::randn({1, 50, dim}) * 0.02);
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    typed_blocks.clear();
+    for (int64_t i = 0; i < depth; ++i) {
+      typed_blocks.emplace_back(dim, heads, dropout);
+      blocks->push_back(typed_blocks.back());
+    }
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+    head = register_module("head", torch::nn::Linear(dim, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto tokens = patch(x).flatten(2).transpose(1, 2); // [batch, 49, dim]
+    tokens = torch::cat({cls_token.expand({x.size(0), 1, dim}), tokens}, 1) + pos_embed;
+    tokens = torch::dropout(tokens, dropout, is_training());
+    for (auto& block : typed_blocks) {
+      tokens = checkpointed
+          ? lockstep::checkpoint([block](const torch::Tensor& in) mutable { return block->forward(in); }, tokens)
+          : block->forward(tokens);
+    }
+    return head(norm(tokens.select(1, 0)));
+  }
+  int64_t dim, depth, heads;
+  double dropout;
+  bool checkpointed;
+  torch::nn::Conv2d patch{nullptr};
+  torch::Tensor cls_token, pos_embed;
+  torch::nn::ModuleList blocks{nullptr};
+  std::vector<ViTBlock> typed_blocks;
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(VisionTransformer);
+
+/// lockstep-train's model: --model cnn (ConvNet) or vit (VisionTransformer),
+/// whose layers it holds under their own names, so that its parameters,
+/// checkpoints and safetensors files are the chosen model's.
+struct TrainerNetImpl : torch::nn::Cloneable<TrainerNetImpl> {
+  explicit TrainerNetImpl(std::string kind = "cnn", bool checkpointed = false)
+      : kind(std::move(kind)), checkpointed(checkpointed) {
+    reset();
+  }
+  void reset() override {
+    if (kind == "vit") {
+      vit = VisionTransformer(64, 4, 4, 0.1, checkpointed);
+      adopt(*vit);
+    } else {
+      cnn = ConvNet();
+      adopt(*cnn);
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return vit ? vit->forward(x) : cnn->forward(x);
+  }
+  /// The units FullyShardedDataParallel shards by default: each block of the
+  /// ViT; each direct child of the CNN.
+  std::vector<std::string> units() const {
+    std::vector<std::string> paths;
+    for (int64_t i = 0; vit && i < vit->depth; ++i) {
+      paths.push_back("blocks." + std::to_string(i));
+    }
+    return paths;
+  }
+  std::string kind;
+  bool checkpointed;
+  ConvNet cnn{nullptr};
+  VisionTransformer vit{nullptr};
+
+ private:
+  void adopt(torch::nn::Module& model) {
+    for (const auto& child : model.named_children()) {
+      register_module(child.key(), child.value());
+    }
+    for (const auto& param : model.named_parameters(/*recurse=*/false)) {
+      register_parameter(param.key(), param.value());
+    }
+  }
+};
+TORCH_MODULE(TrainerNet);
 
 /// The MLP 784-1024-1024-10.
 inline torch::nn::Sequential make_mlp() {

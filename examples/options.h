@@ -58,6 +58,8 @@ struct Config {
   int64_t powersgd_start = 10;     // plain allreduce for this many steps first
   int64_t micro_batch_size = 0;    // --deterministic: samples per micro-batch
   bool deterministic = false;      // DDP's deterministic mode: the same bits at any world size
+  std::string model = "cnn";       // cnn or vit (models.h)
+  bool activation_checkpointing = false; // --model vit: each block a lockstep::checkpoint segment
 };
 
 // Bounds of the whole-number flags: beyond them a number is a typo, or would
@@ -110,6 +112,12 @@ inline void add_training_options(CLI::App& app, Config& config) {
       ->capture_default_str()->group("Training");
   app.add_option("--batch-size", config.batch_size, "Global batch size, split evenly over the ranks or replicas")
       ->check(common::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Training");
+  app.add_option("--model", config.model, "The model: cnn (two convolutions, BatchNorm) or vit (a Vision "
+                 "Transformer: 4x4 patches, 4 pre-norm blocks of width 64, dropout; under --sharding each block is a "
+                 "unit)")->check(CLI::IsMember({"cnn", "vit"}))->capture_default_str()->group("Training");
+  app.add_flag("--activation-checkpointing", config.activation_checkpointing, "--model vit: keep no activations "
+               "inside the blocks; backward makes them again (lockstep::checkpoint), for the same gradients")
+      ->group("Training");
   app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(common::positive())->capture_default_str()
       ->group("Training");
   app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
@@ -341,6 +349,9 @@ inline int parse_command_line(
   // Given explicitly, the sample counts take the first N of each split of the files.
   data.first_train = app.count("--train-samples") > 0;
   data.first_test = app.count("--test-samples") > 0;
+  if (config.activation_checkpointing && config.model != "vit") {
+    return refuse("--activation-checkpointing checkpoints the ViT's blocks; add --model vit.");
+  }
   if (config.deterministic != (config.micro_batch_size > 0)) {
     return refuse(config.deterministic ? "--deterministic needs --micro-batch-size N: the samples of each micro-batch, "
                                          "the same at every world size."

@@ -330,7 +330,7 @@ inline std::shared_ptr<torch::optim::SGD> make_optimizer(const std::vector<torch
 // What every rank of a launched job does alike, under DDP or FSDP: the group,
 // this rank's share of each global batch (Note [Data order]), the tallies'
 // sum and rank 0's buffers.
-inline Setup launched_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data,
+inline Setup launched_setup(const lockstep::ProcessGroup& group, TrainerNet& net, const Dataset& data,
                             const Config& config) {
   Setup setup;
   setup.group = group;
@@ -395,7 +395,7 @@ inline lockstep::ProcessGroup launched_group(const Config& config) {
 
 // One rank of DistributedDataParallel, under lockstep-run or torchrun: the
 // ranks resume alike from rank 0's checkpoint file.
-inline Setup distributed_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data,
+inline Setup distributed_setup(const lockstep::ProcessGroup& group, TrainerNet& net, const Dataset& data,
                                const DataSignature& signature, const Config& config) {
   Setup setup = launched_setup(group, net, data, config);
   setup.optimizer = make_optimizer(net->parameters(), config);
@@ -414,7 +414,7 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, ConvNet& net
     options.deterministic(true).micro_batches(config.batch_size / config.micro_batch_size)
         .micro_batch_size(config.micro_batch_size).seed(config.seed);
   }
-  lockstep::DistributedDataParallel<ConvNet> model(net, group, options);
+  lockstep::DistributedDataParallel<TrainerNet> model(net, group, options);
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
   set_deterministic_step(setup, model, config);
   setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() +
@@ -466,7 +466,7 @@ inline bool any_rank_holds_a_whole_checkpoint(const lockstep::ProcessGroup& grou
 }
 
 template <typename Model>
-bool load_whole_into_shards(Model& model, ConvNet& net, torch::optim::Optimizer& optimizer, const Config& config,
+bool load_whole_into_shards(Model& model, TrainerNet& net, torch::optim::Optimizer& optimizer, const Config& config,
                             TrainingState& state) {
   auto bare = make_optimizer(net->parameters(), config);
   bool found = false;
@@ -481,15 +481,15 @@ bool load_whole_into_shards(Model& model, ConvNet& net, torch::optim::Optimizer&
 // One rank of FullyShardedDataParallel (--sharding): the optimizer steps this
 // rank's shards, and the checkpoints are sharded (Note [Sharded trainer
 // checkpoint]), so a run resumes at another world size.
-inline Setup sharded_setup(const lockstep::ProcessGroup& group, ConvNet& net, const Dataset& data,
+inline Setup sharded_setup(const lockstep::ProcessGroup& group, TrainerNet& net, const Dataset& data,
                            const DataSignature& signature, const Config& config) {
   Setup setup = launched_setup(group, net, data, config);
-  auto options = lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding));
+  auto options = lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding)).units(net->units());
   if (config.deterministic) { // Note [Sharded exact sums] in src/fsdp/deterministic.cpp
     options.deterministic(true).micro_batches(config.batch_size / config.micro_batch_size)
         .micro_batch_size(config.micro_batch_size).seed(config.seed);
   }
-  lockstep::FullyShardedDataParallel<ConvNet> model(net, group, options);
+  lockstep::FullyShardedDataParallel<TrainerNet> model(net, group, options);
   setup.optimizer = make_optimizer(model->parameters(), config);
   auto& optimizer = *setup.optimizer;
   ShardsRef shards;
@@ -533,7 +533,7 @@ inline Setup sharded_setup(const lockstep::ProcessGroup& group, ConvNet& net, co
 
 // One process with DataParallel on --replicas CPU replicas (0: lockstep's
 // default devices), reading the global batches (Note [Data order]).
-inline Setup data_parallel_setup(ConvNet& net, const Dataset& data, const DataSignature& signature,
+inline Setup data_parallel_setup(TrainerNet& net, const Dataset& data, const DataSignature& signature,
                                  const Config& config) {
   Setup setup;
   auto options = lockstep::DataParallelOptions();
@@ -552,7 +552,7 @@ inline Setup data_parallel_setup(ConvNet& net, const Dataset& data, const DataSi
   setup.state = resume(config, setup.plan, signature, true, [&](TrainingState& state) {
     return load_checkpoint(config.checkpoint_path, *net, *setup.optimizer, state);
   });
-  lockstep::DataParallel<ConvNet> model(net, options);
+  lockstep::DataParallel<TrainerNet> model(net, options);
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
   std::string devices;
   for (const auto& d : model->devices()) {

@@ -60,7 +60,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using lockstep::examples::BatchPlan;
 using lockstep::examples::Config;
-using lockstep::examples::ConvNet;
+using lockstep::examples::TrainerNet;
 using lockstep::examples::DataSignature;
 using lockstep::examples::Dataset;
 using lockstep::examples::DataOptions;
@@ -99,7 +99,7 @@ void prepare_process(int threads, bool deterministic) {
 
 // What the training loop works on.
 struct Run {
-  ConvNet& net; // the bare model: evaluated and saved (whole under setup.full_params)
+  TrainerNet& net; // the bare model: evaluated and saved (whole under setup.full_params)
   torch::optim::SGD& optimizer;
   lockstep::GradScaler& scaler; // --precision fp16; a pass-through otherwise
   const Dataset& data;
@@ -616,7 +616,7 @@ int main(int argc, char** argv) {
     const DataSignature signature = lockstep::examples::data_signature(data.train, parsed.seed);
 
     torch::manual_seed(parsed.seed);
-    ConvNet net;
+    TrainerNet net(parsed.model, parsed.activation_checkpointing);
     lockstep::examples::init_from(net, parsed.init_from);
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.

@@ -25,7 +25,7 @@ inline std::string safetensors_beside(const std::string& save_path) {
 
 /// --init-from: `path`'s weights into `net`, strictly, before any wrapper
 /// copies rank 0's to the others. Nothing when `path` is empty.
-inline void init_from(ConvNet& net, const std::string& path) {
+inline void init_from(TrainerNet& net, const std::string& path) {
   if (path.empty()) {
     return;
   }

@@ -204,13 +204,18 @@ std::vector<torch::Tensor> checkpoint(
   segment->fn = fn;
   segment->autocast = detail::AutocastState::current();
   std::vector<torch::Device> devices{torch::kCPU};
+  // The gradient accumulators of the detached inputs, held while fn runs:
+  // autograd holds one weakly, and one freed could give its address to a
+  // parameter's, which would then look like an input's.
+  torch::autograd::edge_list own_edges;
   std::unordered_set<const torch::autograd::Node*> own;
   torch::autograd::edge_list leaving; // the inputs' own edges first
   for (size_t i = 0; i < inputs.size(); ++i) {
     TORCH_CHECK(inputs[i].defined(), "lockstep::checkpoint: input ", i, " is an undefined tensor.");
     segment->inputs.push_back(inputs[i].detach().requires_grad_(inputs[i].requires_grad()));
     if (inputs[i].requires_grad()) {
-      own.insert(torch::autograd::impl::gradient_edge(segment->inputs.back()).function.get());
+      own_edges.push_back(torch::autograd::impl::gradient_edge(segment->inputs.back()));
+      own.insert(own_edges.back().function.get());
       leaving.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
     }
     const auto device = inputs[i].device();

@@ -6,6 +6,8 @@
 
 #include <lockstep/lockstep.h>
 
+#include <examples/models.h>
+
 #include "support/errors.h"
 #include "support/threads.h"
 
@@ -110,6 +112,27 @@ TEST(ActivationCheckpoint, FreesTheSegmentsActivations) {
     EXPECT_EQ(inside->expired(), checkpointed) << "checkpointed " << checkpointed;
     out.sum().backward();
   }
+}
+
+// The trainer's ViT, whose blocks are segments: every parameter's gradient,
+// to the bit, in training mode (dropout in attention and the MLP).
+TEST(ActivationCheckpoint, GivesTheSameGradientsThroughTheVitsBlocks) {
+  torch::Tensor grads[2];
+  std::vector<std::string> names;
+  for (bool checkpointed : {false, true}) {
+    torch::manual_seed(5);
+    examples::VisionTransformer vit(32, 2, 4, 0.1, checkpointed);
+    vit->forward(torch::randn({3, 1, 28, 28})).pow(2).sum().backward();
+    names.clear();
+    for (const auto& p : vit->named_parameters()) {
+      if (!p.value().grad().defined()) {
+        names.push_back(p.key());
+      }
+    }
+    EXPECT_TRUE(names.empty()) << "checkpointed " << checkpointed << ": no gradient for " << c10::Join(", ", names);
+    grads[checkpointed] = gradients(vit->parameters());
+  }
+  EXPECT_TRUE(same_bits(grads[0], grads[1]));
 }
 
 // A segment that reads a tensor computed before it, not given to it: the
