@@ -122,13 +122,13 @@ TORCH_MODULE(VisionTransformer);
 /// whose layers it holds under their own names, so that its parameters,
 /// checkpoints and safetensors files are the chosen model's.
 struct TrainerNetImpl : torch::nn::Cloneable<TrainerNetImpl> {
-  explicit TrainerNetImpl(std::string kind = "cnn", bool checkpointed = false)
-      : kind(std::move(kind)), checkpointed(checkpointed) {
+  explicit TrainerNetImpl(std::string kind = "cnn", bool checkpointed = false, double dropout = 0.1)
+      : kind(std::move(kind)), checkpointed(checkpointed), dropout(dropout) {
     reset();
   }
   void reset() override {
     if (kind == "vit") {
-      vit = VisionTransformer(64, 4, 4, 0.1, checkpointed);
+      vit = VisionTransformer(64, 4, 4, dropout, checkpointed);
       adopt(*vit);
     } else {
       cnn = ConvNet();
@@ -149,6 +149,7 @@ struct TrainerNetImpl : torch::nn::Cloneable<TrainerNetImpl> {
   }
   std::string kind;
   bool checkpointed;
+  double dropout;
   ConvNet cnn{nullptr};
   VisionTransformer vit{nullptr};
 

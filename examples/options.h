@@ -60,6 +60,7 @@ struct Config {
   bool deterministic = false;      // DDP's deterministic mode: the same bits at any world size
   std::string model = "cnn";       // cnn or vit (models.h)
   bool activation_checkpointing = false; // --model vit: each block a lockstep::checkpoint segment
+  double dropout = 0.1;            // --model vit's
 };
 
 // Bounds of the whole-number flags: beyond them a number is a typo, or would
@@ -115,6 +116,8 @@ inline void add_training_options(CLI::App& app, Config& config) {
   app.add_option("--model", config.model, "The model: cnn (two convolutions, BatchNorm) or vit (a Vision "
                  "Transformer: 4x4 patches, 4 pre-norm blocks of width 64, dropout; under --sharding each block is a "
                  "unit)")->check(CLI::IsMember({"cnn", "vit"}))->capture_default_str()->group("Training");
+  app.add_option("--dropout", config.dropout, "--model vit: the dropout of its embeddings, attention and MLPs")
+      ->check(CLI::Range(0.0, 0.9))->capture_default_str()->group("Training");
   app.add_flag("--activation-checkpointing", config.activation_checkpointing, "--model vit: keep no activations "
                "inside the blocks; backward makes them again (lockstep::checkpoint), for the same gradients")
       ->group("Training");

@@ -616,7 +616,7 @@ int main(int argc, char** argv) {
     const DataSignature signature = lockstep::examples::data_signature(data.train, parsed.seed);
 
     torch::manual_seed(parsed.seed);
-    TrainerNet net(parsed.model, parsed.activation_checkpointing);
+    TrainerNet net(parsed.model, parsed.activation_checkpointing, parsed.dropout);
     lockstep::examples::init_from(net, parsed.init_from);
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.
