@@ -24,8 +24,8 @@ constexpr char kFashionMnist[] = "/usr/share/datasets/fashion-mnist";
 
 /// Images and their labels, row by row.
 struct Samples {
-  torch::Tensor images; // [N, 1, 28, 28], float
-  torch::Tensor labels; // [N], int64
+  torch::Tensor inputs; // [N, 1, 28, 28] float images, or [N, T] int64 tokens
+  torch::Tensor labels; // [N] int64 classes, or [N, T] int64 next tokens
 };
 
 /// The two splits, and where they came from for the start line ("synthetic",
@@ -66,7 +66,7 @@ inline std::pair<Samples, Samples> synthetic(int64_t train_size, int64_t test_si
       images[i] = torch::roll(images[i], {accessor[i][0], accessor[i][1]}, {1, 2});
     }
     auto scale = torch::rand({n, 1, 1, 1}) * 0.8 + 0.6;
-    s.images = images * scale + torch::randn({n, 1, 28, 28}) * 1.8;
+    s.inputs = images * scale + torch::randn({n, 1, 28, 28}) * 1.8;
     return s;
   };
   Samples train = make(train_size);
@@ -83,10 +83,10 @@ inline Samples read_mnist_samples(const std::string& dir, const std::string& pre
 /// The first `n` rows of `all`, which `flag` asked for: more than the files
 /// hold is an error, not a quietly smaller run.
 inline Samples first_rows(const Samples& all, int64_t n, const char* flag, const char* split, const std::string& dir) {
-  const int64_t rows = all.images.size(0);
+  const int64_t rows = all.inputs.size(0);
   TORCH_CHECK(n <= rows, "lockstep-train: ", flag, " ", n, " is more than the ", rows, " ", split, " samples in ", dir,
               "; give at most ", rows, ", or leave ", flag, " out to use them all.");
-  return Samples{all.images.narrow(0, 0, n), all.labels.narrow(0, 0, n)};
+  return Samples{all.inputs.narrow(0, 0, n), all.labels.narrow(0, 0, n)};
 }
 
 /// The dataset `options` ask for; `seed` is the generated data's. Without
@@ -128,8 +128,8 @@ inline void write_idx(const Samples& data, const std::string& dir, const std::st
                                 static_cast<unsigned char>(v >> 8), static_cast<unsigned char>(v)};
     out.write(reinterpret_cast<const char*>(b), 4);
   };
-  const auto n = static_cast<uint32_t>(data.images.size(0));
-  auto pixels = ((data.images.clamp(-3, 3) + 3) * (255.0 / 6)).round().to(torch::kUInt8).contiguous();
+  const auto n = static_cast<uint32_t>(data.inputs.size(0));
+  auto pixels = ((data.inputs.clamp(-3, 3) + 3) * (255.0 / 6)).round().to(torch::kUInt8).contiguous();
   std::ofstream images(dir + "/" + prefix + "-images-idx3-ubyte", std::ios::binary);
   put32(images, 0x803);
   put32(images, n);

@@ -106,7 +106,7 @@ inline DataSignature data_signature(const Samples& train, uint64_t seed) {
     const auto bytes = t.contiguous();
     return checkpoint_crc(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
   };
-  return DataSignature{train.images.size(0), uint64_t{crc(train.images)} << 32 | crc(train.labels), seed};
+  return DataSignature{train.inputs.size(0), uint64_t{crc(train.inputs)} << 32 | crc(train.labels), seed};
 }
 
 // The run's settings as every setup reads them, made once before any
@@ -338,7 +338,7 @@ inline Setup launched_setup(const lockstep::ProcessGroup& group, TrainerNet& net
   setup.world_size = group.size();
   setup.device = group_device(group);
   net->to(setup.device);
-  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, group.size(), group.rank(), config.seed,
+  setup.plan = BatchPlan{data.train.inputs.size(0), config.batch_size, group.size(), group.rank(), config.seed,
                          config.deterministic};
   // Loss and accuracy sums as doubles: exact for any count below 2^53.
   setup.combine = [group, device = setup.device](const Tally& mine) {
@@ -366,8 +366,8 @@ inline Setup launched_setup(const lockstep::ProcessGroup& group, TrainerNet& net
 inline void say_launched_setup(const Setup& setup, const Dataset& data, const Config& config) {
   if (setup.rank == 0) {
     std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld (%lld per rank), "
-                 "outputs in %s/\n", data.source.c_str(), static_cast<long long>(data.train.images.size(0)),
-                 static_cast<long long>(data.test.images.size(0)), setup.description.c_str(),
+                 "outputs in %s/\n", data.source.c_str(), static_cast<long long>(data.train.inputs.size(0)),
+                 static_cast<long long>(data.test.inputs.size(0)), setup.description.c_str(),
                  static_cast<long long>(config.batch_size), static_cast<long long>(config.batch_size / setup.world_size),
                  config.out_dir.c_str());
   }
@@ -548,7 +548,7 @@ inline Setup data_parallel_setup(TrainerNet& net, const Dataset& data, const Dat
         .micro_batch_size(config.micro_batch_size).seed(config.seed);
   }
   setup.optimizer = make_optimizer(net->parameters(), config);
-  setup.plan = BatchPlan{data.train.images.size(0), config.batch_size, 1, 0, config.seed, config.deterministic};
+  setup.plan = BatchPlan{data.train.inputs.size(0), config.batch_size, 1, 0, config.seed, config.deterministic};
   setup.state = resume(config, setup.plan, signature, true, [&](TrainingState& state) {
     return load_checkpoint(config.checkpoint_path, *net, *setup.optimizer, state);
   });
@@ -567,8 +567,8 @@ inline Setup data_parallel_setup(TrainerNet& net, const Dataset& data, const Dat
     save_checkpoint(path, *net, *optimizer, state);
   };
   std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld, outputs in %s/\n",
-               data.source.c_str(), static_cast<long long>(data.train.images.size(0)),
-               static_cast<long long>(data.test.images.size(0)), setup.description.c_str(),
+               data.source.c_str(), static_cast<long long>(data.train.inputs.size(0)),
+               static_cast<long long>(data.test.inputs.size(0)), setup.description.c_str(),
                static_cast<long long>(config.batch_size), config.out_dir.c_str());
   return setup;
 }

@@ -207,14 +207,14 @@ Tally evaluate(const Run& run) {
   torch::NoGradGuard no_grad;
   run.net->eval();
   const Samples& test = run.data.test;
-  const int64_t n = test.images.size(0);
+  const int64_t n = test.inputs.size(0);
   const int64_t begin = n * run.setup.rank / run.setup.world_size;
   const int64_t end = n * (run.setup.rank + 1) / run.setup.world_size;
   Tally mine;
   constexpr int64_t kBatch = 500;
   for (int64_t i = begin; i < end; i += kBatch) {
     const int64_t rows = std::min(kBatch, end - i);
-    auto logits = run.net(test.images.narrow(0, i, rows).to(run.setup.device));
+    auto logits = run.net(test.inputs.narrow(0, i, rows).to(run.setup.device));
     auto labels = test.labels.narrow(0, i, rows).to(run.setup.device);
     mine += Tally{torch::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum).item<double>(),
                   logits.argmax(1).eq(labels).sum().item<int64_t>(), rows};
@@ -226,7 +226,7 @@ Tally evaluate(const Run& run) {
 // The rows `index` through the model under --precision's autocast: the
 // mean loss, and this rank's tally.
 std::pair<torch::Tensor, Tally> forward_rows(const Run& run, const torch::Tensor& index) {
-  auto x = run.data.train.images.index_select(0, index).to(run.setup.device);
+  auto x = run.data.train.inputs.index_select(0, index).to(run.setup.device);
   auto y = run.data.train.labels.index_select(0, index).to(run.setup.device);
   torch::Tensor logits;
   torch::Tensor loss;
@@ -407,7 +407,7 @@ void end_epoch(const Run& run, TrainingState& state, const Epoch& epoch, lockste
                Totals& totals) {
   const Tally& done = state.epoch_tally;
   TORCH_CHECK(done.rows > 0, "lockstep-train: epoch ", state.epoch + 1, " has no training batch (",
-              run.data.train.images.size(0), " training samples); give more samples.");
+              run.data.train.inputs.size(0), " training samples); give more samples.");
   const double seconds = seconds_since(epoch.start);
   totals.train_seconds += seconds - epoch.eval_seconds;
   totals.samples += done.rows - epoch.resumed_rows;
