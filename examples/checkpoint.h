@@ -77,7 +77,7 @@ auto find_state(Map& state, const torch::Tensor& param) {
 }
 
 /// The optimizer's per-parameter state tensors (SGD's momentum, Adam's
-/// moments), in parameter order, each with the parameter it belongs to.
+/// and AdamW's moments), in parameter order, each with the parameter it belongs to.
 inline std::vector<std::pair<torch::Tensor, torch::Tensor>> optimizer_tensors(torch::optim::Optimizer& optimizer) {
   std::vector<std::pair<torch::Tensor, torch::Tensor>> all;
   for (auto& group : optimizer.param_groups()) {
@@ -91,6 +91,9 @@ inline std::vector<std::pair<torch::Tensor, torch::Tensor>> optimizer_tensors(to
       } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(found->second.get())) {
         all.emplace_back(param, adam->exp_avg());
         all.emplace_back(param, adam->exp_avg_sq());
+      } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(found->second.get())) {
+        all.emplace_back(param, adamw->exp_avg());
+        all.emplace_back(param, adamw->exp_avg_sq());
       }
     }
   }

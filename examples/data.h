@@ -44,6 +44,8 @@ struct DataOptions {
   int64_t test_size = 2000;
   bool first_train = false; // --train-samples given: files are cut to their first train_size rows
   bool first_test = false;  // --test-samples given: likewise
+  std::string text;         // --model gpt: the text file; "": Debian's fortunes (text_data.h)
+  int64_t context = 128;    // --model gpt: tokens per sequence
 };
 
 /// Ten classes, each a random smooth 28x28 prototype; a sample is its class's

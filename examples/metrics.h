@@ -67,6 +67,12 @@ inline double number_of(const nlohmann::json& record, const char* key) {
   return it != record.end() && it->is_number() ? it->get<double>() : std::nan("");
 }
 
+// A record's training speed: samples (images) or tokens (--model gpt) a second.
+inline double speed_of(const nlohmann::json& record) {
+  return record.contains("tokens_per_second") ? number_of(record, "tokens_per_second")
+                                              : number_of(record, "samples_per_second");
+}
+
 // Writes `dir`/curves.gp with the data, and runs gnuplot on it: "" when
 // curves.png was drawn, else why not. `train_data`: epoch, loss, samples/s
 // per line; `test`: epoch, test loss, test accuracy (%).
@@ -87,7 +93,7 @@ inline std::string draw_curves(const std::string& dir, const std::string& train_
      << "plot $train using 1:2 with lines lw 1.5 title 'train', $test using 1:2 with linespoints lw 2 pt 7 title 'test'\n"
      << "set title 'test accuracy (%)'\nset key off\n"
      << "plot $test using 1:3 with linespoints lw 2 pt 7 lc 3\n"
-     << "set title 'training samples/s, all ranks'\nset yrange [0:*]\n"
+     << "set title 'training samples (or tokens) a second, all ranks'\nset yrange [0:*]\n"
      << "plot $train using 1:3 with lines lw 1.5 lc 4\n"
      << "unset multiplot\n";
   gp.close();
@@ -142,12 +148,12 @@ inline Curves plot_curves(const std::string& dir) {
       curves.first_non_finite_step = r.value("step", int64_t{0});
     }
     if (kind == "train") {
-      point(train, x, loss, number_of(r, "samples_per_second"));
+      point(train, x, loss, speed_of(r));
     } else if (kind == "epoch" || kind == "eval") {
       point(test, x, number_of(r, "test_loss"), 100 * number_of(r, "test_accuracy"));
     }
     if (kind == "epoch") {
-      point(epochs, x, loss, number_of(r, "samples_per_second"));
+      point(epochs, x, loss, speed_of(r));
     }
   }
   curves.missing = draw_curves(dir, train.str().empty() ? epochs.str() : train.str(), test.str());

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,13 +40,15 @@ struct ConvNetImpl : torch::nn::Cloneable<ConvNetImpl> {
 TORCH_MODULE(ConvNet);
 
 /// One pre-norm transformer block: multi-head self-attention, then an MLP
-/// of 4x the width, each added to its input. Attention is written out
+/// of 4x the width, each added to its input; with `causal`, a position
+/// attends to itself and those before it only. Attention is written out
 /// (one qkv projection, matmuls and a softmax) rather than
 /// torch::nn::MultiheadAttention, which takes [length, batch, dim] and
 /// projects q, k and v apart: one projection and batch-first shapes save
 /// two transposes and two matmuls per block.
-struct ViTBlockImpl : torch::nn::Cloneable<ViTBlockImpl> {
-  ViTBlockImpl(int64_t dim, int64_t heads, double dropout) : dim(dim), heads(heads), dropout(dropout) {
+struct TransformerBlockImpl : torch::nn::Cloneable<TransformerBlockImpl> {
+  TransformerBlockImpl(int64_t dim, int64_t heads, double dropout, bool causal = false)
+      : dim(dim), heads(heads), dropout(dropout), causal(causal) {
     reset();
   }
   void reset() override {
@@ -60,6 +63,10 @@ struct ViTBlockImpl : torch::nn::Cloneable<ViTBlockImpl> {
     const int64_t batch = x.size(0), length = x.size(1), head_dim = dim / heads;
     auto parts = qkv(norm1(x)).view({batch, length, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
     auto scores = parts[0].matmul(parts[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+    if (causal) {
+      auto later = torch::ones({length, length}, x.options().dtype(torch::kBool)).triu(1);
+      scores = scores.masked_fill(later, -std::numeric_limits<double>::infinity());
+    }
     auto attended = torch::dropout(torch::softmax(scores, -1), dropout, is_training()).matmul(parts[2]);
     auto h = x + torch::dropout(proj(attended.transpose(1, 2).reshape({batch, length, dim})), dropout, is_training());
     auto mlp = fc2(torch::dropout(torch::gelu(fc1(norm2(h))), dropout, is_training()));
@@ -67,10 +74,22 @@ struct ViTBlockImpl : torch::nn::Cloneable<ViTBlockImpl> {
   }
   int64_t dim, heads;
   double dropout;
+  bool causal;
   torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
 };
-TORCH_MODULE(ViTBlock);
+TORCH_MODULE(TransformerBlock);
+
+/// `blocks` applied in turn to `x`; with `checkpointed`, each is a segment
+/// of lockstep::checkpoint: its activations are made again in backward.
+inline torch::Tensor run_blocks(std::vector<TransformerBlock>& blocks, torch::Tensor x, bool checkpointed) {
+  for (auto& block : blocks) {
+    x = checkpointed
+        ? lockstep::checkpoint([block](const torch::Tensor& in) mutable { return block->forward(in); }, x)
+        : block->forward(x);
+  }
+  return x;
+}
 
 /// A Vision Transformer for 1x28x28 images: 4x4 patches (49 of them) and a
 /// class token, learned position embeddings, pre-norm blocks, and a linear
@@ -99,11 +118,7 @@ struct VisionTransformerImpl : torch::nn::Cloneable<VisionTransformerImpl> {
     auto tokens = patch(x).flatten(2).transpose(1, 2); // [batch, 49, dim]
     tokens = torch::cat({cls_token.expand({x.size(0), 1, dim}), tokens}, 1) + pos_embed;
     tokens = torch::dropout(tokens, dropout, is_training());
-    for (auto& block : typed_blocks) {
-      tokens = checkpointed
-          ? lockstep::checkpoint([block](const torch::Tensor& in) mutable { return block->forward(in); }, tokens)
-          : block->forward(tokens);
-    }
+    tokens = run_blocks(typed_blocks, tokens, checkpointed);
     return head(norm(tokens.select(1, 0)));
   }
   int64_t dim, depth, heads;
@@ -112,37 +127,89 @@ struct VisionTransformerImpl : torch::nn::Cloneable<VisionTransformerImpl> {
   torch::nn::Conv2d patch{nullptr};
   torch::Tensor cls_token, pos_embed;
   torch::nn::ModuleList blocks{nullptr};
-  std::vector<ViTBlock> typed_blocks;
+  std::vector<TransformerBlock> typed_blocks;
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(VisionTransformer);
 
-/// lockstep-train's model: --model cnn (ConvNet) or vit (VisionTransformer),
-/// whose layers it holds under their own names, so that its parameters,
-/// checkpoints and safetensors files are the chosen model's.
+/// A decoder-only language model: token and learned position embeddings,
+/// causal pre-norm blocks, a final LayerNorm, and logits from the token
+/// embedding itself (tied, as GPT-2's). Takes [batch, length] token ids,
+/// length at most `context`; gives [batch, length, vocab] logits, position
+/// t's for the token after t. With `checkpointed`, each block is a segment
+/// of lockstep::checkpoint.
+struct GptImpl : torch::nn::Cloneable<GptImpl> {
+  explicit GptImpl(int64_t vocab = 256, int64_t context = 128, int64_t dim = 128, int64_t depth = 4,
+                   int64_t heads = 4, double dropout = 0.1, bool checkpointed = false)
+      : vocab(vocab), context(context), dim(dim), depth(depth), heads(heads), dropout(dropout),
+        checkpointed(checkpointed) {
+    reset();
+  }
+  void reset() override {
+    wte = register_module("wte", torch::nn::Embedding(vocab, dim));
+    {
+      torch::NoGradGuard no_grad;
+      wte->weight.normal_(0, 0.02); // GPT-2's: the head shares it, and N(0, 1) logits start far from uniform
+    }
+    wpe = register_parameter("wpe", torch::randn({context, dim}) * 0.02);
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    typed_blocks.clear();
+    for (int64_t i = 0; i < depth; ++i) {
+      typed_blocks.emplace_back(dim, heads, dropout, /*causal=*/true);
+      blocks->push_back(typed_blocks.back());
+    }
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= context, "Gpt: takes [batch, length] token ids with length at "
+                "most its context ", context, "; got a tensor of shape ", tokens.sizes(), ".");
+    auto h = torch::dropout(wte(tokens) + wpe.narrow(0, 0, tokens.size(1)), dropout, is_training());
+    h = run_blocks(typed_blocks, h, checkpointed);
+    return torch::linear(norm(h), wte->weight);
+  }
+  int64_t vocab, context, dim, depth, heads;
+  double dropout;
+  bool checkpointed;
+  torch::nn::Embedding wte{nullptr};
+  torch::Tensor wpe;
+  torch::nn::ModuleList blocks{nullptr};
+  std::vector<TransformerBlock> typed_blocks;
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+/// lockstep-train's model: --model cnn (ConvNet), vit (VisionTransformer)
+/// or gpt (Gpt over bytes, sequences of `context`), whose layers it holds
+/// under their own names, so that its parameters, checkpoints and
+/// safetensors files are the chosen model's.
 struct TrainerNetImpl : torch::nn::Cloneable<TrainerNetImpl> {
-  explicit TrainerNetImpl(std::string kind = "cnn", bool checkpointed = false, double dropout = 0.1)
-      : kind(std::move(kind)), checkpointed(checkpointed), dropout(dropout) {
+  explicit TrainerNetImpl(std::string kind = "cnn", bool checkpointed = false, double dropout = 0.1,
+                          int64_t context = 128)
+      : kind(std::move(kind)), checkpointed(checkpointed), dropout(dropout), context(context) {
     reset();
   }
   void reset() override {
     if (kind == "vit") {
       vit = VisionTransformer(64, 4, 4, dropout, checkpointed);
       adopt(*vit);
+    } else if (kind == "gpt") {
+      gpt = Gpt(256, context, 128, 4, 4, dropout, checkpointed);
+      adopt(*gpt);
     } else {
       cnn = ConvNet();
       adopt(*cnn);
     }
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return vit ? vit->forward(x) : cnn->forward(x);
+    return vit ? vit->forward(x) : gpt ? gpt->forward(x) : cnn->forward(x);
   }
-  /// The units FullyShardedDataParallel shards by default: each block of the
-  /// ViT; each direct child of the CNN.
+  /// The units FullyShardedDataParallel shards by default: each block of a
+  /// transformer; each direct child of the CNN.
   std::vector<std::string> units() const {
+    const int64_t depth = vit ? vit->depth : gpt ? gpt->depth : 0;
     std::vector<std::string> paths;
-    for (int64_t i = 0; vit && i < vit->depth; ++i) {
+    for (int64_t i = 0; i < depth; ++i) {
       paths.push_back("blocks." + std::to_string(i));
     }
     return paths;
@@ -150,8 +217,10 @@ struct TrainerNetImpl : torch::nn::Cloneable<TrainerNetImpl> {
   std::string kind;
   bool checkpointed;
   double dropout;
+  int64_t context;
   ConvNet cnn{nullptr};
   VisionTransformer vit{nullptr};
+  Gpt gpt{nullptr};
 
  private:
   void adopt(torch::nn::Module& model) {

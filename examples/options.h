@@ -5,7 +5,7 @@
 // A refusal is a UsageError, which main() prints as both tools do (common::
 // kUsageError).
 
-#include "data.h"
+#include "text_data.h"
 
 #include <common/cli_checks.h>
 #include <lockstep/version.h>
@@ -33,8 +33,9 @@ namespace examples {
 struct Config {
   int epochs = 3;
   int64_t batch_size = 128;
-  double lr = 0.1;
+  double lr = 0.1;                 // --optimizer sgd's default; adamw's is kAdamWLr
   double momentum = 0.9;
+  std::string optimizer;           // sgd or adamw; "" until parsed: sgd for the CNN, adamw for the transformers
   std::string schedule = "cosine"; // constant, step or cosine
   int64_t warmup_steps = 100;
   int step_epochs = 1;
@@ -58,9 +59,9 @@ struct Config {
   int64_t powersgd_start = 10;     // plain allreduce for this many steps first
   int64_t micro_batch_size = 0;    // --deterministic: samples per micro-batch
   bool deterministic = false;      // DDP's deterministic mode: the same bits at any world size
-  std::string model = "cnn";       // cnn or vit (models.h)
-  bool activation_checkpointing = false; // --model vit: each block a lockstep::checkpoint segment
-  double dropout = 0.1;            // --model vit's
+  std::string model = "cnn";       // cnn, vit or gpt (models.h)
+  bool activation_checkpointing = false; // --model vit or gpt: each block a lockstep::checkpoint segment
+  double dropout = 0.1;            // --model vit's and gpt's
 };
 
 // Bounds of the whole-number flags: beyond them a number is a typo, or would
@@ -69,6 +70,9 @@ constexpr int64_t kMaxEpochs = 1000000;
 constexpr int64_t kMaxCount = 1000000000000000; // samples, steps
 constexpr int64_t kMaxThreads = 65536;
 constexpr int64_t kMaxReplicas = 1024;
+
+// --optimizer adamw's default peak learning rate.
+constexpr double kAdamWLr = 1e-3;
 
 // --sharding's values, and PyTorch's ShardingStrategy names for them
 // (FULL_SHARD as full-shard or full_shard, in any case).
@@ -100,6 +104,12 @@ inline void add_data_options(CLI::App& app, DataOptions& data, std::string& expo
   app.add_option("--test-samples", data.test_size, "Test samples: the first N of the data, or synthetic ones to make "
                  "(default 2000)")
       ->check(common::positive())->check(whole_number(1, kMaxCount))->group("Data");
+  app.add_option("--text", data.text, "--model gpt: train on this file's bytes instead of Debian's fortunes (" +
+                 std::string(kFortunes) + ", package fortunes)")
+      ->check(CLI::ExistingFile)->group("Data");
+  app.add_option("--context", data.context, "--model gpt: tokens (bytes) in each training sequence, and its "
+                 "attention's reach")
+      ->check(whole_number(2, 4096))->capture_default_str()->group("Data");
   app.add_option("--export-mnist", export_dir, "Write the synthetic dataset as MNIST IDX files into this existing "
                  "directory (60000/10000 samples, MNIST's own counts) and exit")
       ->check(CLI::ExistingDirectory)->group("Data");
@@ -113,16 +123,21 @@ inline void add_training_options(CLI::App& app, Config& config) {
       ->capture_default_str()->group("Training");
   app.add_option("--batch-size", config.batch_size, "Global batch size, split evenly over the ranks or replicas")
       ->check(common::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Training");
-  app.add_option("--model", config.model, "The model: cnn (two convolutions, BatchNorm) or vit (a Vision "
-                 "Transformer: 4x4 patches, 4 pre-norm blocks of width 64, dropout; under --sharding each block is a "
-                 "unit)")->check(CLI::IsMember({"cnn", "vit"}))->capture_default_str()->group("Training");
-  app.add_option("--dropout", config.dropout, "--model vit: the dropout of its embeddings, attention and MLPs")
+  app.add_option("--model", config.model, "The model: cnn (two convolutions, BatchNorm), vit (a Vision "
+                 "Transformer: 4x4 patches, 4 pre-norm blocks of width 64, dropout) or gpt (a decoder-only language "
+                 "model over bytes: 4 causal blocks of width 128, tied embeddings, trained on text; its losses, "
+                 "accuracies and speeds count predicted tokens). Under --sharding each transformer block is a unit")
+      ->check(CLI::IsMember({"cnn", "vit", "gpt"}))->capture_default_str()->group("Training");
+  app.add_option("--dropout", config.dropout, "--model vit or gpt: the dropout of its embeddings, attention and MLPs")
       ->check(CLI::Range(0.0, 0.9))->capture_default_str()->group("Training");
-  app.add_flag("--activation-checkpointing", config.activation_checkpointing, "--model vit: keep no activations "
-               "inside the blocks; backward makes them again (lockstep::checkpoint), for the same gradients")
-      ->group("Training");
-  app.add_option("--lr", config.lr, "Peak SGD learning rate")->check(common::positive())->capture_default_str()
-      ->group("Training");
+  app.add_flag("--activation-checkpointing", config.activation_checkpointing, "--model vit or gpt: keep no "
+               "activations inside the blocks; backward makes them again (lockstep::checkpoint), for the same "
+               "gradients")->group("Training");
+  app.add_option("--optimizer", config.optimizer, "sgd (with --momentum) or adamw (PyTorch's defaults: betas 0.9 "
+                 "and 0.999, weight decay 0.01). Default: sgd for --model cnn, adamw for vit and gpt")
+      ->check(CLI::IsMember({"sgd", "adamw"}))->group("Training");
+  app.add_option("--lr", config.lr, "Peak learning rate. Default: 0.1 for sgd, 0.001 for adamw")
+      ->check(common::positive())->group("Training");
   app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
       ->group("Training");
   app.add_option("--schedule", config.schedule, "Learning-rate schedule after the warmup: constant, step (times "
@@ -333,6 +348,27 @@ inline void check_sample_counts(const DataOptions& data) {
 }
 
 
+// Flags that only one kind of model reads, given for another: the reason to
+// refuse, or "".
+inline std::string check_model_flags(const CLI::App& app, const Config& config) {
+  const bool text = config.model == "gpt";
+  for (const char* flag : {"--text", "--context"}) {
+    if (!text && app.count(flag) > 0) {
+      return std::string(flag) + " sets the language model's text; add --model gpt.";
+    }
+  }
+  for (const char* flag : {"--data", "--synthetic", "--export-mnist"}) {
+    if (text && app.count(flag) > 0) {
+      return std::string(flag) + " is for the image models; --model gpt trains on text: Debian's fortunes by "
+             "default, or --text FILE.";
+    }
+  }
+  if (app.count("--momentum") > 0 && config.optimizer == "adamw") {
+    return "--momentum is SGD's; AdamW has its own betas. Leave --momentum out, or add --optimizer sgd.";
+  }
+  return "";
+}
+
 /// Parses and checks the command line into `data`, `config` and
 /// `export_dir`: -1 to go on, else the exit code (0 after --help; a refusal,
 /// printed, is common::kUsageError).
@@ -352,8 +388,17 @@ inline int parse_command_line(
   // Given explicitly, the sample counts take the first N of each split of the files.
   data.first_train = app.count("--train-samples") > 0;
   data.first_test = app.count("--test-samples") > 0;
-  if (config.activation_checkpointing && config.model != "vit") {
-    return refuse("--activation-checkpointing checkpoints the ViT's blocks; add --model vit.");
+  if (config.activation_checkpointing && config.model == "cnn") {
+    return refuse("--activation-checkpointing checkpoints a transformer's blocks; add --model vit or --model gpt.");
+  }
+  if (config.optimizer.empty()) {
+    config.optimizer = config.model == "cnn" ? "sgd" : "adamw";
+  }
+  if (app.count("--lr") == 0 && config.optimizer == "adamw") {
+    config.lr = kAdamWLr;
+  }
+  if (const std::string refusal = check_model_flags(app, config); !refusal.empty()) {
+    return refuse(refusal);
   }
   if (config.deterministic != (config.micro_batch_size > 0)) {
     return refuse(config.deterministic ? "--deterministic needs --micro-batch-size N: the samples of each micro-batch, "

@@ -33,9 +33,11 @@ class Progress {
  public:
   using Clock = std::chrono::steady_clock;
 
-  /// A bar that draws nothing unless `enabled` (rank 0 draws it).
-  Progress(int64_t total, int64_t resumed, int epoch, int epochs, bool enabled)
-      : total_(total), resumed_(resumed), epoch_(epoch), epochs_(epochs), start_(Clock::now()), enabled_(enabled) {
+  /// A bar that draws nothing unless `enabled` (rank 0 draws it); its rows
+  /// are `unit` (samples, or tokens) in its speed.
+  Progress(int64_t total, int64_t resumed, int epoch, int epochs, bool enabled, const char* unit = "samples")
+      : total_(total), resumed_(resumed), epoch_(epoch), epochs_(epochs), start_(Clock::now()), enabled_(enabled),
+        unit_(unit) {
     tty_ = isatty(fileno(stderr)) != 0;
   }
 
@@ -59,8 +61,8 @@ class Progress {
       bar += '>';
       bar += std::string(kWidth - filled - 1, ' ');
     }
-    std::fprintf(stderr, "%sepoch %d/%d [%s] %3d%% loss %.4f acc %5.1f%% %7.0f samples/s ETA %s%s",
-                 tty_ ? "\r" : "", epoch_, epochs_, bar.c_str(), percent, loss, 100 * accuracy, rate,
+    std::fprintf(stderr, "%sepoch %d/%d [%s] %3d%% loss %.4f acc %5.1f%% %7.0f %s/s ETA %s%s",
+                 tty_ ? "\r" : "", epoch_, epochs_, bar.c_str(), percent, loss, 100 * accuracy, rate, unit_,
                  clock_time(eta).c_str(), tty_ ? "" : "\n");
     if (tty_ && done == total_) {
       std::fprintf(stderr, "\n");
@@ -74,6 +76,7 @@ class Progress {
   Clock::time_point start_;
   bool tty_;
   bool enabled_;
+  const char* unit_;
   int next_percent_ = 0;
 };
 

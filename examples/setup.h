@@ -299,7 +299,7 @@ struct Setup {
   std::function<double(int64_t, const std::function<torch::Tensor(int64_t)>&)> backward_micro_batches;
   // Steps the model: on the whole model's parameters, or on this rank's
   // shards under --sharding.
-  std::shared_ptr<torch::optim::SGD> optimizer;
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
   // The batches of each epoch, and this rank's share (Note [Data order]).
   BatchPlan plan;
   // Sums every rank's tally (a tiny allreduce under DDP; as is with one process).
@@ -323,7 +323,13 @@ struct Setup {
   std::function<double()> compression_rate;
 };
 
-inline std::shared_ptr<torch::optim::SGD> make_optimizer(const std::vector<torch::Tensor>& params, const Config& config) {
+// --optimizer: SGD with --momentum, or AdamW with PyTorch's defaults (betas
+// 0.9 and 0.999, weight decay 0.01).
+inline std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch::Tensor>& params,
+                                                              const Config& config) {
+  if (config.optimizer == "adamw") {
+    return std::make_shared<torch::optim::AdamW>(params, torch::optim::AdamWOptions(config.lr));
+  }
   return std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(config.lr).momentum(config.momentum));
 }
 

@@ -1,10 +1,10 @@
-// lockstep-train: trains a small convolutional classifier on Fashion-MNIST
-// (or any MNIST-format data) with DistributedDataParallel under lockstep-run
-// or torchrun, one process per rank (FullyShardedDataParallel with
-// --sharding), or else with lockstep::DataParallel on CPU replicas (or GPUs
-// when there are some). It evaluates on the whole test
-// set, split over the ranks, after every epoch, and leaves its metrics, model,
-// checkpoint and curves in one output folder.
+// lockstep-train: trains a small convolutional classifier (or a ViT) on
+// Fashion-MNIST (or any MNIST-format data), or a small GPT on text, with
+// DistributedDataParallel under lockstep-run or torchrun, one process per
+// rank (FullyShardedDataParallel with --sharding), or else with
+// lockstep::DataParallel on CPU replicas (or GPUs when there are some). It
+// evaluates on the whole test set, split over the ranks, after every epoch,
+// and leaves its metrics, model, checkpoint and curves in one output folder.
 //
 //   lockstep-run --nproc-per-node 2 lockstep-train   # Debian's Fashion-MNIST, 2 ranks
 //   lockstep-train --data DIR                        # MNIST-format IDX files, gzipped or not, DataParallel
@@ -27,6 +27,7 @@
 #include "sampling.h"
 #include "setup.h"
 #include "summary.h"
+#include "text_data.h"
 #include "weights.h"
 
 #include <lockstep/lockstep.h>
@@ -100,7 +101,7 @@ void prepare_process(int threads, bool deterministic) {
 // What the training loop works on.
 struct Run {
   TrainerNet& net; // the bare model: evaluated and saved (whole under setup.full_params)
-  torch::optim::SGD& optimizer;
+  torch::optim::Optimizer& optimizer;
   lockstep::GradScaler& scaler; // --precision fp16; a pass-through otherwise
   const Dataset& data;
   const Setup& setup;
@@ -131,6 +132,42 @@ double mean_loss(const Tally& t) {
 
 double accuracy(const Tally& t) {
   return static_cast<double>(t.correct) / std::max<int64_t>(1, t.rows);
+}
+
+// The test loss's words: with its perplexity under --model gpt, whose loss
+// is per token.
+std::string test_loss_words(const Config& config, const Tally& tested) {
+  char text[96];
+  std::snprintf(text, sizeof(text), config.model == "gpt" ? "test loss %.4f (perplexity %.2f)" : "test loss %.4f",
+                mean_loss(tested), std::exp(mean_loss(tested)));
+  return text;
+}
+
+// What a tally's rows are: images, or predicted tokens under --model gpt.
+const char* row_unit(const Config& config) {
+  return config.model == "gpt" ? "tokens" : "samples";
+}
+
+// metrics.jsonl's key of the training speed.
+std::string per_second(const Config& config) {
+  return std::string(row_unit(config)) + "_per_second";
+}
+
+// --model gpt: the record's test perplexity, e^(mean loss per token).
+void add_perplexity(const Config& config, const Tally& tested, nlohmann::json& record) {
+  if (config.model == "gpt") {
+    record["test_perplexity"] = std::exp(mean_loss(tested));
+  }
+}
+
+// The mean loss of `logits` against `labels`, and this rank's tally: one
+// prediction per image's class, or per position of a token sequence.
+std::pair<torch::Tensor, Tally> score(const torch::Tensor& logits, const torch::Tensor& labels,
+                                      at::Reduction::Reduction reduction) {
+  auto loss = torch::cross_entropy_loss(logits.flatten(0, -2), labels.flatten(), {}, reduction);
+  const int64_t rows = labels.numel();
+  const double sum = loss.item<double>() * (reduction == at::Reduction::Sum ? 1 : rows);
+  return {loss, Tally{sum, logits.argmax(-1).eq(labels).sum().item<int64_t>(), rows}};
 }
 
 double seconds_since(Clock::time_point start) {
@@ -215,9 +252,7 @@ Tally evaluate(const Run& run) {
   for (int64_t i = begin; i < end; i += kBatch) {
     const int64_t rows = std::min(kBatch, end - i);
     auto logits = run.net(test.inputs.narrow(0, i, rows).to(run.setup.device));
-    auto labels = test.labels.narrow(0, i, rows).to(run.setup.device);
-    mine += Tally{torch::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum).item<double>(),
-                  logits.argmax(1).eq(labels).sum().item<int64_t>(), rows};
+    mine += score(logits, test.labels.narrow(0, i, rows).to(run.setup.device), at::Reduction::Sum).second;
   }
   run.net->train();
   return run.setup.combine(mine);
@@ -228,15 +263,8 @@ Tally evaluate(const Run& run) {
 std::pair<torch::Tensor, Tally> forward_rows(const Run& run, const torch::Tensor& index) {
   auto x = run.data.train.inputs.index_select(0, index).to(run.setup.device);
   auto y = run.data.train.labels.index_select(0, index).to(run.setup.device);
-  torch::Tensor logits;
-  torch::Tensor loss;
-  {
-    const auto autocast = lockstep::examples::autocast_for(run.config, run.setup.device);
-    logits = run.setup.forward(x);
-    loss = torch::cross_entropy_loss(logits, y);
-  }
-  const int64_t b = index.size(0);
-  return {loss, Tally{loss.item<double>() * b, logits.argmax(1).eq(y).sum().item<int64_t>(), b}};
+  const auto autocast = lockstep::examples::autocast_for(run.config, run.setup.device);
+  return score(run.setup.forward(x), y, at::Reduction::Mean);
 }
 
 // --deterministic: this rank's share of the batch, `index`, as micro-batches
@@ -259,7 +287,10 @@ Tally train_step(const Run& run, const torch::Tensor& index, double lr, int64_t 
   // The command line's options, every step: LibTorch 2.x's optimizer load
   // restores a checkpoint's options too, which would keep the old --momentum.
   for (auto& group : run.optimizer.param_groups()) {
-    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr).momentum(run.config.momentum);
+    group.options().set_lr(lr);
+    if (auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&group.options())) {
+      sgd->momentum(run.config.momentum);
+    }
   }
   run.optimizer.zero_grad();
   Tally tally;
@@ -306,17 +337,17 @@ void report_epoch(const Run& run, const TrainingState& state, lockstep::examples
   const Tally& done = totals.last_epoch;
   const Tally& tested = totals.tested;
   if (run.setup.rank == 0) {
-    std::printf("lockstep-train: epoch %lld/%d: train loss %.4f, train accuracy %s, test loss %.4f, test accuracy "
-                "%s, %.1f s\n",
+    std::printf("lockstep-train: epoch %lld/%d: train loss %.4f, train accuracy %s, %s, test accuracy %s, %.1f s\n",
                 static_cast<long long>(state.epoch + 1), run.config.epochs, mean_loss(done), percent(done).c_str(),
-                mean_loss(tested), percent(tested).c_str(), seconds);
+                test_loss_words(run.config, tested).c_str(), percent(tested).c_str(), seconds);
     std::fflush(stdout);
   }
   nlohmann::json record{{"kind", "epoch"}, {"epoch", state.epoch + 1}, {"step", state.step},
                         {"epochs_done", state.epoch + 1}, {"lr", lr}, {"train_loss", mean_loss(done)},
-                        {"train_accuracy", accuracy(done)}, {"samples", done.rows}, {"test_loss", mean_loss(tested)},
-                        {"test_accuracy", accuracy(tested)}, {"seconds", seconds},
-                        {"samples_per_second", rate(done.rows - resumed_rows, train_seconds)}};
+                        {"train_accuracy", accuracy(done)}, {row_unit(run.config), done.rows},
+                        {"test_loss", mean_loss(tested)}, {"test_accuracy", accuracy(tested)}, {"seconds", seconds},
+                        {per_second(run.config), rate(done.rows - resumed_rows, train_seconds)}};
+  add_perplexity(run.config, tested, record);
   if (run.setup.compression_rate) {
     record["compression_rate"] = run.setup.compression_rate(); // PowerSGD's, of the epoch's last step
   }
@@ -329,11 +360,13 @@ double evaluate_mid_epoch(const Run& run, const TrainingState& state, double epo
                           lockstep::examples::MetricsLog& metrics) {
   const auto eval_start = Clock::now();
   const Tally t = evaluate(run);
-  metrics.write({{"kind", "eval"}, {"epoch", state.epoch + 1}, {"step", state.step}, {"epochs_done", epochs_done},
-                 {"test_loss", mean_loss(t)}, {"test_accuracy", accuracy(t)}});
+  nlohmann::json record{{"kind", "eval"}, {"epoch", state.epoch + 1}, {"step", state.step},
+                        {"epochs_done", epochs_done}, {"test_loss", mean_loss(t)}, {"test_accuracy", accuracy(t)}};
+  add_perplexity(run.config, t, record);
+  metrics.write(record);
   if (run.setup.rank == 0) {
-    std::fprintf(stderr, "%slockstep-train: step %lld: test loss %.4f, test accuracy %s\n",
-                 isatty(fileno(stderr)) ? "\n" : "", static_cast<long long>(state.step), mean_loss(t),
+    std::fprintf(stderr, "%slockstep-train: step %lld: %s, test accuracy %s\n", isatty(fileno(stderr)) ? "\n" : "",
+                 static_cast<long long>(state.step), test_loss_words(run.config, t).c_str(),
                  percent(t).c_str()); // below the progress bar's line on a terminal
   }
   return seconds_since(eval_start);
@@ -389,7 +422,7 @@ void log_training(const Run& run, const TrainingState& state, Epoch& epoch, doub
   nlohmann::json record{{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step},
                         {"epochs_done", epochs_done}, {"lr", lr}, {"loss", mean_loss(recent)},
                         {"accuracy", accuracy(recent)},
-                        {"samples_per_second", rate(recent.rows, seconds_since(epoch.logged_at))}};
+                        {per_second(run.config), rate(recent.rows, seconds_since(epoch.logged_at))}};
   if (run.scaler.is_enabled()) {
     record["loss_scale"] = run.scaler.get_scale(); // fp16: backs off at each overflow, the same on every rank
   }
@@ -430,8 +463,11 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
   const int64_t world_size = run.setup.plan.world_size;
   Epoch epoch = begin_epoch(run, state);
   const auto batches = lockstep::examples::rank_batches(run.setup.plan, state.epoch, state.samples_in_epoch);
-  lockstep::examples::Progress progress(epoch.rows, epoch.resumed_rows, static_cast<int>(state.epoch + 1),
-                                        config.epochs, run.setup.rank == 0);
+  const Samples& train = run.data.train; // a tally counts each sample's labels: an image's one, a sequence's tokens
+  const int64_t labels_per_sample = train.labels.numel() / std::max<int64_t>(1, train.labels.size(0));
+  lockstep::examples::Progress progress(epoch.rows * labels_per_sample, epoch.resumed_rows,
+                                        static_cast<int>(state.epoch + 1), config.epochs, run.setup.rank == 0,
+                                        row_unit(config));
   for (size_t i = 0; i < batches.size(); ++i) {
     maybe_inject_fault(run.setup.rank, state.step);
     const double lr = lr_at(config, state.step + epoch.schedule_shift, epoch.batch_count, epoch.total_steps);
@@ -506,17 +542,18 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
   }
   const double samples_per_second = rate(totals.samples, totals.train_seconds);
   const std::string steps = lockstep::examples::describe_steps(state);
-  std::printf("lockstep-train: %d epoch(s), %s in %.1f s (%.1f s training) with %s in %s; %.0f samples/s "
+  std::printf("lockstep-train: %d epoch(s), %s in %.1f s (%.1f s training) with %s in %s; %.0f %s/s "
               "over all %d rank(s), %.0f per rank\n",
               config.epochs, steps.c_str(), seconds, totals.train_seconds,
-              run.setup.description.c_str(), config.precision.c_str(), samples_per_second, world_size,
+              run.setup.description.c_str(), config.precision.c_str(), samples_per_second, row_unit(config), world_size,
               samples_per_second / world_size);
   const Tally& last = totals.last_epoch;
   const Tally& tested = totals.tested;
-  std::printf("lockstep-train: last epoch: train loss %.4f, train accuracy %s; test loss %.4f, test accuracy %s "
-              "(%lld of %lld test images, over %d rank(s))\n",
-              mean_loss(last), percent(last).c_str(), mean_loss(tested), percent(tested).c_str(),
-              static_cast<long long>(tested.correct), static_cast<long long>(tested.rows), world_size);
+  std::printf("lockstep-train: last epoch: train loss %.4f, train accuracy %s; %s, test accuracy %s "
+              "(%lld of %lld test %s, over %d rank(s))\n",
+              mean_loss(last), percent(last).c_str(), test_loss_words(config, tested).c_str(), percent(tested).c_str(),
+              static_cast<long long>(tested.correct), static_cast<long long>(tested.rows),
+              config.model == "gpt" ? "tokens" : "images", world_size);
   std::printf("lockstep-train: %s\n", lockstep::examples::describe_sample_counts(state.sample_counts, config.epochs).c_str());
   std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*run.net)));
   std::string listed;
@@ -593,7 +630,8 @@ void train(const Run& run) {
 } // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"lockstep-train: trains a small CNN classifier on Fashion-MNIST (or any MNIST-format data): with "
+  CLI::App app{"lockstep-train: trains a small CNN classifier (or a ViT) on Fashion-MNIST (or any MNIST-format "
+               "data), or a small GPT on text (--model gpt): with "
                "DistributedDataParallel under lockstep-run or torchrun, else with DataParallel on CPU replicas. "
                "Evaluates on the whole test set after each epoch, and writes metrics.jsonl, the model, a checkpoint "
                "and curves.png into --out."};
@@ -612,11 +650,12 @@ int main(int argc, char** argv) {
                   static_cast<unsigned long long>(parsed.seed), export_dir.c_str());
       return 0;
     }
-    const Dataset data = lockstep::examples::load_dataset(data_options, parsed.seed);
+    const Dataset data = parsed.model == "gpt" ? lockstep::examples::load_text_dataset(data_options)
+                                               : lockstep::examples::load_dataset(data_options, parsed.seed);
     const DataSignature signature = lockstep::examples::data_signature(data.train, parsed.seed);
 
     torch::manual_seed(parsed.seed);
-    TrainerNet net(parsed.model, parsed.activation_checkpointing, parsed.dropout);
+    TrainerNet net(parsed.model, parsed.activation_checkpointing, parsed.dropout, data_options.context);
     lockstep::examples::init_from(net, parsed.init_from);
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.

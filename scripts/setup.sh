@@ -9,6 +9,8 @@ source scripts/config.sh
 packages=(build-essential cmake ninja-build ccache googletest libgtest-dev libcli11-dev zlib1g-dev nlohmann-json3-dev
   # the main job's data (/usr/share/datasets/fashion-mnist) and its curves.png
   dataset-fashion-mnist gnuplot-nox
+  # lockstep-train --model gpt's text (/usr/share/games/fortunes)
+  fortunes
   # the two-machine tests run ranks in network namespaces; the lab's latency
   # queues packets to a process (tools/netlab_delay.cpp)
   iproute2 iptables libnetfilter-queue-dev

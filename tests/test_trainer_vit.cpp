@@ -18,7 +18,7 @@ using testing::Process;
 
 std::vector<std::string> vit(const std::string& marker) {
   auto args = trainer(marker);
-  args.insert(args.end(), {"--model", "vit", "--lr", "0.05"});
+  args.insert(args.end(), {"--model", "vit"});
   return args;
 }
 
@@ -41,15 +41,6 @@ TEST(TrainerVit, CheckpointingEndsWithTheSameParametersUnderDdpAndFullShard) {
     }
     EXPECT_EQ(hashes[0], hashes[1]) << "--sharding '" << sharding << "'";
   }
-}
-
-TEST(TrainerVit, CheckpointingTheCnnIsRefused) {
-  auto args = trainer("cnn_checkpointed");
-  args.push_back("--activation-checkpointing");
-  const auto p = testing::run(args, {}, temp("cnn_checkpointed.log"), kDeadline);
-  EXPECT_EQ(p.exit_code, 2) << p.output;
-  EXPECT_NE(p.output.find("--activation-checkpointing checkpoints the ViT's blocks; add --model vit"),
-            std::string::npos) << p.output;
 }
 
 } // namespace

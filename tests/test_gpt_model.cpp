@@ -1,0 +1,82 @@
+// lockstep-train --model gpt's model and data (examples/models.h,
+// examples/text_data.h): causal attention, tied embeddings, and the text
+// cut into training and held-out sequences.
+
+#include <examples/models.h>
+#include <examples/text_data.h>
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace lockstep {
+namespace {
+
+using examples::Gpt;
+
+TEST(GptModel, APositionSeesNoLaterToken) {
+  torch::manual_seed(0);
+  Gpt gpt(256, 16, 32, 2, 4, /*dropout=*/0.0);
+  auto tokens = torch::randint(0, 256, {2, 16}, torch::kLong);
+  auto changed = tokens.clone();
+  changed.select(1, 9).fill_(7).add_(tokens.select(1, 9)).remainder_(256); // another token at position 9
+  ASSERT_FALSE(changed.equal(tokens));
+  auto before = gpt->forward(tokens);
+  auto after = gpt->forward(changed);
+  EXPECT_TRUE(before.narrow(1, 0, 9).equal(after.narrow(1, 0, 9)));      // positions 0-8: the same bits
+  EXPECT_FALSE(before.narrow(1, 9, 7).allclose(after.narrow(1, 9, 7)));   // 9 onwards see the change
+  EXPECT_EQ(before.sizes(), (std::vector<int64_t>{2, 16, 256}));
+}
+
+TEST(GptModel, TheHeadIsTheTokenEmbedding) {
+  Gpt gpt(50, 8, 16, 1, 2, 0.0);
+  int64_t embedding_sized = 0;
+  for (const auto& p : gpt->named_parameters()) {
+    embedding_sized += p.value().sizes() == torch::IntArrayRef{50, 16} ? 1 : 0;
+  }
+  EXPECT_EQ(embedding_sized, 1); // wte.weight, and no head of its own
+  auto logits = gpt->forward(torch::zeros({1, 3}, torch::kLong));
+  logits.sum().backward();
+  EXPECT_GT(gpt->wte->weight.grad().index({torch::indexing::Slice(1)}).abs().sum().item<double>(), 0)
+      << "only token 0 was an input: the other rows' gradient comes from the head";
+}
+
+TEST(GptModel, ASequenceLongerThanTheContextIsRefused) {
+  Gpt gpt(64, 8, 16, 1, 2, 0.0);
+  try {
+    gpt->forward(torch::zeros({1, 9}, torch::kLong));
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("length at most its context 8; got a tensor of shape [1, 9]"),
+              std::string::npos) << e.what();
+  }
+}
+
+TEST(TextData, EveryTenthSequenceIsHeldOutAndLabelsAreTheNextBytes) {
+  std::string text;
+  for (int i = 0; i < 25 * 5 + 3; ++i) {
+    text += static_cast<char>('a' + i % 26);
+  }
+  auto [train, test] = examples::text_splits(text, 4, "the text"); // 25 sequences of 5 bytes, 3 left over
+  EXPECT_EQ(train.inputs.sizes(), (std::vector<int64_t>{23, 4}));
+  EXPECT_EQ(test.inputs.sizes(), (std::vector<int64_t>{2, 4}));  // sequences 9 and 19
+  EXPECT_EQ(test.inputs[0][0].item<int64_t>(), 'a' + (9 * 5) % 26);
+  EXPECT_EQ(test.inputs[1][0].item<int64_t>(), 'a' + (19 * 5) % 26);
+  EXPECT_EQ(train.inputs[9][0].item<int64_t>(), 'a' + (10 * 5) % 26); // the sequence after the held-out one
+  EXPECT_TRUE(train.labels.narrow(1, 0, 3).equal(train.inputs.narrow(1, 1, 3)));
+  EXPECT_EQ(train.labels[0][3].item<int64_t>(), 'e');
+  EXPECT_EQ(train.inputs.dtype(), torch::kLong);
+}
+
+TEST(TextData, ATextTooShortForTenSequencesIsRefused) {
+  try {
+    examples::text_splits(std::string(49, 'x'), 4, "--text short.txt");
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--text short.txt has 49 bytes: fewer than 10 sequences of --context 4 + 1 "
+                                         "bytes"), std::string::npos) << e.what();
+  }
+}
+
+} // namespace
+} // namespace lockstep
