@@ -18,9 +18,11 @@
 // the sizes of DDP's buckets, with no compute).
 // MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)) | reversed
 // (deep, its layers registered in the reverse of the order forward uses
-// them) | wide (8 x Linear(2048, 2048): Adam's state dominates memory);
-// global batch 256, split over the ranks. --optimizer adam replaces SGD with
-// momentum. Rank 0 prints one line:
+// them) | wide (8 x Linear(2048, 2048): Adam's state dominates memory),
+// global batch 256, split over the ranks | cnn, vit (the trainer's, batch
+// 64) | gpt (the trainer's, batch 16 of 128 tokens). --optimizer adam
+// replaces SGD with momentum; --precision bf16 runs forward under autocast.
+// Rank 0 prints one line:
 //   MODE MODEL steps_per_s=X rss_mb=R0,R1 base_mb=B0,B1 (peak RSS, and before the model)
 
 #include <examples/blas_check.h>
@@ -38,6 +40,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -98,8 +101,13 @@ double peak_rss_mb() {
 // (with the CUDA wheel) the CUDA libraries it maps even with no GPU.
 double base_rss_mb = 0;
 
+// --model gpt's global batch: sequences of kGptContext tokens.
+constexpr int64_t kGptBatch = 16;
+constexpr int64_t kGptContext = 128;
+
 struct BenchOptions {
   std::string optimizer = "sgd";
+  std::string precision = "fp32";
   double bucket_cap_mb = 25;
   int64_t powersgd_rank = 4;
 };
@@ -143,10 +151,10 @@ std::shared_ptr<lockstep::FullyShardedDataParallel<M>> shard(M net, const lockst
       : mode.rfind("gradop", 0) == 0      ? lockstep::ShardingStrategy::ShardGradOp
                                           : lockstep::ShardingStrategy::FullShard;
   auto options = lockstep::ShardingOptions().strategy(strategy);
-  if constexpr (std::is_same_v<M, lockstep::examples::VisionTransformer>) {
+  if constexpr (std::is_same_v<M, lockstep::examples::VisionTransformer> || std::is_same_v<M, lockstep::examples::Gpt>) {
     std::vector<std::string> blocks;
     for (int64_t i = 0; i < net->depth; ++i) {
-      blocks.push_back("blocks." + std::to_string(i)); // each block a unit, as lockstep-train --model vit
+      blocks.push_back("blocks." + std::to_string(i)); // each block a unit, as lockstep-train --model vit or gpt
     }
     options.units(blocks);
   }
@@ -240,11 +248,21 @@ template <typename M>
 void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, const std::string& model, int steps,
          const BenchOptions& bench) {
   const bool images = model == "cnn" || model == "vit";
-  const int64_t batch = (images ? 64 : 256) / group.size();
+  const bool text = model == "gpt";
+  const int64_t batch = (text ? kGptBatch : images ? 64 : 256) / group.size();
   const int64_t features = model == "mlp" ? 784 : 256;
-  auto x = images ? torch::randn({batch, 1, 28, 28}) : torch::randn({batch, features});
-  auto y = torch::randint(0, 10, {batch});
+  auto x = text ? torch::randint(0, 256, {batch, kGptContext}) : images ? torch::randn({batch, 1, 28, 28})
+                                                                        : torch::randn({batch, features});
+  auto y = text ? torch::randint(0, 256, {batch, kGptContext}) : torch::randint(0, 10, {batch});
   auto wrapped = wrap(net, group, mode, bench);
+  const auto loss_of_batch = [&] {
+    std::optional<lockstep::AutocastGuard> autocast;
+    if (bench.precision == "bf16") {
+      autocast.emplace(torch::kCPU, torch::kBFloat16);
+    }
+    auto logits = wrapped.forward(x).to(torch::kFloat);
+    return torch::cross_entropy_loss(logits.flatten(0, -2), y.flatten());
+  };
   auto optimizer = make_optimizer(bench.optimizer, wrapped.params);
   std::function<void()> comm_step;
   if (mode == "comm") {
@@ -257,7 +275,7 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
       return;
     }
     if (mode == "deterministic" || mode == "fullshard-deterministic") { // Note [The same bits at any world size]
-      auto loss_of = [&](int64_t) { return torch::cross_entropy_loss(wrapped.forward(x), y); };
+      auto loss_of = [&](int64_t) { return loss_of_batch(); };
       if (wrapped.ddp) {
         (*wrapped.ddp)->backward_micro_batches(steps_taken, loss_of);
       } else {
@@ -269,7 +287,7 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
       return;
     }
     optimizer->zero_grad();
-    torch::cross_entropy_loss(wrapped.forward(x).to(torch::kFloat), y).backward();
+    loss_of_batch().backward();
     if (mode == "naive") {
       for (auto& p : net->parameters()) {
         group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
@@ -390,10 +408,12 @@ int parse_options(int argc, char** argv, RunOptions& options) {
                                          "gradop-mpi", "fullshard-bf16", "powersgd", "comm", "deterministic",
                                          "fullshard-deterministic"}));
   app.add_option("MODEL", options.model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
-                 "last layer first), wide (8 x Linear(2048, 2048)), cnn (the trainer's, with BatchNorm, batch 64) or vit (the "
-                 "trainer's --model vit, batch 64)")
-      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide", "cnn", "vit"}));
+                 "last layer first), wide (8 x Linear(2048, 2048)), cnn (the trainer's, with BatchNorm, batch 64), vit (the "
+                 "trainer's --model vit, batch 64) or gpt (the trainer's --model gpt, batch 16 of 128 tokens)")
+      ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide", "cnn", "vit", "gpt"}));
   app.add_option("--optimizer", options.bench.optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  app.add_option("--precision", options.bench.precision, "fp32, or bf16 (forward under autocast to bfloat16)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--bucket-cap-mb", options.bench.bucket_cap_mb, "DDP's bucket_cap_mb")->check(CLI::PositiveNumber);
   app.add_option("--powersgd-rank", options.bench.powersgd_rank, "powersgd: the approximation's rank")->check(CLI::PositiveNumber);
   app.add_option("STEPS", options.steps, "Timed optimizer steps, after 5 untimed ones")->required()->check(CLI::PositiveNumber);
@@ -445,6 +465,8 @@ int main(int argc, char** argv) {
       run(lockstep::examples::ConvNet(), group, mode, model, steps, bench);
     } else if (model == "vit") {
       run(lockstep::examples::VisionTransformer(), group, mode, model, steps, bench);
+    } else if (model == "gpt") {
+      run(lockstep::examples::Gpt(256, kGptContext), group, mode, model, steps, bench);
     } else {
       run(make_model(model), group, mode, model, steps, bench);
     }

@@ -11,7 +11,8 @@ them), this process is that one rank, at MASTER_ADDR:MASTER_PORT, instead of
 spawning two: how bench/netlab_bench.sh runs it across the lab's hosts.
 BENCH_HOOK=powersgd registers PyTorch's powerSGD_hook (rank
 BENCH_POWERSGD_RANK, default 4, from the third step); BENCH_BUCKET_CAP_MB
-sets bucket_cap_mb.
+sets bucket_cap_mb; BENCH_PRECISION=bf16 runs forward under CPU autocast to
+bfloat16, as lockstep-bench-ddp --precision bf16.
 """
 import os
 import resource
@@ -39,12 +40,12 @@ class ConvNet(nn.Module):
         return self.fc2(torch.relu(self.fc1(h.flatten(1))))
 
 
-class ViTBlock(nn.Module):
-    """examples/models.h's ViTBlock: pre-norm attention (one qkv projection) and a 4x MLP."""
+class TransformerBlock(nn.Module):
+    """examples/models.h's TransformerBlock: pre-norm attention (one qkv projection, causal or not) and a 4x MLP."""
 
-    def __init__(self, dim, heads, dropout):
+    def __init__(self, dim, heads, dropout, causal=False):
         super().__init__()
-        self.dim, self.heads, self.p = dim, heads, dropout
+        self.dim, self.heads, self.p, self.causal = dim, heads, dropout, causal
         self.norm1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.norm2, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 
@@ -52,6 +53,9 @@ class ViTBlock(nn.Module):
         batch, length, head_dim = x.size(0), x.size(1), self.dim // self.heads
         parts = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
         scores = parts[0].matmul(parts[1].transpose(-2, -1)) / head_dim ** 0.5
+        if self.causal:
+            later = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(later, float("-inf"))
         drop = lambda t: torch.dropout(t, self.p, self.training)
         attended = drop(torch.softmax(scores, -1)).matmul(parts[2])
         h = x + drop(self.proj(attended.transpose(1, 2).reshape(batch, length, self.dim)))
@@ -67,7 +71,7 @@ class VisionTransformer(nn.Module):
         self.patch = nn.Conv2d(1, dim, 4, stride=4)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.randn(1, 50, dim) * 0.02)
-        self.blocks = nn.ModuleList([ViTBlock(dim, heads, dropout) for _ in range(depth)])
+        self.blocks = nn.ModuleList([TransformerBlock(dim, heads, dropout) for _ in range(depth)])
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 10)
 
     def forward(self, x):
@@ -79,11 +83,35 @@ class VisionTransformer(nn.Module):
         return self.head(self.norm(tokens[:, 0]))
 
 
+class Gpt(nn.Module):
+    """examples/models.h's Gpt: byte tokens, learned positions, causal blocks, logits from the tied embedding."""
+
+    def __init__(self, vocab=256, context=128, dim=128, depth=4, heads=4, dropout=0.1):
+        super().__init__()
+        self.p = dropout
+        self.wte = nn.Embedding(vocab, dim)
+        nn.init.normal_(self.wte.weight, 0, 0.02)
+        self.wpe = nn.Parameter(torch.randn(context, dim) * 0.02)
+        self.blocks = nn.ModuleList([TransformerBlock(dim, heads, dropout, causal=True) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, tokens):
+        h = torch.dropout(self.wte(tokens) + self.wpe[: tokens.size(1)], self.p, self.training)
+        for block in self.blocks:
+            h = block(h)
+        return torch.nn.functional.linear(self.norm(h), self.wte.weight)
+
+
+GPT_BATCH, GPT_CONTEXT = 16, 128  # bench/bench_ddp.cpp's kGptBatch and kGptContext
+
+
 def make_model(name):
     if name == "cnn":
         return ConvNet()
     if name == "vit":
         return VisionTransformer()
+    if name == "gpt":
+        return Gpt()
     if name == "mlp":
         return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     if name == "wide":
@@ -105,9 +133,14 @@ def join_group(rank, world, port):
 def time_training(label, net, model_name, steps, rank, world, optimizer):
     """Times `steps` steps of `net` after 5 untimed ones; rank 0 prints LABEL MODEL steps_per_s=X rss_mb=R0,R1."""
     images = model_name in ("cnn", "vit")
-    batch = (64 if images else 256) // world
-    x = torch.randn(batch, 1, 28, 28) if images else torch.randn(batch, 784 if model_name == "mlp" else 256)
-    y = torch.randint(0, 10, (batch,))
+    if model_name == "gpt":
+        x = torch.randint(0, 256, (GPT_BATCH // world, GPT_CONTEXT))
+        y = torch.randint(0, 256, (GPT_BATCH // world, GPT_CONTEXT))
+    else:
+        batch = (64 if images else 256) // world
+        x = torch.randn(batch, 1, 28, 28) if images else torch.randn(batch, 784 if model_name == "mlp" else 256)
+        y = torch.randint(0, 10, (batch,))
+    bf16 = os.environ.get("BENCH_PRECISION", "fp32") == "bf16"
     if optimizer == "adam":
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     else:
@@ -116,7 +149,9 @@ def time_training(label, net, model_name, steps, rank, world, optimizer):
 
     def step():
         opt.zero_grad()
-        loss_fn(net(x), y).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = net(x).float()
+        loss_fn(logits.flatten(0, -2), y.flatten()).backward()
         opt.step()
 
     for _ in range(5):

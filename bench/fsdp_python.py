@@ -20,7 +20,7 @@ from ddp_python import join_group, make_model, time_training
 def run(rank, world, model_name, steps, port, optimizer):
     join_group(rank, world, port)
     net = make_model(model_name)
-    # The ViT's blocks, else each Linear layer: units as lockstep's benchmark shards them.
+    # The transformers' blocks, else each Linear layer: units as lockstep's benchmark shards them.
     units = net.blocks if hasattr(net, "blocks") else [m for m in net.children() if isinstance(m, nn.Linear)]
     for unit in units:
         fully_shard(unit)

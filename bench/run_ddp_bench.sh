@@ -39,6 +39,8 @@ fi
 echo "run_ddp_bench: configuration $LOCKSTEP_TORCH, $("$py" -c 'import torch; print("PyTorch", torch.__version__)' 2>/dev/null)"
 out=$(mktemp)
 optimizer=${OPTIMIZER:-sgd}
+# PRECISION=bf16: forward under autocast to bfloat16, in both contenders.
+export BENCH_PRECISION=${PRECISION:-fp32}
 run_pair() { # MODE MODEL STEPS
   local port=$((20000 + RANDOM % 20000))
   if [ "$1" = python ] || [ "$1" = python-fsdp ]; then
@@ -50,13 +52,13 @@ run_pair() { # MODE MODEL STEPS
   if [ "$1" = mpi ] || [ "${1%-mpi}" != "$1" ]; then
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 120 \
       mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" \
-      --optimizer "$optimizer" >>"$out"
+      --optimizer "$optimizer" --precision "$BENCH_PRECISION" >>"$out"
     return
   fi
   local pids=()
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
-      timeout -k 5 120 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" --optimizer "$optimizer" >>"$out" &
+      timeout -k 5 120 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" --optimizer "$optimizer" --precision "$BENCH_PRECISION" >>"$out" &
     pids+=($!)
   done
   wait "${pids[@]}"

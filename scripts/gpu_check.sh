@@ -34,14 +34,10 @@ case "${1:-}" in
     # short loan still returns every log.
     deadline=$((SECONDS + ${3:-3000}))
     left() { local n=$((deadline - SECONDS)); echo $((n > 5 ? n : 5)); }
-    stage=$dir/stage
     nvidia-smi -L
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
-    { cmake -S "$dir/googletest" -B /tmp/gtest -G Ninja -DCMAKE_INSTALL_PREFIX="$stage" -DCMAKE_BUILD_TYPE=Release &&
-      cmake --build /tmp/gtest && cmake --install /tmp/gtest; } >"$out/configure.log" 2>&1
-    torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
-    cmake -S "$dir/src" -B /tmp/lockstep -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix;$stage" \
-      -DZLIB_ROOT="$stage" -DLOCKSTEP_BUILD_BENCH=OFF >>"$out/configure.log" 2>&1
+    source scripts/devcheck_build.sh
+    devcheck_configure /tmp/lockstep "$out/configure.log" -DLOCKSTEP_BUILD_BENCH=OFF
     # -k 0: a file that fails to compile leaves the other targets to build and run.
     build_start=$SECONDS
     cmake --build /tmp/lockstep -- -k 0 >"$out/build.log" 2>&1 || grep -E -A12 "error|FAILED" "$out/build.log" | head -60
