@@ -498,6 +498,24 @@ void train_epoch(const Run& run, TrainingState& state, lockstep::examples::Metri
   end_epoch(run, state, epoch, metrics, totals);
 }
 
+// Every rank's hash of its whole parameters, compared: a collective. Rank
+// 0's words for the summary line, or an error naming the first rank whose
+// parameters differ from rank 0's.
+std::string ranks_agree_on_parameters(const Run& run) {
+  const uint64_t mine = parameter_hash(*run.net);
+  auto hashes = torch::zeros({run.setup.world_size}, torch::kLong);
+  std::memcpy(hashes.data_ptr<int64_t>() + run.setup.rank, &mine, sizeof(mine));
+  run.setup.sum_over_ranks(hashes); // each rank fills its own slot
+  for (int r = 1; r < run.setup.world_size; ++r) {
+    TORCH_CHECK(hashes[r].item<int64_t>() == hashes[0].item<int64_t>(), "lockstep-train: rank ", r, " ended with other "
+                "parameters than rank 0's: the ranks are out of step. Rerun with LOCKSTEP_DEBUG=detail, and report it.");
+  }
+  char text[96];
+  std::snprintf(text, sizeof(text), "final parameters fnv1a64=%016llx, the same on all %d rank(s)",
+                static_cast<unsigned long long>(mine), run.setup.world_size);
+  return text;
+}
+
 // A checkpoint of a run that trained every epoch: evaluated again (on every
 // rank), and said so by rank 0.
 void report_finished_run(const Run& run, const TrainingState& state) {
@@ -516,7 +534,8 @@ void report_finished_run(const Run& run, const TrainingState& state) {
 
 // Rank 0's last words: saves the model, draws the curves, and prints the
 // summary and the list of outputs.
-void report_summary(const Run& run, const TrainingState& state, const Totals& totals, double seconds) {
+void report_summary(const Run& run, const TrainingState& state, const Totals& totals, double seconds,
+                    const std::string& parameters) {
   const Config& config = run.config;
   const int world_size = run.setup.world_size;
   std::vector<std::string> outputs{"metrics.jsonl"};
@@ -555,7 +574,7 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
               static_cast<long long>(tested.correct), static_cast<long long>(tested.rows),
               config.model == "gpt" ? "tokens" : "images", world_size);
   std::printf("lockstep-train: %s\n", lockstep::examples::describe_sample_counts(state.sample_counts, config.epochs).c_str());
-  std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*run.net)));
+  std::printf("lockstep-train: %s\n", parameters.c_str());
   std::string listed;
   for (const auto& o : outputs) {
     const bool inside = o.rfind(config.out_dir + "/", 0) == 0;
@@ -622,8 +641,9 @@ void train(const Run& run) {
   }
   const double seconds = seconds_since(start);
   const auto full = run.setup.full_params(); // the whole model, to save and hash
+  const std::string parameters = ranks_agree_on_parameters(run);
   if (lead) {
-    report_summary(run, state, totals, seconds);
+    report_summary(run, state, totals, seconds, parameters);
   }
 }
 
