@@ -15,7 +15,9 @@
 // param_dtype bf16 and reduce_dtype fp32: all-gathers of half the bytes) |
 // powersgd (DDP with PowerSGD at --powersgd-rank, compressing from the
 // third step) | comm (communication alone: each step allreduces buffers of
-// the sizes of DDP's buckets, with no compute).
+// the sizes of DDP's buckets, with no compute) | checkpointed,
+// fullshard-checkpointed (vit and gpt: DDP and FullShard with each block a
+// lockstep::checkpoint segment).
 // MODEL: mlp (784-1024-1024-10) | deep (48 x Linear(256, 256)) | reversed
 // (deep, its layers registered in the reverse of the order forward uses
 // them) | wide (8 x Linear(2048, 2048): Adam's state dominates memory),
@@ -87,6 +89,12 @@ torch::nn::Sequential make_model(const std::string& name) {
 }
 
 // Times `steps` SGD steps of `net` under `mode` on this rank.
+// checkpointed and fullshard-checkpointed: each transformer block a
+// lockstep::checkpoint segment.
+bool checkpointed(const std::string& mode) {
+  return mode.size() >= 12 && mode.compare(mode.size() - 12, 12, "checkpointed") == 0;
+}
+
 bool sharded(const std::string& mode) {
   return mode.rfind("fullshard", 0) == 0 || mode.rfind("gradop", 0) == 0 || mode == "noshard";
 }
@@ -108,6 +116,7 @@ constexpr int64_t kGptContext = 128;
 struct BenchOptions {
   std::string optimizer = "sgd";
   std::string precision = "fp32";
+  int64_t batch = 0; // global; 0: the model's default
   double bucket_cap_mb = 25;
   int64_t powersgd_rank = 4;
 };
@@ -249,7 +258,7 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
          const BenchOptions& bench) {
   const bool images = model == "cnn" || model == "vit";
   const bool text = model == "gpt";
-  const int64_t batch = (text ? kGptBatch : images ? 64 : 256) / group.size();
+  const int64_t batch = (bench.batch > 0 ? bench.batch : text ? kGptBatch : images ? 64 : 256) / group.size();
   const int64_t features = model == "mlp" ? 784 : 256;
   auto x = text ? torch::randint(0, 256, {batch, kGptContext}) : images ? torch::randn({batch, 1, 28, 28})
                                                                         : torch::randn({batch, features});
@@ -402,16 +411,18 @@ int parse_options(int argc, char** argv, RunOptions& options) {
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
   app.add_option("MODE", options.mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
-                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward), nocomm (no communication), deterministic and fullshard-deterministic (one micro-batch per rank) or the sharded and compressed modes")
+                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward), nocomm (no communication), deterministic and fullshard-deterministic (one micro-batch per rank), checkpointed and fullshard-checkpointed (vit and gpt: each block a lockstep::checkpoint segment) or the sharded and compressed modes")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
                                          "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
                                          "gradop-mpi", "fullshard-bf16", "powersgd", "comm", "deterministic",
-                                         "fullshard-deterministic"}));
+                                         "fullshard-deterministic", "checkpointed", "fullshard-checkpointed"}));
   app.add_option("MODEL", options.model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
                  "last layer first), wide (8 x Linear(2048, 2048)), cnn (the trainer's, with BatchNorm, batch 64), vit (the "
                  "trainer's --model vit, batch 64) or gpt (the trainer's --model gpt, batch 16 of 128 tokens)")
       ->required()->check(CLI::IsMember({"mlp", "deep", "reversed", "wide", "cnn", "vit", "gpt"}));
   app.add_option("--optimizer", options.bench.optimizer, "sgd (with momentum 0.9) or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  app.add_option("--batch", options.bench.batch, "Global batch (default: 256, 64 for cnn and vit, 16 for gpt)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--precision", options.bench.precision, "fp32, or bf16 (forward under autocast to bfloat16)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--bucket-cap-mb", options.bench.bucket_cap_mb, "DDP's bucket_cap_mb")->check(CLI::PositiveNumber);
@@ -464,9 +475,10 @@ int main(int argc, char** argv) {
     } else if (model == "cnn") {
       run(lockstep::examples::ConvNet(), group, mode, model, steps, bench);
     } else if (model == "vit") {
-      run(lockstep::examples::VisionTransformer(), group, mode, model, steps, bench);
+      run(lockstep::examples::VisionTransformer(64, 4, 4, 0.1, checkpointed(mode)), group, mode, model, steps, bench);
     } else if (model == "gpt") {
-      run(lockstep::examples::Gpt(256, kGptContext), group, mode, model, steps, bench);
+      run(lockstep::examples::Gpt(256, kGptContext, 128, 4, 4, 0.1, checkpointed(mode)), group, mode, model, steps,
+          bench);
     } else {
       run(make_model(model), group, mode, model, steps, bench);
     }

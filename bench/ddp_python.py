@@ -12,7 +12,7 @@ spawning two: how bench/netlab_bench.sh runs it across the lab's hosts.
 BENCH_HOOK=powersgd registers PyTorch's powerSGD_hook (rank
 BENCH_POWERSGD_RANK, default 4, from the third step); BENCH_BUCKET_CAP_MB
 sets bucket_cap_mb; BENCH_PRECISION=bf16 runs forward under CPU autocast to
-bfloat16, as lockstep-bench-ddp --precision bf16.
+bfloat16, as lockstep-bench-ddp --precision bf16; BENCH_BATCH=N sets the global batch, as --batch N.
 """
 import os
 import resource
@@ -133,11 +133,12 @@ def join_group(rank, world, port):
 def time_training(label, net, model_name, steps, rank, world, optimizer):
     """Times `steps` steps of `net` after 5 untimed ones; rank 0 prints LABEL MODEL steps_per_s=X rss_mb=R0,R1."""
     images = model_name in ("cnn", "vit")
+    given = int(os.environ.get("BENCH_BATCH", "0"))
     if model_name == "gpt":
-        x = torch.randint(0, 256, (GPT_BATCH // world, GPT_CONTEXT))
-        y = torch.randint(0, 256, (GPT_BATCH // world, GPT_CONTEXT))
+        x = torch.randint(0, 256, ((given or GPT_BATCH) // world, GPT_CONTEXT))
+        y = torch.randint(0, 256, ((given or GPT_BATCH) // world, GPT_CONTEXT))
     else:
-        batch = (64 if images else 256) // world
+        batch = (given or (64 if images else 256)) // world
         x = torch.randn(batch, 1, 28, 28) if images else torch.randn(batch, 784 if model_name == "mlp" else 256)
         y = torch.randint(0, 10, (batch,))
     bf16 = os.environ.get("BENCH_PRECISION", "fp32") == "bf16"

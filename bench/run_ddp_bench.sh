@@ -15,6 +15,12 @@
 #   OPTIMIZER=adam CONTENDERS="lockstep gradop fullshard mpi gradop-mpi fullshard-mpi python-fsdp" bench/run_ddp_bench.sh
 # and its memory, on a model whose Adam state dominates:
 #   OPTIMIZER=adam CONTENDERS="lockstep gradop fullshard" MODELS=wide bench/run_ddp_bench.sh 3 10 10
+# A contender ending in +bf16 runs under bf16 autocast (PRECISION=bf16: every
+# contender); the transformers against PyTorch, in both:
+#   CONTENDERS="lockstep python fullshard python-fsdp lockstep+bf16 python+bf16 fullshard+bf16 python-fsdp+bf16" \
+#     MODELS="vit gpt" bench/run_ddp_bench.sh 5 30 30
+# and activation checkpointing's memory (BATCH: the global batch):
+#   CONTENDERS="lockstep checkpointed fullshard fullshard-checkpointed" MODELS="vit gpt" BATCH=128 bench/run_ddp_bench.sh 3 10 10
 #
 # Needs a built tree (scripts/build.sh) of the configuration LOCKSTEP_TORCH
 # names (scripts/config.sh). Python DDP, the peer, runs on the same PyTorch:
@@ -41,27 +47,38 @@ out=$(mktemp)
 optimizer=${OPTIMIZER:-sgd}
 # PRECISION=bf16: forward under autocast to bfloat16, in both contenders.
 export BENCH_PRECISION=${PRECISION:-fp32}
-run_pair() { # MODE MODEL STEPS
+# BATCH=N: a global batch of N instead of each model's default, in both contenders.
+export BENCH_BATCH=${BATCH:-0}
+run_time() { # MODE MODEL STEPS PRECISION: one contender's line(s), appended to $out.pair
   local port=$((20000 + RANDOM % 20000))
+  local flags=(--optimizer "$optimizer" --precision "$4" --batch "$BENCH_BATCH")
   if [ "$1" = python ] || [ "$1" = python-fsdp ]; then
     local script=bench/ddp_python.py; [ "$1" = python-fsdp ] && script=bench/fsdp_python.py
     # A time limit: Debian's torch.multiprocessing can hang at exit.
-    timeout -k 5 120 "$py" "$script" "$2" "$3" "$port" "$optimizer" 2>/dev/null | grep steps_per_s >>"$out" || true
+    BENCH_PRECISION=$4 timeout -k 5 120 "$py" "$script" "$2" "$3" "$port" "$optimizer" 2>/dev/null |
+      grep steps_per_s >>"$out.pair" || true
     return
   fi
   if [ "$1" = mpi ] || [ "${1%-mpi}" != "$1" ]; then
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 120 \
-      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" \
-      --optimizer "$optimizer" --precision "$BENCH_PRECISION" >>"$out"
+      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" "${flags[@]}" \
+      >>"$out.pair"
     return
   fi
   local pids=()
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
-      timeout -k 5 120 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" --optimizer "$optimizer" --precision "$BENCH_PRECISION" >>"$out" &
+      timeout -k 5 120 "$build_dir/lockstep-bench-ddp" "$1" "$2" "$3" "${flags[@]}" >>"$out.pair" &
     pids+=($!)
   done
   wait "${pids[@]}"
+}
+run_pair() { # CONTENDER MODEL STEPS; a CONTENDER ending in +bf16 is that mode under bf16 autocast
+  local mode=${1%+bf16} precision=$BENCH_PRECISION
+  [ "$mode" != "$1" ] && precision=bf16
+  : >"$out.pair"
+  run_time "$mode" "$2" "$3" "$precision"
+  sed "s/^$mode /$1 /" "$out.pair" >>"$out"
 }
 default_contenders="lockstep python naive nocomm views"
 command -v mpirun >/dev/null && default_contenders+=" mpi"
@@ -106,9 +123,13 @@ for model in sys.argv[2:]:
     for mine, peer in (("powersgd", "nocomm"), ("powersgd", "lockstep"), ("deterministic", "lockstep"),
                        ("fullshard-deterministic", "fullshard"),
                        ("gradop", "lockstep"), ("fullshard", "lockstep"), ("noshard", "lockstep"),
-                       ("gradop-mpi", "mpi"), ("fullshard-mpi", "mpi"), ("fullshard", "python-fsdp")):
+                       ("gradop-mpi", "mpi"), ("fullshard-mpi", "mpi"), ("fullshard", "python-fsdp"),
+                       ("lockstep+bf16", "python+bf16"), ("fullshard+bf16", "python-fsdp+bf16"),
+                       ("lockstep+bf16", "lockstep"), ("fullshard+bf16", "fullshard"), ("python+bf16", "python"),
+                       ("checkpointed", "lockstep"), ("fullshard-checkpointed", "fullshard"),
+                       ("fullshard-checkpointed", "lockstep")):
         if mine in med and peer in med:
             print(f"  {mine}/{peer} = {med[mine] / med[peer]:.3f}   peak RSS {mine}/{peer} = "
                   f"{statistics.median(rss[(model, mine)]) / statistics.median(rss[(model, peer)]):.3f}")
 PY
-rm -f "$out"
+rm -f "$out" "$out.pair"
