@@ -25,6 +25,7 @@
 #include "precision.h"
 #include "progress.h"
 #include "sampling.h"
+#include "scoring.h"
 #include "setup.h"
 #include "summary.h"
 #include "text_data.h"
@@ -69,6 +70,14 @@ using lockstep::examples::Samples;
 using lockstep::examples::Setup;
 using lockstep::examples::Tally;
 using lockstep::examples::TrainingState;
+using lockstep::examples::accuracy;
+using lockstep::examples::add_perplexity;
+using lockstep::examples::mean_loss;
+using lockstep::examples::per_second;
+using lockstep::examples::percent;
+using lockstep::examples::row_unit;
+using lockstep::examples::score;
+using lockstep::examples::test_loss_words;
 
 // ---------------------------------------------------------------------------
 // Process settings
@@ -118,56 +127,6 @@ struct Totals {
 
 double rate(double rows, double seconds) {
   return seconds > 0 ? rows / seconds : 0;
-}
-
-std::string percent(const Tally& t) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f%%", 100.0 * t.correct / std::max<int64_t>(1, t.rows));
-  return text;
-}
-
-double mean_loss(const Tally& t) {
-  return t.loss_sum / std::max<int64_t>(1, t.rows);
-}
-
-double accuracy(const Tally& t) {
-  return static_cast<double>(t.correct) / std::max<int64_t>(1, t.rows);
-}
-
-// The test loss's words: with its perplexity under --model gpt, whose loss
-// is per token.
-std::string test_loss_words(const Config& config, const Tally& tested) {
-  char text[96];
-  std::snprintf(text, sizeof(text), config.model == "gpt" ? "test loss %.4f (perplexity %.2f)" : "test loss %.4f",
-                mean_loss(tested), std::exp(mean_loss(tested)));
-  return text;
-}
-
-// What a tally's rows are: images, or predicted tokens under --model gpt.
-const char* row_unit(const Config& config) {
-  return config.model == "gpt" ? "tokens" : "samples";
-}
-
-// metrics.jsonl's key of the training speed.
-std::string per_second(const Config& config) {
-  return std::string(row_unit(config)) + "_per_second";
-}
-
-// --model gpt: the record's test perplexity, e^(mean loss per token).
-void add_perplexity(const Config& config, const Tally& tested, nlohmann::json& record) {
-  if (config.model == "gpt") {
-    record["test_perplexity"] = std::exp(mean_loss(tested));
-  }
-}
-
-// The mean loss of `logits` against `labels`, and this rank's tally: one
-// prediction per image's class, or per position of a token sequence.
-std::pair<torch::Tensor, Tally> score(const torch::Tensor& logits, const torch::Tensor& labels,
-                                      at::Reduction::Reduction reduction) {
-  auto loss = torch::cross_entropy_loss(logits.flatten(0, -2), labels.flatten(), {}, reduction);
-  const int64_t rows = labels.numel();
-  const double sum = loss.item<double>() * (reduction == at::Reduction::Sum ? 1 : rows);
-  return {loss, Tally{sum, logits.argmax(-1).eq(labels).sum().item<int64_t>(), rows}};
 }
 
 double seconds_since(Clock::time_point start) {
@@ -675,7 +634,9 @@ int main(int argc, char** argv) {
     const DataSignature signature = lockstep::examples::data_signature(data.train, parsed.seed);
 
     torch::manual_seed(parsed.seed);
-    TrainerNet net(parsed.model, parsed.activation_checkpointing, parsed.dropout, data_options.context);
+    // Under --sharding, ShardingOptions().activation_checkpointing() switches the blocks on (setup.h).
+    TrainerNet net(parsed.model, parsed.activation_checkpointing && parsed.sharding.empty(), parsed.dropout,
+                   data_options.context);
     lockstep::examples::init_from(net, parsed.init_from);
     // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
     // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.
