@@ -41,12 +41,15 @@ TORCH_MODULE(ConvNet);
 
 /// One pre-norm transformer block: multi-head self-attention, then an MLP
 /// of 4x the width, each added to its input; with `causal`, a position
-/// attends to itself and those before it only. Attention is written out
+/// attends to itself and those before it only. A lockstep::Checkpointable:
+/// with its switch on (set_activation_checkpointing, or
+/// ShardingOptions().activation_checkpointing() on a unit), forward is a
+/// checkpoint segment whose activations backward makes again. Attention is written out
 /// (one qkv projection, matmuls and a softmax) rather than
 /// torch::nn::MultiheadAttention, which takes [length, batch, dim] and
 /// projects q, k and v apart: one projection and batch-first shapes save
 /// two transposes and two matmuls per block.
-struct TransformerBlockImpl : torch::nn::Cloneable<TransformerBlockImpl> {
+struct TransformerBlockImpl : torch::nn::Cloneable<TransformerBlockImpl>, lockstep::Checkpointable {
   TransformerBlockImpl(int64_t dim, int64_t heads, double dropout, bool causal = false)
       : dim(dim), heads(heads), dropout(dropout), causal(causal) {
     reset();
@@ -60,6 +63,9 @@ struct TransformerBlockImpl : torch::nn::Cloneable<TransformerBlockImpl> {
     fc2 = register_module("fc2", torch::nn::Linear(4 * dim, dim));
   }
   torch::Tensor forward(const torch::Tensor& x) {
+    return checkpointed_call([this](const torch::Tensor& in) { return body(in); }, x);
+  }
+  torch::Tensor body(const torch::Tensor& x) {
     const int64_t batch = x.size(0), length = x.size(1), head_dim = dim / heads;
     auto parts = qkv(norm1(x)).view({batch, length, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
     auto scores = parts[0].matmul(parts[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
@@ -80,13 +86,10 @@ struct TransformerBlockImpl : torch::nn::Cloneable<TransformerBlockImpl> {
 };
 TORCH_MODULE(TransformerBlock);
 
-/// `blocks` applied in turn to `x`; with `checkpointed`, each is a segment
-/// of lockstep::checkpoint: its activations are made again in backward.
-inline torch::Tensor run_blocks(std::vector<TransformerBlock>& blocks, torch::Tensor x, bool checkpointed) {
+/// `blocks` applied in turn to `x`.
+inline torch::Tensor run_blocks(std::vector<TransformerBlock>& blocks, torch::Tensor x) {
   for (auto& block : blocks) {
-    x = checkpointed
-        ? lockstep::checkpoint([block](const torch::Tensor& in) mutable { return block->forward(in); }, x)
-        : block->forward(x);
+    x = block->forward(x);
   }
   return x;
 }
@@ -109,6 +112,7 @@ struct VisionTransformerImpl : torch::nn::Cloneable<VisionTransformerImpl> {
     typed_blocks.clear();
     for (int64_t i = 0; i < depth; ++i) {
       typed_blocks.emplace_back(dim, heads, dropout);
+      typed_blocks.back()->set_activation_checkpointing(checkpointed);
       blocks->push_back(typed_blocks.back());
     }
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
@@ -118,7 +122,7 @@ struct VisionTransformerImpl : torch::nn::Cloneable<VisionTransformerImpl> {
     auto tokens = patch(x).flatten(2).transpose(1, 2); // [batch, 49, dim]
     tokens = torch::cat({cls_token.expand({x.size(0), 1, dim}), tokens}, 1) + pos_embed;
     tokens = torch::dropout(tokens, dropout, is_training());
-    tokens = run_blocks(typed_blocks, tokens, checkpointed);
+    tokens = run_blocks(typed_blocks, tokens);
     return head(norm(tokens.select(1, 0)));
   }
   int64_t dim, depth, heads;
@@ -157,6 +161,7 @@ struct GptImpl : torch::nn::Cloneable<GptImpl> {
     typed_blocks.clear();
     for (int64_t i = 0; i < depth; ++i) {
       typed_blocks.emplace_back(dim, heads, dropout, /*causal=*/true);
+      typed_blocks.back()->set_activation_checkpointing(checkpointed);
       blocks->push_back(typed_blocks.back());
     }
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
@@ -165,7 +170,7 @@ struct GptImpl : torch::nn::Cloneable<GptImpl> {
     TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= context, "Gpt: takes [batch, length] token ids with length at "
                 "most its context ", context, "; got a tensor of shape ", tokens.sizes(), ".");
     auto h = torch::dropout(wte(tokens) + wpe.narrow(0, 0, tokens.size(1)), dropout, is_training());
-    h = run_blocks(typed_blocks, h, checkpointed);
+    h = run_blocks(typed_blocks, h);
     return torch::linear(norm(h), wte->weight);
   }
   int64_t vocab, context, dim, depth, heads;

@@ -490,7 +490,10 @@ bool load_whole_into_shards(Model& model, TrainerNet& net, torch::optim::Optimiz
 inline Setup sharded_setup(const lockstep::ProcessGroup& group, TrainerNet& net, const Dataset& data,
                            const DataSignature& signature, const Config& config) {
   Setup setup = launched_setup(group, net, data, config);
-  auto options = lockstep::ShardingOptions().strategy(sharding_strategy(config.sharding)).units(net->units());
+  auto options = lockstep::ShardingOptions()
+                     .strategy(sharding_strategy(config.sharding))
+                     .units(net->units())
+                     .activation_checkpointing(config.activation_checkpointing); // each block, a Checkpointable
   if (config.deterministic) { // Note [Sharded exact sums] in src/fsdp/deterministic.cpp
     options.deterministic(true).micro_batches(config.batch_size / config.micro_batch_size)
         .micro_batch_size(config.micro_batch_size).seed(config.seed);

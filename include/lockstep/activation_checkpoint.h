@@ -61,4 +61,44 @@ torch::Tensor checkpoint(F&& fn, const torch::Tensor& first, const Tensors&... r
   return outputs.at(0);
 }
 
+/// A module that runs its forward as a checkpoint segment when asked: the
+/// base a FullyShardedDataParallel unit needs under
+/// ShardingOptions().activation_checkpointing(true), beside
+/// torch::nn::Module. LibTorch modules have no forward hooks, so the
+/// wrapper cannot wrap a unit's call from outside: the unit's own forward
+/// routes its body through checkpointed_call, which checkpoints when the
+/// switch is on and calls directly when it is off (the default).
+///
+///   struct BlockImpl : torch::nn::Cloneable<BlockImpl>, lockstep::Checkpointable {
+///     torch::Tensor forward(const torch::Tensor& x) {
+///       return checkpointed_call([this](const torch::Tensor& h) { return body(h); }, x);
+///     }
+///     torch::Tensor body(const torch::Tensor& h);
+///   };
+class Checkpointable {
+ public:
+  virtual ~Checkpointable() = default;
+  /// Turns checkpointing of this module's forward on or off.
+  void set_activation_checkpointing(bool on) {
+    activation_checkpointing_ = on;
+  }
+  bool activation_checkpointing() const {
+    return activation_checkpointing_;
+  }
+
+ protected:
+  /// fn(inputs...), through lockstep::checkpoint when the switch is on. fn
+  /// is kept for backward, so it captures `this`, not a local.
+  template <typename F, typename... Tensors>
+  torch::Tensor checkpointed_call(F&& fn, const torch::Tensor& first, const Tensors&... rest) {
+    if (activation_checkpointing_) {
+      return checkpoint(std::forward<F>(fn), first, rest...);
+    }
+    return fn(first, rest...);
+  }
+
+ private:
+  bool activation_checkpointing_ = false;
+};
+
 } // namespace lockstep

@@ -39,6 +39,13 @@ struct ShardingOptions {
   /// FullShard: free each unit's gathered parameters after forward (true)
   /// or keep them until the end of backward (false).
   TORCH_ARG(bool, reshard_after_forward) = true;
+  /// Each unit other than the root runs its forward as a
+  /// lockstep::checkpoint segment, keeping no activations inside it for
+  /// backward: the unit's module must derive from lockstep::Checkpointable
+  /// (include/lockstep/activation_checkpoint.h), which the wrapper switches
+  /// on. A unit that does not, or no unit besides the root, is an error at
+  /// construction. The gradients are the same bits as without it.
+  TORCH_ARG(bool, activation_checkpointing) = false;
   /// Mixed precision: the dtype floating-point parameters are gathered in,
   /// and so forward and backward compute in (torch::kBFloat16 halves every
   /// all-gather). The shards, model->parameters(), the optimizer and its

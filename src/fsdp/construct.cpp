@@ -3,6 +3,7 @@
 // built the same model (src/fsdp/flat_param.h), each rank's shards, and the
 // destructor that undoes what the constructor set up.
 
+#include <lockstep/activation_checkpoint.h>
 #include <lockstep/fully_sharded_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
@@ -170,6 +171,24 @@ std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOpt
                 "(\"encoder\", \"layers.3\").");
   }
   return paths;
+}
+
+// ShardingOptions().activation_checkpointing(): switches on checkpointing in
+// each unit's module, which must offer it (lockstep::Checkpointable).
+void checkpoint_units(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where) {
+  TORCH_CHECK(!paths.empty(), where, "ShardingOptions().activation_checkpointing(true) checkpoints each unit but the "
+              "root, and there is none: name the units, e.g. ShardingOptions().units({\"blocks.0\", ...}).");
+  const auto submodules = module.named_modules("", /*include_self=*/false);
+  for (const auto& path : paths) {
+    const auto& unit = submodules[path];
+    auto* checkpointable = dynamic_cast<Checkpointable*>(unit.get());
+    TORCH_CHECK(checkpointable != nullptr, where, "ShardingOptions().activation_checkpointing(true): unit '", path,
+                "' (", unit->name(), ") cannot run as a checkpoint segment. LibTorch modules have no forward hooks, "
+                "so a unit's own forward must offer it: derive its Impl from lockstep::Checkpointable and route "
+                "forward's body through checkpointed_call (<lockstep/activation_checkpoint.h>), or call "
+                "lockstep::checkpoint in the parent's forward and leave this option off.");
+    checkpointable->set_activation_checkpointing(true);
+  }
 }
 
 Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where) {
@@ -384,6 +403,9 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   s.reshard_after_forward = options.reshard_after_forward();
   check_not_nested(module, s.where()); // Note [Nested wrappers]
   const auto paths = unit_paths(module, options, s.where());
+  if (options.activation_checkpointing()) {
+    checkpoint_units(module, paths, s.where());
+  }
   const auto planned = plan_parameters(module, paths, s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
   check_same_model(s.group, planned.names, planned.params, s.where());
