@@ -87,6 +87,32 @@ inline std::string port() {
   return std::to_string(testing::free_port());
 }
 
+// Runs `make(name)`, a trainer's command line writing under `name`, over 2
+// ranks without and with --activation-checkpointing, under DDP and under
+// --sharding full: each pair must end with the same parameters, to the bit.
+inline void expect_checkpointing_keeps_the_bits(const std::string& marker,
+                                                const std::function<std::vector<std::string>(const std::string&)>& make) {
+  for (const std::string sharding : {"", "full"}) {
+    std::string hashes[2];
+    for (bool checkpointed : {false, true}) {
+      const std::string name = marker + sharding + (checkpointed ? "_checkpointed" : "");
+      auto args = make(name);
+      args.insert(args.end(), {"--dropout", "0.1"}); // checkpointing draws dropout's numbers again
+      if (!sharding.empty()) {
+        args.insert(args.end(), {"--sharding", sharding});
+      }
+      if (checkpointed) {
+        args.push_back("--activation-checkpointing");
+      }
+      const auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, args, name);
+      ASSERT_EQ(p.exit_code, 0) << p.output;
+      hashes[checkpointed] = final_hash(p.output);
+      EXPECT_FALSE(hashes[checkpointed].empty()) << p.output;
+    }
+    EXPECT_EQ(hashes[0], hashes[1]) << marker << ", --sharding '" << sharding << "'";
+  }
+}
+
 // The last epoch's line: train loss and accuracy, test loss and accuracy.
 inline std::string epoch_figures(const std::string& output) {
   std::smatch m;
