@@ -82,6 +82,7 @@ class Checkpointable {
   void set_activation_checkpointing(bool on) {
     activation_checkpointing_ = on;
   }
+  /// Whether this module's forward runs as a checkpoint segment.
   bool activation_checkpointing() const {
     return activation_checkpointing_;
   }
