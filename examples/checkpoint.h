@@ -321,6 +321,11 @@ inline void write_position(torch::serialize::OutputArchive& archive, const Train
   }
 }
 
+/// --optimizer's name for `optimizer`: "adamw" or "sgd".
+inline std::string optimizer_kind(torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr ? "adamw" : "sgd";
+}
+
 inline void save_checkpoint(
     const std::string& path,
     torch::nn::Module& model,
@@ -332,6 +337,7 @@ inline void save_checkpoint(
   optimizer.save(optimizer_archive);
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
+  archive.write("optimizer_kind", bytes_tensor(optimizer_kind(optimizer)));
   write_position(archive, state);
   archive.write("model_hash", hash_tensor(content_hash(model_tensors(model))));
   archive.write("optimizer_hash", hash_tensor(optimizer_hash(optimizer)));
@@ -540,6 +546,11 @@ inline std::pair<torch::Tensor, torch::Tensor> read_whole_checkpoint(
     const std::string& path, torch::serialize::InputArchive& archive, int64_t format, torch::nn::Module& model,
     torch::optim::Optimizer& optimizer, TrainingState& state) {
   torch::Tensor model_hash, stored_optimizer_hash;
+  std::string kind = "sgd"; // every checkpoint without the key is SGD's: the trainer had no other optimizer
+  try_read_bytes(archive, "optimizer_kind", kind);
+  TORCH_CHECK(kind == optimizer_kind(optimizer), "lockstep-train: checkpoint ", path, " was written by --optimizer ",
+              kind, ", and this run uses --optimizer ", optimizer_kind(optimizer), "; give --optimizer ", kind,
+              " to resume it, or point --checkpoint elsewhere to start afresh.");
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);

@@ -219,6 +219,21 @@ TEST(Checkpoint, AnotherModelsShapesAreAClearError) {
             std::string::npos) << p.output;
 }
 
+// An SGD run's checkpoint under AdamW: LibTorch's AdamW load fails an
+// internal assert on SGD's state, which named no flag.
+TEST(Checkpoint, AnotherOptimizersCheckpointNamesTheFlag) {
+  const std::string path = temp("sgd_run.ckpt");
+  examples::ConvNet net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  examples::save_checkpoint(path, *net, optimizer, examples::TrainingState{});
+  auto args = trainer("sgd_run", path);
+  args.insert(args.end(), {"--optimizer", "adamw"});
+  auto p = testing::run(args, {}, temp("sgd_run.log"), kDeadline);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("was written by --optimizer sgd, and this run uses --optimizer adamw; give --optimizer "
+                          "sgd to resume it"), std::string::npos) << p.output;
+}
+
 // A CPU run's checkpoint resumed on a GPU: LibTorch's load moved every
 // parameter to the device that saved it, so the model trained on the CPU
 // beside a GPU optimizer that DataParallel refused, with the optimizer's
