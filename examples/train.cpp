@@ -470,9 +470,9 @@ std::string ranks_agree_on_parameters(const Run& run) {
                 "parameters than rank 0's: the ranks are out of step. Rerun with LOCKSTEP_DEBUG=detail, and report it.");
   }
   char text[96];
-  std::snprintf(text, sizeof(text), "final parameters fnv1a64=%016llx, the same on all %d rank(s)",
-                static_cast<unsigned long long>(mine), run.setup.world_size);
-  return text;
+  std::snprintf(text, sizeof(text), "final parameters fnv1a64=%016llx", static_cast<unsigned long long>(mine));
+  return run.setup.world_size > 1 ? text + (", the same on all " + std::to_string(run.setup.world_size) + " ranks")
+                                  : std::string(text);
 }
 
 // A checkpoint of a run that trained every epoch: evaluated again (on every

@@ -2,7 +2,7 @@
 # For a machine with two or more GPUs, which no Lockstep session has had: the
 # *_MultiCUDA tests, then lockstep-train on two GPUs (one rank each, over
 # NCCL) under DDP and under FullShard, each ending with every rank's
-# parameters compared to the bit ("the same on all 2 rank(s)"). Logs in OUT.
+# parameters compared to the bit ("the same on all 2 ranks"). Logs in OUT.
 #
 #   scripts/multi_gpu_check.sh [OUT]   # after scripts/build.sh (a CUDA build of LibTorch: the current
 #                                      # configuration), from the repository root
@@ -26,7 +26,7 @@ for sharding in "" full; do
   name=ddp${sharding:+_fsdp_$sharding}
   "$build/lockstep-run" --nproc-per-node 2 "$build/lockstep-train" --synthetic --train-samples 6000 \
     --test-samples 1000 --epochs 2 ${sharding:+--sharding "$sharding"} --out "$out/$name" >"$out/$name.log" 2>&1 || failed=1
-  if grep -q "nccl" "$out/$name.log" && grep -q "the same on all 2 rank(s)" "$out/$name.log"; then
+  if grep -q "nccl" "$out/$name.log" && grep -q "the same on all 2 ranks" "$out/$name.log"; then
     echo "multi_gpu_check: $name over NCCL: $(grep -o 'final parameters.*' "$out/$name.log" | head -1)"
   else
     echo "multi_gpu_check: $name did not end on two GPUs with equal parameters; see $out/$name.log"
