@@ -44,11 +44,13 @@ TORCH_MODULE(ConvNet);
 /// attends to itself and those before it only. A lockstep::Checkpointable:
 /// with its switch on (set_activation_checkpointing, or
 /// ShardingOptions().activation_checkpointing() on a unit), forward is a
-/// checkpoint segment whose activations backward makes again. Attention is written out
-/// (one qkv projection, matmuls and a softmax) rather than
-/// torch::nn::MultiheadAttention, which takes [length, batch, dim] and
-/// projects q, k and v apart: one projection and batch-first shapes save
-/// two transposes and two matmuls per block.
+/// checkpoint segment whose activations backward makes again.
+///
+/// Attention is written out (one qkv projection, matmuls, a softmax) rather
+/// than torch::nn::MultiheadAttention, which takes [length, batch, dim]. On
+/// the CPU the two are as fast at the ViT's shape (bench/bench_attention.cpp,
+/// docs/performance.md); this one keeps batch-first shapes, takes the causal
+/// mask without a separate argument, and is the same code on 1.13 and 2.x.
 struct TransformerBlockImpl : torch::nn::Cloneable<TransformerBlockImpl>, lockstep::Checkpointable {
   TransformerBlockImpl(int64_t dim, int64_t heads, double dropout, bool causal = false)
       : dim(dim), heads(heads), dropout(dropout), causal(causal) {
