@@ -369,11 +369,16 @@ inline Setup launched_setup(const lockstep::ProcessGroup& group, TrainerNet& net
   return setup;
 }
 
+// What a sample of the data is: an image, or a token sequence under --model gpt.
+inline const char* sample_noun(const Config& config) {
+  return config.model == "gpt" ? "sequences" : "samples";
+}
+
 inline void say_launched_setup(const Setup& setup, const Dataset& data, const Config& config) {
   if (setup.rank == 0) {
-    std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld (%lld per rank), "
+    std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test %s, %s, batch %lld (%lld per rank), "
                  "outputs in %s/\n", data.source.c_str(), static_cast<long long>(data.train.inputs.size(0)),
-                 static_cast<long long>(data.test.inputs.size(0)), setup.description.c_str(),
+                 static_cast<long long>(data.test.inputs.size(0)), sample_noun(config), setup.description.c_str(),
                  static_cast<long long>(config.batch_size), static_cast<long long>(config.batch_size / setup.world_size),
                  config.out_dir.c_str());
   }
@@ -575,9 +580,9 @@ inline Setup data_parallel_setup(TrainerNet& net, const Dataset& data, const Dat
   setup.save_checkpoint = [path = config.checkpoint_path, net, optimizer = setup.optimizer](const TrainingState& state) mutable {
     save_checkpoint(path, *net, *optimizer, state);
   };
-  std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test samples, %s, batch %lld, outputs in %s/\n",
+  std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test %s, %s, batch %lld, outputs in %s/\n",
                data.source.c_str(), static_cast<long long>(data.train.inputs.size(0)),
-               static_cast<long long>(data.test.inputs.size(0)), setup.description.c_str(),
+               static_cast<long long>(data.test.inputs.size(0)), sample_noun(config), setup.description.c_str(),
                static_cast<long long>(config.batch_size), config.out_dir.c_str());
   return setup;
 }

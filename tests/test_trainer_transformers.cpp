@@ -99,6 +99,22 @@ TEST(TrainerGpt, CheckpointingEndsWithTheSameParametersUnderDdpAndFullShard) {
   expect_checkpointing_keeps_the_bits("gpt", [](const std::string& name) { return gpt(name); });
 }
 
+// Deterministic mode on a model with token inputs, an embedding and dropout:
+// 1 rank and 2 end with the same bits.
+TEST(TrainerGpt, DeterministicModeGivesTheSameBitsAtOneAndTwoRanks) {
+  std::string hashes[2];
+  for (int ranks : {1, 2}) {
+    const std::string name = "gpt_deterministic" + std::to_string(ranks);
+    auto args = gpt(name, "256", "1");
+    args.insert(args.end(), {"--deterministic", "--micro-batch-size", "8", "--dropout", "0.1"});
+    const auto p = launch({"--nproc-per-node", std::to_string(ranks), "--master-port", port()}, args, name);
+    ASSERT_EQ(p.exit_code, 0) << p.output;
+    hashes[ranks - 1] = final_hash(p.output);
+  }
+  EXPECT_FALSE(hashes[0].empty());
+  EXPECT_EQ(hashes[0], hashes[1]);
+}
+
 TEST(TrainerGpt, TrainsOnDebiansFortunesByDefault) {
   const auto p = testing::run({LOCKSTEP_TRAIN, "--model", "gpt", "--train-samples", "32", "--test-samples", "16",
                                "--batch-size", "16", "--epochs", "1", "--replicas", "1", "--out", temp("fortunes_out")},
