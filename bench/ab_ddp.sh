@@ -7,7 +7,8 @@
 #   bench/ab_ddp.sh BEFORE_BUILD_DIR AFTER_BUILD_DIR [ROUNDS] [MODE]
 #
 # MODE is lockstep-bench-ddp's (default lockstep: DDP with default options);
-# OPTIMIZER=adam steps Adam instead of SGD.
+# OPTIMIZER=adam steps Adam instead of SGD; MODELS="cnn vit" other models than
+# the MLP and the deep one (40 steps each, the deep one 60).
 set -euo pipefail
 before=${1:?usage: bench/ab_ddp.sh BEFORE_BUILD_DIR AFTER_BUILD_DIR [ROUNDS] [MODE]}
 after=${2:?usage: bench/ab_ddp.sh BEFORE_BUILD_DIR AFTER_BUILD_DIR [ROUNDS] [MODE]}
@@ -30,7 +31,7 @@ run_pair() { # LABEL BUILD MODEL STEPS
   wait "${pids[@]}"
 }
 for ((round = 0; round < rounds; round++)); do
-  for model in mlp deep; do
+  for model in ${MODELS:-mlp deep}; do
     steps=40; [ "$model" = deep ] && steps=60
     if ((round % 2 == 0)); then
       run_pair before "$before" "$model" "$steps"; run_pair after "$after" "$model" "$steps"
@@ -45,7 +46,7 @@ rates = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     label, mode, model, sps = line.split()[:4]
     rates[(model, label)].append(float(sps.split("=")[1]))
-for model in ("mlp", "deep"):
+for model in dict.fromkeys(model for model, _ in rates):
     b, a = statistics.median(rates[(model, "before")]), statistics.median(rates[(model, "after")])
     print(f"{model}: before {b:.2f} steps/s, after {a:.2f} steps/s (medians of {len(rates[(model, 'after')])} rounds); "
           f"after/before = {a / b:.3f}")

@@ -49,10 +49,12 @@ namespace detail {
 // is kept, and collectives still overlap with each other and with backward.
 // The cost is one small all_gather per collective, off the caller's thread:
 // it delays each collective's start by a round trip (docs/performance.md).
-// DistributedDataParallel's buckets avoid it over Gloo: their plan is agreed
-// once, and each carries words checked after it completes instead (Note
-// [Planned collectives] in src/comm/planned_collective.cpp); with nothing
-// queued before it, such a collective starts on the caller's thread.
+// DistributedDataParallel's buckets, PowerSGD's allreduces and
+// FullyShardedDataParallel's backward avoid it over Gloo: their plan is
+// agreed once, and each carries words checked after it completes instead
+// (Note [Planned collectives] and Note [Planned rings] in
+// src/comm/planned_collective.cpp); with nothing queued before it, such a
+// collective starts on the caller's thread.
 // Over NCCL the collective is started from this thread, so it waits for that
 // thread's current CUDA stream, the device's default one; a barrier is not
 // checked there, having no CUDA tensor to check with (NCCL's own watchdog
@@ -202,18 +204,25 @@ class CheckedGroup : public ForwardingGroup {
                    [inner = inner_, tensors, root](const std::string& w) mutable { return inner->broadcast(tensors, root, w); });
   }
   std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
+    auto words = planned_ring_words(input);
     return enqueue(kAllGather, 0, {input}, std::move(what),
-                   [inner = inner_, targets = outputs, input](const std::string& w) mutable -> std::shared_ptr<Work> {
+                   [inner = inner_, rings = rings_, targets = outputs, input,
+                    words](const std::string& w) mutable -> std::shared_ptr<Work> {
                      auto gathered = std::make_shared<std::vector<torch::Tensor>>(targets);
-                     auto work = inner->all_gather(*gathered, input, w);
+                     auto work = words.defined() ? rings->planned_all_gather(*gathered, input, w, words)
+                                                 : inner->all_gather(*gathered, input, w);
                      return std::make_shared<GatheredWork>(std::move(work), std::move(gathered), targets);
-                   });
+                   },
+                   words);
   }
   std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what) override {
+    auto words = planned_ring_words(input);
     return enqueue(kReduceScatter, static_cast<int64_t>(op), {input}, std::move(what),
-                   [inner = inner_, output, input, op](const std::string& w) mutable {
-                     return inner->reduce_scatter(output, input, op, w);
-                   });
+                   [inner = inner_, rings = rings_, output, input, op, words](const std::string& w) mutable {
+                     return words.defined() ? rings->planned_reduce_scatter(output, input, op, w, words)
+                                            : inner->reduce_scatter(output, input, op, w);
+                   },
+                   words);
   }
   std::shared_ptr<Work> barrier(std::string what) override {
     return enqueue(kBarrier, 0, {}, std::move(what), [inner = inner_](const std::string& w) { return inner->barrier(w); });
@@ -221,8 +230,10 @@ class CheckedGroup : public ForwardingGroup {
 
  private:
   // `tensors`: those the backend gets, which the fingerprint describes.
+  // `ring_words`: a planned all-gather's or reduce-scatter's (planned_ring_words).
   std::shared_ptr<Work> enqueue(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors, std::string what,
-                                std::function<std::shared_ptr<Work>(const std::string&)> start) {
+                                std::function<std::shared_ptr<Work>(const std::string&)> start,
+                                torch::Tensor ring_words = {}) {
     auto job = std::make_shared<Job>();
     job->broken = broken_;
     job->fingerprint = fingerprint_of(kind, arg, tensors);
@@ -230,7 +241,7 @@ class CheckedGroup : public ForwardingGroup {
     job->stream = caller_stream(job->device);
     job->what = std::move(what);
     job->start = std::move(start);
-    job->words = planned_words(kind, arg, tensors);
+    job->words = ring_words.defined() ? std::move(ring_words) : planned_words(kind, arg, tensors);
     job->rank = rank();
     job->size = size();
     {
@@ -272,6 +283,19 @@ class CheckedGroup : public ForwardingGroup {
       return {};
     }
     return words;
+  }
+
+  // Note [Planned rings]: where this thread's collective is a plan's item and
+  // the backend carries the words of an all-gather or reduce-scatter, their
+  // room (every rank's slot, zeros until written); otherwise undefined. An
+  // empty collective sends nothing to carry them in.
+  torch::Tensor planned_ring_words(const torch::Tensor& input) const {
+    const int64_t room = plan_words_elements(size());
+    if (current_plan_words().plan < 0 || room == 0 || input.numel() == 0 || detail_ || !rings_ ||
+        !rings_->carries_plan_words(input.device())) {
+      return {};
+    }
+    return torch::zeros({room}, torch::kDouble);
   }
 
   void loop() {
@@ -352,6 +376,8 @@ class CheckedGroup : public ForwardingGroup {
   }
 
   const bool detail_; // Note [LOCKSTEP_DEBUG=detail]
+  // The backend, where its rings carry planned words (Note [Planned rings]).
+  const std::shared_ptr<CarriesPlanWords> rings_ = std::dynamic_pointer_cast<CarriesPlanWords>(inner_);
   std::mutex mutex_;
   std::condition_variable queued_;
   std::deque<std::shared_ptr<Job>> queue_;

@@ -49,12 +49,43 @@ namespace detail {
 // allreduce has moved the sums of other collectives by then, which is why the
 // result is not used; the ranks stay paired, since the sizes agreed.
 //
-// Everything else keeps the check before sending: all_gathers, broadcasts
-// and barriers, collectives that no plan marks (user calls, SyncBatchNorm,
-// the small ones at the end of a backward), every collective over MPI or
+// Everything else keeps the check before sending: broadcasts and barriers,
+// all_gathers and reduce-scatters other than those of Note [Planned rings],
+// collectives that no plan marks (user calls, SyncBatchNorm, the small ones
+// at the end of a backward), every collective over MPI or
 // NCCL (which match collectives by their order alone, so an allreduce
 // meeting a check would read the wrong bytes), and every collective under
 // LOCKSTEP_DEBUG=detail, which compares each one's shape.
+
+// Note [Planned rings]
+// ~~~~~~~~~~~~~~~~~~~~
+// FullyShardedDataParallel's backward is a plan too: every backward gathers
+// and reduce-scatters the same units in the same order, so its collectives
+// go as a recurring plan (Note [Recurring plans]), started by each backward,
+// whose items are each collective's kind, size, dtype and tag (its bucket:
+// Note [Collective tags]). Forward's gathers keep the check before each. A
+// forward may read its units in another order on some rank (a branch on the
+// rank or on the data), and a planned collective that meets another rank's
+// checked one can only fail at the group's timeout, where the check fails at
+// once, naming both. Backward's order follows from forward's, which its
+// checked gathers have just shown to be the same on every rank.
+// Over Gloo these collectives run as Lockstep's rings of send and receive
+// (Note [Gloo's reduce-scatter] in src/comm/backends/gloo.cpp), and the
+// argument of Note [Planned collectives] holds for them: the check is an
+// all_gather on Gloo's own slots and a ring sends on tags of its own, so a
+// planned ring that meets a check moves no bytes; a ring pairs only with the
+// ring of the same number, which between two checks is the same item of
+// the agreed plan on every rank.
+// The words cannot ride in the data: an all-gather's output is the units'
+// flat parameters, rank after rank, and a reduce-scatter hands each rank
+// only its own chunk. So each step of a ring sends, beside its data and on
+// a tag of its own, the words of one rank: at step s, rank r passes on
+// those of rank r-s, as the all-gather passes on shards, and after W-1
+// steps every rank holds every rank's words (CarriesPlanWords). A message
+// of kDigits doubles per step, posted with the data, costs no round trip.
+// Every rank compares them as for an allreduce once the ring completes.
+// Backends that do not carry them (MPI, NCCL, CUDA tensors over Gloo) keep
+// the check before each.
 
 namespace {
 
@@ -90,7 +121,7 @@ std::array<int64_t, kPlanFields> digest_of(const std::vector<PlanItem>& items, i
   uint64_t hash = 1469598103934665603ull; // FNV-1a
   for (size_t i = 0; i < items.size(); ++i) {
     d[kTotal] += items[i].elements;
-    for (int64_t v : {items[i].elements, static_cast<int64_t>(items[i].dtype)}) {
+    for (int64_t v : {items[i].elements, static_cast<int64_t>(items[i].dtype), items[i].kind, items[i].tag}) {
       hash = (hash ^ static_cast<uint64_t>(v)) * 1099511628211ull;
     }
     if (i < kShownItems) {

@@ -1,13 +1,15 @@
 #pragma once
 
 // Internal: collectives of a plan that every rank agreed on once (DDP's
-// buckets), which the agreement check then lets go without a round trip
-// before each, checking words they carry instead (Note [Planned collectives]
-// in src/comm/planned_collective.cpp).
+// buckets, FSDP's all-gathers and reduce-scatters), which the agreement check
+// then lets go without a round trip before each, checking words they carry
+// instead (Note [Planned collectives] and Note [Planned rings] in
+// src/comm/planned_collective.cpp).
 
 #include <lockstep/process_group.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,13 +17,16 @@
 namespace lockstep {
 namespace detail {
 
-/// One collective of a plan: its tensor's elements (the words' room
-/// included) and dtype.
+/// One collective of a plan: its tensor's elements (an allreduce's: the
+/// words' room included; an all-gather's: this rank's part), dtype, kind (a
+/// fingerprint::Kind) and tag (Note [Collective tags]).
 struct PlanItem {
   int64_t elements = 0;
   c10::ScalarType dtype = c10::ScalarType::Float;
+  int64_t kind = 0; // fingerprint::kAllreduce
+  int64_t tag = 0;
   bool operator==(const PlanItem& other) const {
-    return elements == other.elements && dtype == other.dtype;
+    return elements == other.elements && dtype == other.dtype && kind == other.kind && tag == other.tag;
   }
 };
 
@@ -33,7 +38,7 @@ int64_t agree_on_plan(const ProcessGroup& group, const std::string& label, const
                       torch::Device device, const std::string& hint);
 
 /// The collectives a caller sends again every iteration, in one order
-/// (PowerSGD's P's and Q's), planned from what the last iteration sent:
+/// (PowerSGD's P's and Q's, FSDP's gathers and reduce-scatters), planned from what the last iteration sent:
 /// Note [Recurring plans] in src/comm/planned_collective.cpp.
 class RecurringPlan {
  public:
@@ -60,9 +65,11 @@ class RecurringPlan {
 /// too large to carry them (its collectives are then checked as any other).
 int64_t plan_words_elements(int size);
 
-/// While alive, the allreduce (Sum) this thread starts is item `item` of the
-/// plan `plan`, and the last plan_words_elements() elements of its tensor
-/// are free for the words.
+/// While alive, the collective this thread starts is item `item` of the
+/// plan `plan`: an allreduce (Sum) whose tensor's last plan_words_elements()
+/// elements are free for the words, or an all-gather or reduce-scatter,
+/// whose words a backend that carries them sends beside it (Note [Planned
+/// rings]); any other is checked as before.
 class PlannedCollective {
  public:
   PlannedCollective(int64_t plan, int64_t item);
@@ -92,6 +99,23 @@ void write_plan_words(torch::Tensor room, int rank, int size, const PlanWords& w
 /// After the allreduce: "" when every rank's words in `room` equal rank 0's,
 /// otherwise the error every rank raises, naming both.
 std::string plan_words_disagreement(const torch::Tensor& room, int size);
+
+/// A backend whose all-gathers and reduce-scatters can carry a planned
+/// collective's words beside their data (Note [Planned rings]): Gloo's
+/// rings. The agreement check asks before it lets one go unchecked.
+class CarriesPlanWords {
+ public:
+  virtual ~CarriesPlanWords() = default;
+  virtual bool carries_plan_words(torch::Device device) const = 0;
+  /// As GroupImpl's all_gather and reduce_scatter, with `words`
+  /// (plan_words_elements(size()) doubles, this rank's slot written by
+  /// write_plan_words): by the time the Work completes, each rank's slot
+  /// holds what that rank wrote.
+  virtual std::shared_ptr<Work> planned_all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input,
+                                                   std::string what, torch::Tensor words) = 0;
+  virtual std::shared_ptr<Work> planned_reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op,
+                                                       std::string what, torch::Tensor words) = 0;
+};
 
 } // namespace detail
 } // namespace lockstep

@@ -198,9 +198,12 @@ void ShardedCore::State::launch(Bucket& bucket) {
                                -1, "collectives");
   const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +
       " (" + std::to_string(input.numel()) + " elements)";
-  CollectiveTag tag(1 + (&bucket - reduce_buckets.data())); // Note [Collective tags]
+  const int64_t tag_number = 1 + (&bucket - reduce_buckets.data());
+  CollectiveTag tag(tag_number); // Note [Collective tags]
   if (sharded()) {
     bucket.output = torch::empty({per_rank}, input.options());
+    const auto item = plan.next({input.numel(), input.scalar_type(), fingerprint::kReduceScatter, tag_number});
+    PlannedCollective planned(item.first, item.second); // Note [Planned rings]
     bucket.work = group.reduce_scatter_async(bucket.output, input, ReduceOp::Avg, what);
   } else {
     bucket.output = input;

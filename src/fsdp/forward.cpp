@@ -135,7 +135,13 @@ void ShardedCore::State::start_gather(Bucket& b) {
     mine.narrow(0, offset, flats[i].layout.shard).copy_(flats[i].shard.detach());
     offset += flats[i].layout.shard;
   }
-  CollectiveTag tag(1 + static_cast<int64_t>(bucket_of[b.members[0]])); // Note [Collective tags]
+  const int64_t tag_number = 1 + static_cast<int64_t>(bucket_of[b.members[0]]);
+  CollectiveTag tag(tag_number); // Note [Collective tags]
+  // Note [Planned rings]: backward's gathers only; forward's keep the check.
+  const auto item = pass == Pass::Backward
+      ? plan.next({mine.numel(), mine.scalar_type(), fingerprint::kAllGather, tag_number})
+      : std::make_pair(int64_t{-1}, int64_t{0});
+  PlannedCollective planned(item.first, item.second);
   b.work = group.all_gather_into_async(b.output, mine, "all_gather of " + bucket_name(b.members) + " (" +
                                        std::to_string(b.output.numel()) + " elements)");
 }
@@ -354,6 +360,9 @@ void ShardedCore::State::begin_backward() {
   }
   const bool watched = pass == Pass::AfterForward && watching();
   pass = Pass::Backward;
+  if (!flats.empty()) {
+    plan.start_iteration(group, flats.front().device); // Note [Planned rings]: a backward's collectives
+  }
   if (!watched) {
     gather_all();
   } else if (!order.empty()) {

@@ -9,6 +9,7 @@
 #include <lockstep/sharding_options.h>
 #include <lockstep/timeline.h>
 
+#include "comm/planned_collective.h"
 #include "deterministic/micro_batch_step.h"
 #include "fsdp/flat_param.h"
 #include "fsdp/storage_watch.h"
@@ -82,6 +83,12 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   std::vector<char> backward_reads, last_backward_reads;
   std::vector<Bucket> reduce_buckets;
   size_t next_launch = 0; // into reduce_buckets
+  // Note [Planned rings] in src/comm/planned_collective.cpp: a backward's
+  // all-gathers and reduce-scatters, planned from the last backward's
+  // (begin_backward starts each).
+  RecurringPlan plan{"FullyShardedDataParallel's backward all-gathers and reduce-scatters",
+                     "They follow from the units, the order forward read them in, which units backward reads, no_sync() "
+                     "and ShardingOptions: look for one of these that differs between ranks."};
   // Shards whose .grad this backward created, each with its share of ranks
   // that used it (Note [Units no rank used]).
   std::vector<std::pair<size_t, torch::Tensor>> fresh_grads;

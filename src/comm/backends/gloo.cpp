@@ -1,6 +1,7 @@
 // Compiled when LibTorch has c10d's Gloo process group; no_gloo.cpp otherwise.
 
 #include "comm/backends/backends.h"
+#include "comm/planned_collective.h"
 #include "util/caller_stream.h"
 #include "util/mapped_memory.h"
 #include "util/torch_compat.h"
@@ -29,6 +30,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -342,16 +344,44 @@ void combine(torch::Tensor& into, const torch::Tensor& from, ReduceOp op) {
   }
 }
 
+// What c10d's send and recv return, whichever LibTorch names its Work.
+using C10dWork = decltype(std::declval<c10d::ProcessGroupGloo&>().barrier());
+
+// Note [Planned rings]: step `step` of a ring that carries a planned
+// collective's words passes on rank r-step's and receives rank r-step-1's,
+// on a tag of their own, posted beside the step's data; `posted` collects
+// the works to wait on. None where `words` is undefined.
+void post_words(c10d::ProcessGroupGloo& group, const torch::Tensor& words, int step, int tag,
+                std::vector<C10dWork>& posted) {
+  if (!words.defined()) {
+    return;
+  }
+  const int size = group.getSize();
+  const int rank = group.getRank();
+  const int64_t per_rank = words.numel() / size;
+  auto slot = [&](int i) { return words.narrow(0, ((i % size + size) % size) * per_rank, per_rank); };
+  std::vector<torch::Tensor> into{slot(rank - step - 1)};
+  std::vector<torch::Tensor> sent{slot(rank - step)};
+  posted.push_back(group.recv(into, (rank - 1 + size) % size, tag));
+  posted.push_back(group.send(sent, (rank + 1) % size, tag));
+}
+
+// A ring's tags: size()-1 for its steps' data, from first_tag, and as many
+// for their words after them.
+int words_tag(int first_tag, int size, int step) {
+  return first_tag + size + step;
+}
+
 // At step s rank r sends its partial sum of chunk (r-s-1) mod W and adds
 // its own input's chunk (r-s-2) mod W to the partial that rank r-1 sends.
 // Step 0 sends the input's chunk as it is and the last step receives
 // straight into `output`, so two ranks copy nothing; more ranks pass the
 // partials on through two buffers (one sent while the next arrives).
 void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, const torch::Tensor& input, ReduceOp op,
-                         int first_tag) {
+                         int first_tag, const torch::Tensor& words) {
   if (!input.is_cpu() || !output.is_cpu()) {
     auto on_cpu = torch::empty({output.numel()}, output.options().device(torch::kCPU));
-    ring_reduce_scatter(group, on_cpu, input.to(torch::kCPU), op, first_tag);
+    ring_reduce_scatter(group, on_cpu, input.to(torch::kCPU), op, first_tag, words);
     output.copy_(on_cpu.view_as(output));
     return;
   }
@@ -371,10 +401,12 @@ void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, co
     std::vector<torch::Tensor> sent{partial};
     std::vector<torch::Tensor> into{received};
     // Note [Receive before sending].
-    auto recv = group.recv(into, (rank - 1 + size) % size, first_tag + step);
-    auto send = group.send(sent, (rank + 1) % size, first_tag + step);
-    recv->wait();
-    send->wait();
+    std::vector<C10dWork> posted{group.recv(into, (rank - 1 + size) % size, first_tag + step),
+                                                       group.send(sent, (rank + 1) % size, first_tag + step)};
+    post_words(group, words, step, words_tag(first_tag, size, step), posted);
+    for (auto& work : posted) {
+      work->wait();
+    }
     combine(received, chunk(rank - step - 2), op);
     partial = received;
   }
@@ -385,7 +417,7 @@ void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, co
 // straight into its place in `outputs`: no flat copy on a Gloo thread, whose
 // allocations glibc keeps in that thread's arena.
 void ring_all_gather(c10d::ProcessGroupGloo& group, std::vector<torch::Tensor> outputs, const torch::Tensor& input,
-                     int first_tag) {
+                     int first_tag, const torch::Tensor& words) {
   const int size = group.getSize();
   const int rank = group.getRank();
   if (outputs[rank].data_ptr() != input.data_ptr()) { // else in place: this rank's part is there
@@ -396,10 +428,12 @@ void ring_all_gather(c10d::ProcessGroupGloo& group, std::vector<torch::Tensor> o
     std::vector<torch::Tensor> sent{slot(rank - step)};
     std::vector<torch::Tensor> received{slot(rank - step - 1)};
     // Note [Receive before sending].
-    auto recv = group.recv(received, (rank - 1 + size) % size, first_tag + step);
-    auto send = group.send(sent, (rank + 1) % size, first_tag + step);
-    recv->wait();
-    send->wait();
+    std::vector<C10dWork> posted{group.recv(received, (rank - 1 + size) % size, first_tag + step),
+                                                       group.send(sent, (rank + 1) % size, first_tag + step)};
+    post_words(group, words, step, words_tag(first_tag, size, step), posted);
+    for (auto& work : posted) {
+      work->wait();
+    }
   }
 }
 
@@ -484,7 +518,7 @@ class RingWork : public Work {
 // c10d's Gloo group, with the dtypes its type switch has: Gloo copies and
 // adds through one C++ type per dtype, and has none for the others (Short,
 // complex types; BFloat16 and Bool before PyTorch 2.2).
-class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
+class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public CarriesPlanWords {
  public:
   using C10dGroup::C10dGroup;
   // An allreduce is c10d's, on Gloo's allreduce slots: it pairs only with
@@ -519,42 +553,65 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo> {
     // Small gathers (the agreement check's fingerprints) stay c10d's: the
     // ring's thread hop would cost more than the copy saves.
     constexpr int64_t kRingBytes = 256 * 1024;
-    bool ring = input.device().is_cpu() && input.is_contiguous() && input.numel() * input.element_size() >= kRingBytes &&
-        static_cast<int>(outputs.size()) == size();
-    for (const auto& out : outputs) {
-      ring = ring && out.device().is_cpu() && out.is_contiguous() && out.numel() == input.numel() &&
-          out.scalar_type() == input.scalar_type();
-    }
-    if (!ring) {
+    if (!ring_fits(outputs, input) || input.numel() * input.element_size() < kRingBytes) {
       return C10dGroup::all_gather(outputs, input, std::move(what));
     }
-    const int first_tag = next_tags();
-    auto done = ring_.run([group = &c10d_group(), outputs, input, first_tag] {
-      ring_all_gather(*group, outputs, input, first_tag);
-    });
-    return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
+    return ring_all_gather_work(outputs, input, std::move(what), {});
   }
   // Note [Gloo's reduce-scatter].
   std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what)
       override {
+    return planned_reduce_scatter(output, input, op, std::move(what), {});
+  }
+  // Note [Planned rings]: the rings carry them, on the CPU, as they run there.
+  bool carries_plan_words(torch::Device device) const override {
+    return device.is_cpu();
+  }
+  std::shared_ptr<Work> planned_all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what,
+                                           torch::Tensor words) override {
+    TORCH_INTERNAL_ASSERT(ring_fits(outputs, input), "a planned all-gather that the ring cannot run");
+    return ring_all_gather_work(outputs, input, std::move(what), std::move(words));
+  }
+  std::shared_ptr<Work> planned_reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what,
+                                               torch::Tensor words) override {
     if (output.numel() == 0 || size() == 1) {
+      TORCH_INTERNAL_ASSERT(!words.defined(), "a planned reduce-scatter that sends nothing");
       output.copy_(input.view_as(output));
       return std::make_shared<DoneWork>();
     }
     const int first_tag = next_tags();
     const auto stream = caller_stream(input.device());
-    auto done = ring_.run([group = &c10d_group(), output, input, op, first_tag, stream] {
+    auto done = ring_.run([group = &c10d_group(), output, input, op, first_tag, stream, words] {
       c10::OptionalStreamGuard on(stream); // Note [The caller's stream]: the copies to and from the device
-      ring_reduce_scatter(*group, output, input, op, first_tag);
+      ring_reduce_scatter(*group, output, input, op, first_tag, words);
     });
     return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
   }
 
  private:
-  // The first of size()-1 tags for the next ring.
+  // Whether the all-gather ring can run it: CPU tensors, one contiguous
+  // output per rank of the input's size and dtype.
+  bool ring_fits(const std::vector<torch::Tensor>& outputs, const torch::Tensor& input) const {
+    bool fits = input.device().is_cpu() && input.is_contiguous() && static_cast<int>(outputs.size()) == size();
+    for (const auto& out : outputs) {
+      fits = fits && out.device().is_cpu() && out.is_contiguous() && out.numel() == input.numel() &&
+          out.scalar_type() == input.scalar_type();
+    }
+    return fits;
+  }
+  std::shared_ptr<Work> ring_all_gather_work(std::vector<torch::Tensor>& outputs, torch::Tensor& input,
+                                             std::string what, torch::Tensor words) {
+    const int first_tag = next_tags();
+    auto done = ring_.run([group = &c10d_group(), outputs, input, first_tag, words] {
+      ring_all_gather(*group, outputs, input, first_tag, words);
+    });
+    return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
+  }
+  // The first of the next ring's tags: size()-1 for its steps and as many
+  // for its words (words_tag).
   int next_tags() {
     constexpr int64_t kRingTags = 1 << 20; // tags stay positive and apart from the rings before
-    return static_cast<int>((rings_++ * size()) % kRingTags);
+    return static_cast<int>((rings_++ * 2 * size()) % kRingTags);
   }
 
   int64_t rings_ = 0;
