@@ -1,6 +1,7 @@
 // Compiled when LibTorch has c10d's Gloo process group; no_gloo.cpp otherwise.
 
 #include "comm/backends/backends.h"
+#include "comm/backends/gloo_rings.h"
 #include "comm/planned_collective.h"
 #include "util/caller_stream.h"
 #include "util/mapped_memory.h"
@@ -22,14 +23,9 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
-#include <condition_variable>
-#include <deque>
 #include <functional>
-#include <future>
-#include <mutex>
 #include <cstdlib>
 #include <sstream>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -302,219 +298,6 @@ std::vector<Endpoint> check_endpoints_reachable(
 // the store instead, a rank could still wait on it when the rank whose
 // process holds it returns and ends.)
 
-// Note [Gloo's reduce-scatter]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// c10d's Gloo has no reduce-scatter in LibTorch 1.13, and in 2.x emulates one
-// with an allreduce of the whole input: twice a ring's traffic, which would
-// make a sharded model's gradients cost more than DDP's. So the Gloo group
-// runs a ring over c10d's send and recv. With W ranks and n elements per
-// shard, at step s (0 .. W-2) rank r sends its partial sum of chunk
-// (r-s-1) mod W to rank r+1 and adds what rank r-1 sends of chunk
-// (r-s-2) mod W; after W-1 steps chunk r holds every rank's sum. Each rank
-// sends (W-1)*n elements, as a ring allreduce's first half does. The steps
-// run on a thread of the group's own, one ring after another in the order
-// the ranks start them (the same on every rank, Note [Ranks agree before
-// they send]); tags count the rings, so that two never pair up wrongly.
-// All-gathers of CPU tensors run as a ring on the same thread: c10d's
-// gathers into a flat tensor of its own and copies out of it.
-// CUDA tensors go through a CPU copy, as Gloo's own collectives take them.
-//
-// Note [Receive before sending]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Each ring step posts its receive before its send. A Gloo TCP pair sends
-// an unbound buffer only once the peer has said it is ready to receive, and
-// that notice travels in the same queue as the pair's data. Posted the
-// other way round, a rank whose peer's notice came first starts writing
-// its whole chunk, and its own notice waits behind it: with two ranks (one
-// pair, both directions) each direction then ran only while the other was
-// idle, and an all-gather took as long as the allreduce that moves twice
-// its bytes (0.48 against 0.93 Gb/s bus bandwidth on a 1 Gb/s link,
-// docs/performance.md).
-
-void combine(torch::Tensor& into, const torch::Tensor& from, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Max:
-      torch::maximum_out(into, into, from);
-      return;
-    case ReduceOp::Min:
-      torch::minimum_out(into, into, from);
-      return;
-    default:
-      into.add_(from);
-  }
-}
-
-// What c10d's send and recv return, whichever LibTorch names its Work.
-using C10dWork = decltype(std::declval<c10d::ProcessGroupGloo&>().barrier());
-
-// Note [Planned rings]: step `step` of a ring that carries a planned
-// collective's words passes on rank r-step's and receives rank r-step-1's,
-// on a tag of their own, posted beside the step's data; `posted` collects
-// the works to wait on. None where `words` is undefined.
-void post_words(c10d::ProcessGroupGloo& group, const torch::Tensor& words, int step, int tag,
-                std::vector<C10dWork>& posted) {
-  if (!words.defined()) {
-    return;
-  }
-  const int size = group.getSize();
-  const int rank = group.getRank();
-  const int64_t per_rank = words.numel() / size;
-  auto slot = [&](int i) { return words.narrow(0, ((i % size + size) % size) * per_rank, per_rank); };
-  std::vector<torch::Tensor> into{slot(rank - step - 1)};
-  std::vector<torch::Tensor> sent{slot(rank - step)};
-  posted.push_back(group.recv(into, (rank - 1 + size) % size, tag));
-  posted.push_back(group.send(sent, (rank + 1) % size, tag));
-}
-
-// A ring's tags: size()-1 for its steps' data, from first_tag, and as many
-// for their words after them.
-int words_tag(int first_tag, int size, int step) {
-  return first_tag + size + step;
-}
-
-// At step s rank r sends its partial sum of chunk (r-s-1) mod W and adds
-// its own input's chunk (r-s-2) mod W to the partial that rank r-1 sends.
-// Step 0 sends the input's chunk as it is and the last step receives
-// straight into `output`, so two ranks copy nothing; more ranks pass the
-// partials on through two buffers (one sent while the next arrives).
-void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, const torch::Tensor& input, ReduceOp op,
-                         int first_tag, const torch::Tensor& words) {
-  if (!input.is_cpu() || !output.is_cpu()) {
-    auto on_cpu = torch::empty({output.numel()}, output.options().device(torch::kCPU));
-    ring_reduce_scatter(group, on_cpu, input.to(torch::kCPU), op, first_tag, words);
-    output.copy_(on_cpu.view_as(output));
-    return;
-  }
-  const int size = group.getSize();
-  const int rank = group.getRank();
-  const int64_t n = output.numel();
-  const auto flat = input.reshape({-1});
-  auto chunk = [&](int i) { return flat.narrow(0, ((i % size + size) % size) * n, n); };
-  torch::Tensor partial = chunk(rank - 1);
-  torch::Tensor spare[2];
-  for (int step = 0; step < size - 1; ++step) {
-    auto& buffer = spare[step % 2];
-    if (step < size - 2 && !buffer.defined()) {
-      buffer = empty_mapped(n, flat.options()); // Note [Pages for transient buffers]: this thread frees it
-    }
-    auto received = step == size - 2 ? output.view({-1}) : buffer;
-    std::vector<torch::Tensor> sent{partial};
-    std::vector<torch::Tensor> into{received};
-    // Note [Receive before sending].
-    std::vector<C10dWork> posted{group.recv(into, (rank - 1 + size) % size, first_tag + step),
-                                                       group.send(sent, (rank + 1) % size, first_tag + step)};
-    post_words(group, words, step, words_tag(first_tag, size, step), posted);
-    for (auto& work : posted) {
-      work->wait();
-    }
-    combine(received, chunk(rank - step - 2), op);
-    partial = received;
-  }
-}
-
-// The all-gather ring: at step s rank r passes on the shard of rank
-// (r-s) mod W that it holds and receives that of rank (r-s-1) mod W, each
-// straight into its place in `outputs`: no flat copy on a Gloo thread, whose
-// allocations glibc keeps in that thread's arena.
-void ring_all_gather(c10d::ProcessGroupGloo& group, std::vector<torch::Tensor> outputs, const torch::Tensor& input,
-                     int first_tag, const torch::Tensor& words) {
-  const int size = group.getSize();
-  const int rank = group.getRank();
-  if (outputs[rank].data_ptr() != input.data_ptr()) { // else in place: this rank's part is there
-    outputs[rank].copy_(input.view_as(outputs[rank]));
-  }
-  auto slot = [&](int i) { return outputs[(i % size + size) % size]; };
-  for (int step = 0; step < size - 1; ++step) {
-    std::vector<torch::Tensor> sent{slot(rank - step)};
-    std::vector<torch::Tensor> received{slot(rank - step - 1)};
-    // Note [Receive before sending].
-    std::vector<C10dWork> posted{group.recv(received, (rank - 1 + size) % size, first_tag + step),
-                                                       group.send(sent, (rank + 1) % size, first_tag + step)};
-    post_words(group, words, step, words_tag(first_tag, size, step), posted);
-    for (auto& work : posted) {
-      work->wait();
-    }
-  }
-}
-
-// Runs the rings one after another on a thread of the group's own.
-class RingThread {
- public:
-  ~RingThread() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    queued_.notify_all();
-    if (thread_.joinable()) {
-      thread_.join();
-    }
-  }
-  std::shared_future<void> run(std::function<void()> ring) {
-    std::packaged_task<void()> task(std::move(ring));
-    auto done = task.get_future().share();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!thread_.joinable()) {
-        thread_ = std::thread([this] { loop(); });
-      }
-      queue_.push_back(std::move(task));
-    }
-    queued_.notify_one();
-    return done;
-  }
-
- private:
-  void loop() {
-    for (;;) {
-      std::packaged_task<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        queued_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) {
-          return;
-        }
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      task();
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable queued_;
-  std::deque<std::packaged_task<void()>> queue_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
-class RingWork : public Work {
- public:
-  RingWork(std::shared_future<void> done, std::string what, int rank, int size, std::chrono::milliseconds timeout,
-           Diagnose diagnose)
-      : done_(std::move(done)), what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout),
-        diagnose_(std::move(diagnose)) {}
-  void wait() override {
-    // Gloo bounds each send and recv by the same timeout; this bounds a ring
-    // stuck behind another.
-    if (done_.wait_for(timeout_ * size_) == std::future_status::timeout) {
-      throw_collective_error(what_, rank_, size_, timeout_, "the ring's steps did not complete", diagnose_);
-    }
-    try {
-      done_.get();
-    } catch (const std::exception& e) {
-      throw_collective_error(what_, rank_, size_, timeout_, e.what(), diagnose_);
-    }
-  }
-
- private:
-  std::shared_future<void> done_;
-  std::string what_;
-  int rank_, size_;
-  std::chrono::milliseconds timeout_;
-  Diagnose diagnose_;
-};
-
 // c10d's Gloo group, with the dtypes its type switch has: Gloo copies and
 // adds through one C++ type per dtype, and has none for the others (Short,
 // complex types; BFloat16 and Bool before PyTorch 2.2).
@@ -607,11 +390,10 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
     });
     return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
   }
-  // The first of the next ring's tags: size()-1 for its steps and as many
-  // for its words (words_tag).
+  // The first of the next ring's tags_per_ring().
   int next_tags() {
     constexpr int64_t kRingTags = 1 << 20; // tags stay positive and apart from the rings before
-    return static_cast<int>((rings_++ * 2 * size()) % kRingTags);
+    return static_cast<int>((rings_++ * tags_per_ring(size())) % kRingTags);
   }
 
   int64_t rings_ = 0;

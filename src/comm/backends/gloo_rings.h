@@ -1,0 +1,123 @@
+#pragma once
+
+// Internal: Lockstep's rings over c10d's Gloo send and recv, the group's
+// all-gathers and reduce-scatters of CPU tensors (Note [Gloo's
+// reduce-scatter] in src/comm/backends/gloo_rings.cpp), and the thread and
+// Work they run on.
+
+#include <lockstep/backend.h>
+#include <lockstep/detail/c10d_group.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace lockstep {
+namespace detail {
+
+/// How many tags a ring takes from `first_tag` on, in a group of `size`:
+/// size-1 for its steps' data and as many for their words.
+inline int tags_per_ring(int size) {
+  return 2 * size;
+}
+
+/// Rank r's `output` (n elements) receives every rank's input[r*n, (r+1)*n)
+/// reduced by `op`, as a ring. `words`, where defined, is a planned
+/// collective's room (Note [Planned rings] in src/comm/planned_collective.cpp),
+/// whose every slot holds its rank's words once the ring returns.
+void ring_reduce_scatter(c10d::ProcessGroupGloo& group, torch::Tensor output, const torch::Tensor& input, ReduceOp op,
+                         int first_tag, const torch::Tensor& words);
+
+/// outputs[r] receives rank r's `input`, as a ring; `words` as above.
+void ring_all_gather(c10d::ProcessGroupGloo& group, std::vector<torch::Tensor> outputs, const torch::Tensor& input,
+                     int first_tag, const torch::Tensor& words);
+
+// Runs the rings one after another on a thread of the group's own.
+class RingThread {
+ public:
+  ~RingThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    queued_.notify_all();
+    if (thread_.joinable()) {
+      thread_.join();
+    }
+  }
+  std::shared_future<void> run(std::function<void()> ring) {
+    std::packaged_task<void()> task(std::move(ring));
+    auto done = task.get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!thread_.joinable()) {
+        thread_ = std::thread([this] { loop(); });
+      }
+      queue_.push_back(std::move(task));
+    }
+    queued_.notify_one();
+    return done;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::packaged_task<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        queued_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) {
+          return;
+        }
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable queued_;
+  std::deque<std::packaged_task<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class RingWork : public Work {
+ public:
+  RingWork(std::shared_future<void> done, std::string what, int rank, int size, std::chrono::milliseconds timeout,
+           Diagnose diagnose)
+      : done_(std::move(done)), what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout),
+        diagnose_(std::move(diagnose)) {}
+  void wait() override {
+    // Gloo bounds each send and recv by the same timeout; this bounds a ring
+    // stuck behind another.
+    if (done_.wait_for(timeout_ * size_) == std::future_status::timeout) {
+      throw_collective_error(what_, rank_, size_, timeout_, "the ring's steps did not complete", diagnose_);
+    }
+    try {
+      done_.get();
+    } catch (const std::exception& e) {
+      throw_collective_error(what_, rank_, size_, timeout_, e.what(), diagnose_);
+    }
+  }
+
+ private:
+  std::shared_future<void> done_;
+  std::string what_;
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+  Diagnose diagnose_;
+};
+
+} // namespace detail
+} // namespace lockstep
