@@ -9,7 +9,9 @@
 # CONTENDER: a lockstep-bench-ddp mode (lockstep, powersgd, gradop,
 # fullshard, nocomm, comm; docs in bench/bench_ddp.cpp), python (PyTorch's
 # DDP) or python-powersgd (with its powerSGD_hook), each optionally with
-# :CAP_MB for bucket_cap_mb (lockstep:5). MODEL: mlp or deep. For example:
+# :CAP_MB for bucket_cap_mb (lockstep:5), and a lockstep mode optionally with
+# @BUILD_DIR to run that build's lockstep-bench-ddp (fullshard@/tmp/before,
+# beside fullshard: a change before and after). MODEL: mlp or deep. For example:
 #   bench/netlab_bench.sh 2 1gbit mlp 10 5 lockstep powersgd python python-powersgd
 #   bench/netlab_bench.sh 2 10gbit deep 20 5 lockstep:1 lockstep:5 lockstep nocomm comm
 # Lockstep's ranks start with lockstep-run --nnodes HOSTS, one per host;
@@ -40,8 +42,9 @@ echo "netlab_bench: $hosts hosts at $rate, $model, $steps steps, $rounds rounds,
 scripts/netlab.sh run "$hosts" "$rate" -- bash -c '
   port=29700
   one() { # CONTENDER: prints rank 0s line
-    local name=${1%%:*} cap=25 pids=() i
+    local name=${1%%:*} cap=25 bin=$BENCH_BIN pids=() i
     [[ "$1" == *:* ]] && cap=${1#*:}
+    [[ "$name" == *@* ]] && bin=${name#*@}/lockstep-bench-ddp name=${name%%@*}
     port=$((port + 1))
     for ((i = 0; i < BENCH_HOSTS; i++)); do
       if [[ "$name" == python* ]]; then
@@ -51,7 +54,7 @@ scripts/netlab.sh run "$hosts" "$rate" -- bash -c '
       else
         "$NETLAB" exec "$LAB" $i env OMP_NUM_THREADS=1 "$BENCH_RUN" --nnodes "$BENCH_HOSTS" --node-rank $i \
           --nproc-per-node 1 --master-addr 10.77.0.1 --master-port $port \
-          "$BENCH_BIN" "$name" "$BENCH_MODEL" "$BENCH_STEPS" --bucket-cap-mb "$cap" &
+          "$bin" "$name" "$BENCH_MODEL" "$BENCH_STEPS" --bucket-cap-mb "$cap" &
       fi
       pids+=($!)
     done
