@@ -58,6 +58,15 @@ namespace detail {
 
 namespace {
 
+// An entry's key in a version-1 shard's archive: "f3" for flat parameter 3,
+// "w0" for the first whole tensor. (Built by appending: GCC 12 warns,
+// wrongly, of an overflow in "f" + std::to_string(n) once inlined.)
+std::string archive_key(char kind, size_t index) {
+  std::string key(1, kind);
+  key += std::to_string(index);
+  return key;
+}
+
 constexpr char kMagic[] = "LOCKSTEP-SHARD\n";
 constexpr size_t kMagicSize = sizeof(kMagic) - 1;
 
@@ -155,7 +164,7 @@ torch::Tensor old_range(OldShards& old, size_t f, const std::string& key, int64_
       continue;
     }
     torch::serialize::InputArchive flat;
-    old.archive(q).read("f" + std::to_string(f), flat);
+    old.archive(q).read(archive_key('f', f), flat);
     torch::Tensor values;
     if (key == "values") {
       flat.read("values", values);
@@ -175,7 +184,7 @@ std::shared_ptr<torch::optim::OptimizerParamState> reshard_state(OldShards& old,
                                                                  int64_t old_shard, int64_t begin, int64_t end,
                                                                  torch::optim::Optimizer& optimizer) {
   torch::serialize::InputArchive first;
-  old.archive(0).read("f" + std::to_string(f), first);
+  old.archive(0).read(archive_key('f', f), first);
   torch::serialize::InputArchive saved_state;
   if (!first.try_read("state", saved_state)) {
     // Saved before the optimizer's first step: as load_state_dict, the
@@ -223,7 +232,7 @@ void stage_whole(OldShards& old, const nlohmann::json& index, const std::string&
   old.archive(0).read("whole", rest);
   for (size_t i = 0; i < whole.size(); ++i) {
     torch::Tensor value;
-    rest.read("w" + std::to_string(i), value);
+    rest.read(archive_key('w', i), value);
     const auto& live = whole[i].second;
     TORCH_CHECK(value.sizes() == live.sizes() && value.scalar_type() == live.scalar_type(), "lockstep::load_sharded: ",
                 index_path, ": '", whole[i].first, "' was ", value.sizes(), " ", value.scalar_type(), " but here it is ",
