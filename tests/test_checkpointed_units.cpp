@@ -89,6 +89,23 @@ TEST(ShardedCheckpointing, EachUnitRunsAgainInBackwardWithTheSameBits) {
   }
 }
 
+// The wrapper switches checkpointing on in the units that had it off, and
+// off again when it ends, leaving the module as the caller gave it; a unit
+// the caller had switched on stays on.
+TEST(ShardedCheckpointing, TheSwitchesAreTheCallersAgainOnceTheWrapperEnds) {
+  testing::spawn(1, [](ProcessGroup& group) {
+    TwoBlocks net;
+    net->b->set_activation_checkpointing(true);
+    {
+      FullyShardedDataParallel<TwoBlocks> fsdp(net, group, ShardingOptions().units({"a", "b"}).activation_checkpointing(true));
+      EXPECT_TRUE(net->a->activation_checkpointing());
+      EXPECT_TRUE(net->b->activation_checkpointing());
+    }
+    EXPECT_FALSE(net->a->activation_checkpointing()) << "the wrapper's switch outlived it";
+    EXPECT_TRUE(net->b->activation_checkpointing()) << "the caller's own switch was turned off";
+  });
+}
+
 TEST(ShardedCheckpointing, AUnitThatCannotCheckpointIsNamed) {
   testing::spawn(1, [](ProcessGroup& group) {
     EXPECT_ERROR_SAYS((FullyShardedDataParallel<TwoBlocks>(TwoBlocks(), group,

@@ -175,10 +175,15 @@ std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOpt
 
 // ShardingOptions().activation_checkpointing(): switches on checkpointing in
 // each unit's module, which must offer it (lockstep::Checkpointable).
-void checkpoint_units(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where) {
+// Returns the units it switched on, which the wrapper switches off again
+// when it ends (the module is then the caller's, as it was).
+std::vector<std::shared_ptr<torch::nn::Module>> checkpoint_units(torch::nn::Module& module,
+                                                                const std::vector<std::string>& paths,
+                                                                const std::string& where) {
   TORCH_CHECK(!paths.empty(), where, "ShardingOptions().activation_checkpointing(true) checkpoints each unit but the "
               "root, and there is none: name the units, e.g. ShardingOptions().units({\"blocks.0\", ...}).");
   const auto submodules = module.named_modules("", /*include_self=*/false);
+  std::vector<std::shared_ptr<torch::nn::Module>> switched;
   for (const auto& path : paths) {
     const auto& unit = submodules[path];
     auto* checkpointable = dynamic_cast<Checkpointable*>(unit.get());
@@ -187,8 +192,12 @@ void checkpoint_units(torch::nn::Module& module, const std::vector<std::string>&
                 "so a unit's own forward must offer it: derive its Impl from lockstep::Checkpointable and route "
                 "forward's body through checkpointed_call (<lockstep/activation_checkpoint.h>), or call "
                 "lockstep::checkpoint in the parent's forward and leave this option off.");
-    checkpointable->set_activation_checkpointing(true);
+    if (!checkpointable->activation_checkpointing()) {
+      checkpointable->set_activation_checkpointing(true);
+      switched.push_back(unit);
+    }
   }
+  return switched;
 }
 
 Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where) {
@@ -404,7 +413,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   check_not_nested(module, s.where()); // Note [Nested wrappers]
   const auto paths = unit_paths(module, options, s.where());
   if (options.activation_checkpointing()) {
-    checkpoint_units(module, paths, s.where());
+    s.checkpointed_units = checkpoint_units(module, paths, s.where());
   }
   const auto planned = plan_parameters(module, paths, s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
@@ -497,6 +506,9 @@ ShardedCore::~ShardedCore() {
   state_->cache_thread_allocations(false);
   if (state_->watched_pass) {
     detail::end_pass();
+  }
+  for (auto& unit : state_->checkpointed_units) {
+    dynamic_cast<Checkpointable&>(*unit).set_activation_checkpointing(false);
   }
   for (auto& flat : state_->flats) {
     forget_wrapped(flat.params);

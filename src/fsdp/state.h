@@ -95,6 +95,9 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // What is not sharded but is the model's state: buffers and frozen
   // parameters, by name, the live tensors, which checkpoints save whole.
   std::vector<std::pair<std::string, torch::Tensor>> whole;
+  // The units whose checkpointing this wrapper switched on
+  // (ShardingOptions().activation_checkpointing()), and switches off at its end.
+  std::vector<std::shared_ptr<torch::nn::Module>> checkpointed_units;
   size_t first_frozen = 0; // whole's frozen parameters follow its buffers
 
   std::string where() const {
