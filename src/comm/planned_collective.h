@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: collectives of a plan that every rank agreed on once (DDP's
-// buckets, FSDP's all-gathers and reduce-scatters), which the agreement check
+// buckets, PowerSGD's allreduces, FSDP's backward), which the agreement check
 // then lets go without a round trip before each, checking words they carry
 // instead (Note [Planned collectives] and Note [Planned rings] in
 // src/comm/planned_collective.cpp).
@@ -38,8 +38,9 @@ int64_t agree_on_plan(const ProcessGroup& group, const std::string& label, const
                       torch::Device device, const std::string& hint);
 
 /// The collectives a caller sends again every iteration, in one order
-/// (PowerSGD's P's and Q's, FSDP's gathers and reduce-scatters), planned from what the last iteration sent:
-/// Note [Recurring plans] in src/comm/planned_collective.cpp.
+/// (PowerSGD's P's and Q's, FSDP's backward all-gathers and reduce-scatters),
+/// planned from what the last iteration sent: Note [Recurring plans] in
+/// src/comm/planned_collective.cpp.
 class RecurringPlan {
  public:
   RecurringPlan(std::string label, std::string hint);
