@@ -4,7 +4,6 @@
 #include "comm/backends/gloo_rings.h"
 #include "comm/planned_collective.h"
 #include "util/caller_stream.h"
-#include "util/mapped_memory.h"
 #include "util/torch_compat.h"
 
 #include <common/sockets.h>
