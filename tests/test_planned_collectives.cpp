@@ -17,7 +17,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,29 +44,13 @@ torch::Tensor words_of(const torch::Tensor& bucket, const ProcessGroup& group) {
   return bucket.narrow(0, kGradients, detail::plan_words_elements(group.size()));
 }
 
-// Every rank's error, by rank.
-std::vector<std::string> errors_on(int size, const std::function<std::string(ProcessGroup&)>& fn,
-                                   std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
-  std::mutex mutex;
-  std::vector<std::string> errors(size);
-  testing::spawn(
-      size,
-      [&](ProcessGroup& group) {
-        const std::string error = fn(group);
-        std::lock_guard<std::mutex> lock(mutex);
-        errors[group.rank()] = error;
-      },
-      timeout);
-  return errors;
-}
-
 // The bucket plan of DistributedDataParallel's reducer is agreed when it is
 // made: a rank whose buckets differ fails there, with every other rank,
 // before any bucket is sent. (DistributedDataParallel's own options check
 // catches a bucket_cap_mb that differs before its reducer is made: this is
 // the reducer alone, as a rank whose plan differs for any other reason.)
 TEST(PlannedCollectives, ABucketPlanThatDiffersOnOneRankFailsOnEveryRank) {
-  const auto errors = errors_on(3, [](ProcessGroup& group) {
+  const auto errors = testing::strings_by_rank(3, [](ProcessGroup& group) {
     torch::manual_seed(1);
     auto net = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, 4));
     std::vector<std::string> names;
@@ -116,7 +99,7 @@ TEST(PlannedCollectives, GoUncheckedOverGlooCarryingWordsAndCheckedUnderDebugDet
 // allreduces complete, and every rank's wait() throws, naming its collective
 // and both items; the ranks stay paired, so the group goes on.
 TEST(PlannedCollectives, AnotherItemOnOneRankIsAnErrorOnEveryRankOnceItCompletes) {
-  const auto errors = errors_on(2, [](ProcessGroup& group) {
+  const auto errors = testing::strings_by_rank(2, [](ProcessGroup& group) {
     const int64_t plan = two_item_plan(group);
     auto bucket = torch::ones({kGradients + detail::plan_words_elements(group.size())});
     const int64_t item = group.rank();
@@ -141,7 +124,7 @@ TEST(PlannedCollectives, AnotherItemOnOneRankIsAnErrorOnEveryRankOnceItCompletes
 // bytes (Gloo pairs only collectives of one kind): both fail at the group's
 // timeout, each naming its own, and no process dies.
 TEST(PlannedCollectives, APlannedAllreduceMeetingACheckedOneFailsAtTheTimeoutOnEveryRank) {
-  const auto errors = errors_on(
+  const auto errors = testing::strings_by_rank(
       2,
       [](ProcessGroup& group) {
         const int64_t plan = two_item_plan(group);
@@ -211,7 +194,7 @@ TEST(PlannedCollectives, ARecurringPlanIsWhatTheLastIterationSentUntilAnItemDiff
 // A rank whose iteration sent other collectives than the others' fails with
 // every rank when they agree, before any of the next iteration's is sent.
 TEST(PlannedCollectives, ARecurringPlanThatDiffersOnOneRankFailsOnEveryRankWhenAgreed) {
-  const auto errors = errors_on(3, [](ProcessGroup& group) {
+  const auto errors = testing::strings_by_rank(3, [](ProcessGroup& group) {
     detail::RecurringPlan plan("the test's collectives", "Look at the test.");
     plan.start_iteration(group, torch::kCPU);
     plan.next({100, torch::kFloat});

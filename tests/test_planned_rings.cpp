@@ -16,8 +16,6 @@
 #include <torch/torch.h>
 
 #include <chrono>
-#include <functional>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -50,22 +48,6 @@ std::shared_ptr<Work> planned_reduce_scatter(const ProcessGroup& group, torch::T
   return group.reduce_scatter_async(out, in, ReduceOp::Sum, "reduce_scatter of item " + std::to_string(item));
 }
 
-// Every rank's error, by rank.
-std::vector<std::string> errors_on(int size, const std::function<std::string(ProcessGroup&)>& fn,
-                                   std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
-  std::mutex mutex;
-  std::vector<std::string> errors(size);
-  testing::spawn(
-      size,
-      [&](ProcessGroup& group) {
-        const std::string error = fn(group);
-        std::lock_guard<std::mutex> lock(mutex);
-        errors[group.rank()] = error;
-      },
-      timeout);
-  return errors;
-}
-
 // Three ranks, so that words pass through a rank on their way: each planned
 // ring gives the collective's result, and its words read back equal (a
 // difference would throw from wait()). Rank r's shard holds r + 1.
@@ -95,7 +77,7 @@ TEST(PlannedRings, GiveTheirResultsCarryingEveryRanksWords) {
 // completes, and every rank's wait() throws, naming both items. The ranks
 // stay paired, so the group goes on.
 TEST(PlannedRings, AnotherItemOnOneRankIsAnErrorOnEveryRankOnceTheRingCompletes) {
-  const auto errors = errors_on(3, [](ProcessGroup& group) {
+  const auto errors = testing::strings_by_rank(3, [](ProcessGroup& group) {
     const int64_t plan = ring_plan(group);
     auto out = torch::empty({kShard * 3});
     const int64_t item = group.rank() == 2 ? 1 : 0;
@@ -120,7 +102,7 @@ TEST(PlannedRings, AnotherItemOnOneRankIsAnErrorOnEveryRankOnceTheRingCompletes)
 // bytes: both fail at the group's timeout, each naming its own, and no
 // process dies (Gloo would abort on a message of another size).
 TEST(PlannedRings, APlannedRingMeetingACheckedCollectiveFailsAtTheTimeoutOnEveryRank) {
-  const auto errors = errors_on(
+  const auto errors = testing::strings_by_rank(
       2,
       [](ProcessGroup& group) {
         const int64_t plan = ring_plan(group);
@@ -162,7 +144,7 @@ TORCH_MODULE(TwoUnits);
 // rank 0 reduce-scatters and rank 1 does not) fails with every other rank,
 // each naming its own collective, within the group's timeout.
 TEST(PlannedRings, AShardedBackwardThatDiffersOnOneRankFailsOnEveryRankWithinTheTimeout) {
-  const auto errors = errors_on(
+  const auto errors = testing::strings_by_rank(
       2,
       [](ProcessGroup& group) {
         torch::manual_seed(3);

@@ -58,5 +58,22 @@ inline void spawn(
   }
 }
 
+// Runs fn(group) on `size` ranks as spawn() does, and returns what each rank's
+// fn returned (its error's text, say), by rank.
+inline std::vector<std::string> strings_by_rank(int size, const std::function<std::string(ProcessGroup&)>& fn,
+                                                std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  std::mutex mutex;
+  std::vector<std::string> by_rank(size);
+  spawn(
+      size,
+      [&](ProcessGroup& group) {
+        const std::string text = fn(group);
+        std::lock_guard<std::mutex> lock(mutex);
+        by_rank[group.rank()] = text;
+      },
+      timeout);
+  return by_rank;
+}
+
 } // namespace testing
 } // namespace lockstep
