@@ -28,7 +28,8 @@ namespace lockstep {
 // runs in another order (a branch on the rank or the data) would agree in
 // size and silently swap statistics, so the wrappers number their layers
 // (detail::label_sync_batch_norms) and each layer's collectives carry its
-// number as a tag (Note [Collective tags]): an error on every rank instead.
+// number and its wrapper's as a tag (Note [Collective tags]): an error on
+// every rank instead, also for two wrapped models run in another order.
 //
 // A 16-bit input is normalised with float statistics, as ATen's batch norm
 // kernels do (their accumulate type), and the output and input gradient
@@ -357,11 +358,11 @@ size_t convert_sync_batchnorm(torch::nn::Module& module, const ProcessGroup& gro
 
 namespace detail {
 
-void label_sync_batch_norms(torch::nn::Module& root) {
+void label_sync_batch_norms(torch::nn::Module& root, int64_t model) {
   int64_t number = 0;
   for (const auto& named : root.named_modules()) {
     if (auto* sync = named.value()->as<SyncBatchNormImpl>()) {
-      sync->tag_ = ++number; // 0 is every untagged collective's
+      sync->tag_ = model_tag(model, ++number); // 0 is every untagged collective's
       sync->path_ = named.key();
     }
   }

@@ -95,6 +95,39 @@ TEST(PlannedCollectives, GoUncheckedOverGlooCarryingWordsAndCheckedUnderDebugDet
   }
 }
 
+// Two DistributedDataParallel models of one layout, whose backwards one rank
+// runs in the other order, meet bucket for bucket with the same sizes. Over
+// Gloo their plans' ids differ; checked (LOCKSTEP_DEBUG=detail, and MPI or
+// NCCL always) each wrapper's number, agreed at construction, joins its
+// buckets' tags (Note [Collective tags]). Either is an error on every rank,
+// never one model's gradients added to the other's.
+TEST(PlannedCollectives, TwoModelsWhoseBackwardsRunInAnotherOrderOnOneRankAreAnErrorOnEveryRank) {
+  for (const bool detail : {false, true}) {
+    if (detail) {
+      setenv("LOCKSTEP_DEBUG", "detail", 1);
+    }
+    testing::spawn(2, [&](ProcessGroup& group) {
+      torch::manual_seed(3);
+      DistributedDataParallel<torch::nn::Linear> first(torch::nn::Linear(64, 64), group);
+      DistributedDataParallel<torch::nn::Linear> second(torch::nn::Linear(64, 64), group);
+      const auto x = torch::randn({4, 64});
+      auto a = first->forward(x).sum();
+      auto b = second->forward(x).sum();
+      auto run = [&] {
+        (group.rank() == 1 ? b : a).backward();
+        (group.rank() == 1 ? a : b).backward();
+      };
+      if (detail) {
+        EXPECT_ERROR_SAYS(run(), "ranks disagree on collective", "of wrapped model ",
+                          "two wrapped models run in another order on some rank");
+      } else {
+        EXPECT_ERROR_SAYS(run(), "ranks disagree on this collective, found once it completed");
+      }
+    }, std::chrono::seconds(20));
+    unsetenv("LOCKSTEP_DEBUG");
+  }
+}
+
 // Two ranks that send other items of the plan, of the same size: both
 // allreduces complete, and every rank's wait() throws, naming its collective
 // and both items; the ranks stay paired, so the group goes on.

@@ -264,6 +264,31 @@ TEST(FullyShardedDataParallel, UnitsReadInAnotherOrderOnOneRankAreAnErrorOnEvery
   }
 }
 
+// Two wrapped models of one layout, whose forwards one rank runs in the
+// other order: each model's first unit is bucket 1, so without the model in
+// the tag every rank would gather the other model's shards into its own
+// without an error. Each wrapper's number, agreed at construction, joins
+// its tags (Note [Collective tags]).
+TEST(FullyShardedDataParallel, TwoModelsRunInAnotherOrderOnOneRankAreAnErrorOnEveryRank) {
+  for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp}) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      torch::manual_seed(12);
+      const auto options = ShardingOptions().strategy(strategy);
+      FullyShardedDataParallel<torch::nn::Linear> first(torch::nn::Linear(1024, 1024), group, options);
+      FullyShardedDataParallel<torch::nn::Linear> second(torch::nn::Linear(1024, 1024), group, options);
+      auto run = [&] {
+        const auto x = torch::randn({2, 1024});
+        if (group.rank() == 1) {
+          return second->forward(x).sum() + first->forward(x).sum();
+        }
+        return first->forward(x).sum() + second->forward(x).sum();
+      };
+      EXPECT_ERROR_SAYS(run(), "ranks disagree on this collective", "the same sizes, but another collective",
+          "of wrapped model ", "two wrapped models run in another order on some rank");
+    }, std::chrono::seconds(20));
+  }
+}
+
 // A group of one that keeps the name of every collective it is asked for.
 class CountingGroup : public GroupImpl {
  public:

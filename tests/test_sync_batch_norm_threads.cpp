@@ -99,5 +99,23 @@ TEST(SyncBatchNormThreads, ReplicasOfAMultiRankLayerInDataParallelAreRefused) {
   });
 }
 
+// Two wrapped models, each with a SyncBatchNorm of one width, that one rank
+// runs in the other order: each is its model's layer 1, so without the
+// model's number in the tag the ranks would swap statistics without an
+// error (Note [Collective tags]).
+TEST(SyncBatchNormThreads, TwoModelsRunInAnotherOrderOnOneRankAreAnErrorOnEveryRank) {
+  testing::spawn(2, [&](ProcessGroup& group) {
+    const auto options = DistributedOptions().broadcast_buffers(false); // only the layers' own collectives
+    DistributedDataParallel<SyncBatchNorm> first(SyncBatchNorm(torch::nn::BatchNormOptions(4), group), group, options);
+    DistributedDataParallel<SyncBatchNorm> second(SyncBatchNorm(torch::nn::BatchNormOptions(4), group), group, options);
+    const auto x = torch::randn({3, 4}) + group.rank();
+    auto run = [&] {
+      return group.rank() == 1 ? second->forward(x) + first->forward(x) : first->forward(x) + second->forward(x);
+    };
+    EXPECT_ERROR_SAYS(run(), "ranks disagree on this collective", "tagged 1 of wrapped model ",
+                      "two wrapped models run in another order on some rank");
+  }, std::chrono::seconds(20));
+}
+
 } // namespace
 } // namespace lockstep

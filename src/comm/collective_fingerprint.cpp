@@ -4,6 +4,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <sstream>
 #include <string>
 
@@ -44,7 +45,25 @@ namespace detail {
 // tag joins the fingerprint, and ranks whose tags differ stop with an error
 // instead. Untagged collectives carry 0; tags are not taken from `what`,
 // which may name rank-specific things.
+// Two wrapped models of one layout meet the same trap: one rank that runs
+// their forwards or backwards in the other order sends each bucket against
+// the other model's bucket of the same number and size. So each wrapper
+// also has a number, rank 0's proposal taken by every rank at construction
+// (the wrappers are made in one order on every rank, as their
+// constructors' own collectives require), and its tags hold it beside the
+// bucket or layer: model_tag.
 thread_local int64_t current_tag = 0;
+constexpr int64_t kModelTagStride = int64_t{1} << 20; // parts of a model: buckets, layers
+
+int64_t propose_model_number() {
+  static std::atomic<int64_t> next{1};
+  return next++;
+}
+
+int64_t model_tag(int64_t model, int64_t part) {
+  TORCH_INTERNAL_ASSERT(part >= 0 && part < kModelTagStride, "a model's part out of range: ", part);
+  return model * kModelTagStride + part;
+}
 
 CollectiveTag::CollectiveTag(int64_t tag) : previous_(current_tag) {
   current_tag = tag;
@@ -188,8 +207,12 @@ std::string describe(const int64_t* f) {
   if (f[kKind] != kBarrier) {
     out << sizes_of(f);
   }
-  if (f[kTag] != 0) {
-    out << " tagged " << f[kTag];
+  const int64_t part = f[kTag] % kModelTagStride, model = f[kTag] / kModelTagStride;
+  if (part != 0) {
+    out << " tagged " << part;
+  }
+  if (model != 0) {
+    out << " of wrapped model " << model;
   }
   return out.str();
 }
@@ -208,7 +231,7 @@ std::string difference_hint(const int64_t* a, const int64_t* b) {
   if (only_tags) {
     return " (the same sizes, but another collective: Note [Collective tags]; under FullyShardedDataParallel, a "
            "forward that reads its units in another order on some rank; with SyncBatchNorm, layers run in another "
-           "order on some rank)";
+           "order on some rank; or two wrapped models run in another order on some rank)";
   }
   if (only_shapes) {
     return " (as many elements, but in tensors of other shapes: a list split differently, or a tensor reshaped, on "

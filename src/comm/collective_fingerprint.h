@@ -31,6 +31,16 @@ class CollectiveTag {
   int64_t previous_;
 };
 
+/// A number for a wrapper (DistributedDataParallel, FullyShardedDataParallel)
+/// that this process has not proposed before. Ranks exchange their
+/// proposals at construction and take rank 0's: the same on every rank, and
+/// different for each wrapper over a group (Note [Collective tags]).
+int64_t propose_model_number();
+
+/// The tag of a wrapped model's collective: its model number and a part of
+/// it (a bucket, a SyncBatchNorm layer; 0 for the wrapper's others).
+int64_t model_tag(int64_t model, int64_t part);
+
 /// The reduction (a ReduceOp) and the dtype of the collective a CallerView
 /// describes on this thread; `reduction` and `dtype` where none does, or for
 /// a collective without a reduction. The flight record shows them.

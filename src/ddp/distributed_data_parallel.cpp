@@ -1,6 +1,7 @@
 #include <lockstep/distributed_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include "comm/collective_fingerprint.h"
 #include "deterministic/micro_batch_step.h"
 #include "ddp/reducer.h"
 #include "util/bucket_key.h"
@@ -95,7 +96,7 @@ std::string rank0_text(const ProcessGroup& group, const std::string& text, torch
 
 } // namespace
 
-void verify_same_parameters(
+int64_t verify_same_parameters(
     const ProcessGroup& group,
     const std::vector<std::string>& names,
     const std::vector<torch::Tensor>& params,
@@ -120,7 +121,9 @@ void verify_same_parameters(
     }
   }
   // Every rank learns every rank's verdict, so that all of them throw.
-  auto verdicts = group.all_gather(torch::tensor({first_difference, static_cast<int64_t>(mine.size())}, torch::kLong).to(device));
+  auto verdicts = group.all_gather(
+      torch::tensor({first_difference, static_cast<int64_t>(mine.size()), propose_model_number()}, torch::kLong)
+          .to(device));
   for (int r = 0; r < group.size(); ++r) {
     const auto verdict = verdicts[r].cpu();
     const auto index = verdict[0].item<int64_t>();
@@ -149,6 +152,7 @@ void verify_same_parameters(
                 "'s parameters differ from rank 0's at parameter ", param, ": rank 0 has ", rank0, ", rank ", r, " has ",
                 theirs, ". Every rank must build the same model, with the same parameters in the same order.");
   }
+  return verdicts[0].cpu()[2].item<int64_t>();
 }
 
 void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root, const std::string& what) {
@@ -198,14 +202,14 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
               "gradient, so there is nothing to reduce.");
   check_one_device(names, params, group_.rank());
   Reducer::check_not_reduced(params, names, group_.rank());
-  verify_same_parameters(group_, names, params, describe(options));
+  model_ = verify_same_parameters(group_, names, params, describe(options));
   buffers_ = unique_tensors(module.buffers());
-  detail::label_sync_batch_norms(module);
+  detail::label_sync_batch_norms(module, model_);
   broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");
   if (options.deterministic()) {
     make_deterministic(std::move(params), options);
   } else {
-    reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options);
+    reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options, model_);
   }
 }
 
@@ -246,6 +250,7 @@ void DistributedCore::before_forward(int64_t batch) {
   reducer_->check_last_backward_finished();
   reducer_->check_hooks_attached();
   check_still_frozen();
+  CollectiveTag tag(model_tag(model_, 0)); // Note [Collective tags]: join's rounds, the buckets' rebuild, the buffers
   const bool grad = torch::GradMode::is_enabled();
   const bool reduce = sync_ && grad;
   int root = 0;

@@ -8,6 +8,7 @@
 
 #include <common/rank_list.h>
 
+#include "comm/collective_fingerprint.h"
 #include "ddp/reducer.h"
 
 #include <torch/torch.h>
@@ -104,6 +105,7 @@ void DistributedCore::end_join() {
 
 void DistributedCore::finish_join() {
   TORCH_INTERNAL_ASSERT(joining_, "finish_join outside join");
+  CollectiveTag tag(model_tag(model_, 0)); // as before_forward's, which the training ranks' rounds meet
   bool first_round = true;
   bool trained_to_the_end = false;
   while (true) {

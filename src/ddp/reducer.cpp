@@ -3,6 +3,7 @@
 #include <lockstep/distributed_options.h>
 #include <lockstep/timeline.h>
 
+#include "comm/collective_fingerprint.h"
 #include "comm/planned_collective.h"
 #include "ddp/reducer_state.h"
 #include "util/bucket_key.h"
@@ -156,7 +157,8 @@ Reducer::Reducer(
     std::vector<torch::Tensor> params,
     std::vector<std::string> names,
     ProcessGroup group,
-    const DistributedOptions& options)
+    const DistributedOptions& options,
+    int64_t model)
     : state_(std::make_shared<State>()) {
   TORCH_INTERNAL_ASSERT(params.size() == names.size());
   State& s = *state_;
@@ -164,6 +166,7 @@ Reducer::Reducer(
   s.names = std::move(names);
   s.group = std::move(group);
   s.options = options;
+  s.model = model;
   s.divisor = s.group.size();
   s.used_since_sync.assign(s.params.size(), 0);
   s.global_unused.assign(s.params.size(), 0);
@@ -444,6 +447,7 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
     }
     bucket.allreduce_span =
         timeline::Span([&] { return "allreduce bucket " + std::to_string(next_bucket); }, bucket.bytes, "collectives");
+    CollectiveTag tag(model_tag(model, 1 + static_cast<int64_t>(next_bucket))); // Note [Collective tags]
     if (options.comm_hook()) {
       GradBucket view{next_bucket, bucket.buffer, bucket.params, bucket.name, bucket.views,
                       next_bucket + 1 == buckets.size(), weak_from_this()};

@@ -44,7 +44,8 @@ class Reducer {
       std::vector<torch::Tensor> params,
       std::vector<std::string> names,
       ProcessGroup group,
-      const DistributedOptions& options);
+      const DistributedOptions& options,
+      int64_t model = 0); // the wrapper's number in its collectives' tags (Note [Collective tags])
   ~Reducer();
 
   /// Throws, naming the first of `params` that a live Reducer already

@@ -2,6 +2,7 @@
 // src/ddp/reducer_state.h): what got no gradient, the waits, the copies back into
 // .grad, and the errors every rank raises together.
 
+#include "comm/collective_fingerprint.h"
 #include "ddp/reducer_state.h"
 
 #include <lockstep/timeline.h>
@@ -19,6 +20,7 @@ void Reducer::State::finalize_backward() {
   finalize_queued = false;
   phase = Phase::Idle;
   torch::NoGradGuard no_grad;
+  CollectiveTag tag(model_tag(model, 0)); // Note [Collective tags]: the small collectives; each bucket has its own
   // Note [Timeline]: from the first hook to the end of this callback; a
   // shadow backward has no hook, and no span.
   const timeline::Span backward = shadowing ? timeline::Span() : std::move(backward_span);

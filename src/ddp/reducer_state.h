@@ -148,6 +148,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   DistributedOptions options;
   std::vector<Bucket> buckets;
   int64_t plan = -1; // the buckets' allreduces, as the ranks agreed on them
+  int64_t model = 0; // the wrapper's number in the collectives' tags (Note [Collective tags])
   bool had_unused = false; // plain mode: this rank's last backward left parameters without gradients
   std::vector<std::pair<size_t, size_t>> slot_of; // param -> (bucket, position)
   std::vector<char> ready;

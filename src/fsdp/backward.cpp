@@ -198,7 +198,7 @@ void ShardedCore::State::launch(Bucket& bucket) {
                                -1, "collectives");
   const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +
       " (" + std::to_string(input.numel()) + " elements)";
-  const int64_t tag_number = 1 + (&bucket - reduce_buckets.data());
+  const int64_t tag_number = model_tag(model, 1 + (&bucket - reduce_buckets.data()));
   CollectiveTag tag(tag_number); // Note [Collective tags]
   if (sharded()) {
     bucket.output = torch::empty({per_rank}, input.options());
@@ -334,6 +334,7 @@ torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_
     }
   }
   if (sharded()) {
+    CollectiveTag tag(model_tag(state_->model, 0)); // Note [Collective tags]: two models' norms never swap
     group_.allreduce_async({local}, largest ? ReduceOp::Max : ReduceOp::Sum, "clip_grad_norm_'s allreduce of the "
                            "shards' gradient norms")->wait();
   }

@@ -7,6 +7,7 @@
 #include <lockstep/fully_sharded_data_parallel.h>
 #include <lockstep/sync_batch_norm.h>
 
+#include "comm/collective_fingerprint.h"
 #include "fsdp/flat_param.h"
 #include "fsdp/state.h"
 #include "fsdp/storage_watch.h"
@@ -49,7 +50,7 @@ torch::Device control_device(const ProcessGroup& group, torch::Device device) {
 // line up: the names, shapes and dtypes, hashed, and compared. Each rank's
 // must be on one device, as FSDP1 requires: with two, two of autograd's
 // device threads would run the gradient hooks, which share the reduce state.
-void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
+int64_t check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
                       const std::vector<torch::Tensor>& params, const std::string& where) {
   std::ostringstream text;
   for (size_t i = 0; i < names.size(); ++i) {
@@ -58,7 +59,8 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
   const auto hash = static_cast<int64_t>(std::hash<std::string>()(text.str()) >> 1);
   int64_t devices = 0;
   const std::string on = devices_of(names, params, devices);
-  const auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash, devices}, torch::kLong);
+  const auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash, devices, propose_model_number()},
+                                  torch::kLong);
   const auto device = control_device(group, params.empty() ? torch::Device(torch::kCPU) : params[0].device());
   std::vector<torch::Tensor> all;
   for (const auto& theirs : group.all_gather(mine.to(device))) {
@@ -80,6 +82,7 @@ void check_same_model(const ProcessGroup& group, const std::vector<std::string>&
               " devices", several == group.rank() ? " (" + on + ")" : std::string(), ", but FullyShardedDataParallel "
               "shards the parameters of one device per rank. Move the module to one device (module->to(device)) "
               "before wrapping it.");
+  return all[0].data_ptr<int64_t>()[3];
 }
 
 // Note [A module wrapped twice]
@@ -417,8 +420,8 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   }
   const auto planned = plan_parameters(module, paths, s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
-  check_same_model(s.group, planned.names, planned.params, s.where());
-  detail::label_sync_batch_norms(module);
+  s.model = check_same_model(s.group, planned.names, planned.params, s.where());
+  detail::label_sync_batch_norms(module, s.model);
   {
     torch::NoGradGuard no_grad; // rank 0's values everywhere
     for (auto& p : planned.params) {

@@ -85,8 +85,9 @@ inline bool is_set_aside(const FlatParam& flat, const torch::Tensor& shard_grad)
 /// Every rank must shard the same parameters, or the flat buffers would not
 /// line up: the names, shapes and dtypes, hashed and compared; a different
 /// model on any rank, or one whose parameters are on several devices, is an
-/// error on every rank.
-void check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
+/// error on every rank. Returns the wrapper's model number, rank 0's
+/// proposal (Note [Collective tags]).
+int64_t check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
                       const std::vector<torch::Tensor>& params, const std::string& where);
 
 /// Where the group carries FSDP's own small int64 tensors (the model check,

@@ -135,7 +135,7 @@ void ShardedCore::State::start_gather(Bucket& b) {
     mine.narrow(0, offset, flats[i].layout.shard).copy_(flats[i].shard.detach());
     offset += flats[i].layout.shard;
   }
-  const int64_t tag_number = 1 + static_cast<int64_t>(bucket_of[b.members[0]]);
+  const int64_t tag_number = model_tag(model, 1 + static_cast<int64_t>(bucket_of[b.members[0]]));
   CollectiveTag tag(tag_number); // Note [Collective tags]
   // Note [Planned rings]: backward's gathers only; forward's keep the check.
   const auto item = pass == Pass::Backward

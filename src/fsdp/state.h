@@ -39,6 +39,7 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   enum class Pass { None, Forward, AfterForward, Backward };
 
   ProcessGroup group;
+  int64_t model = 0; // this wrapper's number in its collectives' tags (Note [Collective tags])
   ShardingStrategy strategy = ShardingStrategy::FullShard;
   bool reshard_after_forward = true;
   std::vector<FlatParam> flats; // the root's first, then the units' in order

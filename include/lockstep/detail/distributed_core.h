@@ -77,6 +77,7 @@ class DistributedCore {
   torch::nn::Module& module_;
   bool sync_ = true;
   ProcessGroup group_;
+  int64_t model_ = 0; // this wrapper's number in its collectives' tags
   bool broadcast_buffers_;
   bool has_comm_hook_;
   bool joining_ = false;
@@ -93,8 +94,9 @@ class DistributedCore {
 /// Checks that every rank has the same parameters (count, names, shapes,
 /// dtypes, in order) and the same `options` (a description of what sets the
 /// collectives); a mismatch throws on every rank, naming the first
-/// difference and what rank 0 has.
-void verify_same_parameters(
+/// difference and what rank 0 has. Returns the wrapper's model number, rank
+/// 0's proposal (Note [Collective tags] in src/comm/collective_fingerprint.cpp).
+int64_t verify_same_parameters(
     const ProcessGroup& group,
     const std::vector<std::string>& names,
     const std::vector<torch::Tensor>& params,
