@@ -110,19 +110,30 @@ TEST_F(Deterministic, TheGradientIsTheMeanOverTheGlobalBatch) {
 // A gradient is a tensor of its own: zero_grad(false) (1.13's zero_grad())
 // detaches it in place, which a view would refuse.
 TEST_F(Deterministic, GradientsAreNotViews) {
-  DeterministicNet net;
-  DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(),
-                                                DistributedOptions().deterministic(true).micro_batches(2));
-  const auto x = torch::ones({2, 7});
-  ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(x).sum(); });
-  for (const auto& p : net->parameters()) {
-    EXPECT_FALSE(p.grad().is_view());
+  for (int world : {1, 2}) { // at 2, the gradients share the gathered storage
+    testing::spawn(world, [](ProcessGroup& group) {
+      DeterministicNet net;
+      DistributedDataParallel<DeterministicNet> ddp(net, group, DistributedOptions().deterministic(true).micro_batches(2));
+      const auto x = torch::ones({1, 7});
+      ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(x).sum(); });
+      for (const auto& p : net->parameters()) {
+        EXPECT_FALSE(p.grad().is_view());
+      }
+      const auto kept = net->fc1->bias.grad();
+      const auto before = kept.clone();
+      for (auto& p : net->parameters()) { // Optimizer::zero_grad's loop without set_to_none, fc1's weight alone
+        if (p.is_same(net->fc1->weight)) {
+          p.mutable_grad().detach_();
+          p.mutable_grad().zero_();
+        }
+      }
+      EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), torch::zeros_like(net->fc1->weight)));
+      EXPECT_TRUE(torch::equal(net->fc1->bias.grad(), before)) << "zeroing one gradient reached another";
+      ddp->backward_micro_batches(1, [&](int64_t) { return 2 * ddp->forward(x).sum(); });
+      EXPECT_TRUE(torch::equal(kept, before)) << "the next step wrote into a gradient kept from this one";
+      EXPECT_FALSE(torch::equal(net->fc1->bias.grad(), before));
+    });
   }
-  for (auto& p : net->parameters()) { // Optimizer::zero_grad's loop without set_to_none
-    p.mutable_grad().detach_();
-    p.mutable_grad().zero_();
-  }
-  EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), torch::zeros_like(net->fc1->weight)));
 }
 
 TEST_F(Deterministic, TheSeedSetsEachMicroBatchsDropout) {

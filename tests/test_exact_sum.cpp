@@ -154,6 +154,34 @@ TEST(ExactSum, TheLoopsAndTheOperatorsAgree) {
   }
 }
 
+// The loop rounds half to even without std::nearbyint, and takes the
+// largest magnitude from the values' bits: the same integers as torch::round
+// on ties and on the largest doubles below and above 2^52, and the same
+// maximum as the operators for every kind of value, NaN and infinities
+// included.
+TEST(ExactSum, TheLoopsRoundTiesToEvenAndFindTheLargestMagnitudeFromTheBits) {
+  const double two52 = std::ldexp(1.0, 52);
+  const std::vector<double> hard{0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999999999999994, -0.0, 1e-300,
+                                 two52 - 0.5, two52 - 1.5, -(two52 - 0.5), std::ldexp(1.0, 51) + 0.5, two52 + 2,
+                                 -std::ldexp(1.0, 61), std::ldexp(1.0, 61) - 512};
+  auto sum = torch::zeros({static_cast<int64_t>(hard.size())}, torch::kLong);
+  add_fixed_point(sum, torch::tensor(hard, torch::kDouble), 0, /*add=*/false);
+  EXPECT_TRUE(torch::equal(sum, torch::tensor(hard, torch::kDouble).round().to(torch::kLong))) << sum;
+  torch::manual_seed(3);
+  const auto random = torch::randn({100000}, torch::kDouble) * 1000;
+  auto looped = torch::zeros({100000}, torch::kLong);
+  add_fixed_point(looped, random, 40, /*add=*/false);
+  EXPECT_TRUE(torch::equal(looped, (random * std::ldexp(1.0, 40)).round().to(torch::kLong)));
+  const double inf = std::numeric_limits<double>::infinity();
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    EXPECT_EQ(max_abs(torch::tensor({-3.0, 2.0, 1e-40}, dtype)), 3.0) << dtype;
+    EXPECT_EQ(max_abs(torch::tensor({1e-45, -1e-44}, dtype)), torch::tensor({1e-44}, dtype).item<double>()) << dtype;
+    EXPECT_EQ(max_abs(torch::tensor({1.0, -inf, 2.0}, dtype)), inf) << dtype;
+    EXPECT_TRUE(std::isnan(max_abs(torch::tensor({1.0, inf, -std::nan("")}, dtype)))) << dtype;
+    EXPECT_EQ(max_abs(torch::tensor({-0.0, 0.0}, dtype)), 0.0) << dtype;
+  }
+}
+
 TEST(ExactSum, EachMicroBatchHasASeedOfItsOwn) {
   EXPECT_EQ(micro_batch_seed(1, 2, 3), micro_batch_seed(1, 2, 3));
   std::vector<uint64_t> seeds;

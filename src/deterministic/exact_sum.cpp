@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace lockstep {
 namespace detail {
@@ -36,11 +38,23 @@ struct Scale {
   double first, second;
 };
 
+// x rounded to an integer, half to even, as std::nearbyint in the default
+// rounding mode, without a call per element: below 2^52, adding 2^52 to |x|
+// leaves a double whose spacing is 1, so the addition itself rounds, and
+// subtracting 2^52 again is exact; from 2^52 on every double is an integer.
+// The loops that use it vectorise (std::nearbyint is a libm call unless the
+// target has SSE4.1, which the build does not assume).
+inline double round_half_even(double x) {
+  constexpr double kTwo52 = 4503599627370496.0;
+  const double magnitude = std::fabs(x);
+  return magnitude < kTwo52 ? std::copysign((magnitude + kTwo52) - kTwo52, x) : x;
+}
+
 template <typename T>
 void add_scaled(int64_t* sum, const T* value, int64_t n, Scale scale, bool add) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const auto q = static_cast<int64_t>(std::nearbyint(static_cast<double>(value[i]) * scale.first * scale.second));
+      const auto q = static_cast<int64_t>(round_half_even(static_cast<double>(value[i]) * scale.first * scale.second));
       sum[i] = add ? sum[i] + q : q;
     }
   });
@@ -55,17 +69,24 @@ void scale_back(T* out, const int64_t* sum, int64_t n, Scale scale, double divis
   });
 }
 
-template <typename T>
+// The largest |x|, or NaN where one is NaN, from the bits: without their
+// sign, IEEE floats of one width order as unsigned integers of that width,
+// infinity above every finite value and NaNs above infinity. An integer
+// maximum vectorises, where a floating-point one with NaN checks does not.
+template <typename T, typename Bits>
 double max_abs_of(const T* value, int64_t n) {
-  double largest = 0;
+  static_assert(sizeof(T) == sizeof(Bits), "the bits of one value");
+  constexpr Bits kMagnitude = ~Bits{0} >> 1;
+  Bits largest = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const double x = std::fabs(static_cast<double>(value[i]));
-    if (std::isnan(x)) {
-      return x;
-    }
-    largest = x > largest ? x : largest;
+    Bits bits;
+    std::memcpy(&bits, value + i, sizeof(bits));
+    bits &= kMagnitude;
+    largest = bits > largest ? bits : largest;
   }
-  return largest;
+  T result;
+  std::memcpy(&result, &largest, sizeof(result));
+  return static_cast<double>(result); // a NaN stays NaN
 }
 
 } // namespace
@@ -88,8 +109,8 @@ double max_abs(const torch::Tensor& value) {
   if (!on_cpu_as_float_or_double(value)) {
     return value.abs().max().item<double>();
   }
-  return value.scalar_type() == torch::kFloat ? max_abs_of(value.data_ptr<float>(), value.numel())
-                                              : max_abs_of(value.data_ptr<double>(), value.numel());
+  return value.scalar_type() == torch::kFloat ? max_abs_of<float, uint32_t>(value.data_ptr<float>(), value.numel())
+                                              : max_abs_of<double, uint64_t>(value.data_ptr<double>(), value.numel());
 }
 
 void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent, bool add) {

@@ -102,9 +102,9 @@ class MicroBatchStep {
 };
 
 /// The step of a wrapper whose every rank holds the whole parameters
-/// (DistributedDataParallel, DataParallel): `step`'s micro-batches run, one
-/// int64 allreduce sums their gradients, and each of `params` gets the mean
-/// as its .grad. Returns the mean loss. `who` names the wrapper in the
+/// (DistributedDataParallel, DataParallel): `step`'s micro-batches run, their
+/// gradients are summed exactly in int64 across ranks, and each of `params`
+/// gets the mean as its .grad. Returns the mean loss. `who` names the wrapper in the
 /// allreduce's description.
 double step_whole_parameters(MicroBatchStep& micro_batches, std::vector<torch::Tensor>& params, int64_t step,
                              const std::function<torch::Tensor(int64_t)>& loss_of, const std::string& who);
