@@ -358,11 +358,11 @@ size_t convert_sync_batchnorm(torch::nn::Module& module, const ProcessGroup& gro
 
 namespace detail {
 
-void label_sync_batch_norms(torch::nn::Module& root, int64_t model) {
+void label_sync_batch_norms(torch::nn::Module& root, const ProcessGroup& group, int64_t model) {
   int64_t number = 0;
   for (const auto& named : root.named_modules()) {
     if (auto* sync = named.value()->as<SyncBatchNormImpl>()) {
-      sync->tag_ = model_tag(model, ++number); // 0 is every untagged collective's
+      sync->tag_ = layer_tag(sync->group.same_group_as(group) ? model : 0, ++number);
       sync->path_ = named.key();
     }
   }

@@ -287,6 +287,15 @@ TEST(FullyShardedDataParallel, TwoModelsRunInAnotherOrderOnOneRankAreAnErrorOnEv
           "of wrapped model ", "two wrapped models run in another order on some rank");
     }, std::chrono::seconds(20));
   }
+  testing::spawn(2, [&](ProcessGroup& group) { // the same for summon_full_params() called in another order
+    FullyShardedDataParallel<torch::nn::Linear> first(torch::nn::Linear(1024, 1024), group);
+    FullyShardedDataParallel<torch::nn::Linear> second(torch::nn::Linear(1024, 1024), group);
+    auto summon = [&] {
+      auto one = (group.rank() == 1 ? second : first)->summon_full_params();
+      auto other = (group.rank() == 1 ? first : second)->summon_full_params();
+    };
+    EXPECT_ERROR_SAYS(summon(), "ranks disagree on this collective", "of wrapped model ");
+  }, std::chrono::seconds(20));
 }
 
 // A group of one that keeps the name of every collective it is asked for.

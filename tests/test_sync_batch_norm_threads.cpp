@@ -112,8 +112,26 @@ TEST(SyncBatchNormThreads, TwoModelsRunInAnotherOrderOnOneRankAreAnErrorOnEveryR
     auto run = [&] {
       return group.rank() == 1 ? second->forward(x) + first->forward(x) : first->forward(x) + second->forward(x);
     };
-    EXPECT_ERROR_SAYS(run(), "ranks disagree on this collective", "tagged 1 of wrapped model ",
+    EXPECT_ERROR_SAYS(run(), "ranks disagree on this collective", "tagged layer 1 of wrapped model ",
                       "two wrapped models run in another order on some rank");
+  }, std::chrono::seconds(20));
+}
+
+// Wrappers over the pairs {0, 1} and {2, 3}, each holding a SyncBatchNorm
+// over all four ranks: the pairs' wrappers have numbers of their own, so
+// the layer's tag leaves them out, and the four ranks normalise one batch.
+TEST(SyncBatchNormThreads, ALayerOverTheWorldInWrappersOverPairsNormalisesTheWholeBatch) {
+  std::vector<c10::intrusive_ptr<c10d::Store>> stores{c10::make_intrusive<c10d::HashStore>(),
+                                                      c10::make_intrusive<c10d::HashStore>()};
+  torch::manual_seed(4);
+  const auto whole = torch::randn({8, 3});
+  const auto expected = torch::batch_norm(whole, {}, {}, {}, {}, /*training=*/true, 0.1, 1e-5, false);
+  testing::spawn(4, [&](ProcessGroup& world) {
+    auto pair = new_group(stores[world.rank() / 2], world.rank() % 2, 2, "gloo", std::chrono::seconds(20));
+    DistributedDataParallel<SyncBatchNorm> model(SyncBatchNorm(torch::nn::BatchNormOptions(3).affine(true), world),
+                                                 pair);
+    const auto out = model->forward(whole.narrow(0, 2 * world.rank(), 2));
+    EXPECT_TRUE(torch::allclose(out, expected.narrow(0, 2 * world.rank(), 2), 1e-5, 1e-5)) << "rank " << world.rank();
   }, std::chrono::seconds(20));
 }
 

@@ -107,6 +107,10 @@ class ProcessGroup {
   /// Whether the backend starts a collective for little beside its bytes
   /// (GroupImpl::cheap_collective_starts).
   bool cheap_collective_starts() const;
+  /// Whether this handle and `other` are one group (copies of one handle).
+  bool same_group_as(const ProcessGroup& other) const {
+    return impl_ == other.impl_;
+  }
 
  private:
   std::shared_ptr<GroupImpl> impl_;

@@ -24,12 +24,12 @@ class SyncBatchNormImpl;
 
 namespace detail {
 /// Numbers the SyncBatchNorm layers under `root` in module order, within the
-/// wrapper's `model` number, and names them by their paths, so that ranks
-/// that run two of them in different orders stop with an error naming both
-/// instead of mixing their statistics (Note [Collective tags]).
-/// DistributedDataParallel and FullyShardedDataParallel call it on the
-/// module they wrap.
-void label_sync_batch_norms(torch::nn::Module& root, int64_t model);
+/// wrapper's `model` number where a layer's group is the wrapper's `group`,
+/// and names them by their paths, so that ranks that run two of them in
+/// different orders stop with an error naming both instead of mixing their
+/// statistics (Note [Collective tags]). DistributedDataParallel and
+/// FullyShardedDataParallel call it on the module they wrap.
+void label_sync_batch_norms(torch::nn::Module& root, const ProcessGroup& group, int64_t model);
 } // namespace detail
 
 /// Batch normalisation over input of shape (N, C, *), any number of trailing
@@ -107,7 +107,7 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   int64_t tag_ = 0;
   std::string path_;
 
-  friend void detail::label_sync_batch_norms(torch::nn::Module& root, int64_t model);
+  friend void detail::label_sync_batch_norms(torch::nn::Module& root, const ProcessGroup& group, int64_t model);
 };
 
 /// The module holder of SyncBatchNormImpl, made as

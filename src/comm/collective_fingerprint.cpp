@@ -51,9 +51,12 @@ namespace detail {
 // also has a number, rank 0's proposal taken by every rank at construction
 // (the wrappers are made in one order on every rank, as their
 // constructors' own collectives require), and its tags hold it beside the
-// bucket or layer: model_tag.
+// bucket or layer: model_tag, layer_tag. A SyncBatchNorm over another group
+// than its wrapper's keeps its layer number alone: that group's ranks may
+// hold wrappers over other groups, whose numbers differ.
 thread_local int64_t current_tag = 0;
-constexpr int64_t kModelTagStride = int64_t{1} << 20; // parts of a model: buckets, layers
+constexpr int64_t kModelTagStride = int64_t{1} << 20; // parts of a model: buckets, then layers
+constexpr int64_t kFirstLayerPart = int64_t{1} << 19;
 
 int64_t propose_model_number() {
   static std::atomic<int64_t> next{1};
@@ -61,8 +64,13 @@ int64_t propose_model_number() {
 }
 
 int64_t model_tag(int64_t model, int64_t part) {
-  TORCH_INTERNAL_ASSERT(part >= 0 && part < kModelTagStride, "a model's part out of range: ", part);
+  TORCH_INTERNAL_ASSERT(part >= 0 && part < kFirstLayerPart, "a model's part out of range: ", part);
   return model * kModelTagStride + part;
+}
+
+int64_t layer_tag(int64_t model, int64_t layer) {
+  TORCH_INTERNAL_ASSERT(layer > 0 && layer < kModelTagStride - kFirstLayerPart, "a layer out of range: ", layer);
+  return model * kModelTagStride + kFirstLayerPart + layer;
 }
 
 CollectiveTag::CollectiveTag(int64_t tag) : previous_(current_tag) {
@@ -208,7 +216,9 @@ std::string describe(const int64_t* f) {
     out << sizes_of(f);
   }
   const int64_t part = f[kTag] % kModelTagStride, model = f[kTag] / kModelTagStride;
-  if (part != 0) {
+  if (part >= kFirstLayerPart) {
+    out << " tagged layer " << part - kFirstLayerPart;
+  } else if (part != 0) {
     out << " tagged " << part;
   }
   if (model != 0) {

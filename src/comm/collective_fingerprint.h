@@ -38,8 +38,12 @@ class CollectiveTag {
 int64_t propose_model_number();
 
 /// The tag of a wrapped model's collective: its model number and a part of
-/// it (a bucket, a SyncBatchNorm layer; 0 for the wrapper's others).
+/// it (a bucket; 0 for the wrapper's others).
 int64_t model_tag(int64_t model, int64_t part);
+
+/// The tag of SyncBatchNorm layer `layer` (from 1) of wrapped model `model`,
+/// apart from every bucket's tag.
+int64_t layer_tag(int64_t model, int64_t layer);
 
 /// The reduction (a ReduceOp) and the dtype of the collective a CallerView
 /// describes on this thread; `reduction` and `dtype` where none does, or for

@@ -4,6 +4,7 @@
 
 #include <lockstep/distributed_data_parallel.h>
 
+#include "comm/collective_fingerprint.h"
 #include "deterministic/micro_batch_step.h"
 
 #include <torch/torch.h>
@@ -30,6 +31,7 @@ double DistributedCore::backward_micro_batches(int64_t step,
               ": backward_micro_batches needs DistributedOptions().deterministic(true).micro_batches(V); this wrapper "
               "reduces in backward, as PyTorch's DDP.");
   check_still_frozen();
+  CollectiveTag tag(model_tag(model_, 0)); // Note [Collective tags]
   return step_whole_parameters(*micro_batches_, exact_params_, step, loss_of, "deterministic DistributedDataParallel");
 }
 

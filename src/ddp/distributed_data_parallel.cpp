@@ -204,7 +204,7 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   Reducer::check_not_reduced(params, names, group_.rank());
   model_ = verify_same_parameters(group_, names, params, describe(options));
   buffers_ = unique_tensors(module.buffers());
-  detail::label_sync_batch_norms(module, model_);
+  detail::label_sync_batch_norms(module, group_, model_);
   broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");
   if (options.deterministic()) {
     make_deterministic(std::move(params), options);

@@ -42,8 +42,8 @@ struct Scale {
 // rounding mode, without a call per element: below 2^52, adding 2^52 to |x|
 // leaves a double whose spacing is 1, so the addition itself rounds, and
 // subtracting 2^52 again is exact; from 2^52 on every double is an integer.
-// The loops that use it vectorise (std::nearbyint is a libm call unless the
-// target has SSE4.1, which the build does not assume).
+// std::nearbyint is a libm call per element unless the target has SSE4.1,
+// which the build does not assume.
 inline double round_half_even(double x) {
   constexpr double kTwo52 = 4503599627370496.0;
   const double magnitude = std::fabs(x);
@@ -117,7 +117,7 @@ void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponen
   TORCH_INTERNAL_ASSERT(sum.scalar_type() == torch::kLong && sum.is_contiguous() && sum.numel() == value.numel());
   const Scale scale(exponent);
   if (!sum.is_cpu() || !on_cpu_as_float_or_double(value)) {
-    // std::nearbyint and torch::round both round half to even.
+    // round_half_even and torch::round both round half to even.
     auto scaled = value.reshape({-1}).to(torch::kDouble).mul(scale.first).mul_(scale.second).round_();
     add ? sum.view({-1}).add_(scaled.to(torch::kLong)) : sum.view({-1}).copy_(scaled);
     return;

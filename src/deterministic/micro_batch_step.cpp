@@ -333,8 +333,9 @@ std::vector<int64_t> dense_strides(at::IntArrayRef sizes) {
 // an all-gather hands the gradients round in the parameters' dtype. A ring
 // allreduce of int64 sends 2(W-1)/W of 8 bytes per element; this sends
 // (W-1)/W of 8 and then of 4 (float), three quarters of it, and each rank
-// converts 1/W of the elements back. Parameters of several dtypes, or a
-// backend without these collectives, take the allreduce.
+// converts 1/W of the elements back. Double parameters (as many bytes
+// either way, and one collective more), parameters of several dtypes, or a
+// backend without these collectives take the allreduce.
 void sum_by_reduce_scatter(const ProcessGroup& group, std::vector<torch::Tensor>& params,
                            const std::vector<FixedPointPiece>& pieces, int64_t total,
                            const MicroBatchGradients& gradients, const std::string& what) {
@@ -379,7 +380,8 @@ bool sums_by_reduce_scatter(const ProcessGroup& group, const std::vector<torch::
   const auto device = params.at(0).device();
   const auto dtype = params[0].scalar_type();
   const bool one_dtype = std::all_of(params.begin(), params.end(), [&](const auto& p) { return p.scalar_type() == dtype; });
-  return group.size() > 1 && one_dtype && group.supports(Collective::ReduceScatter, torch::kLong, device) &&
+  return group.size() > 1 && one_dtype && c10::elementSize(dtype) < 8 &&
+         group.supports(Collective::ReduceScatter, torch::kLong, device) &&
          group.supports(Collective::AllGather, dtype, device);
 }
 

@@ -105,7 +105,7 @@ class MicroBatchStep {
 /// (DistributedDataParallel, DataParallel): `step`'s micro-batches run, their
 /// gradients are summed exactly in int64 across ranks, and each of `params`
 /// gets the mean as its .grad. Returns the mean loss. `who` names the wrapper in the
-/// allreduce's description.
+/// collectives' descriptions.
 double step_whole_parameters(MicroBatchStep& micro_batches, std::vector<torch::Tensor>& params, int64_t step,
                              const std::function<torch::Tensor(int64_t)>& loss_of, const std::string& who);
 

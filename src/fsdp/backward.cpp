@@ -313,6 +313,7 @@ torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_
   TORCH_CHECK(norm_type > 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ", group_.rank(),
               ": norm_type ", norm_type, " is not a norm; pass 2.0 (the default), 1.0, or "
               "std::numeric_limits<double>::infinity()");
+  CollectiveTag tag(model_tag(state_->model, 0)); // Note [Collective tags]: two models' norms never swap
   if (state_->micro_batches) {
     return state_->exact_clip_grad_norm_(max_norm, norm_type);
   }
@@ -334,7 +335,6 @@ torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_
     }
   }
   if (sharded()) {
-    CollectiveTag tag(model_tag(state_->model, 0)); // Note [Collective tags]: two models' norms never swap
     group_.allreduce_async({local}, largest ? ReduceOp::Max : ReduceOp::Sum, "clip_grad_norm_'s allreduce of the "
                            "shards' gradient norms")->wait();
   }

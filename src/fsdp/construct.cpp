@@ -421,7 +421,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   const auto planned = plan_parameters(module, paths, s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
   s.model = check_same_model(s.group, planned.names, planned.params, s.where());
-  detail::label_sync_batch_norms(module, s.model);
+  detail::label_sync_batch_norms(module, s.group, s.model);
   {
     torch::NoGradGuard no_grad; // rank 0's values everywhere
     for (auto& p : planned.params) {

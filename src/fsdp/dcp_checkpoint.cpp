@@ -41,6 +41,7 @@ std::vector<BoxSource> ShardedCore::State::shard_boxes() const {
 
 int64_t ShardedCore::save_sharded(torch::optim::Optimizer* optimizer, const std::string& dir) const {
   auto& s = *state_;
+  CollectiveTag tag(model_tag(s.model, 0)); // Note [Collective tags]: two models' calls never pair
   TORCH_CHECK(!s.summoned, s.where(), "save_sharded() inside summon_full_params(): the shards take the guard's edits "
               "only when it ends, so the checkpoint would hold the parameters as they were before it beside buffers "
               "and frozen parameters as they are now. End the guard first.");
@@ -120,6 +121,7 @@ int64_t save_id_of(const DcpCheckpoint& checkpoint) {
 void ShardedCore::load_sharded(torch::optim::Optimizer* optimizer, const std::string& dir,
                                std::optional<int64_t> expected_save_id) {
   auto& s = *state_;
+  CollectiveTag tag(model_tag(s.model, 0)); // Note [Collective tags]: two models' calls never pair
   TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
               "(writeback) or hide what it loads. End the guard first.");
   check_checkpoint_folder(dir);

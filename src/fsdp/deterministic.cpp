@@ -7,6 +7,7 @@
 #include <lockstep/sharding_options.h>
 #include <lockstep/timeline.h>
 
+#include "comm/collective_fingerprint.h"
 #include "fsdp/state.h"
 
 #include <torch/torch.h>
@@ -66,6 +67,7 @@ double ShardedCore::backward_micro_batches(int64_t step, const std::function<tor
               "ShardingOptions().deterministic(true).micro_batches(V); this wrapper reduces in backward.");
   TORCH_CHECK(!s.summoned, s.where(), "backward_micro_batches inside summon_full_params(). End the guard first.");
   s.check_still_frozen_or_trained();
+  CollectiveTag tag(model_tag(s.model, 0)); // Note [Collective tags]: the step's own; each gather has its bucket's
   struct KeepGrads {
     bool& keep;
     ~KeepGrads() {

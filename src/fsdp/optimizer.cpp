@@ -182,6 +182,7 @@ void check_full_optimizer(const std::vector<FlatParam*>& flats, torch::optim::Op
 // parameters, so the full optimizer serializes as a bare model's does;
 // each parameter group takes the sharded group's options (its current lr).
 void ShardedCore::full_optimizer_state(torch::optim::Optimizer& optimizer, torch::optim::Optimizer& full) const {
+  CollectiveTag tag(model_tag(state_->model, 0)); // Note [Collective tags]: two models' calls never pair
   // Every rank gathers: one whose optimizers are refused must not leave the
   // others waiting in the gather (rank 0 alone saves the result, so the
   // others' full optimizer is easily an afterthought).

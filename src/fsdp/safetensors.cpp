@@ -84,6 +84,7 @@ std::vector<SafetensorsSource> ShardedCore::State::safetensors_sources(const std
 
 void ShardedCore::save_safetensors(const std::string& path, const SafetensorsSaveOptions& options) const {
   auto& s = *state_;
+  CollectiveTag tag(model_tag(s.model, 0)); // Note [Collective tags]: two models' calls never pair
   const std::string who = s.where() + "save_safetensors(" + path + ")";
   auto sources = s.safetensors_sources(who);
   const auto plan = plan_safetensors_save(sources, path, options, who);
@@ -119,6 +120,7 @@ void ShardedCore::save_safetensors(const std::string& path, const SafetensorsSav
 
 void ShardedCore::load_safetensors(const std::string& path, const SafetensorsLoadOptions& options) {
   auto& s = *state_;
+  CollectiveTag tag(model_tag(s.model, 0)); // Note [Collective tags]: two models' calls never pair
   TORCH_CHECK(!s.summoned, s.where(), "load_safetensors() inside summon_full_params(): the guard's end would "
               "overwrite (writeback) or hide what it loads. End the guard first.");
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies; // (live, loaded)

@@ -9,6 +9,7 @@
 #include <lockstep/sharding_options.h>
 #include <lockstep/timeline.h>
 
+#include "comm/collective_fingerprint.h"
 #include "comm/planned_collective.h"
 #include "deterministic/micro_batch_step.h"
 #include "fsdp/flat_param.h"

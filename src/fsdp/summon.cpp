@@ -173,6 +173,7 @@ void ShardedCore::State::check_still_frozen_or_trained() const {
 
 void ShardedCore::summon() {
   auto& s = *state_;
+  CollectiveTag tag(model_tag(s.model, 0)); // Note [Collective tags]: two models' calls never pair
   TORCH_CHECK(!s.summoned, s.where(), "summon_full_params() inside another; end the first guard.");
   s.check_untouched_at_rest();
   Unwatched unwatched;
