@@ -51,7 +51,7 @@ torch::Device control_device(const ProcessGroup& group, torch::Device device) {
 // must be on one device, as FSDP1 requires: with two, two of autograd's
 // device threads would run the gradient hooks, which share the reduce state.
 int64_t check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
-                      const std::vector<torch::Tensor>& params, const std::string& where) {
+                         const std::vector<torch::Tensor>& params, const std::string& where) {
   std::ostringstream text;
   for (size_t i = 0; i < names.size(); ++i) {
     text << names[i] << params[i].sizes() << c10::toString(params[i].scalar_type()) << params[i].requires_grad() << ";";

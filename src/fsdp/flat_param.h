@@ -88,7 +88,7 @@ inline bool is_set_aside(const FlatParam& flat, const torch::Tensor& shard_grad)
 /// error on every rank. Returns the wrapper's model number, rank 0's
 /// proposal (Note [Collective tags]).
 int64_t check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
-                      const std::vector<torch::Tensor>& params, const std::string& where);
+                         const std::vector<torch::Tensor>& params, const std::string& where);
 
 /// Where the group carries FSDP's own small int64 tensors (the model check,
 /// a checkpoint's verdicts and id): the CPU where it can, else `device`, the
