@@ -1,5 +1,6 @@
 #include <lockstep/amp.h>
 
+#include "comm/collective_fingerprint.h"
 #include "util/autocast_state.h"
 #include "util/shard_registry.h"
 #include "util/torch_compat.h"
@@ -382,6 +383,11 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     if (!group.supports(Collective::Allreduce, torch::kFloat, agreed.device())) {
       agreed = agreed.cpu();
     }
+    std::vector<torch::Tensor> params; // Note [Collective tags]: optimizers unscaled in another order
+    for (auto& param_group : optimizer.param_groups()) {
+      params.insert(params.end(), param_group.params().begin(), param_group.params().end());
+    }
+    detail::CollectiveTag tag(detail::optimizer_tag(params));
     group.allreduce_async({agreed}, ReduceOp::Max, "GradScaler's found-inf agreement (unscale_)")->wait();
     state.found_inf.copy_(agreed.narrow(0, 0, 1));
     state.no_gradients = agreed[1].item<float>() != 0;

@@ -153,8 +153,44 @@ TEST(GradScalerThreads, ItsFoundInfAgreementIsNamedInErrors) {
       std::chrono::seconds(20));
   EXPECT_NE(errors[0].find("GradScaler's found-inf agreement (unscale_): ranks disagree on this collective"),
             std::string::npos) << errors[0];
-  EXPECT_NE(errors[1].find("rank 0 runs allreduce (max) of 2 Float elements but rank 1 runs allreduce (max) of 3"),
+  EXPECT_NE(errors[1].find("rank 0 runs allreduce (max) of 2 Float elements for the optimizer whose parameters' "
+                           "shapes hash to"),
             std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("but rank 1 runs allreduce (max) of 3 Float elements."), std::string::npos) << errors[1];
+}
+
+// Each optimizer's found-inf agreement is one allreduce of two floats. Two
+// optimizers unscaled in another order on one rank (a GAN's two networks
+// behind a branch on the rank) would swap their verdicts, and a rank would
+// take the step whose gradient overflowed on another: an error on every
+// rank instead, naming the cause (Note [Collective tags]).
+TEST(GradScalerThreads, OptimizersUnscaledInAnotherOrderOnOneRankAreAnErrorOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        auto generator = torch::ones({4}, torch::requires_grad());
+        auto critic = torch::ones({6}, torch::requires_grad());
+        torch::optim::SGD generator_sgd({generator}, 0.1), critic_sgd({critic}, 0.1);
+        GradScaler scaler(GradScalerOptions().group(group));
+        scaler.scale(generator.sum() + critic.sum()).backward();
+        const std::string message = testing::message_of([&] {
+          auto& first = group.rank() == 0 ? generator_sgd : critic_sgd;
+          auto& second = group.rank() == 0 ? critic_sgd : generator_sgd;
+          scaler.unscale_(first);
+          scaler.unscale_(second);
+        });
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[group.rank()] = message;
+      },
+      std::chrono::seconds(20));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("GradScaler's found-inf agreement (unscale_): ranks disagree on this collective"),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("for the optimizer whose parameters' shapes hash to"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("optimizers unscaled in another order on some rank"), std::string::npos) << errors[r];
+  }
 }
 
 } // namespace

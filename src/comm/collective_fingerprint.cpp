@@ -54,9 +54,17 @@ namespace detail {
 // bucket or layer: model_tag, layer_tag. A SyncBatchNorm over another group
 // than its wrapper's keeps its layer number alone: that group's ranks may
 // hold wrappers over other groups, whose numbers differ.
+// GradScaler's found-inf agreement is one allreduce of two floats for every
+// optimizer, so two optimizers unscaled in another order on one rank would
+// swap their verdicts: one rank skips the step whose gradient overflowed on
+// another, and the replicas part for good. Its tag is a hash of the
+// optimizer's parameters' shapes (optimizer_tag), which needs no exchange;
+// two optimizers of one layout still share it.
 thread_local int64_t current_tag = 0;
 constexpr int64_t kModelTagStride = int64_t{1} << 20; // parts of a model: buckets, then layers
 constexpr int64_t kFirstLayerPart = int64_t{1} << 19;
+constexpr int64_t kFirstOptimizerTag = int64_t{1} << 62; // above every model's: model numbers stay under 2^42
+constexpr int64_t kOptimizerTags = int64_t{1} << 40;
 
 int64_t propose_model_number() {
   static std::atomic<int64_t> next{1};
@@ -111,6 +119,10 @@ int64_t layout_of(const std::vector<torch::Tensor>& tensors) {
     }
   }
   return static_cast<int64_t>(hash >> 1);
+}
+
+int64_t optimizer_tag(const std::vector<torch::Tensor>& params) {
+  return kFirstOptimizerTag + layout_of(params) % kOptimizerTags;
 }
 
 CallerView::CallerView(const std::vector<torch::Tensor>& tensors, int64_t op)
@@ -215,6 +227,10 @@ std::string describe(const int64_t* f) {
   if (f[kKind] != kBarrier) {
     out << sizes_of(f);
   }
+  if (f[kTag] >= kFirstOptimizerTag) {
+    out << " for the optimizer whose parameters' shapes hash to " << std::hex << f[kTag] - kFirstOptimizerTag;
+    return out.str();
+  }
   const int64_t part = f[kTag] % kModelTagStride, model = f[kTag] / kModelTagStride;
   if (part >= kFirstLayerPart) {
     out << " tagged layer " << part - kFirstLayerPart;
@@ -241,7 +257,8 @@ std::string difference_hint(const int64_t* a, const int64_t* b) {
   if (only_tags) {
     return " (the same sizes, but another collective: Note [Collective tags]; under FullyShardedDataParallel, a "
            "forward that reads its units in another order on some rank; with SyncBatchNorm, layers run in another "
-           "order on some rank; or two wrapped models run in another order on some rank)";
+           "order on some rank; two wrapped models run in another order on some rank; or, for GradScaler, optimizers "
+           "unscaled in another order on some rank)";
   }
   if (only_shapes) {
     return " (as many elements, but in tensors of other shapes: a list split differently, or a tensor reshaped, on "

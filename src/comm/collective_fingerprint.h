@@ -45,6 +45,11 @@ int64_t model_tag(int64_t model, int64_t part);
 /// apart from every bucket's tag.
 int64_t layer_tag(int64_t model, int64_t layer);
 
+/// The tag of a collective about one optimizer (GradScaler's found-inf
+/// agreement): a hash of its parameters' shapes, apart from every model's
+/// tags. Optimizers of one layout share it.
+int64_t optimizer_tag(const std::vector<torch::Tensor>& params);
+
 /// The reduction (a ReduceOp) and the dtype of the collective a CallerView
 /// describes on this thread; `reduction` and `dtype` where none does, or for
 /// a collective without a reduction. The flight record shows them.
