@@ -5,6 +5,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "support/collective_contract.h"
 #include "support/deterministic_checks.h"
 #include "support/errors.h"
 #include "support/threads.h"
@@ -246,6 +247,38 @@ TEST_F(Deterministic, RefusesABufferThatDiffersBetweenRanks) {
     EXPECT_ERROR_SAYS(ddp->backward_micro_batches(1, loss_of), "as step 1 starts, buffer 'seen' differs between rank 0 "
                       "and rank 1");
   });
+}
+
+// Note [A step's planned collectives]: from the second step on, a step's
+// collectives go as a plan, without the agreement's round trip before each.
+// Two models of one layout whose steps one rank runs in the other order
+// meet collective for collective with the same sizes; each model's plan has
+// its own id, so every rank fails once the first ring completes, naming
+// the plan, and no model takes the other's sums.
+TEST_F(Deterministic, TwoModelsWhoseStepsRunInAnotherOrderOnOneRankAreAnErrorOnEveryRankOncePlanned) {
+  const auto errors = testing::strings_by_rank(2, [](ProcessGroup& group) {
+    const auto options = DistributedOptions().deterministic(true).micro_batches(2);
+    DistributedDataParallel<DeterministicNet> first(DeterministicNet(), group, options);
+    DistributedDataParallel<DeterministicNet> second(DeterministicNet(), group, options);
+    const auto x = torch::ones({3, 7});
+    auto step = [&](DistributedDataParallel<DeterministicNet>& model, int64_t s) {
+      model->backward_micro_batches(s, [&](int64_t) { return model->forward(x).sum(); });
+    };
+    for (int64_t s = 0; s < 2; ++s) { // checked and recorded; agreed and planned
+      step(first, s);
+      step(second, s);
+    }
+    return testing::message_of([&] {
+      step(group.rank() == 1 ? second : first, 2);
+      step(group.rank() == 1 ? first : second, 2);
+    });
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("ranks disagree on this collective, found once it completed, so its result is not used"),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("(deterministic mode's collectives of a step (lockstep::DistributedDataParallel))"),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+  }
 }
 
 TEST_F(Deterministic, RefusesGradientsFromElsewhere) {

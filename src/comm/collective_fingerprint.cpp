@@ -89,6 +89,10 @@ CollectiveTag::~CollectiveTag() {
   current_tag = previous_;
 }
 
+int64_t current_collective_tag() {
+  return current_tag;
+}
+
 // Note [The caller's collective]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // ProcessGroup packs a list into one flat tensor, sends a dtype the backend

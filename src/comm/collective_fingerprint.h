@@ -31,6 +31,9 @@ class CollectiveTag {
   int64_t previous_;
 };
 
+/// The tag that collectives this thread starts now carry (0: none).
+int64_t current_collective_tag();
+
 /// A number for a wrapper (DistributedDataParallel, FullyShardedDataParallel)
 /// that this process has not proposed before. Ranks exchange their
 /// proposals at construction and take rank 0's: the same on every rank, and

@@ -2,6 +2,7 @@
 
 #include <lockstep/timeline.h>
 
+#include "comm/collective_fingerprint.h"
 #include "deterministic/exact_sum.h"
 
 #include <ATen/Context.h>
@@ -173,7 +174,10 @@ MicroBatchStep::MicroBatchStep(torch::nn::Module& module, ProcessGroup group, co
       where_(std::move(where)),
       norms_(module, where_),
       config_(config),
-      device_(device) {
+      device_(device),
+      plan_("deterministic mode's collectives of a step (" + where_.substr(0, where_.find(" (")) + ")",
+            "They follow from the model's parameters and buffers, BatchNorm layers, micro_batches(V) and the "
+            "world size: look for one of these that differs between ranks.") {
   const int64_t v = config_.micro_batches;
   TORCH_CHECK(v > 0, where_, "deterministic(true) needs micro_batches(V), the number of micro-batches in a step's "
               "global batch, but got ", v, ". Set it to the same V at every world size.");
@@ -278,7 +282,16 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
   mine.insert(mine.end(), buffer_hashes.begin(), buffer_hashes.end());
   const auto records = norms_.recorded();
   mine.insert(mine.end(), records.begin(), records.end());
-  auto theirs = group_.all_gather(torch::tensor(mine, torch::kDouble).to(device_));
+  auto local = torch::tensor(mine, torch::kDouble).to(device_);
+  if (group_.size() > 1) {
+    plan_.start_iteration(group_, device_); // Note [A step's planned collectives]
+  }
+  const auto item = next_collective({local.numel(), local.scalar_type(), fingerprint::kAllGather, current_collective_tag()});
+  PlannedCollective planned(item.first, item.second);
+  auto all = torch::empty({group_.size() * local.numel()}, local.options());
+  group_.all_gather_into_async(all, local, "step " + std::to_string(step) + "'s largest gradients, losses and "
+                               "buffers (deterministic mode)")->wait();
+  const auto theirs = all.chunk(group_.size());
   gradients.maxima.assign(count, 0);
   double loss_sum = 0; // in micro-batch order: rank 0's share first
   std::vector<double> rank0;
@@ -310,6 +323,27 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
   norms_.replay(norm_records, static_cast<int64_t>(share));
 }
 
+// Note [A step's planned collectives]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A deterministic step sends the same collectives every time, of the same
+// sizes: the all_gather of the maxima, losses and buffers, then the int64
+// reduce-scatter, and under DistributedDataParallel the all_gather of the
+// gradients. So they go as a recurring plan (Note [Recurring plans]): the
+// first step's are checked and recorded, the next step agrees on that record
+// once, and from then on each goes without the agreement's round trip
+// before it, its words carried by the ring (Note [Planned rings]) where the
+// backend does that (Gloo, on the CPU); elsewhere, and under
+// LOCKSTEP_DEBUG=detail, each keeps its check. A rank at a step while
+// another is at a checked collective pairs with nothing, and both fail at
+// the group's timeout naming their collectives (Note [Planned collectives]);
+// two models' steps run in another order carry other plans' words, an error
+// on every rank once the ring completes. The int64 allreduce that some
+// steps take instead of the reduce-scatter stays checked: a planned
+// allreduce carries its words in floating-point elements of its tensor.
+std::pair<int64_t, int64_t> MicroBatchStep::next_collective(const PlanItem& item) {
+  return group_.size() > 1 ? plan_.next(item) : std::make_pair(int64_t{-1}, int64_t{0});
+}
+
 namespace {
 
 // The strides of a contiguous tensor of `sizes`.
@@ -336,9 +370,10 @@ std::vector<int64_t> dense_strides(at::IntArrayRef sizes) {
 // converts 1/W of the elements back. Double parameters (as many bytes
 // either way, and one collective more), parameters of several dtypes, or a
 // backend without these collectives take the allreduce.
-void sum_by_reduce_scatter(const ProcessGroup& group, std::vector<torch::Tensor>& params,
+void sum_by_reduce_scatter(MicroBatchStep& micro_batches, std::vector<torch::Tensor>& params,
                            const std::vector<FixedPointPiece>& pieces, int64_t total,
                            const MicroBatchGradients& gradients, const std::string& what) {
+  const auto& group = micro_batches.group();
   const int64_t world = group.size(), chunk = (total + world - 1) / world, first = group.rank() * chunk;
   const auto dtype = params[0].scalar_type();
   timeline::Span to_integers("deterministic: to integers");
@@ -348,6 +383,9 @@ void sum_by_reduce_scatter(const ProcessGroup& group, std::vector<torch::Tensor>
   auto mine = torch::empty({chunk}, sum.options());
   {
     timeline::Span reduce("deterministic: reduce-scatter of int64", sum.numel() * 8);
+    const auto item = micro_batches.next_collective(
+        {sum.numel(), sum.scalar_type(), fingerprint::kReduceScatter, current_collective_tag()});
+    PlannedCollective planned(item.first, item.second); // Note [A step's planned collectives]
     group.reduce_scatter_async(mine, sum, ReduceOp::Sum, what)->wait();
   }
   auto gathered = torch::empty({chunk * world}, params[0].options());
@@ -364,9 +402,13 @@ void sum_by_reduce_scatter(const ProcessGroup& group, std::vector<torch::Tensor>
       }
     }
   }
-  timeline::Span gather("deterministic: all_gather of the gradients", gathered.numel() * gathered.element_size());
-  group.all_gather_into_async(gathered, own, what + ", gathered")->wait();
-  gather.end();
+  {
+    timeline::Span gather("deterministic: all_gather of the gradients", gathered.numel() * gathered.element_size());
+    const auto item = micro_batches.next_collective(
+        {own.numel(), own.scalar_type(), fingerprint::kAllGather, current_collective_tag()});
+    PlannedCollective planned(item.first, item.second);
+    group.all_gather_into_async(gathered, own, what + ", gathered")->wait();
+  }
   for (const auto& piece : pieces) {
     // Over the gathered storage, as gradient_as_bucket_view, but not a view:
     // zero_grad()'s detach_() refuses one.
@@ -406,7 +448,7 @@ double step_whole_parameters(MicroBatchStep& micro_batches, std::vector<torch::T
   const auto& group = micro_batches.group();
   const std::string what = "the exact sum of step " + std::to_string(step) + "'s gradients (" + who + ")";
   if (sums_by_reduce_scatter(group, params)) { // Note [Whole gradients from a reduce-scatter]
-    sum_by_reduce_scatter(group, params, pieces, total, gradients, what);
+    sum_by_reduce_scatter(micro_batches, params, pieces, total, gradients, what);
     return gradients.mean_loss;
   }
   timeline::Span to_integers("deterministic: to integers");

@@ -10,6 +10,7 @@
 
 #include <lockstep/process_group.h>
 
+#include "comm/planned_collective.h"
 #include "deterministic/micro_batch_norms.h"
 
 #include <torch/nn/module.h>
@@ -88,6 +89,11 @@ class MicroBatchStep {
     return group_;
   }
 
+  /// Records `item`, the step's next collective after the maxima's
+  /// all_gather, on the step's recurring plan (Note [A step's planned
+  /// collectives]); returns the plan and index for its PlannedCollective.
+  std::pair<int64_t, int64_t> next_collective(const PlanItem& item);
+
  private:
   void gather(int64_t step, MicroBatchGradients& gradients, const std::vector<double>& losses,
               const std::vector<double>& buffer_hashes);
@@ -99,6 +105,7 @@ class MicroBatchStep {
   MicroBatchConfig config_;
   torch::Device device_;
   int64_t running_ = -1; // the micro-batch whose loss is being computed, -1 outside one
+  RecurringPlan plan_;
 };
 
 /// The step of a wrapper whose every rank holds the whole parameters

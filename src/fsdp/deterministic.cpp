@@ -132,6 +132,9 @@ void ShardedCore::State::reduce_exactly(int64_t step, const MicroBatchGradients&
     timeline::Span reduce("deterministic: reduce-scatter of int64", sum.numel() * 8);
     if (world > 1 && group.supports(Collective::ReduceScatter, torch::kLong, device)) {
       mine = torch::empty({per_rank}, sum.options());
+      const auto item = micro_batches->next_collective(
+          {sum.numel(), sum.scalar_type(), fingerprint::kReduceScatter, current_collective_tag()});
+      PlannedCollective planned(item.first, item.second); // Note [A step's planned collectives]
       group.reduce_scatter_async(mine, sum, ReduceOp::Sum, what)->wait();
     } else {
       group.allreduce_async({sum}, ReduceOp::Sum, what)->wait();
