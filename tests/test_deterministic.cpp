@@ -249,6 +249,23 @@ TEST_F(Deterministic, RefusesABufferThatDiffersBetweenRanks) {
   });
 }
 
+// Each micro-batch's dropout is seeded by (seed, step, micro-batch): ranks
+// passed other step numbers would draw what no single rank would, and give
+// other bits than one rank, without a word. Every rank refuses.
+TEST_F(Deterministic, RefusesRanksAtOtherStepNumbers) {
+  const auto errors = testing::strings_by_rank(2, [](ProcessGroup& group) {
+    DeterministicNet net;
+    DistributedDataParallel<DeterministicNet> ddp(net, group, DistributedOptions().deterministic(true).micro_batches(2));
+    const auto x = torch::ones({3, 7});
+    return testing::message_of(
+        [&] { ddp->backward_micro_batches(4 + group.rank(), [&](int64_t) { return ddp->forward(x).sum(); }); });
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank 0 runs backward_micro_batches(4) but rank 1 runs backward_micro_batches(5)"),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
 // Note [A step's planned collectives]: from the second step on, a step's
 // collectives go as a plan, without the agreement's round trip before each.
 // Two models of one layout whose steps one rank runs in the other order

@@ -282,6 +282,7 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
   mine.insert(mine.end(), buffer_hashes.begin(), buffer_hashes.end());
   const auto records = norms_.recorded();
   mine.insert(mine.end(), records.begin(), records.end());
+  mine.push_back(static_cast<double>(step));
   auto local = torch::tensor(mine, torch::kDouble).to(device_);
   if (group_.size() > 1) {
     plan_.start_iteration(group_, device_); // Note [A step's planned collectives]
@@ -294,7 +295,6 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
   const auto theirs = all.chunk(group_.size());
   gradients.maxima.assign(count, 0);
   double loss_sum = 0; // in micro-batch order: rank 0's share first
-  std::vector<double> rank0;
   std::vector<torch::Tensor> on_cpu;
   std::vector<const double*> norm_records;
   for (size_t r = 0; r < theirs.size(); ++r) {
@@ -307,17 +307,7 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
     for (size_t k = 0; k < share; ++k) {
       loss_sum += data[count + k];
     }
-    for (size_t b = 0; b < buffers_.size(); ++b) {
-      const double hash = data[count + share + b];
-      TORCH_CHECK(r == 0 || same_bits(hash, rank0[b]), where_, "as step ", step, " starts, buffer '",
-                  buffers_[b].first, "' differs between rank 0 and rank ", r, ". A buffer that forward changes "
-                  "(other than BatchNorm's statistics) depends on which micro-batches each rank ran, so "
-                  "deterministic mode cannot keep it the same at every world size. Make it a parameter, or keep it "
-                  "constant during training.");
-      if (r == 0) {
-        rank0.push_back(hash);
-      }
-    }
+    check_same_as_rank0(r, data, on_cpu.front().data_ptr<double>(), count + share, mine.size() - 1);
   }
   gradients.mean_loss = loss_sum / static_cast<double>(config_.micro_batches);
   norms_.replay(norm_records, static_cast<int64_t>(share));
@@ -340,6 +330,24 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
 // on every rank once the ring completes. The int64 allreduce that some
 // steps take instead of the reduce-scatter stays checked: a planned
 // allreduce carries its words in floating-point elements of its tensor.
+// Rank r's step number (at `step_at` in the gathered values) and buffers'
+// hashes (from `buffers_at`) against rank 0's: the same text on every rank.
+void MicroBatchStep::check_same_as_rank0(size_t r, const double* theirs, const double* rank0, size_t buffers_at,
+                                         size_t step_at) const {
+  const auto step = static_cast<int64_t>(rank0[step_at]);
+  TORCH_CHECK(theirs[step_at] == rank0[step_at], where_, "rank 0 runs backward_micro_batches(", step, ") but rank ",
+              r, " runs backward_micro_batches(", static_cast<int64_t>(theirs[step_at]), "). Each micro-batch draws "
+              "its randomness from a generator seeded by the step and its index, so ranks at other step numbers "
+              "would not give one rank's bits. Pass every rank the same step: the number of optimizer steps so far.");
+  for (size_t b = 0; b < buffers_.size(); ++b) {
+    TORCH_CHECK(same_bits(theirs[buffers_at + b], rank0[buffers_at + b]), where_, "as step ", step, " starts, "
+                "buffer '", buffers_[b].first, "' differs between rank 0 and rank ", r, ". A buffer that forward "
+                "changes (other than BatchNorm's statistics) depends on which micro-batches each rank ran, so "
+                "deterministic mode cannot keep it the same at every world size. Make it a parameter, or keep it "
+                "constant during training.");
+  }
+}
+
 std::pair<int64_t, int64_t> MicroBatchStep::next_collective(const PlanItem& item) {
   return group_.size() > 1 ? plan_.next(item) : std::make_pair(int64_t{-1}, int64_t{0});
 }

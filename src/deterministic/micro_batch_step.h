@@ -97,6 +97,8 @@ class MicroBatchStep {
  private:
   void gather(int64_t step, MicroBatchGradients& gradients, const std::vector<double>& losses,
               const std::vector<double>& buffer_hashes);
+  void check_same_as_rank0(size_t r, const double* theirs, const double* rank0, size_t buffers_at,
+                           size_t step_at) const;
 
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;
   ProcessGroup group_;
