@@ -287,7 +287,8 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
   if (group_.size() > 1) {
     plan_.start_iteration(group_, device_); // Note [A step's planned collectives]
   }
-  const auto item = next_collective({local.numel(), local.scalar_type(), fingerprint::kAllGather, current_collective_tag()});
+  const auto item =
+      next_collective({local.numel(), local.scalar_type(), fingerprint::kAllGather, current_collective_tag()});
   PlannedCollective planned(item.first, item.second);
   auto all = torch::empty({group_.size() * local.numel()}, local.options());
   group_.all_gather_into_async(all, local, "step " + std::to_string(step) + "'s largest gradients, losses and "
@@ -313,23 +314,6 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
   norms_.replay(norm_records, static_cast<int64_t>(share));
 }
 
-// Note [A step's planned collectives]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A deterministic step sends the same collectives every time, of the same
-// sizes: the all_gather of the maxima, losses and buffers, then the int64
-// reduce-scatter, and under DistributedDataParallel the all_gather of the
-// gradients. So they go as a recurring plan (Note [Recurring plans]): the
-// first step's are checked and recorded, the next step agrees on that record
-// once, and from then on each goes without the agreement's round trip
-// before it, its words carried by the ring (Note [Planned rings]) where the
-// backend does that (Gloo, on the CPU); elsewhere, and under
-// LOCKSTEP_DEBUG=detail, each keeps its check. A rank at a step while
-// another is at a checked collective pairs with nothing, and both fail at
-// the group's timeout naming their collectives (Note [Planned collectives]);
-// two models' steps run in another order carry other plans' words, an error
-// on every rank once the ring completes. The int64 allreduce that some
-// steps take instead of the reduce-scatter stays checked: a planned
-// allreduce carries its words in floating-point elements of its tensor.
 // Rank r's step number (at `step_at` in the gathered values) and buffers'
 // hashes (from `buffers_at`) against rank 0's: the same text on every rank.
 void MicroBatchStep::check_same_as_rank0(size_t r, const double* theirs, const double* rank0, size_t buffers_at,
@@ -348,6 +332,23 @@ void MicroBatchStep::check_same_as_rank0(size_t r, const double* theirs, const d
   }
 }
 
+// Note [A step's planned collectives]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A deterministic step sends the same collectives every time, of the same
+// sizes: the all_gather of the maxima, losses and buffers, then the int64
+// reduce-scatter, and under DistributedDataParallel the all_gather of the
+// gradients. So they go as a recurring plan (Note [Recurring plans]): the
+// first step's are checked and recorded, the next step agrees on that record
+// once, and from then on each goes without the agreement's round trip
+// before it, its words carried by the ring (Note [Planned rings]) where the
+// backend does that (Gloo, on the CPU); elsewhere, and under
+// LOCKSTEP_DEBUG=detail, each keeps its check. A rank at a step while
+// another is at a checked collective pairs with nothing, and both fail at
+// the group's timeout naming their collectives (Note [Planned collectives]);
+// two models' steps run in another order carry other plans' words, an error
+// on every rank once the ring completes. The int64 allreduce that some
+// steps take instead of the reduce-scatter stays checked: a planned
+// allreduce carries its words in floating-point elements of its tensor.
 std::pair<int64_t, int64_t> MicroBatchStep::next_collective(const PlanItem& item) {
   return group_.size() > 1 ? plan_.next(item) : std::make_pair(int64_t{-1}, int64_t{0});
 }

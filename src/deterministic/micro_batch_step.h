@@ -89,9 +89,9 @@ class MicroBatchStep {
     return group_;
   }
 
-  /// Records `item`, the step's next collective after the maxima's
-  /// all_gather, on the step's recurring plan (Note [A step's planned
-  /// collectives]); returns the plan and index for its PlannedCollective.
+  /// Records `item`, the step's next collective, on the step's recurring
+  /// plan (Note [A step's planned collectives]); returns the plan and index
+  /// for its PlannedCollective ({-1, 0} on a group of one).
   std::pair<int64_t, int64_t> next_collective(const PlanItem& item);
 
  private:
