@@ -266,35 +266,56 @@ TEST_F(Deterministic, RefusesRanksAtOtherStepNumbers) {
   }
 }
 
+// A net of another layout than DeterministicNet's.
+struct WideNetImpl : torch::nn::Module {
+  WideNetImpl() {
+    fc = register_module("fc", torch::nn::Linear(7, 300));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc(x);
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(WideNet);
+
 // Note [A step's planned collectives]: from the second step on, a step's
-// collectives go as a plan, without the agreement's round trip before each.
-// Two models of one layout whose steps one rank runs in the other order
-// meet collective for collective with the same sizes; each model's plan has
-// its own id, so every rank fails once the first ring completes, naming
-// the plan, and no model takes the other's sums.
-TEST_F(Deterministic, TwoModelsWhoseStepsRunInAnotherOrderOnOneRankAreAnErrorOnEveryRankOncePlanned) {
-  const auto errors = testing::strings_by_rank(2, [](ProcessGroup& group) {
-    const auto options = DistributedOptions().deterministic(true).micro_batches(2);
-    DistributedDataParallel<DeterministicNet> first(DeterministicNet(), group, options);
-    DistributedDataParallel<DeterministicNet> second(DeterministicNet(), group, options);
-    const auto x = torch::ones({3, 7});
-    auto step = [&](DistributedDataParallel<DeterministicNet>& model, int64_t s) {
-      model->backward_micro_batches(s, [&](int64_t) { return model->forward(x).sum(); });
-    };
-    for (int64_t s = 0; s < 2; ++s) { // checked and recorded; agreed and planned
-      step(first, s);
-      step(second, s);
-    }
-    return testing::message_of([&] {
-      step(group.rank() == 1 ? second : first, 2);
-      step(group.rank() == 1 ? first : second, 2);
+// collectives go as a plan. Two models whose steps one rank runs in the
+// other order meet collective for collective: of one layout, with the same
+// sizes; of two, with other sizes, which Gloo's own thread would end the
+// process on. The step's first collective keeps its check (Note [A plan's
+// first item is checked]), so either is an error on every rank, naming
+// both models, and no model takes the other's sums.
+TEST_F(Deterministic, TwoModelsWhoseStepsRunInAnotherOrderOnOneRankAreAnErrorOnEveryRank) {
+  for (const bool same_layout : {true, false}) {
+    const auto errors = testing::strings_by_rank(2, [&](ProcessGroup& group) {
+      const auto options = DistributedOptions().deterministic(true).micro_batches(2);
+      DistributedDataParallel<DeterministicNet> first(DeterministicNet(), group, options);
+      DistributedDataParallel<DeterministicNet> same(DeterministicNet(), group, options);
+      DistributedDataParallel<WideNet> wide(WideNet(), group, options);
+      const auto x = torch::ones({3, 7});
+      auto step = [&](auto& model, int64_t s) {
+        model->backward_micro_batches(s, [&](int64_t) { return model->forward(x).sum(); });
+      };
+      auto second = [&](int64_t s) { same_layout ? step(same, s) : step(wide, s); };
+      for (int64_t s = 0; s < 3; ++s) { // checked and recorded; agreed and planned; planned
+        step(first, s);
+        second(s);
+      }
+      return testing::message_of([&] {
+        if (group.rank() == 1) {
+          second(3);
+          step(first, 3);
+        } else {
+          step(first, 3);
+          second(3);
+        }
+      });
     });
-  });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[r].find("ranks disagree on this collective, found once it completed, so its result is not used"),
-              std::string::npos) << "rank " << r << ": " << errors[r];
-    EXPECT_NE(errors[r].find("(deterministic mode's collectives of a step (lockstep::DistributedDataParallel))"),
-              std::string::npos) << "rank " << r << ": " << errors[r];
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_NE(errors[r].find("ranks disagree on this collective, so none of them sent it"), std::string::npos)
+          << "rank " << r << ": " << errors[r];
+      EXPECT_NE(errors[r].find("of wrapped model "), std::string::npos) << "rank " << r << ": " << errors[r];
+    }
   }
 }
 

@@ -95,36 +95,39 @@ TEST(PlannedCollectives, GoUncheckedOverGlooCarryingWordsAndCheckedUnderDebugDet
   }
 }
 
-// Two DistributedDataParallel models of one layout, whose backwards one rank
-// runs in the other order, meet bucket for bucket with the same sizes. Over
-// Gloo their plans' ids differ; checked (LOCKSTEP_DEBUG=detail, and MPI or
-// NCCL always) each wrapper's number, agreed at construction, joins its
-// buckets' tags (Note [Collective tags]). Either is an error on every rank,
-// never one model's gradients added to the other's.
+// Two DistributedDataParallel models whose backwards one rank runs in the
+// other order meet bucket for bucket: of one layout, with the same sizes; of
+// two, with other sizes, which Gloo's own thread would end the process on.
+// Each backward's first bucket keeps the check (Note [A plan's first item is
+// checked]), whose fingerprint holds each wrapper's number, agreed at
+// construction (Note [Collective tags]): an error on every rank, over Gloo
+// and under LOCKSTEP_DEBUG=detail, never one model's gradients added to the
+// other's, nor an abort.
 TEST(PlannedCollectives, TwoModelsWhoseBackwardsRunInAnotherOrderOnOneRankAreAnErrorOnEveryRank) {
   for (const bool detail : {false, true}) {
-    if (detail) {
-      setenv("LOCKSTEP_DEBUG", "detail", 1);
-    }
-    testing::spawn(2, [&](ProcessGroup& group) {
-      torch::manual_seed(3);
-      DistributedDataParallel<torch::nn::Linear> first(torch::nn::Linear(64, 64), group);
-      DistributedDataParallel<torch::nn::Linear> second(torch::nn::Linear(64, 64), group);
-      const auto x = torch::randn({4, 64});
-      auto a = first->forward(x).sum();
-      auto b = second->forward(x).sum();
-      auto run = [&] {
-        (group.rank() == 1 ? b : a).backward();
-        (group.rank() == 1 ? a : b).backward();
-      };
+    for (const int64_t width : {64, 96}) {
       if (detail) {
-        EXPECT_ERROR_SAYS(run(), "ranks disagree on collective", "of wrapped model ",
-                          "two wrapped models run in another order on some rank");
-      } else {
-        EXPECT_ERROR_SAYS(run(), "ranks disagree on this collective, found once it completed");
+        setenv("LOCKSTEP_DEBUG", "detail", 1);
       }
-    }, std::chrono::seconds(20));
-    unsetenv("LOCKSTEP_DEBUG");
+      testing::spawn(2, [&](ProcessGroup& group) {
+        torch::manual_seed(3);
+        DistributedDataParallel<torch::nn::Linear> first(torch::nn::Linear(64, 64), group);
+        DistributedDataParallel<torch::nn::Linear> second(torch::nn::Linear(64, width), group);
+        const auto x = torch::randn({4, 64});
+        for (int step = 0; step < 2; ++step) { // the buckets' plans agreed, and sent as planned
+          first->forward(x).sum().backward();
+          second->forward(x).sum().backward();
+        }
+        auto a = first->forward(x).sum();
+        auto b = second->forward(x).sum();
+        auto run = [&] {
+          (group.rank() == 1 ? b : a).backward();
+          (group.rank() == 1 ? a : b).backward();
+        };
+        EXPECT_ERROR_SAYS(run(), "ranks disagree on", "of wrapped model ");
+      }, std::chrono::seconds(20));
+      unsetenv("LOCKSTEP_DEBUG");
+    }
   }
 }
 
@@ -198,7 +201,8 @@ TEST(PlannedCollectives, APlannedAverageCanBeWaitedOnAgain) {
 
 // Note [Recurring plans]: the first iteration is recorded and checked, the
 // next agrees on it and goes planned, item by item, until an item differs;
-// from there the iteration is checked, and the one after agrees anew.
+// from there the iteration is checked, and the one after agrees anew. Each
+// iteration's first item is checked (Note [A plan's first item is checked]).
 TEST(PlannedCollectives, ARecurringPlanIsWhatTheLastIterationSentUntilAnItemDiffers) {
   using Sent = std::vector<std::pair<int64_t, int64_t>>;
   std::vector<Sent> sent(2);
@@ -215,12 +219,12 @@ TEST(PlannedCollectives, ARecurringPlanIsWhatTheLastIterationSentUntilAnItemDiff
   EXPECT_EQ(sent[0], sent[1]);
   const auto& s = sent[0];
   ASSERT_EQ(s.size(), 11u);
-  const int64_t first = s[2].first, second = s[7].first;
+  const int64_t first = s[3].first, second = s[8].first;
   EXPECT_GE(first, 0);
   EXPECT_GE(second, 0);
   EXPECT_NE(first, second);
-  const Sent expected{{-1, 0}, {-1, 1}, {first, 0}, {first, 1}, {first, 0}, {-1, 1}, {-1, 2},
-                      {second, 0}, {second, 1}, {second, 2}, {second, 0}};
+  const Sent expected{{-1, 0}, {-1, 1}, {-1, 0}, {first, 1}, {-1, 0}, {-1, 1}, {-1, 2},
+                      {-1, 0}, {second, 1}, {second, 2}, {-1, 0}};
   EXPECT_EQ(s, expected);
 }
 

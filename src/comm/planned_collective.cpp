@@ -49,6 +49,22 @@ namespace detail {
 // allreduce has moved the sums of other collectives by then, which is why the
 // result is not used; the ranks stay paired, since the sizes agreed.
 //
+// Note [A plan's first item is checked]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The argument above holds within one plan. Two plans, two models' or a
+// model's and its comm hook's, run in another order on one rank would meet
+// item against item: of one size, the words catch it; of two sizes, Gloo's
+// loop thread ends the process on the message of the wrong length, where no
+// error can be thrown. So the first item of each backward, or of each
+// iteration of a recurring plan, keeps the check before it, and the rest
+// go planned. A rank's later items can then only meet items of the same
+// plan's iteration: to be past that first item, every rank passed the same
+// check, whose fingerprint holds the plan's tag (its model and bucket); a
+// rank elsewhere is at a check, which a planned item never pairs with, and
+// both fail at the group's timeout as above. The first item goes while
+// backward still runs (a model's last layers' bucket), where its round trip
+// costs little.
+//
 // Everything else keeps the check before sending: broadcasts and barriers,
 // all_gathers and reduce-scatters other than those of Note [Planned rings],
 // collectives that no plan marks (user calls, SyncBatchNorm, the small ones
@@ -241,7 +257,8 @@ std::pair<int64_t, int64_t> RecurringPlan::next(const PlanItem& item) {
   const size_t index = sent_.size();
   sent_.push_back(item);
   on_plan_ = on_plan_ && index < agreed_.size() && agreed_[index] == item;
-  return {on_plan_ ? plan_ : -1, static_cast<int64_t>(index)};
+  const bool planned = on_plan_ && index > 0; // Note [A plan's first item is checked]
+  return {planned ? plan_ : -1, static_cast<int64_t>(index)};
 }
 
 int64_t plan_words_elements(int size) {
