@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -268,7 +269,7 @@ class CheckedGroup : public ForwardingGroup {
   // Note [Planned collectives]: the room for the words at the end of a
   // planned allreduce's tensor, where it goes without the check; otherwise
   // undefined, with the room zeroed (its sum is not read).
-  torch::Tensor planned_words(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) const {
+  torch::Tensor planned_words(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) {
     const int64_t room = plan_words_elements(size());
     if (current_plan_words().plan < 0 || kind != kAllreduce || arg != static_cast<int64_t>(ReduceOp::Sum) ||
         tensors.size() != 1 || room == 0) {
@@ -278,21 +279,29 @@ class CheckedGroup : public ForwardingGroup {
     TORCH_INTERNAL_ASSERT(t.is_contiguous() && t.numel() >= room && at::isFloatingType(t.scalar_type()),
                           "a planned collective without room for its words");
     auto words = t.view(-1).narrow(0, t.numel() - room, room);
-    if (detail_ || !inner_->pairs_collectives_by_kind(t.device())) {
+    if (detail_ || !inner_->pairs_collectives_by_kind(t.device()) || switches_plan()) {
       words.zero_();
       return {};
     }
     return words;
   }
 
+  // Note [A switch of plans is checked]: whether this thread's planned
+  // collective belongs to another plan than the group's last one; it is then
+  // the group's last.
+  bool switches_plan() {
+    const int64_t plan = current_plan_words().plan;
+    return last_plan_.exchange(plan) != plan;
+  }
+
   // Note [Planned rings]: where this thread's collective is a plan's item and
   // the backend carries the words of an all-gather or reduce-scatter, their
   // room (every rank's slot, zeros until written); otherwise undefined. An
   // empty collective sends nothing to carry them in.
-  torch::Tensor planned_ring_words(const torch::Tensor& input) const {
+  torch::Tensor planned_ring_words(const torch::Tensor& input) {
     const int64_t room = plan_words_elements(size());
     if (current_plan_words().plan < 0 || room == 0 || input.numel() == 0 || detail_ || !rings_ ||
-        !rings_->carries_plan_words(input.device())) {
+        !rings_->carries_plan_words(input.device()) || switches_plan()) {
       return {};
     }
     return torch::zeros({room}, torch::kDouble);
@@ -382,6 +391,7 @@ class CheckedGroup : public ForwardingGroup {
   std::condition_variable queued_;
   std::deque<std::shared_ptr<Job>> queue_;
   int64_t next_seq_ = 0; // the next collective's number
+  std::atomic<int64_t> last_plan_{-1}; // Note [A switch of plans is checked]
   bool busy_ = false; // the thread is checking or starting a collective it took from the queue
   bool stop_ = false;
   std::shared_ptr<Broken> broken_ = std::make_shared<Broken>();

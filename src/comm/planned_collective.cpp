@@ -49,21 +49,23 @@ namespace detail {
 // allreduce has moved the sums of other collectives by then, which is why the
 // result is not used; the ranks stay paired, since the sizes agreed.
 //
-// Note [A plan's first item is checked]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The argument above holds within one plan. Two plans, two models' or a
-// model's and its comm hook's, run in another order on one rank would meet
-// item against item: of one size, the words catch it; of two sizes, Gloo's
-// loop thread ends the process on the message of the wrong length, where no
-// error can be thrown. So the first item of each backward, or of each
-// iteration of a recurring plan, keeps the check before it, and the rest
-// go planned. A rank's later items can then only meet items of the same
-// plan's iteration: to be past that first item, every rank passed the same
-// check, whose fingerprint holds the plan's tag (its model and bucket); a
-// rank elsewhere is at a check, which a planned item never pairs with, and
-// both fail at the group's timeout as above. The first item goes while
-// backward still runs (a model's last layers' bucket), where its round trip
-// costs little.
+// Note [A switch of plans is checked]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The argument above holds within one plan. Two plans, two models' run in
+// another order on one rank, would meet item against item: of one size, the
+// words catch it; of two sizes, Gloo's loop thread ends the process on the
+// message of the wrong length, where no error can be thrown. So a group
+// remembers the plan of its last planned collective, and an item of another
+// plan keeps the check before it: the first of a group's plans, and each
+// switch, as when a GAN's two models take turns. By induction, ranks that
+// have completed the same collectives remember the same plan: a check
+// passes only where every rank runs an item of one plan (the fingerprint
+// holds its tag: the model and the bucket), and a planned collective pairs
+// only with another rank's planned one, which both send for the plan they
+// remember. So a planned item meets only the same plan's items, and a rank
+// that switched meets the others' check or fails with them at the group's
+// timeout. A model trained alone switches once, and every later item goes
+// without a round trip.
 //
 // Everything else keeps the check before sending: broadcasts and barriers,
 // all_gathers and reduce-scatters other than those of Note [Planned rings],
@@ -257,8 +259,7 @@ std::pair<int64_t, int64_t> RecurringPlan::next(const PlanItem& item) {
   const size_t index = sent_.size();
   sent_.push_back(item);
   on_plan_ = on_plan_ && index < agreed_.size() && agreed_[index] == item;
-  const bool planned = on_plan_ && index > 0; // Note [A plan's first item is checked]
-  return {planned ? plan_ : -1, static_cast<int64_t>(index)};
+  return {on_plan_ ? plan_ : -1, static_cast<int64_t>(index)};
 }
 
 int64_t plan_words_elements(int size) {

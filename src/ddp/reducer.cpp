@@ -454,8 +454,7 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
       bucket.result = options.comm_hook()(group, view);
     } else {
       // The gradients were divided by the divisor on their way in.
-      // Note [A plan's first item is checked].
-      PlannedCollective planned(next_bucket == 0 ? -1 : plan, static_cast<int64_t>(next_bucket));
+      PlannedCollective planned(plan, static_cast<int64_t>(next_bucket));
       bucket.result = comm_hooks::pending(
           group.allreduce_async({bucket.buffer}, ReduceOp::Sum, "allreduce of " + bucket.name), bucket.buffer);
     }
