@@ -345,10 +345,10 @@ void MicroBatchStep::check_same_as_rank0(size_t r, const double* theirs, const d
 // LOCKSTEP_DEBUG=detail, each keeps its check. A rank at a step while
 // another is at a checked collective pairs with nothing, and both fail at
 // the group's timeout naming their collectives (Note [Planned collectives]);
-// two models' steps run in another order carry other plans' words, an error
-// on every rank once the ring completes. The int64 allreduce that some
-// steps take instead of the reduce-scatter stays checked: a planned
-// allreduce carries its words in floating-point elements of its tensor.
+// so do two models' steps run in another order (Note [A switch of plans is
+// checked]). The int64 allreduce that some steps take instead of the
+// reduce-scatter stays checked: a planned allreduce carries its words in
+// floating-point elements of its tensor.
 std::pair<int64_t, int64_t> MicroBatchStep::next_collective(const PlanItem& item) {
   return group_.size() > 1 ? plan_.next(item) : std::make_pair(int64_t{-1}, int64_t{0});
 }
