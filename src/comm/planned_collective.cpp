@@ -51,21 +51,21 @@ namespace detail {
 //
 // Note [A switch of plans is checked]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The argument above holds within one plan. Two plans, two models' run in
-// another order on one rank, would meet item against item: of one size, the
-// words catch it; of two sizes, Gloo's loop thread ends the process on the
-// message of the wrong length, where no error can be thrown. So a group
-// remembers the plan of its last planned collective, and an item of another
-// plan keeps the check before it: the first of a group's plans, and each
-// switch, as when a GAN's two models take turns. By induction, ranks that
-// have completed the same collectives remember the same plan: a check
-// passes only where every rank runs an item of one plan (the fingerprint
-// holds its tag: the model and the bucket), and a planned collective pairs
-// only with another rank's planned one, which both send for the plan they
-// remember. So a planned item meets only the same plan's items, and a rank
-// that switched meets the others' check or fails with them at the group's
-// timeout. A model trained alone switches once, and every later item goes
-// without a round trip.
+// The argument above holds within one plan. Two plans, such as two models'
+// whose backwards run in another order on one rank, would meet item against
+// item: of one size, the words catch it; of two sizes, Gloo's loop thread
+// ends the process on the message of the wrong length, where no error can be
+// thrown. So a group remembers the plan of its last planned collective, and
+// an item of another plan keeps the check before it: the first of a group's
+// plans, and each switch, as when a GAN's two models take turns. By
+// induction, ranks that have completed the same collectives remember the same
+// plan: a check passes only where every rank runs an item of one plan (the
+// fingerprint holds its tag: the model and the bucket), and a planned
+// collective pairs only with another rank's planned one, which both send for
+// the plan they remember. So a planned item meets only the same plan's items,
+// and a rank that switched meets the others' check or fails with them at the
+// group's timeout. A model trained alone switches once, and every later item
+// goes without a round trip.
 //
 // Everything else keeps the check before sending: broadcasts and barriers,
 // all_gathers and reduce-scatters other than those of Note [Planned rings],
