@@ -132,13 +132,20 @@ void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponen
 
 torch::Tensor from_fixed_point(const torch::Tensor& sum, int exponent, int64_t divisor, torch::ScalarType dtype,
                                at::IntArrayRef sizes) {
-  const Scale scale(-exponent);
   auto out = torch::empty(sizes, sum.options().dtype(dtype));
+  from_fixed_point_into(out, sum, exponent, divisor);
+  return out;
+}
+
+void from_fixed_point_into(torch::Tensor out, const torch::Tensor& sum, int exponent, int64_t divisor) {
+  const Scale scale(-exponent);
   TORCH_INTERNAL_ASSERT(out.numel() == sum.numel());
-  if (!sum.is_cpu() || !sum.is_contiguous() || (dtype != torch::kFloat && dtype != torch::kDouble)) {
+  const auto dtype = out.scalar_type();
+  if (!sum.is_cpu() || !sum.is_contiguous() || !out.is_contiguous() ||
+      (dtype != torch::kFloat && dtype != torch::kDouble)) {
     auto value = sum.reshape({-1}).to(torch::kDouble).mul_(scale.first).mul_(scale.second);
     out.view({-1}).copy_(value.div_(static_cast<double>(divisor)));
-    return out;
+    return;
   }
   const auto* in = sum.data_ptr<int64_t>();
   if (dtype == torch::kFloat) {
@@ -146,7 +153,6 @@ torch::Tensor from_fixed_point(const torch::Tensor& sum, int exponent, int64_t d
   } else {
     scale_back(out.data_ptr<double>(), in, sum.numel(), scale, static_cast<double>(divisor));
   }
-  return out;
 }
 
 uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t micro_batch) {

@@ -32,6 +32,10 @@ void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponen
 torch::Tensor from_fixed_point(const torch::Tensor& sum, int exponent, int64_t divisor, torch::ScalarType dtype,
                                at::IntArrayRef sizes);
 
+/// The same values written into `out`, as many elements as `sum`, in its
+/// dtype: a part of a gradient already allocated.
+void from_fixed_point_into(torch::Tensor out, const torch::Tensor& sum, int exponent, int64_t divisor);
+
 /// A seed for micro-batch `micro_batch` of step `step` of a run seeded with
 /// `seed`: the same wherever that micro-batch runs.
 uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t micro_batch);

@@ -168,6 +168,17 @@ torch::Tensor read_fixed_point(const torch::Tensor& sum, const FixedPointPiece& 
                           gradients.micro_batches, dtype, sizes);
 }
 
+void read_fixed_point_into(torch::Tensor out, const torch::Tensor& sum, const FixedPointPiece& piece,
+                           const MicroBatchGradients& gradients) {
+  const double largest = gradients.maxima[piece.param];
+  if (!std::isfinite(largest)) {
+    out.fill_(std::numeric_limits<double>::quiet_NaN());
+    return;
+  }
+  const int exponent = fixed_point_exponent(largest, gradients.micro_batches);
+  from_fixed_point_into(out, sum.narrow(0, piece.at, piece.count), exponent, gradients.micro_batches);
+}
+
 MicroBatchStep::MicroBatchStep(torch::nn::Module& module, ProcessGroup group, const MicroBatchConfig& config,
                                torch::Device device, std::string where)
     : group_(std::move(group)),
@@ -407,7 +418,7 @@ void sum_by_reduce_scatter(MicroBatchStep& micro_batches, std::vector<torch::Ten
       const int64_t lo = std::max(piece.at, first), hi = std::min(piece.at + piece.count, first + chunk);
       if (lo < hi) {
         const FixedPointPiece part{piece.param, piece.begin + lo - piece.at, hi - lo, lo - first};
-        own.narrow(0, part.at, part.count).copy_(read_fixed_point(mine, part, gradients, dtype, {part.count}));
+        read_fixed_point_into(own.narrow(0, part.at, part.count), mine, part, gradients);
       }
     }
   }

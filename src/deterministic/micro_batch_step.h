@@ -62,6 +62,11 @@ void write_fixed_point(torch::Tensor& sum, const std::vector<FixedPointPiece>& p
 torch::Tensor read_fixed_point(const torch::Tensor& sum, const FixedPointPiece& piece,
                                const MicroBatchGradients& gradients, torch::ScalarType dtype, at::IntArrayRef sizes);
 
+/// The same, written into `out` (the piece's count of elements, in its
+/// dtype), with no tensor of its own.
+void read_fixed_point_into(torch::Tensor out, const torch::Tensor& sum, const FixedPointPiece& piece,
+                           const MicroBatchGradients& gradients);
+
 class MicroBatchStep {
  public:
   /// `module` is the wrapped module: its buffers must be alike on every rank

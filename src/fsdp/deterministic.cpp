@@ -156,8 +156,8 @@ void ShardedCore::State::reduce_exactly(int64_t step, const MicroBatchGradients&
     }
     piece.at -= row * per_rank;
     auto& flat = flats[piece_flat[k]];
-    flat.shard.mutable_grad().narrow(0, piece.at - first_column[piece_flat[k]], piece.count)
-        .copy_(read_fixed_point(mine, piece, gradients, flat.dtype, {piece.count}));
+    read_fixed_point_into(flat.shard.mutable_grad().narrow(0, piece.at - first_column[piece_flat[k]], piece.count),
+                          mine, piece, gradients);
   }
 }
 
