@@ -2,6 +2,7 @@
 
 #include "comm/backends/backends.h"
 #include "comm/backends/gloo_rings.h"
+#include "comm/backends/shared_memory_allreduce.h"
 #include "comm/planned_collective.h"
 #include "util/caller_stream.h"
 #include "util/torch_compat.h"
@@ -302,7 +303,23 @@ std::vector<Endpoint> check_endpoints_reachable(
 // complex types; BFloat16 and Bool before PyTorch 2.2).
 class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public CarriesPlanWords {
  public:
-  using C10dGroup::C10dGroup;
+  GlooGroup(c10::intrusive_ptr<c10d::ProcessGroupGloo> group, std::chrono::milliseconds timeout, Diagnose diagnose,
+            std::unique_ptr<SharedMemoryAllreduce> shm)
+      : C10dGroup(std::move(group), "gloo", timeout, std::move(diagnose)), shm_(std::move(shm)) {}
+  ~GlooGroup() override {
+    if (shm_) {
+      shm_->stop(); // the ring thread, joined below, may wait in one
+    }
+  }
+  // Note [Allreduce through shared memory], where every rank is on this
+  // host; c10d's Gloo allreduce otherwise. Either pairs only with allreduces.
+  std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
+    if (!shm_ || !SharedMemoryAllreduce::fits(tensors, op)) {
+      return C10dGroup::allreduce(tensors, op, std::move(what));
+    }
+    auto done = ring_.run([shm = shm_.get(), tensor = tensors[0], op] { shm->run(tensor, op); });
+    return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
+  }
   // An allreduce is c10d's, on Gloo's allreduce slots: it pairs only with
   // allreduces. Lockstep's rings (all-gathers and reduce-scatters) use
   // send and receive slots of their own. CUDA tensors go through c10d's
@@ -396,7 +413,8 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
   }
 
   int64_t rings_ = 0;
-  RingThread ring_;
+  std::unique_ptr<SharedMemoryAllreduce> shm_;
+  RingThread ring_; // after shm_: its thread, which uses shm_, ends first
 };
 
 } // namespace
@@ -440,9 +458,10 @@ std::shared_ptr<GroupImpl> make_gloo_group(
   if (size > 1) {
     group->barrier()->wait(); // Note [Every rank has connected]
   }
+  auto shm = SharedMemoryAllreduce::connect(*store, rank, size, timeout);
   // LibTorch 1.x's ProcessGroupGloo is a c10d::ProcessGroup, 2.x's a c10d::Backend:
   // C10dGroup takes either.
-  return std::make_shared<GlooGroup>(std::move(group), "gloo", timeout, std::move(diagnose));
+  return std::make_shared<GlooGroup>(std::move(group), timeout, std::move(diagnose), std::move(shm));
 }
 
 } // namespace detail

@@ -1,0 +1,399 @@
+// Compiled with gloo.cpp, when LibTorch has c10d's Gloo process group.
+
+#include "comm/backends/shared_memory_allreduce.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+namespace lockstep {
+namespace detail {
+
+// Note [Allreduce through shared memory]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Between ranks on one host, Gloo's TCP moves every byte through the
+// kernel twice, on loopback, and wakes each rank's threads through epoll;
+// on the few cores that the ranks' own compute already fills, that CPU time
+// comes out of the step (docs/performance.md, "Gloo DDP against PyTorch's
+// DDP"). Open MPI exchanges through shared memory instead, and DDP over it is
+// a quarter faster. So where every rank of a Gloo group is on this host (the
+// same host name, boot, and network, IPC, mount and process namespaces: two
+// network namespaces are two hosts to the job), its allreduces of CPU
+// tensors go through shared memory. Everything else stays Gloo's, the
+// agreement check's all_gathers included, so an allreduce still pairs only
+// with an allreduce (GroupImpl::pairs_collectives_by_kind).
+//
+// Each rank owns one segment: a header and kCapacity bytes. An allreduce
+// runs in pieces of at most kCapacity bytes; each piece is three phases,
+// each published by advancing the rank's phase counter, a futex word:
+//   1. the rank copies its piece into its segment, and writes the
+//      allreduce's element count, dtype and op in its header;
+//   2. once every rank is past 1, it checks their headers against its own
+//      (a difference is an error on every rank, each seeing the same
+//      headers), and reduces its slice (slice_of) of every rank's piece, in
+//      rank order, into its own segment's slice;
+//   3. once every rank is past 2, it copies every rank's reduced slice out.
+// A rank writes its next piece only once every rank is past 3 of this one.
+// Each slice is reduced once, by one rank, so every rank gets the same bits.
+// A wait spins briefly, then sleeps on the peer's futex in slices of
+// kWaitSlice, between which it fails if the peer's process has exited, the
+// group is going away, or the group's timeout has passed. After a failure the
+// phases no longer agree, so every later allreduce fails at once.
+//
+// Segments are unlinked once every rank has mapped them: nothing is left in
+// /dev/shm when a job ends, however it ends. LOCKSTEP_GLOO_SHM=0 keeps every
+// collective on Gloo's TCP.
+
+namespace {
+
+constexpr int64_t kCapacity = 8 << 20;
+constexpr int64_t kHeaderBytes = 128;
+constexpr int kSpins = 256;
+constexpr auto kWaitSlice = std::chrono::milliseconds(50);
+
+bool reached(uint32_t phase, uint32_t target) {
+  return static_cast<int32_t>(phase - target) >= 0; // the counters wrap
+}
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string namespace_of(const char* kind) {
+  char target[256] = {};
+  const std::string link = std::string("/proc/self/ns/") + kind;
+  const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+  return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string("?");
+}
+
+std::string random_hex() {
+  std::random_device device;
+  std::ostringstream out;
+  out << std::hex << device() << device();
+  return out.str();
+}
+
+void futex_wait(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::milliseconds slice) {
+  timespec ts{};
+  ts.tv_sec = slice.count() / 1000;
+  ts.tv_nsec = (slice.count() % 1000) * 1000000;
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>& word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void* map_segment(const std::string& name, bool create) {
+  const int fd = ::shm_open(name.c_str(), create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
+  if (fd < 0) {
+    return nullptr;
+  }
+  const int64_t bytes = kHeaderBytes + kCapacity;
+  void* at = nullptr;
+  // posix_fallocate reserves the pages now: a full /dev/shm fails here, not
+  // with SIGBUS in the middle of a step.
+  if (!create || ::posix_fallocate(fd, 0, bytes) == 0) {
+    at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  ::close(fd);
+  return at == MAP_FAILED ? nullptr : at;
+}
+
+std::string key_of(const char* what, int rank) {
+  return std::string("lockstep/shm_") + what + "/" + std::to_string(rank);
+}
+
+void publish(c10d::Store& store, const std::string& key, const std::string& value) {
+  store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::string read(c10d::Store& store, const std::string& key) {
+  const auto bytes = store.get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+const char* op_name(int32_t op) {
+  switch (static_cast<ReduceOp>(op)) {
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+    default:
+      return "sum";
+  }
+}
+
+} // namespace
+
+struct SharedMemoryAllreduce::Header {
+  std::atomic<uint32_t> phase;
+  std::atomic<uint32_t> waiters;
+  int64_t elements;
+  int32_t dtype;
+  int32_t op;
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain words");
+
+std::string host_identity() {
+  char host[HOST_NAME_MAX + 1] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string id = std::string(host) + "|" + read_first_line("/proc/sys/kernel/random/boot_id");
+  for (const char* kind : {"net", "ipc", "mnt", "pid"}) {
+    id += '|';
+    id += namespace_of(kind);
+  }
+  std::replace(id.begin(), id.end(), ' ', '_');
+  return id;
+}
+
+bool one_host(const std::vector<std::string>& published) {
+  std::string first;
+  for (const auto& entry : published) {
+    std::istringstream in(entry);
+    std::string identity;
+    in >> identity;
+    if (identity.empty() || identity == "off" || (!first.empty() && identity != first)) {
+      return false;
+    }
+    first = identity;
+  }
+  return !published.empty();
+}
+
+Slice slice_of(int64_t count, int rank, int size) {
+  const int64_t each = (count + size - 1) / size;
+  const int64_t first = std::min(count, each * rank);
+  return {first, std::min(count, first + each)};
+}
+
+SharedMemoryAllreduce::SharedMemoryAllreduce(int rank, int size, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), timeout_(timeout), maps_(size, nullptr), pids_(size, 0) {}
+
+std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::connect(c10d::Store& store, int rank, int size,
+                                                                      std::chrono::milliseconds timeout) {
+  const char* env = std::getenv("LOCKSTEP_GLOO_SHM");
+  const bool wanted = size > 1 && !(env != nullptr && std::string(env) == "0");
+  std::unique_ptr<SharedMemoryAllreduce> shm(new SharedMemoryAllreduce(rank, size, timeout));
+  const std::string name = "/lockstep-" + std::to_string(::getpid()) + "-" + random_hex();
+  shm->maps_[rank] = wanted ? map_segment(name, /*create=*/true) : nullptr;
+  publish(store, key_of("segment", rank),
+          shm->maps_[rank] != nullptr ? host_identity() + " " + name + " " + std::to_string(::getpid()) : "off");
+  std::vector<std::string> published(size);
+  for (int r = 0; r < size; ++r) {
+    published[r] = read(store, key_of("segment", r));
+  }
+  bool mapped = one_host(published);
+  for (int r = 0; mapped && r < size; ++r) {
+    std::istringstream in(published[r]);
+    std::string identity, segment;
+    in >> identity >> segment >> shm->pids_[r];
+    if (r != rank) {
+      shm->maps_[r] = map_segment(segment, /*create=*/false);
+      mapped = shm->maps_[r] != nullptr;
+    }
+  }
+  // Whether every rank mapped every segment: then each can unlink its own.
+  publish(store, key_of("mapped", rank), mapped ? "1" : "0");
+  bool all_mapped = true;
+  for (int r = 0; r < size; ++r) {
+    all_mapped = read(store, key_of("mapped", r)) == "1" && all_mapped;
+  }
+  if (shm->maps_[rank] != nullptr) {
+    ::shm_unlink(name.c_str());
+  }
+  return all_mapped ? std::move(shm) : nullptr;
+}
+
+SharedMemoryAllreduce::~SharedMemoryAllreduce() {
+  for (void* at : maps_) {
+    if (at != nullptr) {
+      ::munmap(at, kHeaderBytes + kCapacity);
+    }
+  }
+}
+
+bool SharedMemoryAllreduce::fits(const std::vector<torch::Tensor>& tensors, ReduceOp op) {
+  if (tensors.size() != 1 || (op != ReduceOp::Sum && op != ReduceOp::Max && op != ReduceOp::Min)) {
+    return false;
+  }
+  const auto& t = tensors[0];
+  switch (t.scalar_type()) {
+    case torch::kFloat:
+    case torch::kDouble:
+    case torch::kHalf:
+    case torch::kBFloat16:
+    case torch::kChar:
+    case torch::kByte:
+    case torch::kInt:
+    case torch::kLong:
+      return t.device().is_cpu() && t.is_contiguous() && t.numel() > 0;
+    default:
+      return false;
+  }
+}
+
+SharedMemoryAllreduce::Header& SharedMemoryAllreduce::header(int rank) const {
+  static_assert(sizeof(Header) <= kHeaderBytes, "the header outgrew its room");
+  return *static_cast<Header*>(maps_[rank]);
+}
+
+char* SharedMemoryAllreduce::data(int rank) const {
+  return static_cast<char*>(maps_[rank]) + kHeaderBytes;
+}
+
+void SharedMemoryAllreduce::stop() {
+  stopping_ = true;
+}
+
+void SharedMemoryAllreduce::fail(const std::string& why) {
+  failed_ = why;
+  TORCH_CHECK(false, why);
+}
+
+void SharedMemoryAllreduce::run(const torch::Tensor& tensor, ReduceOp op) {
+  TORCH_CHECK(failed_.empty(), "an earlier allreduce of this group through shared memory failed (", failed_,
+              "), so the ranks no longer agree on where they are: make a new group");
+  const int64_t item = tensor.element_size();
+  const int64_t per_piece = kCapacity / item;
+  char* bytes = static_cast<char*>(tensor.data_ptr());
+  for (int64_t first = 0; first < tensor.numel(); first += per_piece) {
+    piece(bytes + first * item, std::min(per_piece, tensor.numel() - first), tensor, op);
+  }
+}
+
+void SharedMemoryAllreduce::piece(char* bytes, int64_t count, const torch::Tensor& tensor, ReduceOp op) {
+  const int64_t item = tensor.element_size();
+  const uint32_t start = phase_;
+  wait_all(start); // every rank has read this segment's last piece
+  Header& mine = header(rank_);
+  mine.elements = tensor.numel();
+  mine.dtype = static_cast<int32_t>(tensor.scalar_type());
+  mine.op = static_cast<int32_t>(op);
+  std::memcpy(data(rank_), bytes, static_cast<size_t>(count * item));
+  advance();
+  wait_all(start + 1);
+  for (int q = 0; q < size_; ++q) {
+    const Header& theirs = header(q);
+    if (theirs.elements != mine.elements || theirs.dtype != mine.dtype || theirs.op != mine.op) {
+      std::ostringstream why;
+      why << "rank " << q << "'s allreduce is of " << theirs.elements << " elements of "
+          << c10::toString(static_cast<c10::ScalarType>(theirs.dtype)) << " (" << op_name(theirs.op) << ") where rank "
+          << rank_ << "'s is of " << mine.elements << " elements of " << tensor.scalar_type() << " (" << op_name(mine.op)
+          << "): the ranks called different collectives here";
+      fail(why.str());
+    }
+  }
+  reduce_slice(count, tensor.scalar_type(), op);
+  advance();
+  wait_all(start + 2);
+  for (int q = 0; q < size_; ++q) {
+    const Slice s = slice_of(count, q, size_);
+    std::memcpy(bytes + s.first * item, data(q) + s.first * item, static_cast<size_t>((s.last - s.first) * item));
+  }
+  advance();
+}
+
+// This rank's slice of every rank's piece, reduced in rank order into its own.
+void SharedMemoryAllreduce::reduce_slice(int64_t count, torch::ScalarType dtype, ReduceOp op) {
+  const Slice s = slice_of(count, rank_, size_);
+  if (s.last == s.first) {
+    return;
+  }
+  const auto options = torch::TensorOptions().dtype(dtype);
+  const int64_t offset = s.first * static_cast<int64_t>(c10::elementSize(dtype));
+  auto slice = [&](int q) { return torch::from_blob(data(q) + offset, {s.last - s.first}, options); };
+  auto combine = [op](torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b) {
+    if (op == ReduceOp::Max) {
+      torch::maximum_out(out, a, b);
+    } else if (op == ReduceOp::Min) {
+      torch::minimum_out(out, a, b);
+    } else {
+      torch::add_out(out, a, b);
+    }
+  };
+  auto out = slice(rank_);
+  if (size_ == 2) {
+    combine(out, slice(0), slice(1));
+    return;
+  }
+  if (!scratch_.defined() || scratch_.scalar_type() != dtype || scratch_.numel() < s.last - s.first) {
+    scratch_ = torch::empty({kCapacity / static_cast<int64_t>(c10::elementSize(dtype))}, options);
+  }
+  auto sum = scratch_.narrow(0, 0, s.last - s.first);
+  combine(sum, slice(0), slice(1));
+  for (int q = 2; q < size_; ++q) {
+    combine(sum, sum, slice(q));
+  }
+  out.copy_(sum);
+}
+
+void SharedMemoryAllreduce::advance() {
+  Header& mine = header(rank_);
+  mine.phase.store(++phase_);
+  if (mine.waiters.load() > 0) {
+    futex_wake(mine.phase);
+  }
+}
+
+void SharedMemoryAllreduce::wait_all(uint32_t phase) {
+  for (int q = 0; q < size_; ++q) {
+    if (q != rank_) {
+      wait_for(q, phase);
+    }
+  }
+}
+
+void SharedMemoryAllreduce::wait_for(int peer, uint32_t phase) {
+  Header& theirs = header(peer);
+  for (int spin = 0; spin < kSpins; ++spin) {
+    if (reached(theirs.phase.load(std::memory_order_acquire), phase)) {
+      return;
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    theirs.waiters.fetch_add(1);
+    const uint32_t seen = theirs.phase.load();
+    if (!reached(seen, phase)) {
+      futex_wait(theirs.phase, seen, kWaitSlice);
+    }
+    theirs.waiters.fetch_sub(1);
+    if (reached(theirs.phase.load(), phase)) {
+      return;
+    }
+    if (stopping_) {
+      fail("the group was destroyed while this allreduce waited for rank " + std::to_string(peer));
+    }
+    if (::kill(static_cast<pid_t>(pids_[peer]), 0) != 0 && errno == ESRCH) {
+      fail("rank " + std::to_string(peer) + " (process " + std::to_string(pids_[peer]) +
+           " on this host) exited before it reached this allreduce");
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      fail("rank " + std::to_string(peer) + " did not reach this allreduce within " + std::to_string(timeout_.count()) +
+           " ms (shared memory)");
+    }
+  }
+}
+
+} // namespace detail
+} // namespace lockstep
