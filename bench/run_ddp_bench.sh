@@ -9,6 +9,9 @@
 # the ratios are against it); MODELS="reversed" only those models. The
 # bucket figures (rebuild and static_graph):
 #   CONTENDERS="lockstep norebuild static" MODELS="reversed deep" bench/run_ddp_bench.sh
+# A contender ending in -tcp keeps Gloo's TCP between ranks of one host (Note
+# [Allreduce through shared memory]):
+#   CONTENDERS="lockstep lockstep-tcp python nocomm" bench/run_ddp_bench.sh
 # and the flight recorder's cost, and LOCKSTEP_DEBUG=detail's:
 #   CONTENDERS="lockstep norecorder detail" bench/run_ddp_bench.sh
 # FullyShardedDataParallel against DDP and PyTorch's FSDP2, with Adam:
@@ -73,11 +76,13 @@ run_time() { # MODE MODEL STEPS PRECISION: one contender's line(s), appended to 
   done
   wait "${pids[@]}"
 }
-run_pair() { # CONTENDER MODEL STEPS; a CONTENDER ending in +bf16 is that mode under bf16 autocast
-  local mode=${1%+bf16} precision=$BENCH_PRECISION
+run_pair() { # CONTENDER MODEL STEPS; a CONTENDER ending in +bf16 is that mode under bf16 autocast,
+  # one ending in -tcp that mode with Gloo's TCP between the ranks of one host (LOCKSTEP_GLOO_SHM=0)
+  local mode=${1%+bf16} precision=$BENCH_PRECISION shm=1
   [ "$mode" != "$1" ] && precision=bf16
+  [ "${mode%-tcp}" != "$mode" ] && mode=${mode%-tcp} && shm=0
   : >"$out.pair"
-  run_time "$mode" "$2" "$3" "$precision"
+  LOCKSTEP_GLOO_SHM=$shm run_time "$mode" "$2" "$3" "$precision"
   sed "s/^$mode /$1 /" "$out.pair" >>"$out"
 }
 default_contenders="lockstep python naive nocomm views"
@@ -120,7 +125,8 @@ for model in sys.argv[2:]:
     for peer in [m for m in ("python", "nocomm") if "mpi" in med and m in med]:
         print(f"  mpi/{peer} = {med['mpi'] / med[peer]:.3f}")
     # Sharded data parallelism against DDP on the same backend, and against PyTorch's FSDP.
-    for mine, peer in (("powersgd", "nocomm"), ("powersgd", "lockstep"), ("deterministic", "lockstep"),
+    for mine, peer in (("lockstep", "lockstep-tcp"), ("lockstep-tcp", "python"), ("powersgd", "nocomm"),
+                       ("powersgd-tcp", "nocomm"), ("powersgd", "lockstep"), ("deterministic", "lockstep"),
                        ("fullshard-deterministic", "fullshard"),
                        ("gradop", "lockstep"), ("fullshard", "lockstep"), ("noshard", "lockstep"),
                        ("gradop-mpi", "mpi"), ("fullshard-mpi", "mpi"), ("fullshard", "python-fsdp"),

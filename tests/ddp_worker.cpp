@@ -161,6 +161,24 @@ void early_exit(const ProcessGroup& group) {
   group.allreduce(t);
 }
 
+// Both ranks take steps until the buckets are rebuilt and planned; rank 1
+// then exits, and rank 0's next backward sends its first bucket, planned,
+// through shared memory (Note [Allreduce through shared memory]) to a rank
+// that is gone.
+void peer_exits(const ProcessGroup& group) {
+  OddNet net;
+  DistributedDataParallel<OddNet> ddp(net, group);
+  auto [x, y] = lockstep::testing::global_batch(kPerRank, 0);
+  for (int step = 0; step < 3; ++step) {
+    torch::mse_loss(ddp(x), y).backward();
+  }
+  if (group.rank() == 1) {
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
+  torch::mse_loss(ddp(x), y).backward();
+}
+
 void stall(const ProcessGroup& group) {
   OddNet net;
   DistributedDataParallel<OddNet> ddp(net, group);
@@ -500,6 +518,7 @@ lockstep::testing::WorkerTable scenarios() {
       {"unused_allowed", on_group([](const ProcessGroup& g) { unused(g, true); })},
       {"mismatch", on_group(mismatch)},
       {"stall", timing_out(stall)},
+      {"peer_exits", on_group(peer_exits)},
       {"fp16", on_group([](const ProcessGroup& g) { train_and_compare(g, DistributedOptions().comm_hook(fp16_compress), 1e-2, 1e-3); })},
       {"bf16", on_group([](const ProcessGroup& g) { train_and_compare(g, DistributedOptions().comm_hook(bf16_compress), 5e-2, 1e-2); })},
       {"collectives", on_group(collectives)},

@@ -106,6 +106,8 @@ class RingWork : public Work {
     }
     try {
       done_.get();
+    } catch (const c10::Error& e) {
+      throw_collective_error(what_, rank_, size_, timeout_, e.msg(), diagnose_); // without its C++ backtrace
     } catch (const std::exception& e) {
       throw_collective_error(what_, rank_, size_, timeout_, e.what(), diagnose_);
     }

@@ -39,8 +39,10 @@ namespace detail {
 // agreement check's all_gathers included, so an allreduce still pairs only
 // with an allreduce (GroupImpl::pairs_collectives_by_kind).
 //
-// Each rank owns one segment: a header and kCapacity bytes. An allreduce
-// runs in pieces of at most kCapacity bytes; each piece is three phases,
+// Each rank owns one segment: a header and capacity_of(size) bytes, 8 MiB
+// for two ranks, less for more, so that a host's ranks map at most 16 MiB
+// together beyond 2 (Docker gives /dev/shm 64 MiB). An allreduce runs in
+// pieces of at most that; each piece is three phases,
 // each published by advancing the rank's phase counter, a futex word:
 //   1. the rank copies its piece into its segment, and writes the
 //      allreduce's element count, dtype and op in its header;
@@ -62,7 +64,6 @@ namespace detail {
 
 namespace {
 
-constexpr int64_t kCapacity = 8 << 20;
 constexpr int64_t kHeaderBytes = 128;
 constexpr int kSpins = 256;
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);
@@ -103,12 +104,16 @@ void futex_wake(std::atomic<uint32_t>& word) {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-void* map_segment(const std::string& name, bool create) {
+int64_t capacity_of(int size) {
+  return std::min<int64_t>(8 << 20, std::max<int64_t>(1 << 20, (16 << 20) / size));
+}
+
+void* map_segment(const std::string& name, int64_t capacity, bool create) {
   const int fd = ::shm_open(name.c_str(), create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
   if (fd < 0) {
     return nullptr;
   }
-  const int64_t bytes = kHeaderBytes + kCapacity;
+  const int64_t bytes = kHeaderBytes + capacity;
   void* at = nullptr;
   // posix_fallocate reserves the pages now: a full /dev/shm fails here, not
   // with SIGBUS in the middle of a step.
@@ -187,7 +192,7 @@ Slice slice_of(int64_t count, int rank, int size) {
 }
 
 SharedMemoryAllreduce::SharedMemoryAllreduce(int rank, int size, std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), timeout_(timeout), maps_(size, nullptr), pids_(size, 0) {}
+    : rank_(rank), size_(size), capacity_(capacity_of(size)), timeout_(timeout), maps_(size, nullptr), pids_(size, 0) {}
 
 std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::connect(c10d::Store& store, int rank, int size,
                                                                       std::chrono::milliseconds timeout) {
@@ -195,7 +200,7 @@ std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::connect(c10d::Stor
   const bool wanted = size > 1 && !(env != nullptr && std::string(env) == "0");
   std::unique_ptr<SharedMemoryAllreduce> shm(new SharedMemoryAllreduce(rank, size, timeout));
   const std::string name = "/lockstep-" + std::to_string(::getpid()) + "-" + random_hex();
-  shm->maps_[rank] = wanted ? map_segment(name, /*create=*/true) : nullptr;
+  shm->maps_[rank] = wanted ? map_segment(name, shm->capacity_, /*create=*/true) : nullptr;
   publish(store, key_of("segment", rank),
           shm->maps_[rank] != nullptr ? host_identity() + " " + name + " " + std::to_string(::getpid()) : "off");
   std::vector<std::string> published(size);
@@ -208,7 +213,7 @@ std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::connect(c10d::Stor
     std::string identity, segment;
     in >> identity >> segment >> shm->pids_[r];
     if (r != rank) {
-      shm->maps_[r] = map_segment(segment, /*create=*/false);
+      shm->maps_[r] = map_segment(segment, shm->capacity_, /*create=*/false);
       mapped = shm->maps_[r] != nullptr;
     }
   }
@@ -227,7 +232,7 @@ std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::connect(c10d::Stor
 SharedMemoryAllreduce::~SharedMemoryAllreduce() {
   for (void* at : maps_) {
     if (at != nullptr) {
-      ::munmap(at, kHeaderBytes + kCapacity);
+      ::munmap(at, kHeaderBytes + capacity_);
     }
   }
 }
@@ -274,7 +279,7 @@ void SharedMemoryAllreduce::run(const torch::Tensor& tensor, ReduceOp op) {
   TORCH_CHECK(failed_.empty(), "an earlier allreduce of this group through shared memory failed (", failed_,
               "), so the ranks no longer agree on where they are: make a new group");
   const int64_t item = tensor.element_size();
-  const int64_t per_piece = kCapacity / item;
+  const int64_t per_piece = capacity_ / item;
   char* bytes = static_cast<char*>(tensor.data_ptr());
   for (int64_t first = 0; first < tensor.numel(); first += per_piece) {
     piece(bytes + first * item, std::min(per_piece, tensor.numel() - first), tensor, op);
@@ -337,7 +342,7 @@ void SharedMemoryAllreduce::reduce_slice(int64_t count, torch::ScalarType dtype,
     return;
   }
   if (!scratch_.defined() || scratch_.scalar_type() != dtype || scratch_.numel() < s.last - s.first) {
-    scratch_ = torch::empty({kCapacity / static_cast<int64_t>(c10::elementSize(dtype))}, options);
+    scratch_ = torch::empty({capacity_ / static_cast<int64_t>(c10::elementSize(dtype))}, options);
   }
   auto sum = scratch_.narrow(0, 0, s.last - s.first);
   combine(sum, slice(0), slice(1));

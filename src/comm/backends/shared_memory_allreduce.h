@@ -69,6 +69,7 @@ class SharedMemoryAllreduce {
   [[noreturn]] void fail(const std::string& why);
 
   int rank_, size_;
+  int64_t capacity_; // bytes of data in each segment
   std::chrono::milliseconds timeout_;
   std::vector<void*> maps_; // every rank's segment, rank by rank
   std::vector<int64_t> pids_;

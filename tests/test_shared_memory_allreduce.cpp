@@ -1,0 +1,178 @@
+// Allreduces through shared memory (Note [Allreduce through shared memory]
+// in src/comm/backends/shared_memory_allreduce.cpp), with ranks as threads:
+// through the Gloo group, and the transport alone, over an in-memory store.
+
+#include <lockstep/lockstep.h>
+
+#include "comm/backends/shared_memory_allreduce.h"
+#include "support/errors.h"
+#include "support/threads.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+using detail::SharedMemoryAllreduce;
+
+// Runs fn(rank, transport) on `size` threads over one store; the transport
+// may be null (where connect declined).
+void on_transports(int size, std::chrono::milliseconds timeout,
+                   const std::function<void(int, SharedMemoryAllreduce*)>& fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto transport = SharedMemoryAllreduce::connect(*store, rank, size, timeout);
+      fn(rank, transport.get());
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+}
+
+// Rank r's values: small integers, which every dtype here (bfloat16: up to
+// 256) holds and sums exactly over three ranks.
+torch::Tensor values_of(int rank, int64_t numel, torch::ScalarType dtype) {
+  return (torch::arange(numel, torch::kLong).remainder(31) * (rank + 1) - 30 * rank).to(dtype);
+}
+
+TEST(SharedMemoryAllreduce, PiecesLargerThanASegmentSumExactlyOnEveryRankThroughTheGroup) {
+  // 3 M floats are 12 MiB: pieces of a segment (8 MiB for two ranks, 5.3
+  // for three), and one rank's slice of the last piece is shorter than the
+  // others'.
+  for (int size : {2, 3}) {
+    for (auto dtype : {torch::kFloat, torch::kLong, torch::kBFloat16}) {
+      const int64_t numel = dtype == torch::kBFloat16 ? 5000001 : 3000001;
+      auto expected = torch::zeros({numel}, torch::kLong);
+      for (int r = 0; r < size; ++r) {
+        expected += values_of(r, numel, torch::kLong);
+      }
+      std::mutex mutex;
+      testing::spawn(size, [&](ProcessGroup& group) {
+        auto t = values_of(group.rank(), numel, dtype);
+        group.allreduce(t, ReduceOp::Sum);
+        std::lock_guard<std::mutex> lock(mutex);
+        EXPECT_TRUE(torch::equal(t.to(torch::kLong), expected))
+            << "rank " << group.rank() << " of " << size << ", " << dtype;
+      });
+    }
+  }
+}
+
+TEST(SharedMemoryAllreduce, MaxAndMinTakeEveryRanksExtremes) {
+  std::mutex mutex;
+  testing::spawn(3, [&](ProcessGroup& group) {
+    const int r = group.rank();
+    auto high = torch::tensor({double(r), -double(r), r == 1 ? 7.0 : 0.0});
+    auto low = high.clone();
+    group.allreduce(high, ReduceOp::Max);
+    group.allreduce(low, ReduceOp::Min);
+    std::lock_guard<std::mutex> lock(mutex);
+    EXPECT_TRUE(torch::equal(high, torch::tensor({2.0, 0.0, 7.0}))) << high;
+    EXPECT_TRUE(torch::equal(low, torch::tensor({0.0, -2.0, 0.0}))) << low;
+  });
+}
+
+TEST(SharedMemoryAllreduce, ConnectsOnEveryRankOrOnNone) {
+  std::mutex mutex;
+  std::vector<bool> connected(3);
+  on_transports(3, std::chrono::seconds(10), [&](int rank, SharedMemoryAllreduce* transport) {
+    std::lock_guard<std::mutex> lock(mutex);
+    connected[rank] = transport != nullptr;
+  });
+  EXPECT_EQ(connected, std::vector<bool>(3, true));
+  ::setenv("LOCKSTEP_GLOO_SHM", "0", 1);
+  on_transports(3, std::chrono::seconds(10), [&](int rank, SharedMemoryAllreduce* transport) {
+    std::lock_guard<std::mutex> lock(mutex);
+    connected[rank] = transport != nullptr;
+  });
+  ::unsetenv("LOCKSTEP_GLOO_SHM");
+  EXPECT_EQ(connected, std::vector<bool>(3, false));
+}
+
+// Sizes agreed by the check, or by a plan, never differ here; if they did,
+// every rank says so at once, and later allreduces fail rather than read
+// another collective's bytes.
+TEST(SharedMemoryAllreduce, RanksWhoseAllreducesDifferAllFailNamingBoth) {
+  std::mutex mutex;
+  std::vector<std::string> first(2), later(2);
+  on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryAllreduce* transport) {
+    ASSERT_NE(transport, nullptr);
+    auto t = torch::ones({rank == 0 ? 10 : 12});
+    const auto a = testing::error_of([&] { transport->run(t, ReduceOp::Sum); });
+    const auto b = testing::error_of([&] { transport->run(torch::ones({10}), ReduceOp::Sum); });
+    std::lock_guard<std::mutex> lock(mutex);
+    first[rank] = a;
+    later[rank] = b;
+  });
+  EXPECT_NE(first[0].find("rank 1's allreduce is of 12 elements of Float (sum) where rank 0's is of 10"),
+            std::string::npos) << first[0];
+  EXPECT_NE(first[1].find("rank 0's allreduce is of 10 elements of Float (sum) where rank 1's is of 12"),
+            std::string::npos) << first[1];
+  for (const auto& text : later) {
+    EXPECT_NE(text.find("an earlier allreduce of this group through shared memory failed"), std::string::npos) << text;
+  }
+}
+
+TEST(SharedMemoryAllreduce, ARankThatNeverArrivesFailsTheOthersAtTheTimeout) {
+  std::promise<void> done;
+  auto finished = done.get_future().share();
+  std::string error;
+  double waited = 0;
+  on_transports(2, std::chrono::seconds(1), [&](int rank, SharedMemoryAllreduce* transport) {
+    ASSERT_NE(transport, nullptr);
+    if (rank == 1) {
+      finished.wait();
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    error = testing::error_of([&] { transport->run(torch::ones({4}), ReduceOp::Sum); });
+    waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    done.set_value();
+  });
+  EXPECT_NE(error.find("rank 1 did not reach this allreduce within 1000 ms"), std::string::npos) << error;
+  EXPECT_GE(waited, 0.9);
+  EXPECT_LT(waited, 5.0);
+}
+
+TEST(SharedMemoryAllreduce, StopEndsAWaitAtOnce) {
+  std::promise<void> done;
+  auto finished = done.get_future().share();
+  std::string error;
+  double waited = 0;
+  on_transports(2, std::chrono::seconds(60), [&](int rank, SharedMemoryAllreduce* transport) {
+    ASSERT_NE(transport, nullptr);
+    if (rank == 1) {
+      finished.wait();
+      return;
+    }
+    std::thread stopper([transport] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      transport->stop();
+    });
+    const auto start = std::chrono::steady_clock::now();
+    error = testing::error_of([&] { transport->run(torch::ones({4}), ReduceOp::Sum); });
+    waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    stopper.join();
+    done.set_value();
+  });
+  EXPECT_NE(error.find("the group was destroyed while this allreduce waited for rank 1"), std::string::npos) << error;
+  EXPECT_LT(waited, 5.0);
+}
+
+} // namespace
+} // namespace lockstep
