@@ -1,8 +1,8 @@
 // The pure parts of Note [Allreduce through shared memory]
-// (src/comm/backends/shared_memory_allreduce.cpp): which ranks may share
+// (src/comm/backends/shared_memory_collectives.cpp): which ranks may share
 // memory, and how a piece is cut into the ranks' slices.
 
-#include "comm/backends/shared_memory_allreduce.h"
+#include "comm/backends/shared_memory_collectives.h"
 
 #include <gtest/gtest.h>
 

@@ -2,7 +2,7 @@
 
 #include "comm/backends/backends.h"
 #include "comm/backends/gloo_rings.h"
-#include "comm/backends/shared_memory_allreduce.h"
+#include "comm/backends/shared_memory_collectives.h"
 #include "comm/planned_collective.h"
 #include "util/caller_stream.h"
 #include "util/torch_compat.h"
@@ -304,7 +304,7 @@ std::vector<Endpoint> check_endpoints_reachable(
 class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public CarriesPlanWords {
  public:
   GlooGroup(c10::intrusive_ptr<c10d::ProcessGroupGloo> group, std::chrono::milliseconds timeout, Diagnose diagnose,
-            std::unique_ptr<SharedMemoryAllreduce> shm)
+            std::unique_ptr<SharedMemoryCollectives> shm)
       : C10dGroup(std::move(group), "gloo", timeout, std::move(diagnose)), shm_(std::move(shm)) {}
   ~GlooGroup() override {
     if (shm_) {
@@ -314,7 +314,7 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
   // Note [Allreduce through shared memory], where every rank is on this
   // host; c10d's Gloo allreduce otherwise. Either pairs only with allreduces.
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
-    if (!shm_ || !SharedMemoryAllreduce::fits(tensors, op)) {
+    if (!shm_ || !SharedMemoryCollectives::fits(tensors, op)) {
       return C10dGroup::allreduce(tensors, op, std::move(what));
     }
     auto done = ring_.run([shm = shm_.get(), tensor = tensors[0], op] { shm->run(tensor, op); });
@@ -413,7 +413,7 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
   }
 
   int64_t rings_ = 0;
-  std::unique_ptr<SharedMemoryAllreduce> shm_;
+  std::unique_ptr<SharedMemoryCollectives> shm_;
   RingThread ring_; // after shm_: its thread, which uses shm_, ends first
 };
 
@@ -458,7 +458,7 @@ std::shared_ptr<GroupImpl> make_gloo_group(
   if (size > 1) {
     group->barrier()->wait(); // Note [Every rank has connected]
   }
-  auto shm = SharedMemoryAllreduce::connect(*store, rank, size, timeout);
+  auto shm = SharedMemoryCollectives::connect(*store, rank, size, timeout);
   // LibTorch 1.x's ProcessGroupGloo is a c10d::ProcessGroup, 2.x's a c10d::Backend:
   // C10dGroup takes either.
   return std::make_shared<GlooGroup>(std::move(group), timeout, std::move(diagnose), std::move(shm));

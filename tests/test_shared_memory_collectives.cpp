@@ -1,10 +1,10 @@
 // Allreduces through shared memory (Note [Allreduce through shared memory]
-// in src/comm/backends/shared_memory_allreduce.cpp), with ranks as threads:
+// in src/comm/backends/shared_memory_collectives.cpp), with ranks as threads:
 // through the Gloo group, and the transport alone, over an in-memory store.
 
 #include <lockstep/lockstep.h>
 
-#include "comm/backends/shared_memory_allreduce.h"
+#include "comm/backends/shared_memory_collectives.h"
 #include "support/errors.h"
 #include "support/threads.h"
 
@@ -25,17 +25,17 @@
 namespace lockstep {
 namespace {
 
-using detail::SharedMemoryAllreduce;
+using detail::SharedMemoryCollectives;
 
 // Runs fn(rank, transport) on `size` threads over one store; the transport
 // may be null (where connect declined).
 void on_transports(int size, std::chrono::milliseconds timeout,
-                   const std::function<void(int, SharedMemoryAllreduce*)>& fn) {
+                   const std::function<void(int, SharedMemoryCollectives*)>& fn) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
   for (int rank = 0; rank < size; ++rank) {
     threads.emplace_back([&, rank] {
-      auto transport = SharedMemoryAllreduce::connect(*store, rank, size, timeout);
+      auto transport = SharedMemoryCollectives::connect(*store, rank, size, timeout);
       fn(rank, transport.get());
     });
   }
@@ -50,7 +50,7 @@ torch::Tensor values_of(int rank, int64_t numel, torch::ScalarType dtype) {
   return (torch::arange(numel, torch::kLong).remainder(31) * (rank + 1) - 30 * rank).to(dtype);
 }
 
-TEST(SharedMemoryAllreduce, PiecesLargerThanASegmentSumExactlyOnEveryRankThroughTheGroup) {
+TEST(SharedMemoryCollectives, PiecesLargerThanASegmentSumExactlyOnEveryRankThroughTheGroup) {
   // 3 M floats are 12 MiB: pieces of a segment (8 MiB for two ranks, 5.3
   // for three), and one rank's slice of the last piece is shorter than the
   // others'.
@@ -73,7 +73,7 @@ TEST(SharedMemoryAllreduce, PiecesLargerThanASegmentSumExactlyOnEveryRankThrough
   }
 }
 
-TEST(SharedMemoryAllreduce, MaxAndMinTakeEveryRanksExtremes) {
+TEST(SharedMemoryCollectives, MaxAndMinTakeEveryRanksExtremes) {
   std::mutex mutex;
   testing::spawn(3, [&](ProcessGroup& group) {
     const int r = group.rank();
@@ -87,16 +87,16 @@ TEST(SharedMemoryAllreduce, MaxAndMinTakeEveryRanksExtremes) {
   });
 }
 
-TEST(SharedMemoryAllreduce, ConnectsOnEveryRankOrOnNone) {
+TEST(SharedMemoryCollectives, ConnectsOnEveryRankOrOnNone) {
   std::mutex mutex;
   std::vector<bool> connected(3);
-  on_transports(3, std::chrono::seconds(10), [&](int rank, SharedMemoryAllreduce* transport) {
+  on_transports(3, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
     std::lock_guard<std::mutex> lock(mutex);
     connected[rank] = transport != nullptr;
   });
   EXPECT_EQ(connected, std::vector<bool>(3, true));
   ::setenv("LOCKSTEP_GLOO_SHM", "0", 1);
-  on_transports(3, std::chrono::seconds(10), [&](int rank, SharedMemoryAllreduce* transport) {
+  on_transports(3, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
     std::lock_guard<std::mutex> lock(mutex);
     connected[rank] = transport != nullptr;
   });
@@ -107,10 +107,10 @@ TEST(SharedMemoryAllreduce, ConnectsOnEveryRankOrOnNone) {
 // Sizes agreed by the check, or by a plan, never differ here; if they did,
 // every rank says so at once, and later allreduces fail rather than read
 // another collective's bytes.
-TEST(SharedMemoryAllreduce, RanksWhoseAllreducesDifferAllFailNamingBoth) {
+TEST(SharedMemoryCollectives, RanksWhoseAllreducesDifferAllFailNamingBoth) {
   std::mutex mutex;
   std::vector<std::string> first(2), later(2);
-  on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryAllreduce* transport) {
+  on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
     ASSERT_NE(transport, nullptr);
     auto t = torch::ones({rank == 0 ? 10 : 12});
     const auto a = testing::error_of([&] { transport->run(t, ReduceOp::Sum); });
@@ -128,12 +128,12 @@ TEST(SharedMemoryAllreduce, RanksWhoseAllreducesDifferAllFailNamingBoth) {
   }
 }
 
-TEST(SharedMemoryAllreduce, ARankThatNeverArrivesFailsTheOthersAtTheTimeout) {
+TEST(SharedMemoryCollectives, ARankThatNeverArrivesFailsTheOthersAtTheTimeout) {
   std::promise<void> done;
   auto finished = done.get_future().share();
   std::string error;
   double waited = 0;
-  on_transports(2, std::chrono::seconds(1), [&](int rank, SharedMemoryAllreduce* transport) {
+  on_transports(2, std::chrono::seconds(1), [&](int rank, SharedMemoryCollectives* transport) {
     ASSERT_NE(transport, nullptr);
     if (rank == 1) {
       finished.wait();
@@ -149,12 +149,12 @@ TEST(SharedMemoryAllreduce, ARankThatNeverArrivesFailsTheOthersAtTheTimeout) {
   EXPECT_LT(waited, 5.0);
 }
 
-TEST(SharedMemoryAllreduce, StopEndsAWaitAtOnce) {
+TEST(SharedMemoryCollectives, StopEndsAWaitAtOnce) {
   std::promise<void> done;
   auto finished = done.get_future().share();
   std::string error;
   double waited = 0;
-  on_transports(2, std::chrono::seconds(60), [&](int rank, SharedMemoryAllreduce* transport) {
+  on_transports(2, std::chrono::seconds(60), [&](int rank, SharedMemoryCollectives* transport) {
     ASSERT_NE(transport, nullptr);
     if (rank == 1) {
       finished.wait();

@@ -2,7 +2,7 @@
 
 // Internal: the Gloo group's allreduces of CPU tensors between ranks that are
 // all on one host, through shared memory (Note [Allreduce through shared
-// memory] in src/comm/backends/shared_memory_allreduce.cpp).
+// memory] in src/comm/backends/shared_memory_collectives.cpp).
 
 #include <lockstep/backend.h>
 
@@ -35,16 +35,16 @@ struct Slice {
 };
 Slice slice_of(int64_t count, int rank, int size);
 
-class SharedMemoryAllreduce {
+class SharedMemoryCollectives {
  public:
   /// Every rank's segment, mapped, where every rank of the group is on this
   /// host, can map them, and has not set LOCKSTEP_GLOO_SHM=0; nullptr on
   /// every rank otherwise. Called by every rank of the group, over its store.
-  static std::unique_ptr<SharedMemoryAllreduce> connect(c10d::Store& store, int rank, int size,
+  static std::unique_ptr<SharedMemoryCollectives> connect(c10d::Store& store, int rank, int size,
                                                         std::chrono::milliseconds timeout);
-  ~SharedMemoryAllreduce();
-  SharedMemoryAllreduce(const SharedMemoryAllreduce&) = delete;
-  SharedMemoryAllreduce& operator=(const SharedMemoryAllreduce&) = delete;
+  ~SharedMemoryCollectives();
+  SharedMemoryCollectives(const SharedMemoryCollectives&) = delete;
+  SharedMemoryCollectives& operator=(const SharedMemoryCollectives&) = delete;
 
   /// Whether run() takes this allreduce: one contiguous CPU tensor of a dtype
   /// ATen adds, and Sum, Max or Min.
@@ -58,7 +58,7 @@ class SharedMemoryAllreduce {
 
  private:
   struct Header;
-  SharedMemoryAllreduce(int rank, int size, std::chrono::milliseconds timeout);
+  SharedMemoryCollectives(int rank, int size, std::chrono::milliseconds timeout);
   Header& header(int rank) const;
   char* data(int rank) const;
   void piece(char* bytes, int64_t count, const torch::Tensor& tensor, ReduceOp op);

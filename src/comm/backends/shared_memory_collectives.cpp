@@ -1,6 +1,6 @@
 // Compiled with gloo.cpp, when LibTorch has c10d's Gloo process group.
 
-#include "comm/backends/shared_memory_allreduce.h"
+#include "comm/backends/shared_memory_collectives.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -150,7 +150,7 @@ const char* op_name(int32_t op) {
 
 } // namespace
 
-struct SharedMemoryAllreduce::Header {
+struct SharedMemoryCollectives::Header {
   std::atomic<uint32_t> phase;
   std::atomic<uint32_t> waiters;
   int64_t elements;
@@ -191,14 +191,14 @@ Slice slice_of(int64_t count, int rank, int size) {
   return {first, std::min(count, first + each)};
 }
 
-SharedMemoryAllreduce::SharedMemoryAllreduce(int rank, int size, std::chrono::milliseconds timeout)
+SharedMemoryCollectives::SharedMemoryCollectives(int rank, int size, std::chrono::milliseconds timeout)
     : rank_(rank), size_(size), capacity_(capacity_of(size)), timeout_(timeout), maps_(size, nullptr), pids_(size, 0) {}
 
-std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::connect(c10d::Store& store, int rank, int size,
+std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(c10d::Store& store, int rank, int size,
                                                                       std::chrono::milliseconds timeout) {
   const char* env = std::getenv("LOCKSTEP_GLOO_SHM");
   const bool wanted = size > 1 && !(env != nullptr && std::string(env) == "0");
-  std::unique_ptr<SharedMemoryAllreduce> shm(new SharedMemoryAllreduce(rank, size, timeout));
+  std::unique_ptr<SharedMemoryCollectives> shm(new SharedMemoryCollectives(rank, size, timeout));
   const std::string name = "/lockstep-" + std::to_string(::getpid()) + "-" + random_hex();
   shm->maps_[rank] = wanted ? map_segment(name, shm->capacity_, /*create=*/true) : nullptr;
   publish(store, key_of("segment", rank),
@@ -229,7 +229,7 @@ std::unique_ptr<SharedMemoryAllreduce> SharedMemoryAllreduce::connect(c10d::Stor
   return all_mapped ? std::move(shm) : nullptr;
 }
 
-SharedMemoryAllreduce::~SharedMemoryAllreduce() {
+SharedMemoryCollectives::~SharedMemoryCollectives() {
   for (void* at : maps_) {
     if (at != nullptr) {
       ::munmap(at, kHeaderBytes + capacity_);
@@ -237,7 +237,7 @@ SharedMemoryAllreduce::~SharedMemoryAllreduce() {
   }
 }
 
-bool SharedMemoryAllreduce::fits(const std::vector<torch::Tensor>& tensors, ReduceOp op) {
+bool SharedMemoryCollectives::fits(const std::vector<torch::Tensor>& tensors, ReduceOp op) {
   if (tensors.size() != 1 || (op != ReduceOp::Sum && op != ReduceOp::Max && op != ReduceOp::Min)) {
     return false;
   }
@@ -257,25 +257,25 @@ bool SharedMemoryAllreduce::fits(const std::vector<torch::Tensor>& tensors, Redu
   }
 }
 
-SharedMemoryAllreduce::Header& SharedMemoryAllreduce::header(int rank) const {
+SharedMemoryCollectives::Header& SharedMemoryCollectives::header(int rank) const {
   static_assert(sizeof(Header) <= kHeaderBytes, "the header outgrew its room");
   return *static_cast<Header*>(maps_[rank]);
 }
 
-char* SharedMemoryAllreduce::data(int rank) const {
+char* SharedMemoryCollectives::data(int rank) const {
   return static_cast<char*>(maps_[rank]) + kHeaderBytes;
 }
 
-void SharedMemoryAllreduce::stop() {
+void SharedMemoryCollectives::stop() {
   stopping_ = true;
 }
 
-void SharedMemoryAllreduce::fail(const std::string& why) {
+void SharedMemoryCollectives::fail(const std::string& why) {
   failed_ = why;
   TORCH_CHECK(false, why);
 }
 
-void SharedMemoryAllreduce::run(const torch::Tensor& tensor, ReduceOp op) {
+void SharedMemoryCollectives::run(const torch::Tensor& tensor, ReduceOp op) {
   TORCH_CHECK(failed_.empty(), "an earlier allreduce of this group through shared memory failed (", failed_,
               "), so the ranks no longer agree on where they are: make a new group");
   const int64_t item = tensor.element_size();
@@ -286,7 +286,7 @@ void SharedMemoryAllreduce::run(const torch::Tensor& tensor, ReduceOp op) {
   }
 }
 
-void SharedMemoryAllreduce::piece(char* bytes, int64_t count, const torch::Tensor& tensor, ReduceOp op) {
+void SharedMemoryCollectives::piece(char* bytes, int64_t count, const torch::Tensor& tensor, ReduceOp op) {
   const int64_t item = tensor.element_size();
   const uint32_t start = phase_;
   wait_all(start); // every rank has read this segment's last piece
@@ -319,7 +319,7 @@ void SharedMemoryAllreduce::piece(char* bytes, int64_t count, const torch::Tenso
 }
 
 // This rank's slice of every rank's piece, reduced in rank order into its own.
-void SharedMemoryAllreduce::reduce_slice(int64_t count, torch::ScalarType dtype, ReduceOp op) {
+void SharedMemoryCollectives::reduce_slice(int64_t count, torch::ScalarType dtype, ReduceOp op) {
   const Slice s = slice_of(count, rank_, size_);
   if (s.last == s.first) {
     return;
@@ -352,7 +352,7 @@ void SharedMemoryAllreduce::reduce_slice(int64_t count, torch::ScalarType dtype,
   out.copy_(sum);
 }
 
-void SharedMemoryAllreduce::advance() {
+void SharedMemoryCollectives::advance() {
   Header& mine = header(rank_);
   mine.phase.store(++phase_);
   if (mine.waiters.load() > 0) {
@@ -360,7 +360,7 @@ void SharedMemoryAllreduce::advance() {
   }
 }
 
-void SharedMemoryAllreduce::wait_all(uint32_t phase) {
+void SharedMemoryCollectives::wait_all(uint32_t phase) {
   for (int q = 0; q < size_; ++q) {
     if (q != rank_) {
       wait_for(q, phase);
@@ -368,7 +368,7 @@ void SharedMemoryAllreduce::wait_all(uint32_t phase) {
   }
 }
 
-void SharedMemoryAllreduce::wait_for(int peer, uint32_t phase) {
+void SharedMemoryCollectives::wait_for(int peer, uint32_t phase) {
   Header& theirs = header(peer);
   for (int spin = 0; spin < kSpins; ++spin) {
     if (reached(theirs.phase.load(std::memory_order_acquire), phase)) {
