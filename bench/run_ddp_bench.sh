@@ -10,7 +10,7 @@
 # bucket figures (rebuild and static_graph):
 #   CONTENDERS="lockstep norebuild static" MODELS="reversed deep" bench/run_ddp_bench.sh
 # A contender ending in -tcp keeps Gloo's TCP between ranks of one host (Note
-# [Allreduce through shared memory]):
+# [Collectives through shared memory]):
 #   CONTENDERS="lockstep lockstep-tcp python nocomm" bench/run_ddp_bench.sh
 # and the flight recorder's cost, and LOCKSTEP_DEBUG=detail's:
 #   CONTENDERS="lockstep norecorder detail" bench/run_ddp_bench.sh

@@ -163,7 +163,7 @@ void early_exit(const ProcessGroup& group) {
 
 // Both ranks take steps until the buckets are rebuilt and planned; rank 1
 // then exits, and rank 0's next backward sends its first bucket, planned,
-// through shared memory (Note [Allreduce through shared memory]) to a rank
+// through shared memory (Note [Collectives through shared memory]) to a rank
 // that is gone.
 void peer_exits(const ProcessGroup& group) {
   OddNet net;

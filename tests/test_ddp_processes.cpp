@@ -233,7 +233,7 @@ TEST(DdpProcesses, StalledRankGivesATimeoutErrorNotAHang) {
   EXPECT_NE(results[0].output.find("timeout of 3000 ms"), std::string::npos) << all;
 }
 
-// Over shared memory (Note [Allreduce through shared memory]) a rank learns
+// Over shared memory (Note [Collectives through shared memory]) a rank learns
 // that its peer's process is gone within a wait's slice, not at the timeout.
 TEST(DdpProcesses, PeerThatExitsMidJobFailsTheOtherAtOnceNamingIt) {
   auto results = run_ranks("peer_exits", 2, std::chrono::seconds(60));
@@ -242,7 +242,7 @@ TEST(DdpProcesses, PeerThatExitsMidJobFailsTheOtherAtOnceNamingIt) {
   EXPECT_LT(results[0].seconds, 10.0) << all;
   EXPECT_NE(results[0].output.find("rank 0 of 2: allreduce of bucket 0"), std::string::npos) << all;
   EXPECT_NE(results[0].output.find("Cause: rank 1 (process "), std::string::npos) << all;
-  EXPECT_NE(results[0].output.find("on this host) exited before it reached this allreduce"), std::string::npos) << all;
+  EXPECT_NE(results[0].output.find("on this host) exited before it reached this collective"), std::string::npos) << all;
   EXPECT_EQ(results[0].output.find("Exception raised from"), std::string::npos) << "a C++ backtrace in the error: " << all;
 }
 

@@ -1,4 +1,4 @@
-// Allreduces through shared memory (Note [Allreduce through shared memory]
+// Collectives through shared memory (Note [Collectives through shared memory]
 // in src/comm/backends/shared_memory_collectives.cpp), with ranks as threads:
 // through the Gloo group, and the transport alone, over an in-memory store.
 
@@ -113,19 +113,79 @@ TEST(SharedMemoryCollectives, RanksWhoseAllreducesDifferAllFailNamingBoth) {
   on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
     ASSERT_NE(transport, nullptr);
     auto t = torch::ones({rank == 0 ? 10 : 12});
-    const auto a = testing::error_of([&] { transport->run(t, ReduceOp::Sum); });
-    const auto b = testing::error_of([&] { transport->run(torch::ones({10}), ReduceOp::Sum); });
+    const auto a = testing::error_of([&] { transport->allreduce(t, ReduceOp::Sum); });
+    const auto b = testing::error_of([&] { transport->allreduce(torch::ones({10}), ReduceOp::Sum); });
     std::lock_guard<std::mutex> lock(mutex);
     first[rank] = a;
     later[rank] = b;
   });
-  EXPECT_NE(first[0].find("rank 1's allreduce is of 12 elements of Float (sum) where rank 0's is of 10"),
-            std::string::npos) << first[0];
-  EXPECT_NE(first[1].find("rank 0's allreduce is of 10 elements of Float (sum) where rank 1's is of 12"),
-            std::string::npos) << first[1];
+  EXPECT_NE(first[0].find("rank 1's collective is an allreduce of 12 elements of Float (sum) where rank 0's is an "
+                           "allreduce of 10 elements of Float (sum)"), std::string::npos) << first[0];
+  EXPECT_NE(first[1].find("rank 0's collective is an allreduce of 10 elements of Float (sum) where rank 1's is an "
+                           "allreduce of 12 elements of Float (sum)"), std::string::npos) << first[1];
   for (const auto& text : later) {
-    EXPECT_NE(text.find("an earlier allreduce of this group through shared memory failed"), std::string::npos) << text;
+    EXPECT_NE(text.find("an earlier collective of this group through shared memory failed"), std::string::npos) << text;
   }
+}
+
+// Over Gloo's TCP an allreduce and an all-gather never pair; here they meet
+// in the same segments, and their headers tell them apart.
+TEST(SharedMemoryCollectives, AnAllreduceMeetingAnAllGatherFailsOnEveryRankNamingBoth) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+    auto t = torch::ones({8});
+    const auto error = testing::error_of([&] {
+      if (rank == 0) {
+        transport->allreduce(t, ReduceOp::Sum);
+      } else {
+        transport->all_gather({torch::empty({8}), torch::empty({8})}, t, {});
+      }
+    });
+    std::lock_guard<std::mutex> lock(mutex);
+    errors[rank] = error;
+  });
+  EXPECT_NE(errors[0].find("rank 1's collective is an all-gather of 8 elements of Float where rank 0's is an allreduce"),
+            std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank 0's collective is an allreduce of 8 elements of Float (sum) where rank 1's is an "
+                           "all-gather"), std::string::npos) << errors[1];
+}
+
+// Chunks larger than a segment's share, over three ranks; a planned
+// collective's words reach every rank.
+TEST(SharedMemoryCollectives, ReduceScatterAndAllGatherInPiecesWithTheirWords) {
+  const int size = 3;
+  const int64_t n = 1000003; // 4 MB per chunk: several pieces of 5.3 MiB / 3
+  auto input_of = [&](int rank) { return values_of(rank, size * n, torch::kFloat); };
+  auto sum = torch::zeros({size * n});
+  for (int r = 0; r < size; ++r) {
+    sum += input_of(r);
+  }
+  std::mutex mutex;
+  on_transports(size, std::chrono::seconds(30), [&](int rank, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+    auto words = torch::zeros({size * 8}, torch::kDouble);
+    words.narrow(0, rank * 8, 8).fill_(rank + 1);
+    auto output = torch::empty({n});
+    transport->reduce_scatter(output, input_of(rank), ReduceOp::Sum, words);
+    auto gathered_words = torch::zeros({size * 8}, torch::kDouble);
+    gathered_words.narrow(0, rank * 8, 8).fill_(10 * (rank + 1));
+    std::vector<torch::Tensor> outputs;
+    for (int r = 0; r < size; ++r) {
+      outputs.push_back(torch::empty({n}));
+    }
+    transport->all_gather(outputs, output, gathered_words);
+    std::lock_guard<std::mutex> lock(mutex);
+    EXPECT_TRUE(torch::equal(output, sum.narrow(0, rank * n, n))) << "rank " << rank << "'s chunk";
+    EXPECT_TRUE(torch::equal(torch::cat(outputs), sum)) << "rank " << rank << "'s gathered chunks";
+    for (int r = 0; r < size; ++r) {
+      EXPECT_TRUE(torch::equal(words.narrow(0, r * 8, 8), torch::full({8}, double(r + 1), torch::kDouble)))
+          << "rank " << rank << " holds rank " << r << "'s words of the reduce-scatter";
+      EXPECT_TRUE(torch::equal(gathered_words.narrow(0, r * 8, 8), torch::full({8}, 10.0 * (r + 1), torch::kDouble)))
+          << "rank " << rank << " holds rank " << r << "'s words of the all-gather";
+    }
+  });
 }
 
 TEST(SharedMemoryCollectives, ARankThatNeverArrivesFailsTheOthersAtTheTimeout) {
@@ -140,11 +200,11 @@ TEST(SharedMemoryCollectives, ARankThatNeverArrivesFailsTheOthersAtTheTimeout) {
       return;
     }
     const auto start = std::chrono::steady_clock::now();
-    error = testing::error_of([&] { transport->run(torch::ones({4}), ReduceOp::Sum); });
+    error = testing::error_of([&] { transport->allreduce(torch::ones({4}), ReduceOp::Sum); });
     waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     done.set_value();
   });
-  EXPECT_NE(error.find("rank 1 did not reach this allreduce within 1000 ms"), std::string::npos) << error;
+  EXPECT_NE(error.find("rank 1 did not reach this collective within 1000 ms"), std::string::npos) << error;
   EXPECT_GE(waited, 0.9);
   EXPECT_LT(waited, 5.0);
 }
@@ -165,12 +225,12 @@ TEST(SharedMemoryCollectives, StopEndsAWaitAtOnce) {
       transport->stop();
     });
     const auto start = std::chrono::steady_clock::now();
-    error = testing::error_of([&] { transport->run(torch::ones({4}), ReduceOp::Sum); });
+    error = testing::error_of([&] { transport->allreduce(torch::ones({4}), ReduceOp::Sum); });
     waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     stopper.join();
     done.set_value();
   });
-  EXPECT_NE(error.find("the group was destroyed while this allreduce waited for rank 1"), std::string::npos) << error;
+  EXPECT_NE(error.find("the group was destroyed while this collective waited for rank 1"), std::string::npos) << error;
   EXPECT_LT(waited, 5.0);
 }
 

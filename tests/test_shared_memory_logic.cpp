@@ -1,4 +1,4 @@
-// The pure parts of Note [Allreduce through shared memory]
+// The pure parts of Note [Collectives through shared memory]
 // (src/comm/backends/shared_memory_collectives.cpp): which ranks may share
 // memory, and how a piece is cut into the ranks' slices.
 

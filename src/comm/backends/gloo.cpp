@@ -311,14 +311,13 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
       shm_->stop(); // the ring thread, joined below, may wait in one
     }
   }
-  // Note [Allreduce through shared memory], where every rank is on this
+  // Note [Collectives through shared memory], where every rank is on this
   // host; c10d's Gloo allreduce otherwise. Either pairs only with allreduces.
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
-    if (!shm_ || !SharedMemoryCollectives::fits(tensors, op)) {
+    if (!shm_ || tensors.size() != 1 || !SharedMemoryCollectives::fits(tensors[0], op)) {
       return C10dGroup::allreduce(tensors, op, std::move(what));
     }
-    auto done = ring_.run([shm = shm_.get(), tensor = tensors[0], op] { shm->run(tensor, op); });
-    return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
+    return on_ring_thread([shm = shm_.get(), tensor = tensors[0], op] { shm->allreduce(tensor, op); }, std::move(what));
   }
   // An allreduce is c10d's, on Gloo's allreduce slots: it pairs only with
   // allreduces. Lockstep's rings (all-gathers and reduce-scatters) use
@@ -378,13 +377,16 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
       output.copy_(input.view_as(output));
       return std::make_shared<DoneWork>();
     }
+    if (shm_ && SharedMemoryCollectives::fits(input, op) && SharedMemoryCollectives::fits(output, op)) {
+      return on_ring_thread([shm = shm_.get(), output, input, op, words] { shm->reduce_scatter(output, input, op, words); },
+                            std::move(what));
+    }
     const int first_tag = next_tags();
     const auto stream = caller_stream(input.device());
-    auto done = ring_.run([group = &c10d_group(), output, input, op, first_tag, stream, words] {
+    return on_ring_thread([group = &c10d_group(), output, input, op, first_tag, stream, words] {
       c10::OptionalStreamGuard on(stream); // Note [The caller's stream]: the copies to and from the device
       ring_reduce_scatter(*group, output, input, op, first_tag, words);
-    });
-    return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
+    }, std::move(what));
   }
 
  private:
@@ -398,12 +400,21 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
     }
     return fits;
   }
+  // Through shared memory where it can (Note [Collectives through shared memory]).
   std::shared_ptr<Work> ring_all_gather_work(std::vector<torch::Tensor>& outputs, torch::Tensor& input,
                                              std::string what, torch::Tensor words) {
+    if (shm_ && SharedMemoryCollectives::fits(input)) {
+      return on_ring_thread([shm = shm_.get(), outputs, input, words] { shm->all_gather(outputs, input, words); },
+                            std::move(what));
+    }
     const int first_tag = next_tags();
-    auto done = ring_.run([group = &c10d_group(), outputs, input, first_tag, words] {
+    return on_ring_thread([group = &c10d_group(), outputs, input, first_tag, words] {
       ring_all_gather(*group, outputs, input, first_tag, words);
-    });
+    }, std::move(what));
+  }
+  // Runs `collective` after the ones before it on the group's own thread.
+  std::shared_ptr<Work> on_ring_thread(std::function<void()> collective, std::string what) {
+    auto done = ring_.run(std::move(collective));
     return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose());
   }
   // The first of the next ring's tags_per_ring().

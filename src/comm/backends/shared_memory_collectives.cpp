@@ -25,8 +25,8 @@
 namespace lockstep {
 namespace detail {
 
-// Note [Allreduce through shared memory]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Note [Collectives through shared memory]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Between ranks on one host, Gloo's TCP moves every byte through the
 // kernel twice, on loopback, and wakes each rank's threads through epoll;
 // on the few cores that the ranks' own compute already fills, that CPU time
@@ -34,29 +34,36 @@ namespace detail {
 // DDP"). Open MPI exchanges through shared memory instead, and DDP over it is
 // a quarter faster. So where every rank of a Gloo group is on this host (the
 // same host name, boot, and network, IPC, mount and process namespaces: two
-// network namespaces are two hosts to the job), its allreduces of CPU
-// tensors go through shared memory. Everything else stays Gloo's, the
-// agreement check's all_gathers included, so an allreduce still pairs only
-// with an allreduce (GroupImpl::pairs_collectives_by_kind).
+// network namespaces are two hosts to the job), its allreduces, and its
+// reduce-scatters and large all-gathers, of CPU tensors go through shared
+// memory. The rest stays Gloo's, the agreement check's small all_gathers
+// included, so a planned collective that meets a check still moves no
+// bytes (Note [Planned collectives]): it waits in shared memory, the check in
+// Gloo, and both fail at the group's timeout.
 //
 // Each rank owns one segment: a header and capacity_of(size) bytes, 8 MiB
 // for two ranks, less for more, so that a host's ranks map at most 16 MiB
-// together beyond 2 (Docker gives /dev/shm 64 MiB). An allreduce runs in
-// pieces of at most that; each piece is three phases,
-// each published by advancing the rank's phase counter, a futex word:
-//   1. the rank copies its piece into its segment, and writes the
-//      allreduce's element count, dtype and op in its header;
-//   2. once every rank is past 1, it checks their headers against its own
-//      (a difference is an error on every rank, each seeing the same
-//      headers), and reduces its slice (slice_of) of every rank's piece, in
-//      rank order, into its own segment's slice;
-//   3. once every rank is past 2, it copies every rank's reduced slice out.
-// A rank writes its next piece only once every rank is past 3 of this one.
+// together beyond 2 (Docker gives /dev/shm 64 MiB). A collective runs in
+// pieces that fit it, each in phases published by advancing the rank's
+// phase counter, a futex word:
+//   1. (meet) once every rank is past the last phase of its previous piece,
+//      having read what this rank left there, the rank copies its piece
+//      into its segment and writes in its header what it runs (kind, element
+//      count, dtype, op) and, on a planned collective's first piece, its
+//      words; once every rank is past 1, it checks every header against its
+//      own (a difference is an error on every rank, each seeing the same
+//      headers) and copies the other ranks' words;
+//   2. an allreduce reduces its slice (slice_of) of every rank's piece, in
+//      rank order, into its own segment's slice, and once every rank is past
+//      2, copies every rank's reduced slice out; a reduce-scatter, whose
+//      piece holds a part of every rank's chunk, reduces its own chunk's
+//      part of every segment into its output; an all-gather copies every
+//      segment out.
 // Each slice is reduced once, by one rank, so every rank gets the same bits.
 // A wait spins briefly, then sleeps on the peer's futex in slices of
 // kWaitSlice, between which it fails if the peer's process has exited, the
 // group is going away, or the group's timeout has passed. After a failure the
-// phases no longer agree, so every later allreduce fails at once.
+// phases no longer agree, so every later collective fails at once.
 //
 // Segments are unlinked once every rank has mapped them: nothing is left in
 // /dev/shm when a job ends, however it ends. LOCKSTEP_GLOO_SHM=0 keeps every
@@ -64,7 +71,7 @@ namespace detail {
 
 namespace {
 
-constexpr int64_t kHeaderBytes = 128;
+constexpr int64_t kHeaderBytes = 256;
 constexpr int kSpins = 256;
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);
 
@@ -148,14 +155,25 @@ const char* op_name(int32_t op) {
   }
 }
 
+std::string describe(const SharedMemoryCollectives::Call& call) {
+  const char* kinds[] = {"an allreduce", "a reduce-scatter", "an all-gather"};
+  const bool known = call.kind >= 0 && call.kind < 3 && call.dtype >= 0 &&
+      call.dtype < static_cast<int32_t>(c10::ScalarType::NumOptions);
+  if (!known) {
+    return "unknown";
+  }
+  std::string text = std::string(kinds[call.kind]) + " of " + std::to_string(call.elements) + " elements of " +
+      c10::toString(static_cast<c10::ScalarType>(call.dtype));
+  return call.kind == SharedMemoryCollectives::kAllGather ? text : text + " (" + op_name(call.op) + ")";
+}
+
 } // namespace
 
 struct SharedMemoryCollectives::Header {
   std::atomic<uint32_t> phase;
   std::atomic<uint32_t> waiters;
-  int64_t elements;
-  int32_t dtype;
-  int32_t op;
+  Call call;
+  double words[kWordRoom]; // a planned collective's (Note [Planned rings])
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain words");
 
@@ -237,11 +255,10 @@ SharedMemoryCollectives::~SharedMemoryCollectives() {
   }
 }
 
-bool SharedMemoryCollectives::fits(const std::vector<torch::Tensor>& tensors, ReduceOp op) {
-  if (tensors.size() != 1 || (op != ReduceOp::Sum && op != ReduceOp::Max && op != ReduceOp::Min)) {
+bool SharedMemoryCollectives::fits(const torch::Tensor& t, ReduceOp op) {
+  if (op != ReduceOp::Sum && op != ReduceOp::Max && op != ReduceOp::Min) {
     return false;
   }
-  const auto& t = tensors[0];
   switch (t.scalar_type()) {
     case torch::kFloat:
     case torch::kDouble:
@@ -275,79 +292,140 @@ void SharedMemoryCollectives::fail(const std::string& why) {
   TORCH_CHECK(false, why);
 }
 
-void SharedMemoryCollectives::run(const torch::Tensor& tensor, ReduceOp op) {
-  TORCH_CHECK(failed_.empty(), "an earlier allreduce of this group through shared memory failed (", failed_,
+void SharedMemoryCollectives::check_usable() const {
+  TORCH_CHECK(failed_.empty(), "an earlier collective of this group through shared memory failed (", failed_,
               "), so the ranks no longer agree on where they are: make a new group");
-  const int64_t item = tensor.element_size();
-  const int64_t per_piece = capacity_ / item;
-  char* bytes = static_cast<char*>(tensor.data_ptr());
-  for (int64_t first = 0; first < tensor.numel(); first += per_piece) {
-    piece(bytes + first * item, std::min(per_piece, tensor.numel() - first), tensor, op);
-  }
 }
 
-void SharedMemoryCollectives::piece(char* bytes, int64_t count, const torch::Tensor& tensor, ReduceOp op) {
-  const int64_t item = tensor.element_size();
+// Phase 1 of a piece: once every rank has read this rank's last piece, fills
+// the segment and the header (and, on a planned collective's first piece, its
+// words), and waits for every rank's; then checks that every rank runs the
+// same collective, and reads their words.
+uint32_t SharedMemoryCollectives::meet(const Call& call, const std::function<void(char*)>& fill,
+                                       const torch::Tensor& words) {
   const uint32_t start = phase_;
-  wait_all(start); // every rank has read this segment's last piece
+  wait_all(start);
   Header& mine = header(rank_);
-  mine.elements = tensor.numel();
-  mine.dtype = static_cast<int32_t>(tensor.scalar_type());
-  mine.op = static_cast<int32_t>(op);
-  std::memcpy(data(rank_), bytes, static_cast<size_t>(count * item));
+  mine.call = call;
+  const int64_t per_rank = words.defined() ? words.numel() / size_ : 0;
+  TORCH_INTERNAL_ASSERT(per_rank <= kWordRoom, "a planned collective's words outgrew the header");
+  if (per_rank > 0) {
+    std::memcpy(mine.words, words.data_ptr<double>() + rank_ * per_rank, per_rank * sizeof(double));
+  }
+  fill(data(rank_));
   advance();
   wait_all(start + 1);
   for (int q = 0; q < size_; ++q) {
-    const Header& theirs = header(q);
-    if (theirs.elements != mine.elements || theirs.dtype != mine.dtype || theirs.op != mine.op) {
-      std::ostringstream why;
-      why << "rank " << q << "'s allreduce is of " << theirs.elements << " elements of "
-          << c10::toString(static_cast<c10::ScalarType>(theirs.dtype)) << " (" << op_name(theirs.op) << ") where rank "
-          << rank_ << "'s is of " << mine.elements << " elements of " << tensor.scalar_type() << " (" << op_name(mine.op)
-          << "): the ranks called different collectives here";
-      fail(why.str());
+    const Call& theirs = header(q).call;
+    if (theirs.kind != call.kind || theirs.elements != call.elements || theirs.dtype != call.dtype ||
+        theirs.op != call.op) {
+      fail("rank " + std::to_string(q) + "'s collective is " + describe(theirs) + " where rank " +
+           std::to_string(rank_) + "'s is " + describe(call) + ": the ranks called different collectives here");
+    }
+    if (per_rank > 0 && q != rank_) {
+      std::memcpy(words.data_ptr<double>() + q * per_rank, header(q).words, per_rank * sizeof(double));
     }
   }
-  reduce_slice(count, tensor.scalar_type(), op);
-  advance();
-  wait_all(start + 2);
-  for (int q = 0; q < size_; ++q) {
-    const Slice s = slice_of(count, q, size_);
-    std::memcpy(bytes + s.first * item, data(q) + s.first * item, static_cast<size_t>((s.last - s.first) * item));
-  }
-  advance();
+  return start;
 }
 
-// This rank's slice of every rank's piece, reduced in rank order into its own.
-void SharedMemoryCollectives::reduce_slice(int64_t count, torch::ScalarType dtype, ReduceOp op) {
-  const Slice s = slice_of(count, rank_, size_);
-  if (s.last == s.first) {
-    return;
+void SharedMemoryCollectives::allreduce(const torch::Tensor& tensor, ReduceOp op) {
+  check_usable();
+  const int64_t item = tensor.element_size();
+  const Call call{kAllreduce, static_cast<int32_t>(tensor.scalar_type()), static_cast<int32_t>(op), tensor.numel()};
+  char* bytes = static_cast<char*>(tensor.data_ptr());
+  for (int64_t first = 0; first < tensor.numel(); first += capacity_ / item) {
+    const int64_t count = std::min(capacity_ / item, tensor.numel() - first);
+    char* piece = bytes + first * item;
+    const uint32_t start = meet(call, [&](char* into) { std::memcpy(into, piece, count * item); }, {});
+    // This rank's slice of every rank's piece, reduced into its own.
+    const Slice mine = slice_of(count, rank_, size_);
+    if (mine.last > mine.first) {
+      auto out = slice(rank_, mine.first * item, mine.last - mine.first, tensor.scalar_type());
+      reduce_into(out, mine.first * item, out.numel(), tensor.scalar_type(), op, /*out_is_an_input=*/true);
+    }
+    advance();
+    wait_all(start + 2);
+    for (int q = 0; q < size_; ++q) {
+      const Slice s = slice_of(count, q, size_);
+      std::memcpy(piece + s.first * item, data(q) + s.first * item, static_cast<size_t>((s.last - s.first) * item));
+    }
+    advance();
   }
-  const auto options = torch::TensorOptions().dtype(dtype);
-  const int64_t offset = s.first * static_cast<int64_t>(c10::elementSize(dtype));
-  auto slice = [&](int q) { return torch::from_blob(data(q) + offset, {s.last - s.first}, options); };
-  auto combine = [op](torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b) {
+}
+
+void SharedMemoryCollectives::reduce_scatter(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op,
+                                             const torch::Tensor& words) {
+  check_usable();
+  const int64_t item = input.element_size();
+  const int64_t n = output.numel();
+  const Call call{kReduceScatter, static_cast<int32_t>(input.scalar_type()), static_cast<int32_t>(op), input.numel()};
+  const int64_t per_piece = std::max<int64_t>(1, capacity_ / (item * size_)); // of each rank's chunk
+  const char* in = static_cast<const char*>(input.data_ptr());
+  auto out = output.view({-1});
+  for (int64_t first = 0; first < n; first += per_piece) {
+    const int64_t count = std::min(per_piece, n - first);
+    // The segment holds every chunk's part of this piece, chunk after chunk.
+    meet(call, [&](char* into) {
+      for (int q = 0; q < size_; ++q) {
+        std::memcpy(into + q * count * item, in + (q * n + first) * item, count * item);
+      }
+    }, first == 0 ? words : torch::Tensor());
+    auto part = out.narrow(0, first, count);
+    reduce_into(part, rank_ * count * item, count, input.scalar_type(), op, /*out_is_an_input=*/false);
+    advance();
+  }
+}
+
+void SharedMemoryCollectives::all_gather(const std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
+                                         const torch::Tensor& words) {
+  check_usable();
+  const int64_t item = input.element_size();
+  const Call call{kAllGather, static_cast<int32_t>(input.scalar_type()), 0, input.numel()};
+  const char* in = static_cast<const char*>(input.data_ptr());
+  for (int64_t first = 0; first < input.numel(); first += capacity_ / item) {
+    const int64_t count = std::min(capacity_ / item, input.numel() - first);
+    meet(call, [&](char* into) { std::memcpy(into, in + first * item, count * item); },
+         first == 0 ? words : torch::Tensor());
+    for (int q = 0; q < size_; ++q) {
+      std::memcpy(static_cast<char*>(outputs[q].data_ptr()) + first * item, data(q), count * item);
+    }
+    advance();
+  }
+}
+
+torch::Tensor SharedMemoryCollectives::slice(int rank, int64_t offset, int64_t count, torch::ScalarType dtype) const {
+  return torch::from_blob(data(rank) + offset, {count}, torch::TensorOptions().dtype(dtype));
+}
+
+// `out` = every rank's `count` elements at `offset` of its segment, reduced
+// in rank order. Where `out` is one of them, through scratch_ beyond two
+// ranks, so that no input is overwritten before it is read.
+void SharedMemoryCollectives::reduce_into(torch::Tensor& out, int64_t offset, int64_t count, torch::ScalarType dtype,
+                                          ReduceOp op, bool out_is_an_input) {
+  auto combine = [op](torch::Tensor& into, const torch::Tensor& a, const torch::Tensor& b) {
     if (op == ReduceOp::Max) {
-      torch::maximum_out(out, a, b);
+      torch::maximum_out(into, a, b);
     } else if (op == ReduceOp::Min) {
-      torch::minimum_out(out, a, b);
+      torch::minimum_out(into, a, b);
     } else {
-      torch::add_out(out, a, b);
+      torch::add_out(into, a, b);
     }
   };
-  auto out = slice(rank_);
-  if (size_ == 2) {
-    combine(out, slice(0), slice(1));
+  if (size_ == 2 || !out_is_an_input) {
+    combine(out, slice(0, offset, count, dtype), slice(1, offset, count, dtype));
+    for (int q = 2; q < size_; ++q) {
+      combine(out, out, slice(q, offset, count, dtype));
+    }
     return;
   }
-  if (!scratch_.defined() || scratch_.scalar_type() != dtype || scratch_.numel() < s.last - s.first) {
-    scratch_ = torch::empty({capacity_ / static_cast<int64_t>(c10::elementSize(dtype))}, options);
+  if (!scratch_.defined() || scratch_.scalar_type() != dtype || scratch_.numel() < count) {
+    scratch_ = torch::empty({capacity_ / static_cast<int64_t>(c10::elementSize(dtype))}, torch::TensorOptions().dtype(dtype));
   }
-  auto sum = scratch_.narrow(0, 0, s.last - s.first);
-  combine(sum, slice(0), slice(1));
+  auto sum = scratch_.narrow(0, 0, count);
+  combine(sum, slice(0, offset, count, dtype), slice(1, offset, count, dtype));
   for (int q = 2; q < size_; ++q) {
-    combine(sum, sum, slice(q));
+    combine(sum, sum, slice(q, offset, count, dtype));
   }
   out.copy_(sum);
 }
@@ -387,14 +465,14 @@ void SharedMemoryCollectives::wait_for(int peer, uint32_t phase) {
       return;
     }
     if (stopping_) {
-      fail("the group was destroyed while this allreduce waited for rank " + std::to_string(peer));
+      fail("the group was destroyed while this collective waited for rank " + std::to_string(peer));
     }
     if (::kill(static_cast<pid_t>(pids_[peer]), 0) != 0 && errno == ESRCH) {
       fail("rank " + std::to_string(peer) + " (process " + std::to_string(pids_[peer]) +
-           " on this host) exited before it reached this allreduce");
+           " on this host) exited before it reached this collective");
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      fail("rank " + std::to_string(peer) + " did not reach this allreduce within " + std::to_string(timeout_.count()) +
+      fail("rank " + std::to_string(peer) + " did not reach this collective within " + std::to_string(timeout_.count()) +
            " ms (shared memory)");
     }
   }

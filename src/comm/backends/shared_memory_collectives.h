@@ -1,8 +1,9 @@
 #pragma once
 
-// Internal: the Gloo group's allreduces of CPU tensors between ranks that are
-// all on one host, through shared memory (Note [Allreduce through shared
-// memory] in src/comm/backends/shared_memory_collectives.cpp).
+// Internal: the Gloo group's allreduces, reduce-scatters and all-gathers of
+// CPU tensors between ranks that are all on one host, through shared memory
+// (Note [Collectives through shared memory] in
+// src/comm/backends/shared_memory_collectives.cpp).
 
 #include <lockstep/backend.h>
 
@@ -12,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,28 +43,49 @@ class SharedMemoryCollectives {
   /// host, can map them, and has not set LOCKSTEP_GLOO_SHM=0; nullptr on
   /// every rank otherwise. Called by every rank of the group, over its store.
   static std::unique_ptr<SharedMemoryCollectives> connect(c10d::Store& store, int rank, int size,
-                                                        std::chrono::milliseconds timeout);
+                                                          std::chrono::milliseconds timeout);
   ~SharedMemoryCollectives();
   SharedMemoryCollectives(const SharedMemoryCollectives&) = delete;
   SharedMemoryCollectives& operator=(const SharedMemoryCollectives&) = delete;
 
-  /// Whether run() takes this allreduce: one contiguous CPU tensor of a dtype
+  /// Whether `t` can take part: a non-empty contiguous CPU tensor of a dtype
   /// ATen adds, and Sum, Max or Min.
-  static bool fits(const std::vector<torch::Tensor>& tensors, ReduceOp op);
-  /// `tensor` reduced by `op` across the ranks, in place, every rank's result
-  /// the same bits. Throws on a rank whose allreduce differs, a rank that
-  /// exited, the timeout, or after any earlier failure.
-  void run(const torch::Tensor& tensor, ReduceOp op);
+  static bool fits(const torch::Tensor& t, ReduceOp op = ReduceOp::Sum);
+
+  // Each throws on a rank whose collective differs, a rank that exited, the
+  // timeout, or after any earlier failure. Every rank's results are the same
+  // bits. `words`, where defined, is a planned collective's room (Note
+  // [Planned rings] in src/comm/planned_collective.cpp), whose every slot
+  // holds its rank's words once the call returns.
+
+  /// `tensor` reduced by `op` across the ranks, in place.
+  void allreduce(const torch::Tensor& tensor, ReduceOp op);
+  /// GroupImpl::reduce_scatter's: `output` (n elements) receives every rank's
+  /// input[rank*n, (rank+1)*n) reduced by `op`.
+  void reduce_scatter(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op, const torch::Tensor& words);
+  /// outputs[r] (contiguous, input's size and dtype) receives rank r's `input`.
+  void all_gather(const std::vector<torch::Tensor>& outputs, const torch::Tensor& input, const torch::Tensor& words);
   /// Ends any wait with an error: the group is going away.
   void stop();
 
+  enum Kind : int32_t { kAllreduce, kReduceScatter, kAllGather };
+  /// What a rank is running, in its header: every rank's must be equal.
+  struct Call {
+    int32_t kind = 0, dtype = 0, op = 0;
+    int64_t elements = 0; // the input's
+  };
+
  private:
+  static constexpr int64_t kWordRoom = 24; // doubles of words per rank
   struct Header;
   SharedMemoryCollectives(int rank, int size, std::chrono::milliseconds timeout);
   Header& header(int rank) const;
   char* data(int rank) const;
-  void piece(char* bytes, int64_t count, const torch::Tensor& tensor, ReduceOp op);
-  void reduce_slice(int64_t count, torch::ScalarType dtype, ReduceOp op);
+  torch::Tensor slice(int rank, int64_t offset, int64_t count, torch::ScalarType dtype) const;
+  void check_usable() const;
+  uint32_t meet(const Call& call, const std::function<void(char*)>& fill, const torch::Tensor& words);
+  void reduce_into(torch::Tensor& out, int64_t offset, int64_t count, torch::ScalarType dtype, ReduceOp op,
+                   bool out_is_an_input);
   void advance();
   void wait_all(uint32_t phase);
   void wait_for(int peer, uint32_t phase);
@@ -76,7 +99,7 @@ class SharedMemoryCollectives {
   uint32_t phase_ = 0; // this rank's, as last published
   std::string failed_;
   std::atomic<bool> stopping_{false};
-  torch::Tensor scratch_; // a slice's partial sum, beyond two ranks
+  torch::Tensor scratch_; // an allreduce slice's partial result, beyond two ranks
 };
 
 } // namespace detail
