@@ -152,6 +152,20 @@ TEST(SharedMemoryCollectives, AnAllreduceMeetingAnAllGatherFailsOnEveryRankNamin
                            "all-gather"), std::string::npos) << errors[1];
 }
 
+TEST(SharedMemoryCollectives, BroadcastsInPiecesFromAnyRoot) {
+  const int64_t numel = 3000001; // pieces of 5.3 MiB over three ranks
+  std::mutex mutex;
+  on_transports(3, std::chrono::seconds(30), [&](int rank, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+    for (int root : {1, 0}) {
+      auto t = values_of(rank, numel, torch::kFloat);
+      transport->broadcast(t, root);
+      std::lock_guard<std::mutex> lock(mutex);
+      EXPECT_TRUE(torch::equal(t, values_of(root, numel, torch::kFloat))) << "rank " << rank << ", root " << root;
+    }
+  });
+}
+
 // Chunks larger than a segment's share, over three ranks; a planned
 // collective's words reach every rank.
 TEST(SharedMemoryCollectives, ReduceScatterAndAllGatherInPiecesWithTheirWords) {

@@ -319,6 +319,13 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
     }
     return on_ring_thread([shm = shm_.get(), tensor = tensors[0], op] { shm->allreduce(tensor, op); }, std::move(what));
   }
+  std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
+    if (!shm_ || tensors.size() != 1 || !SharedMemoryCollectives::fits(tensors[0])) {
+      return C10dGroup::broadcast(tensors, root, std::move(what));
+    }
+    return on_ring_thread([shm = shm_.get(), tensor = tensors[0], root] { shm->broadcast(tensor, root); },
+                          std::move(what));
+  }
   // An allreduce is c10d's, on Gloo's allreduce slots: it pairs only with
   // allreduces. Lockstep's rings (all-gathers and reduce-scatters) use
   // send and receive slots of their own. CUDA tensors go through c10d's

@@ -34,8 +34,8 @@ namespace detail {
 // DDP"). Open MPI exchanges through shared memory instead, and DDP over it is
 // a quarter faster. So where every rank of a Gloo group is on this host (the
 // same host name, boot, and network, IPC, mount and process namespaces: two
-// network namespaces are two hosts to the job), its allreduces, and its
-// reduce-scatters and large all-gathers, of CPU tensors go through shared
+// network namespaces are two hosts to the job), its allreduces, broadcasts,
+// reduce-scatters and large all-gathers of CPU tensors go through shared
 // memory. The rest stays Gloo's, the agreement check's small all_gathers
 // included, so a planned collective that meets a check still moves no
 // bytes (Note [Planned collectives]): it waits in shared memory, the check in
@@ -58,7 +58,7 @@ namespace detail {
 //      2, copies every rank's reduced slice out; a reduce-scatter, whose
 //      piece holds a part of every rank's chunk, reduces its own chunk's
 //      part of every segment into its output; an all-gather copies every
-//      segment out.
+//      segment out, a broadcast the root's.
 // Each slice is reduced once, by one rank, so every rank gets the same bits.
 // A wait spins briefly, then sleeps on the peer's futex in slices of
 // kWaitSlice, between which it fails if the peer's process has exited, the
@@ -156,15 +156,22 @@ const char* op_name(int32_t op) {
 }
 
 std::string describe(const SharedMemoryCollectives::Call& call) {
-  const char* kinds[] = {"an allreduce", "a reduce-scatter", "an all-gather"};
-  const bool known = call.kind >= 0 && call.kind < 3 && call.dtype >= 0 &&
+  const char* kinds[] = {"an allreduce", "a reduce-scatter", "an all-gather", "a broadcast"};
+  const bool known = call.kind >= 0 && call.kind < 4 && call.dtype >= 0 &&
       call.dtype < static_cast<int32_t>(c10::ScalarType::NumOptions);
   if (!known) {
     return "unknown";
   }
   std::string text = std::string(kinds[call.kind]) + " of " + std::to_string(call.elements) + " elements of " +
       c10::toString(static_cast<c10::ScalarType>(call.dtype));
-  return call.kind == SharedMemoryCollectives::kAllGather ? text : text + " (" + op_name(call.op) + ")";
+  switch (call.kind) {
+    case SharedMemoryCollectives::kAllGather:
+      return text;
+    case SharedMemoryCollectives::kBroadcast:
+      return text + " (root " + std::to_string(call.op) + ")";
+    default:
+      return text + " (" + op_name(call.op) + ")";
+  }
 }
 
 } // namespace
@@ -389,6 +396,25 @@ void SharedMemoryCollectives::all_gather(const std::vector<torch::Tensor>& outpu
          first == 0 ? words : torch::Tensor());
     for (int q = 0; q < size_; ++q) {
       std::memcpy(static_cast<char*>(outputs[q].data_ptr()) + first * item, data(q), count * item);
+    }
+    advance();
+  }
+}
+
+void SharedMemoryCollectives::broadcast(const torch::Tensor& tensor, int root) {
+  check_usable();
+  const int64_t item = tensor.element_size();
+  const Call call{kBroadcast, static_cast<int32_t>(tensor.scalar_type()), root, tensor.numel()};
+  char* bytes = static_cast<char*>(tensor.data_ptr());
+  for (int64_t first = 0; first < tensor.numel(); first += capacity_ / item) {
+    const int64_t count = std::min(capacity_ / item, tensor.numel() - first);
+    meet(call, [&](char* into) {
+      if (rank_ == root) {
+        std::memcpy(into, bytes + first * item, count * item);
+      }
+    }, {});
+    if (rank_ != root) {
+      std::memcpy(bytes + first * item, data(root), count * item);
     }
     advance();
   }

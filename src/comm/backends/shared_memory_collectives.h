@@ -1,8 +1,8 @@
 #pragma once
 
-// Internal: the Gloo group's allreduces, reduce-scatters and all-gathers of
-// CPU tensors between ranks that are all on one host, through shared memory
-// (Note [Collectives through shared memory] in
+// Internal: the Gloo group's allreduces, broadcasts, reduce-scatters and
+// all-gathers of CPU tensors between ranks that are all on one host, through
+// shared memory (Note [Collectives through shared memory] in
 // src/comm/backends/shared_memory_collectives.cpp).
 
 #include <lockstep/backend.h>
@@ -65,13 +65,15 @@ class SharedMemoryCollectives {
   void reduce_scatter(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op, const torch::Tensor& words);
   /// outputs[r] (contiguous, input's size and dtype) receives rank r's `input`.
   void all_gather(const std::vector<torch::Tensor>& outputs, const torch::Tensor& input, const torch::Tensor& words);
+  /// Rank `root`'s `tensor` copied into every rank's.
+  void broadcast(const torch::Tensor& tensor, int root);
   /// Ends any wait with an error: the group is going away.
   void stop();
 
-  enum Kind : int32_t { kAllreduce, kReduceScatter, kAllGather };
+  enum Kind : int32_t { kAllreduce, kReduceScatter, kAllGather, kBroadcast };
   /// What a rank is running, in its header: every rank's must be equal.
   struct Call {
-    int32_t kind = 0, dtype = 0, op = 0;
+    int32_t kind = 0, dtype = 0, op = 0; // op: a broadcast's root
     int64_t elements = 0; // the input's
   };
 
