@@ -153,6 +153,27 @@ TEST(SharedMemoryCollectives, AnAllreduceMeetingAnAllGatherFailsOnEveryRankNamin
                            "all-gather"), std::string::npos) << errors[1];
 }
 
+// A planned gather that meets another rank's check, of the same size and
+// dtype, must not pair with it (Note [Planned collectives]).
+TEST(SharedMemoryCollectives, APlannedCollectiveMeetingAnUnplannedOneFailsOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+    auto t = torch::ones({16}, torch::kLong);
+    auto words = torch::zeros({2 * 8}, torch::kDouble);
+    const auto error = testing::error_of([&] {
+      transport->all_gather({torch::empty_like(t), torch::empty_like(t)}, t, rank == 0 ? words : torch::Tensor());
+    });
+    std::lock_guard<std::mutex> lock(mutex);
+    errors[rank] = error;
+  });
+  EXPECT_NE(errors[0].find("rank 1's collective is an all-gather of 16 elements of Long where rank 0's is an "
+                           "all-gather of a plan of 16 elements of Long"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank 0's collective is an all-gather of a plan of 16 elements of Long where rank 1's is "
+                           "an all-gather of 16 elements of Long"), std::string::npos) << errors[1];
+}
+
 TEST(SharedMemoryCollectives, BroadcastsInPiecesFromAnyRoot) {
   const int64_t numel = 3000001; // pieces of 5.3 MiB over three ranks
   std::mutex mutex;

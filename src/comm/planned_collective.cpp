@@ -30,7 +30,10 @@ namespace detail {
 // plan's items allreduces, so a plan item that meets another rank's check
 // (or any collective but an allreduce) moves no bytes, and both wait until
 // the group's timeout, which fails them with an error naming each
-// collective. A rank passes a check only when every rank was at a check, so
+// collective. Between ranks on one host, where both go through shared
+// memory (Note [Collectives through shared memory]), each sees in the
+// other's header that its kind differs, or that one is planned and the other
+// not, and both fail at once. A rank passes a check only when every rank was at a check, so
 // every allreduce that does pair is the k-th planned collective on both
 // sides; the plan was agreed when it was made, and each backward sends
 // every item in its order, so the k-th items have one size.
@@ -91,7 +94,9 @@ namespace detail {
 // (Note [Gloo's reduce-scatter] in src/comm/backends/gloo.cpp), and the
 // argument of Note [Planned collectives] holds for them: the check is an
 // all_gather on Gloo's own slots and a ring sends on tags of its own, so a
-// planned ring that meets a check moves no bytes; a ring pairs only with the
+// planned ring that meets a check moves no bytes (in shared memory, where
+// both are, each sees that the other's is planned, and both fail at once); a
+// ring pairs only with the
 // ring of the same number, which between two checks is the same item of
 // the agreed plan on every rank.
 // The words cannot ride in the data: an all-gather's output is the units'

@@ -355,10 +355,12 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
   }
   // Note [Gloo's reduce-scatter]; CPU tensors only, as Gloo's send takes.
   std::shared_ptr<Work> all_gather(std::vector<torch::Tensor>& outputs, torch::Tensor& input, std::string what) override {
-    // Small gathers (the agreement check's fingerprints) stay c10d's: the
-    // ring's thread hop would cost more than the copy saves.
+    // Small gathers (the agreement check's fingerprints) go through shared
+    // memory where the ranks share a host, else c10d's: the ring's thread hop
+    // would cost more than the copy saves.
     constexpr int64_t kRingBytes = 256 * 1024;
-    if (!ring_fits(outputs, input) || input.numel() * input.element_size() < kRingBytes) {
+    const bool small = input.numel() * input.element_size() < kRingBytes;
+    if (!ring_fits(outputs, input) || (small && !(shm_ && SharedMemoryCollectives::fits(input)))) {
       return C10dGroup::all_gather(outputs, input, std::move(what));
     }
     return ring_all_gather_work(outputs, input, std::move(what), {});

@@ -35,11 +35,12 @@ namespace detail {
 // a quarter faster. So where every rank of a Gloo group is on this host (the
 // same host name, boot, and network, IPC, mount and process namespaces: two
 // network namespaces are two hosts to the job), its allreduces, broadcasts,
-// reduce-scatters and large all-gathers of CPU tensors go through shared
-// memory. The rest stays Gloo's, the agreement check's small all_gathers
-// included, so a planned collective that meets a check still moves no
-// bytes (Note [Planned collectives]): it waits in shared memory, the check in
-// Gloo, and both fail at the group's timeout.
+// reduce-scatters and all-gathers of CPU tensors, the agreement check's
+// included, go through shared memory; barriers and the rest stay Gloo's.
+// Every collective names in its header what it runs, and whether it
+// carries a plan's words, so a planned collective that meets a check, or
+// another kind of collective, fails at once on every rank instead of pairing
+// (Note [Planned collectives]).
 //
 // Each rank owns one segment: a header and capacity_of(size) bytes, 8 MiB
 // for two ranks, less for more, so that a host's ranks map at most 16 MiB
@@ -49,8 +50,8 @@ namespace detail {
 //   1. (meet) once every rank is past the last phase of its previous piece,
 //      having read what this rank left there, the rank copies its piece
 //      into its segment and writes in its header what it runs (kind, element
-//      count, dtype, op) and, on a planned collective's first piece, its
-//      words; once every rank is past 1, it checks every header against its
+//      count, dtype, op, whether planned) and, on a planned collective's
+//      first piece, its words; once every rank is past 1, it checks every header against its
 //      own (a difference is an error on every rank, each seeing the same
 //      headers) and copies the other ranks' words;
 //   2. an allreduce reduces its slice (slice_of) of every rank's piece, in
@@ -162,8 +163,8 @@ std::string describe(const SharedMemoryCollectives::Call& call) {
   if (!known) {
     return "unknown";
   }
-  std::string text = std::string(kinds[call.kind]) + " of " + std::to_string(call.elements) + " elements of " +
-      c10::toString(static_cast<c10::ScalarType>(call.dtype));
+  std::string text = std::string(kinds[call.kind]) + (call.planned ? " of a plan" : "") + " of " +
+      std::to_string(call.elements) + " elements of " + c10::toString(static_cast<c10::ScalarType>(call.dtype));
   switch (call.kind) {
     case SharedMemoryCollectives::kAllGather:
       return text;
@@ -314,6 +315,7 @@ uint32_t SharedMemoryCollectives::meet(const Call& call, const std::function<voi
   wait_all(start);
   Header& mine = header(rank_);
   mine.call = call;
+  mine.call.planned = words.defined() ? 1 : 0;
   const int64_t per_rank = words.defined() ? words.numel() / size_ : 0;
   TORCH_INTERNAL_ASSERT(per_rank <= kWordRoom, "a planned collective's words outgrew the header");
   if (per_rank > 0) {
@@ -324,10 +326,10 @@ uint32_t SharedMemoryCollectives::meet(const Call& call, const std::function<voi
   wait_all(start + 1);
   for (int q = 0; q < size_; ++q) {
     const Call& theirs = header(q).call;
-    if (theirs.kind != call.kind || theirs.elements != call.elements || theirs.dtype != call.dtype ||
-        theirs.op != call.op) {
+    if (theirs.kind != mine.call.kind || theirs.elements != mine.call.elements || theirs.dtype != mine.call.dtype ||
+        theirs.op != mine.call.op || theirs.planned != mine.call.planned) {
       fail("rank " + std::to_string(q) + "'s collective is " + describe(theirs) + " where rank " +
-           std::to_string(rank_) + "'s is " + describe(call) + ": the ranks called different collectives here");
+           std::to_string(rank_) + "'s is " + describe(mine.call) + ": the ranks called different collectives here");
     }
     if (per_rank > 0 && q != rank_) {
       std::memcpy(words.data_ptr<double>() + q * per_rank, header(q).words, per_rank * sizeof(double));

@@ -75,6 +75,7 @@ class SharedMemoryCollectives {
   struct Call {
     int32_t kind = 0, dtype = 0, op = 0; // op: a broadcast's root
     int64_t elements = 0; // the input's
+    int32_t planned = 0;  // whether it carries a plan's words
   };
 
  private:
