@@ -395,7 +395,6 @@ void sum_by_reduce_scatter(MicroBatchStep& micro_batches, std::vector<torch::Ten
                            const MicroBatchGradients& gradients, const std::string& what) {
   const auto& group = micro_batches.group();
   const int64_t world = group.size(), chunk = (total + world - 1) / world, first = group.rank() * chunk;
-  const auto dtype = params[0].scalar_type();
   timeline::Span to_integers("deterministic: to integers");
   auto sum = torch::empty({chunk * world}, params[0].options().dtype(torch::kLong));
   write_fixed_point(sum, pieces, gradients); // the padding at the end is zero

@@ -51,9 +51,9 @@ namespace detail {
 //      having read what this rank left there, the rank copies its piece
 //      into its segment and writes in its header what it runs (kind, element
 //      count, dtype, op, whether planned) and, on a planned collective's
-//      first piece, its words; once every rank is past 1, it checks every header against its
-//      own (a difference is an error on every rank, each seeing the same
-//      headers) and copies the other ranks' words;
+//      first piece, its words; once every rank is past 1, it checks every
+//      header against its own (a difference is an error on every rank, each
+//      seeing the same headers) and copies the other ranks' words;
 //   2. an allreduce reduces its slice (slice_of) of every rank's piece, in
 //      rank order, into its own segment's slice, and once every rank is past
 //      2, copies every rank's reduced slice out; a reduce-scatter, whose
