@@ -328,8 +328,10 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
   }
   // An allreduce is c10d's, on Gloo's allreduce slots: it pairs only with
   // allreduces. Lockstep's rings (all-gathers and reduce-scatters) use
-  // send and receive slots of their own. CUDA tensors go through c10d's
-  // staging copies, which this has not been shown for, so they keep the check.
+  // send and receive slots of their own. Through shared memory, every
+  // collective's header says its kind, and one that meets another kind
+  // fails. CUDA tensors go through c10d's staging copies, which this has not
+  // been shown for, so they keep the check.
   bool pairs_collectives_by_kind(torch::Device device) const override {
     return device.is_cpu();
   }
