@@ -9,11 +9,13 @@
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <memory>
@@ -172,6 +174,33 @@ TEST(SharedMemoryCollectives, APlannedCollectiveMeetingAnUnplannedOneFailsOnEver
                            "all-gather of a plan of 16 elements of Long"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("rank 0's collective is an all-gather of a plan of 16 elements of Long where rank 1's is "
                            "an all-gather of 16 elements of Long"), std::string::npos) << errors[1];
+}
+
+// This process's segments in /dev/shm.
+int segments_left() {
+  const std::string mine = "lockstep-" + std::to_string(::getpid()) + "-";
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    count += entry.path().filename().string().rfind(mine, 0) == 0 ? 1 : 0;
+  }
+  return count;
+}
+
+TEST(SharedMemoryCollectives, NoSegmentIsLeftWhenARankNeverComesOrOnceTheGroupIsMade) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::milliseconds(500));
+  bool threw = false;
+  try { // LibTorch 1.13's HashStore times out with a std::runtime_error, 2.x's with a c10::Error
+    SharedMemoryCollectives::connect(*store, 0, 2, std::chrono::seconds(1));
+  } catch (const std::exception&) {
+    threw = true;
+  }
+  EXPECT_TRUE(threw) << "connect returned without rank 1";
+  EXPECT_EQ(segments_left(), 0) << "rank 0's segment stayed in /dev/shm after rank 1 never came";
+  on_transports(2, std::chrono::seconds(10), [&](int, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+  });
+  EXPECT_EQ(segments_left(), 0);
 }
 
 TEST(SharedMemoryCollectives, BroadcastsInPiecesFromAnyRoot) {

@@ -66,8 +66,9 @@ namespace detail {
 // group is going away, or the group's timeout has passed. After a failure the
 // phases no longer agree, so every later collective fails at once.
 //
-// Segments are unlinked once every rank has mapped them: nothing is left in
-// /dev/shm when a job ends, however it ends. LOCKSTEP_GLOO_SHM=0 keeps every
+// Segments are unlinked once every rank has mapped them, or the group's
+// making failed: nothing is left in /dev/shm once the group is made, however
+// the job ends. LOCKSTEP_GLOO_SHM=0 keeps every
 // collective on Gloo's TCP.
 
 namespace {
@@ -227,6 +228,16 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(c10d::
   std::unique_ptr<SharedMemoryCollectives> shm(new SharedMemoryCollectives(rank, size, timeout));
   const std::string name = "/lockstep-" + std::to_string(::getpid()) + "-" + random_hex();
   shm->maps_[rank] = wanted ? map_segment(name, shm->capacity_, /*create=*/true) : nullptr;
+  // Unlinked on the way out: once every rank has said whether it mapped the
+  // segments, or when the store gives up on a rank that never came.
+  struct Unlink {
+    std::string name;
+    ~Unlink() {
+      if (!name.empty()) {
+        ::shm_unlink(name.c_str());
+      }
+    }
+  } unlink{shm->maps_[rank] != nullptr ? name : ""};
   publish(store, key_of("segment", rank),
           shm->maps_[rank] != nullptr ? host_identity() + " " + name + " " + std::to_string(::getpid()) : "off");
   std::vector<std::string> published(size);
@@ -248,9 +259,6 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(c10d::
   bool all_mapped = true;
   for (int r = 0; r < size; ++r) {
     all_mapped = read(store, key_of("mapped", r)) == "1" && all_mapped;
-  }
-  if (shm->maps_[rank] != nullptr) {
-    ::shm_unlink(name.c_str());
   }
   return all_mapped ? std::move(shm) : nullptr;
 }
