@@ -68,8 +68,7 @@ namespace detail {
 //
 // Segments are unlinked once every rank has mapped them, or the group's
 // making failed: nothing is left in /dev/shm once the group is made, however
-// the job ends. LOCKSTEP_GLOO_SHM=0 keeps every
-// collective on Gloo's TCP.
+// the job ends. LOCKSTEP_GLOO_SHM=0 keeps every collective on Gloo's TCP.
 
 namespace {
 
@@ -130,7 +129,11 @@ void* map_segment(const std::string& name, int64_t capacity, bool create) {
     at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   }
   ::close(fd);
-  return at == MAP_FAILED ? nullptr : at;
+  at = at == MAP_FAILED ? nullptr : at;
+  if (create && at == nullptr) {
+    ::shm_unlink(name.c_str()); // no rank will map it
+  }
+  return at;
 }
 
 std::string key_of(const char* what, int rank) {
