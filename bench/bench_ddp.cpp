@@ -296,7 +296,17 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
       return;
     }
     optimizer->zero_grad();
-    loss_of_batch().backward();
+    // Spans of the bench's own, in every mode, so that a mode's timeline
+    // compares with nocomm's (whose module records none).
+    torch::Tensor loss;
+    {
+      lockstep::timeline::Span span("step: forward and loss");
+      loss = loss_of_batch();
+    }
+    {
+      lockstep::timeline::Span span("step: backward");
+      loss.backward();
+    }
     if (mode == "naive") {
       for (auto& p : net->parameters()) {
         group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
