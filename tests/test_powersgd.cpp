@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -84,6 +85,56 @@ TEST(PowerSGD, OrthogonalizeGivesOrthonormalColumnsAndKeepsAZeroColumnZero) {
     EXPECT_FALSE(zero.isnan().any().item<bool>()) << dtype;
     EXPECT_EQ(zero.narrow(1, 0, 1).abs().sum().item<float>(), 0.0f) << dtype;
     EXPECT_NEAR(zero.narrow(1, 1, 1).norm().item<float>(), 1.0f, 1e-2) << dtype;
+  }
+}
+
+// The end of a round reads its factors once: each matrix's bound on its
+// elements, a Q's zero column (a layer with no gradient, whose Q warm start
+// must not keep), and a factor that is not finite.
+TEST(PowerSGD, FactorSummaryGivesEachMatrixsBoundAndZeroColumnsAndCatchesNonFinite) {
+  auto bucket = bucket_of({torch::zeros({64, 32}), torch::zeros({8, 3, 3, 3})});
+  auto plan = detail::plan_powersgd(bucket, 2, 2.0);
+  ASSERT_EQ(plan.matrices.size(), 2u);
+  auto ps = torch::full({plan.p_elements}, 0.5);
+  auto qs = torch::ones({plan.q_elements});
+  ps[plan.matrices[1].p_offset + 3] = -3.0;  // row 1, column 1 of the second matrix's P
+  qs[plan.matrices[1].q_offset + 2 * 5] = 0; // its Q's first column: zero but one element
+  auto summary = detail::summarize_factors(plan, ps, qs);
+  EXPECT_TRUE(summary.finite);
+  ASSERT_EQ(summary.bound.size(), 2u);
+  EXPECT_EQ(summary.bound[0], 2 * 2 * 0.5 * 1.0);
+  EXPECT_EQ(summary.bound[1], 2 * 2 * 3.0 * 1.0);
+  EXPECT_EQ(summary.q_has_zero_column, (std::vector<bool>{false, false}));
+  qs.narrow(0, plan.matrices[1].q_offset, plan.matrices[1].cols * 2).view({-1, 2}).narrow(1, 0, 1).zero_();
+  EXPECT_EQ(detail::summarize_factors(plan, ps, qs).q_has_zero_column, (std::vector<bool>{false, true}));
+  for (double bad : {std::numeric_limits<double>::infinity(), std::nan("")}) {
+    auto p = ps.clone();
+    p[7] = bad;
+    EXPECT_FALSE(detail::summarize_factors(plan, p, qs).finite) << bad;
+    auto q = qs.clone();
+    q[plan.q_elements - 1] = bad;
+    EXPECT_FALSE(detail::summarize_factors(plan, ps, q).finite) << bad;
+  }
+}
+
+// A contiguous matrix in memory takes a loop over its rows; any other (a
+// column-major view here, a GPU's in a job) the tensor operations. Both
+// give the same columns where the matrix has them; beyond its rank, what
+// rounding leaves differs, but orthonormal either way.
+TEST(PowerSGD, OrthogonalizeGivesTheSameColumnsThroughRowsAsThroughTensorOperations) {
+  for (int64_t rank : {4, 2}) {
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      auto rows = of_rank(30, 4, rank).to(dtype);
+      auto strided = rows.t().contiguous().t(); // the same values, column-major
+      ASSERT_FALSE(strided.is_contiguous());
+      detail::orthogonalize_(rows);
+      detail::orthogonalize_(strided);
+      EXPECT_TRUE(torch::allclose(rows.narrow(1, 0, rank), strided.narrow(1, 0, rank), 1e-5, 1e-5))
+          << "rank " << rank << " " << dtype << "\n" << rows << "\n" << strided;
+      for (const auto& m : {rows, strided}) {
+        EXPECT_TRUE(torch::allclose(torch::matmul(m.t(), m), torch::eye(4, dtype), 1e-5, 1e-5)) << m;
+      }
+    }
   }
 }
 

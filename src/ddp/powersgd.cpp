@@ -150,7 +150,7 @@ class Round : public PendingReduction {
   void add_errors();
   void start_qs();
   void finish();
-  bool finite_result() const;
+  bool finite_result(const FactorSummary& factors) const;
   ParameterMemory& memory_of(size_t gradient) {
     return state_->memory[bucket_.parameters[gradient]];
   }
@@ -319,12 +319,12 @@ void Round::finish() {
   // Note [PowerSGD's state]: the averaged gradients and every Q are the
   // same on every rank, so is this decision.
   const auto gradients = bucket_.buffer.narrow(0, 0, plan_.parameter_elements);
-  now.finite = now.finite && finite_result();
+  const auto factors = summarize_factors(plan_, first_.narrow(0, plan_.whole_elements, plan_.p_elements), q_memory_);
+  now.finite = now.finite && finite_result(factors);
   if (now.finite) {
     for (size_t i = 0; i < matrices_.size(); ++i) {
-      const bool degenerate = (qs_[i].abs().amax(0) == 0).any().item<bool>();
-      now.memory[bucket_.parameters[plan_.matrices[i].gradient]].q =
-          state_->options.warm_start() && !degenerate ? qs_[i].reshape({-1}) : torch::Tensor(); // else drawn anew
+      const bool keep = state_->options.warm_start() && !factors.q_has_zero_column[i]; // else drawn anew
+      now.memory[bucket_.parameters[plan_.matrices[i].gradient]].q = keep ? qs_[i].reshape({-1}) : torch::Tensor();
     }
   }
   if (now.finite && state_->options.error_feedback()) {
@@ -354,13 +354,13 @@ double largest_finite(torch::ScalarType dtype) {
   }
 }
 
-// Whether the averaged gradients and every Q are finite (Note [PowerSGD's
-// state]), without a pass over the bucket: each whole gradient is read, and
-// each M = P Q^T is judged by its factors, since no element of it exceeds
-// r max|P| max|Q| (twice that allows for rounding). M itself is read only
-// where that bound does not fit its dtype, or is not a number.
-bool Round::finite_result() const {
-  if (!torch::isfinite(q_memory_).all().item<bool>()) {
+// Whether the averaged gradients and every P and Q are finite (Note
+// [PowerSGD's state]), without a pass over the bucket: each whole gradient
+// is read, and each M = P Q^T is judged by its factors' bound
+// (summarize_factors). M itself is read only where that bound does not fit
+// its dtype.
+bool Round::finite_result(const FactorSummary& factors) const {
+  if (!factors.finite) {
     return false;
   }
   int64_t at = 0;
@@ -373,9 +373,7 @@ bool Round::finite_result() const {
   }
   const double largest = largest_finite(bucket_.buffer.scalar_type());
   for (size_t i = 0; i < matrices_.size(); ++i) {
-    const double bound = 2.0 * static_cast<double>(plan_.matrices[i].rank) * ps_[i].abs().max().item<double>() *
-                         qs_[i].abs().max().item<double>();
-    if (!(bound < largest) && !torch::isfinite(matrices_[i]).all().item<bool>()) {
+    if (!(factors.bound[i] < largest) && !torch::isfinite(matrices_[i]).all().item<bool>()) {
       return false;
     }
   }

@@ -50,6 +50,18 @@ bool worth_compressing(int64_t rows, int64_t cols, int64_t rank, double min_rate
 // contiguous views of the buffer that do not overlap.
 PowerSGDPlan plan_powersgd(const GradBucket& bucket, int64_t rank, double min_rate);
 
+// What the end of a round needs of its averaged factors (Note [PowerSGD's
+// state]), read in one pass over a copy in this process's memory: whether
+// every P and Q is finite, for each matrix the bound 2 r max|P| max|Q| on the
+// elements of M = P Q^T, and whether its Q has a zero column. `ps` and `qs`
+// are the plan's P's and Q's, flat.
+struct FactorSummary {
+  bool finite = true;
+  std::vector<double> bound;
+  std::vector<bool> q_has_zero_column;
+};
+FactorSummary summarize_factors(const PowerSGDPlan& plan, const torch::Tensor& ps, const torch::Tensor& qs);
+
 // Gram-Schmidt on the columns of `matrix` (n x r), in place: PyTorch's
 // _orthogonalize, with each projection done twice so that a matrix of rank
 // below r still comes out orthonormal; a zero column stays zero.
