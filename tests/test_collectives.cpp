@@ -141,6 +141,24 @@ class ScopedEnv {
   const char* name_;
 };
 
+// How long a wait on a Gloo collective polls (Note [Polling before a wait])
+// is read before any rank connects: a value that is no number of
+// microseconds fails every rank at once, naming the variable.
+TEST(ProcessGroupContract, AGlooPollTimeThatIsNotMicrosecondsIsRefusedNamingTheVariable) {
+  for (const char* bad : {"2ms", "-1", "5000000"}) {
+    ScopedEnv spin("LOCKSTEP_GLOO_SPIN_US", bad);
+    const std::string message = testing::message_of([] { testing::spawn(2, [](ProcessGroup&) {}); });
+    EXPECT_NE(message.find(std::string("LOCKSTEP_GLOO_SPIN_US=") + bad + " is not a whole number of microseconds "
+                           "from 0 to 1000000"), std::string::npos) << message;
+  }
+  ScopedEnv none("LOCKSTEP_GLOO_SPIN_US", "0"); // sleeps at once, and still sums
+  testing::spawn(2, [](ProcessGroup& group) {
+    auto t = torch::full({3}, double(group.rank() + 1));
+    group.allreduce(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({3}, 3.0))) << t;
+  });
+}
+
 // LOCKSTEP_DEBUG=detail is a mode of the agreement check: each collective is
 // checked by the one all_gather of its fingerprint, which then also carries
 // the collective's number and shape (Note [LOCKSTEP_DEBUG=detail]), and a

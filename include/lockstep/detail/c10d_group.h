@@ -14,13 +14,29 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 
 namespace lockstep {
 namespace detail {
+
+// Polls `done` for up to `spin`, yielding the core to any thread that can
+// run, before a wait that sleeps (Note [Polling before a wait] in
+// src/comm/backends/gloo.cpp).
+template <typename Done>
+void poll_for(std::chrono::microseconds spin, Done&& done) {
+  if (spin.count() <= 0) {
+    return;
+  }
+  const auto until = std::chrono::steady_clock::now() + spin;
+  while (!done() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::yield();
+  }
+}
 
 class C10dWork : public Work {
  public:
@@ -30,15 +46,19 @@ class C10dWork : public Work {
       int rank,
       int size,
       std::chrono::milliseconds timeout,
-      Diagnose diagnose)
+      Diagnose diagnose,
+      std::chrono::microseconds spin = {})
       : work_(std::move(work)),
         what_(std::move(what)),
         rank_(rank),
         size_(size),
         timeout_(timeout),
-        diagnose_(std::move(diagnose)) {}
+        diagnose_(std::move(diagnose)),
+        spin_(spin) {}
   void wait() override {
     try {
+      // The backend's choice: a GPU's wait only orders streams, and must not poll.
+      poll_for(spin_, [&] { return work_->isCompleted(); });
       work_->wait();
     } catch (const c10::Error& e) {
       throw_collective_error(what_, rank_, size_, timeout_, e.msg(), diagnose_);
@@ -53,6 +73,7 @@ class C10dWork : public Work {
   int rank_, size_;
   std::chrono::milliseconds timeout_;
   Diagnose diagnose_;
+  std::chrono::microseconds spin_;
 };
 
 /// A collective with nothing to do.
@@ -135,6 +156,13 @@ class C10dGroup : public GroupImpl {
   const Diagnose& diagnose() const {
     return diagnose_;
   }
+  // How long each wait polls before it sleeps (C10dWork); none by default.
+  void spin_before_waits(std::chrono::microseconds spin) {
+    spin_ = spin;
+  }
+  std::chrono::microseconds spin_before_waits() const {
+    return spin_;
+  }
   // Gloo divides by the element count: an empty tensor would crash it (SIGFPE
   // in gloo::allgather). Shapes agree on every rank, so all ranks skip alike.
   static bool empty(const std::vector<torch::Tensor>& tensors) {
@@ -151,7 +179,7 @@ class C10dGroup : public GroupImpl {
   template <typename F>
   std::shared_ptr<Work> wrap(F&& start, std::string what) {
     try {
-      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_, diagnose_);
+      return std::make_shared<C10dWork>(start(), std::move(what), rank(), size(), timeout_, diagnose_, spin_);
     } catch (const c10::Error& e) {
       throw_refusal(what, rank(), size(), backend_, e.msg());
     } catch (const std::exception& e) {
@@ -164,6 +192,7 @@ class C10dGroup : public GroupImpl {
   std::string backend_;
   std::chrono::milliseconds timeout_;
   Diagnose diagnose_;
+  std::chrono::microseconds spin_{0};
 };
 
 } // namespace detail

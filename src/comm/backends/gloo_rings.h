@@ -95,10 +95,11 @@ class RingThread {
 class RingWork : public Work {
  public:
   RingWork(std::shared_future<void> done, std::string what, int rank, int size, std::chrono::milliseconds timeout,
-           Diagnose diagnose)
+           Diagnose diagnose, std::chrono::microseconds spin)
       : done_(std::move(done)), what_(std::move(what)), rank_(rank), size_(size), timeout_(timeout),
-        diagnose_(std::move(diagnose)) {}
+        diagnose_(std::move(diagnose)), spin_(spin) {}
   void wait() override {
+    poll_for(spin_, [&] { return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready; });
     // Gloo bounds each send and recv by the same timeout; this bounds a ring
     // stuck behind another.
     if (done_.wait_for(timeout_ * size_) == std::future_status::timeout) {
@@ -119,6 +120,7 @@ class RingWork : public Work {
   int rank_, size_;
   std::chrono::milliseconds timeout_;
   Diagnose diagnose_;
+  std::chrono::microseconds spin_;
 };
 
 } // namespace detail
