@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -22,9 +23,17 @@ using lockstep::testing::Check;
 
 // Note [MPI's thread and timeouts]: lockstep initialised MPI, and asked Open
 // MPI to yield while idle (mpirun sets no such variable).
-void check_mpi_yields(const Check& check) {
+void check_what_lockstep_asked_of_open_mpi(const Check& check) {
   const char* yield = std::getenv("OMPI_MCA_mpi_yield_when_idle");
   check(yield != nullptr && std::string(yield) == "1", "Open MPI was asked to yield while idle");
+  // Note [MPI's copies on a full host]: through shared memory where this
+  // host's ranks are at least its cores, else Open MPI's own choice.
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const bool full = local != nullptr && std::atoi(local) >= static_cast<int>(std::thread::hardware_concurrency());
+  const char* copy = std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism");
+  check(full ? copy != nullptr && std::string(copy) == "none" : copy == nullptr,
+        full ? "Open MPI was asked to copy through shared memory on a host its ranks fill"
+             : "Open MPI keeps its own copies on a host with cores to spare");
 }
 
 // What the mpi backend refuses, each saying why.
@@ -76,7 +85,7 @@ void contract(lockstep::testing::WorkerContext& context) {
   lockstep::testing::check_collectives_in_inference_mode(group, check);
   lockstep::testing::check_in_place_and_parameters(group, check);
   if (group.backend() == "mpi") {
-    check_mpi_yields(check);
+    check_what_lockstep_asked_of_open_mpi(check);
     check_mpi_refusals(group, check);
     check_mpi_group_made_again(group, check);
   }

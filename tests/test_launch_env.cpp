@@ -140,6 +140,17 @@ TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
   }
 }
 
+// How many ranks share this host decides how Open MPI copies between them
+// (Note [MPI's copies on a full host]); unknown is 0, never an error.
+TEST(LaunchEnv, MpiRanksOnThisHostAreTheLaunchersLocalSizeElseItsWorldSize) {
+  EXPECT_EQ(detail::mpi_ranks_on_this_host(env_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+                                                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}})), 2);
+  EXPECT_EQ(detail::mpi_ranks_on_this_host(env_of({{"PMI_RANK", "0"}, {"PMI_SIZE", "3"}})), 3);
+  EXPECT_EQ(detail::mpi_ranks_on_this_host(env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "6"},
+                                                   {"SLURM_NTASKS_PER_NODE", "2(x3)"}, {"SLURM_STEP_ID", "0"}})), 0);
+  EXPECT_EQ(detail::mpi_ranks_on_this_host(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}})), 0);
+}
+
 TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
   auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"OMPI_COMM_WORLD_RANK", "2"},
       {"OMPI_COMM_WORLD_SIZE", "3"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}}));

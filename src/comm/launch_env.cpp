@@ -112,6 +112,18 @@ const char* find_mpi_launcher(const std::function<const char*(const char*)>& get
   return l != nullptr ? l->name : nullptr;
 }
 
+int64_t mpi_ranks_on_this_host(const std::function<const char*(const char*)>& get) {
+  const MpiLauncher* l = mpi_launcher_of(get);
+  if (l == nullptr) {
+    return 0;
+  }
+  const char* value = get(l->local_size) != nullptr ? get(l->local_size) : get(l->size);
+  char* end = nullptr;
+  errno = 0;
+  const long long ranks = std::strtoll(value, &end, 10);
+  return end != value && *end == '\0' && errno == 0 && ranks > 0 ? ranks : 0;
+}
+
 void check_timeout(std::chrono::milliseconds timeout, const char* what) {
   TORCH_CHECK(timeout.count() > 0 && timeout <= kMaxTimeout, "lockstep: ", what, " is ", timeout.count(),
               " ms; expected a positive duration of at most 7 days (", kMaxTimeout.count(), " ms).");

@@ -52,6 +52,11 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
 /// mpirun"), or nullptr.
 const char* find_mpi_launcher(const std::function<const char*(const char*)>& get);
 
+/// How many ranks the MPI launcher started on this host: its local size,
+/// else its world size; 0 where no MPI launcher's variables are set, or they
+/// are not whole numbers (the caller decides nothing from it then).
+int64_t mpi_ranks_on_this_host(const std::function<const char*(const char*)>& get);
+
 /// Parses a whole decimal number in [low, high]; `name` and `form` word the error.
 int64_t parse_int(const std::string& name, const char* value, int64_t low, int64_t high, const char* form);
 
