@@ -17,7 +17,7 @@ mode=${4:-lockstep}
 optimizer=${OPTIMIZER:-sgd}
 out=$(mktemp)
 run_pair() { # LABEL BUILD MODEL STEPS
-  local port=$((20000 + RANDOM % 20000)) pids=()
+  local port=$((20000 + RANDOM % 12000)) pids=() # below the ephemeral ports (32768 up), which a connection may hold
   if [ "$mode" = mpi ] || [ "${mode%-mpi}" != "$mode" ]; then
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 5 120 mpirun -np 2 --bind-to none \
       -x OMP_NUM_THREADS=1 "$2/lockstep-bench-ddp" "$mode" "$3" "$4" --optimizer "$optimizer" | sed "s/^/$1 /" >>"$out"

@@ -53,7 +53,7 @@ export BENCH_PRECISION=${PRECISION:-fp32}
 # BATCH=N: a global batch of N instead of each model's default, in both contenders.
 export BENCH_BATCH=${BATCH:-0}
 run_time() { # MODE MODEL STEPS PRECISION: one contender's line(s), appended to $out.pair
-  local port=$((20000 + RANDOM % 20000))
+  local port=$((20000 + RANDOM % 12000)) # below the ephemeral ports (32768 up), which a connection may hold
   local flags=(--optimizer "$optimizer" --precision "$4" --batch "$BENCH_BATCH")
   if [ "$1" = python ] || [ "$1" = python-fsdp ]; then
     local script=bench/ddp_python.py; [ "$1" = python-fsdp ] && script=bench/fsdp_python.py
