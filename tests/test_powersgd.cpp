@@ -138,6 +138,24 @@ TEST(PowerSGD, OrthogonalizeGivesTheSameColumnsThroughRowsAsThroughTensorOperati
   }
 }
 
+// M = P Q^T by rows (Note [Writing P Q^T by rows]) where M is contiguous in
+// memory, by torch::matmul_out otherwise: the same M either way.
+TEST(PowerSGD, LowRankProductByRowsIsPTimesQTransposed) {
+  for (int64_t rank : {1, 4}) {
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      auto p = torch::randn({33, rank}).to(dtype);
+      auto q = torch::randn({20, rank}).to(dtype);
+      auto rows = torch::full({33, 20}, 7.0, dtype); // overwritten, not added to
+      detail::low_rank_product_(rows, p, q);
+      auto strided = torch::full({20, 33}, 7.0, dtype).t();
+      detail::low_rank_product_(strided, p, q);
+      const auto expected = torch::matmul(p.to(torch::kDouble), q.to(torch::kDouble).t()).to(dtype);
+      EXPECT_TRUE(torch::allclose(rows, expected, 1e-5, 1e-5)) << "rank " << rank << " " << dtype;
+      EXPECT_TRUE(torch::allclose(strided, expected, 1e-5, 1e-5)) << "rank " << rank << " " << dtype;
+    }
+  }
+}
+
 TEST(PowerSGD, RankRMatrixIsExactAtRankRAndNotBelow) {
   ProcessGroup one;
   for (int64_t rank : {3, 5, 2}) {

@@ -312,7 +312,7 @@ void Round::finish() {
   }
   timeline::Span span("PowerSGD: M = P Q^T");
   for (size_t i = 0; i < matrices_.size(); ++i) {
-    torch::matmul_out(matrices_[i], ps_[i], qs_[i].t());
+    low_rank_product_(matrices_[i], ps_[i], qs_[i]);
   }
   done_ = true;
   auto& now = state_->now;

@@ -165,6 +165,86 @@ void orthogonalize_rows(T* m, int64_t n, int64_t r) {
 
 } // namespace
 
+// Note [Writing P Q^T by rows]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// M = P Q^T at rank r is r multiply-adds per element of M, which is written
+// once: a pass over memory. MKL, in PyTorch 2.15's wheel, took 0.67 ms for
+// it where M is 1024 x 1024 and 0.14 ms where it is 1024 x 1040 (one core,
+// r = 4): rows 4 KiB apart, which its kernel writes a few columns at a time
+// down all of them, fall in the same cache sets. So M is written here one
+// row at a time, each element once, as the sum of its r products with a row
+// of Q^T (a copy, r x m, which stays in cache), in a fixed order, so every
+// rank writes the same bits. In DDP's step on the MLP (two ranks on two
+// cores), it took 0.5 ms where MKL took 1.05, and 0.3 ms with LibTorch 1.13,
+// as OpenBLAS did.
+namespace {
+
+// Each element once, its R products summed in a register: R known here, so
+// that the compiler unrolls them and vectorises along the row.
+template <typename T, int R>
+void low_rank_rows_of_rank(T* m, const T* p, const T* __restrict__ q_t, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    T c[R];
+    for (int k = 0; k < R; ++k) {
+      c[k] = p[i * R + k];
+    }
+    T* __restrict__ row = m + i * cols;
+    for (int64_t j = 0; j < cols; ++j) {
+      T sum = c[0] * q_t[j];
+      for (int k = 1; k < R; ++k) {
+        sum += c[k] * q_t[k * cols + j];
+      }
+      row[j] = sum;
+    }
+  }
+}
+
+// Any rank: the row gains one scaled row of Q^T at a time, in the same order.
+template <typename T>
+void low_rank_rows(T* m, const T* p, const T* __restrict__ q_t, int64_t rows, int64_t cols, int64_t rank) {
+  switch (rank) {
+    case 1: return low_rank_rows_of_rank<T, 1>(m, p, q_t, rows, cols);
+    case 2: return low_rank_rows_of_rank<T, 2>(m, p, q_t, rows, cols);
+    case 3: return low_rank_rows_of_rank<T, 3>(m, p, q_t, rows, cols);
+    case 4: return low_rank_rows_of_rank<T, 4>(m, p, q_t, rows, cols);
+    case 8: return low_rank_rows_of_rank<T, 8>(m, p, q_t, rows, cols);
+    default: break;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    T* __restrict__ row = m + i * cols;
+    for (int64_t j = 0; j < cols; ++j) {
+      row[j] = p[i * rank] * q_t[j];
+    }
+    for (int64_t k = 1; k < rank; ++k) {
+      const T c = p[i * rank + k];
+      for (int64_t j = 0; j < cols; ++j) {
+        row[j] += c * q_t[k * cols + j];
+      }
+    }
+  }
+}
+
+} // namespace
+
+void low_rank_product_(torch::Tensor matrix, const torch::Tensor& p, const torch::Tensor& q) {
+  TORCH_INTERNAL_ASSERT(p.dim() == 2 && q.dim() == 2 && p.size(1) == q.size(1) && p.size(1) >= 1);
+  const bool rows_in_memory = matrix.device().is_cpu() && matrix.is_contiguous() && matrix.dim() == 2 &&
+      matrix.size(1) > 0 && p.scalar_type() == matrix.scalar_type() && q.scalar_type() == matrix.scalar_type();
+  if (rows_in_memory && (matrix.scalar_type() == torch::kFloat || matrix.scalar_type() == torch::kDouble)) {
+    const auto p_rows = p.contiguous();
+    const auto q_t = q.t().contiguous();
+    if (matrix.scalar_type() == torch::kFloat) {
+      low_rank_rows(matrix.data_ptr<float>(), p_rows.data_ptr<float>(), q_t.data_ptr<float>(), matrix.size(0),
+                    matrix.size(1), p.size(1));
+    } else {
+      low_rank_rows(matrix.data_ptr<double>(), p_rows.data_ptr<double>(), q_t.data_ptr<double>(), matrix.size(0),
+                    matrix.size(1), p.size(1));
+    }
+    return;
+  }
+  torch::matmul_out(matrix, p, q.t());
+}
+
 void orthogonalize_(torch::Tensor matrix) {
   if (matrix.device().is_cpu() && matrix.is_contiguous() && matrix.dim() == 2) {
     if (matrix.scalar_type() == torch::kFloat) {

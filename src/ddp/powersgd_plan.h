@@ -62,6 +62,12 @@ struct FactorSummary {
 };
 FactorSummary summarize_factors(const PowerSGDPlan& plan, const torch::Tensor& ps, const torch::Tensor& qs);
 
+// matrix = p q^T, in place, for `matrix` (n x m), p (n x r) and q (m x r):
+// step 5 of Note [PowerSGD]. A contiguous matrix in this process's memory is
+// written row by row (Note [Writing P Q^T by rows]); any other, by
+// torch::matmul_out.
+void low_rank_product_(torch::Tensor matrix, const torch::Tensor& p, const torch::Tensor& q);
+
 // Gram-Schmidt on the columns of `matrix` (n x r), in place: PyTorch's
 // _orthogonalize, with each projection done twice so that a matrix of rank
 // below r still comes out orthonormal; a zero column stays zero.
