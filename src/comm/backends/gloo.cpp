@@ -305,10 +305,10 @@ std::vector<Endpoint> check_endpoints_reachable(
 // the thread that receives it, and then the waiting one, are woken on
 // cores that must first leave their idle state: on a virtual machine whose
 // host deschedules halted vCPUs, that takes milliseconds. Between two
-// ranks of a 2-vCPU Firecracker VM, an allreduce of 44 KiB over Gloo took a
-// median of 2.8 ms when the ranks came to it from sleep, and 0.3 ms when
-// they ran allreduces back to back; in the network lab at 1 Gb/s,
-// PowerSGD's step waited 5 ms for its Q allreduce of 45 KB. So a wait on
+// ranks of a 2-vCPU Firecracker VM, an allreduce of 4 KiB over Gloo took a
+// median of 2.8 ms when the ranks came to it from a 5 ms sleep, and 0.4 ms
+// when they ran allreduces back to back; in the network lab at 1 Gb/s,
+// PowerSGD's step waited 3 ms for its Q allreduce of 45 KB. So a wait on
 // this group's collectives (c10d's, the rings', and those through shared
 // memory) first polls for kWaitSpin, yielding its core to any thread that
 // can run, and only then sleeps, as Open MPI and NCCL poll. A wait that

@@ -73,9 +73,10 @@ void finalize_at_exit() {
 // no core is idle to make the one copy, the two in pieces were faster: DDP
 // over MPI ran 1.07 to 1.09 x the steps per second on the MLP (buckets of 4
 // and 3 MB) with LibTorch 1.13, and 1.03 x with 2.15, 2 ranks on 2 cores;
-// 0.99 to 1.03 x on the deep model (docs/performance.md). So lockstep asks Open MPI for the copies through shared memory there,
-// unless the environment already says (OMPI_MCA_btl_vader_single_copy_mechanism,
-// or btl_sm_ in Open MPI 5). With cores to spare, Open MPI's choice stands.
+// 0.99 to 1.03 x on the deep model (docs/performance.md). So lockstep asks
+// Open MPI for the copies through shared memory there, unless the
+// environment already says (OMPI_MCA_btl_vader_single_copy_mechanism, or
+// btl_sm_ in Open MPI 5). With cores to spare, Open MPI's choice stands.
 void copy_through_shared_memory_on_a_full_host() {
   const int64_t ranks = mpi_ranks_on_this_host([](const char* name) { return std::getenv(name); });
   const unsigned cores = std::thread::hardware_concurrency();
