@@ -163,7 +163,12 @@ TEST(ExactSum, TheLoopsRoundTiesToEvenAndFindTheLargestMagnitudeFromTheBits) {
   const double two52 = std::ldexp(1.0, 52);
   const std::vector<double> hard{0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999999999999994, -0.0, 1e-300,
                                  two52 - 0.5, two52 - 1.5, -(two52 - 0.5), std::ldexp(1.0, 51) + 0.5, two52 + 2,
-                                 -std::ldexp(1.0, 61), std::ldexp(1.0, 61) - 512};
+                                 -std::ldexp(1.0, 61), std::ldexp(1.0, 61) - 512,
+                                 // around the split at multiples of 2^32 (Note [Rounding to integers without a conversion])
+                                 std::ldexp(1.0, 31) + 0.5, std::ldexp(1.0, 31) + 1.5, 3 * std::ldexp(1.0, 31),
+                                 std::ldexp(1.0, 32) + 0.5, -(std::ldexp(1.0, 32) + 1.5), std::ldexp(1.0, 33) - 0.5,
+                                 std::ldexp(1.0, 52) + std::ldexp(1.0, 31) + 1, std::ldexp(1.0, 62) - 1024,
+                                 -(std::ldexp(1.0, 62) - 1024)};
   auto sum = torch::zeros({static_cast<int64_t>(hard.size())}, torch::kLong);
   add_fixed_point(sum, torch::tensor(hard, torch::kDouble), 0, /*add=*/false);
   EXPECT_TRUE(torch::equal(sum, torch::tensor(hard, torch::kDouble).round().to(torch::kLong))) << sum;
@@ -172,6 +177,8 @@ TEST(ExactSum, TheLoopsRoundTiesToEvenAndFindTheLargestMagnitudeFromTheBits) {
   auto looped = torch::zeros({100000}, torch::kLong);
   add_fixed_point(looped, random, 40, /*add=*/false);
   EXPECT_TRUE(torch::equal(looped, (random * std::ldexp(1.0, 40)).round().to(torch::kLong)));
+  add_fixed_point(looped, random, 49, /*add=*/false); // up to about 2^61
+  EXPECT_TRUE(torch::equal(looped, (random * std::ldexp(1.0, 49)).round().to(torch::kLong)));
   const double inf = std::numeric_limits<double>::infinity();
   for (auto dtype : {torch::kFloat, torch::kDouble}) {
     EXPECT_EQ(max_abs(torch::tensor({-3.0, 2.0, 1e-40}, dtype)), 3.0) << dtype;

@@ -1,5 +1,7 @@
 #include "deterministic/exact_sum.h"
 
+#include "util/cpu_clones.h"
+
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
@@ -8,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace lockstep {
 namespace detail {
@@ -38,33 +41,97 @@ struct Scale {
   double first, second;
 };
 
-// x rounded to an integer, half to even, as std::nearbyint in the default
-// rounding mode, without a call per element: below 2^52, adding 2^52 to |x|
-// leaves a double whose spacing is 1, so the addition itself rounds, and
-// subtracting 2^52 again is exact; from 2^52 on every double is an integer.
-// std::nearbyint is a libm call per element unless the target has SSE4.1,
-// which the build does not assume.
-inline double round_half_even(double x) {
-  constexpr double kTwo52 = 4503599627370496.0;
-  const double magnitude = std::fabs(x);
-  return magnitude < kTwo52 ? std::copysign((magnitude + kTwo52) - kTwo52, x) : x;
+// Note [Rounding to integers without a conversion]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Below AVX512 no x86 vector instruction turns a double into an int64, so a
+// loop of static_cast<int64_t> runs one element at a time. Instead, adding
+// K = 1.5 * 2^52 to a double y with |y| < 2^51 leaves a double in
+// [2^52, 2^53), whose spacing is 1: the addition rounds y half to even, as
+// std::nearbyint does in the default rounding mode, and the bits of the sum,
+// read as an integer, are K's bits plus that integer. A scaled gradient is
+// below 2^62, so y is first split exactly into hi, a multiple of 2^32 (y
+// rounded by adding 1.5 * 2^84, whose spacing is 2^32), and lo = y - hi,
+// with |lo| <= 2^31 (the subtraction is exact: lo is a multiple of y's
+// spacing and smaller than y or 2^31). hi / 2^32 and lo each go through K,
+// and q = (hi / 2^32) * 2^32 + round(lo), which is round(y) because hi is
+// even. Every step is an exact integer operation or an IEEE addition, so
+// each CPU's clone (LOCKSTEP_CPU_CLONES) gives the same bits, and the loop
+// vectorises down to SSE2.
+constexpr double kTwo32 = 4294967296.0;
+constexpr double kRoundToOne = 6755399441055744.0;           // 1.5 * 2^52
+constexpr double kRoundToTwo32 = kRoundToOne * kTwo32;       // 1.5 * 2^84
+
+inline int64_t bits_of(double x) {
+  int64_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+
+// round(y), half to even, for |y| < 2^62: Note [Rounding to integers without a conversion].
+inline int64_t round_to_int64(double y) {
+  const int64_t k = bits_of(kRoundToOne);
+  const double hi = (y + kRoundToTwo32) - kRoundToTwo32;
+  const double lo = y - hi;
+  const int64_t high = bits_of(hi / kTwo32 + kRoundToOne) - k;
+  const int64_t low = bits_of(lo + kRoundToOne) - k;
+  return static_cast<int64_t>(static_cast<uint64_t>(high) << 32) + low;
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void add_scaled_range(int64_t* sum, const T* value, int64_t n, double first,
+                                                            double second, bool add) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t q = round_to_int64(static_cast<double>(value[i]) * first * second);
+    sum[i] = add ? sum[i] + q : q;
+  }
+}
+
+LOCKSTEP_CPU_CLONES void add_scaled_floats(int64_t* sum, const float* value, int64_t n, double first, double second,
+                                           bool add) {
+  add_scaled_range(sum, value, n, first, second, add);
+}
+
+LOCKSTEP_CPU_CLONES void add_scaled_doubles(int64_t* sum, const double* value, int64_t n, double first,
+                                            double second, bool add) {
+  add_scaled_range(sum, value, n, first, second, add);
 }
 
 template <typename T>
 void add_scaled(int64_t* sum, const T* value, int64_t n, Scale scale, bool add) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto q = static_cast<int64_t>(round_half_even(static_cast<double>(value[i]) * scale.first * scale.second));
-      sum[i] = add ? sum[i] + q : q;
+    if constexpr (std::is_same_v<T, float>) {
+      add_scaled_floats(sum + begin, value + begin, end - begin, scale.first, scale.second, add);
+    } else {
+      add_scaled_doubles(sum + begin, value + begin, end - begin, scale.first, scale.second, add);
     }
   });
 }
 
 template <typename T>
+inline __attribute__((always_inline)) void scale_back_range(T* out, const int64_t* sum, int64_t n, double first,
+                                                            double second, double divisor) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = static_cast<T>(static_cast<double>(sum[i]) * first * second / divisor);
+  }
+}
+
+LOCKSTEP_CPU_CLONES void scale_back_floats(float* out, const int64_t* sum, int64_t n, double first, double second,
+                                           double divisor) {
+  scale_back_range(out, sum, n, first, second, divisor);
+}
+
+LOCKSTEP_CPU_CLONES void scale_back_doubles(double* out, const int64_t* sum, int64_t n, double first, double second,
+                                            double divisor) {
+  scale_back_range(out, sum, n, first, second, divisor);
+}
+
+template <typename T>
 void scale_back(T* out, const int64_t* sum, int64_t n, Scale scale, double divisor) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      out[i] = static_cast<T>(static_cast<double>(sum[i]) * scale.first * scale.second / divisor);
+    if constexpr (std::is_same_v<T, float>) {
+      scale_back_floats(out + begin, sum + begin, end - begin, scale.first, scale.second, divisor);
+    } else {
+      scale_back_doubles(out + begin, sum + begin, end - begin, scale.first, scale.second, divisor);
     }
   });
 }
@@ -74,7 +141,7 @@ void scale_back(T* out, const int64_t* sum, int64_t n, Scale scale, double divis
 // infinity above every finite value and NaNs above infinity. An integer
 // maximum vectorises, where a floating-point one with NaN checks does not.
 template <typename T, typename Bits>
-double max_abs_of(const T* value, int64_t n) {
+inline __attribute__((always_inline)) double max_abs_of(const T* value, int64_t n) {
   static_assert(sizeof(T) == sizeof(Bits), "the bits of one value");
   constexpr Bits kMagnitude = ~Bits{0} >> 1;
   Bits largest = 0;
@@ -87,6 +154,14 @@ double max_abs_of(const T* value, int64_t n) {
   T result;
   std::memcpy(&result, &largest, sizeof(result));
   return static_cast<double>(result); // a NaN stays NaN
+}
+
+LOCKSTEP_CPU_CLONES double max_abs_of_floats(const float* value, int64_t n) {
+  return max_abs_of<float, uint32_t>(value, n);
+}
+
+LOCKSTEP_CPU_CLONES double max_abs_of_doubles(const double* value, int64_t n) {
+  return max_abs_of<double, uint64_t>(value, n);
 }
 
 } // namespace
@@ -109,15 +184,15 @@ double max_abs(const torch::Tensor& value) {
   if (!on_cpu_as_float_or_double(value)) {
     return value.abs().max().item<double>();
   }
-  return value.scalar_type() == torch::kFloat ? max_abs_of<float, uint32_t>(value.data_ptr<float>(), value.numel())
-                                              : max_abs_of<double, uint64_t>(value.data_ptr<double>(), value.numel());
+  return value.scalar_type() == torch::kFloat ? max_abs_of_floats(value.data_ptr<float>(), value.numel())
+                                              : max_abs_of_doubles(value.data_ptr<double>(), value.numel());
 }
 
 void add_fixed_point(torch::Tensor& sum, const torch::Tensor& value, int exponent, bool add) {
   TORCH_INTERNAL_ASSERT(sum.scalar_type() == torch::kLong && sum.is_contiguous() && sum.numel() == value.numel());
   const Scale scale(exponent);
   if (!sum.is_cpu() || !on_cpu_as_float_or_double(value)) {
-    // round_half_even and torch::round both round half to even.
+    // round_to_int64 and torch::round both round half to even.
     auto scaled = value.reshape({-1}).to(torch::kDouble).mul(scale.first).mul_(scale.second).round_();
     add ? sum.view({-1}).add_(scaled.to(torch::kLong)) : sum.view({-1}).copy_(scaled);
     return;

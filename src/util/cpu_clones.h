@@ -1,0 +1,15 @@
+#pragma once
+
+// Internal: LOCKSTEP_CPU_CLONES, put before a function whose loop vectorises,
+// has GCC compile it once for each x86-64 level (v4: AVX512, v3: AVX2, and
+// the baseline the build targets) and the loader pick the one this CPU runs,
+// as ATen's kernels do by their own dispatch. The clones compute the same
+// bits: they are for loops of exact integer steps and of IEEE operations
+// that every level rounds alike. Elsewhere (another compiler or
+// architecture) the function is compiled once.
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define LOCKSTEP_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define LOCKSTEP_CPU_CLONES
+#endif
