@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -250,6 +251,31 @@ TEST(SharedMemoryCollectives, ReduceScatterAndAllGatherInPiecesWithTheirWords) {
       EXPECT_TRUE(torch::equal(gathered_words.narrow(0, r * 8, 8), torch::full({8}, 10.0 * (r + 1), torch::kDouble)))
           << "rank " << rank << " holds rank " << r << "'s words of the all-gather";
     }
+  });
+}
+
+// A rank adds its own chunk where it lies, and the others' from their
+// segments: float sums that depend on their order come out in rank order,
+// with the output apart from the input or inside its own chunk.
+TEST(SharedMemoryCollectives, AReduceScatterAddsInRankOrderWhereverItsOutputLies) {
+  const int size = 3;
+  const int64_t n = 700001; // several pieces
+  auto input_of = [&](int rank) { // rounded when added, unlike values_of's
+    return torch::sin(torch::arange(size * n, torch::kFloat) * (rank + 1.3)) * std::pow(10.0, rank);
+  };
+  auto sum = input_of(0) + input_of(1);
+  sum += input_of(2);
+  std::mutex mutex;
+  on_transports(size, std::chrono::seconds(30), [&](int rank, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+    auto apart = torch::empty({n});
+    transport->reduce_scatter(apart, input_of(rank), ReduceOp::Sum, torch::Tensor());
+    auto input = input_of(rank);
+    auto inside = input.narrow(0, rank * n, n);
+    transport->reduce_scatter(inside, input, ReduceOp::Sum, torch::Tensor());
+    std::lock_guard<std::mutex> lock(mutex);
+    EXPECT_TRUE(torch::equal(apart, sum.narrow(0, rank * n, n))) << "rank " << rank << ", output apart";
+    EXPECT_TRUE(torch::equal(inside, sum.narrow(0, rank * n, n))) << "rank " << rank << ", output in its chunk";
   });
 }
 

@@ -57,9 +57,9 @@ namespace detail {
 //   2. an allreduce reduces its slice (slice_of) of every rank's piece, in
 //      rank order, into its own segment's slice, and once every rank is past
 //      2, copies every rank's reduced slice out; a reduce-scatter, whose
-//      piece holds a part of every rank's chunk, reduces its own chunk's
-//      part of every segment into its output; an all-gather copies every
-//      segment out, a broadcast the root's.
+//      piece holds a part of every other rank's chunk, reduces its own
+//      chunk's part of every other segment, and of its own input, into its
+//      output; an all-gather copies every segment out, a broadcast the root's.
 // Each slice is reduced once, by one rank, so every rank gets the same bits.
 // A wait spins briefly, then sleeps on the peer's futex in slices of
 // kWaitSlice, between which it fails if the peer's process has exited, the
@@ -362,7 +362,11 @@ void SharedMemoryCollectives::allreduce(const torch::Tensor& tensor, ReduceOp op
     const Slice mine = slice_of(count, rank_, size_);
     if (mine.last > mine.first) {
       auto out = slice(rank_, mine.first * item, mine.last - mine.first, tensor.scalar_type());
-      reduce_into(out, mine.first * item, out.numel(), tensor.scalar_type(), op, /*out_is_an_input=*/true);
+      std::vector<torch::Tensor> terms;
+      for (int q = 0; q < size_; ++q) {
+        terms.push_back(slice(q, mine.first * item, out.numel(), tensor.scalar_type()));
+      }
+      reduce_into(out, terms, op, /*out_is_an_input=*/true);
     }
     advance();
     wait_all(start + 2);
@@ -383,16 +387,27 @@ void SharedMemoryCollectives::reduce_scatter(const torch::Tensor& output, const 
   const int64_t per_piece = std::max<int64_t>(1, capacity_ / (item * size_)); // of each rank's chunk
   const char* in = static_cast<const char*>(input.data_ptr());
   auto out = output.view({-1});
+  // Only the other ranks read this rank's own chunk from its segment: it adds
+  // its own where it lies, unless the output shares the input's memory, where
+  // the sum could overwrite terms it has yet to read.
+  const bool own_in_place = !output.is_alias_of(input);
   for (int64_t first = 0; first < n; first += per_piece) {
     const int64_t count = std::min(per_piece, n - first);
     // The segment holds every chunk's part of this piece, chunk after chunk.
     meet(call, [&](char* into) {
       for (int q = 0; q < size_; ++q) {
-        std::memcpy(into + q * count * item, in + (q * n + first) * item, count * item);
+        if (q != rank_ || !own_in_place) {
+          std::memcpy(into + q * count * item, in + (q * n + first) * item, count * item);
+        }
       }
     }, first == 0 ? words : torch::Tensor());
+    std::vector<torch::Tensor> terms;
+    for (int q = 0; q < size_; ++q) {
+      terms.push_back(q == rank_ && own_in_place ? input.view({-1}).narrow(0, q * n + first, count)
+                                                 : slice(q, rank_ * count * item, count, input.scalar_type()));
+    }
     auto part = out.narrow(0, first, count);
-    reduce_into(part, rank_ * count * item, count, input.scalar_type(), op, /*out_is_an_input=*/false);
+    reduce_into(part, terms, op, /*out_is_an_input=*/false);
     advance();
   }
 }
@@ -440,8 +455,10 @@ torch::Tensor SharedMemoryCollectives::slice(int rank, int64_t offset, int64_t c
 // `out` = every rank's `count` elements at `offset` of its segment, reduced
 // in rank order. Where `out` is one of them, through scratch_ beyond two
 // ranks, so that no input is overwritten before it is read.
-void SharedMemoryCollectives::reduce_into(torch::Tensor& out, int64_t offset, int64_t count, torch::ScalarType dtype,
-                                          ReduceOp op, bool out_is_an_input) {
+void SharedMemoryCollectives::reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op,
+                                          bool out_is_an_input) {
+  const int64_t count = out.numel();
+  const auto dtype = out.scalar_type();
   auto combine = [op](torch::Tensor& into, const torch::Tensor& a, const torch::Tensor& b) {
     if (op == ReduceOp::Max) {
       torch::maximum_out(into, a, b);
@@ -452,9 +469,9 @@ void SharedMemoryCollectives::reduce_into(torch::Tensor& out, int64_t offset, in
     }
   };
   if (size_ == 2 || !out_is_an_input) {
-    combine(out, slice(0, offset, count, dtype), slice(1, offset, count, dtype));
+    combine(out, terms[0], terms[1]);
     for (int q = 2; q < size_; ++q) {
-      combine(out, out, slice(q, offset, count, dtype));
+      combine(out, out, terms[q]);
     }
     return;
   }
@@ -462,9 +479,9 @@ void SharedMemoryCollectives::reduce_into(torch::Tensor& out, int64_t offset, in
     scratch_ = torch::empty({capacity_ / static_cast<int64_t>(c10::elementSize(dtype))}, torch::TensorOptions().dtype(dtype));
   }
   auto sum = scratch_.narrow(0, 0, count);
-  combine(sum, slice(0, offset, count, dtype), slice(1, offset, count, dtype));
+  combine(sum, terms[0], terms[1]);
   for (int q = 2; q < size_; ++q) {
-    combine(sum, sum, slice(q, offset, count, dtype));
+    combine(sum, sum, terms[q]);
   }
   out.copy_(sum);
 }

@@ -87,8 +87,8 @@ class SharedMemoryCollectives {
   torch::Tensor slice(int rank, int64_t offset, int64_t count, torch::ScalarType dtype) const;
   void check_usable() const;
   uint32_t meet(const Call& call, const std::function<void(char*)>& fill, const torch::Tensor& words);
-  void reduce_into(torch::Tensor& out, int64_t offset, int64_t count, torch::ScalarType dtype, ReduceOp op,
-                   bool out_is_an_input);
+  // out = terms[0] op terms[1] op ..., one term per rank in rank order.
+  void reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op, bool out_is_an_input);
   void advance();
   void wait_all(uint32_t phase);
   void wait_for(int peer, uint32_t phase);
