@@ -279,6 +279,27 @@ TEST(SharedMemoryCollectives, AReduceScatterAddsInRankOrderWhereverItsOutputLies
   });
 }
 
+// all_gather_into's usual call: the input is this rank's part of the output.
+TEST(SharedMemoryCollectives, AnAllGatherWhoseInputIsItsOwnOutputFillsEveryPart) {
+  const int size = 3;
+  const int64_t n = 1500001; // several pieces
+  auto expected = torch::cat({values_of(0, n, torch::kFloat), values_of(1, n, torch::kFloat),
+                              values_of(2, n, torch::kFloat)});
+  std::mutex mutex;
+  on_transports(size, std::chrono::seconds(30), [&](int rank, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+    auto gathered = torch::full({size * n}, -1.0f);
+    gathered.narrow(0, rank * n, n).copy_(values_of(rank, n, torch::kFloat));
+    std::vector<torch::Tensor> outputs;
+    for (int r = 0; r < size; ++r) {
+      outputs.push_back(gathered.narrow(0, r * n, n));
+    }
+    transport->all_gather(outputs, outputs[rank], torch::Tensor());
+    std::lock_guard<std::mutex> lock(mutex);
+    EXPECT_TRUE(torch::equal(gathered, expected)) << "rank " << rank;
+  });
+}
+
 TEST(SharedMemoryCollectives, ARankThatNeverArrivesFailsTheOthersAtTheTimeout) {
   std::promise<void> done;
   auto finished = done.get_future().share();

@@ -423,7 +423,12 @@ void SharedMemoryCollectives::all_gather(const std::vector<torch::Tensor>& outpu
     meet(call, [&](char* into) { std::memcpy(into, in + first * item, count * item); },
          first == 0 ? words : torch::Tensor());
     for (int q = 0; q < size_; ++q) {
-      std::memcpy(static_cast<char*>(outputs[q].data_ptr()) + first * item, data(q), count * item);
+      char* to = static_cast<char*>(outputs[q].data_ptr()) + first * item;
+      if (q != rank_) {
+        std::memcpy(to, data(q), count * item);
+      } else if (to != in + first * item) { // an all_gather_into's input is often its own output already
+        std::memcpy(to, in + first * item, count * item);
+      }
     }
     advance();
   }
