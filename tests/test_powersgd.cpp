@@ -6,6 +6,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "../src/ddp/powersgd_kernels.h"
 #include "../src/ddp/powersgd_plan.h"
 #include "support/errors.h"
 #include "support/powersgd_checks.h"

@@ -2,6 +2,7 @@
 #include <lockstep/timeline.h>
 
 #include "comm/planned_collective.h"
+#include "ddp/powersgd_kernels.h"
 #include "ddp/powersgd_plan.h"
 
 #include <torch/torch.h>

@@ -1,8 +1,8 @@
 #pragma once
 
 // The pure parts of PowerSGD (Note [PowerSGD] in src/ddp/powersgd.cpp): which of
-// a bucket's gradients are compressed, where each P and Q lives, and the
-// orthonormalisation. Unit-tested in tests/test_powersgd.cpp.
+// a bucket's gradients are compressed, and where each P and Q lives.
+// Unit-tested in tests/test_powersgd.cpp.
 
 #include <lockstep/comm_hooks.h>
 
@@ -61,17 +61,6 @@ struct FactorSummary {
   std::vector<bool> q_has_zero_column;
 };
 FactorSummary summarize_factors(const PowerSGDPlan& plan, const torch::Tensor& ps, const torch::Tensor& qs);
-
-// matrix = p q^T, in place, for `matrix` (n x m), p (n x r) and q (m x r):
-// step 5 of Note [PowerSGD]. A contiguous matrix in this process's memory is
-// written row by row (Note [Writing P Q^T by rows]); any other, by
-// torch::matmul_out.
-void low_rank_product_(torch::Tensor matrix, const torch::Tensor& p, const torch::Tensor& q);
-
-// Gram-Schmidt on the columns of `matrix` (n x r), in place: PyTorch's
-// _orthogonalize, with each projection done twice so that a matrix of rank
-// below r still comes out orthonormal; a zero column stays zero.
-void orthogonalize_(torch::Tensor matrix);
 
 } // namespace detail
 } // namespace lockstep
