@@ -211,6 +211,19 @@ TEST(PowerSGD, CompressionRateCountsEveryBucketOfTheIteration) {
   EXPECT_DOUBLE_EQ(powersgd.compression_rate(), (48.0 * 24 + 10) / ((48 + 24) * 1 + 10));
 }
 
+// A tensor of PowerSGD's saved state ("parameter.0.error", ...).
+torch::Tensor saved(const PowerSGD& powersgd, const std::string& key) {
+  std::stringstream bytes;
+  torch::serialize::OutputArchive out;
+  powersgd.save(out);
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  torch::Tensor value;
+  in.read(key, value);
+  return value;
+}
+
 TEST(PowerSGD, ErrorFeedbackCarriesTheResidualIntoTheNextIteration) {
   ProcessGroup one;
   PowerSGD powersgd(PowerSGDOptions().rank(1).start_iteration(2));
@@ -225,9 +238,10 @@ TEST(PowerSGD, ErrorFeedbackCarriesTheResidualIntoTheNextIteration) {
   // adds up to m (the error telescopes), and what is owed shrinks.
   double owed = 0;
   for (int i = 0; i < 4; ++i) {
-    auto bucket = bucket_of({i == 0 ? m : torch::zeros({16, 8})});
+    auto bucket = bucket_of({i == 0 ? m : torch::zeros({16, 8}), torch::full({8}, 3.0)}); // the bias goes whole
     powersgd(one, bucket)->wait();
     sent += bucket.gradients[0];
+    EXPECT_TRUE(torch::equal(saved(powersgd, "parameter.1.error"), torch::zeros({8}))) << "iteration " << i;
     std::stringstream bytes;
     torch::serialize::OutputArchive out;
     powersgd.save(out);
@@ -244,19 +258,6 @@ TEST(PowerSGD, ErrorFeedbackCarriesTheResidualIntoTheNextIteration) {
     owed = norm;
   }
   EXPECT_EQ(powersgd.iteration(), 6);
-}
-
-// A tensor of PowerSGD's saved state ("parameter.0.error", ...).
-torch::Tensor saved(const PowerSGD& powersgd, const std::string& key) {
-  std::stringstream bytes;
-  torch::serialize::OutputArchive out;
-  powersgd.save(out);
-  out.save_to(bytes);
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  torch::Tensor value;
-  in.read(key, value);
-  return value;
 }
 
 // Note [PowerSGD's state]: an overflow in one bucket skips the whole step
