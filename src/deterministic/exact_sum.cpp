@@ -54,9 +54,11 @@ struct Scale {
 // with |lo| <= 2^31 (the subtraction is exact: lo is a multiple of y's
 // spacing and smaller than y or 2^31). hi / 2^32 and lo each go through K,
 // and q = (hi / 2^32) * 2^32 + round(lo), which is round(y) because hi is
-// even. Every step is an exact integer operation or an IEEE addition, so
-// each CPU's clone (LOCKSTEP_CPU_CLONES) gives the same bits, and the loop
-// vectorises down to SSE2.
+// even. Every step is an exact integer operation or an IEEE addition (the
+// scaling by powers of two before it is exact, so a fused multiply-add
+// rounds as the two operations do), so each CPU's clone
+// (LOCKSTEP_CPU_CLONES) gives the same bits, and the loop vectorises down to
+// SSE2.
 constexpr double kTwo32 = 4294967296.0;
 constexpr double kRoundToOne = 6755399441055744.0;           // 1.5 * 2^52
 constexpr double kRoundToTwo32 = kRoundToOne * kTwo32;       // 1.5 * 2^84

@@ -3,10 +3,12 @@
 // Internal: LOCKSTEP_CPU_CLONES, put before a function whose loop vectorises,
 // has GCC compile it once for each x86-64 level (v4: AVX512, v3: AVX2, and
 // the baseline the build targets) and the loader pick the one this CPU runs,
-// as ATen's kernels do by their own dispatch. The clones compute the same
-// bits: they are for loops of exact integer steps and of IEEE operations
-// that every level rounds alike. Elsewhere (another compiler or
-// architecture) the function is compiled once.
+// as ATen's kernels do by their own dispatch. Use it only where every clone
+// computes the same bits: loops of exact integer steps and of IEEE
+// operations that every level rounds alike. A multiply followed by an add
+// may become one fused instruction at v3 and v4, rounded once where the
+// baseline rounds twice: the same bits only where the product is exact.
+// Elsewhere (another compiler or architecture) the function is compiled once.
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define LOCKSTEP_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
