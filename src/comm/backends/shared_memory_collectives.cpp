@@ -424,10 +424,8 @@ void SharedMemoryCollectives::all_gather(const std::vector<torch::Tensor>& outpu
          first == 0 ? words : torch::Tensor());
     for (int q = 0; q < size_; ++q) {
       char* to = static_cast<char*>(outputs[q].data_ptr()) + first * item;
-      if (q != rank_) {
+      if (q != rank_ || to != in + first * item) { // an all_gather_into's input is often its own output already
         std::memcpy(to, data(q), count * item);
-      } else if (to != in + first * item) { // an all_gather_into's input is often its own output already
-        std::memcpy(to, in + first * item, count * item);
       }
     }
     advance();
@@ -457,9 +455,9 @@ torch::Tensor SharedMemoryCollectives::slice(int rank, int64_t offset, int64_t c
   return torch::from_blob(data(rank) + offset, {count}, torch::TensorOptions().dtype(dtype));
 }
 
-// `out` = every rank's `count` elements at `offset` of its segment, reduced
-// in rank order. Where `out` is one of them, through scratch_ beyond two
-// ranks, so that no input is overwritten before it is read.
+// `out` = `terms` (one per rank) reduced in rank order. Where `out` is one
+// of them, through scratch_ beyond two ranks, so that no term is
+// overwritten before it is read.
 void SharedMemoryCollectives::reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op,
                                           bool out_is_an_input) {
   const int64_t count = out.numel();
