@@ -8,9 +8,12 @@
 // operations that every level rounds alike. A multiply followed by an add
 // may become one fused instruction at v3 and v4, rounded once where the
 // baseline rounds twice: the same bits only where the product is exact.
-// Elsewhere (another compiler or architecture) the function is compiled once.
+// Elsewhere (another compiler or architecture) the function is compiled once,
+// and so it is under ThreadSanitizer: the loader runs a clone's resolver
+// before TSan's runtime is ready, and the program crashed before main.
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(__SANITIZE_THREAD__)
 #define LOCKSTEP_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define LOCKSTEP_CPU_CLONES
