@@ -60,8 +60,8 @@ struct Scale {
 // (LOCKSTEP_CPU_CLONES) gives the same bits, and the loop vectorises down to
 // SSE2.
 constexpr double kTwo32 = 4294967296.0;
-constexpr double kRoundToOne = 6755399441055744.0;           // 1.5 * 2^52
-constexpr double kRoundToTwo32 = kRoundToOne * kTwo32;       // 1.5 * 2^84
+constexpr double kRoundToOne = 6755399441055744.0;     // 1.5 * 2^52
+constexpr double kRoundToTwo32 = kRoundToOne * kTwo32; // 1.5 * 2^84
 
 inline int64_t bits_of(double x) {
   int64_t bits;
