@@ -1,0 +1,250 @@
+// lockstep-run's command line as pure logic: torchrun's flags and their
+// elastic forms, and the values a Slurm step gives (tools/run_options.h).
+
+#include <tools/run_options.h>
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+// --- the command line ---------------------------------------------------------
+
+tools::RunOptions parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "lockstep-run");
+  args.push_back("prog");
+  std::vector<const char*> argv;
+  for (const auto& a : args) {
+    argv.push_back(a.c_str());
+  }
+  return tools::parse_run_options(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string refusal(const std::vector<std::string>& args) {
+  try {
+    parse(args);
+  } catch (const tools::RunUsageError& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(ElasticOptions, TorchrunsFlagsInBothSpellingsMakeAnElasticJob) {
+  const auto o = parse({"--nnodes", "2:4", "--rdzv_backend", "c10d", "--rdzv_endpoint", "node0:1234", "--rdzv_id", "job7",
+                        "--rdzv_conf", "join_timeout=20,last_call_timeout=0.5,keep_alive_interval=1,keep_alive_max_attempt=4",
+                        "--monitor_interval", "0.2"});
+  EXPECT_TRUE(o.elastic());
+  EXPECT_EQ(o.min_nodes, 2);
+  EXPECT_EQ(o.nnodes, 4);
+  EXPECT_EQ(o.rdzv_host, "node0");
+  EXPECT_EQ(o.rdzv_port, 1234);
+  EXPECT_EQ(o.rdzv_id, "job7");
+  EXPECT_EQ(o.join_timeout, 20);
+  EXPECT_EQ(o.last_call_timeout, 0.5);
+  EXPECT_EQ(o.keep_alive_interval, 1);
+  EXPECT_EQ(o.keep_alive_max_attempt, 4);
+  const auto range = parse({"--nnodes", "1:2", "--rdzv-endpoint", "[::1]"});
+  EXPECT_TRUE(range.elastic()) << "a range means c10d";
+  EXPECT_EQ(range.rdzv_host, "::1");
+  EXPECT_EQ(range.rdzv_port, 29400);
+  EXPECT_FALSE(parse({"--nnodes", "2", "--master-addr", "h"}).elastic());
+}
+
+// torchrun's static form with an endpoint: the nodes keep the numbers
+// given them, and meet at the endpoint. It became an elastic job whose
+// nodes were numbered as they joined, ignoring --node-rank (Note
+// [--node-rank and the rendezvous]); without a backend it is refused.
+TEST(ElasticOptions, AStaticJobAtAnEndpointKeepsItsNodeRank) {
+  const auto o = parse({"--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static", "--rdzv-endpoint",
+                        "node0:29555"});
+  EXPECT_FALSE(o.elastic());
+  EXPECT_EQ(o.node_rank, 1);
+  EXPECT_EQ(o.master_addr, "node0");
+  EXPECT_EQ(o.master_port, 29555);
+  EXPECT_NE(refusal({"--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "node0:29555"}).find(
+                "--node-rank 1 with --rdzv-endpoint: by default the nodes meet in c10d rounds"),
+            std::string::npos);
+  EXPECT_TRUE(parse({"--nnodes", "2", "--rdzv-endpoint", "node0"}).elastic()) << "without --node-rank, c10d";
+  EXPECT_TRUE(parse({"--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0"})
+                  .elastic()) << "an explicit c10d numbers the nodes as they join, as torchrun's";
+  EXPECT_NE(refusal({"--nnodes", "1:2", "--rdzv-backend", "static", "--rdzv-endpoint", "h"}).find(
+                "is a range of nodes, which the static rendezvous cannot take"),
+            std::string::npos);
+}
+
+TEST(ElasticOptions, BadElasticCommandLinesSayWhatIsWrong) {
+  EXPECT_EQ(refusal({"--nnodes", "1:2"}), "--nnodes 1:2 needs --rdzv-endpoint HOST[:PORT]: the address of the node that "
+                                          "serves the rendezvous, which every node can reach.");
+  EXPECT_EQ(refusal({"--nnodes", "3:2", "--rdzv-endpoint", "h"}), "--nnodes 3:2: MIN is above MAX; expected MIN:MAX with MIN <= MAX.");
+  EXPECT_EQ(refusal({"--nnodes", "0:2"}), "--nnodes 0:2: '0' is not a whole number from 1 to 65536.");
+  EXPECT_EQ(refusal({"--nnodes", "two"}), "--nnodes two: 'two' is not a whole number from 1 to 65536.");
+  EXPECT_EQ(refusal({"--rdzv-backend", "etcd"}), "--rdzv-backend etcd is not supported; lockstep-run has static and c10d.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h:99999"}), "--rdzv-endpoint h:99999: port '99999' is not a port number (1 to 65535).");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", ":5"}), "--rdzv-endpoint :5 has no host; expected HOST[:PORT].");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "wait=5"}),
+            "--rdzv-conf wait=5: unknown key; expected join_timeout (or timeout), last_call_timeout, "
+            "keep_alive_interval (or heartbeat), keep_alive_max_attempt, read_timeout, close_timeout or is_host.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "join_timeout=-1"}),
+            "--rdzv-conf join_timeout=-1: expected a number of seconds above 0 and at most 604800 (7 days).");
+  // A space split the store's "ADD KEY VALUE" line: the job ended naming a lost store.
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-id", "my run"}),
+            "--rdzv-id 'my run' holds a space or a control character; use letters, digits and punctuation.");
+  // Beats come from the monitor loop: one slower than half the liveness
+  // window lost live nodes; a keep-alive under 1 ms was truncated to 0.
+  EXPECT_NE(refusal({"--rdzv-endpoint", "h", "--monitor-interval", "20"}).find(
+                "--monitor-interval 20 is more than half the liveness window (15 s"), std::string::npos);
+  EXPECT_NE(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "keep_alive_interval=0.0004"}).find(
+                "keep_alive_interval=0.000400 is below 1 ms"), std::string::npos);
+}
+
+// --- lockstep-run under srun (Note [lockstep-run under srun]) ----------------
+
+TEST(SlurmStep, FirstHostOfANodeList) {
+  EXPECT_EQ(tools::first_host("node[01-04,07],gpu3"), "node01");
+  EXPECT_EQ(tools::first_host("node[0-1]"), "node0");
+  EXPECT_EQ(tools::first_host("rack[1-2]-n[5-6]"), "rack1-n5");
+  EXPECT_EQ(tools::first_host("alpha,beta"), "alpha");
+  EXPECT_EQ(tools::first_host("solo"), "solo");
+  EXPECT_EQ(tools::first_host("n[7]"), "n7");
+}
+
+tools::RunOptions parse_with(std::vector<std::string> args, const std::map<std::string, std::string>& env) {
+  args.insert(args.begin(), "lockstep-run");
+  args.push_back("prog");
+  std::vector<const char*> argv;
+  for (const auto& a : args) {
+    argv.push_back(a.c_str());
+  }
+  return tools::parse_run_options(static_cast<int>(argv.size()), argv.data(), [&env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+const std::map<std::string, std::string> kStepOnNode1{{"SLURM_STEP_ID", "0"}, {"SLURM_NNODES", "2"},
+                                                      {"SLURM_NODEID", "1"}, {"SLURM_NTASKS", "2"},
+                                                      {"SLURM_JOB_NODELIST", "node[0-1]"}};
+
+TEST(SlurmStep, NodeCountNodeRankAndMasterComeFromTheStep) {
+  const auto o = parse_with({"--nproc-per-node", "2"}, kStepOnNode1);
+  EXPECT_EQ(o.nnodes, 2);
+  EXPECT_EQ(o.node_rank, 1);
+  EXPECT_EQ(o.master_addr, "node0");
+  EXPECT_FALSE(o.elastic());
+  const auto given = parse_with({"--nnodes", "1", "--node-rank", "0", "--master-addr", "10.0.0.9"}, kStepOnNode1);
+  EXPECT_EQ(given.nnodes, 1) << "the command line wins";
+  EXPECT_EQ(given.node_rank, 0);
+  EXPECT_EQ(given.master_addr, "10.0.0.9");
+  auto batch = kStepOnNode1; // a batch script: no step
+  batch.erase("SLURM_STEP_ID");
+  const auto alone = parse_with({}, batch);
+  EXPECT_EQ(alone.nnodes, 1);
+  EXPECT_EQ(alone.master_addr, "127.0.0.1");
+}
+
+// lockstep-train's default folder is runs/<run id>, where a restart finds
+// its checkpoint: two jobs with one id train on from each other's.
+TEST(SlurmStep, TwoJobsNeverShareARunId) {
+  using Vars = std::map<std::string, std::string>;
+  const auto id = [](const Vars& vars, long pid, int nnodes) {
+    return tools::default_run_id([&vars](const char* name) -> const char* {
+      auto it = vars.find(name);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    }, "20261126-120000", pid, nnodes);
+  };
+  EXPECT_EQ(id({{"LOCKSTEP_RUN_ID", "mine"}, {"SLURM_JOB_ID", "77"}}, 1, 1), "mine");
+  EXPECT_EQ(id({{"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "2"}}, 1, 1), "slurm-77.2");
+  EXPECT_NE(id({{"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "3"}}, 1, 1), "slurm-77.2") << "two sruns of one allocation";
+  EXPECT_EQ(id({{"SLURM_JOB_ID", "77"}}, 1, 1), "slurm-77") << "a batch script's own step";
+  EXPECT_NE(id({}, 100, 1), id({}, 101, 1)) << "two launches on one machine in the same second";
+  EXPECT_EQ(id({}, 100, 2), id({}, 101, 2)) << "the nodes of a job share only the time";
+  const auto with_rdzv_id = [](const char* name) -> const char* {
+    return std::string(name) == "SLURM_JOB_ID" ? "77" : std::string(name) == "LOCKSTEP_RUN_ID" ? "env" : nullptr;
+  };
+  EXPECT_EQ(tools::default_run_id(with_rdzv_id, "20261126-120000", 1, 2, "job-9"), "job-9")
+      << "--rdzv-id, as torchrun's users give every node";
+}
+
+TEST(SlurmStep, MoreTasksThanNodesIsAClearError) {
+  auto step = kStepOnNode1;
+  step["SLURM_NTASKS"] = "4";
+  try {
+    parse_with({}, step);
+    ADD_FAILURE() << "4 tasks on 2 nodes were accepted";
+  } catch (const tools::RunUsageError& e) {
+    EXPECT_STREQ(e.what(), "under srun, lockstep-run starts each node's ranks itself, so it runs once per node (srun "
+                           "--ntasks-per-node=1 lockstep-run --nproc-per-node N ...); this step has 4 tasks on 2 node(s).");
+  }
+}
+
+// --- torchrun's flags (Note [torchrun's flags] in tools/run_options.h) -------------
+
+TEST(ElasticOptions, TorchrunsRdzvConfKeysAreTakenAndBadOnesSayWhatIsAccepted) {
+  const auto o = parse({"--rdzv-endpoint", "h", "--rdzv-conf",
+                        "timeout=20,heartbeat=1,read_timeout=7,close_timeout=3,is_host=false"});
+  EXPECT_EQ(o.join_timeout, 20);
+  EXPECT_EQ(o.keep_alive_interval, 1);
+  EXPECT_EQ(o.read_timeout, 7);
+  EXPECT_EQ(o.is_host, 0);
+  ASSERT_EQ(o.notes.size(), 1u);
+  EXPECT_EQ(o.notes[0], "--rdzv-conf close_timeout has no effect: a lockstep-run round closes when --nnodes MAX nodes "
+                        "joined, or last_call_timeout after MIN did.");
+  EXPECT_EQ(parse({"--rdzv-endpoint", "h", "--rdzv-conf", "is_host=1"}).is_host, 1);
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "timeout=5,join_timeout=6"}),
+            "--rdzv-conf timeout=5,join_timeout=6: timeout and join_timeout both set join_timeout; give it once.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "heartbeat=1,heartbeat=2"}),
+            "--rdzv-conf heartbeat=1,heartbeat=2: keep_alive_interval is given twice; give it once.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "timeout=5,,heartbeat=1"}),
+            "--rdzv-conf timeout=5,,heartbeat=1: item 2 is empty; expected KEY=VALUE items separated by single commas.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "timeout=5,"}),
+            "--rdzv-conf timeout=5,: item 2 is empty; expected KEY=VALUE items separated by single commas.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "keep_alive_max_attempt=2.5"}),
+            "--rdzv-conf keep_alive_max_attempt=2.5: expected a whole count from 1 to 604800.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "read_timeout=999999"}),
+            "--rdzv-conf read_timeout=999999: expected a number of seconds above 0 and at most 604800 (7 days).");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "is_host=maybe"}),
+            "--rdzv-conf is_host=maybe: expected is_host=true or is_host=false (1 or 0).");
+}
+
+TEST(RunOptions, TorchrunsFlagsAreAcceptedAndThoseWithoutEffectSaySo) {
+  const auto o = parse({"--standalone", "--no-python", "--nproc-per-node", "auto", "--local-ranks-filter", "0,2",
+                        "--tee", "3", "--redirects", "0:1,1:2", "--role", "trainer", "--local_addr", "10.0.0.5"});
+  EXPECT_TRUE(o.standalone);
+  EXPECT_TRUE(o.no_python);
+  EXPECT_EQ(o.nproc_kind, "auto");
+  EXPECT_EQ(o.local_ranks_shown, (std::vector<int>{0, 2}));
+  EXPECT_EQ(o.role, "trainer");
+  ASSERT_EQ(o.notes.size(), 3u);
+  EXPECT_EQ(o.notes[0], "--tee has no effect: every rank's stdout and stderr reach the console with a [rank N] "
+                        "prefix, and --log-dir's rank_N.log when it is given.");
+  EXPECT_EQ(o.notes[1].rfind("--redirects has no effect", 0), 0u) << o.notes[1];
+  EXPECT_EQ(o.notes[2], "--local-addr has no effect in a static job: its ranks meet at --master-addr.");
+  EXPECT_TRUE(parse({"--nnodes", "1:2", "--rdzv-endpoint", "h", "--local-addr", "10.0.0.5"}).notes.empty())
+      << "an elastic node gives the others its --local-addr";
+  const auto fail = [](const std::string& message) { throw tools::RunUsageError(message, 2); };
+  auto gpu = parse({"--nproc-per-node", "gpu"});
+  tools::resolve_nproc_per_node(gpu, 4, 16, fail);
+  EXPECT_EQ(gpu.nproc_per_node, 4);
+  auto cpu = parse({"--nproc_per_node", "cpu"});
+  tools::resolve_nproc_per_node(cpu, 4, 16, fail);
+  EXPECT_EQ(cpu.nproc_per_node, 16);
+  auto automatic = parse({"--nproc-per-node", "auto"});
+  tools::resolve_nproc_per_node(automatic, 0, 16, fail);
+  EXPECT_EQ(automatic.nproc_per_node, 16) << "no GPU: one rank per core, as torchrun";
+  auto none = parse({"--nproc-per-node", "gpu"});
+  EXPECT_THROW(tools::resolve_nproc_per_node(none, 0, 16, fail), tools::RunUsageError);
+  EXPECT_EQ(refusal({"--nproc-per-node", "many"}),
+            "--nproc-per-node many: expected a number of ranks from 1 to 1024, or auto, cpu or gpu.");
+  EXPECT_EQ(refusal({"--local-ranks-filter", "0,x"}), "--local-ranks-filter 0,x: 'x' is not a local rank; expected "
+                                                       "local ranks from 0 separated by commas, for example 0 or 0,1.");
+  EXPECT_EQ(refusal({"--standalone", "--nnodes", "2", "--master-addr", "h"}),
+            "--standalone is a job of one node on its own; drop --nnodes, --rdzv-endpoint, --rdzv-backend and "
+            "--master-addr, or drop --standalone.");
+}
+
+} // namespace
+} // namespace lockstep
