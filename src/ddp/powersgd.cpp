@@ -126,11 +126,32 @@ uint64_t mix(uint64_t x) { // splitmix64: seeds far apart for consecutive draws
   return x ^ (x >> 31);
 }
 
-// X^T F for a thin F (k x r), computed as (F^T X)^T: with the thin operand
-// first, BLAS runs P = M Q and Q = M^T P 4 and 15 times faster on one core
-// than as written (a 1024 x 1024 M at rank 4).
+// Note [PowerSGD's products and the BLAS]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each round multiplies the bucket's matrices by thin factors: P = M Q and
+// Q = M^T P, M of n x m and the factors of rank r (4 by default). How fast
+// a BLAS runs such a product depends on the form it is given, and the two
+// BLAS that LibTorch ships with disagree (one core, n = m = 1024, r = 4,
+// 2026-11-29's AMD EPYC):
+//   P = M Q as mm(M, Q):       MKL 1.20 ms, OpenBLAS 0.25 ms
+//   P = M Q as (Q^T M^T)^T:    MKL 0.30 ms, OpenBLAS 0.72 ms
+//   Q = M^T P as mm(M^T, P):   MKL 3.79 ms, OpenBLAS 0.44 ms
+//   Q = M^T P as (P^T M)^T:    MKL 0.25 ms, OpenBLAS 0.28 ms
+// (OpenBLAS's 0.72 is the rows of a 1024-wide M falling 4 KiB apart; for
+// n x m = 1024 x 784 it is 0.22 against 0.19.) So Q takes the thin operand
+// first everywhere, and P does where ATen has MKL. The form decides the
+// bits, and it follows from the build, never from a timing, so that a
+// resumed run repeats its bits.
+
+// X^T F for a thin F (k x r), computed as (F^T X)^T.
 torch::Tensor thin_times(const torch::Tensor& f, const torch::Tensor& x) {
   return torch::matmul(f.t(), x).t();
+}
+
+// X F for a thin F (k x r), in the form this build's BLAS runs faster.
+torch::Tensor times_thin(const torch::Tensor& x, const torch::Tensor& f) {
+  static const bool thin_first = at::hasMKL();
+  return thin_first ? torch::matmul(f.t(), x.t()).t() : torch::mm(x, f);
 }
 
 // One bucket's compression in one iteration (steps 1 to 5 of Note [PowerSGD]).
@@ -229,7 +250,7 @@ void Round::start() {
     matrices_.push_back(bucket_.gradients[m.gradient].view({m.rows, m.cols}));
     ps_.push_back(first_.narrow(0, at + m.p_offset, m.rows * m.rank).view({m.rows, m.rank}));
     orthogonalize_(qs_[i]);
-    ps_[i].copy_(thin_times(qs_[i], matrices_[i].t()));
+    ps_[i].copy_(times_thin(matrices_[i], qs_[i]));
   }
   const auto [plan, item] = state_->collectives.next({first_.numel(), first_.scalar_type()});
   PlannedCollective planned(plan, item);
