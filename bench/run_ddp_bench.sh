@@ -52,6 +52,15 @@ optimizer=${OPTIMIZER:-sgd}
 export BENCH_PRECISION=${PRECISION:-fp32}
 # BATCH=N: a global batch of N instead of each model's default, in both contenders.
 export BENCH_BATCH=${BATCH:-0}
+# glibc's malloc gives memory back to the system, and takes it again, where
+# its own heuristics fall: a contender that frees and reallocates its
+# gradients every step (zero_grad() sets them to none since PyTorch 2.0)
+# then pays hundreds of page faults a step that another, allocating in
+# another order, does not. With 2.15, no communication ran 1.11 x faster
+# with the thresholds below than without (docs/performance.md). So every
+# contender runs with them fixed, unless the environment sets its own.
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-33554432} # 32 MiB, glibc's largest
+export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4294967296}
 run_time() { # MODE MODEL STEPS PRECISION: one contender's line(s), appended to $out.pair
   local port=$((20000 + RANDOM % 12000)) # below the ephemeral ports (32768 up), which a connection may hold
   local flags=(--optimizer "$optimizer" --precision "$4" --batch "$BENCH_BATCH")
