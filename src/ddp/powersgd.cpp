@@ -139,8 +139,9 @@ uint64_t mix(uint64_t x) { // splitmix64: seeds far apart for consecutive draws
 //   Q = M^T P as (P^T M)^T:    MKL 0.25 ms, OpenBLAS 0.28 ms
 // (OpenBLAS's 0.72 is the rows of a 1024-wide M falling 4 KiB apart; for
 // n x m = 1024 x 784 it is 0.22 against 0.19.) So Q takes the thin operand
-// first everywhere, and P does where ATen has MKL. The form decides the
-// bits, and it follows from the build, never from a timing, so that a
+// first everywhere, and P does where ATen has MKL, and on GPUs, where
+// cuBLAS's forms were not measured. The form decides the bits, and it
+// follows from the build and the device, never from a timing, so that a
 // resumed run repeats its bits.
 
 // X^T F for a thin F (k x r), computed as (F^T X)^T.
@@ -148,10 +149,11 @@ torch::Tensor thin_times(const torch::Tensor& f, const torch::Tensor& x) {
   return torch::matmul(f.t(), x).t();
 }
 
-// X F for a thin F (k x r), in the form this build's BLAS runs faster.
+// X F for a thin F (k x r), in the form this build's BLAS runs faster; on
+// a GPU, thin first.
 torch::Tensor times_thin(const torch::Tensor& x, const torch::Tensor& f) {
-  static const bool thin_first = at::hasMKL();
-  return thin_first ? torch::matmul(f.t(), x.t()).t() : torch::mm(x, f);
+  static const bool mkl = at::hasMKL();
+  return mkl || !x.is_cpu() ? torch::matmul(f.t(), x.t()).t() : torch::mm(x, f);
 }
 
 // One bucket's compression in one iteration (steps 1 to 5 of Note [PowerSGD]).
