@@ -15,6 +15,10 @@ after=${2:?usage: bench/ab_ddp.sh BEFORE_BUILD_DIR AFTER_BUILD_DIR [ROUNDS] [MOD
 rounds=${3:-7}
 mode=${4:-lockstep}
 optimizer=${OPTIMIZER:-sgd}
+# glibc's thresholds fixed, as bench/run_ddp_bench.sh fixes them and for
+# the reason it gives.
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-33554432}
+export MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-4294967296}
 out=$(mktemp)
 run_pair() { # LABEL BUILD MODEL STEPS
   local port=$((20000 + RANDOM % 12000)) pids=() # below the ephemeral ports (32768 up), which a connection may hold
