@@ -12,6 +12,8 @@
 # A contender ending in -tcp keeps Gloo's TCP between ranks of one host (Note
 # [Collectives through shared memory]):
 #   CONTENDERS="lockstep lockstep-tcp python nocomm" bench/run_ddp_bench.sh
+# and one ending in -ompi keeps Open MPI's own collectives (LOCKSTEP_MPI_SHM=0):
+#   CONTENDERS="lockstep mpi mpi-ompi nocomm" bench/run_ddp_bench.sh
 # and the flight recorder's cost, and LOCKSTEP_DEBUG=detail's:
 #   CONTENDERS="lockstep norecorder detail" bench/run_ddp_bench.sh
 # FullyShardedDataParallel against DDP and PyTorch's FSDP2, with Adam:
@@ -86,12 +88,14 @@ run_time() { # MODE MODEL STEPS PRECISION: one contender's line(s), appended to 
   wait "${pids[@]}"
 }
 run_pair() { # CONTENDER MODEL STEPS; a CONTENDER ending in +bf16 is that mode under bf16 autocast,
-  # one ending in -tcp that mode with Gloo's TCP between the ranks of one host (LOCKSTEP_GLOO_SHM=0)
-  local mode=${1%+bf16} precision=$BENCH_PRECISION shm=1
+  # one ending in -tcp that mode with Gloo's TCP between the ranks of one host (LOCKSTEP_GLOO_SHM=0),
+  # one ending in -ompi that MPI mode with Open MPI's own collectives (LOCKSTEP_MPI_SHM=0)
+  local mode=${1%+bf16} precision=$BENCH_PRECISION shm=1 mpi_shm=1
   [ "$mode" != "$1" ] && precision=bf16
   [ "${mode%-tcp}" != "$mode" ] && mode=${mode%-tcp} && shm=0
+  [ "${mode%-ompi}" != "$mode" ] && mode=${mode%-ompi} && mpi_shm=0
   : >"$out.pair"
-  LOCKSTEP_GLOO_SHM=$shm run_time "$mode" "$2" "$3" "$precision"
+  LOCKSTEP_GLOO_SHM=$shm LOCKSTEP_MPI_SHM=$mpi_shm run_time "$mode" "$2" "$3" "$precision"
   sed "s/^$mode /$1 /" "$out.pair" >>"$out"
 }
 default_contenders="lockstep python naive nocomm views"
@@ -131,8 +135,9 @@ for model in sys.argv[2:]:
             above = f" ({statistics.median(rss[(model, mode)]) - statistics.median(base[(model, mode)]):.1f} above the process before the model)"
         print(f"  {mode:13s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
               f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB{above}")
-    for peer in [m for m in ("python", "nocomm") if "mpi" in med and m in med]:
-        print(f"  mpi/{peer} = {med['mpi'] / med[peer]:.3f}")
+    for mine, peer in (("mpi", "python"), ("mpi", "nocomm"), ("mpi-ompi", "nocomm"), ("mpi", "mpi-ompi")):
+        if mine in med and peer in med:
+            print(f"  {mine}/{peer} = {med[mine] / med[peer]:.3f}")
     # Sharded data parallelism against DDP on the same backend, and against PyTorch's FSDP.
     for mine, peer in (("lockstep", "lockstep-tcp"), ("lockstep-tcp", "python"), ("powersgd", "nocomm"),
                        ("powersgd-tcp", "nocomm"), ("powersgd", "lockstep"), ("deterministic", "lockstep"),

@@ -1,6 +1,6 @@
 // One rank of the process-group contract tests under a real launcher (the
 // Mpi.contract_* and Mpi.size_mismatch_* tests run it under mpirun with
-// LOCKSTEP_TEST_BACKEND=mpi): the checks of support/collective_contract.h,
+// LOCKSTEP_TEST_BACKEND=mpi, Mpi.contract_open_mpi_* with LOCKSTEP_MPI_SHM=0): the checks of support/collective_contract.h,
 // which test_collectives.cpp runs over Gloo with ranks as threads.
 //
 //   lockstep_collectives_worker contract|size_mismatch
@@ -14,6 +14,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <thread>
 
@@ -58,6 +59,30 @@ void check_mpi_refusals(lockstep::ProcessGroup& group, const Check& check) {
   }), {"the mpi backend takes no tensors on meta", "Send a copy on the CPU"}, "a meta tensor");
 }
 
+// Note [Collectives through shared memory]: ranks of one host map every
+// rank's segment (unlinked, so "(deleted)"), unless LOCKSTEP_MPI_SHM=0; and
+// a collective larger than a segment comes out whole on every rank.
+void check_mpi_transport(lockstep::ProcessGroup& group, const Check& check) {
+  const char* env = std::getenv("LOCKSTEP_MPI_SHM");
+  const bool wanted = !(env != nullptr && std::string(env) == "0");
+  std::ifstream maps("/proc/self/maps");
+  int segments = 0;
+  for (std::string line; std::getline(maps, line);) {
+    segments += line.find("/dev/shm/lockstep-") != std::string::npos ? 1 : 0;
+  }
+  check(segments == (wanted ? group.size() : 0),
+        wanted ? "every rank's segment is mapped" : "no segment is mapped with LOCKSTEP_MPI_SHM=0");
+  const int64_t n = 3 << 20; // 12 MiB of floats: pieces of the 8 MiB segments
+  auto t = torch::arange(n, torch::kFloat).fmod_(1024).add_(group.rank());
+  group.allreduce(t);
+  const int size = group.size();
+  const auto expected = torch::arange(n, torch::kFloat).fmod_(1024).mul_(size).add_(size * (size - 1) / 2);
+  check(torch::equal(t, expected), "a 12 MiB allreduce sums every element on every rank");
+  auto b = torch::full({n}, static_cast<float>(group.rank()));
+  group.broadcast(b, size - 1);
+  check(torch::equal(b, torch::full({n}, static_cast<float>(size - 1))), "a 12 MiB broadcast from the last rank");
+}
+
 // Once the group is gone, a new one can be made, though a Work of its
 // collectives is still held.
 void check_mpi_group_made_again(lockstep::ProcessGroup& group, const Check& check) {
@@ -87,6 +112,7 @@ void contract(lockstep::testing::WorkerContext& context) {
   if (group.backend() == "mpi") {
     check_what_lockstep_asked_of_open_mpi(check);
     check_mpi_refusals(group, check);
+    check_mpi_transport(group, check);
     check_mpi_group_made_again(group, check);
   }
 }

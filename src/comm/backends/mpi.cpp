@@ -2,6 +2,7 @@
 // libopenmpi-dev); no_mpi.cpp otherwise.
 
 #include "comm/backends/backends.h"
+#include "comm/backends/shared_memory_collectives.h"
 #include "comm/before_abort.h"
 #include "comm/launch_env.h"
 
@@ -158,6 +159,47 @@ MPI_Op mpi_op(ReduceOp op) {
   TORCH_INTERNAL_ASSERT(false, "ReduceOp::Avg reached the mpi backend");
 }
 
+// MPI's text for a return code; empty for MPI_SUCCESS.
+std::string mpi_error(int rc) {
+  if (rc == MPI_SUCCESS) {
+    return {};
+  }
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(rc, text, &length);
+  return std::string(text, length);
+}
+
+// Every rank's string, in rank order: SharedMemoryCollectives::Exchange over MPI.
+std::vector<std::string> all_gather_strings(MPI_Comm comm, int size, const std::string& mine) {
+  int length = static_cast<int>(mine.size());
+  std::vector<int> lengths(size), offsets(size);
+  MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, comm);
+  int total = 0;
+  for (int r = 0; r < size; ++r) {
+    offsets[r] = total;
+    total += lengths[r];
+  }
+  std::vector<char> all(std::max(total, 1));
+  MPI_Allgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, comm);
+  std::vector<std::string> strings;
+  for (int r = 0; r < size; ++r) {
+    strings.emplace_back(all.data() + offsets[r], lengths[r]);
+  }
+  return strings;
+}
+
+// Runs a collective through shared memory, for the communication thread:
+// its error's text, or empty.
+std::string through_shared_memory(const std::function<void()>& collective) {
+  try {
+    collective();
+    return {};
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+}
+
 // One queued collective: done (or failed) once the communication thread ran it.
 struct Pending {
   std::mutex mutex;
@@ -254,10 +296,20 @@ class MpiGroup : public GroupImpl {
     MPI_Comm_size(node, &on_node);
     MPI_Comm_free(&node);
     one_node_ = on_node == size_;
+    if (one_node_ && size_ > 1) { // Note [Collectives through shared memory]
+      const char* env = std::getenv("LOCKSTEP_MPI_SHM");
+      const bool willing = !(env != nullptr && std::string(env) == "0");
+      shm_ = SharedMemoryCollectives::connect(
+          [this](const std::string&, const std::string& mine) { return all_gather_strings(comm_, size_, mine); },
+          willing, rank_, size_, timeout_);
+    }
     thread_ = std::thread([this] { loop(); });
   }
 
   ~MpiGroup() override {
+    if (shm_) {
+      shm_->stop(); // the communication thread, joined below, may wait in one
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stop_ = true;
@@ -318,8 +370,13 @@ class MpiGroup : public GroupImpl {
     const MPI_Op mpi = mpi_op(op);
     const int count = mpi_count(flat, what, rank_);
     std::function<void()> finish = [tensors, flat]() mutable { copy_back(flat, tensors); };
+    if (shm_ && SharedMemoryCollectives::fits(flat, op)) {
+      return start(what, std::move(finish), [shm = shm_.get(), flat, op] {
+        return through_shared_memory([&] { shm->allreduce(flat, op); });
+      });
+    }
     return start(what, std::move(finish), [this, flat, type, mpi, count] {
-      return MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), count, type, mpi, comm_);
+      return mpi_error(MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), count, type, mpi, comm_));
     });
   }
 
@@ -328,8 +385,13 @@ class MpiGroup : public GroupImpl {
     const MPI_Datatype type = mpi_type(flat, what, rank_);
     const int count = mpi_count(flat, what, rank_);
     std::function<void()> finish = [tensors, flat]() mutable { copy_back(flat, tensors); };
+    if (shm_ && SharedMemoryCollectives::fits(flat)) {
+      return start(what, std::move(finish), [shm = shm_.get(), flat, root] {
+        return through_shared_memory([&] { shm->broadcast(flat, root); });
+      });
+    }
     return start(what, std::move(finish), [this, flat, type, root, count] {
-      return MPI_Bcast(flat.data_ptr(), count, type, root, comm_);
+      return mpi_error(MPI_Bcast(flat.data_ptr(), count, type, root, comm_));
     });
   }
 
@@ -350,13 +412,18 @@ class MpiGroup : public GroupImpl {
     }
     // In place when the input is this rank's part of the output already.
     const bool in_place = in.data_ptr() == static_cast<char*>(out.data_ptr()) + rank_ * in.numel() * in.element_size();
+    if (shm_ && SharedMemoryCollectives::fits(in)) {
+      return start(what, std::move(finish), [shm = shm_.get(), in, out, size = size_] {
+        return through_shared_memory([&] { shm->all_gather(out.view({size, -1}).unbind(0), in, {}); });
+      });
+    }
     return start(what, std::move(finish), [this, in, out, type, in_place, n] {
-      return MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), n, type, out.data_ptr(), n, type, comm_);
+      return mpi_error(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), n, type, out.data_ptr(), n, type, comm_));
     });
   }
 
   std::shared_ptr<Work> barrier(std::string what) override {
-    return start(what, nullptr, [this] { return MPI_Barrier(comm_); });
+    return start(what, nullptr, [this] { return mpi_error(MPI_Barrier(comm_)); });
   }
 
   std::shared_ptr<Work> reduce_scatter(torch::Tensor& output, torch::Tensor& input, ReduceOp op, std::string what)
@@ -368,8 +435,13 @@ class MpiGroup : public GroupImpl {
     const MPI_Datatype type = mpi_type(in, what, rank_);
     const MPI_Op mpi = mpi_op(op);
     const int count = mpi_count(out, what, rank_);
+    if (shm_ && SharedMemoryCollectives::fits(in, op) && SharedMemoryCollectives::fits(out, op)) {
+      return start(what, nullptr, [shm = shm_.get(), in, out, op] {
+        return through_shared_memory([&] { shm->reduce_scatter(out, in, op, {}); });
+      });
+    }
     return start(what, nullptr, [this, in, out, type, mpi, count] {
-      return MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, type, mpi, comm_);
+      return mpi_error(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, type, mpi, comm_));
     });
   }
 
@@ -420,20 +492,14 @@ class MpiGroup : public GroupImpl {
     }
   }
 
-  std::shared_ptr<Work> start(std::string what, std::function<void()> finish, std::function<int()> call) {
+  // `call` returns its error's text, or empty.
+  std::shared_ptr<Work> start(std::string what, std::function<void()> finish, std::function<std::string()> call) {
     auto pending = std::make_shared<Pending>();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.emplace_back([pending, call = std::move(call)] {
         pending->started = true;
-        const int rc = call();
-        std::string error;
-        if (rc != MPI_SUCCESS) {
-          char text[MPI_MAX_ERROR_STRING];
-          int length = 0;
-          MPI_Error_string(rc, text, &length);
-          error.assign(text, length);
-        }
+        std::string error = call();
         std::lock_guard<std::mutex> done_lock(pending->mutex);
         pending->error = std::move(error);
         pending->done = true;
@@ -465,6 +531,7 @@ class MpiGroup : public GroupImpl {
   int rank_ = 0;
   int size_ = 1;
   bool one_node_ = false;
+  std::unique_ptr<SharedMemoryCollectives> shm_; // where every rank is on this host
   std::mutex mutex_;
   std::condition_variable queued_;
   std::deque<std::function<void()>> queue_;

@@ -69,6 +69,13 @@ namespace detail {
 // Segments are unlinked once every rank has mapped them, or the group's
 // making failed: nothing is left in /dev/shm once the group is made, however
 // the job ends. LOCKSTEP_GLOO_SHM=0 keeps every collective on Gloo's TCP.
+//
+// The MPI group does the same between the ranks of one host, where Open
+// MPI's own collectives cost more: they reduce and move a bucket in
+// fragments through their shared-memory queues, two copies of every byte,
+// and a rank waiting in them yields its core in a loop (Note [MPI's thread
+// and timeouts]). Its ranks exchange their segments' names through MPI
+// itself, which needs no store. LOCKSTEP_MPI_SHM=0 keeps Open MPI's.
 
 namespace {
 
@@ -227,12 +234,27 @@ SharedMemoryCollectives::SharedMemoryCollectives(int rank, int size, std::chrono
 std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(c10d::Store& store, int rank, int size,
                                                                       std::chrono::milliseconds timeout) {
   const char* env = std::getenv("LOCKSTEP_GLOO_SHM");
-  const bool wanted = size > 1 && !(env != nullptr && std::string(env) == "0");
+  const bool willing = !(env != nullptr && std::string(env) == "0");
+  const Exchange exchange = [&store, rank, size](const std::string& stage, const std::string& mine) {
+    publish(store, key_of(stage.c_str(), rank), mine);
+    std::vector<std::string> all(size);
+    for (int r = 0; r < size; ++r) {
+      all[r] = read(store, key_of(stage.c_str(), r));
+    }
+    return all;
+  };
+  return connect(exchange, willing, rank, size, timeout);
+}
+
+std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(const Exchange& exchange, bool willing,
+                                                                      int rank, int size,
+                                                                      std::chrono::milliseconds timeout) {
+  const bool wanted = size > 1 && willing;
   std::unique_ptr<SharedMemoryCollectives> shm(new SharedMemoryCollectives(rank, size, timeout));
   const std::string name = "/lockstep-" + std::to_string(::getpid()) + "-" + random_hex();
   shm->maps_[rank] = wanted ? map_segment(name, shm->capacity_, /*create=*/true) : nullptr;
   // Unlinked on the way out: once every rank has said whether it mapped the
-  // segments, or when the store gives up on a rank that never came.
+  // segments, or when the exchange gives up on a rank that never came.
   struct Unlink {
     std::string name;
     ~Unlink() {
@@ -241,12 +263,8 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(c10d::
       }
     }
   } unlink{shm->maps_[rank] != nullptr ? name : ""};
-  publish(store, key_of("segment", rank),
-          shm->maps_[rank] != nullptr ? host_identity() + " " + name + " " + std::to_string(::getpid()) : "off");
-  std::vector<std::string> published(size);
-  for (int r = 0; r < size; ++r) {
-    published[r] = read(store, key_of("segment", r));
-  }
+  const auto published = exchange(
+      "segment", shm->maps_[rank] != nullptr ? host_identity() + " " + name + " " + std::to_string(::getpid()) : "off");
   bool mapped = one_host(published);
   for (int r = 0; mapped && r < size; ++r) {
     std::istringstream in(published[r]);
@@ -258,11 +276,8 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(c10d::
     }
   }
   // Whether every rank mapped every segment: then each can unlink its own.
-  publish(store, key_of("mapped", rank), mapped ? "1" : "0");
-  bool all_mapped = true;
-  for (int r = 0; r < size; ++r) {
-    all_mapped = read(store, key_of("mapped", r)) == "1" && all_mapped;
-  }
+  const auto answers = exchange("mapped", mapped ? "1" : "0");
+  const bool all_mapped = std::all_of(answers.begin(), answers.end(), [](const std::string& a) { return a == "1"; });
   return all_mapped ? std::move(shm) : nullptr;
 }
 

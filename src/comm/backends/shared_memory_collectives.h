@@ -1,8 +1,8 @@
 #pragma once
 
-// Internal: the Gloo group's allreduces, broadcasts, reduce-scatters and
-// all-gathers of CPU tensors between ranks that are all on one host, through
-// shared memory (Note [Collectives through shared memory] in
+// Internal: the Gloo and MPI groups' allreduces, broadcasts, reduce-scatters
+// and all-gathers of CPU tensors between ranks that are all on one host,
+// through shared memory (Note [Collectives through shared memory] in
 // src/comm/backends/shared_memory_collectives.cpp).
 
 #include <lockstep/backend.h>
@@ -39,9 +39,16 @@ Slice slice_of(int64_t count, int rank, int size);
 
 class SharedMemoryCollectives {
  public:
+  /// Every rank's string, in rank order, given this rank's. Called by every
+  /// rank with the same `stage`, once per stage.
+  using Exchange = std::function<std::vector<std::string>(const std::string& stage, const std::string& mine)>;
+
   /// Every rank's segment, mapped, where every rank of the group is on this
-  /// host, can map them, and has not set LOCKSTEP_GLOO_SHM=0; nullptr on
-  /// every rank otherwise. Called by every rank of the group, over its store.
+  /// host, can map them, and is `willing`; nullptr on every rank otherwise.
+  /// Called by every rank of the group, which exchange through `exchange`.
+  static std::unique_ptr<SharedMemoryCollectives> connect(const Exchange& exchange, bool willing, int rank, int size,
+                                                          std::chrono::milliseconds timeout);
+  /// The Gloo group's: over its store, willing unless LOCKSTEP_GLOO_SHM=0.
   static std::unique_ptr<SharedMemoryCollectives> connect(c10d::Store& store, int rank, int size,
                                                           std::chrono::milliseconds timeout);
   ~SharedMemoryCollectives();
