@@ -55,7 +55,8 @@ namespace detail {
 //      header against its own (a difference is an error on every rank, each
 //      seeing the same headers) and copies the other ranks' words;
 //   2. an allreduce reduces its slice (slice_of) of every rank's piece, in
-//      rank order, into its own segment's slice, and once every rank is past
+//      rank order, into its own segment's slice (its own term read from the
+//      tensor, which phase 1 copied all of but that slice), and once every rank is past
 //      2, copies every rank's reduced slice out; a reduce-scatter, whose
 //      piece holds a part of every other rank's chunk, reduces its own
 //      chunk's part of every other segment, and of its own input, into its
@@ -372,16 +373,22 @@ void SharedMemoryCollectives::allreduce(const torch::Tensor& tensor, ReduceOp op
   for (int64_t first = 0; first < tensor.numel(); first += capacity_ / item) {
     const int64_t count = std::min(capacity_ / item, tensor.numel() - first);
     char* piece = bytes + first * item;
-    const uint32_t start = meet(call, [&](char* into) { std::memcpy(into, piece, count * item); }, {});
-    // This rank's slice of every rank's piece, reduced into its own.
+    // The others read this rank's piece but for its own slice, which it
+    // reads from the tensor itself.
     const Slice mine = slice_of(count, rank_, size_);
+    const uint32_t start = meet(call, [&](char* into) {
+      std::memcpy(into, piece, mine.first * item);
+      std::memcpy(into + mine.last * item, piece + mine.last * item, (count - mine.last) * item);
+    }, {});
+    // This rank's slice of every rank's piece, reduced into its own segment.
     if (mine.last > mine.first) {
       auto out = slice(rank_, mine.first * item, mine.last - mine.first, tensor.scalar_type());
       std::vector<torch::Tensor> terms;
       for (int q = 0; q < size_; ++q) {
-        terms.push_back(slice(q, mine.first * item, out.numel(), tensor.scalar_type()));
+        terms.push_back(q == rank_ ? torch::from_blob(piece + mine.first * item, {out.numel()}, out.options())
+                                   : slice(q, mine.first * item, out.numel(), tensor.scalar_type()));
       }
-      reduce_into(out, terms, op, /*out_is_an_input=*/true);
+      reduce_into(out, terms, op, /*out_is_an_input=*/false);
     }
     advance();
     wait_all(start + 2);
