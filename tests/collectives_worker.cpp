@@ -52,6 +52,14 @@ void check_mpi_refusals(lockstep::ProcessGroup& group, const Check& check) {
   lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
     lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
   }), {"the mpi backend takes one group per process at a time, and one is alive"}, "a second mpi group");
+  // How long a wait polls (Note [Polling before a wait]) is read before MPI
+  // is asked for anything: a value that is no number of microseconds is
+  // refused naming the variable.
+  ::setenv("LOCKSTEP_MPI_SPIN_US", "2ms", 1);
+  lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
+    lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
+  }), {"LOCKSTEP_MPI_SPIN_US=2ms is not a whole number of microseconds from 0 to 1000000"}, "a poll time in ms");
+  ::unsetenv("LOCKSTEP_MPI_SPIN_US");
   // Tensors on a device MPI does not take are refused saying so, not as a
   // dtype it lacks.
   lockstep::testing::check_says(check, lockstep::testing::message_of([&] {

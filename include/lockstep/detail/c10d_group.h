@@ -26,7 +26,7 @@ namespace detail {
 
 // Polls `done` for up to `spin`, yielding the core to any thread that can
 // run, before a wait that sleeps (Note [Polling before a wait] in
-// src/comm/backends/gloo.cpp).
+// src/comm/backends/polling.cpp).
 template <typename Done>
 void poll_for(std::chrono::microseconds spin, Done&& done) {
   if (spin.count() <= 0) {

@@ -298,39 +298,6 @@ std::vector<Endpoint> check_endpoints_reachable(
 // the store instead, a rank could still wait on it when the rank whose
 // process holds it returns and ends.)
 
-// Note [Polling before a wait]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A rank that sleeps in the wait for a collective leaves its core idle,
-// and an idle core may halt. When the collective's last message arrives,
-// the thread that receives it, and then the waiting one, are woken on
-// cores that must first leave their idle state: on a virtual machine whose
-// host deschedules halted vCPUs, that takes milliseconds. Between two
-// ranks of a 2-vCPU Firecracker VM, an allreduce of 4 KiB over Gloo took a
-// median of 2.8 ms when the ranks came to it from a 5 ms sleep, and 0.4 ms
-// when they ran allreduces back to back; in the network lab at 1 Gb/s,
-// PowerSGD's step waited 3 ms for its Q allreduce of 45 KB. So a wait on
-// this group's collectives (c10d's, the rings', and those through shared
-// memory) first polls for kWaitSpin, yielding its core to any thread that
-// can run, and only then sleeps, as Open MPI and NCCL poll. A wait that
-// outlasts the poll has spent a little of a core on which its rank had
-// nothing else to do. LOCKSTEP_GLOO_SPIN_US sets the time; 0 sleeps at once.
-constexpr std::chrono::microseconds kWaitSpin{2000};
-
-std::chrono::microseconds wait_spin() {
-  const char* env = std::getenv("LOCKSTEP_GLOO_SPIN_US");
-  if (env == nullptr || *env == '\0') {
-    return kWaitSpin;
-  }
-  char* end = nullptr;
-  errno = 0;
-  const long us = std::strtol(env, &end, 10);
-  TORCH_CHECK(*end == '\0' && errno == 0 && us >= 0 && us <= 1000000, "lockstep: LOCKSTEP_GLOO_SPIN_US=", env,
-              " is not a whole number of microseconds from 0 to 1000000: it is how long a wait on a Gloo collective "
-              "polls before it sleeps (Note [Polling before a wait]); 0 sleeps at once. Unset it for the default, ",
-              kWaitSpin.count(), ".");
-  return std::chrono::microseconds(us);
-}
-
 // c10d's Gloo group, with the dtypes its type switch has: Gloo copies and
 // adds through one C++ type per dtype, and has none for the others (Short,
 // complex types; BFloat16 and Bool before PyTorch 2.2).
@@ -488,7 +455,7 @@ std::shared_ptr<GroupImpl> make_gloo_group(
     std::chrono::milliseconds timeout,
     const std::string& master_addr,
     int master_port) {
-  const auto spin = wait_spin(); // a bad value fails before any rank connects
+  const auto spin = wait_spin("LOCKSTEP_GLOO_SPIN_US", "a Gloo collective"); // fails before any rank connects
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   // GLOO_SOCKET_IFNAME picks the interface, as for PyTorch. Otherwise a job
   // whose store is on loopback stays on loopback; on several machines, the

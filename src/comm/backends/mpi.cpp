@@ -206,18 +206,20 @@ struct Pending {
   std::condition_variable changed;
   std::atomic<bool> started{false}; // the communication thread has taken it from the queue
   bool done = false;
+  std::atomic<bool> finished{false}; // done, for a wait that polls
   std::string error; // non-empty: MPI reported one
 };
 
 class MpiWork : public Work {
  public:
   MpiWork(std::shared_ptr<Pending> pending, std::string what, int rank, int size, std::chrono::milliseconds timeout,
-          std::function<void()> finish)
+          std::chrono::microseconds spin, std::function<void()> finish)
       : pending_(std::move(pending)),
         what_(std::move(what)),
         rank_(rank),
         size_(size),
         timeout_(timeout),
+        spin_(spin),
         finish_(std::move(finish)) {}
 
   bool started() const override {
@@ -225,6 +227,7 @@ class MpiWork : public Work {
   }
 
   void wait() override {
+    poll_for(spin_, [&] { return pending_->finished.load(std::memory_order_acquire); });
     std::unique_lock<std::mutex> lock(pending_->mutex);
     if (!pending_->changed.wait_for(lock, timeout_, [&] { return pending_->done; })) {
       // See Note [MPI's thread and timeouts].
@@ -253,6 +256,7 @@ class MpiWork : public Work {
   std::string what_;
   int rank_, size_;
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds spin_; // Note [Polling before a wait]
   std::function<void()> finish_;
 };
 
@@ -284,7 +288,7 @@ class TheProcessGroup {
 
 class MpiGroup : public GroupImpl {
  public:
-  explicit MpiGroup(std::chrono::milliseconds timeout) : timeout_(timeout) {
+  MpiGroup(std::chrono::milliseconds timeout, std::chrono::microseconds spin) : timeout_(timeout), spin_(spin) {
     init_mpi();
     MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
@@ -503,11 +507,13 @@ class MpiGroup : public GroupImpl {
         std::lock_guard<std::mutex> done_lock(pending->mutex);
         pending->error = std::move(error);
         pending->done = true;
+        pending->finished.store(true, std::memory_order_release);
         pending->changed.notify_all();
       });
     }
     queued_.notify_one();
-    return std::make_shared<MpiWork>(std::move(pending), std::move(what), rank_, size_, timeout_, std::move(finish));
+    return std::make_shared<MpiWork>(std::move(pending), std::move(what), rank_, size_, timeout_, spin_,
+                                     std::move(finish));
   }
 
   void loop() {
@@ -527,6 +533,7 @@ class MpiGroup : public GroupImpl {
 
   TheProcessGroup the_one_; // first: claimed before anything calls MPI, released after all
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds spin_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
@@ -546,7 +553,8 @@ bool mpi_available() {
 }
 
 std::shared_ptr<GroupImpl> make_mpi_group(int rank, int size, std::chrono::milliseconds timeout) {
-  auto group = std::make_shared<MpiGroup>(timeout);
+  const auto spin = wait_spin("LOCKSTEP_MPI_SPIN_US", "an MPI collective"); // fails before MPI starts
+  auto group = std::make_shared<MpiGroup>(timeout, spin);
   TORCH_CHECK(group->rank() == rank && group->size() == size, "lockstep: the launcher says rank ", rank, " of ", size,
               " but MPI says rank ", group->rank(), " of ", group->size(),
               ". Start every rank with one mpirun (or srun) and do not mix it with torchrun's RANK/WORLD_SIZE.");
