@@ -19,12 +19,14 @@
 #include "blas_check.h"
 #include "checkpoint.h"
 #include "data.h"
+#include "fault.h"
 #include "metrics.h"
 #include "models.h"
 #include "options.h"
 #include "precision.h"
 #include "progress.h"
 #include "sampling.h"
+#include "schedule.h"
 #include "scoring.h"
 #include "setup.h"
 #include "summary.h"
@@ -37,20 +39,12 @@
 #include <torch/torch.h>
 
 #include <malloc.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
-#include <cmath>
-#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
-#include <ctime>
-#include <filesystem>
-#include <functional>
-#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -71,6 +65,8 @@ using lockstep::examples::Setup;
 using lockstep::examples::Tally;
 using lockstep::examples::TrainingState;
 using lockstep::examples::accuracy;
+using lockstep::examples::lr_at;
+using lockstep::examples::maybe_inject_fault;
 using lockstep::examples::add_perplexity;
 using lockstep::examples::mean_loss;
 using lockstep::examples::per_second;
@@ -136,61 +132,6 @@ double seconds_since(Clock::time_point start) {
 // Equal hashes mean bitwise-equal models (the restart tests compare them).
 uint64_t parameter_hash(torch::nn::Module& module) {
   return lockstep::examples::content_hash(lockstep::examples::model_tensors(module));
-}
-
-// The learning rate of optimizer step `step` (from 0) of `total`: a linear
-// warmup, then constant, divided by `gamma` every `step_epochs` epochs, or a
-// cosine down to 0. A function of the step alone, so a resumed run follows
-// the same schedule (Note [The schedule after a resume] in sampling.h).
-double lr_at(const Config& c, int64_t step, int64_t steps_per_epoch, int64_t total) {
-  if (step < c.warmup_steps) {
-    return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
-  }
-  if (c.schedule == "step") {
-    return c.lr * std::pow(c.gamma, static_cast<double>(step / std::max<int64_t>(1, steps_per_epoch) / c.step_epochs));
-  }
-  if (c.schedule == "cosine") {
-    const double progress = static_cast<double>(step - c.warmup_steps) / std::max<int64_t>(1, total - c.warmup_steps);
-    return c.lr * 0.5 * (1 + std::cos(M_PI * std::min(1.0, progress)));
-  }
-  return c.lr;
-}
-
-// LOCKSTEP_FAULT=RANK:STEP[:CODE]: see --help.
-void maybe_inject_fault(int rank, int64_t step) {
-  static const char* spec = std::getenv("LOCKSTEP_FAULT");
-  if (spec == nullptr) {
-    return;
-  }
-  // The first attempt only, under lockstep-run or torchrun.
-  for (const char* name : {"LOCKSTEP_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"}) {
-    const char* restarts = std::getenv(name);
-    if (restarts != nullptr && std::atoi(restarts) != 0) {
-      return;
-    }
-  }
-  int fault_rank = -1;
-  long long fault_step = -1;
-  char code[16] = "3";
-  const int fields = std::sscanf(spec, "%d:%lld:%15s", &fault_rank, &fault_step, code);
-  TORCH_CHECK(fields >= 2, "lockstep-train: LOCKSTEP_FAULT=\"", spec, "\" is malformed; expected RANK:STEP[:CODE], e.g. 1:30 or 1:30:kill.");
-  if (fault_rank != rank || fault_step != step) {
-    return;
-  }
-  std::fprintf(stderr, "lockstep-train: LOCKSTEP_FAULT: rank %d stops at step %lld (%s)\n", rank, fault_step,
-               std::strcmp(code, "kill") == 0 ? "SIGKILL" : code);
-  std::fflush(stderr);
-  if (std::strcmp(code, "kill") == 0) {
-    std::raise(SIGKILL);
-  }
-  if (std::strcmp(code, "hang") == 0) {
-    // A stalled rank: deaf to SIGTERM, only SIGKILL ends it.
-    std::signal(SIGTERM, SIG_IGN);
-    while (true) {
-      ::pause();
-    }
-  }
-  std::_Exit(std::atoi(code));
 }
 
 // Test loss (summed) and right answers over the whole test set: each rank
