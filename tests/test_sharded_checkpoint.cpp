@@ -1,9 +1,9 @@
-// save_sharded and load_sharded when something goes wrong, ranks as
-// threads: a layer of another shape, the files of two saves in one
+// save_sharded and load_sharded, ranks as threads: checkpoints that resume
+// at another world size and keep buffers and frozen parameters, and what
+// goes wrong: a layer of another shape, the files of two saves in one
 // folder, a rank that cannot write its file, a save without optimizer
-// state, ranks that load different saves; a full optimizer refused on one
-// rank. (Checkpoints that work, at another world size too, are in
-// test_fully_sharded.cpp; lockstep's earlier format in
+// state, ranks that load different saves, a damaged shard; a full
+// optimizer refused on one rank. (Lockstep's earlier format is in
 // test_sharded_checkpoint_v1.cpp.)
 
 #include "../src/io/dcp_hf.h"
@@ -11,6 +11,8 @@
 
 #include "../src/util/torch_compat.h"
 #include "support/errors.h"
+#include "support/fsdp_checks.h"
+#include "support/modules.h"
 #include "support/scratch.h"
 #include "support/threads.h"
 
@@ -18,7 +20,9 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
+#include <vector>
 
 #include <unistd.h>
 
@@ -297,6 +301,134 @@ TEST(ShardedCheckpoint, TheOptimizersOptionsAreRestoredAsTorchLoadDoes) {
       EXPECT_NEAR(x(), 0.71, 1e-6) << "world size " << world;
     });
   }
+}
+
+using testing::OddNet;
+using testing::kStrategies;
+
+// Steps [first, last) of the global batch on this rank's share, with Adam;
+// between, the state comes from `load` and goes to `save` when not empty.
+void train_steps(ProcessGroup& group, OddNet initial, ShardingStrategy strategy, int first, int last,
+                 const std::string& load, const std::string& save, OddNet* result = nullptr) {
+  FullyShardedDataParallel<OddNet> model(testing::copy_of(initial), group, ShardingOptions().strategy(strategy));
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+  if (!load.empty()) {
+    load_sharded(model, adam, load);
+  }
+  testing::train_shares(model, adam, group, first, last);
+  if (!save.empty()) {
+    save_sharded(model, adam, save);
+  }
+  if (result != nullptr && group.rank() == 0) {
+    auto full = model->summon_full_params();
+    testing::copy_values(*model->module(), **result);
+  } else if (result != nullptr) {
+    auto full = model->summon_full_params();
+  }
+}
+
+TEST(FullyShardedDataParallel, ShardedCheckpointsResumeAtAnotherWorldSize) {
+  torch::manual_seed(4);
+  OddNet initial;
+  auto reference = testing::train_reference(initial, 4, 12);
+  for (auto strategy : kStrategies) {
+    for (auto sizes : {std::make_pair(2, 3), std::make_pair(3, 2)}) {
+      SCOPED_TRACE(std::string(testing::name_of(strategy)) + ": saved at " + std::to_string(sizes.first) +
+                   " ranks, loaded at " + std::to_string(sizes.second));
+      const std::string dir = testing::scratch("fsdp_sharded");
+      testing::spawn(sizes.first, [&](ProcessGroup& group) { train_steps(group, initial, strategy, 0, 2, "", dir); });
+      OddNet resumed;
+      testing::spawn(sizes.second, [&](ProcessGroup& group) {
+        train_steps(group, initial, strategy, 2, 4, dir, "", &resumed);
+      });
+      testing::expect_params_close(*resumed, *reference, 1e-5, 1e-5);
+    }
+  }
+}
+
+// A model with buffers (BatchNorm's running statistics) and a frozen layer,
+// neither of which is sharded.
+torch::nn::Sequential net_with_buffers(int64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net(torch::nn::Linear(5, 7), torch::nn::BatchNorm1d(7), torch::nn::Linear(7, 3));
+  net[0]->as<torch::nn::Linear>()->weight.set_requires_grad(false);
+  return net;
+}
+
+TEST(FullyShardedDataParallel, ShardedCheckpointsKeepBuffersAndFrozenParameters) {
+  const std::string dir = testing::scratch("fsdp_buffers");
+  std::vector<torch::Tensor> saved; // rank 0's buffers and frozen weight when it saved
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(net_with_buffers(1), group);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto x = torch::randn({4, 5}, torch::TensorOptions().dtype(torch::kFloat)) + group.rank();
+    torch::mse_loss(model->forward(x), torch::zeros({4, 3})).backward();
+    sgd.step();
+    save_sharded(model, sgd, dir);
+    if (group.rank() == 0) {
+      for (const auto& b : model->module()->buffers()) {
+        saved.push_back(b.clone());
+      }
+      saved.push_back(model->module()[0]->as<torch::nn::Linear>()->weight.clone());
+    }
+  });
+  ASSERT_EQ(saved.size(), 4u); // running mean, variance, batch count; the frozen weight
+  ASSERT_FALSE(torch::equal(saved[0], torch::zeros_like(saved[0]))); // the step moved the running mean
+  testing::spawn(3, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(net_with_buffers(2), group); // other values everywhere
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    load_sharded(model, sgd, dir);
+    auto buffers = model->module()->buffers();
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      EXPECT_TRUE(torch::equal(buffers[i], saved[i])) << "rank " << group.rank() << ", buffer " << i;
+    }
+    EXPECT_TRUE(torch::equal(model->module()[0]->as<torch::nn::Linear>()->weight, saved[3])) << "rank " << group.rank();
+  });
+  testing::spawn(2, [&](ProcessGroup& group) {
+    // The same parameters, but a BatchNorm without running statistics.
+    torch::nn::Sequential other(torch::nn::Linear(5, 7),
+                                torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(7).track_running_stats(false)),
+                                torch::nn::Linear(7, 3));
+    other[0]->as<torch::nn::Linear>()->weight.set_requires_grad(false);
+    FullyShardedDataParallel<torch::nn::Sequential> model(other, group);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    EXPECT_ERROR_SAYS(load_sharded(model, sgd, dir), "Unexpected key(s) in the checkpoint: \"1.num_batches_tracked\", "
+                      "\"1.running_mean\", \"1.running_var\".", "nothing was loaded");
+  });
+}
+
+TEST(FullyShardedDataParallel, ADamagedShardIsAnErrorNamingTheFile) {
+  torch::manual_seed(5);
+  OddNet initial;
+  const std::string dir = testing::scratch("fsdp_damaged");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    train_steps(group, initial, ShardingStrategy::FullShard, 0, 1, "", dir);
+  });
+  // The last byte of rank 1's file: data of a tensor that rank 1 reads back.
+  std::string shard;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().filename().string().rfind("shard-00002-model-00001-", 0) == 0) {
+      shard = entry.path().string();
+    }
+  }
+  ASSERT_FALSE(shard.empty());
+  {
+    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(-1, std::ios::end);
+    const char byte = static_cast<char>(file.get() ^ 0xff);
+    file.seekp(-1, std::ios::end);
+    file.put(byte);
+  }
+  // Rank 1 reads the damaged tensor; rank 0 learns that rank 1 could not load.
+  testing::spawn(2, [&](ProcessGroup& group) {
+    if (group.rank() == 1) {
+      EXPECT_ERROR_SAYS(train_steps(group, initial, ShardingStrategy::FullShard, 0, 0, dir, ""), shard.c_str(),
+                        "is damaged: its checksum does not match");
+    } else {
+      EXPECT_ERROR_SAYS(train_steps(group, initial, ShardingStrategy::FullShard, 0, 0, dir, ""),
+                        "on rank 1 failed", "its own error names the file");
+    }
+  });
 }
 
 } // namespace
