@@ -31,12 +31,14 @@ std::shared_ptr<GroupImpl> make_nccl_group(
 /// Made by mpi.cpp or no_mpi.cpp. No store: MPI's launcher connected the
 /// ranks; `rank` and `size` are checked against MPI's own.
 bool mpi_available();
-/// How long a wait on the group's collectives polls before it sleeps (Note
-/// [Polling before a wait] in src/comm/backends/polling.cpp): `variable`,
-/// in microseconds, else the default; an error naming the variable and
-/// `collectives` (what waits) when it is no such number.
-std::chrono::microseconds wait_spin(const char* variable, const char* collectives);
 std::shared_ptr<GroupImpl> make_mpi_group(int rank, int size, std::chrono::milliseconds timeout);
+
+/// For gloo.cpp and mpi.cpp: how long a wait on the group's collectives
+/// polls before it sleeps (Note [Polling before a wait] in
+/// src/comm/backends/polling.cpp): `variable`, in microseconds, else the
+/// default; an error naming the variable and `collectives` (what waits)
+/// when it is no such number.
+std::chrono::microseconds wait_spin(const char* variable, const char* collectives);
 
 } // namespace detail
 } // namespace lockstep
