@@ -136,19 +136,24 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
   buckets = std::move(built);
   plan = agree_on_plan(group, "DistributedDataParallel's buckets", plan_items, params[0].device(), kBucketPlanHint);
   if (options.gradient_as_bucket_view()) {
-    // .grad is the bucket slot: backward accumulates into the bucket, and no
-    // copy or gradient-sized memory is needed besides it. A gradient already
-    // there (an earlier bucket's slot, or one the caller set) moves in. An
-    // undefined .grad stays undefined until a backward reaches it, as in
-    // c10d's Reducer::initialize_bucket_views: a zero .grad from construction
-    // would let an optimizer step apply weight decay before any backward.
-    for (size_t i = 0; i < params.size(); ++i) {
-      auto& grad = params[i].mutable_grad();
-      if (grad.defined()) {
-        auto& view = buckets[slot_of[i].first].views[slot_of[i].second];
-        view.copy_(grad);
-        grad = view;
-      }
+    move_gradients_into_slots();
+  }
+}
+
+// .grad is the bucket slot: backward accumulates into the bucket, and no
+// copy or gradient-sized memory is needed besides it. A gradient already
+// there (an earlier bucket's slot, or one the caller set) moves in. An
+// undefined .grad stays undefined until a backward reaches it, as in
+// c10d's Reducer::initialize_bucket_views: a zero .grad from construction
+// would let an optimizer step apply weight decay before any backward.
+void Reducer::State::move_gradients_into_slots() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& grad = params[i].mutable_grad();
+    if (grad.defined()) {
+      auto& view = buckets[slot_of[i].first].views[slot_of[i].second];
+      view.copy_(grad);
+      grad = view;
     }
   }
 }

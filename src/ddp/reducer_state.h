@@ -198,6 +198,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
 
   void build_buckets(const std::vector<size_t>& order);
+  // gradient_as_bucket_view: each defined .grad copied into its bucket slot, and made the slot.
+  void move_gradients_into_slots();
   void autograd_hook(size_t index);
   void copy_in(size_t index);
   void copy_in_unused(size_t index);

@@ -93,17 +93,22 @@ std::vector<torch::Tensor> ShardedCore::State::take_micro_batch_gradients() {
   return grads;
 }
 
-// Note [Sharded exact sums]: the int64 buffer [W, the flats' shards], this
-// rank's row of it after the reduction, and each shard's .grad from it.
-void ShardedCore::State::reduce_exactly(int64_t step, const MicroBatchGradients& gradients) {
-  timeline::Span to_integers("deterministic: to integers");
-  const int64_t world = sharded() ? group.size() : 1;
-  int64_t per_rank = 0;
-  for (const auto& flat : flats) {
-    per_rank += flat.layout.shard;
-  }
+namespace {
+
+// Every parameter's gradient in pieces that each lie in one rank's shard of
+// its flat, each placed in the int64 buffer [W, the flats' shards], with
+// the flat it belongs to, and the buffer's row length.
+struct ShardedPieces {
   std::vector<FixedPointPiece> pieces;
-  std::vector<size_t> piece_flat;
+  std::vector<size_t> flat_of;
+  int64_t per_rank = 0;
+};
+
+ShardedPieces pieces_by_shard(const std::vector<FlatParam>& flats) {
+  ShardedPieces out;
+  for (const auto& flat : flats) {
+    out.per_rank += flat.layout.shard;
+  }
   size_t param = 0;
   int64_t column = 0; // the flat's first column in a row
   for (size_t f = 0; f < flats.size(); ++f) {
@@ -113,13 +118,24 @@ void ShardedCore::State::reduce_exactly(int64_t step, const MicroBatchGradients&
       const int64_t begin = flat.offsets[j], end = begin + flat.views[j].numel();
       for (int64_t at = begin; at < end;) {
         const int64_t n = std::min(end - at, shard - at % shard);
-        pieces.push_back({param, at - begin, n, (at / shard) * per_rank + column + at % shard});
-        piece_flat.push_back(f);
+        out.pieces.push_back({param, at - begin, n, (at / shard) * out.per_rank + column + at % shard});
+        out.flat_of.push_back(f);
         at += n;
       }
     }
     column += shard;
   }
+  return out;
+}
+
+} // namespace
+
+// Note [Sharded exact sums]: the int64 buffer [W, the flats' shards], this
+// rank's row of it after the reduction, and each shard's .grad from it.
+void ShardedCore::State::reduce_exactly(int64_t step, const MicroBatchGradients& gradients) {
+  timeline::Span to_integers("deterministic: to integers");
+  const int64_t world = sharded() ? group.size() : 1;
+  const auto [pieces, piece_flat, per_rank] = pieces_by_shard(flats);
   const auto device = flats.front().device;
   auto sum = torch::empty({world * per_rank}, torch::TensorOptions().dtype(torch::kLong).device(device));
   write_fixed_point(sum, pieces, gradients);
@@ -143,7 +159,7 @@ void ShardedCore::State::reduce_exactly(int64_t step, const MicroBatchGradients&
   }
   timeline::Span to_floats("deterministic: back to floats");
   std::vector<int64_t> first_column; // each flat's in a row
-  column = 0;
+  int64_t column = 0;
   for (auto& flat : flats) {
     flat.shard.mutable_grad() = torch::zeros_like(flat.shard); // the padding's gradient is zero
     first_column.push_back(column);
