@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -11,13 +12,15 @@ namespace lockstep {
 
 // Note [SyncBatchNorm]
 // ~~~~~~~~~~~~~~~~~~~~
-// Forward reduces, per channel, three things over every rank in one
-// allreduce of 2C+1 float64 values: the sum of x, the sum of squares taken
-// about this rank's own mean (plus n * mean^2, to make it a sum of squares),
-// and n. Taking the squares about the local mean keeps the variance exact
-// when the mean is far from zero, where a plain sum of squares in float32
-// would cancel; float64 keeps the combination exact. A rank with n = 0 adds
-// zeros, so ranks may hold any N, 0 included. Backward needs, per channel,
+// Forward gathers from every rank, in one all-gather of 2C+1 float64
+// values, its n and, per channel, its mean and its sum of squares about that
+// mean; every rank combines them in rank order (Chan, Golub and LeVeque's
+// formula, as PyTorch's batch_norm_gather_stats_with_counts): the whole
+// batch's squares about its mean are each rank's plus n (its mean - the
+// whole mean)^2. No term cancels, so the variance stays right where the
+// mean is far from zero beside the spread, float64 inputs included, where
+// sums of squares about zero (E[x^2] - mean^2) would lose it. A rank with
+// n = 0 adds zeros, so ranks may hold any N, 0 included. Backward needs, per channel,
 // sum(dy) and sum(dy * (x - mean)) over every rank: one allreduce of 2C
 // values. The input's gradient then equals the one BatchNorm computes on the
 // concatenated batch; the weight and bias gradients are this rank's sums,
@@ -75,6 +78,47 @@ std::string where(const ProcessGroup& group) {
   return "lockstep::SyncBatchNorm: rank " + std::to_string(group.rank()) + " of " + std::to_string(group.size()) + ": ";
 }
 
+struct Statistics {
+  torch::Tensor mean, var; // per channel, float64, on the CPU
+  double total; // values per channel over every rank
+};
+
+// The ranks' rows of (n, C means, C sums of squares about those means),
+// combined in rank order: the same bits on every rank (Note [SyncBatchNorm]).
+Statistics combine_statistics(const torch::Tensor& gathered, int64_t channels) {
+  const auto rows = gathered.contiguous();
+  const double* data = rows.data_ptr<double>();
+  const int64_t width = 2 * channels + 1;
+  Statistics out{torch::zeros({channels}, torch::kDouble), torch::zeros({channels}, torch::kDouble), 0.0};
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    out.total += data[r * width];
+  }
+  if (out.total <= 0) {
+    return out;
+  }
+  double* mean = out.mean.data_ptr<double>();
+  double* var = out.var.data_ptr<double>();
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    for (int64_t c = 0; c < channels; ++c) {
+      mean[c] += data[r * width] * data[r * width + 1 + c];
+    }
+  }
+  for (int64_t c = 0; c < channels; ++c) {
+    mean[c] /= out.total;
+  }
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    const double* row = data + r * width;
+    for (int64_t c = 0; c < channels; ++c) {
+      const double apart = row[1 + c] - mean[c];
+      var[c] += row[1 + channels + c] + row[0] * apart * apart;
+    }
+  }
+  for (int64_t c = 0; c < channels; ++c) {
+    var[c] = std::max(var[c] / out.total, 0.0);
+  }
+  return out;
+}
+
 class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
  public:
   static torch::Tensor forward(
@@ -95,26 +139,30 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     const auto dbl = x.options().dtype(torch::kDouble);
     const auto acc = accumulate_type(x);
     const auto xa = x.to(acc);
-    auto stats = torch::zeros({2 * channels + 1}, dbl);
+    auto stats = torch::zeros({2 * channels + 1}, dbl); // n, the mean, the squares about it
     if (n > 0) {
-      auto sum = x.sum(dims, false, torch::kDouble);
-      auto mean = sum / static_cast<double>(n);
-      auto squares = (xa - per_channel(mean.to(acc), x)).square().sum(dims, false, torch::kDouble);
-      stats.narrow(0, 0, channels).copy_(sum);
-      stats.narrow(0, channels, channels).copy_(squares + mean.square() * static_cast<double>(n));
-      stats[2 * channels].fill_(static_cast<double>(n));
+      const auto mean = x.sum(dims, false, torch::kDouble) / static_cast<double>(n);
+      const auto rounded = mean.to(acc);
+      // About the mean rounded to the arithmetic's dtype: less n (mean - rounded)^2, the squares about the mean.
+      const auto squares = (xa - per_channel(rounded, x)).square().sum(dims, false, torch::kDouble) -
+          (mean - rounded.to(torch::kDouble)).square() * static_cast<double>(n);
+      stats[0].fill_(static_cast<double>(n));
+      stats.narrow(0, 1, channels).copy_(mean);
+      stats.narrow(0, 1 + channels, channels).copy_(squares);
     }
+    auto gathered = torch::empty({group.size(), 2 * channels + 1}, dbl);
     {
       detail::CollectiveTag tag(capsule->tag);
-      group.allreduce_async({stats}, ReduceOp::Sum, capsule->label + "'s statistics (" + std::to_string(channels) +
-                            " channels)")->wait();
+      group.all_gather_into_async(gathered.view(-1), stats, capsule->label + "'s statistics (" +
+                                  std::to_string(channels) + " channels)")->wait();
     }
-    const double total = stats[2 * channels].item<double>();
+    const auto combined = combine_statistics(gathered.cpu(), channels);
+    const double total = combined.total;
     TORCH_CHECK(total > 1, where(group), "expected more than 1 value per channel in training, but every rank's batch "
                 "together has ", static_cast<int64_t>(total), " (input ", input.sizes(), " on this rank). Train on "
                 "larger batches, or put the layer in eval mode.");
-    const auto mean = stats.narrow(0, 0, channels) / total;
-    const auto var = (stats.narrow(0, channels, channels) / total - mean.square()).clamp_min(0);
+    const auto mean = combined.mean.to(x.device());
+    const auto var = combined.var.to(x.device());
     const auto invstd = (var + eps).rsqrt();
 
     if (running_mean.defined()) {

@@ -68,6 +68,29 @@ TEST(SyncBatchNormThreads, SixteenBitInputsMatchTheWholeBatchInDouble) {
   }
 }
 
+// A float64 channel whose mean is far from zero beside its spread (1e6
+// and 0.01): the ranks' squares combine about the whole batch's mean, as
+// PyTorch's batch_norm_gather_stats_with_counts does; sums of squares about
+// zero lose the variance (E[x^2] - mean^2 cancels at 2e-16 * 1e12 = 2e-4,
+// twice the variance). Uneven ranks, 5 rows and 3.
+TEST(SyncBatchNormThreads, AFloat64ChannelFarFromZeroKeepsItsVariance) {
+  torch::manual_seed(0);
+  const auto whole = 1e6 + 0.01 * torch::randn({8, 2, 4}, torch::kDouble);
+  const auto reference_mean = torch::zeros({2}, torch::kDouble);
+  const auto reference_var = torch::ones({2}, torch::kDouble);
+  const auto reference = torch::batch_norm(whole, {}, {}, reference_mean, reference_var, /*training=*/true, 0.1, 1e-5,
+                                           /*cudnn_enabled=*/false);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    SyncBatchNorm norm(torch::nn::BatchNormOptions(2), group);
+    norm->to(torch::kDouble);
+    const auto rows = group.rank() == 0 ? torch::indexing::Slice(0, 5) : torch::indexing::Slice(5, 8);
+    const auto out = norm->forward(whole.index({rows}));
+    EXPECT_LT(relative_error(out, reference.index({rows})), 1e-6) << out;
+    EXPECT_LT(relative_error(norm->running_var, reference_var), 1e-6) << norm->running_var;
+    EXPECT_LT(relative_error(norm->running_mean, reference_mean), 1e-12) << norm->running_mean;
+  });
+}
+
 // A gradient penalty's create_graph through the layer on two ranks: its
 // allreduce is not differentiable, so the second-order gradient would miss
 // the other rank's terms. An error on every rank, as PyTorch's; a plain
