@@ -97,6 +97,28 @@ TEST(Safetensors, EveryDtypeRoundTripsBitwise) {
   EXPECT_EQ(metadata, (SafetensorsMetadata{{"format", "pt"}, {"step", "1200"}}));
 }
 
+// A view's values are written, not the memory under it: a transposed,
+// offset or expanded tensor, and a conjugate or negative view, whose memory
+// holds the values before the conjugation or negation.
+TEST(Safetensors, ViewsAreWrittenAsTheirValues) {
+  torch::manual_seed(0);
+  const auto z = torch::randn({2, 3}, torch::kComplexFloat);
+  torch::OrderedDict<std::string, torch::Tensor> tensors;
+  tensors.insert("transposed", torch::randn({3, 4}).t());
+  tensors.insert("offset", torch::arange(10, torch::kFloat).narrow(0, 3, 4));
+  tensors.insert("expanded", torch::randn({1, 3}).expand({4, 3}));
+  tensors.insert("conjugate", z.conj());
+  tensors.insert("negative", torch::imag(z.conj()));
+  ASSERT_TRUE(tensors["conjugate"].is_conj());
+  ASSERT_TRUE(tensors["negative"].is_neg());
+  const auto path = testing::scratch("views.safetensors");
+  write_safetensors(tensors, path);
+  const auto read = read_safetensors(path);
+  for (const auto& item : tensors) {
+    EXPECT_TRUE(torch::equal(read[item.key()], item.value().resolve_conj().resolve_neg())) << item.key();
+  }
+}
+
 TEST(Safetensors, HeaderFollowsTheSpecAlignedTo8) {
   torch::OrderedDict<std::string, torch::Tensor> tensors;
   tensors.insert("b", torch::ones({3}, torch::kHalf));
@@ -236,6 +258,12 @@ TEST(Safetensors, AnIndexNamingAFileOutsideItsFolderIsRefused) {
   EXPECT_ERROR_SAYS(read_safetensors(path), "tensor 'w' maps to '../w.safetensors', which is not the name of a file");
 }
 
+TEST(Safetensors, AnIndexNamingNoTensorIsRefused) {
+  const auto path = testing::scratch("empty.safetensors.index.json");
+  write_file(path, R"({"weight_map": {}})");
+  EXPECT_ERROR_SAYS(read_safetensors_metadata(path), "naming at least one tensor");
+}
+
 TEST(Safetensors, AFailedWriteLeavesNoFile) {
   torch::OrderedDict<std::string, torch::Tensor> tensors;
   tensors.insert("x", torch::zeros({4}));
@@ -276,6 +304,30 @@ TEST(SafetensorsFormat, MalformedJsonIsRefused) {
             std::string::npos);
   EXPECT_NE(parse_error(raw_file(R"({"__metadata__":{"step":3}})", "")).find("__metadata__ entry 'step' is not a string"),
             std::string::npos);
+}
+
+// "__metadata__": null is no metadata, as the Rust reader (and so Python's
+// safetensors) takes it.
+TEST(SafetensorsFormat, NullMetadataIsNoMetadata) {
+  const auto bytes = raw_file(R"({"__metadata__":null,"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "ab");
+  const auto header = detail::parse_safetensors(bytes.data(), bytes.size(), "null.safetensors");
+  EXPECT_TRUE(header.metadata.empty());
+  ASSERT_EQ(header.entries.size(), 1u);
+  EXPECT_EQ(header.entries[0].name, "w");
+}
+
+// A name or metadata text that is not UTF-8 cannot be in the JSON header:
+// refused before anything is written, naming it, not an exception of the
+// JSON library's.
+TEST(Safetensors, NamesAndMetadataThatAreNotUtf8AreRefused) {
+  const auto path = testing::scratch("not_utf8.safetensors");
+  torch::OrderedDict<std::string, torch::Tensor> tensors;
+  tensors.insert("w\xff", torch::ones({2}));
+  EXPECT_ERROR_SAYS(write_safetensors(tensors, path), "tensor name 'w\\xff' is not valid UTF-8", "Rename it");
+  torch::OrderedDict<std::string, torch::Tensor> fine;
+  fine.insert("w", torch::ones({2}));
+  EXPECT_ERROR_SAYS(write_safetensors(fine, path, {{"note", "caf\xe9"}}), "metadata value 'caf\\xe9' is not valid UTF-8");
+  EXPECT_FALSE(std::filesystem::exists(path));
 }
 
 TEST(SafetensorsFormat, DuplicateNamesAreRefused) {

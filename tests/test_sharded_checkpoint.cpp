@@ -262,6 +262,35 @@ TEST(ShardedCheckpoint, AFolderOfAnotherSaveThanTheCallerNamesIsRefused) {
   });
 }
 
+// PyTorch's readers take every .safetensors file of the folder, and its
+// default one the .metadata: a save refuses a folder holding either, naming
+// the file, before anything is removed; and a load of PyTorch's default
+// layout names it instead of calling the folder empty.
+TEST(ShardedCheckpoint, ASaveIntoAFolderOfAnotherCheckpointIsRefused) {
+  for (const std::string other : {"model.safetensors", ".metadata", "__0_0.distcp"}) {
+    const auto dir = checkpoint_dir("other_" + std::to_string(other.size()));
+    testing::spawn(2, [&](ProcessGroup& group) { save(group, dir); });
+    std::ofstream(dir + "/" + other) << "not ours";
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<Net> model(one_layer(false), group);
+      torch::optim::Adam adam(model->parameters());
+      const std::string says = dir + " holds " + other + ", which is not a file of a lockstep save";
+      EXPECT_ERROR_SAYS(save_sharded(model, adam, dir), says.c_str(), "Save into an empty folder");
+    });
+    EXPECT_TRUE(std::filesystem::exists(shard_of(dir, 1))) << "the refused save removed the earlier one";
+  }
+  const auto pytorch = checkpoint_dir("pytorch_default");
+  std::filesystem::create_directories(pytorch);
+  std::ofstream(pytorch + "/.metadata") << "pickle";
+  std::ofstream(pytorch + "/__0_0.distcp") << "bytes";
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::Adam adam(model->parameters());
+    EXPECT_ERROR_SAYS(load_sharded(model, adam, pytorch), "PyTorch's default distributed checkpoint",
+                      "HuggingFaceStorageWriter");
+  });
+}
+
 // One parameter, x = [1], whose gradient is 1.
 struct ScalarImpl : torch::nn::Module {
   ScalarImpl() : x(register_parameter("x", torch::ones({1}))) {}

@@ -123,6 +123,22 @@ TEST(ShardedMisuse, SaveShardedInsideSummonFullParamsIsAnError) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/index.json"));
 }
 
+// The same for save_safetensors: the file would hold the weights as they
+// were before the guard, not the edits made in it.
+TEST(ShardedMisuse, SaveSafetensorsInsideSummonFullParamsIsAnError) {
+  const auto path = misuse_dir("summon_safetensors") + "/model.safetensors";
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(two_layers(), group);
+    auto full = model->summon_full_params();
+    full.writeback(true);
+    torch::NoGradGuard no_grad;
+    model->module()->parameters()[0].fill_(1);
+    EXPECT_ERROR_SAYS(save_safetensors(model, path), "save_safetensors(", "inside summon_full_params()",
+                      "End the guard first");
+  });
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
 // A load between a forward and its backward: that backward would give the
 // loaded parameters gradients taken at the old ones, so it is an error; a
 // forward after the load trains from the loaded values, exactly as if the

@@ -30,10 +30,7 @@ std::vector<BoxSource> ShardedCore::State::shard_boxes() const {
   }
   if (rank == 0) {
     for (const auto& [name, tensor] : whole) {
-      boxes.push_back({name, tensor.scalar_type(), whole_box(tensor), [tensor = tensor] {
-                         torch::NoGradGuard no_grad;
-                         return tensor.detach().cpu().contiguous();
-                       }});
+      boxes.push_back({name, tensor.scalar_type(), whole_box(tensor), [tensor = tensor] { return host_bytes(tensor); }});
     }
   }
   return boxes;
@@ -54,8 +51,9 @@ int64_t ShardedCore::save_sharded(torch::optim::Optimizer* optimizer, const std:
       new_state(*optimizer, "lockstep::save_sharded");
       more = optimizer_record(*optimizer, flats());
     }
-    clear_dcp_save(dir, rank, group_.size(), who);
+    check_no_other_checkpoint(dir, who);
   });
+  on_every_rank(group_, device, "save_sharded of " + dir, [&] { clear_dcp_save(dir, rank, group_.size(), who); });
   const int64_t id = new_save_id(group_, device);
   std::vector<std::string> files;
   on_every_rank(group_, device, "save_sharded of " + dir, [&] {

@@ -61,23 +61,27 @@ torch::Tensor ShardedCore::State::gathered_in_own_dtype(OneFlat& cache, size_t f
 std::vector<SafetensorsSource> ShardedCore::State::safetensors_sources(const std::string& who) {
   std::vector<SafetensorsSource> sources;
   auto cache = std::make_shared<OneFlat>();
-  for (size_t f = 0; f < flats.size(); ++f) {
+  const auto add_parameter = [&](const std::string& name, size_t f, size_t j) {
     const auto& flat = flats[f];
-    for (size_t j = 0; j < flat.params.size(); ++j) {
-      safetensors_dtype_name(flat.dtype, who + ": parameter '" + flat.names[j] + "'");
-      sources.push_back(source(flat.names[j], flat.dtype, flat.shapes[j], [this, cache, f, j] {
-        const auto& flat = flats[f];
-        const int64_t numel = c10::multiply_integers(flat.shapes[j]);
-        return gathered_in_own_dtype(*cache, f).narrow(0, flat.offsets[j], numel).view(flat.shapes[j]);
-      }));
+    safetensors_dtype_name(flat.dtype, who + ": parameter '" + name + "'");
+    sources.push_back(source(name, flat.dtype, flat.shapes[j], [this, cache, f, j] {
+      const auto& flat = flats[f];
+      const int64_t numel = c10::multiply_integers(flat.shapes[j]);
+      return gathered_in_own_dtype(*cache, f).narrow(0, flat.offsets[j], numel).view(flat.shapes[j]);
+    }));
+  };
+  const auto add_whole = [&](const std::string& name, const torch::Tensor& tensor) {
+    safetensors_dtype_name(tensor.scalar_type(), who + ": '" + name + "'");
+    sources.push_back(
+        source(name, tensor.scalar_type(), tensor.sizes().vec(), [tensor = tensor] { return host_bytes(tensor); }));
+  };
+  for (size_t f = 0; f < flats.size(); ++f) {
+    for (size_t j = 0; j < flats[f].params.size(); ++j) {
+      add_parameter(flats[f].names[j], f, j);
     }
   }
   for (const auto& [name, tensor] : whole) {
-    safetensors_dtype_name(tensor.scalar_type(), who + ": '" + name + "'");
-    sources.push_back(source(name, tensor.scalar_type(), tensor.sizes().vec(), [tensor = tensor] {
-      torch::NoGradGuard no_grad;
-      return tensor.detach().to(torch::kCPU).contiguous();
-    }));
+    add_whole(name, tensor);
   }
   return sources;
 }
@@ -85,6 +89,9 @@ std::vector<SafetensorsSource> ShardedCore::State::safetensors_sources(const std
 void ShardedCore::save_safetensors(const std::string& path, const SafetensorsSaveOptions& options) const {
   auto& s = *state_;
   CollectiveTag tag(model_tag(s.model, 0)); // Note [Collective tags]: two models' calls never pair
+  TORCH_CHECK(!s.summoned, s.where(), "save_safetensors(", path, ") inside summon_full_params(): the shards "
+              "take the guard's edits only when it ends, so the file would hold the parameters as they were before "
+              "it beside buffers as they are now. End the guard first.");
   const std::string who = s.where() + "save_safetensors(" + path + ")";
   auto sources = s.safetensors_sources(who);
   const auto plan = plan_safetensors_save(sources, path, options, who);

@@ -23,7 +23,7 @@ constexpr char kShardingInfo[] = "DCP_SHARDING_INFO";
 constexpr char kChecksums[] = "lockstep_crc32";
 
 uint32_t crc_of(const torch::Tensor& tensor) {
-  const auto bytes = tensor.contiguous();
+  const auto bytes = host_bytes(tensor);
   return crc32_of(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
 }
 
@@ -195,13 +195,38 @@ DcpCheckpoint open_dcp(const std::string& dir, const std::vector<std::string>& f
   DcpCheckpoint checkpoint;
   checkpoint.dir = dir;
   const auto names = files.empty() ? safetensors_in(dir) : files;
-  TORCH_CHECK(!names.empty(), dir, " holds no .safetensors file: it is not a checkpoint folder.");
+  if (names.empty()) {
+    struct stat metadata {};
+    TORCH_CHECK(::stat((dir + "/.metadata").c_str(), &metadata) != 0, dir, " holds PyTorch's default distributed "
+                "checkpoint (.metadata and .distcp files), which lockstep does not read. Save the checkpoint with "
+                "torch.distributed.checkpoint's HuggingFaceStorageWriter(dir, save_distributed=True) instead.");
+    TORCH_CHECK(false, dir, " holds no .safetensors file: it is not a checkpoint folder.");
+  }
   for (const auto& name : names) {
     checkpoint.files.push_back(open_safetensors(dir + "/" + name));
     add_boxes(checkpoint, checkpoint.files.size() - 1);
   }
   check_tiling(checkpoint);
   return checkpoint;
+}
+
+void check_no_other_checkpoint(const std::string& dir, const std::string& who) {
+  DIR* folder = ::opendir(dir.c_str());
+  if (folder == nullptr) {
+    return; // the write names the folder
+  }
+  std::string other;
+  while (const dirent* entry = ::readdir(folder)) {
+    const std::string name = entry->d_name;
+    const bool safetensors = ends_with(name, ".safetensors") && dcp_file_rank_number(name) == 0;
+    if (other.empty() && (safetensors || name == ".metadata" || ends_with(name, ".distcp"))) {
+      other = name;
+    }
+  }
+  ::closedir(folder);
+  TORCH_CHECK(other.empty(), who, ": ", dir, " holds ", other, ", which is not a file of a lockstep save. PyTorch's "
+              "readers read every such file of a checkpoint's folder, so the save would mix with it. Save into an "
+              "empty folder, or remove ", dir, "/", other, " first.");
 }
 
 void clear_dcp_save(const std::string& dir, int rank, int world, const std::string& who) {
@@ -266,6 +291,11 @@ DcpCheckpoint open_dcp_save(const std::string& dir) {
     record.at("lockstep_save_id").get<std::string>();
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, record_path, " is damaged (", e.what(), "). Load an earlier checkpoint, or save again.");
+  }
+  for (const auto& name : record["files"].get<std::vector<std::string>>()) {
+    TORCH_CHECK(dcp_file_rank_number(name) > 0 && name.find('/') == std::string::npos, record_path, " names '", name,
+                "', which is not a shard file of a lockstep save in its folder. The record is damaged: load an "
+                "earlier checkpoint, or save again.");
   }
   const auto id = record["lockstep_save_id"].get<std::string>();
   auto checkpoint = open_dcp(dir, record["files"].get<std::vector<std::string>>());

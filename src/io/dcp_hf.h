@@ -79,12 +79,18 @@ std::vector<std::string> safetensors_in(const std::string& dir);
 // either is PyTorch's (HuggingFaceStorageWriter), read whole. Before a save
 // writes, rank 0 removes the record and every rank its own earlier files,
 // so that PyTorch's reader, which reads every file of the folder, never
-// meets another save's. Each file's __metadata__ also holds the CRC-32 of
+// meets another save's; a folder that holds a .safetensors file no
+// lockstep save names, or PyTorch's .metadata or .distcp files, is refused. Each file's __metadata__ also holds the CRC-32 of
 // each of its tensors (lockstep_crc32, a JSON object by name), which a
 // load checks for each tensor it reads: a damaged file is an error naming
 // it and the tensor, as the checksums of lockstep's other files make it.
 constexpr char kDcpSaveRecord[] = "lockstep_save.json";
 
+/// Refuses a `dir` that holds another checkpoint's files: PyTorch's reader
+/// takes every *.safetensors file of a folder as part of the checkpoint,
+/// and its default one the folder's .metadata, so a file that no lockstep
+/// save wrote would be read with the save's, or instead of it.
+void check_no_other_checkpoint(const std::string& dir, const std::string& who);
 /// Removes what an earlier save left that this one would not overwrite:
 /// rank `rank`'s shard files; on rank 0 also the record and the files of
 /// ranks at or past `world`, and lockstep's earlier index.json, which

@@ -58,10 +58,7 @@ detail::SafetensorsSource source_of(const std::string& name, const torch::Tensor
   source.entry.dtype = tensor.scalar_type();
   detail::safetensors_dtype_name(tensor.scalar_type(), who + ": tensor '" + name + "'");
   source.entry.shape = tensor.sizes().vec();
-  source.bytes = [tensor] {
-    torch::NoGradGuard no_grad;
-    return tensor.detach().to(torch::kCPU).contiguous();
-  };
+  source.bytes = [tensor] { return detail::host_bytes(tensor); };
   return source;
 }
 

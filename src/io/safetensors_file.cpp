@@ -73,8 +73,10 @@ nlohmann::ordered_json read_index(const std::string& path) {
   } catch (const nlohmann::ordered_json::exception& e) {
     TORCH_CHECK(false, path, ": the safetensors index is not valid JSON (", e.what(), ").");
   }
-  TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), path,
-              ": a safetensors index needs a \"weight_map\" object of tensor names to file names.");
+  TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object() &&
+                  !index["weight_map"].empty(),
+              path, ": a safetensors index needs a \"weight_map\" object of tensor names to file names, naming at "
+              "least one tensor.");
   return index;
 }
 
@@ -250,6 +252,24 @@ std::string numbered_file(const std::string& stem, size_t i, size_t count) {
   return stem + name;
 }
 
+// A name or metadata text as JSON holds it: nlohmann's dump throws on bytes
+// that are not UTF-8, after files may have been removed, so they are
+// refused here, with the bytes shown.
+void check_utf8(const std::string& text, const char* what, const std::string& who) {
+  try {
+    (void)nlohmann::json(text).dump();
+  } catch (const nlohmann::json::type_error&) {
+    std::string shown;
+    for (unsigned char c : text) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof(escaped), "\\x%02x", c);
+      shown += c >= 0x20 && c < 0x7f ? std::string(1, static_cast<char>(c)) : std::string(escaped);
+    }
+    TORCH_CHECK(false, who, ": the ", what, " '", shown, "' is not valid UTF-8, which a safetensors header (JSON) "
+                "needs. Rename it.");
+  }
+}
+
 } // namespace
 
 SafetensorsSavePlan plan_safetensors_save(const std::vector<SafetensorsSource>& sources, const std::string& path,
@@ -262,6 +282,7 @@ SafetensorsSavePlan plan_safetensors_save(const std::vector<SafetensorsSource>& 
     const auto& name = sources[i].entry.name;
     TORCH_CHECK(!name.empty() && name != "__metadata__", who, ": '", name, "' cannot name a tensor in safetensors.");
     TORCH_CHECK(names.emplace(name, i).second, who, ": two tensors are named '", name, "'.");
+    check_utf8(name, "tensor name", who);
     const uint64_t bytes = byte_count(sources[i].entry);
     if (limit > 0 && in_group > 0 && in_group + bytes > limit) {
       groups.emplace_back();
@@ -270,6 +291,10 @@ SafetensorsSavePlan plan_safetensors_save(const std::vector<SafetensorsSource>& 
     groups.back().push_back(i);
     in_group += bytes;
     total += bytes;
+  }
+  for (const auto& [key, value] : options.metadata()) {
+    check_utf8(key, "metadata key", who);
+    check_utf8(value, "metadata value", who);
   }
   SafetensorsSavePlan plan;
   if (groups.size() == 1) {
@@ -299,6 +324,11 @@ SafetensorsSavePlan plan_safetensors_save(const std::vector<SafetensorsSource>& 
   return plan;
 }
 
+torch::Tensor host_bytes(const torch::Tensor& tensor) {
+  torch::NoGradGuard no_grad;
+  return tensor.detach().to(torch::kCPU).resolve_conj().resolve_neg().contiguous();
+}
+
 void write_safetensors_save(const SafetensorsSavePlan& plan, const std::vector<SafetensorsSource>& sources,
                             const std::string& who) {
   for (const auto& file : plan.files) {
@@ -308,7 +338,7 @@ void write_safetensors_save(const SafetensorsSavePlan& plan, const std::vector<S
           out.write(file.header.data(), static_cast<std::streamsize>(file.header.size()));
           for (size_t i : file.order) {
             const torch::Tensor bytes = sources[i].bytes();
-            TORCH_INTERNAL_ASSERT(bytes.is_contiguous() && bytes.device().is_cpu() &&
+            TORCH_INTERNAL_ASSERT(bytes.is_contiguous() && bytes.device().is_cpu() && !bytes.is_conj() && !bytes.is_neg() &&
                                   static_cast<uint64_t>(bytes.nbytes()) == byte_count(sources[i].entry));
             out.write(static_cast<const char*>(bytes.data_ptr()), static_cast<std::streamsize>(bytes.nbytes()));
           }

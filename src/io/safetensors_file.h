@@ -52,6 +52,11 @@ struct SafetensorsSet {
 
 SafetensorsSet open_safetensors_set(const std::string& path);
 
+/// A tensor's values as the bytes a file holds: on the CPU, contiguous, and
+/// with a conjugate or negative view resolved (such a view's memory holds
+/// the values before the conjugation or negation).
+torch::Tensor host_bytes(const torch::Tensor& tensor);
+
 /// A tensor to write: its name, and a function giving its bytes (a
 /// contiguous CPU tensor of `entry`'s dtype and shape) when its turn comes,
 /// so that a writer need not hold them all at once.

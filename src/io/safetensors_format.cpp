@@ -71,6 +71,9 @@ Json parse_json(const std::string& text, const std::string& file) {
 }
 
 SafetensorsMetadata parse_metadata(const Json& metadata, const std::string& file) {
+  if (metadata.is_null()) { // as the Rust reader takes it: no metadata
+    return {};
+  }
   TORCH_CHECK(metadata.is_object(), file, ": __metadata__ is not an object of strings.");
   SafetensorsMetadata pairs;
   for (const auto& [key, value] : metadata.items()) {
