@@ -291,6 +291,22 @@ TEST(ShardedCheckpoint, ASaveIntoAFolderOfAnotherCheckpointIsRefused) {
   });
 }
 
+// A save record is lockstep's own: a name in it that is not a shard file
+// beside it (a path out of the folder) is refused, not opened.
+TEST(ShardedCheckpoint, ARecordNamingAFileOutsideItsFolderIsRefused) {
+  const auto dir = checkpoint_dir("record_escape");
+  testing::spawn(2, [&](ProcessGroup& group) { save(group, dir); });
+  const auto record_path = dir + "/" + detail::kDcpSaveRecord;
+  auto record = nlohmann::json::parse(std::ifstream(record_path));
+  record["files"][0] = "../" + record["files"][0].get<std::string>();
+  std::ofstream(record_path) << record.dump();
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(one_layer(false), group);
+    torch::optim::Adam adam(model->parameters());
+    EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), "which is not a shard file of a lockstep save in its folder");
+  });
+}
+
 // One parameter, x = [1], whose gradient is 1.
 struct ScalarImpl : torch::nn::Module {
   ScalarImpl() : x(register_parameter("x", torch::ones({1}))) {}
