@@ -2,6 +2,7 @@
 // as threads over a HashStore (tests/support/threads.h). The multi-process
 // and mpirun runs of the same checks are in tests/fsdp_worker.cpp.
 
+#include "../src/io/dcp_hf.h"
 #include <lockstep/lockstep.h>
 
 #include "support/errors.h"
@@ -503,6 +504,56 @@ TEST(FullyShardedDataParallel, AParameterSharedByTwoUnitsIsAnErrorNamingIt) {
     auto x = torch::ones({2, 4});
     model->forward(x).sum().backward();
     EXPECT_EQ(model->parameters().at(0).grad().numel(), 12);
+  });
+}
+
+// A tied weight is saved under each of its names, as the bare module's
+// save and a state dict have it (Note [Tied parameters in checkpoints]):
+// the bare module loads the sharded model's file strictly, the sharded
+// model the bare module's, and a sharded checkpoint lists both names, as
+// PyTorch's dcp.load into FSDP2's state_dict looks for them.
+TEST(FullyShardedDataParallel, ATiedParameterIsSavedAndLoadedUnderEachName) {
+  const auto file = testing::scratch("tied.safetensors");
+  const auto bare_file = testing::scratch("tied_bare.safetensors");
+  const auto dir = testing::scratch("tied_sharded");
+  torch::manual_seed(1);
+  Tied reference;
+  torch::manual_seed(2);
+  Tied other;
+  save_safetensors(other, bare_file);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    Tied mine;
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < mine->parameters().size(); ++i) {
+        mine->parameters()[i].copy_(reference->parameters()[i]);
+      }
+    }
+    FullyShardedDataParallel<Tied> model(mine, group);
+    save_safetensors(model, file);
+    torch::optim::SGD sgd(model->parameters(), 0.1);
+    save_sharded(model, sgd, dir);
+    load_safetensors(model, bare_file); // strict: both names are expected, and the file has both
+    auto full = model->summon_full_params();
+    EXPECT_TRUE(torch::equal(model->module()->body[0]->named_parameters()["weight"],
+                             other->body[0]->named_parameters()["weight"]));
+  });
+  const auto saved = read_safetensors(file);
+  ASSERT_TRUE(saved.contains("body.0.weight") && saved.contains("body.1.weight"));
+  EXPECT_TRUE(torch::equal(saved["body.1.weight"], saved["body.0.weight"]));
+  EXPECT_TRUE(torch::equal(saved["body.0.weight"], reference->body[0]->named_parameters()["weight"]));
+  Tied bare;
+  load_safetensors(bare, file); // strict
+  EXPECT_TRUE(torch::equal(bare->body[1]->named_parameters()["weight"], saved["body.0.weight"]));
+  const auto checkpoint = detail::open_dcp_save(dir);
+  EXPECT_EQ(checkpoint.shapes.count("body.0.weight"), 1u);
+  EXPECT_EQ(checkpoint.shapes.count("body.1.weight"), 1u);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Tied> model(Tied(), group);
+    torch::optim::SGD sgd(model->parameters(), 0.1);
+    load_sharded(model, sgd, dir);
+    auto full = model->summon_full_params();
+    EXPECT_TRUE(torch::equal(model->module()->body[1]->named_parameters()["weight"], saved["body.0.weight"]));
   });
 }
 

@@ -219,6 +219,7 @@ Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string
       TORCH_CHECK(planned.units[it->second] == all_units[i], where, "parameter '", planned.names[it->second],
                   "' is also '", all_names[i], "': two units share it, and each unit shards its own. Put the modules "
                   "that share a parameter in one unit (ShardingOptions().units() naming their common parent).");
+      planned.aliases.emplace_back(all_names[i], it->second);
       continue;
     }
     seen.emplace(all_params[i].unsafeGetTensorImpl(), planned.names.size());
@@ -438,6 +439,9 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
     s.whole.emplace_back(named.key(), named.value());
   }
   s.first_frozen = s.whole.size();
+  for (const auto& [alias, i] : planned.aliases) {
+    s.aliases.emplace_back(alias, planned.names[i]);
+  }
   for (size_t i = 0; i < planned.params.size(); ++i) {
     if (!planned.params[i].requires_grad()) {
       s.whole.emplace_back(planned.names[i], planned.params[i]); // Note [Frozen parameters]

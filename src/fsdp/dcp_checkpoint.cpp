@@ -33,6 +33,23 @@ std::vector<BoxSource> ShardedCore::State::shard_boxes() const {
       boxes.push_back({name, tensor.scalar_type(), whole_box(tensor), [tensor = tensor] { return host_bytes(tensor); }});
     }
   }
+  for (const auto& [alias, first] : aliases) { // Note [Tied parameters in checkpoints]
+    const auto [f, j] = locate(first);
+    if (f == kNone) {
+      const auto& tensor = whole[j].second;
+      if (rank == 0) {
+        boxes.push_back({alias, tensor.scalar_type(), whole_box(tensor), [tensor] { return host_bytes(tensor); }});
+      }
+      continue;
+    }
+    const auto& flat = flats[f];
+    for (auto& box : shard_boxes_of(flat, flat.shard, rank, sharded(), [&](size_t k) { return flat.names[k]; })) {
+      if (box.name == first) {
+        box.name = alias;
+        boxes.push_back(std::move(box));
+      }
+    }
+  }
   return boxes;
 }
 
@@ -209,6 +226,15 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> ShardedCore::State::stage_d
     names.push_back(name);
     shapes.push_back(tensor.sizes().vec());
     dtypes.push_back(tensor.scalar_type());
+  }
+  for (const auto& [alias, first] : aliases) { // checked where the checkpoint has them; read from `first`
+    if (checkpoint.shapes.count(alias) != 0) {
+      const auto i = static_cast<size_t>(std::find(names.begin(), names.end(), first) - names.begin());
+      TORCH_INTERNAL_ASSERT(i < names.size());
+      names.push_back(alias);
+      shapes.push_back(shapes[i]);
+      dtypes.push_back(dtypes[i]);
+    }
   }
   check_covers(checkpoint, names, shapes, dtypes);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;

@@ -115,6 +115,7 @@ struct Planned {
   std::vector<std::string> names;
   std::vector<torch::Tensor> params;
   std::vector<size_t> units;
+  std::vector<std::pair<std::string, size_t>> aliases; // another name of parameter i (a tied one)
 };
 
 Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where);

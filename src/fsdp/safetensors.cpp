@@ -58,6 +58,33 @@ torch::Tensor ShardedCore::State::gathered_in_own_dtype(OneFlat& cache, size_t f
   return cache.full;
 }
 
+// Note [Tied parameters in checkpoints]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A parameter registered under two names (an embedding tied to the output
+// layer) is planned once, under its first name. A module's state dict holds
+// it under each name, and PyTorch's loaders look for each: load_state_dict,
+// dcp.load into FSDP2's state_dict, safetensors' load_model. So
+// save_safetensors and save_sharded write it under every name, as the bare
+// module's save_safetensors does; load_safetensors reads every name it finds
+// (strict, it wants them all, as the bare module's does); load_sharded reads
+// its first name and takes the others where the checkpoint has them, so
+// that a folder saved without them still loads.
+std::pair<size_t, size_t> ShardedCore::State::locate(const std::string& first) const {
+  for (size_t f = 0; f < flats.size(); ++f) {
+    const auto& names = flats[f].names;
+    const auto it = std::find(names.begin(), names.end(), first);
+    if (it != names.end()) {
+      return {f, static_cast<size_t>(it - names.begin())};
+    }
+  }
+  for (size_t w = first_frozen; w < whole.size(); ++w) {
+    if (whole[w].first == first) {
+      return {kNone, w};
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "parameter '", first, "' is in no flat and not frozen");
+}
+
 std::vector<SafetensorsSource> ShardedCore::State::safetensors_sources(const std::string& who) {
   std::vector<SafetensorsSource> sources;
   auto cache = std::make_shared<OneFlat>();
@@ -82,6 +109,10 @@ std::vector<SafetensorsSource> ShardedCore::State::safetensors_sources(const std
   }
   for (const auto& [name, tensor] : whole) {
     add_whole(name, tensor);
+  }
+  for (const auto& [alias, first] : aliases) { // Note [Tied parameters in checkpoints]
+    const auto [f, j] = locate(first);
+    f == kNone ? add_whole(alias, whole[j].second) : add_parameter(alias, f, j);
   }
   return sources;
 }
@@ -161,6 +192,13 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> ShardedCore::State::stage_s
     shapes.push_back(whole[w].second.sizes().vec());
     dtypes.push_back(whole[w].second.scalar_type());
     flat_of.emplace_back(kNone, w);
+  }
+  for (const auto& [alias, first] : aliases) { // Note [Tied parameters in checkpoints]
+    const auto [f, j] = locate(first);
+    names.push_back(alias);
+    shapes.push_back(f == kNone ? whole[j].second.sizes().vec() : flats[f].shapes[j]);
+    dtypes.push_back(f == kNone ? whole[j].second.scalar_type() : flats[f].dtype);
+    flat_of.emplace_back(f, j);
   }
   const auto set = open_safetensors_set(path);
   const auto match = match_state(names, shapes, dtypes, set, options, path);

@@ -101,6 +101,9 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   // (ShardingOptions().activation_checkpointing()), and switches off at its end.
   std::vector<std::shared_ptr<torch::nn::Module>> checkpointed_units;
   size_t first_frozen = 0; // whole's frozen parameters follow its buffers
+  // A tied parameter's other names, each with the first, under which it is
+  // planned (Note [Tied parameters in checkpoints]).
+  std::vector<std::pair<std::string, std::string>> aliases;
 
   std::string where() const {
     return "lockstep::FullyShardedDataParallel: rank " + std::to_string(group.rank()) + " of " +
@@ -142,6 +145,9 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
   torch::Tensor gathered_in_own_dtype(OneFlat& cache, size_t f);
   // src/fsdp/dcp_checkpoint.cpp: Note [A flat shard as boxes].
   std::vector<BoxSource> shard_boxes() const;
+  // Where a parameter's first name lives: (flat, parameter), or (kNone,
+  // index into whole) for a frozen one.
+  std::pair<size_t, size_t> locate(const std::string& first) const;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> stage_dcp_load(const DcpCheckpoint& checkpoint) const;
   std::vector<SafetensorsSource> safetensors_sources(const std::string& who);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> stage_safetensors_load(const std::string& path,
