@@ -81,6 +81,61 @@ TEST(ShardedPrecision, ParametersComputeInParamDtypeAndTheShardsStayFloat) {
   }
 }
 
+// A Linear layer and a normalisation after it: one unit.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(torch::nn::AnyModule n) : norm(std::move(n)) {
+    fc = register_module("fc", torch::nn::Linear(4, 6));
+    register_module("norm", norm.ptr());
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return norm.forward(fc(x));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::AnyModule norm;
+};
+TORCH_MODULE(Block);
+
+// A BatchNorm's parameters keep their dtype under param_dtype, as FSDP's
+// mixed precision leaves _BatchNorm out by default: ATen's CPU batch norm
+// takes a bf16 input only beside fp32 weights and running statistics, and
+// refused the cast weights ("mixed dtype (CPU)") in eval mode, in a group
+// of one, and for torch::nn::BatchNorm always (Note [Sharded mixed
+// precision]). The layer shares a unit with a Linear whose weight is cast.
+TEST(ShardedPrecision, ABatchNormKeepsItsParametersDtype) {
+  for (bool sync : {false, true}) {
+    SCOPED_TRACE(sync ? "SyncBatchNorm" : "BatchNorm1d");
+    testing::spawn(2, [&](ProcessGroup& group) {
+      torch::manual_seed(0);
+      torch::nn::AnyModule norm;
+      if (sync) {
+        norm = torch::nn::AnyModule(SyncBatchNorm(torch::nn::BatchNormOptions(6), group));
+      } else {
+        norm = torch::nn::AnyModule(torch::nn::BatchNorm1d(6));
+      }
+      torch::nn::Sequential net(Block(std::move(norm)), torch::nn::Linear(6, 2));
+      FullyShardedDataParallel<torch::nn::Sequential> model(net, group, kBf16);
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      for (int step = 0; step < 3; ++step) {
+        const auto x = torch::arange(24, torch::kFloat).view({6, 4}).sin() * (step + group.rank() + 1);
+        sgd.zero_grad();
+        auto out = model->forward(x);
+        EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+        out.to(torch::kFloat).square().mean().backward();
+        sgd.step();
+      }
+      model->eval();
+      torch::NoGradGuard no_grad;
+      const auto out = model->forward(torch::arange(12, torch::kFloat).view({3, 4}).cos());
+      EXPECT_TRUE(torch::isfinite(out.to(torch::kFloat)).all().item<bool>()) << out;
+      const auto running_mean = model->module()[0]->named_buffers()["norm.running_mean"];
+      EXPECT_GT(running_mean.abs().sum().item<float>(), 0.0f) << "the running statistics did not move";
+      for (const auto& p : model->parameters()) {
+        EXPECT_EQ(p.scalar_type(), torch::kFloat);
+      }
+    });
+  }
+}
+
 // An fp32 value that bf16 cannot hold survives a writeback exactly, and the
 // gradient hooks survive the parameters' change of dtype in and out of
 // summon_full_params: the next backward still reaches the shards.

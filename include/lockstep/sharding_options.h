@@ -51,7 +51,9 @@ struct ShardingOptions {
   /// all-gather). The shards, model->parameters(), the optimizer and its
   /// state stay in the parameters' own dtype: fp32 master weights.
   /// Floating-point tensor arguments of forward are cast to it; outputs stay
-  /// in it. summon_full_params() gives the parameters in their own dtype.
+  /// in it. A BatchNorm's (or SyncBatchNorm's) parameters keep their own
+  /// dtype, as PyTorch's FSDP leaves BatchNorm out of its mixed precision.
+  /// summon_full_params() gives the parameters in their own dtype.
   /// Unset: the parameters' own dtype. FullShard and ShardGradOp only.
   TORCH_ARG(std::optional<torch::ScalarType>, param_dtype) = std::nullopt;
   /// The dtype gradients are reduce-scattered (averaged) in before they are

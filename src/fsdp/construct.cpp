@@ -19,8 +19,10 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <mutex>
 #include <numeric>
+#include <tuple>
 #include <sstream>
 #include <unordered_map>
 
@@ -203,7 +205,28 @@ std::vector<std::shared_ptr<torch::nn::Module>> checkpoint_units(torch::nn::Modu
   return switched;
 }
 
-Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where) {
+namespace {
+
+// The names of the parameters of the module's BatchNorm layers.
+std::set<std::string> batch_norm_parameters(torch::nn::Module& module) {
+  std::set<std::string> names;
+  for (const auto& named : module.named_modules()) {
+    const auto& m = named.value();
+    if (m->as<torch::nn::BatchNorm1dImpl>() == nullptr && m->as<torch::nn::BatchNorm2dImpl>() == nullptr &&
+        m->as<torch::nn::BatchNorm3dImpl>() == nullptr && m->as<SyncBatchNormImpl>() == nullptr) {
+      continue;
+    }
+    for (const auto& p : m->named_parameters(/*recurse=*/false)) {
+      names.insert(named.key().empty() ? p.key() : named.key() + "." + p.key());
+    }
+  }
+  return names;
+}
+
+} // namespace
+
+Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, bool keep_batch_norms,
+                        const std::string& where) {
   std::vector<std::string> all_names;
   std::vector<torch::Tensor> all_params;
   for (const auto& named : module.named_parameters(/*recurse=*/true)) {
@@ -211,6 +234,7 @@ Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string
     all_params.push_back(named.value());
   }
   const auto all_units = assign_units(all_names, paths);
+  const auto normalised = keep_batch_norms ? batch_norm_parameters(module) : std::set<std::string>();
   Planned planned;
   std::unordered_map<const void*, size_t> seen;
   for (size_t i = 0; i < all_params.size(); ++i) {
@@ -226,6 +250,7 @@ Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string
     planned.names.push_back(all_names[i]);
     planned.params.push_back(all_params[i]);
     planned.units.push_back(all_units[i]);
+    planned.keep_dtype.push_back(normalised.count(all_names[i]) != 0);
   }
   return planned;
 }
@@ -245,13 +270,13 @@ Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string
 std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vector<std::string>& paths) {
   std::vector<FlatParam> flats;
   for (size_t u = 0; u <= paths.size(); ++u) {
-    std::map<std::pair<int, std::string>, size_t> by_type;
+    std::map<std::tuple<int, std::string, char>, size_t> by_type;
     for (size_t i = 0; i < planned.params.size(); ++i) {
       const auto& p = planned.params[i];
       if (planned.units[i] != u || !p.requires_grad()) {
         continue; // Note [Frozen parameters]
       }
-      const auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
+      const auto key = std::make_tuple(static_cast<int>(p.scalar_type()), p.device().str(), planned.keep_dtype[i]);
       if (by_type.count(key) == 0) {
         by_type[key] = flats.size();
         flats.emplace_back();
@@ -260,6 +285,7 @@ std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vecto
         flats.back().compute_dtype = p.scalar_type();
         flats.back().reduce_dtype = p.scalar_type();
         flats.back().device = p.device();
+        flats.back().keep_dtype = planned.keep_dtype[i];
       }
       auto& flat = flats[by_type[key]];
       flat.offsets.push_back(flat.layout.numel);
@@ -356,7 +382,9 @@ void ShardedCore::State::plan_buckets() {
   std::vector<std::string> keys;
   for (const auto& flat : flats) {
     bytes.push_back(flat.layout.padded * static_cast<int64_t>(c10::elementSize(flat.dtype)));
-    keys.push_back(bucket_key(flat.dtype, flat.device));
+    // One gathered buffer and one reduce-scatter per bucket: one compute and one reduce dtype.
+    keys.push_back(bucket_key(flat.dtype, flat.device) + "/" + c10::toString(flat.compute_dtype) + "/" +
+                   c10::toString(flat.reduce_dtype));
   }
   std::vector<size_t> forward(flats.size());
   std::iota(forward.begin(), forward.end(), size_t{0});
@@ -419,7 +447,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   if (options.activation_checkpointing()) {
     s.checkpointed_units = checkpoint_units(module, paths, s.where());
   }
-  const auto planned = plan_parameters(module, paths, s.where());
+  const auto planned = plan_parameters(module, paths, options.param_dtype().has_value(), s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
   s.model = check_same_model(s.group, planned.names, planned.params, s.where());
   detail::label_sync_batch_norms(module, s.group, s.model);

@@ -24,6 +24,7 @@ struct FlatParam {
   // (Note [Sharded mixed precision]).
   torch::ScalarType compute_dtype = torch::kFloat;
   torch::ScalarType reduce_dtype = torch::kFloat; // what its gradients are reduce-scattered in
+  bool keep_dtype = false; // a BatchNorm's parameters: no param_dtype or reduce_dtype
   torch::Device device = torch::kCPU;
   std::vector<torch::Tensor> params; // the module's own
   std::vector<std::string> names;
@@ -65,12 +66,13 @@ struct FlatParam {
   }
 };
 
-/// The name of `flat`'s shard on the wrapper ("layers/0:Float"; a
-/// parameter's name has no dots).
+/// The name of `flat`'s shard on the wrapper ("layers/0:Float", and
+/// "layers/0:Float:batch_norm" for its BatchNorms' parameters under a
+/// param_dtype; a parameter's name has no dots).
 inline std::string shard_name(const FlatParam& flat) {
   std::string name = flat.unit.empty() ? std::string("root") : flat.unit;
   std::replace(name.begin(), name.end(), '.', '/');
-  return name + ":" + c10::toString(flat.dtype);
+  return name + ":" + c10::toString(flat.dtype) + (flat.keep_dtype ? ":batch_norm" : "");
 }
 
 /// Whether `shard_grad` is the .grad that no_sync last set aside beside its
@@ -116,11 +118,15 @@ struct Planned {
   std::vector<torch::Tensor> params;
   std::vector<size_t> units;
   std::vector<std::pair<std::string, size_t>> aliases; // another name of parameter i (a tied one)
+  std::vector<char> keep_dtype; // a BatchNorm's: not cast to param_dtype (Note [Sharded mixed precision])
 };
 
-Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, const std::string& where);
+/// With keep_batch_norms (a param_dtype is set), BatchNorm's parameters are
+/// marked keep_dtype (Note [Sharded mixed precision]).
+Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, bool keep_batch_norms,
+                        const std::string& where);
 
-/// One flat parameter per unit and (dtype, device), the root's first, with
+/// One flat parameter per unit, (dtype, device) and keep_dtype, the root's first, with
 /// its parameters and offsets; layouts and buffers come later. Frozen
 /// parameters are left out (Note [Frozen parameters]).
 std::vector<FlatParam> group_into_flats(const Planned& planned, const std::vector<std::string>& paths);

@@ -28,6 +28,13 @@ namespace detail {
 // would round the master weights. NoShard keeps the module's parameters as
 // views of its fp32 "shard", so it has no gathered buffer to hold another
 // dtype, and refuses a param_dtype.
+//
+// A BatchNorm's (or SyncBatchNorm's) parameters keep their dtype, in flats
+// of their own, gathered and reduced in it, as PyTorch's FSDP leaves
+// _BatchNorm out of its mixed precision by default: its running statistics
+// are buffers, never cast, and ATen's CPU batch norm takes a bf16 or fp16
+// input only beside weights in the statistics' dtype ("mixed dtype (CPU)").
+// The layer's output is in its input's dtype, as under autocast.
 
 void ShardedCore::State::set_precision(const ShardingOptions& options) {
   const auto& param = options.param_dtype();
@@ -56,8 +63,8 @@ void ShardedCore::State::set_precision(const ShardingOptions& options) {
                 "instead of param_dtype.");
   }
   for (auto& flat : flats) {
-    if (!c10::isFloatingType(flat.dtype)) {
-      continue; // integer parameters keep their dtype, as FSDP's
+    if (!c10::isFloatingType(flat.dtype) || flat.keep_dtype) {
+      continue; // integer parameters keep their dtype, as FSDP's; so do BatchNorm's
     }
     flat.compute_dtype = param.value_or(flat.dtype);
     flat.reduce_dtype = reduce.value_or(flat.compute_dtype);
