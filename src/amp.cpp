@@ -116,8 +116,12 @@ uint64_t this_thread_number() {
 AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled,
                              std::optional<bool> cache_enabled)
     : device_type_(device_type) {
-  TORCH_CHECK(detail::autocast_available(device_type), "lockstep::AutocastGuard: this LibTorch has no autocast for ",
-              device_type, " tensors; use torch::kCPU or torch::kCUDA");
+  // DataParallel's replicas and lockstep::checkpoint's recomputation carry a
+  // thread's autocast state for these two only (detail::AutocastState).
+  TORCH_CHECK(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA,
+              "lockstep::AutocastGuard: lockstep runs autocast for CPU and CUDA tensors, not ", device_type,
+              " ones: DataParallel's replicas and lockstep::checkpoint's recomputation would run without it; use "
+              "torch::kCPU or torch::kCUDA");
   TORCH_CHECK(dtype == c10::kBFloat16 || dtype == c10::kHalf, "lockstep::AutocastGuard: dtype ", dtype,
               " is not a lower precision autocast can run in; pass torch::kBFloat16 or torch::kHalf");
   TORCH_CHECK(device_type != c10::DeviceType::CPU || dtype != c10::kHalf || detail::kCpuAutocastTakesHalf,

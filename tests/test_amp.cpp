@@ -81,7 +81,9 @@ TEST(AutocastGuard, ANestedGuardInheritsTheCacheSetting) {
 
 TEST(AutocastGuard, RefusesWhatAutocastCannotRun) {
   EXPECT_ERROR_SAYS(AutocastGuard(torch::kCPU, torch::kFloat), "dtype Float is not a lower precision");
-  EXPECT_ERROR_SAYS(AutocastGuard(c10::DeviceType::FPGA, torch::kBFloat16), "no autocast for fpga tensors");
+  // XPU has autocast in PyTorch 2.x, but lockstep carries only CPU's and CUDA's state to replicas and recomputation.
+  EXPECT_ERROR_SAYS(AutocastGuard(c10::DeviceType::XPU, torch::kBFloat16), "lockstep runs autocast for CPU and CUDA "
+                    "tensors, not xpu ones", "use torch::kCPU or torch::kCUDA");
 #if TORCH_VERSION_MAJOR < 2
   EXPECT_ERROR_SAYS(AutocastGuard(torch::kCPU, torch::kHalf), "CPU autocast to float16 needs PyTorch 2.4");
 #endif

@@ -107,9 +107,6 @@ inline c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c
 /// GPU. Lockstep's guard speaks the first and maps it onto the second, for
 /// the device types both know: CPU and CUDA.
 #if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 204
-inline bool autocast_available(c10::DeviceType type) {
-  return at::autocast::is_autocast_available(type);
-}
 inline bool autocast_enabled(c10::DeviceType type) {
   return at::autocast::is_autocast_enabled(type);
 }
@@ -126,9 +123,6 @@ inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
 /// Autocast only supports dtype of torch.bfloat16").
 constexpr bool kCpuAutocastTakesHalf = true;
 #else
-inline bool autocast_available(c10::DeviceType type) {
-  return type == c10::DeviceType::CPU || type == c10::DeviceType::CUDA;
-}
 inline bool autocast_enabled(c10::DeviceType type) {
   return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
 }
