@@ -74,6 +74,12 @@ torch::ScalarType accumulate_type(const torch::Tensor& x) {
   return type == torch::kHalf || type == torch::kBFloat16 ? torch::kFloat : type;
 }
 
+// Where a layer's float64 statistics go through `op`: the input's device,
+// or the CPU where the backend cannot run `op` there.
+torch::Device statistics_device(const ProcessGroup& group, Collective op, const torch::Tensor& x) {
+  return group.supports(op, torch::kDouble, x.device()) ? x.device() : torch::Device(torch::kCPU);
+}
+
 std::string where(const ProcessGroup& group) {
   return "lockstep::SyncBatchNorm: rank " + std::to_string(group.rank()) + " of " + std::to_string(group.size()) + ": ";
 }
@@ -132,11 +138,12 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
       double momentum,
       c10::intrusive_ptr<GroupCapsule> capsule) {
     const ProcessGroup& group = capsule->group;
-    const auto x = input.contiguous();
+    const auto x = input.contiguous(input.suggest_memory_format()); // channels-last stays so, as BatchNorm's
     const auto dims = reduced_dims(x);
     const int64_t channels = x.size(1);
     const int64_t n = x.numel() / std::max<int64_t>(channels, 1);
-    const auto dbl = x.options().dtype(torch::kDouble);
+    // On the CPU where the backend cannot reduce on the input's device (MPI beside a CUDA input), as GradScaler's.
+    const auto dbl = torch::TensorOptions(torch::kDouble).device(statistics_device(group, Collective::AllGather, x));
     const auto acc = accumulate_type(x);
     const auto xa = x.to(acc);
     auto stats = torch::zeros({2 * channels + 1}, dbl); // n, the mean, the squares about it
@@ -206,18 +213,19 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
                 "BatchNorm there (per rank) as PyTorch's SyncBatchNorm would require too.");
 
     const auto acc = mean.scalar_type(); // accumulate_type(x), as forward saved it
-    const auto dy = grads[0].defined() ? grads[0].contiguous().to(acc) : torch::zeros_like(x, x.options().dtype(acc));
+    const auto dy = grads[0].defined() ? grads[0].contiguous(x.suggest_memory_format()).to(acc) : torch::zeros_like(x, x.options().dtype(acc));
     const auto xmu = x.to(acc) - per_channel(mean, x);
     const auto local_sum_dy = dy.sum(dims, false, torch::kDouble);
     const auto local_sum_dy_xmu = (dy * xmu).sum(dims, false, torch::kDouble);
     // Every rank reduces, whether or not its input needs a gradient: the
     // others wait for it.
-    auto sums = torch::cat({local_sum_dy, local_sum_dy_xmu});
+    auto sums = torch::cat({local_sum_dy, local_sum_dy_xmu}).to(statistics_device(group, Collective::Allreduce, x));
     {
       detail::CollectiveTag tag(capsule->tag);
       group.allreduce_async({sums}, ReduceOp::Sum, capsule->label + "'s gradient sums (" + std::to_string(channels) +
                             " channels)")->wait();
     }
+    sums = sums.to(x.device());
     const auto mean_dy = (sums.narrow(0, 0, channels) / total).to(acc);
     const auto mean_dy_xmu = (sums.narrow(0, channels, channels) / total).to(acc);
 
@@ -238,6 +246,23 @@ bool is_batch_norm(const torch::nn::Module& m) {
   return m.as<torch::nn::BatchNorm1dImpl>() != nullptr || m.as<torch::nn::BatchNorm2dImpl>() != nullptr ||
       m.as<torch::nn::BatchNorm3dImpl>() != nullptr;
 }
+
+} // namespace
+
+std::vector<std::string> detail::batch_norm_parameter_names(torch::nn::Module& root) {
+  std::vector<std::string> names;
+  for (const auto& named : root.named_modules()) {
+    const auto& m = *named.value();
+    if (is_batch_norm(m) || m.as<SyncBatchNormImpl>() != nullptr) {
+      for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+        names.push_back(named.key().empty() ? p.key() : named.key() + "." + p.key());
+      }
+    }
+  }
+  return names;
+}
+
+namespace {
 
 std::shared_ptr<SyncBatchNormImpl> make_sync(const torch::nn::Module& m, const ProcessGroup& group) {
   if (const auto* bn = m.as<torch::nn::BatchNorm1dImpl>()) {

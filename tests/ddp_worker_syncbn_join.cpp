@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -116,11 +117,16 @@ void sync_batch_norm(const ProcessGroup& group) {
   check_sync_bn_eval(group);
 }
 
-// SyncBatchNorm on CUDA input over the group (Gloo reduces CUDA tensors too),
-// against BatchNorm2d on the whole batch. Processes, not threads as ranks:
-// autograd runs the backward of every CUDA tensor of a process on one thread
-// per GPU, so two thread-ranks on one GPU would wait on each other there.
+// SyncBatchNorm on CUDA input over the group, against BatchNorm2d on the
+// whole batch: Gloo reduces the statistics on the GPU, a backend that cannot
+// (MPI) on the CPU. Processes, not threads as ranks: autograd runs the
+// backward of every CUDA tensor of a process on one thread per GPU, so two
+// thread-ranks on one GPU would wait on each other there. Exits 77 (skipped)
+// without a GPU.
 void sync_batch_norm_cuda(const ProcessGroup& group) {
+  if (!torch::cuda::is_available()) {
+    std::exit(77);
+  }
   const int r = group.rank();
   const torch::Device gpu(torch::kCUDA, 0);
   torch::manual_seed(3);
@@ -141,9 +147,9 @@ void sync_batch_norm_cuda(const ProcessGroup& group) {
   check(torch::allclose(y, y_all.narrow(0, offsets[r], rows), 1e-5, 1e-5), "output on CUDA", r);
   check(torch::allclose(mine.grad(), x_all.grad().narrow(0, offsets[r], rows), 1e-5, 1e-5), "input gradient on CUDA", r);
   check(torch::allclose(sync->running_var, bn->running_var, 1e-5, 1e-5), "running variance on CUDA", r);
-  auto summed = sync->weight.grad().clone();
+  auto summed = sync->weight.grad().cpu(); // on the CPU, which every backend reduces
   group.allreduce(summed);
-  check(torch::allclose(summed, bn->weight.grad(), 1e-5, 1e-4), "weight gradient summed on CUDA", r);
+  check(torch::allclose(summed, bn->weight.grad().cpu(), 1e-5, 1e-4), "weight gradient summed on CUDA", r);
 }
 
 // DDP over a model holding a SyncBatchNorm: the collectives of both meet in

@@ -91,6 +91,29 @@ TEST(SyncBatchNormThreads, AFloat64ChannelFarFromZeroKeepsItsVariance) {
   });
 }
 
+// A channels-last input gives a channels-last output, as BatchNorm's (and
+// PyTorch's SyncBatchNorm's) does, with the whole batch's values.
+TEST(SyncBatchNormThreads, AChannelsLastInputKeepsItsMemoryFormat) {
+  torch::manual_seed(0);
+  const auto whole = torch::randn({4, 3, 5, 5}, torch::kDouble);
+  const auto dy = torch::randn({4, 3, 5, 5}, torch::kDouble);
+  auto reference_input = whole.clone().requires_grad_();
+  const auto reference = torch::batch_norm(reference_input, {}, {}, {}, {}, /*training=*/true, 0.1, 1e-5,
+                                           /*cudnn_enabled=*/false);
+  reference.backward(dy);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    SyncBatchNorm norm(torch::nn::BatchNormOptions(3), group);
+    norm->to(torch::kDouble);
+    const auto rows = torch::indexing::Slice(2 * group.rank(), 2 * group.rank() + 2);
+    auto x = whole.index({rows}).contiguous(torch::MemoryFormat::ChannelsLast).requires_grad_();
+    const auto out = norm->forward(x);
+    EXPECT_TRUE(out.is_contiguous(torch::MemoryFormat::ChannelsLast));
+    EXPECT_LT(relative_error(out, reference.index({rows})), 1e-12);
+    out.backward(dy.index({rows}).contiguous(torch::MemoryFormat::ChannelsLast));
+    EXPECT_LT(relative_error(x.grad(), reference_input.grad().index({rows})), 1e-12);
+  });
+}
+
 // A gradient penalty's create_graph through the layer on two ranks: its
 // allreduce is not differentiable, so the second-order gradient would miss
 // the other rank's terms. An error on every rank, as PyTorch's; a plain

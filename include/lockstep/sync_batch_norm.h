@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace lockstep {
 
@@ -30,6 +31,9 @@ namespace detail {
 /// statistics (Note [Collective tags]). DistributedDataParallel and
 /// FullyShardedDataParallel call it on the module they wrap.
 void label_sync_batch_norms(torch::nn::Module& root, const ProcessGroup& group, int64_t model);
+/// The names of the parameters of the BatchNorm and SyncBatchNorm layers
+/// under `root`, as root.named_parameters() gives them.
+std::vector<std::string> batch_norm_parameter_names(torch::nn::Module& root);
 } // namespace detail
 
 /// Batch normalisation over input of shape (N, C, *), any number of trailing

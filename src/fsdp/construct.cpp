@@ -205,26 +205,6 @@ std::vector<std::shared_ptr<torch::nn::Module>> checkpoint_units(torch::nn::Modu
   return switched;
 }
 
-namespace {
-
-// The names of the parameters of the module's BatchNorm layers.
-std::set<std::string> batch_norm_parameters(torch::nn::Module& module) {
-  std::set<std::string> names;
-  for (const auto& named : module.named_modules()) {
-    const auto& m = named.value();
-    if (m->as<torch::nn::BatchNorm1dImpl>() == nullptr && m->as<torch::nn::BatchNorm2dImpl>() == nullptr &&
-        m->as<torch::nn::BatchNorm3dImpl>() == nullptr && m->as<SyncBatchNormImpl>() == nullptr) {
-      continue;
-    }
-    for (const auto& p : m->named_parameters(/*recurse=*/false)) {
-      names.insert(named.key().empty() ? p.key() : named.key() + "." + p.key());
-    }
-  }
-  return names;
-}
-
-} // namespace
-
 Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, bool keep_batch_norms,
                         const std::string& where) {
   std::vector<std::string> all_names;
@@ -234,7 +214,11 @@ Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string
     all_params.push_back(named.value());
   }
   const auto all_units = assign_units(all_names, paths);
-  const auto normalised = keep_batch_norms ? batch_norm_parameters(module) : std::set<std::string>();
+  std::set<std::string> normalised;
+  if (keep_batch_norms) {
+    const auto names = detail::batch_norm_parameter_names(module);
+    normalised.insert(names.begin(), names.end());
+  }
   Planned planned;
   std::unordered_map<const void*, size_t> seen;
   for (size_t i = 0; i < all_params.size(); ++i) {
