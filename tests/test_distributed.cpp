@@ -336,6 +336,30 @@ TEST(DdpThreads, ANoGradForwardBeforeTheBackwardLeavesItsReduction) {
   });
 }
 
+// A model with buffers (BatchNorm's running statistics, synced before each
+// forward) run twice before one backward: a target under no grad, and a
+// GAN's two batches summed into one loss. The sync must not look like an
+// in-place change of what the first forward saved (Note [Buffers synced
+// without a version bump]).
+TEST(DdpThreads, TwoForwardsOfAModelWithBuffersBeforeOneBackward) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::manual_seed(2);
+    torch::nn::Sequential net(torch::nn::Linear(3, 3), torch::nn::BatchNorm1d(3));
+    DistributedDataParallel<torch::nn::Sequential> ddp(net, group);
+    const auto x = torch::arange(12, torch::kFloat).view({4, 3}).sin() * (group.rank() + 1);
+    auto out = ddp(x);
+    torch::Tensor target;
+    {
+      torch::NoGradGuard no_grad;
+      target = ddp(x * 2);
+    }
+    EXPECT_NO_THROW(torch::mse_loss(out, target).backward());
+    ddp->zero_grad();
+    EXPECT_NO_THROW((ddp(x).sum() + ddp(x.cos()).square().sum()).backward());
+    EXPECT_TRUE(net[0]->as<torch::nn::Linear>()->weight.grad().defined());
+  });
+}
+
 // A forward under no_sync between a synced forward and its backward (an
 // auxiliary pass) leaves that backward reduced, as PyTorch's: it reduced
 // nothing, and each rank kept its own gradient.

@@ -155,7 +155,32 @@ int64_t verify_same_parameters(
   return verdicts[0].cpu()[2].item<int64_t>();
 }
 
-void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root, const std::string& what) {
+namespace {
+
+// Note [Buffers synced without a version bump]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A forward's BatchNorm saves its running statistics for backward, and
+// autograd refuses a backward whose saved tensors' version counters moved.
+// A second forward before that backward (a GAN's real and fake batches
+// summed into one loss, a target computed under no grad) syncs the buffers
+// again, in place: written through the tensor itself, that moves their
+// counters, and the first forward's backward failed ("modified by an
+// inplace operation"). PyTorch's DDP syncs them under
+// _unsafe_preserve_version_counter; here they are written through another
+// tensor over the same memory, whose counter is its own. BatchNorm's
+// backward in training reads its saved batch statistics, not these.
+void copy_keeping_version(const torch::Tensor& target, const torch::Tensor& source) {
+  if (target.layout() != torch::kStrided) {
+    target.copy_(source);
+    return;
+  }
+  torch::from_blob(target.data_ptr(), target.sizes(), target.strides(), target.options()).copy_(source);
+}
+
+} // namespace
+
+void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root,
+                         const std::string& what, bool keep_versions) {
   if (tensors.empty()) {
     return;
   }
@@ -173,7 +198,8 @@ void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Ten
     group.broadcast_async({flat}, root, what)->wait();
     int64_t offset = 0;
     for (auto& t : group_tensors) {
-      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      const auto part = flat.narrow(0, offset, t.numel()).view(t.sizes());
+      keep_versions ? copy_keeping_version(t, part) : void(t.copy_(part));
       offset += t.numel();
     }
   }
@@ -261,7 +287,8 @@ void DistributedCore::before_forward(int64_t batch) {
     reducer_->rebuild_buckets(root);
   }
   if (broadcast_buffers_ && sync_) {
-    broadcast_coalesced(group_, buffers_, root, "the broadcast of rank " + std::to_string(root) + "'s buffers");
+    broadcast_coalesced(group_, buffers_, root, "the broadcast of rank " + std::to_string(root) + "'s buffers",
+                        /*keep_versions=*/true); // Note [Buffers synced without a version bump]
   }
   if (grad) {
     reducer_->prepare_for_backward(reduce);

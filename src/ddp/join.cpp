@@ -124,7 +124,8 @@ void DistributedCore::finish_join() {
       reducer_->rebuild_buckets(root);
     }
     if (broadcast_buffers_ && round.sync) {
-      broadcast_coalesced(group_, buffers_, root, "the broadcast of rank " + std::to_string(root) + "'s buffers");
+      broadcast_coalesced(group_, buffers_, root, "the broadcast of rank " + std::to_string(root) + "'s buffers",
+                          /*keep_versions=*/true); // Note [Buffers synced without a version bump]
     }
     if (round.reduce) {
       reducer_->shadow_backward();

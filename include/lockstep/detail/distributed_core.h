@@ -102,8 +102,11 @@ int64_t verify_same_parameters(
     const std::vector<torch::Tensor>& params,
     const std::string& options);
 
-/// Copies root's `tensors` into every rank's, one collective per dtype.
-void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root, const std::string& what);
+/// Copies root's `tensors` into every rank's, one collective per dtype and
+/// device; with keep_versions, without moving their version counters (Note
+/// [Buffers synced without a version bump]).
+void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Tensor>& tensors, int root,
+                         const std::string& what, bool keep_versions = false);
 
 } // namespace detail
 
