@@ -77,6 +77,19 @@ TEST(KvStore, WireProtocolAddsSetsGetsAndRefusesNonsense) {
   EXPECT_EQ(kv.serve("GET a"), "V 5");
 }
 
+// The node that serves the endpoint reaches its own host name over
+// loopback where /etc/hosts maps the name to 127.0.1.1 (Debian's default):
+// the others must get the name, by which they reached it, not their own
+// loopback as MASTER_ADDR.
+TEST(Rendezvous, ANodeReachingTheEndpointOverLoopbackGivesTheEndpointsHost) {
+  EXPECT_EQ(tools::reachable_address("127.0.1.1", "node0.cluster"), "node0.cluster");
+  EXPECT_EQ(tools::reachable_address("::1", "node0.cluster"), "node0.cluster");
+  EXPECT_EQ(tools::reachable_address("::ffff:127.0.0.1", "node0"), "node0");
+  EXPECT_EQ(tools::reachable_address("127.0.0.1", "127.0.0.1"), "127.0.0.1");
+  EXPECT_EQ(tools::reachable_address("10.1.2.3", "node0.cluster"), "10.1.2.3");
+  EXPECT_EQ(tools::reachable_address("fd00::5", "node0"), "fd00::5");
+}
+
 TEST(Rendezvous, RoundClosesAtOnceWhenMaxNodesJoinAndRanksFollowTheNodeOrder) {
   MemoryKeyValue kv;
   const auto s = settings(1, 2);

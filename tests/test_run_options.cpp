@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -99,6 +100,47 @@ TEST(ElasticOptions, BadElasticCommandLinesSayWhatIsWrong) {
                 "--monitor-interval 20 is more than half the liveness window (15 s"), std::string::npos);
   EXPECT_NE(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "keep_alive_interval=0.0004"}).find(
                 "keep_alive_interval=0.000400 is below 1 ms"), std::string::npos);
+}
+
+// torchrun's forms that lockstep-run does not take say what to write
+// instead: -m (a Python module), and a script in the current directory,
+// which torchrun runs with python and a shell only as ./NAME.
+TEST(RunOptions, TorchrunsPythonFormsSayWhatToWriteInstead) {
+  EXPECT_EQ(refusal({"-m", "pkg.train"}), "-m runs a Python module under torchrun; lockstep-run runs a program as "
+                                          "given (as torchrun --no-python does): name the interpreter, as in "
+                                          "`lockstep-run ... python3 -m MODULE`.");
+  EXPECT_EQ(tools::program_missing_message("train", true),
+            "program 'train' not found in PATH or not executable. ./train is in this directory: lockstep-run runs "
+            "PROGRAM as a shell would (as torchrun --no-python does), so write ./train.");
+  EXPECT_EQ(tools::program_missing_message("train.py", false),
+            "program 'train.py' not found in PATH or not executable. A Python script needs its interpreter: "
+            "lockstep-run ... python3 train.py.");
+  EXPECT_EQ(tools::program_missing_message("bin/train", true), "program 'bin/train' not found or not executable.");
+}
+
+// Kubeflow's PyTorchJob gives each pod's torchrun only PET_ variables
+// (Note [torchrun's PET_ variables]): without them every pod ran a job of
+// its own. The command line wins.
+TEST(RunOptions, TorchrunsPetVariablesFillWhatTheCommandLineLeaves) {
+  const std::vector<std::pair<std::string, std::string>> pet{
+      {"PET_NNODES", "2"}, {"PET_NODE_RANK", "1"}, {"PET_MASTER_ADDR", "pod-0"}, {"PET_MASTER_PORT", "23456"},
+      {"PET_NPROC_PER_NODE", "3"}};
+  for (const auto& [name, value] : pet) {
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  const auto options = parse({});
+  const auto overridden = parse({"--nproc-per-node", "2", "--master-port", "29501"});
+  for (const auto& [name, value] : pet) {
+    ::unsetenv(name.c_str());
+  }
+  EXPECT_EQ(options.nnodes, 2);
+  EXPECT_EQ(options.node_rank, 1);
+  EXPECT_EQ(options.master_addr, "pod-0");
+  EXPECT_EQ(options.master_port, 23456);
+  EXPECT_EQ(options.nproc_per_node, 3);
+  EXPECT_EQ(overridden.nproc_per_node, 2);
+  EXPECT_EQ(overridden.master_port, 29501);
+  EXPECT_EQ(overridden.master_addr, "pod-0");
 }
 
 // --- lockstep-run under srun (Note [lockstep-run under srun]) ----------------

@@ -85,7 +85,8 @@ inline bool endpoint_port_taken_here(const Options& options) {
 constexpr Millis kLocalStoreAnswer{2000};
 
 /// The address this machine reaches `host` from (a UDP "connection" sends
-/// nothing), and a free TCP port there for the workers' store.
+/// nothing), or `host` where that is a loopback (reachable_address), and a
+/// free TCP port there for the workers' store.
 inline std::pair<std::string, int> local_address_toward(const std::string& host, int port) {
   const auto addresses = detail::resolve_tcp(host, port);
   const addrinfo* a = addresses.first();
@@ -111,7 +112,7 @@ inline std::pair<std::string, int> local_address_toward(const std::string& host,
     free_port = detail::bound_port(bound.fd);
     ::close(bound.fd);
   }
-  return {text, free_port};
+  return {reachable_address(text, host), free_port};
 }
 
 /// One node of an elastic job. See Note [Elastic rendezvous].

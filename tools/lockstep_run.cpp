@@ -298,8 +298,9 @@ int main(int argc, char** argv) {
   }
   const std::string program = lockstep::common::find_program(options.command[0]);
   if (program.empty()) {
-    usage_error("program '" + options.command[0] + "' not found" +
-                (options.command[0].find('/') == std::string::npos ? " in PATH" : "") + " or not executable.");
+    struct stat here {};
+    usage_error(lockstep::tools::program_missing_message(options.command[0],
+                                                          ::stat(options.command[0].c_str(), &here) == 0));
   }
   if (!options.elastic() && options.node_rank == 0) {
     check_port_free(options.master_addr, options.master_port);

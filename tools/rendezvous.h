@@ -171,6 +171,18 @@ struct Assignment {
 /// of those that failed, in the last round.
 inline const std::string kJobSucceeded = "ok";
 
+/// The address a node gives the others for its ranks, from the numeric
+/// address it reaches the endpoint's host from. A loopback one means that
+/// the endpoint is this machine, whose name may map to 127.0.1.1 here (as
+/// Debian's /etc/hosts does): the others would each reach their own
+/// loopback. They reach this machine by the endpoint's host, as they did for
+/// the rendezvous, so that is its address (torchrun gives its host name too).
+inline std::string reachable_address(const std::string& local_numeric, const std::string& endpoint_host) {
+  const bool loopback = local_numeric.rfind("127.", 0) == 0 || local_numeric == "::1" ||
+      local_numeric.rfind("::ffff:127.", 0) == 0;
+  return loopback ? endpoint_host : local_numeric;
+}
+
 inline Assignment assign(const RoundRecord& record, int64_t node_id) {
   Assignment a;
   a.round = record.round;

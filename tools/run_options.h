@@ -103,6 +103,23 @@ inline void describe_torchrun_flags(CLI::App& app, RunOptions& options) {
                  "elastic job (default: the one that reaches --rdzv-endpoint)");
 }
 
+// Note [torchrun's PET_ variables]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torchrun takes each option it is not given from PET_<NAME> (PET_NNODES,
+// PET_NODE_RANK, ...), and Kubeflow's PyTorchJob starts every pod's torchrun
+// with only those set: without them, each pod would run a job of its own,
+// silently. So lockstep-run does the same for torchrun's options; the
+// command line wins, as torchrun's does.
+inline void read_pet_variables(CLI::App& app) {
+  for (const std::string name : {"nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port",
+                                  "max_restarts", "log_dir", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+                                  "monitor_interval", "role", "local_addr", "local_ranks_filter", "tee", "redirects"}) {
+    std::string variable = "PET_" + name;
+    std::transform(variable.begin(), variable.end(), variable.begin(), [](unsigned char c) { return std::toupper(c); });
+    app.get_option("--" + name)->envname(variable);
+  }
+}
+
 inline void describe_run_options(CLI::App& app, RunOptions& options) {
   // torchrun's underscore spellings are aliases, so that its command lines work.
   app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_text, "Ranks on this node: 1 to 1024, or "
@@ -145,6 +162,7 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   app.add_option("--monitor-interval,--monitor_interval", options.monitor_interval, "Seconds between the elastic "
                  "launcher's looks at the rendezvous store")->check(CLI::Range(0.01, 60.0))->capture_default_str();
   describe_torchrun_flags(app, options);
+  read_pet_variables(app);
   app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
   app.prefix_command(); // everything from PROGRAM on belongs to PROGRAM
 }
@@ -523,6 +541,9 @@ inline void take_program(RunOptions& options, const CLI::App& app, const Fail& f
   options.command = app.remaining(); // prefix_command leaves PROGRAM and its arguments there
   if (!options.command.empty() && options.command[0] == "--") {
     options.command.erase(options.command.begin()); // "--" ends the options, as for torchrun
+  } else if (!options.command.empty() && (options.command[0] == "-m" || options.command[0] == "--module")) {
+    fail(options.command[0] + " runs a Python module under torchrun; lockstep-run runs a program as given (as "
+         "torchrun --no-python does): name the interpreter, as in `lockstep-run ... python3 -m MODULE`.");
   } else if (!options.command.empty() && options.command[0].rfind("-", 0) == 0) {
     // prefix_command takes the first unknown argument for PROGRAM
     fail("unknown option " + options.command[0] + " (options come before PROGRAM).");
@@ -530,6 +551,23 @@ inline void take_program(RunOptions& options, const CLI::App& app, const Fail& f
   if (options.command.empty()) {
     fail("PROGRAM is missing.");
   }
+}
+
+/// What to say of a PROGRAM that is not found (or not executable), where
+/// `here_as_file` says whether a file of that name is in the current
+/// directory: torchrun would run `python NAME`, and a shell `./NAME`.
+inline std::string program_missing_message(const std::string& name, bool here_as_file) {
+  const bool bare = name.find('/') == std::string::npos;
+  std::string message = "program '" + name + "' not found" + (bare ? " in PATH" : "") + " or not executable.";
+  if (bare && here_as_file) {
+    message += " ./" + name + " is in this directory: lockstep-run runs PROGRAM as a shell would (as torchrun "
+               "--no-python does), so write ./" + name + ".";
+  }
+  const bool python = name.size() > 3 && name.compare(name.size() - 3, 3, ".py") == 0;
+  if (python) {
+    message += " A Python script needs its interpreter: lockstep-run ... python3 " + name + ".";
+  }
+  return message;
 }
 
 // A static job's meeting point: --master-addr, or --rdzv-endpoint as
