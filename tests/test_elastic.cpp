@@ -314,6 +314,23 @@ TEST(Elastic, ASignalToTheStoresNodeWaitingForTheOthersIsAFailure) {
   EXPECT_NE(job.nodes[1].exit_code, 0) << job.nodes[1].output;
 }
 
+// Ctrl-C to a node still waiting for the store (its host not started yet)
+// stops it as a signal does, 128 + SIGINT, not as a lost store (exit 1).
+TEST(Elastic, ASignalWhileWaitingForTheStoreStopsTheNodeAsASignal) {
+  const std::string endpoint = "127.0.0.1:" + port();
+  auto node = testing::start(launcher({"--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+                                       "--rdzv-id", "waiting", "--rdzv-conf", "is_host=false,join_timeout=60"},
+                                      {"/bin/true"}),
+                             {kOneThread}, temp("elastic_waiting.log"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  kill(node.pid, SIGINT);
+  std::vector<Process> nodes{node};
+  testing::wait_all(nodes, kDeadline);
+  EXPECT_EQ(nodes[0].exit_code, 128 + SIGINT) << nodes[0].output;
+  EXPECT_NE(nodes[0].output.find("stopped by signal 2 while it waited for the rendezvous store at " + endpoint),
+            std::string::npos) << nodes[0].output;
+}
+
 // The node that serves the store finished its ranks; the other node's
 // machine then dies (its launcher SIGKILLed) before its ranks finish. Its
 // part of the job never finished: the store's node names it and exits 1.

@@ -479,6 +479,11 @@ inline int run_elastic(const Options& options, const std::string& program) {
     ElasticAgent agent(options, program, *kv, server != nullptr);
     return agent.run();
   } catch (const KvError& e) {
+    if (g_launcher_signal != 0) { // a Ctrl-C while it waited for the store: not a lost store
+      std::fprintf(stderr, "lockstep-run: stopped by signal %d while it waited for the rendezvous store at %s:%d.\n",
+                   static_cast<int>(g_launcher_signal), options.rdzv_host.c_str(), options.rdzv_port);
+      return 128 + g_launcher_signal;
+    }
     std::fprintf(stderr, "lockstep-run: %s. The launcher on --rdzv-endpoint %s:%d serves the rendezvous: it has "
                  "stopped, or this node lost its link to it, so the job cannot go on here.\n", e.what(),
                  options.rdzv_host.c_str(), options.rdzv_port);
