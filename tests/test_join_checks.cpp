@@ -32,5 +32,26 @@ TEST(Join, RefusedWithSyncBatchNormAndWithAHookDividingByTheTrainingRanks) {
   EXPECT_ERROR_SAYS(guard.finish(), "already finished");
 }
 
+// A GAN's two wrappers joined together: a rank that ran out sits in one
+// guard's finish(), shadowing that model's collectives only, and the ranks
+// still training would meet it with the other's. Refused at the second
+// join(); after the first guard finishes, the other model may join.
+TEST(Join, ASecondWrapperJoinedOnTheSameThreadIsRefused) {
+  torch::nn::Sequential generator(torch::nn::Linear(3, 2));
+  torch::nn::Sequential discriminator(torch::nn::Linear(2, 1));
+  DistributedDataParallel<torch::nn::Sequential> g(generator, ProcessGroup());
+  DistributedDataParallel<torch::nn::Sequential> d(discriminator, ProcessGroup());
+  {
+    auto first = g->join();
+    EXPECT_ERROR_SAYS(d->join(), "another DistributedDataParallel is joined on this thread", "Join one model");
+    first.finish();
+  }
+  auto second = d->join();
+  second.finish();
+  { auto unwound = g->join(); } // leaves join mode without finish()
+  auto again = d->join();
+  again.finish();
+}
+
 } // namespace
 } // namespace lockstep

@@ -44,6 +44,16 @@ namespace detail {
 
 using common::rank_list;
 
+namespace {
+
+// The wrappers joined on this thread (Note [Join]): a rank sits in one
+// guard's finish(), shadowing that wrapper's collectives only, so a second
+// wrapper joined beside it (a GAN's generator and discriminator) would meet
+// the ranks still training with the wrong collectives.
+thread_local int joined_wrappers = 0;
+
+} // namespace
+
 DistributedCore::JoinRound DistributedCore::join_round(bool training, bool reduce) {
   const int world = group_.size();
   auto round = torch::zeros({world + 3}, torch::TensorOptions().device(reducer_->device()));
@@ -93,12 +103,21 @@ void DistributedCore::begin_join(bool divide_by_initial_world_size, bool throw_o
                 "whose forward and backward communicate; a rank that has run out of inputs cannot take part in them, "
                 "so join() would hang. Give every rank the same number of batches (drop or pad the last ones).");
   }
+  TORCH_CHECK(joined_wrappers == 0, where, "another DistributedDataParallel is joined on this thread. A rank that runs "
+              "out of inputs sits in one guard's finish(), which shadows that model's collectives only, so the ranks "
+              "still training would meet it with the other model's and fail. Join one model (a GAN's generator and "
+              "discriminator: wrap them in one module under one DistributedDataParallel), or give every rank the "
+              "same number of batches.");
+  ++joined_wrappers;
   joining_ = true;
   join_divide_by_initial_world_size_ = divide_by_initial_world_size;
   join_throw_on_early_termination_ = throw_on_early_termination;
 }
 
 void DistributedCore::end_join() {
+  if (joining_) {
+    --joined_wrappers;
+  }
   joining_ = false;
   reducer_->set_divisor(group_.size());
 }
