@@ -29,6 +29,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <chrono>
 #include <thread>
 
 namespace lockstep {
@@ -295,6 +296,32 @@ TEST(Launcher, StaticNodesOfDifferentCountsAddThemUp) {
   EXPECT_NE(nodes[0].output.find("[rank 0] env 0 of 3, local 0 of 1"), std::string::npos) << nodes[0].output;
   EXPECT_NE(nodes[1].output.find("[rank 1] env 1 of 3, local 0 of 2"), std::string::npos) << nodes[1].output;
   EXPECT_NE(nodes[1].output.find("[rank 2] env 2 of 3, local 1 of 2"), std::string::npos) << nodes[1].output;
+}
+
+// A node told --nnodes 3 --node-rank 2 beside a job of 2 nodes: its rank
+// would be 2 of WORLD_SIZE 2. It stops, naming both counts; the job of 2
+// runs.
+TEST(Launcher, AStaticNodeWithAnotherNnodesIsRefusedNamingBoth) {
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int node : {0, 2, 1}) { // node 1 last: the meeting lasts until it comes, so node 2 meets node 0 first
+    if (node == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+    nodes.push_back(testing::start(
+        launcher({"--nnodes", node == 2 ? "3" : "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1",
+                  "--master-addr", "127.0.0.1", "--master-port", master_port},
+                 {"/bin/sh", "-c", "echo \"env $RANK of $WORLD_SIZE\""}),
+        {}, temp("nnodes_differ" + std::to_string(node) + ".log")));
+  }
+  std::swap(nodes[1], nodes[2]); // by --node-rank
+  testing::wait_all(nodes, kDeadline);
+  EXPECT_EQ(nodes[0].exit_code, 0) << nodes[0].output;
+  EXPECT_EQ(nodes[1].exit_code, 0) << nodes[1].output;
+  EXPECT_NE(nodes[2].exit_code, 0) << nodes[2].output;
+  EXPECT_NE(nodes[2].output.find("runs a job of 2 nodes (its --nnodes), but this node has --nnodes 3: give every node "
+                                 "the same --nnodes."), std::string::npos) << nodes[2].output;
+  EXPECT_EQ(nodes[2].output.find("[rank"), std::string::npos) << "a rank started: " << nodes[2].output;
 }
 
 TEST(Launcher, NodesResumingFromDifferentCheckpointsFailTogether) {

@@ -19,7 +19,10 @@
 // counts before it. Node 0 closes the store once every node says it has
 // read the list ("read/K"), and the other nodes start their ranks only once
 // their connection has closed: no rank's store client may reach the
-// meeting's store. Restarts keep the counts: they meet only once.
+// meeting's store. Node 0 writes its --nnodes first ("nnodes"), and a node
+// whose own differs stops with an error before it takes a place, instead of
+// starting ranks numbered past WORLD_SIZE. Restarts keep the counts: they
+// meet only once.
 
 #include "kv_store.h"
 #include "run_options.h"
@@ -112,6 +115,11 @@ class StaticMeeting {
     if (!kv) {
       return std::nullopt;
     }
+    if (me == 0) {
+      kv->set("nnodes", std::to_string(options_.nnodes));
+    } else if (!check_nnodes(*kv)) {
+      return std::nullopt;
+    }
     if (kv->add("claim/" + std::to_string(me), 1) != 1) {
       throw MeetingError("another node already gave --node-rank " + std::to_string(me) + " to node 0's launcher at " +
                          where() + ": give each node its own --node-rank, 0 to " + std::to_string(options_.nnodes - 1) +
@@ -142,6 +150,25 @@ class StaticMeeting {
   }
 
  private:
+  // Whether this node's --nnodes is node 0's: its ranks would otherwise be
+  // numbered past WORLD_SIZE, or count nodes that never come. False on a
+  // signal; throws where they differ.
+  bool check_nnodes(KvClient& kv) {
+    std::optional<std::string> theirs;
+    missing_text_ = "node 0's launcher at " + where() + " did not say how many nodes the job has";
+    while (!(theirs = kv.get("nnodes"))) {
+      if (!pause()) {
+        return false;
+      }
+    }
+    if (std::atoi(theirs->c_str()) != options_.nnodes) {
+      throw MeetingError("node 0's launcher at " + where() + " runs a job of " + *theirs + " nodes (its --nnodes), "
+                         "but this node has --nnodes " + std::to_string(options_.nnodes) + ": give every node the "
+                         "same --nnodes.");
+    }
+    return true;
+  }
+
   std::string where() const {
     return options_.master_addr + ":" + std::to_string(options_.master_port);
   }
