@@ -64,6 +64,23 @@ inline std::string find_program(const std::string& name) {
   return "";
 }
 
+/// What to say of a PROGRAM that is not found (or not executable), where
+/// `here_as_file` says whether a file of that name is in the current
+/// directory: torchrun would run `python NAME`, and a shell `./NAME`.
+inline std::string program_missing_message(const std::string& name, bool here_as_file) {
+  const bool bare = name.find('/') == std::string::npos;
+  std::string message = "program '" + name + "' not found" + (bare ? " in PATH" : "") + " or not executable.";
+  if (bare && here_as_file) {
+    message += " ./" + name + " is in this directory: lockstep-run runs PROGRAM as a shell would (as torchrun "
+               "--no-python does), so write ./" + name + ".";
+  }
+  const bool python = name.size() > 3 && name.compare(name.size() - 3, 3, ".py") == 0;
+  if (python) {
+    message += " A Python script needs its interpreter: lockstep-run ... python3 " + name + ".";
+  }
+  return message;
+}
+
 /// Whether no process `pid` runs on this machine. A process of another user
 /// still counts as running: kill() then fails with EPERM, not ESRCH.
 inline bool process_gone(long pid) {

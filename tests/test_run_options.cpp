@@ -1,6 +1,7 @@
 // lockstep-run's command line as pure logic: torchrun's flags and their
 // elastic forms, and the values a Slurm step gives (tools/run_options.h).
 
+#include <common/process_files.h>
 #include <tools/run_options.h>
 
 #include <gtest/gtest.h>
@@ -109,13 +110,13 @@ TEST(RunOptions, TorchrunsPythonFormsSayWhatToWriteInstead) {
   EXPECT_EQ(refusal({"-m", "pkg.train"}), "-m runs a Python module under torchrun; lockstep-run runs a program as "
                                           "given (as torchrun --no-python does): name the interpreter, as in "
                                           "`lockstep-run ... python3 -m MODULE`.");
-  EXPECT_EQ(tools::program_missing_message("train", true),
+  EXPECT_EQ(common::program_missing_message("train", true),
             "program 'train' not found in PATH or not executable. ./train is in this directory: lockstep-run runs "
             "PROGRAM as a shell would (as torchrun --no-python does), so write ./train.");
-  EXPECT_EQ(tools::program_missing_message("train.py", false),
+  EXPECT_EQ(common::program_missing_message("train.py", false),
             "program 'train.py' not found in PATH or not executable. A Python script needs its interpreter: "
             "lockstep-run ... python3 train.py.");
-  EXPECT_EQ(tools::program_missing_message("bin/train", true), "program 'bin/train' not found or not executable.");
+  EXPECT_EQ(common::program_missing_message("bin/train", true), "program 'bin/train' not found or not executable.");
 }
 
 // Kubeflow's PyTorchJob gives each pod's torchrun only PET_ variables

@@ -299,7 +299,7 @@ int main(int argc, char** argv) {
   const std::string program = lockstep::common::find_program(options.command[0]);
   if (program.empty()) {
     struct stat here {};
-    usage_error(lockstep::tools::program_missing_message(options.command[0],
+    usage_error(lockstep::common::program_missing_message(options.command[0],
                                                           ::stat(options.command[0].c_str(), &here) == 0));
   }
   if (!options.elastic() && options.node_rank == 0) {
