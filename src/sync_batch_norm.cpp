@@ -84,6 +84,26 @@ std::string where(const ProcessGroup& group) {
   return "lockstep::SyncBatchNorm: rank " + std::to_string(group.rank()) + " of " + std::to_string(group.size()) + ": ";
 }
 
+// This rank's n, then per channel its mean and its squares about that mean,
+// in float64 (Note [SyncBatchNorm]); `xa` is `x` in the arithmetic's dtype.
+torch::Tensor local_statistics(const torch::Tensor& x, const torch::Tensor& xa, const torch::TensorOptions& dbl) {
+  const auto dims = reduced_dims(x);
+  const int64_t channels = x.size(1);
+  const int64_t n = x.numel() / std::max<int64_t>(channels, 1);
+  auto stats = torch::zeros({2 * channels + 1}, dbl);
+  if (n > 0) {
+    const auto mean = x.sum(dims, false, torch::kDouble) / static_cast<double>(n);
+    const auto rounded = mean.to(xa.scalar_type());
+    // About the mean rounded to the arithmetic's dtype: less n (mean - rounded)^2, the squares about the mean.
+    const auto squares = (xa - per_channel(rounded, x)).square().sum(dims, false, torch::kDouble) -
+        (mean - rounded.to(torch::kDouble)).square() * static_cast<double>(n);
+    stats[0].fill_(static_cast<double>(n));
+    stats.narrow(0, 1, channels).copy_(mean);
+    stats.narrow(0, 1 + channels, channels).copy_(squares);
+  }
+  return stats;
+}
+
 struct Statistics {
   torch::Tensor mean, var; // per channel, float64, on the CPU
   double total; // values per channel over every rank
@@ -139,24 +159,12 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
       c10::intrusive_ptr<GroupCapsule> capsule) {
     const ProcessGroup& group = capsule->group;
     const auto x = input.contiguous(input.suggest_memory_format()); // channels-last stays so, as BatchNorm's
-    const auto dims = reduced_dims(x);
     const int64_t channels = x.size(1);
-    const int64_t n = x.numel() / std::max<int64_t>(channels, 1);
     // On the CPU where the backend cannot reduce on the input's device (MPI beside a CUDA input), as GradScaler's.
     const auto dbl = torch::TensorOptions(torch::kDouble).device(statistics_device(group, Collective::AllGather, x));
     const auto acc = accumulate_type(x);
     const auto xa = x.to(acc);
-    auto stats = torch::zeros({2 * channels + 1}, dbl); // n, the mean, the squares about it
-    if (n > 0) {
-      const auto mean = x.sum(dims, false, torch::kDouble) / static_cast<double>(n);
-      const auto rounded = mean.to(acc);
-      // About the mean rounded to the arithmetic's dtype: less n (mean - rounded)^2, the squares about the mean.
-      const auto squares = (xa - per_channel(rounded, x)).square().sum(dims, false, torch::kDouble) -
-          (mean - rounded.to(torch::kDouble)).square() * static_cast<double>(n);
-      stats[0].fill_(static_cast<double>(n));
-      stats.narrow(0, 1, channels).copy_(mean);
-      stats.narrow(0, 1 + channels, channels).copy_(squares);
-    }
+    const auto stats = local_statistics(x, xa, dbl);
     auto gathered = torch::empty({group.size(), 2 * channels + 1}, dbl);
     {
       detail::CollectiveTag tag(capsule->tag);
