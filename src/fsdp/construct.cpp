@@ -19,11 +19,11 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 #include <mutex>
 #include <numeric>
-#include <tuple>
+#include <set>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 namespace lockstep {
