@@ -221,7 +221,8 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
                 "BatchNorm there (per rank) as PyTorch's SyncBatchNorm would require too.");
 
     const auto acc = mean.scalar_type(); // accumulate_type(x), as forward saved it
-    const auto dy = grads[0].defined() ? grads[0].contiguous(x.suggest_memory_format()).to(acc) : torch::zeros_like(x, x.options().dtype(acc));
+    const auto dy = grads[0].defined() ? grads[0].contiguous(x.suggest_memory_format()).to(acc)
+                                       : torch::zeros_like(x, x.options().dtype(acc));
     const auto xmu = x.to(acc) - per_channel(mean, x);
     const auto local_sum_dy = dy.sum(dims, false, torch::kDouble);
     const auto local_sum_dy_xmu = (dy * xmu).sum(dims, false, torch::kDouble);

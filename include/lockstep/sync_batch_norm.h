@@ -38,8 +38,8 @@ std::vector<std::string> batch_norm_parameter_names(torch::nn::Module& root);
 
 /// Batch normalisation over input of shape (N, C, *), any number of trailing
 /// dimensions. In training, the mean and variance are those of every rank's
-/// batch together: one allreduce in forward and one in backward, whatever N
-/// is, and ranks may hold different N, 0 included. The output, the input's
+/// batch together: one all-gather in forward and one allreduce in backward,
+/// whatever N is, and ranks may hold different N, 0 included. The output, the input's
 /// gradient and the running statistics then equal one torch::nn::BatchNorm
 /// on the concatenated batch; each rank's weight and bias gradients are its
 /// share, which DistributedDataParallel's reduction combines. In eval mode,

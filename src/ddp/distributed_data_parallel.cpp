@@ -170,6 +170,9 @@ namespace {
 // tensor over the same memory, whose counter is its own. BatchNorm's
 // backward in training reads its saved batch statistics, not these.
 void copy_keeping_version(const torch::Tensor& target, const torch::Tensor& source) {
+  if (target.numel() == 0) {
+    return; // nothing to copy, and from_blob would have no memory to place
+  }
   if (target.layout() != torch::kStrided) {
     target.copy_(source);
     return;

@@ -30,7 +30,7 @@ std::vector<BoxSource> ShardedCore::State::shard_boxes() const {
   }
   if (rank == 0) {
     for (const auto& [name, tensor] : whole) {
-      boxes.push_back({name, tensor.scalar_type(), whole_box(tensor), [tensor = tensor] { return host_bytes(tensor); }});
+      boxes.push_back({name, tensor.scalar_type(), whole_box(tensor), [t = tensor] { return host_bytes(t); }});
     }
   }
   for (const auto& [alias, first] : aliases) { // Note [Tied parameters in checkpoints]

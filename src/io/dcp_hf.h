@@ -80,8 +80,9 @@ std::vector<std::string> safetensors_in(const std::string& dir);
 // writes, rank 0 removes the record and every rank its own earlier files,
 // so that PyTorch's reader, which reads every file of the folder, never
 // meets another save's; a folder that holds a .safetensors file no
-// lockstep save names, or PyTorch's .metadata or .distcp files, is refused. Each file's __metadata__ also holds the CRC-32 of
-// each of its tensors (lockstep_crc32, a JSON object by name), which a
+// lockstep save names, or PyTorch's .metadata or .distcp files, is
+// refused. Each file's __metadata__ also holds the CRC-32 of each of its
+// tensors (lockstep_crc32, a JSON object by name), which a
 // load checks for each tensor it reads: a damaged file is an error naming
 // it and the tensor, as the checksums of lockstep's other files make it.
 constexpr char kDcpSaveRecord[] = "lockstep_save.json";
