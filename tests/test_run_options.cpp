@@ -67,6 +67,17 @@ TEST(ElasticOptions, AStaticJobAtAnEndpointKeepsItsNodeRank) {
   EXPECT_EQ(o.node_rank, 1);
   EXPECT_EQ(o.master_addr, "node0");
   EXPECT_EQ(o.master_port, 29555);
+  // Given beside --master-addr (or Slurm's default one), the endpoint wins, as under torchrun, saying so.
+  const auto both = parse({"--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static", "--rdzv-endpoint",
+                           "node0:29555", "--master-addr", "other"});
+  EXPECT_EQ(both.master_addr, "node0");
+  EXPECT_EQ(both.master_port, 29555);
+  ASSERT_EQ(both.notes.size(), 1u);
+  EXPECT_EQ(both.notes[0], "a static job with --rdzv-endpoint meets there, as torchrun's: at node0:29555, not at the "
+                           "master address other:29500.");
+  const auto conf = parse({"--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", "--rdzv-conf", "timeout=900"});
+  EXPECT_EQ(conf.notes, std::vector<std::string>{"--rdzv-conf has no effect in a static job: its nodes wait --timeout "
+                                                 "for each other."});
   EXPECT_NE(refusal({"--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "node0:29555"}).find(
                 "--node-rank 1 with --rdzv-endpoint: by default the nodes meet in c10d rounds"),
             std::string::npos);

@@ -556,10 +556,20 @@ inline void take_program(RunOptions& options, const CLI::App& app, const Fail& f
 // A static job's meeting point: --master-addr, or --rdzv-endpoint as
 // torchrun takes it, or loopback for one node.
 inline void check_static_meeting(RunOptions& options, const Fail& fail) {
-  if (options.master_addr.empty() && !options.rdzv_endpoint.empty()) {
-    parse_rendezvous(options, fail); // a static job meeting at --rdzv-endpoint, as torchrun's
+  if (!options.rdzv_endpoint.empty()) { // a static job meeting at --rdzv-endpoint, as torchrun's, which it prefers
+    const std::string given = options.master_addr;
+    const int given_port = options.master_port;
+    parse_rendezvous(options, fail);
+    if (!given.empty() && (given != options.rdzv_host || given_port != options.rdzv_port)) {
+      options.notes.push_back("a static job with --rdzv-endpoint meets there, as torchrun's: at " + options.rdzv_host +
+                              ":" + std::to_string(options.rdzv_port) + ", not at the master address " + given + ":" +
+                              std::to_string(given_port) + ".");
+    }
     options.master_addr = options.rdzv_host;
     options.master_port = options.rdzv_port;
+  }
+  if (!options.rdzv_conf.empty()) {
+    options.notes.push_back("--rdzv-conf has no effect in a static job: its nodes wait --timeout for each other.");
   }
   if (options.node_rank >= options.nnodes) {
     fail("--node-rank " + std::to_string(options.node_rank) + " is out of range for --nnodes " +
