@@ -324,6 +324,28 @@ TEST(Launcher, AStaticNodeWithAnotherNnodesIsRefusedNamingBoth) {
   EXPECT_EQ(nodes[2].output.find("[rank"), std::string::npos) << "a rank started: " << nodes[2].output;
 }
 
+// Variables inherited from an outer launcher (lockstep-run under torchrun's
+// agent, or a shell that ran a one-node job) must not reach the ranks of a
+// job of two nodes: an agent's store that nobody serves here, or one node's
+// store file, and every rank waited the whole --timeout.
+TEST(Launcher, InheritedStoreVariablesDoNotReachTheRanks) {
+  const std::string master_port = port();
+  std::vector<Process> nodes;
+  for (int node = 0; node < 2; ++node) {
+    nodes.push_back(testing::start(
+        launcher({"--nnodes", "2", "--node-rank", std::to_string(node), "--nproc-per-node", "1", "--master-addr",
+                  "127.0.0.1", "--master-port", master_port},
+                 {"/bin/sh", "-c", "echo \"stores [$TORCHELASTIC_USE_AGENT_STORE] [$LOCKSTEP_STORE_FILE]\""}),
+        {"TORCHELASTIC_USE_AGENT_STORE=True", "LOCKSTEP_STORE_FILE=" + temp("stale_store")},
+        temp("inherited_store" + std::to_string(node) + ".log")));
+  }
+  testing::wait_all(nodes, kDeadline);
+  for (const auto& node : nodes) {
+    EXPECT_EQ(node.exit_code, 0) << node.output;
+    EXPECT_NE(node.output.find("stores [False] []"), std::string::npos) << node.output;
+  }
+}
+
 TEST(Launcher, NodesResumingFromDifferentCheckpointsFailTogether) {
   // Two machines without a shared disk: node 0 finds rank 0's checkpoint,
   // node 1 has none at its own path.

@@ -258,10 +258,14 @@ class Attempt {
         {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts)},
         {"TORCHELASTIC_RUN_ID", options_.run_id},
         {"LOCKSTEP_RESTART_COUNT", std::to_string(restart_count_)},
+        // Set either way, as torchrun sets it: an inherited "True" (this
+        // launcher under torchrun's agent) would send the ranks to an agent's
+        // store that nobody serves here.
+        {"TORCHELASTIC_USE_AGENT_STORE", "False"},
+        // Empty (no file) unless this node's ranks share one: an inherited
+        // file would split a job of several nodes.
+        {"LOCKSTEP_STORE_FILE", store_file_},
     };
-    if (!store_file_.empty()) {
-      env.emplace_back("LOCKSTEP_STORE_FILE", store_file_);
-    }
     env.emplace_back("LOCKSTEP_TRACE_DIR", trace_dir_);
     if (!options_.timeline.empty()) {
       env.emplace_back("LOCKSTEP_TIMELINE", trace_dir_ + "/lockstep_timeline_rank%r.json"); // the rank fills in %r
