@@ -136,6 +136,41 @@ TEST(ShardedPrecision, ABatchNormKeepsItsParametersDtype) {
   }
 }
 
+// reduce_dtype alone leaves a BatchNorm's gradients in their dtype too, as
+// FSDP's MixedPrecision leaves _BatchNorm out of all its dtypes: after one
+// step, the BatchNorm's parameters are the bits of fp32 training, the
+// Linear's (reduced in bf16) are not.
+TEST(ShardedPrecision, ReduceDtypeAloneLeavesABatchNormsGradientsInTheirDtype) {
+  testing::spawn(2, [&](ProcessGroup& group) {
+    std::vector<std::vector<torch::Tensor>> results;
+    for (const auto& options : {ShardingOptions(), ShardingOptions().reduce_dtype(torch::kBFloat16)}) {
+      torch::manual_seed(0);
+      torch::nn::Sequential net(Block(torch::nn::AnyModule(torch::nn::BatchNorm1d(6))), torch::nn::Linear(6, 2));
+      FullyShardedDataParallel<torch::nn::Sequential> model(net, group, options);
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      const auto x = torch::arange(24, torch::kFloat).view({6, 4}).sin() * (group.rank() + 1.3);
+      model->forward(x).square().mean().backward();
+      sgd.step();
+      auto full = model->summon_full_params();
+      results.emplace_back();
+      for (const auto& p : model->module()->parameters()) {
+        results.back().push_back(p.detach().clone());
+      }
+    }
+    const auto names = torch::nn::Sequential(Block(torch::nn::AnyModule(torch::nn::BatchNorm1d(6))),
+                                             torch::nn::Linear(6, 2))->named_parameters().keys();
+    ASSERT_EQ(results[0].size(), names.size());
+    for (size_t i = 0; i < names.size(); ++i) {
+      const bool norm = names[i].find("norm.") != std::string::npos;
+      if (names[i] == "0.fc.bias") {
+        continue; // a bias before a BatchNorm has a zero gradient, exact in any dtype
+      }
+      EXPECT_EQ(torch::equal(results[0][i], results[1][i]), norm)
+          << names[i] << (norm ? " was reduced in bf16" : " was not reduced in bf16: the test shows nothing");
+    }
+  });
+}
+
 // An fp32 value that bf16 cannot hold survives a writeback exactly, and the
 // gradient hooks survive the parameters' change of dtype in and out of
 // summon_full_params: the next backward still reaches the shards.

@@ -431,7 +431,8 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   if (options.activation_checkpointing()) {
     s.checkpointed_units = checkpoint_units(module, paths, s.where());
   }
-  const auto planned = plan_parameters(module, paths, options.param_dtype().has_value(), s.where());
+  const bool mixed_precision = options.param_dtype().has_value() || options.reduce_dtype().has_value();
+  const auto planned = plan_parameters(module, paths, mixed_precision, s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
   s.model = check_same_model(s.group, planned.names, planned.params, s.where());
   detail::label_sync_batch_norms(module, s.group, s.model);

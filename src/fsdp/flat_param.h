@@ -118,11 +118,11 @@ struct Planned {
   std::vector<torch::Tensor> params;
   std::vector<size_t> units;
   std::vector<std::pair<std::string, size_t>> aliases; // another name of parameter i (a tied one)
-  std::vector<char> keep_dtype; // a BatchNorm's: not cast to param_dtype (Note [Sharded mixed precision])
+  std::vector<char> keep_dtype; // a BatchNorm's: no param_dtype or reduce_dtype (Note [Sharded mixed precision])
 };
 
-/// With keep_batch_norms (a param_dtype is set), BatchNorm's parameters are
-/// marked keep_dtype (Note [Sharded mixed precision]).
+/// With keep_batch_norms (a param_dtype or reduce_dtype is set), BatchNorm's
+/// parameters are marked keep_dtype (Note [Sharded mixed precision]).
 Planned plan_parameters(torch::nn::Module& module, const std::vector<std::string>& paths, bool keep_batch_norms,
                         const std::string& where);
 

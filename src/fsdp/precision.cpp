@@ -30,8 +30,9 @@ namespace detail {
 // dtype, and refuses a param_dtype.
 //
 // A BatchNorm's (or SyncBatchNorm's) parameters keep their dtype, in flats
-// of their own, gathered and reduced in it, as PyTorch's FSDP leaves
-// _BatchNorm out of its mixed precision by default: its running statistics
+// of their own, gathered and reduced in it under a param_dtype or a
+// reduce_dtype, as PyTorch's FSDP leaves _BatchNorm out of all of its
+// MixedPrecision by default (_module_classes_to_ignore): its running statistics
 // are buffers, never cast, and ATen's CPU batch norm takes a bf16 or fp16
 // input only beside weights in the statistics' dtype ("mixed dtype (CPU)").
 // The layer's output is in its input's dtype, as under autocast.
