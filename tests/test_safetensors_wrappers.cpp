@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 
 namespace lockstep {
@@ -154,6 +155,106 @@ std::vector<std::string> files_starting(const std::string& dir, const std::strin
 
 // save_sharded(model, dir): PyTorch's distributed checkpoint layout, each
 // rank its shards as boxes; loaded at another world size, bit for bit.
+// x W + b, with W given.
+struct ProjectionImpl : torch::nn::Module {
+  explicit ProjectionImpl(const torch::Tensor& w) {
+    weight = register_parameter("weight", w);
+    bias = register_parameter("bias", torch::randn({w.size(1)}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x.matmul(weight) + bias;
+  }
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Projection);
+
+// An embedding tied to the output layer: one weight, 'embed.weight' and
+// 'head.weight'.
+struct TiedHeadImpl : torch::nn::Module {
+  TiedHeadImpl() {
+    const auto shared = torch::randn({4, 4});
+    embed = register_module("embed", Projection(shared));
+    head = register_module("head", Projection(shared));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(torch::tanh(embed(x)));
+  }
+  Projection embed{nullptr}, head{nullptr};
+};
+TORCH_MODULE(TiedHead);
+
+// TiedHead's names but 'embed.weight'.
+struct OtherNameImpl : torch::nn::Module {
+  OtherNameImpl() {
+    embed = register_module("embed", std::make_shared<torch::nn::Module>());
+    bias = embed->register_parameter("bias", torch::randn({4}));
+    head = register_module("head", Projection(torch::randn({4, 4})));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(x + bias);
+  }
+  std::shared_ptr<torch::nn::Module> embed;
+  torch::Tensor bias;
+  Projection head{nullptr};
+};
+TORCH_MODULE(OtherName);
+
+// safetensors' save_model, and Hugging Face's files, hold a tied weight
+// under one of its names; its load_model takes them strictly (Note [Tied
+// parameters in safetensors files]). So do the bare module's load and
+// FullyShardedDataParallel's, whichever name the file has; one with none of
+// them still misses both. load_sharded reads a folder that has only the
+// other name.
+TEST(SafetensorsWrappers, ATiedWeightLoadsStrictlyFromAFileWithOneOfItsNames) {
+  torch::manual_seed(3);
+  TiedHead source;
+  const auto named = source->named_parameters();
+  for (const std::string kept : {"embed.weight", "head.weight"}) {
+    SCOPED_TRACE(kept);
+    const auto file = testing::scratch("tied_" + kept + ".safetensors");
+    torch::OrderedDict<std::string, torch::Tensor> tensors;
+    for (const auto& name : {kept, std::string("embed.bias"), std::string("head.bias")}) {
+      tensors.insert(name, named[name]);
+    }
+    write_safetensors(tensors, file);
+    TiedHead bare;
+    load_safetensors(bare, file);
+    EXPECT_TRUE(torch::equal(bare->head->weight, named["embed.weight"]));
+    EXPECT_TRUE(torch::equal(bare->embed->bias, named["embed.bias"]));
+    testing::spawn(2, [&](ProcessGroup& group) {
+      FullyShardedDataParallel<TiedHead> model(TiedHead(), group, ShardingOptions().units({""}));
+      load_safetensors(model, file);
+      auto full = model->summon_full_params();
+      EXPECT_TRUE(torch::equal(model->module()->embed->weight, named["embed.weight"]));
+    });
+  }
+  const auto biases = testing::scratch("tied_biases.safetensors");
+  write_safetensors(torch::OrderedDict<std::string, torch::Tensor>(
+                        {{"embed.bias", named["embed.bias"]}, {"head.bias", named["head.bias"]}}),
+                    biases);
+  TiedHead bare;
+  EXPECT_ERROR_SAYS(load_safetensors(bare, biases), "Missing key(s) in state_dict: \"embed.weight\", \"head.weight\"");
+
+  // A sharded folder of a model whose only weight is 'head.weight'.
+  const auto dir = testing::scratch("tied_other_name");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    torch::manual_seed(4);
+    OtherName other;
+    const auto expected = other->named_parameters(); // before wrapping: rank 0's values everywhere
+    std::map<std::string, torch::Tensor> values;
+    for (const auto& item : expected) {
+      values[item.key()] = item.value().detach().clone();
+    }
+    FullyShardedDataParallel<OtherName> saved(other, group);
+    saved->save_sharded(dir);
+    FullyShardedDataParallel<TiedHead> model(TiedHead(), group, ShardingOptions().units({""}));
+    model->load_sharded(dir);
+    auto full = model->summon_full_params();
+    EXPECT_TRUE(torch::equal(model->module()->embed->weight, values["head.weight"]));
+    EXPECT_TRUE(torch::equal(model->module()->embed->bias, values["embed.bias"]));
+  });
+}
+
 TEST(DcpCheckpoint, SavedAtTwoRanksLoadsAtThreeEachStrategy) {
   for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     auto bare = trained_bn_net(7);

@@ -53,8 +53,11 @@ class SafetensorsLoadOptions {
  public:
   /// Strict (the default): the file's names are exactly the module's, and
   /// any name missing or unexpected is an error listing them all, as
-  /// Python's `load_state_dict(strict=True)`. Not strict: the names both have
-  /// are loaded, the others left alone. Shapes must match either way.
+  /// Python's `load_state_dict(strict=True)`, except that a tensor the module
+  /// holds under two names (tied weights) needs only one of them in the
+  /// file, as safetensors' `load_model`: its `save_model` and Hugging Face's
+  /// files keep one. Not strict: the names both have are loaded, the others
+  /// left alone. Shapes must match either way.
   SafetensorsLoadOptions& strict(bool strict);
   /// Whether the load is strict.
   bool strict() const {

@@ -227,16 +227,28 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> ShardedCore::State::stage_d
     shapes.push_back(tensor.sizes().vec());
     dtypes.push_back(tensor.scalar_type());
   }
-  for (const auto& [alias, first] : aliases) { // checked where the checkpoint has them; read from `first`
+  // Note [Tied parameters in checkpoints]: another name is checked where the
+  // checkpoint has it, and read where the checkpoint lacks the first.
+  std::map<std::string, std::string> read_from;
+  for (const auto& [alias, first] : aliases) {
     if (checkpoint.shapes.count(alias) != 0) {
       const auto i = static_cast<size_t>(std::find(names.begin(), names.end(), first) - names.begin());
       TORCH_INTERNAL_ASSERT(i < names.size());
+      if (checkpoint.shapes.count(first) == 0 && read_from.count(first) == 0) {
+        read_from[first] = alias;
+        names[i] = alias;
+        continue;
+      }
       names.push_back(alias);
       shapes.push_back(shapes[i]);
       dtypes.push_back(dtypes[i]);
     }
   }
   check_covers(checkpoint, names, shapes, dtypes);
+  const auto source = [&](const std::string& name) -> const std::string& {
+    const auto found = read_from.find(name);
+    return found == read_from.end() ? name : found->second;
+  };
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
   const int rank = sharded() ? group.rank() : 0;
   for (const auto& flat : flats) {
@@ -244,13 +256,13 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> ShardedCore::State::stage_d
     const int64_t begin = std::min(rank * flat.layout.shard, flat.layout.numel);
     const int64_t end = std::min(begin + flat.layout.shard, flat.layout.numel);
     for_each_box(flat, begin, end, [&](size_t j, const Box& box, int64_t at) {
-      read_box(checkpoint, flat.names[j], box, shard.narrow(0, at, box.numel()).view(box.sizes));
+      read_box(checkpoint, source(flat.names[j]), box, shard.narrow(0, at, box.numel()).view(box.sizes));
     });
     copies.emplace_back(flat.shard, shard);
   }
   for (const auto& [name, tensor] : whole) {
     auto loaded = torch::empty_like(tensor, torch::TensorOptions().device(torch::kCPU));
-    read_box(checkpoint, name, whole_box(tensor), loaded);
+    read_box(checkpoint, source(name), whole_box(tensor), loaded);
     copies.emplace_back(tensor, loaded);
   }
   return copies;

@@ -11,6 +11,7 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <numeric>
 
 namespace lockstep {
 namespace detail {
@@ -66,9 +67,11 @@ torch::Tensor ShardedCore::State::gathered_in_own_dtype(OneFlat& cache, size_t f
 // dcp.load into FSDP2's state_dict, safetensors' load_model. So
 // save_safetensors and save_sharded write it under every name, as the bare
 // module's save_safetensors does; load_safetensors reads every name it finds
-// (strict, it wants them all, as the bare module's does); load_sharded reads
-// its first name and takes the others where the checkpoint has them, so
-// that a folder saved without them still loads.
+// (strict, it wants one of them, as the bare module's does: Note [Tied
+// parameters in safetensors files]); load_sharded reads its first name and
+// takes the others where the checkpoint has them, or reads another where
+// the checkpoint lacks the first, so that a folder saved with any of them
+// loads.
 std::pair<size_t, size_t> ShardedCore::State::locate(const std::string& first) const {
   for (size_t f = 0; f < flats.size(); ++f) {
     const auto& names = flats[f].names;
@@ -193,15 +196,18 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> ShardedCore::State::stage_s
     dtypes.push_back(whole[w].second.scalar_type());
     flat_of.emplace_back(kNone, w);
   }
+  std::vector<size_t> same_as(names.size());
+  std::iota(same_as.begin(), same_as.end(), size_t{0});
   for (const auto& [alias, first] : aliases) { // Note [Tied parameters in checkpoints]
     const auto [f, j] = locate(first);
+    same_as.push_back(static_cast<size_t>(std::find(names.begin(), names.end(), first) - names.begin()));
     names.push_back(alias);
     shapes.push_back(f == kNone ? whole[j].second.sizes().vec() : flats[f].shapes[j]);
     dtypes.push_back(f == kNone ? whole[j].second.scalar_type() : flats[f].dtype);
     flat_of.emplace_back(f, j);
   }
   const auto set = open_safetensors_set(path);
-  const auto match = match_state(names, shapes, dtypes, set, options, path);
+  const auto match = match_state(names, shapes, dtypes, set, options, path, same_as);
   const int rank = sharded() ? group.rank() : 0;
   std::vector<torch::Tensor> shards;
   for (const auto& flat : flats) {

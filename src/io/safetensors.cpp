@@ -112,13 +112,16 @@ void load_safetensors(torch::nn::Module& module, const std::string& path, const 
   std::vector<std::string> names;
   std::vector<std::vector<int64_t>> shapes;
   std::vector<torch::ScalarType> dtypes;
+  std::vector<torch::Tensor> tensors;
   for (const auto& [name, tensor] : state) {
     names.push_back(name);
     shapes.push_back(tensor.sizes().vec());
     dtypes.push_back(tensor.scalar_type());
+    tensors.push_back(tensor);
   }
   const auto set = detail::open_safetensors_set(path);
-  const auto match = detail::match_state(names, shapes, dtypes, set, options, path);
+  const auto match =
+      detail::match_state(names, shapes, dtypes, set, options, path, detail::same_tensors(tensors));
   torch::NoGradGuard no_grad;
   for (const auto& [i, where] : match.pairs) {
     state[i].second.copy_(set.files[where->file].tensor(where->entry));

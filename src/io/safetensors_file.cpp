@@ -14,8 +14,10 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <algorithm>
 #include <map>
 #include <random>
+#include <set>
 #include <sstream>
 
 namespace lockstep {
@@ -357,9 +359,36 @@ void write_safetensors_save(const SafetensorsSavePlan& plan, const std::vector<S
   }
 }
 
+// Note [Tied parameters in safetensors files]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// safetensors' save_model writes a tensor that a module holds under two
+// names (an embedding tied to the output layer) under one of them, and so
+// do Hugging Face's save_pretrained and its files; its load_model, strict,
+// takes such a file: a name is not missing where another name of the same
+// tensor is in the file (_remove_duplicate_names). So does this load. Names
+// only of the same view of the same memory count as one: copying into one
+// of them sets them all.
+std::vector<size_t> same_tensors(const std::vector<torch::Tensor>& tensors) {
+  std::vector<size_t> same_as(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    same_as[i] = i;
+    for (size_t k = 0; k < i && tensors[i].numel() > 0; ++k) {
+      if (tensors[k].data_ptr() == tensors[i].data_ptr() && tensors[k].sizes() == tensors[i].sizes() &&
+          tensors[k].strides() == tensors[i].strides() && tensors[k].dtype() == tensors[i].dtype() &&
+          tensors[k].device() == tensors[i].device()) {
+        same_as[i] = same_as[k];
+        break;
+      }
+    }
+  }
+  return same_as;
+}
+
 StateMatch match_state(const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
                        const std::vector<torch::ScalarType>& dtypes, const SafetensorsSet& set,
-                       const SafetensorsLoadOptions& options, const std::string& file) {
+                       const SafetensorsLoadOptions& options, const std::string& file,
+                       const std::vector<size_t>& same_as) {
+  TORCH_INTERNAL_ASSERT(same_as.empty() || same_as.size() == names.size());
   std::map<std::string, const SafetensorsSet::Where*> in_file;
   for (const auto& where : set.tensors) {
     in_file.emplace(where.name, &where);
@@ -389,6 +418,15 @@ StateMatch match_state(const std::vector<std::string>& names, const std::vector<
     if (in_module.count(where.name) == 0) {
       unexpected.push_back(where.name);
     }
+  }
+  if (!same_as.empty()) { // Note [Tied parameters in safetensors files]
+    std::set<size_t> loaded;
+    for (const auto& pair : match.pairs) {
+      loaded.insert(same_as[pair.first]);
+    }
+    missing.erase(std::remove_if(missing.begin(), missing.end(),
+                                 [&](const std::string& name) { return loaded.count(same_as[in_module.at(name)]) != 0; }),
+                  missing.end());
   }
   std::string errors;
   if (options.strict() && !missing.empty()) {

@@ -104,12 +104,20 @@ struct StateMatch {
 };
 
 /// Matches `names` (with `shapes` and `dtypes`) to `set`'s tensors as
-/// Python's load_state_dict does: missing and unexpected names are an error
+/// safetensors' load_model does: missing and unexpected names are an error
 /// when strict, a size mismatch always, a dtype mismatch unless
-/// convert_dtypes; every error at once, naming `file`.
+/// convert_dtypes; every error at once, naming `file`. `same_as[i]`, where
+/// given, is the first name of the tensor that name i also is (a tied
+/// parameter): a name missing from the file is not an error where another
+/// name of its tensor is there (Note [Tied parameters in safetensors files]).
 StateMatch match_state(const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
                        const std::vector<torch::ScalarType>& dtypes, const SafetensorsSet& set,
-                       const SafetensorsLoadOptions& options, const std::string& file);
+                       const SafetensorsLoadOptions& options, const std::string& file,
+                       const std::vector<size_t>& same_as = {});
+
+/// For each of `tensors`, the index of the first one that is the same view
+/// of the same memory (itself where none is): a module's tied parameters.
+std::vector<size_t> same_tensors(const std::vector<torch::Tensor>& tensors);
 
 } // namespace detail
 } // namespace lockstep
