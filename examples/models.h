@@ -211,6 +211,20 @@ struct TrainerNetImpl : torch::nn::Cloneable<TrainerNetImpl> {
   torch::Tensor forward(const torch::Tensor& x) {
     return vit ? vit->forward(x) : gpt ? gpt->forward(x) : cnn->forward(x);
   }
+  /// The chosen model too: it is not a child (its children are this
+  /// module's), and its own dropout reads its own mode.
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    if (cnn) {
+      cnn->train(on);
+    }
+    if (vit) {
+      vit->train(on);
+    }
+    if (gpt) {
+      gpt->train(on);
+    }
+  }
   /// The units FullyShardedDataParallel shards by default: each block of a
   /// transformer; each direct child of the CNN.
   std::vector<std::string> units() const {

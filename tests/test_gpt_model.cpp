@@ -14,6 +14,22 @@ namespace {
 
 using examples::Gpt;
 
+// eval() reaches the chosen model's own dropout (the embeddings'), not only
+// its blocks', which are the trainer model's children: in eval mode two
+// forwards give the same bits.
+TEST(GptModel, TheTrainerModelsEvalTurnsEveryDropoutOff) {
+  for (const std::string kind : {"vit", "gpt"}) {
+    SCOPED_TRACE(kind);
+    torch::manual_seed(0);
+    examples::TrainerNet net(kind, /*checkpointed=*/false, /*dropout=*/0.5, /*context=*/16);
+    const auto x = kind == "vit" ? torch::randn({2, 1, 28, 28}) : torch::randint(0, 256, {2, 16}, torch::kLong);
+    net->eval();
+    EXPECT_TRUE(net->forward(x).equal(net->forward(x)));
+    net->train();
+    EXPECT_FALSE(net->forward(x).equal(net->forward(x))) << "dropout is off in training: the test shows nothing";
+  }
+}
+
 TEST(GptModel, APositionSeesNoLaterToken) {
   torch::manual_seed(0);
   Gpt gpt(256, 16, 32, 2, 4, /*dropout=*/0.0);
