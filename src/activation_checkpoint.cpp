@@ -5,6 +5,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -48,13 +49,42 @@ namespace {
 // fn runs again with the generators set to the states they had before its
 // first run (then restored), and under the autocast state it ran in, so it
 // computes the same values: the gradients are the same bits.
+//
+// Both runs keep autocast's cast cache off. A cast of a weight cached
+// before the segment (the same layer in an earlier segment or outside any)
+// is a node fn did not make, so the first run would take it for an exit
+// and never reach the weight's accumulator; the recomputation, with the
+// cache cleared, makes a cast of its own, and the weight's gradient from
+// the segment was lost. Each run casting for itself keeps both graphs
+// fn's own. An input changed in place after the segment ran is an error
+// in backward (its version counter moved), as PyTorch's checkpoint's saved
+// inputs are, since the recomputation would read the new values. A
+// backward that creates a graph (double backward) is refused: the
+// recomputation's gradients would end at its own detached inputs.
 
 struct Segment {
   std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> fn;
   std::vector<torch::Tensor> inputs; // detached, requires_grad as given
   std::vector<size_t> differentiable; // fn's outputs that have a gradient, in order
+  std::vector<uint32_t> versions; // the inputs' version counters before fn
   std::vector<std::pair<at::Generator, torch::Tensor>> generators; // and their states before fn
-  AutocastState autocast;
+  AutocastState autocast; // the caller's, with the cast cache off
+};
+
+// Autocast's cast cache off on this thread for the lifetime of this object.
+class CastCacheOff {
+ public:
+  CastCacheOff() : previous_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~CastCacheOff() {
+    at::autocast::set_autocast_cache_enabled(previous_);
+  }
+  CastCacheOff(const CastCacheOff&) = delete;
+  CastCacheOff& operator=(const CastCacheOff&) = delete;
+
+ private:
+  bool previous_;
 };
 
 // The states of `segment`'s generators for the lifetime of this object.
@@ -101,7 +131,17 @@ class CheckpointBackward : public torch::autograd::Node {
 torch::autograd::variable_list CheckpointBackward::apply(torch::autograd::variable_list&& grads) {
   TORCH_CHECK(segment_, "lockstep::checkpoint: the segment's backward ran a second time, after its inputs were "
               "freed. Pass retain_graph=true to the first backward to run it twice.");
-  const bool create_graph = torch::GradMode::is_enabled();
+  TORCH_CHECK(!torch::GradMode::is_enabled(), "lockstep::checkpoint: a backward with create_graph=true (double "
+              "backward, a gradient penalty) reached a checkpointed segment, whose recomputed gradients would not "
+              "carry the second-order terms to the segment's inputs. Run that part of the model without "
+              "lockstep::checkpoint.");
+  for (size_t i = 0; i < segment_->inputs.size(); ++i) {
+    const auto now = segment_->inputs[i]._version();
+    TORCH_CHECK(now == segment_->versions[i], "lockstep::checkpoint: input ", i, " of the segment was changed in "
+                "place after the segment ran (its version went from ", segment_->versions[i], " to ", now, "), so "
+                "running the segment again in backward would compute from its new values. Change a copy "
+                "(x = x.clone(), then change x), or pass the segment a clone of it.");
+  }
   torch::autograd::variable_list outputs;
   torch::autograd::edge_list capture;
   {
@@ -136,8 +176,9 @@ torch::autograd::variable_list CheckpointBackward::apply(torch::autograd::variab
   if (roots.empty()) {
     return torch::autograd::variable_list(num_outputs());
   }
-  return torch::autograd::Engine::get_default_engine().execute(roots, root_grads, /*keep_graph=*/false, create_graph,
-                                                               /*accumulate_grad=*/false, capture);
+  return torch::autograd::Engine::get_default_engine().execute(roots, root_grads, /*keep_graph=*/false,
+                                                               /*create_graph=*/false, /*accumulate_grad=*/false,
+                                                               capture);
 }
 
 // The sequence numbers this thread gave the nodes fn made: [first, last).
@@ -203,6 +244,7 @@ std::vector<torch::Tensor> checkpoint(
   auto segment = std::make_shared<detail::Segment>();
   segment->fn = fn;
   segment->autocast = detail::AutocastState::current();
+  segment->autocast.cache_enabled = false;
   std::vector<torch::Device> devices{torch::kCPU};
   // The gradient accumulators of the detached inputs, held while fn runs:
   // autograd holds one weakly, and one freed could give its address to a
@@ -213,6 +255,7 @@ std::vector<torch::Tensor> checkpoint(
   for (size_t i = 0; i < inputs.size(); ++i) {
     TORCH_CHECK(inputs[i].defined(), "lockstep::checkpoint: input ", i, " is an undefined tensor.");
     segment->inputs.push_back(inputs[i].detach().requires_grad_(inputs[i].requires_grad()));
+    segment->versions.push_back(inputs[i]._version());
     if (inputs[i].requires_grad()) {
       own_edges.push_back(torch::autograd::impl::gradient_edge(segment->inputs.back()));
       own.insert(own_edges.back().function.get());
@@ -232,7 +275,11 @@ std::vector<torch::Tensor> checkpoint(
   std::vector<torch::Tensor> outputs;
   {
     const uint64_t first = at::sequence_number::peek();
-    auto graph = fn(segment->inputs);
+    std::vector<torch::Tensor> graph;
+    {
+      detail::CastCacheOff no_cache;
+      graph = fn(segment->inputs);
+    }
     const detail::MadeByFn made{at::RecordFunction::currentThreadId(), first, at::sequence_number::peek()};
     auto out = detail::edges_out(graph, own, made);
     leaving.insert(leaving.end(), out.begin(), out.end());

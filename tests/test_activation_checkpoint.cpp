@@ -97,6 +97,54 @@ TEST(ActivationCheckpoint, GivesTheSameGradientsUnderBf16Autocast) {
   EXPECT_FALSE(same_bits(step(false, true).first, step(false, false).first)); // bf16 did change them
 }
 
+// One layer in two segments under autocast, backward after the guard (a
+// shared encoder): autocast caches the layer's bf16 weight, and the second
+// segment's first run would reuse the first's cast, whose graph is not its
+// own, so its gradient was dropped. The cache is off inside a segment, so
+// each segment casts the weight for itself and its gradients meet in fp32,
+// where the plain run's meet in the shared cast, in bf16: close (a lost
+// segment is 4e-2 away), not the same bits.
+TEST(ActivationCheckpoint, ALayerInTwoSegmentsUnderAutocastGetsBothGradients) {
+  std::vector<torch::Tensor> grads;
+  for (bool checkpointed : {false, true}) {
+    torch::manual_seed(5);
+    torch::nn::Linear encoder(6, 6);
+    auto fn = [encoder](const torch::Tensor& t) mutable { return torch::gelu(encoder(t)); };
+    const auto x1 = torch::sin(torch::arange(24, torch::kFloat)).view({4, 6});
+    const auto x2 = torch::cos(torch::arange(24, torch::kFloat)).view({4, 6});
+    torch::Tensor loss;
+    {
+      AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      auto a = checkpointed ? checkpoint(fn, x1) : fn(x1);
+      auto b = checkpointed ? checkpoint(fn, x2) : fn(x2);
+      loss = (a - b * 0.5).pow(2).mean().to(torch::kFloat);
+    }
+    loss.backward();
+    grads.push_back(gradients(encoder->parameters()));
+  }
+  EXPECT_TRUE(torch::allclose(grads[0], grads[1], 1e-2, 1e-3)) << (grads[0] - grads[1]).abs().max().item<double>();
+}
+
+// An input changed in place after the segment ran would be recomputed from
+// its new values: an error naming the input, as PyTorch's checkpoint's.
+TEST(ActivationCheckpoint, AnInputChangedInPlaceAfterTheSegmentIsAnError) {
+  torch::nn::Linear fc(4, 4);
+  auto h = torch::randn({2, 4}, torch::requires_grad()) * 1.0;
+  auto y = checkpoint([fc](const torch::Tensor& t) mutable { return torch::tanh(fc(t)); }, h);
+  h.add_(1.0);
+  EXPECT_ERROR_SAYS(y.sum().backward(), "input 0 of the segment was changed in place", "clone");
+}
+
+// Double backward through a segment would lose the second-order terms: the
+// gradients' graph ends at the recomputation's own inputs. An error.
+TEST(ActivationCheckpoint, ABackwardThatCreatesAGraphIsAnError) {
+  auto x = torch::randn({3, 4}, torch::requires_grad());
+  auto w = torch::randn({4, 2});
+  auto y = checkpoint([w](const torch::Tensor& t) { return (t * t).matmul(w); }, x);
+  EXPECT_ERROR_SAYS(torch::autograd::grad({y.sum()}, {x}, {}, true, /*create_graph=*/true), "create_graph",
+                    "double backward");
+}
+
 TEST(ActivationCheckpoint, FreesTheSegmentsActivations) {
   auto w = torch::randn({16, 16}, torch::requires_grad());
   const auto x = torch::randn({4, 16});

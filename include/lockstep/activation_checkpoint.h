@@ -22,7 +22,7 @@ namespace lockstep {
 /// Backward runs fn again on the same inputs, with the CPU's generator (and
 /// the generators of the inputs' GPUs) as forward left them and under the
 /// same autocast, so dropout draws the same numbers: the gradients are
-/// bitwise those without checkpointing. The parameters fn reads (a module's,
+/// bitwise those without checkpointing (but see below). The parameters fn reads (a module's,
 /// captured by the lambda) get their gradients through the same backward
 /// as the rest of the model, so DistributedDataParallel,
 /// FullyShardedDataParallel and DataParallel reduce them as usual.
@@ -35,6 +35,18 @@ namespace lockstep {
 /// updates (which then happen twice, as in PyTorch). fn may read tensors it
 /// is not given, parameters or results computed before it: their gradients
 /// reach them too. Without autograd (NoGradGuard) fn simply runs.
+///
+/// Errors in backward: an input changed in place after the segment ran (the
+/// recomputation would read its new values; change a clone instead), and a
+/// backward with create_graph=true (double backward), whose second-order
+/// terms the recomputation cannot carry. Under autocast each run of fn casts
+/// the weights for itself (autocast's cache is off inside it), so a layer
+/// used in several segments has its gradients summed in fp32 where a plain
+/// run sums them in the cast dtype: close, not the same bits. DataParallel's
+/// CPU replicas (and a GPU listed twice) draw from one generator on several
+/// threads at once, so there a segment that draws random numbers (dropout)
+/// does not draw the same ones again in backward: keep such segments free
+/// of randomness, or checkpoint under DistributedDataParallel instead.
 std::vector<torch::Tensor> checkpoint(
     const std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>& fn,
     const std::vector<torch::Tensor>& inputs);
