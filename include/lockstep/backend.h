@@ -22,8 +22,9 @@ namespace lockstep {
 constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::minutes(5)};
 
 /// Reductions offered by ProcessGroup::allreduce. Avg of integer tensors is
-/// the sum divided by size(), rounded down (floor, as Python's //); of bool
-/// tensors it is refused. Sum of bool tensors is a logical or, as Max.
+/// the sum divided by size(), rounded down (floor, as Python's //), with the
+/// sum taken in int64 for narrower integers, so that an average that fits
+/// its type is exact; of bool tensors it is refused. Sum of bool tensors is a logical or, as Max.
 enum class ReduceOp { Sum, Avg, Max, Min };
 
 /// The collectives that carry tensors, for GroupImpl::supports.

@@ -158,6 +158,19 @@ bool divides_first(const torch::Tensor& t, ReduceOp op) {
   return op == ReduceOp::Avg && t.scalar_type() == torch::kHalf;
 }
 
+bool widens(const torch::Tensor& t, ReduceOp op) {
+  const auto dtype = t.scalar_type();
+  return op == ReduceOp::Avg &&
+      (dtype == torch::kByte || dtype == torch::kChar || dtype == torch::kShort || dtype == torch::kInt);
+}
+
+void widen(Packed& packed) {
+  torch::NoGradGuard no_grad;
+  packed.flat = packed.flat.to(torch::kLong).reshape({-1});
+  packed.sent = packed.flat;
+  packed.copied = true;
+}
+
 void divide_first(Packed& packed, int divisor) {
   torch::NoGradGuard no_grad;
   const auto carrier = packed.sent.scalar_type();
@@ -183,7 +196,12 @@ class FinishedWork : public ForwardingWork {
     // gradient writes into it in place, as an optimizer does.
     torch::NoGradGuard no_grad;
     if (divisor_ > 0) {
-      // Note [Average] in src/comm/process_group.cpp.
+      // Note [Average] in src/comm/process_group.cpp. The caller's own
+      // tensor may be an inference tensor (Note [Inference tensors]).
+      std::optional<c10::InferenceMode> inference;
+      if (packed_.flat.is_inference()) {
+        inference.emplace();
+      }
       if (c10::isIntegralType(packed_.flat.scalar_type(), /*includeBool=*/false)) {
         packed_.flat.div_(divisor_, "floor");
       } else {

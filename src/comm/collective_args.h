@@ -53,6 +53,15 @@ Packed pack(const std::vector<torch::Tensor>& tensors, torch::ScalarType carrier
 /// src/comm/process_group.cpp): for float16, whose sum may overflow.
 bool divides_first(const torch::Tensor& t, ReduceOp op);
 
+/// Whether Avg sums in int64 (Note [Average] in src/comm/process_group.cpp):
+/// for integers narrower than it, whose sum may overflow where their
+/// average cannot.
+bool widens(const torch::Tensor& t, ReduceOp op);
+
+/// `packed` as int64, in a copy of its own, sent in its place and copied
+/// back (narrowed) at the end.
+void widen(Packed& packed);
+
 /// `packed` divided by `divisor` into a copy of its own, sent in its place
 /// and copied back at the end: the caller's tensors keep their values until
 /// the collective is done.

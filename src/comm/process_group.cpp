@@ -126,7 +126,9 @@ ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
 // float16 divides first (as NCCL's own average of 16-bit types does, and
 // FSDP's gradient pre-division): two ranks' 40000 sum to inf in float16,
 // whose largest value is 65504, and inf / 2 stays inf. bfloat16 has float32's
-// range, and keeps the division after the sum.
+// range, and keeps the division after the sum. Integers narrower than
+// int64 are summed in int64, where the backend has it: two ranks' 200 as
+// uint8 sum to 400, which wraps, though their average, 200, fits.
 
 std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> tensors, ReduceOp op, std::string what) const {
   detail::check_tensor_list(*impl_, tensors, what);
@@ -143,6 +145,9 @@ std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> t
   const bool first = detail::divides_first(tensors[0], op);
   if (first) {
     detail::divide_first(packed, size());
+  } else if (detail::widens(tensors[0], op) &&
+             impl_->supports(Collective::Allreduce, torch::kLong, tensors[0].device())) {
+    detail::widen(packed);
   }
   std::vector<torch::Tensor> sent{packed.sent};
   auto work = impl_->allreduce(sent, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
@@ -177,17 +182,20 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(torch::Tensor output, t
   // and an inference tensor cannot be written on a backend's thread (Note
   // [Inference tensors]): the result goes to a tensor of its own, copied
   // into the output at wait().
-  const bool in_place = output.is_alias_of(input) || output.is_inference();
-  auto target = in_place ? normal_empty(output) : output;
-  auto sent_out = carrier == target.scalar_type() ? target : target.view(carrier);
+  const bool wide =
+      detail::widens(input, op) && impl_->supports(Collective::ReduceScatter, torch::kLong, input.device());
+  const bool in_place = output.is_alias_of(input) || output.is_inference() || wide;
+  auto target = wide ? torch::empty(output.sizes(), output.options().dtype(torch::kLong))
+                     : in_place ? normal_empty(output) : output;
+  auto sent_out = carrier == target.scalar_type() || wide ? target : target.view(carrier);
   const bool first = detail::divides_first(input, op);
   torch::Tensor divided;
-  if (first) {
+  if (first || wide) {
     torch::NoGradGuard no_grad;
-    divided = input / size(); // Note [Average]; the input keeps its values
+    divided = wide ? input.to(torch::kLong) : input / size(); // Note [Average]; the input keeps its values
   }
-  const auto& in = first ? divided : input;
-  auto sent_in = carrier == in.scalar_type() ? in : in.view(carrier);
+  const auto& in = first || wide ? divided : input;
+  auto sent_in = carrier == in.scalar_type() || wide ? in : in.view(carrier);
   auto work = impl_->reduce_scatter(sent_out, sent_in, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
   detail::Packed packed;
   packed.tensors = {output};

@@ -100,6 +100,29 @@ inline void check_integer_average(const ProcessGroup& group, const Check& check)
     const int64_t sum = k * n + 3 * n * (n - 1) / 2;
     check(ints[k].item<int64_t>() == floor_div(sum, n), "avg of Int element " + std::to_string(k));
   }
+  // Narrow integers: the sum overflows their type, the average does not.
+  auto bytes = torch::full({5}, 200, torch::kByte);
+  auto chars = torch::full({5}, static_cast<int64_t>(100 + r), torch::kChar);
+  group.allreduce_async({bytes}, ReduceOp::Avg, "uint8 average")->wait();
+  group.allreduce_async({chars}, ReduceOp::Avg, "int8 average")->wait();
+  check(bytes.scalar_type() == torch::kByte && torch::equal(bytes, torch::full({5}, 200, torch::kByte)),
+        "avg of uint8 200 is 200, got " + std::to_string(bytes[0].item<int64_t>()));
+  const int64_t char_average = floor_div(100 * n + n * (n - 1) / 2, n);
+  check(torch::equal(chars, torch::full({5}, char_average, torch::kChar)),
+        "avg of int8 100+r is " + std::to_string(char_average) + ", got " + std::to_string(chars[0].item<int64_t>()));
+  const auto whole = torch::full({2 * n}, static_cast<int64_t>(120 + r), torch::kChar);
+  auto part = torch::empty({2}, torch::kChar);
+  group.reduce_scatter_async(part, whole, ReduceOp::Avg, "int8 reduce_scatter average")->wait();
+  check(torch::equal(part, torch::full({2}, floor_div(120 * n + n * (n - 1) / 2, n), torch::kChar)),
+        "reduce_scatter avg of int8 120+r, got " + std::to_string(part[0].item<int64_t>()));
+  // An inference tensor (an accuracy counted under InferenceMode) is averaged in place.
+  torch::Tensor counted;
+  {
+    c10::InferenceMode inference;
+    counted = torch::full({1}, static_cast<float>(r + 1));
+  }
+  group.allreduce_async({counted}, ReduceOp::Avg, "inference average")->wait();
+  check(counted.item<float>() == (n + 1) / 2.0f, "avg of an inference tensor");
   auto flags = torch::ones({2}, torch::kBool);
   check_says(check, message_of([&] { group.allreduce_async({flags}, ReduceOp::Avg, "bool average")->wait(); }),
              {"bool average", "Avg", "Bool", "before anything was sent"}, "Avg of Bool");
