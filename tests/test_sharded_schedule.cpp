@@ -72,6 +72,17 @@ TEST(FullyShardedDataParallel, AtMostTwoUnitsAreGatheredAtOnceInForwardAndBackwa
     EXPECT_EQ(most_forward, 2u) << "a unit and the next one's prefetch";
     EXPECT_LE(most_backward, 2u);
     EXPECT_GE(most_backward, 1u);
+    // Under no_sync too, as FSDP's: a unit whose backward is over is freed,
+    // though its gradient is not reduced yet.
+    most_forward = most_backward = 0;
+    {
+      auto accumulate = model->no_sync();
+      model->forward(torch::randn({2, 1024})).sum().backward();
+    }
+    EXPECT_EQ(most_forward, 2u);
+    EXPECT_LE(most_backward, 2u) << "no_sync's backward kept the units it was done with";
+    model->forward(torch::randn({2, 1024})).sum().backward();
+    EXPECT_LE(most_backward, 2u);
   });
 }
 

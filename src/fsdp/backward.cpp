@@ -79,9 +79,6 @@ void ShardedCore::State::on_ready(size_t f, size_t j) {
       }
     });
   }
-  if (!backward_syncs) {
-    return; // no_sync: the whole gradient stays in .grad
-  }
   auto& flat = flats[f];
   if (!flat.ready[j]) {
     flat.ready[j] = 1;
@@ -90,11 +87,15 @@ void ShardedCore::State::on_ready(size_t f, size_t j) {
   if (flat.ready_count == flat.params.size() && strategy == ShardingStrategy::FullShard && pass == Pass::Backward) {
     // Its backward is over: every use of it has given its gradient. Its
     // prefetch may still be in flight, as when the first layer's backward
-    // never reads its weight (its input takes no gradient).
+    // never reads its weight (its input takes no gradient). Under no_sync
+    // too, as FSDP's post-backward reshards before it asks whether to reduce.
     if (flat.pending) {
       wait_in_flight(f);
     }
     release(flat, /*empty=*/false);
+  }
+  if (!backward_syncs) {
+    return; // no_sync: the whole gradient stays in .grad
   }
   launch_ready();
 }
@@ -290,8 +291,14 @@ void ShardedCore::State::finalize() {
     }
     drop_unused_fresh_grads();
     next_launch = 0;
-  } else if (!keep_grads) {
-    set_aside_accumulated();
+  } else {
+    for (auto& flat : flats) { // land() does it for a backward that reduces
+      std::fill(flat.ready.begin(), flat.ready.end(), 0);
+      flat.ready_count = 0;
+    }
+    if (!keep_grads) {
+      set_aside_accumulated();
+    }
   }
   end_pass();
 }
