@@ -64,6 +64,14 @@ inline uint64_t mix_bits(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+/// The seed of a rank's random draws (dropout) in optimizer step `step`:
+/// its own per rank, so that ranks do not draw the same masks for their
+/// shares of the batch, and a function of the step, so that a resumed run
+/// draws what the run it resumes would have drawn.
+inline uint64_t step_seed(uint64_t seed, int64_t step, int rank) {
+  return mix_bits(mix_bits(mix_bits(seed) ^ static_cast<uint64_t>(step)) ^ static_cast<uint64_t>(rank));
+}
+
 /// The rows of the batch that starts at sample `at` of the epoch, over every
 /// rank: --batch-size rows, or all the rest when less than two batches
 /// remain, cut down to a multiple of the world size; 0 when the epoch is

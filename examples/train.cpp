@@ -197,6 +197,7 @@ Tally train_step(const Run& run, const torch::Tensor& index, double lr, int64_t 
   if (run.setup.backward_micro_batches) {
     tally = backward_micro_batches(run, index, step);
   } else {
+    torch::manual_seed(lockstep::examples::step_seed(run.config.seed, step, run.setup.rank));
     torch::Tensor loss;
     std::tie(loss, tally) = forward_rows(run, index);
     run.scaler.scale(loss).backward();

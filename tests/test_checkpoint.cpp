@@ -13,6 +13,7 @@
 #include <examples/idx.h>
 #include <examples/models.h>
 #include <examples/run_id.h>
+#include <examples/sampling.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -305,6 +306,28 @@ TEST(Checkpoint, DataParallelRunResumesUnderTheLauncher) {
                           "order goes on unchanged"),
             std::string::npos) << q.output;
   EXPECT_NE(q.output.find("DistributedDataParallel over 2 ranks"), std::string::npos) << q.output;
+}
+
+// Dropout draws from a generator seeded by (seed, step, rank): a resumed
+// run draws the masks the uninterrupted one drew (they were drawn again
+// from the run's start), and each rank its own.
+TEST(Checkpoint, ADropoutModelResumesBitwise) {
+  auto vit = [](const std::string& marker, const std::string& checkpoint) {
+    auto args = with_flag(with_flag(trainer(marker, checkpoint), "--train-samples", "512"), "--epochs", "1");
+    args.insert(args.end(), {"--model", "vit", "--dropout", "0.3"});
+    return args;
+  };
+  auto whole = launch({"--nproc-per-node", "2", "--master-port", port()}, vit("vit_whole", temp("vit_whole.ckpt")),
+                      "vit_whole", {kOneThread});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto resumed = launch({"--nproc-per-node", "2", "--master-port", port(), "--max-restarts", "1"},
+                        vit("vit_resumed", temp("vit_resumed.ckpt")), "vit_resumed",
+                        {"LOCKSTEP_FAULT=1:6", kOneThread});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("at step 4"), std::string::npos) << resumed.output;
+  EXPECT_EQ(final_hash(resumed.output), final_hash(whole.output)) << resumed.output;
+  EXPECT_NE(examples::step_seed(1, 5, 0), examples::step_seed(1, 5, 1));
+  EXPECT_NE(examples::step_seed(1, 5, 0), examples::step_seed(1, 6, 0));
 }
 
 TEST(Checkpoint, ModelFilesMoveBetweenBareDataParallelAndDdp) {
