@@ -21,10 +21,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace lockstep {
 namespace examples {
@@ -253,6 +257,10 @@ inline void add_options(CLI::App& app, DataOptions& data, Config& config, std::s
 }
 
 
+inline bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 // A command line refused before anything runs: lockstep-train says so as
 // lockstep-run does, and exits with common::kUsageError.
 struct UsageError : std::runtime_error {
@@ -288,6 +296,10 @@ inline void check_output_paths(const Config& config) {
       continue;
     }
     const std::string named = std::string(flag) + " " + path + ": ";
+    if (std::string(flag) == "--save" && ends_with(path, ".safetensors")) {
+      throw UsageError(named + "--save names the LibTorch archive, and its safetensors copy is written beside it, "
+                       "X.pt's as X.safetensors; give --save " + path.substr(0, path.size() - 12) + ".pt.");
+    }
     struct stat info {};
     if (::stat(path.c_str(), &info) == 0) {
       if (S_ISDIR(info.st_mode)) {
@@ -302,6 +314,12 @@ inline void check_output_paths(const Config& config) {
     }
     const auto slash = path.find_last_of('/');
     const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+    std::error_code ignored;
+    const bool in_out_to_make = !config.out_dir.empty() && ::access(config.out_dir.c_str(), F_OK) != 0 &&
+        std::filesystem::weakly_canonical(dir, ignored) == std::filesystem::weakly_canonical(config.out_dir + "/", ignored);
+    if (in_out_to_make) {
+      continue; // --out, which the run makes before it writes anything
+    }
     if (::access(dir.c_str(), W_OK) != 0 || !can_create_beside(path)) {
       throw UsageError(named + "cannot write into " + dir + " (" + std::strerror(errno) +
                        "); create the folder first, or pick another path.");
@@ -309,9 +327,49 @@ inline void check_output_paths(const Config& config) {
   }
 }
 
-// Flags that need a launcher, refused before anything is made when the
-// process was started alone (a UsageError: exit code 2).
-inline void check_launch_flags(const Config& config, bool launched) {
+/// Where the safetensors copy of a model saved at `save_path` goes: `.pt`
+/// replaced by `.safetensors`, or `.safetensors` added.
+inline std::string safetensors_beside(const std::string& save_path) {
+  const bool ends_in_pt = ends_with(save_path, ".pt") && save_path.size() > 3;
+  return (ends_in_pt ? save_path.substr(0, save_path.size() - 3) : save_path) + ".safetensors";
+}
+
+/// The run's three output files, once their defaults are set: the model's
+/// two files and the checkpoint must be three files, or the last write
+/// would replace another (the checkpoint, which a resume then cannot read).
+inline void check_distinct_outputs(const Config& config) {
+  const std::vector<std::pair<std::string, std::string>> outputs{
+      {"--save", config.save_path},
+      {"--save's safetensors copy", safetensors_beside(config.save_path)},
+      {"--checkpoint", config.checkpoint_path}};
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (size_t k = i + 1; k < outputs.size(); ++k) {
+      std::error_code ignored;
+      const auto a = std::filesystem::weakly_canonical(outputs[i].second, ignored);
+      const auto b = std::filesystem::weakly_canonical(outputs[k].second, ignored);
+      if (a == b) {
+        throw UsageError(outputs[i].first + " and " + outputs[k].first + " are one file, " + outputs[k].second +
+                         ", which the run would write twice; give them different paths (--save OUT/model.pt and "
+                         "--checkpoint OUT/checkpoint.ckpt by default).");
+      }
+    }
+  }
+}
+
+// Flags for one way of running given for the other, refused before
+// anything is loaded or made (a UsageError: exit code 2): those that need a
+// launcher when the process was started alone, and DataParallel's
+// --replicas under one.
+inline void check_launch_flags(const CLI::App& app, const Config& config, bool launched) {
+  if (launched && app.count("--replicas") > 0) {
+    throw UsageError("--replicas sets DataParallel's CPU replicas when lockstep-train runs alone; under a launcher "
+                     "each process is one rank: set their number with the launcher (lockstep-run --nproc-per-node N), "
+                     "and leave --replicas out.");
+  }
+  if (!launched && app.count("--timeout") > 0) {
+    throw UsageError("--timeout is how long a rank waits for the others; alone, lockstep-train has no other rank. Run "
+                     "it under a launcher (lockstep-run --nproc-per-node 2 lockstep-train ...), or leave --timeout out.");
+  }
   if (!launched && !config.sharding.empty()) {
     throw UsageError("--sharding " + config.sharding + " shards over ranks, one process each: run it under "
                      "lockstep-run (or torchrun, mpirun, srun), for example lockstep-run --nproc-per-node 2 "
@@ -364,6 +422,10 @@ inline std::string check_model_flags(const CLI::App& app, const Config& config) 
              "default, or --text FILE.";
     }
   }
+  if (app.count("--dropout") > 0 && config.model == "cnn") {
+    return "--dropout is the ViT's and the GPT's; the CNN has none. Add --model vit or --model gpt, or leave "
+           "--dropout out.";
+  }
   if (app.count("--momentum") > 0 && config.optimizer == "adamw") {
     return "--momentum is SGD's; AdamW has its own betas. Leave --momentum out, or add --optimizer sgd.";
   }
@@ -379,7 +441,8 @@ inline int parse_command_line(
     char** argv,
     DataOptions& data,
     Config& config,
-    std::string& export_dir) {
+    std::string& export_dir,
+    bool launched) {
   add_options(app, data, config, export_dir);
   try {
     app.parse(argc, argv);
@@ -417,6 +480,7 @@ inline int parse_command_line(
     }
   }
   try {
+    check_launch_flags(app, config, launched);
     check_output_paths(config);
     check_sample_counts(data);
   } catch (const UsageError& e) {

@@ -41,6 +41,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -93,6 +95,22 @@ inline std::pair<int64_t, int64_t> epoch_extent(const BatchPlan& plan) {
     ++steps;
   }
   return {rows, steps};
+}
+
+/// Why an epoch of `plan` has no optimizer step, naming the flags to change;
+/// "" when it has one.
+inline std::string no_step_reason(const BatchPlan& plan) {
+  if (epoch_extent(plan).second > 0) {
+    return "";
+  }
+  const std::string samples = std::to_string(plan.samples) + " training samples";
+  if (plan.whole_batches) {
+    return "--deterministic trains whole batches only, and the " + samples + " fill no batch of --batch-size " +
+           std::to_string(plan.batch_size) + ": give a --batch-size of at most " + std::to_string(plan.samples) +
+           " (a multiple of --micro-batch-size), or more samples.";
+  }
+  return "the " + samples + " cannot give each of the " + std::to_string(plan.world_size) +
+         " ranks a row: give more samples, or run fewer ranks.";
 }
 
 // Note [The schedule after a resume]

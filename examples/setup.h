@@ -141,7 +141,16 @@ inline Config settled_config(Config config, const lockstep::ProcessGroup* group)
   if (config.save_path.empty()) {
     config.save_path = config.out_dir + "/model.pt";
   }
+  check_distinct_outputs(config);
   return config;
+}
+
+// `plan`, refused (a UsageError) when its epochs would have no step.
+inline BatchPlan checked_plan(const BatchPlan& plan) {
+  if (const std::string why = no_step_reason(plan); !why.empty()) {
+    throw UsageError(why);
+  }
+  return plan;
 }
 
 // ---------------------------------------------------------------------------
@@ -344,8 +353,8 @@ inline Setup launched_setup(const lockstep::ProcessGroup& group, TrainerNet& net
   setup.world_size = group.size();
   setup.device = group_device(group);
   net->to(setup.device);
-  setup.plan = BatchPlan{data.train.inputs.size(0), config.batch_size, group.size(), group.rank(), config.seed,
-                         config.deterministic};
+  setup.plan = checked_plan({data.train.inputs.size(0), config.batch_size, group.size(), group.rank(), config.seed,
+                             config.deterministic});
   // Loss and accuracy sums as doubles: exact for any count below 2^53.
   setup.combine = [group, device = setup.device](const Tally& mine) {
     auto sums = torch::tensor({mine.loss_sum, static_cast<double>(mine.correct), static_cast<double>(mine.rows)},
@@ -562,7 +571,7 @@ inline Setup data_parallel_setup(TrainerNet& net, const Dataset& data, const Dat
         .micro_batch_size(config.micro_batch_size).seed(config.seed);
   }
   setup.optimizer = make_optimizer(net->parameters(), config);
-  setup.plan = BatchPlan{data.train.inputs.size(0), config.batch_size, 1, 0, config.seed, config.deterministic};
+  setup.plan = checked_plan({data.train.inputs.size(0), config.batch_size, 1, 0, config.seed, config.deterministic});
   setup.state = resume(config, setup.plan, signature, true, [&](TrainingState& state) {
     return load_checkpoint(config.checkpoint_path, *net, *setup.optimizer, state);
   });

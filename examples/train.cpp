@@ -559,7 +559,11 @@ int main(int argc, char** argv) {
   DataOptions data_options;
   Config parsed;
   std::string export_dir;
-  const int exit_code = lockstep::examples::parse_command_line(app, argc, argv, data_options, parsed, export_dir);
+  // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
+  // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.
+  const bool launched = lockstep::launched_by_launcher();
+  const int exit_code =
+      lockstep::examples::parse_command_line(app, argc, argv, data_options, parsed, export_dir, launched);
   if (exit_code >= 0) {
     return exit_code; // --help, or a refusal
   }
@@ -580,10 +584,6 @@ int main(int argc, char** argv) {
     TrainerNet net(parsed.model, parsed.activation_checkpointing && parsed.sharding.empty(), parsed.dropout,
                    data_options.context);
     lockstep::examples::init_from(net, parsed.init_from);
-    // Under a launcher (lockstep-run, torchrun, mpirun, srun), one process per rank with
-    // DistributedDataParallel or FullyShardedDataParallel; otherwise one process with DataParallel.
-    const bool launched = lockstep::launched_by_launcher();
-    lockstep::examples::check_launch_flags(parsed, launched);
     std::optional<lockstep::ProcessGroup> group;
     if (launched) {
       group = lockstep::examples::launched_group(parsed);

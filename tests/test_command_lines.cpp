@@ -96,6 +96,34 @@ TEST(TrainerCommandLine, RefusalsBeforeTrainingHaveTheUsageExitCode) {
   }
 }
 
+// Flags that could not take effect, and outputs that would overwrite one
+// another, are refused before anything is loaded: --save and --checkpoint
+// as one file (the model written last replaced the checkpoint), --save of a
+// .safetensors name (a LibTorch archive under it, the real file at
+// NAME.safetensors.safetensors), a batch no epoch can fill, and flags of
+// another way of running.
+TEST(TrainerCommandLine, OutputsThatCollideAndFlagsWithoutEffectAreRefused) {
+  const std::string same = temp("same.pt");
+  expect_refused(train(tiny("same"), {"--save", same, "--checkpoint", same}, "same"),
+                 "--save and --checkpoint are one file, " + same);
+  expect_refused(train(tiny("default_checkpoint"), {"--save", temp("default_checkpoint_out") + "/checkpoint.ckpt"},
+                       "default_checkpoint"),
+                 "--save and --checkpoint are one file");
+  expect_refused(train(tiny("beside"), {"--save", temp("beside.pt"), "--checkpoint", temp("beside.safetensors")},
+                       "beside"),
+                 "--save's safetensors copy and --checkpoint are one file");
+  expect_refused(train(tiny("st"), {"--save", temp("m.safetensors")}, "st"),
+                 "--save " + temp("m.safetensors") + ": --save names the LibTorch archive");
+  expect_refused(train(tiny("empty_epoch"), {"--deterministic", "--micro-batch-size", "16", "--batch-size", "128"},
+                       "empty_epoch"),
+                 "--deterministic trains whole batches only, and the 64 training samples fill no batch of "
+                 "--batch-size 128: give a --batch-size of at most 64");
+  expect_refused(train(tiny("cnn_dropout"), {"--dropout", "0.5"}, "cnn_dropout"),
+                 "--dropout is the ViT's and the GPT's; the CNN has none");
+  expect_refused(train(tiny("timeout_alone"), {"--timeout", "5"}, "timeout_alone"),
+                 "--timeout is how long a rank waits for the others");
+}
+
 // Notes at the start of a run that would otherwise mislead: a warmup
 // longer than the run, PowerSGD's flags without its hook, fp16 on a CPU.
 TEST(TrainerCommandLine, SettingsThatCannotTakeEffectAreSaid) {
