@@ -136,6 +136,25 @@ TEST(ShardedPrecision, ABatchNormKeepsItsParametersDtype) {
   }
 }
 
+// A frozen BatchNorm (fine-tuning) keeps its dtype too: it was refused,
+// with advice (cast it to param_dtype) that ATen's batch norm then refuses.
+TEST(ShardedPrecision, AFrozenBatchNormKeepsItsDtype) {
+  testing::spawn(2, [&](ProcessGroup& group) {
+    torch::manual_seed(0);
+    torch::nn::BatchNorm1d norm(6);
+    norm->weight.set_requires_grad(false);
+    norm->bias.set_requires_grad(false);
+    torch::nn::Sequential net(Block(torch::nn::AnyModule(norm)), torch::nn::Linear(6, 2));
+    FullyShardedDataParallel<torch::nn::Sequential> model(net, group, kBf16);
+    const auto x = torch::arange(24, torch::kFloat).view({6, 4}).sin() * (group.rank() + 1);
+    model->forward(x).to(torch::kFloat).square().mean().backward();
+    EXPECT_EQ(norm->weight.scalar_type(), torch::kFloat);
+    model->eval();
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::isfinite(model->forward(x).to(torch::kFloat)).all().item<bool>());
+  });
+}
+
 // reduce_dtype alone leaves a BatchNorm's gradients in their dtype too, as
 // FSDP's MixedPrecision leaves _BatchNorm out of all its dtypes: after one
 // step, the BatchNorm's parameters are the bits of fp32 training, the

@@ -455,12 +455,16 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   for (const auto& [alias, i] : planned.aliases) {
     s.aliases.emplace_back(alias, planned.names[i]);
   }
+  std::set<std::string> frozen_batch_norms; // keep their dtype (Note [Sharded mixed precision])
   for (size_t i = 0; i < planned.params.size(); ++i) {
     if (!planned.params[i].requires_grad()) {
       s.whole.emplace_back(planned.names[i], planned.params[i]); // Note [Frozen parameters]
+      if (planned.keep_dtype[i] != 0) {
+        frozen_batch_norms.insert(planned.names[i]);
+      }
     }
   }
-  s.set_precision(options); // Note [Sharded mixed precision]
+  s.set_precision(options, frozen_batch_norms); // Note [Sharded mixed precision]
   param_dtype_ = options.param_dtype();
   for (size_t f = 0; f < s.flats.size(); ++f) {
     shard_flat(owner, f);

@@ -37,7 +37,7 @@ namespace detail {
 // input only beside weights in the statistics' dtype ("mixed dtype (CPU)").
 // The layer's output is in its input's dtype, as under autocast.
 
-void ShardedCore::State::set_precision(const ShardingOptions& options) {
+void ShardedCore::State::set_precision(const ShardingOptions& options, const std::set<std::string>& frozen_batch_norms) {
   const auto& param = options.param_dtype();
   const auto& reduce = options.reduce_dtype();
   if (!param && !reduce) {
@@ -56,7 +56,8 @@ void ShardedCore::State::set_precision(const ShardingOptions& options) {
   // operator with a message that does not say why.
   for (size_t i = first_frozen; param && i < whole.size(); ++i) {
     const auto& [name, frozen] = whole[i];
-    TORCH_CHECK(!c10::isFloatingType(frozen.scalar_type()) || frozen.scalar_type() == *param, where(),
+    TORCH_CHECK(!c10::isFloatingType(frozen.scalar_type()) || frozen.scalar_type() == *param ||
+                    frozen_batch_norms.count(name) != 0, where(),
                 "parameter '", name, "' is frozen (requires_grad false) and ", frozen.scalar_type(), ", and frozen "
                 "parameters are not sharded, so ShardingOptions().param_dtype(", *param, ") would not cast it: "
                 "forward would mix ", frozen.scalar_type(), " and ", *param, " tensors. Cast the frozen parameters to ",

@@ -25,6 +25,7 @@
 #include <deque>
 #include <limits>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -154,7 +155,8 @@ struct ShardedCore::State : StorageWatcher, std::enable_shared_from_this<Sharded
                                                                               const SafetensorsLoadOptions& options);
 
   // src/fsdp/precision.cpp: Note [Sharded mixed precision].
-  void set_precision(const ShardingOptions& options);
+  // `frozen_batch_norms`: frozen parameters that keep their dtype.
+  void set_precision(const ShardingOptions& options, const std::set<std::string>& frozen_batch_norms);
   bool summon_in_own_dtype();
   // Note [Dropping a no_sync accumulation].
   void set_aside_accumulated();
