@@ -90,6 +90,24 @@ TEST(ShardedMisuse, ASummonEndedByAnExceptionKeepsTheShardsAndRethrows) {
   }
 }
 
+// A sparse Embedding's gradient cannot be sharded: refused at construction,
+// naming the layer, where backward failed inside ATen ("reshape is not
+// implemented for sparse tensors") and left the wrapper unusable. Frozen,
+// it takes no gradient, and is wrapped.
+TEST(ShardedMisuse, ASparseEmbeddingIsRefusedNamingIt) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    auto sparse = [] {
+      return Net(torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)), torch::nn::Linear(4, 2));
+    };
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<Net>(sparse(), group), "'0' is an Embedding with sparse(true)",
+                      "sparse(false)");
+    auto frozen = sparse();
+    frozen[0]->as<torch::nn::Embedding>()->weight.set_requires_grad(false);
+    FullyShardedDataParallel<Net> model(frozen, group);
+    model->forward(torch::tensor({1, 2, 3}, torch::kLong)).sum().backward();
+  });
+}
+
 TEST(ShardedMisuse, LoadShardedInsideSummonFullParamsIsAnError) {
   const auto dir = misuse_dir("summon");
   testing::spawn(2, [&](ProcessGroup& group) {

@@ -144,6 +144,9 @@ bool ShardedCore::State::write_grads(FlatParam& flat, const torch::Tensor& rows)
   bool used = false;
   for (size_t j = 0; j < flat.params.size(); ++j) {
     const auto grad = take_gradient(flat, j);
+    TORCH_CHECK(!grad.defined() || grad.layout() == torch::kStrided, where(), "parameter '", flat.names[j],
+                "' received a sparse gradient, and FullyShardedDataParallel shards dense gradients only: compute "
+                "it densely (an Embedding with sparse(false)).");
     used = used || grad.defined();
     const int64_t numel = flat.views[j].numel();
     write(written, flat.offsets[j], torch::Tensor());

@@ -155,6 +155,27 @@ void check_not_nested(torch::nn::Module& module, const std::string& where) {
   }
 }
 
+// A sparse gradient cannot be written into a flat buffer: an Embedding or
+// EmbeddingBag with sparse(true) and a trainable weight is refused here,
+// where backward would fail on reshaping it, naming nothing.
+void check_dense_gradients(torch::nn::Module& module, const std::string& where) {
+  for (const auto& named : module.named_modules("", /*include_self=*/true)) {
+    const auto* m = named.value().get();
+    bool sparse = false;
+    torch::Tensor weight;
+    if (const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(m)) {
+      sparse = embedding->options.sparse();
+      weight = embedding->weight;
+    } else if (const auto* bag = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(m)) {
+      sparse = bag->options.sparse();
+      weight = bag->weight;
+    }
+    TORCH_CHECK(!sparse || !weight.requires_grad(), where, "'", named.key(), "' is an Embedding with sparse(true), "
+                "whose gradient is sparse, and FullyShardedDataParallel shards dense gradients only. Construct it "
+                "with sparse(false).");
+  }
+}
+
 // The unit paths: the options', checked, or each direct child. The root
 // ("") is always a unit; naming it alone makes it the only one.
 std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOptions& options, const std::string& where) {
@@ -427,6 +448,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   s.strategy = options.strategy();
   s.reshard_after_forward = options.reshard_after_forward();
   check_not_nested(module, s.where()); // Note [Nested wrappers]
+  check_dense_gradients(module, s.where());
   const auto paths = unit_paths(module, options, s.where());
   if (options.activation_checkpointing()) {
     s.checkpointed_units = checkpoint_units(module, paths, s.where());
