@@ -108,6 +108,20 @@ TEST(ShardedMisuse, ASparseEmbeddingIsRefusedNamingIt) {
   });
 }
 
+// to() after wrapping moved or cast only the shards, and the step then
+// failed far from the cause: refused, unless it changes nothing.
+TEST(ShardedMisuse, MovingOrCastingAfterWrappingIsRefused) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(Net(torch::nn::Linear(4, 3)), group);
+    model->to(torch::kCPU);
+    model->to(torch::kFloat);
+    EXPECT_ERROR_SAYS(model->to(torch::kDouble), "to(Double) after wrapping",
+                      "Move or cast the module before wrapping it");
+    EXPECT_ERROR_SAYS(model->to(torch::Device(torch::kCUDA, 0), torch::kFloat), "to(cuda:0, Float) after wrapping");
+    EXPECT_EQ(model->parameters()[0].scalar_type(), torch::kFloat);
+  });
+}
+
 TEST(ShardedMisuse, LoadShardedInsideSummonFullParamsIsAnError) {
   const auto dir = misuse_dir("summon");
   testing::spawn(2, [&](ProcessGroup& group) {

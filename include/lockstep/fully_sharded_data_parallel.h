@@ -274,6 +274,21 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public detail::Sh
     return core_->backward_micro_batches(step, loss_of);
   }
 
+  /// Refused, unless the model is on `device` in `dtype` already: the
+  /// shards, the gathered buffers and the module's buffers and frozen
+  /// parameters would part ways. Move or cast the module before wrapping it.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
+    core_->check_move(device, dtype);
+  }
+  /// See to(device, dtype).
+  void to(torch::Dtype dtype, bool non_blocking = false) override {
+    core_->check_move(std::nullopt, dtype);
+  }
+  /// See to(device, dtype).
+  void to(torch::Device device, bool non_blocking = false) override {
+    core_->check_move(device, std::nullopt);
+  }
+
   /// The wrapped module (see the class comment for its parameters).
   M module() const {
     return module_;

@@ -547,6 +547,19 @@ void ShardedCore::shard_flat(torch::nn::Module& owner, size_t f) {
   }
 }
 
+void ShardedCore::check_move(const std::optional<torch::Device>& device, const std::optional<torch::Dtype>& dtype) const {
+  for (const auto& flat : state_->flats) {
+    const bool moves = device && *device != flat.device &&
+        !(device->type() == flat.device.type() && !device->has_index()); // cuda for cuda:0 (the flats' own)
+    const bool casts = dtype && *dtype != flat.dtype && c10::isFloatingType(flat.dtype);
+    TORCH_CHECK(!moves && !casts, state_->where(), "to(", device ? device->str() : std::string(),
+                device && dtype ? ", " : "", dtype ? c10::toString(*dtype) : "", ") after wrapping would move or cast "
+                "only this rank's shards, apart from the gathered parameters, the buffers and the frozen "
+                "parameters (the model is ", flat.dtype, " on ", flat.device, "). Move or cast the module before "
+                "wrapping it: FullyShardedDataParallel<Net>(net) after net->to(...).");
+  }
+}
+
 ShardedCore::~ShardedCore() {
   unwatch_storages(state_.get());
   state_->cache_thread_allocations(false);

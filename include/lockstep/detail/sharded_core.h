@@ -101,6 +101,10 @@ class ShardedCore {
   const ProcessGroup& group() const {
     return group_;
   }
+  /// FullyShardedDataParallelImpl::to: nothing where the model is on
+  /// `device` (when given) in `dtype` (when given) already, else an error
+  /// (src/fsdp/construct.cpp).
+  void check_move(const std::optional<torch::Device>& device, const std::optional<torch::Dtype>& dtype) const;
   /// FullyShardedDataParallelImpl::flat_params (src/fsdp/construct.cpp).
   std::vector<FlatParamInfo> flat_params() const;
 
