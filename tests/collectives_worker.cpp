@@ -12,6 +12,8 @@
 #include "support/collective_contract.h"
 #include "support/run_worker.h"
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -52,6 +54,11 @@ void check_mpi_refusals(lockstep::ProcessGroup& group, const Check& check) {
   lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
     lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("mpi"));
   }), {"the mpi backend takes one group per process at a time, and one is alive"}, "a second mpi group");
+  // A subgroup, which MPI's group setup would wait in for ranks that never
+  // come, is refused at once, naming gloo.
+  lockstep::testing::check_says(check, lockstep::testing::message_of([&] {
+    lockstep::new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "mpi");
+  }), {"the mpi backend makes the group of all MPI's", "no subgroups", "\"gloo\""}, "an mpi subgroup");
   // How long a wait polls (Note [Polling before a wait]) is read before MPI
   // is asked for anything: a value that is no number of microseconds is
   // refused naming the variable.

@@ -125,6 +125,25 @@ class ExchangeCountingGroup : public GroupImpl {
   ProcessGroup inner_;
 };
 
+// A backend of GPU tensors only, as NCCL's.
+class GpuOnlyGroup : public ExchangeCountingGroup {
+ public:
+  using ExchangeCountingGroup::ExchangeCountingGroup;
+  bool supports(Collective, torch::ScalarType, torch::Device device) const override {
+    return device.is_cuda();
+  }
+};
+
+// A CPU tensor given to a backend of GPU tensors is refused saying so; it
+// was told to reduce a copy "in a type it has", float32 for a float32.
+TEST(ProcessGroupContract, ACpuTensorOnAGpuOnlyBackendIsRefusedSayingWhy) {
+  on_ranks(1, [](const ProcessGroup& group, const testing::Check&) {
+    ProcessGroup gpu_only(std::make_shared<GpuOnlyGroup>(group));
+    auto t = torch::ones({4});
+    EXPECT_ERROR_SAYS(gpu_only.allreduce(t), "takes no tensors on the CPU", "t.to(torch::kCUDA)", "gloo group");
+  });
+}
+
 // Sets an environment variable while alive; made before the ranks' threads.
 class ScopedEnv {
  public:

@@ -554,6 +554,13 @@ bool mpi_available() {
 
 std::shared_ptr<GroupImpl> make_mpi_group(int rank, int size, std::chrono::milliseconds timeout) {
   const auto spin = wait_spin("LOCKSTEP_MPI_SPIN_US", "an MPI collective"); // fails before MPI starts
+  init_mpi();
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  // Before the group's collective setup, which a subgroup's ranks alone would wait in until the deadline.
+  TORCH_CHECK(size == world, "lockstep: the mpi backend makes the group of all MPI's ", world, " ranks, not one of ",
+              size, ": it has no subgroups. Make subgroups with the gloo backend (new_group(store, rank, ", size,
+              ", \"gloo\")), or give every rank's size as MPI's.");
   auto group = std::make_shared<MpiGroup>(timeout, spin);
   TORCH_CHECK(group->rank() == rank && group->size() == size, "lockstep: the launcher says rank ", rank, " of ", size,
               " but MPI says rank ", group->rank(), " of ", group->size(),
