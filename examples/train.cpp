@@ -286,6 +286,7 @@ struct Epoch {
   int64_t resumed_rows = 0; // trained before this attempt resumed it
   Tally pending;            // this rank's rows since the last fold
   Tally logged;             // the epoch's tally at the last training record
+  int64_t logged_step = 0;  // and its step (the epoch's start, or where this attempt resumed)
   Clock::time_point logged_at = Clock::now();
   double eval_seconds = 0;  // spent on --eval-every evaluations
 };
@@ -302,6 +303,7 @@ Epoch begin_epoch(const Run& run, const TrainingState& state) {
   epoch.fold_every = std::max<int64_t>(1, epoch.batch_count / 50);
   epoch.resumed_rows = state.epoch_tally.rows; // restored when resumed
   epoch.logged = state.epoch_tally;
+  epoch.logged_step = state.step;
   return epoch;
 }
 
@@ -320,8 +322,10 @@ void log_training(const Run& run, const TrainingState& state, Epoch& epoch, doub
   const Tally& done = state.epoch_tally;
   const Tally recent{done.loss_sum - epoch.logged.loss_sum, done.correct - epoch.logged.correct,
                      done.rows - epoch.logged.rows};
+  // "steps": what the figures cover; after a resume, the steps since it.
   nlohmann::json record{{"kind", "train"}, {"epoch", state.epoch + 1}, {"step", state.step},
-                        {"epochs_done", epochs_done}, {"lr", lr}, {"loss", mean_loss(recent)},
+                        {"steps", state.step - epoch.logged_step}, {"epochs_done", epochs_done}, {"lr", lr},
+                        {"loss", mean_loss(recent)},
                         {"accuracy", accuracy(recent)},
                         {per_second(run.config), rate(recent.rows, seconds_since(epoch.logged_at))}};
   if (run.scaler.is_enabled()) {
@@ -332,6 +336,7 @@ void log_training(const Run& run, const TrainingState& state, Epoch& epoch, doub
   }
   metrics.write(record);
   epoch.logged = done;
+  epoch.logged_step = state.step;
   epoch.logged_at = Clock::now();
 }
 

@@ -24,6 +24,7 @@
 #include <zlib.h>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <random>
@@ -310,11 +311,12 @@ TEST(Checkpoint, DataParallelRunResumesUnderTheLauncher) {
 
 // Dropout draws from a generator seeded by (seed, step, rank): a resumed
 // run draws the masks the uninterrupted one drew (they were drawn again
-// from the run's start), and each rank its own.
+// from the run's start), and each rank its own. A training record says
+// how many steps its figures cover.
 TEST(Checkpoint, ADropoutModelResumesBitwise) {
   auto vit = [](const std::string& marker, const std::string& checkpoint) {
     auto args = with_flag(with_flag(trainer(marker, checkpoint), "--train-samples", "512"), "--epochs", "1");
-    args.insert(args.end(), {"--model", "vit", "--dropout", "0.3"});
+    args.insert(args.end(), {"--model", "vit", "--dropout", "0.3", "--log-every", "3"});
     return args;
   };
   auto whole = launch({"--nproc-per-node", "2", "--master-port", port()}, vit("vit_whole", temp("vit_whole.ckpt")),
@@ -326,6 +328,19 @@ TEST(Checkpoint, ADropoutModelResumesBitwise) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("at step 4"), std::string::npos) << resumed.output;
   EXPECT_EQ(final_hash(resumed.output), final_hash(whole.output)) << resumed.output;
+  // The record at step 6 covers steps 4 to 6, or 5 and 6 after the resume at 4, and says so.
+  for (const auto& [marker, steps] : {std::make_pair("vit_whole", 3), std::make_pair("vit_resumed", 2)}) {
+    std::ifstream metrics(temp(std::string(marker) + "_out") + "/metrics.jsonl");
+    int found = 0;
+    for (std::string line; std::getline(metrics, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record["kind"] == "train" && record["step"] == 6) {
+        EXPECT_EQ(record["steps"], steps) << marker << ": " << line;
+        ++found;
+      }
+    }
+    EXPECT_EQ(found, 1) << marker;
+  }
   EXPECT_NE(examples::step_seed(1, 5, 0), examples::step_seed(1, 5, 1));
   EXPECT_NE(examples::step_seed(1, 5, 0), examples::step_seed(1, 6, 0));
 }
