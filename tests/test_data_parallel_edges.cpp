@@ -484,5 +484,38 @@ TEST(DataParallel, MlpMatchesBareModuleOnTwoGpus_MultiCUDA) {
   expect_mlp_trains_as_bare({torch::Device(torch::kCUDA, 0), torch::Device(torch::kCUDA, 1)});
 }
 
+// A zero .grad that is a view of one flat buffer (or that the caller keeps)
+// is added into, as AccumulateGrad does: backward replaced it with a new
+// tensor, and the buffer stayed zero.
+TEST(DataParallel, AZeroGradThatIsAViewOfAFlatBufferIsAddedInto) {
+  torch::manual_seed(2);
+  torch::nn::Sequential net(torch::nn::Linear(4, 3), torch::nn::Tanh(), torch::nn::Linear(3, 2));
+  auto bare = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+  int64_t total = 0;
+  for (const auto& p : net->parameters()) {
+    total += p.numel();
+  }
+  auto flat = torch::zeros({total});
+  int64_t at = 0;
+  for (auto& p : net->parameters()) {
+    p.mutable_grad() = flat.narrow(0, at, p.numel()).view_as(p);
+    at += p.numel();
+  }
+  DataParallel<torch::nn::Sequential> dp(net, DataParallelOptions().devices(cpus(2)));
+  const auto x = torch::randn({6, 4});
+  dp(x).pow(2).sum().backward();
+  bare->forward(x).pow(2).sum().backward();
+  at = 0;
+  const auto mine = net->parameters();
+  const auto theirs = bare->parameters();
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const auto slice = flat.narrow(0, at, mine[i].numel()).view_as(mine[i]);
+    EXPECT_EQ(mine[i].grad().data_ptr(), slice.data_ptr()) << "the .grad is no longer the buffer's view";
+    EXPECT_TRUE(torch::allclose(slice, theirs[i].grad(), 1e-5, 1e-6)) << i;
+    at += mine[i].numel();
+  }
+  EXPECT_GT(flat.abs().sum().item<float>(), 0.0f);
+}
+
 } // namespace
 } // namespace lockstep

@@ -205,9 +205,21 @@ variable_list ParallelBackward::combine(std::vector<variable_list>& results, con
 // replicas): a pass over every gradient that cost 15% of an MLP step. So when
 // .grad holds only zeros (zero_grad() without set_to_none) and this backward
 // adds to it, the workers undefine it and the engine takes the sum as the
-// new .grad: the same values, no add. The sums, and the reading for zeros, are shared out over the CPU
+// new .grad: the same values, no add. Only where nothing else holds that
+// .grad or its memory (owned_alone): a .grad that is a view of a flat
+// buffer, or that the caller keeps, is added into in place, as autograd's
+// AccumulateGrad does. The sums, and the reading for zeros, are shared out over the CPU
 // workers by size (assign_sums): the calling thread has yielded its cores to
 // them.
+namespace {
+
+// Whether `grad` is its own memory, held by the parameter alone.
+bool owned_alone(const torch::Tensor& grad) {
+  return !grad.is_view() && grad.use_count() == 1 && grad.storage().use_count() == 1;
+}
+
+} // namespace
+
 void ParallelBackward::sum_param_gradients(
     std::vector<variable_list>& results,
     const std::vector<size_t>& workers,
@@ -239,7 +251,7 @@ void ParallelBackward::sum_param_gradients(
     }
     auto& grad = plan_.params[p].mutable_grad();
     if (accumulates[p] && out[p].defined() && grad.defined() && grad.layout() == torch::kStrided &&
-        !grad.requires_grad() && !grad.any().item<bool>()) {
+        !grad.requires_grad() && owned_alone(grad) && !grad.any().item<bool>()) {
       grad.reset();
     }
   };
