@@ -4,9 +4,15 @@
 #include <common/process_files.h>
 #include <tools/run_options.h>
 
+#include "support/scratch.h"
+
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>

@@ -81,6 +81,34 @@ TEST(ShardedPrecision, ParametersComputeInParamDtypeAndTheShardsStayFloat) {
   }
 }
 
+// forward's tensors inside a vector, an optional and a tuple (an attention
+// mask, several inputs) are cast to param_dtype too, as FSDP's
+// _apply_to_tensors does: they met bf16 weights as fp32 and failed inside
+// an operator.
+struct NestedArgumentsImpl : torch::nn::Module {
+  NestedArgumentsImpl() {
+    fc = register_module("fc", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(const std::vector<torch::Tensor>& xs, c10::optional<torch::Tensor> mask,
+                        const std::tuple<torch::Tensor, int64_t>& extra) {
+    auto h = fc(xs.at(0)) + fc(xs.at(1)) + fc(std::get<0>(extra)) * static_cast<double>(std::get<1>(extra));
+    return mask.has_value() ? h * *mask : h;
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(NestedArguments);
+
+TEST(ShardedPrecision, TensorsInsideContainerArgumentsAreCast) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    FullyShardedDataParallel<NestedArguments> model(NestedArguments(), group, kBf16);
+    const auto x = torch::randn({3, 4});
+    const auto out = model->forward(std::vector<torch::Tensor>{x, x * 2}, c10::optional<torch::Tensor>(torch::ones({3, 2})),
+                                    std::make_tuple(x, int64_t{3}));
+    EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+    out.to(torch::kFloat).sum().backward();
+  });
+}
+
 // A Linear layer and a normalisation after it: one unit.
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(torch::nn::AnyModule n) : norm(std::move(n)) {

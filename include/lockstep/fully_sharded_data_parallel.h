@@ -181,12 +181,57 @@ void collect_tensors(const std::tuple<Ts...>& tuple, std::vector<torch::Tensor>&
   std::apply([&](const auto&... t) { (collect_tensors(t, out), ...); }, tuple);
 }
 
-// A forward argument as FullyShardedDataParallel passes it on: a tensor in
-// ShardingOptions::param_dtype, anything else as it came.
+// Whether a forward argument of type T holds tensors that cast_argument
+// reaches: a tensor, or a std::vector, c10::optional, std::pair or
+// std::tuple of such (as FSDP's _apply_to_tensors recurses).
+template <typename T>
+struct HoldsTensors : std::is_same<T, torch::Tensor> {};
+template <typename T>
+struct HoldsTensors<std::vector<T>> : HoldsTensors<T> {};
+template <typename T>
+struct HoldsTensors<c10::optional<T>> : HoldsTensors<T> {};
+template <typename A, typename B>
+struct HoldsTensors<std::pair<A, B>> : std::bool_constant<HoldsTensors<A>::value || HoldsTensors<B>::value> {};
+template <typename... Ts>
+struct HoldsTensors<std::tuple<Ts...>> : std::bool_constant<(HoldsTensors<Ts>::value || ...)> {};
+
+// A copy of `value` with each floating-point tensor in param_dtype.
+inline torch::Tensor cast_tensors(const ShardedCore& core, const torch::Tensor& value) {
+  return core.cast_input(value);
+}
+template <typename T>
+T cast_tensors(const ShardedCore&, const T& value) {
+  return value;
+}
+template <typename T>
+std::vector<T> cast_tensors(const ShardedCore& core, const std::vector<T>& values) {
+  std::vector<T> cast;
+  cast.reserve(values.size());
+  for (const auto& value : values) {
+    cast.push_back(cast_tensors(core, value));
+  }
+  return cast;
+}
+template <typename T>
+c10::optional<T> cast_tensors(const ShardedCore& core, const c10::optional<T>& value) {
+  return value.has_value() ? c10::optional<T>(cast_tensors(core, *value)) : c10::optional<T>();
+}
+template <typename A, typename B>
+std::pair<A, B> cast_tensors(const ShardedCore& core, const std::pair<A, B>& value) {
+  return {cast_tensors(core, value.first), cast_tensors(core, value.second)};
+}
+template <typename... Ts>
+std::tuple<Ts...> cast_tensors(const ShardedCore& core, const std::tuple<Ts...>& value) {
+  return std::apply([&](const auto&... items) { return std::tuple<Ts...>(cast_tensors(core, items)...); }, value);
+}
+
+// A forward argument as FullyShardedDataParallel passes it on: its tensors,
+// at any depth HoldsTensors reaches, in ShardingOptions::param_dtype;
+// anything else as it came.
 template <typename T>
 decltype(auto) cast_argument(const ShardedCore& core, T&& arg) {
-  if constexpr (std::is_same_v<std::decay_t<T>, torch::Tensor>) {
-    return core.cast_input(arg);
+  if constexpr (HoldsTensors<std::decay_t<T>>::value) {
+    return cast_tensors(core, arg);
   } else {
     return std::forward<T>(arg);
   }

@@ -50,8 +50,9 @@ struct ShardingOptions {
   /// and so forward and backward compute in (torch::kBFloat16 halves every
   /// all-gather). The shards, model->parameters(), the optimizer and its
   /// state stay in the parameters' own dtype: fp32 master weights.
-  /// Floating-point tensor arguments of forward are cast to it; outputs stay
-  /// in it. A BatchNorm's (or SyncBatchNorm's) parameters keep their own
+  /// Floating-point tensor arguments of forward are cast to it, also inside
+  /// a std::vector, c10::optional, std::pair or std::tuple argument; outputs
+  /// stay in it. A BatchNorm's (or SyncBatchNorm's) parameters keep their own
   /// dtype, as PyTorch's FSDP leaves BatchNorm out of its mixed precision.
   /// summon_full_params() gives the parameters in their own dtype.
   /// Unset: the parameters' own dtype. FullShard and ShardGradOp only.
@@ -59,7 +60,8 @@ struct ShardingOptions {
   /// The dtype gradients are reduce-scattered (averaged) in before they are
   /// added to the shards' gradients. Unset: param_dtype, else the
   /// parameters' own dtype. torch::kFloat beside a bf16 param_dtype keeps
-  /// the average exact to fp32 at twice the reduce-scatter's bytes.
+  /// the average exact to fp32 at twice the reduce-scatter's bytes. A
+  /// BatchNorm's gradients are reduced in their own dtype.
   TORCH_ARG(std::optional<torch::ScalarType>, reduce_dtype) = std::nullopt;
   /// Deterministic mode, as DistributedOptions::deterministic: the same
   /// parameters, to the bit, at every world size that divides
