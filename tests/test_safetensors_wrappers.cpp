@@ -238,12 +238,15 @@ TEST(SafetensorsWrappers, ATiedWeightLoadsStrictlyFromAFileWithOneOfItsNames) {
   // A sharded folder of a model whose only weight is 'head.weight'.
   const auto dir = testing::scratch("tied_other_name");
   testing::spawn(2, [&](ProcessGroup& group) {
-    torch::manual_seed(4);
     OtherName other;
-    const auto expected = other->named_parameters(); // before wrapping: rank 0's values everywhere
-    std::map<std::string, torch::Tensor> values;
-    for (const auto& item : expected) {
-      values[item.key()] = item.value().detach().clone();
+    std::map<std::string, torch::Tensor> values; // the same on every rank: the threads share the generator
+    {
+      torch::NoGradGuard no_grad;
+      double i = 0;
+      for (auto& item : other->named_parameters()) {
+        item.value().copy_(torch::sin(torch::arange(item.value().numel(), torch::kFloat) + ++i).view_as(item.value()));
+        values[item.key()] = item.value().detach().clone();
+      }
     }
     FullyShardedDataParallel<OtherName> saved(other, group);
     saved->save_sharded(dir);
