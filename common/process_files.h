@@ -64,19 +64,37 @@ inline std::string find_program(const std::string& name) {
   return "";
 }
 
+/// What a bare program name is in the current directory.
+enum class InThisDirectory { kNothing, kProgram, kNotExecutable, kFolder };
+
+/// What `name` is in the current directory.
+inline InThisDirectory in_this_directory(const std::string& name) {
+  struct stat info {};
+  if (::stat(name.c_str(), &info) != 0) {
+    return InThisDirectory::kNothing;
+  }
+  if (S_ISDIR(info.st_mode)) {
+    return InThisDirectory::kFolder;
+  }
+  return ::access(name.c_str(), X_OK) == 0 ? InThisDirectory::kProgram : InThisDirectory::kNotExecutable;
+}
+
 /// What to say of a PROGRAM that is not found (or not executable), where
-/// `here_as_file` says whether a file of that name is in the current
-/// directory: torchrun would run `python NAME`, and a shell `./NAME`.
-inline std::string program_missing_message(const std::string& name, bool here_as_file) {
+/// `here` is what a file of that name in the current directory is: torchrun
+/// would run `python NAME`, and a shell `./NAME`.
+inline std::string program_missing_message(const std::string& name, InThisDirectory here) {
   const bool bare = name.find('/') == std::string::npos;
   std::string message = "program '" + name + "' not found" + (bare ? " in PATH" : "") + " or not executable.";
-  if (bare && here_as_file) {
+  if (bare && here == InThisDirectory::kProgram) {
     message += " ./" + name + " is in this directory: lockstep-run runs PROGRAM as a shell would (as torchrun "
                "--no-python does), so write ./" + name + ".";
   }
   const bool python = name.size() > 3 && name.compare(name.size() - 3, 3, ".py") == 0;
   if (python) {
     message += " A Python script needs its interpreter: lockstep-run ... python3 " + name + ".";
+  } else if (bare && here == InThisDirectory::kNotExecutable) {
+    message += " ./" + name + " is in this directory but not executable: make it so (chmod +x " + name +
+               ") and write ./" + name + ", or name the program that runs it.";
   }
   return message;
 }

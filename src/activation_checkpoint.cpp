@@ -56,9 +56,10 @@ namespace {
 // and never reach the weight's accumulator; the recomputation, with the
 // cache cleared, makes a cast of its own, and the weight's gradient from
 // the segment was lost. Each run casting for itself keeps both graphs
-// fn's own. An input changed in place after the segment ran is an error
-// in backward (its version counter moved), as PyTorch's checkpoint's saved
-// inputs are, since the recomputation would read the new values. A
+// fn's own. An input changed in place once given to the segment (by fn,
+// or after it) is an error in backward (its version counter moved), as
+// PyTorch's checkpoint's inputs, saved before fn runs, are: the
+// recomputation would read other values. A
 // backward that creates a graph (double backward) is refused: the
 // recomputation's gradients would end at its own detached inputs.
 
@@ -138,9 +139,9 @@ torch::autograd::variable_list CheckpointBackward::apply(torch::autograd::variab
   for (size_t i = 0; i < segment_->inputs.size(); ++i) {
     const auto now = segment_->inputs[i]._version();
     TORCH_CHECK(now == segment_->versions[i], "lockstep::checkpoint: input ", i, " of the segment was changed in "
-                "place after the segment ran (its version went from ", segment_->versions[i], " to ", now, "), so "
-                "running the segment again in backward would compute from its new values. Change a copy "
-                "(x = x.clone(), then change x), or pass the segment a clone of it.");
+                "place once given to it, by the segment or after it (its version went from ", segment_->versions[i],
+                " to ", now, "), so running the segment again in backward would compute from other values. Change a "
+                "copy (x = x.clone(), then change x), or pass the segment a clone of it.");
   }
   torch::autograd::variable_list outputs;
   torch::autograd::edge_list capture;

@@ -127,13 +127,29 @@ TEST(RunOptions, TorchrunsPythonFormsSayWhatToWriteInstead) {
   EXPECT_EQ(refusal({"-m", "pkg.train"}), "-m runs a Python module under torchrun; lockstep-run runs a program as "
                                           "given (as torchrun --no-python does): name the interpreter, as in "
                                           "`lockstep-run ... python3 -m MODULE`.");
-  EXPECT_EQ(common::program_missing_message("train", true),
+  using common::InThisDirectory;
+  EXPECT_EQ(common::program_missing_message("train", InThisDirectory::kProgram),
             "program 'train' not found in PATH or not executable. ./train is in this directory: lockstep-run runs "
             "PROGRAM as a shell would (as torchrun --no-python does), so write ./train.");
-  EXPECT_EQ(common::program_missing_message("train.py", false),
+  EXPECT_EQ(common::program_missing_message("train.py", InThisDirectory::kNothing),
             "program 'train.py' not found in PATH or not executable. A Python script needs its interpreter: "
             "lockstep-run ... python3 train.py.");
-  EXPECT_EQ(common::program_missing_message("bin/train", true), "program 'bin/train' not found or not executable.");
+  EXPECT_EQ(common::program_missing_message("bin/train", InThisDirectory::kProgram),
+            "program 'bin/train' not found or not executable.");
+  // A folder, or a file that is not executable, is no program to write ./ before.
+  EXPECT_EQ(common::program_missing_message("data", InThisDirectory::kFolder),
+            "program 'data' not found in PATH or not executable.");
+  EXPECT_EQ(common::program_missing_message("train", InThisDirectory::kNotExecutable),
+            "program 'train' not found in PATH or not executable. ./train is in this directory but not executable: "
+            "make it so (chmod +x train) and write ./train, or name the program that runs it.");
+  const auto dir = testing::scratch("in_this_directory");
+  std::filesystem::create_directories(dir);
+  EXPECT_EQ(common::in_this_directory(dir), InThisDirectory::kFolder);
+  std::ofstream(dir + "/script") << "#!/bin/sh\n";
+  EXPECT_EQ(common::in_this_directory(dir + "/script"), InThisDirectory::kNotExecutable);
+  ::chmod((dir + "/script").c_str(), 0755);
+  EXPECT_EQ(common::in_this_directory(dir + "/script"), InThisDirectory::kProgram);
+  EXPECT_EQ(common::in_this_directory(dir + "/none"), InThisDirectory::kNothing);
 }
 
 // Kubeflow's PyTorchJob gives each pod's torchrun only PET_ variables

@@ -153,8 +153,6 @@ std::vector<std::string> files_starting(const std::string& dir, const std::strin
   return names;
 }
 
-// save_sharded(model, dir): PyTorch's distributed checkpoint layout, each
-// rank its shards as boxes; loaded at another world size, bit for bit.
 // x W + b, with W given.
 struct ProjectionImpl : torch::nn::Module {
   explicit ProjectionImpl(const torch::Tensor& w) {
@@ -258,6 +256,8 @@ TEST(SafetensorsWrappers, ATiedWeightLoadsStrictlyFromAFileWithOneOfItsNames) {
   });
 }
 
+// save_sharded(model, dir): PyTorch's distributed checkpoint layout, each
+// rank its shards as boxes; loaded at another world size, bit for bit.
 TEST(DcpCheckpoint, SavedAtTwoRanksLoadsAtThreeEachStrategy) {
   for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     auto bare = trained_bn_net(7);

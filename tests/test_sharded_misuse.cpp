@@ -119,6 +119,13 @@ TEST(ShardedMisuse, MovingOrCastingAfterWrappingIsRefused) {
                       "Move or cast the module before wrapping it");
     EXPECT_ERROR_SAYS(model->to(torch::Device(torch::kCUDA, 0), torch::kFloat), "to(cuda:0, Float) after wrapping");
     EXPECT_EQ(model->parameters()[0].scalar_type(), torch::kFloat);
+    // With every parameter frozen (no shard at all), the buffers and frozen parameters would part ways too.
+    Net frozen(torch::nn::Linear(4, 3));
+    for (auto& p : frozen->parameters()) {
+      p.set_requires_grad(false);
+    }
+    FullyShardedDataParallel<Net> all_frozen(frozen, group);
+    EXPECT_ERROR_SAYS(all_frozen->to(torch::kDouble), "to(Double) after wrapping");
   });
 }
 

@@ -168,8 +168,7 @@ TEST(ShardedPrecision, ABatchNormKeepsItsParametersDtype) {
 // with advice (cast it to param_dtype) that ATen's batch norm then refuses.
 TEST(ShardedPrecision, AFrozenBatchNormKeepsItsDtype) {
   testing::spawn(2, [&](ProcessGroup& group) {
-    torch::manual_seed(0);
-    torch::nn::BatchNorm1d norm(6);
+    torch::nn::BatchNorm1d norm(6); // rank 0's Linear is every rank's
     norm->weight.set_requires_grad(false);
     norm->bias.set_requires_grad(false);
     torch::nn::Sequential net(Block(torch::nn::AnyModule(norm)), torch::nn::Linear(6, 2));

@@ -298,9 +298,8 @@ int main(int argc, char** argv) {
   }
   const std::string program = lockstep::common::find_program(options.command[0]);
   if (program.empty()) {
-    struct stat here {};
     usage_error(lockstep::common::program_missing_message(options.command[0],
-                                                          ::stat(options.command[0].c_str(), &here) == 0));
+                                                          lockstep::common::in_this_directory(options.command[0])));
   }
   if (!options.elastic() && options.node_rank == 0) {
     check_port_free(options.master_addr, options.master_port);

@@ -36,8 +36,9 @@ namespace lockstep {
 /// is not given, parameters or results computed before it: their gradients
 /// reach them too. Without autograd (NoGradGuard) fn simply runs.
 ///
-/// Errors in backward: an input changed in place after the segment ran (the
-/// recomputation would read its new values; change a clone instead), and a
+/// Errors in backward: an input changed in place once given to the segment,
+/// by fn or after it (the recomputation would read other values; change a
+/// clone instead), and a
 /// backward with create_graph=true (double backward), whose second-order
 /// terms the recomputation cannot carry. Under autocast each run of fn casts
 /// the weights for itself (autocast's cache is off inside it), so a layer

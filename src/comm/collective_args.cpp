@@ -123,15 +123,15 @@ torch::ScalarType carrier_or_refuse(
     return carrier;
   }
   const auto device = example.device();
-  if (!device.is_cpu() && !group.supports(op, torch::kFloat, device) && !group.supports(op, torch::kLong, device)) {
+  if (!group.supports(op, torch::kFloat, device) && !group.supports(op, torch::kLong, device)) {
+    if (device.is_cpu()) {
+      refuse(group, what, "the " + group.backend() + " backend takes no tensors on the CPU (NCCL's takes CUDA "
+             "tensors only). Send a copy on the GPU (t.to(torch::kCUDA)), or make a gloo group for CPU tensors.");
+    }
     refuse(group, what, "the " + group.backend() + " backend takes no tensors on " + device.str() + ". " +
            (group.supports(op, torch::kFloat, torch::kCPU) ? "Send a copy on the CPU, or use" : "Use") +
            " a backend for " + c10::DeviceTypeName(device.type(), /*lower_case=*/true) +
            " tensors (nccl for CUDA ones; \"auto\" picks it where a GPU is visible).");
-  }
-  if (device.is_cpu() && !group.supports(op, torch::kFloat, device) && !group.supports(op, torch::kLong, device)) {
-    refuse(group, what, "the " + group.backend() + " backend takes no tensors on the CPU (NCCL's takes CUDA tensors "
-           "only). Send a copy on the GPU (t.to(torch::kCUDA)), or make a gloo group for CPU tensors.");
   }
   const bool reduce = op == Collective::Allreduce || op == Collective::ReduceScatter;
   refuse(group, what, "the " + group.backend() + " backend of this build cannot " + (reduce ? "reduce " : "carry ") +

@@ -185,7 +185,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_async(torch::Tensor output, t
   const bool wide =
       detail::widens(input, op) && impl_->supports(Collective::ReduceScatter, torch::kLong, input.device());
   const bool in_place = output.is_alias_of(input) || output.is_inference() || wide;
-  auto target = wide ? torch::empty(output.sizes(), output.options().dtype(torch::kLong))
+  auto target = wide ? torch::empty({output.numel()}, output.options().dtype(torch::kLong)) // copied back flat
                      : in_place ? normal_empty(output) : output;
   auto sent_out = carrier == target.scalar_type() || wide ? target : target.view(carrier);
   const bool first = detail::divides_first(input, op);

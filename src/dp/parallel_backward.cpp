@@ -188,6 +188,15 @@ std::vector<size_t> assign_sums(const std::vector<int64_t>& numels, size_t worke
   return owner;
 }
 
+namespace {
+
+// Whether `grad` is its own memory, held by the parameter alone.
+bool owned_alone(const torch::Tensor& grad) {
+  return !grad.is_view() && grad.use_count() == 1 && grad.storage().use_count() == 1;
+}
+
+} // namespace
+
 // Sums parameter gradients over replicas and puts input gradients back
 // together, in the order of this node's next edges.
 variable_list ParallelBackward::combine(std::vector<variable_list>& results, const std::vector<size_t>& workers) const {
@@ -211,15 +220,6 @@ variable_list ParallelBackward::combine(std::vector<variable_list>& results, con
 // AccumulateGrad does. The sums, and the reading for zeros, are shared out over the CPU
 // workers by size (assign_sums): the calling thread has yielded its cores to
 // them.
-namespace {
-
-// Whether `grad` is its own memory, held by the parameter alone.
-bool owned_alone(const torch::Tensor& grad) {
-  return !grad.is_view() && grad.use_count() == 1 && grad.storage().use_count() == 1;
-}
-
-} // namespace
-
 void ParallelBackward::sum_param_gradients(
     std::vector<variable_list>& results,
     const std::vector<size_t>& workers,

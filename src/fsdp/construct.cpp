@@ -453,8 +453,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   if (options.activation_checkpointing()) {
     s.checkpointed_units = checkpoint_units(module, paths, s.where());
   }
-  const bool mixed_precision = options.param_dtype().has_value() || options.reduce_dtype().has_value();
-  const auto planned = plan_parameters(module, paths, mixed_precision, s.where());
+  const auto planned = plan_parameters(module, paths, options.param_dtype() || options.reduce_dtype(), s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
   s.model = check_same_model(s.group, planned.names, planned.params, s.where());
   detail::label_sync_batch_norms(module, s.group, s.model);
@@ -548,14 +547,21 @@ void ShardedCore::shard_flat(torch::nn::Module& owner, size_t f) {
 }
 
 void ShardedCore::check_move(const std::optional<torch::Device>& device, const std::optional<torch::Dtype>& dtype) const {
+  std::vector<std::pair<torch::ScalarType, torch::Device>> held; // the flats', the buffers' and the frozen parameters'
   for (const auto& flat : state_->flats) {
-    const bool moves = device && *device != flat.device &&
-        !(device->type() == flat.device.type() && !device->has_index()); // cuda for cuda:0 (the flats' own)
-    const bool casts = dtype && *dtype != flat.dtype && c10::isFloatingType(flat.dtype);
+    held.emplace_back(flat.dtype, flat.device);
+  }
+  for (const auto& [name, tensor] : state_->whole) {
+    held.emplace_back(tensor.scalar_type(), tensor.device());
+  }
+  for (const auto& [held_dtype, held_device] : held) {
+    const bool moves = device && *device != held_device &&
+        !(device->type() == held_device.type() && !device->has_index()); // cuda for cuda:0 (the model's own)
+    const bool casts = dtype && *dtype != held_dtype && c10::isFloatingType(held_dtype);
     TORCH_CHECK(!moves && !casts, state_->where(), "to(", device ? device->str() : std::string(),
                 device && dtype ? ", " : "", dtype ? c10::toString(*dtype) : "", ") after wrapping would move or cast "
                 "only this rank's shards, apart from the gathered parameters, the buffers and the frozen "
-                "parameters (the model is ", flat.dtype, " on ", flat.device, "). Move or cast the module before "
+                "parameters (the model holds ", held_dtype, " on ", held_device, "). Move or cast the module before "
                 "wrapping it: FullyShardedDataParallel<Net>(net) after net->to(...).");
   }
 }

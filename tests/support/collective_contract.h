@@ -110,11 +110,11 @@ inline void check_integer_average(const ProcessGroup& group, const Check& check)
   const int64_t char_average = floor_div(100 * n + n * (n - 1) / 2, n);
   check(torch::equal(chars, torch::full({5}, char_average, torch::kChar)),
         "avg of int8 100+r is " + std::to_string(char_average) + ", got " + std::to_string(chars[0].item<int64_t>()));
-  const auto whole = torch::full({2 * n}, static_cast<int64_t>(120 + r), torch::kChar);
-  auto part = torch::empty({2}, torch::kChar);
+  const auto whole = torch::full({2 * n, 3}, static_cast<int64_t>(120 + r), torch::kChar);
+  auto part = torch::empty({2, 3}, torch::kChar);
   group.reduce_scatter_async(part, whole, ReduceOp::Avg, "int8 reduce_scatter average")->wait();
-  check(torch::equal(part, torch::full({2}, floor_div(120 * n + n * (n - 1) / 2, n), torch::kChar)),
-        "reduce_scatter avg of int8 120+r, got " + std::to_string(part[0].item<int64_t>()));
+  check(torch::equal(part, torch::full({2, 3}, floor_div(120 * n + n * (n - 1) / 2, n), torch::kChar)),
+        "reduce_scatter avg of int8 120+r, got " + std::to_string(part[0][0].item<int64_t>()));
   // An inference tensor (an accuracy counted under InferenceMode) is averaged in place.
   torch::Tensor counted;
   {

@@ -87,9 +87,11 @@ void copy_through_shared_memory_on_a_full_host() {
   }
 }
 
-// Initialises MPI once per process, or checks the level a caller already got.
-void init_mpi() {
+// Initialises MPI once per process, or checks the level a caller already
+// got; returns MPI's world size, read then (later calls call no MPI).
+int init_mpi() {
   static std::once_flag once;
+  static int world = 0;
   std::call_once(once, [] {
     int initialized = 0;
     MPI_Initialized(&initialized);
@@ -107,7 +109,9 @@ void init_mpi() {
                 " but the mpi backend needs MPI_THREAD_SERIALIZED (", MPI_THREAD_SERIALIZED,
                 "): its collectives run on a communication thread. If your program calls MPI_Init itself, call "
                 "MPI_Init_thread with MPI_THREAD_SERIALIZED or higher instead.");
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
   });
+  return world;
 }
 
 // MPI's counts are ints: the cast of a larger count would cut the
@@ -554,11 +558,11 @@ bool mpi_available() {
 
 std::shared_ptr<GroupImpl> make_mpi_group(int rank, int size, std::chrono::milliseconds timeout) {
   const auto spin = wait_spin("LOCKSTEP_MPI_SPIN_US", "an MPI collective"); // fails before MPI starts
-  init_mpi();
-  int world = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  // Before the group's collective setup, which a subgroup's ranks alone would wait in until the deadline.
-  TORCH_CHECK(size == world, "lockstep: the mpi backend makes the group of all MPI's ", world, " ranks, not one of ",
+  // Before the group's collective setup, which a subgroup's ranks alone
+  // would wait in until the deadline. (A size above MPI's is a launcher's
+  // count that MPI did not start: the check after the setup says so.)
+  const int world = init_mpi();
+  TORCH_CHECK(size >= world, "lockstep: the mpi backend makes the group of all MPI's ", world, " ranks, not one of ",
               size, ": it has no subgroups. Make subgroups with the gloo backend (new_group(store, rank, ", size,
               ", \"gloo\")), or give every rank's size as MPI's.");
   auto group = std::make_shared<MpiGroup>(timeout, spin);
