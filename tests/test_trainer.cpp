@@ -279,7 +279,9 @@ TEST(TrainerData, NoTrainingBatchIsAnError) {
   auto args = with_flag(trainer("no_batch"), "--train-samples", "1"); // one row for two ranks
   auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "no_batch");
   EXPECT_EQ(p.exit_code, 1) << p.output;
-  EXPECT_NE(p.output.find("epoch 1 has no training batch (1 training samples)"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("the 1 training samples cannot give each of the 2 ranks a row: give more samples"),
+            std::string::npos) << p.output;
+  EXPECT_EQ(p.output.find("epoch 1/"), std::string::npos) << "refused only after training began: " << p.output;
   EXPECT_EQ(p.output.find("nan"), std::string::npos) << p.output;
 }
 
