@@ -7,7 +7,8 @@
 set -uo pipefail
 status=0
 for program in "$@"; do
-  if nm -D --undefined-only "$program" | c++filt | grep -q "std::filesystem::remove_all"; then
+  # grep reads all its input (no -q): under pipefail, a grep that stops at its match leaves nm a SIGPIPE.
+  if nm -D --undefined-only "$program" | c++filt | grep "std::filesystem::remove_all" >/dev/null; then
     echo "FAILED: $program imports std::filesystem::remove_all; use lockstep::detail::remove_tree"
     status=1
   else

@@ -44,9 +44,9 @@ out=$(RUN=$run WORKER=$worker TRAIN=$train OUT=$(mktemp -d) "$netlab" run 2 1gbi
   done
   wait ${pids[0]} && wait ${pids[1]}' 2>&1) || fail "the DDP job across the lab failed: $out"
 for r in 0 1; do
-  echo "$out" | grep -q "rank $r: OK" || fail "rank $r did not end with the other host's parameters: $out"
+  grep -q "rank $r: OK" <<<"$out" || fail "rank $r did not end with the other host's parameters: $out"
 done
-echo "$out" | grep -q "final parameters fnv1a64=" || fail "lockstep-train did not finish across the lab: $out"
+grep -q "final parameters fnv1a64=" <<<"$out" || fail "lockstep-train did not finish across the lab: $out"
 echo "netlab: a DDP job with PowerSGD kept both hosts' parameters equal; lockstep-train finished across the link"
 
 "$netlab" run 2 1gbit -- false && fail "a failing command's status was lost"

@@ -47,7 +47,9 @@ for f in lab h0 h1 h2 h2b; do echo "==== $f"; grep -v "ETA" "$out/$f.log" 2>/dev
 grep -q "first host 2 exit 1" "$out/h2.status" || fail "host 2's first launcher did not fail: $(cat "$out/h2.status")"
 grep -q "lockstep-run: the rendezvous store at 10.77.0.1:29700: " "$out/h2.log" ||
   fail "host 2's first launcher did not say it lost the store"
-cat "$out/h0.log" "$out/h1.log" | grep -q "lockstep-run: node [0-9]* is lost: no heartbeat" ||
+# grep reads the files itself: under pipefail, `cat | grep -q` fails when grep
+# stops at its match while cat still writes (SIGPIPE).
+grep -q "lockstep-run: node [0-9]* is lost: no heartbeat" "$out/h0.log" "$out/h1.log" ||
   fail "neither host 0 nor host 1 saw host 2 lost"
 grep -q "membership change: world size 2 -> 3 at step" "$out/h0.log" || fail "the job did not grow back to 3"
 grep -q "sample counts: each of the 16128 training samples trained 2 time(s), once per epoch" "$out/h0.log" ||

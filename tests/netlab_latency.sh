@@ -37,5 +37,5 @@ awk -v p="$plain" 'BEGIN { exit !(p < 8) }' || fail "with no added latency, an a
 ls /tmp/netlab-*.delay 2>/dev/null && fail "a delay's log outlived its lab"
 
 out=$("$netlab" run 2 1gbit/2x -- true 2>&1) && fail "a latency of '2x' was taken"
-echo "$out" | grep -q "latency '2x' in '1gbit/2x': give it as Nus or Nms" || fail "unclear error for '2x': $out"
+grep -q "latency '2x' in '1gbit/2x': give it as Nus or Nms" <<<"$out" || fail "unclear error for '2x': $out"
 echo "netlab latency: OK"
