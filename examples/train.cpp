@@ -16,7 +16,6 @@
 // checkpoint it resumes from), then train(), which runs the epochs
 // (train_epoch, train_step, evaluate) and reports.
 
-#include "blas_check.h"
 #include "checkpoint.h"
 #include "data.h"
 #include "fault.h"
@@ -24,6 +23,7 @@
 #include "models.h"
 #include "options.h"
 #include "precision.h"
+#include "process_settings.h"
 #include "progress.h"
 #include "sampling.h"
 #include "schedule.h"
@@ -38,8 +38,6 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
-#include <malloc.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -47,7 +45,6 @@
 #include <cstdio>
 #include <optional>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -74,30 +71,6 @@ using lockstep::examples::percent;
 using lockstep::examples::row_unit;
 using lockstep::examples::score;
 using lockstep::examples::test_loss_words;
-
-// ---------------------------------------------------------------------------
-// Process settings
-// ---------------------------------------------------------------------------
-
-// Settings of the whole process, made before any tensor: a fast BLAS, a heap
-// that keeps freed memory, and the intra-op thread count.
-void prepare_process(int threads, bool deterministic) {
-  lockstep::examples::require_fast_blas("lockstep-train");
-  // Keep freed memory in the heap instead of returning every large tensor
-  // to the kernel: fresh pages fault and are zeroed on each step otherwise,
-  // which cost 25% of a CNN step on CPU here (docs/performance.md).
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  // --threads, else OMP_NUM_THREADS (lockstep-run gives each rank its
-  // share), else every core: libtorch's own default can be lower (it asks
-  // cpuinfo for physical cores, which fails on some virtual machines).
-  // --deterministic: 1, so that every world size computes each micro-batch alike.
-  const char* omp = deterministic ? nullptr : std::getenv("OMP_NUM_THREADS");
-  at::set_num_threads(threads > 0                            ? threads
-                      : deterministic                        ? 1
-                      : omp != nullptr && std::atoi(omp) > 0 ? std::atoi(omp)
-                                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-}
 
 // ---------------------------------------------------------------------------
 // Training
@@ -573,7 +546,7 @@ int main(int argc, char** argv) {
     return exit_code; // --help, or a refusal
   }
   try {
-    prepare_process(parsed.threads, parsed.deterministic);
+    lockstep::examples::prepare_process(parsed.threads, parsed.deterministic);
     if (!export_dir.empty()) {
       lockstep::examples::export_synthetic(export_dir, parsed.seed);
       std::printf("lockstep-train: wrote the synthetic dataset (seed %llu) as MNIST IDX files in %s\n",
