@@ -2,7 +2,8 @@
 
 // lockstep-train's sentences about a run, from its settings and state
 // alone: the summary's sample counts and PowerSGD line, the step count of a
-// resumed run, and the note on a warmup longer than the run.
+// resumed run, the list of outputs, and the note on a warmup longer than the
+// run.
 
 #include "checkpoint.h"
 #include "options.h"
@@ -12,9 +13,20 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace lockstep {
 namespace examples {
+
+/// The run's output files, named within `out_dir` where they lie in it.
+inline std::string describe_outputs(const std::string& out_dir, const std::vector<std::string>& outputs) {
+  std::string listed;
+  for (const auto& o : outputs) {
+    const bool inside = o.rfind(out_dir + "/", 0) == 0;
+    listed += (listed.empty() ? "" : ", ") + (inside ? o.substr(out_dir.size() + 1) : o);
+  }
+  return "outputs in " + out_dir + "/: " + listed;
+}
 
 /// Whether every training row was trained once per epoch, through every
 /// resume and change of world size (TrainingState::sample_counts).

@@ -411,6 +411,20 @@ void report_finished_run(const Run& run, const TrainingState& state) {
   std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*run.net)));
 }
 
+// --save and the safetensors file beside it, added to `outputs`.
+void save_final_model(const Run& run, std::vector<std::string>& outputs) {
+  const std::string& path = run.config.save_path;
+  const std::string safetensors = lockstep::examples::safetensors_beside(path);
+  try {
+    torch::save(run.net, path);
+    lockstep::save_safetensors(run.net, safetensors);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "lockstep-train: cannot write the model to --save ", path, ": ", e.what_without_backtrace());
+  }
+  outputs.push_back(path);
+  outputs.push_back(safetensors);
+}
+
 // Rank 0's last words: saves the model, draws the curves, and prints the
 // summary and the list of outputs.
 void report_summary(const Run& run, const TrainingState& state, const Totals& totals, double seconds,
@@ -419,16 +433,7 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
   const int world_size = run.setup.world_size;
   std::vector<std::string> outputs{"metrics.jsonl"};
   if (!config.save_path.empty()) {
-    const std::string safetensors = lockstep::examples::safetensors_beside(config.save_path);
-    try {
-      torch::save(run.net, config.save_path);
-      lockstep::save_safetensors(run.net, safetensors);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "lockstep-train: cannot write the model to --save ", config.save_path, ": ",
-                  e.what_without_backtrace());
-    }
-    outputs.push_back(config.save_path);
-    outputs.push_back(safetensors);
+    save_final_model(run, outputs);
   }
   if (!config.checkpoint_path.empty()) {
     outputs.push_back(config.checkpoint_path);
@@ -454,12 +459,7 @@ void report_summary(const Run& run, const TrainingState& state, const Totals& to
               config.model == "gpt" ? "tokens" : "images", world_size);
   std::printf("lockstep-train: %s\n", lockstep::examples::describe_sample_counts(state.sample_counts, config.epochs).c_str());
   std::printf("lockstep-train: %s\n", parameters.c_str());
-  std::string listed;
-  for (const auto& o : outputs) {
-    const bool inside = o.rfind(config.out_dir + "/", 0) == 0;
-    listed += (listed.empty() ? "" : ", ") + (inside ? o.substr(config.out_dir.size() + 1) : o);
-  }
-  std::printf("lockstep-train: outputs in %s/: %s\n", config.out_dir.c_str(), listed.c_str());
+  std::printf("lockstep-train: %s\n", lockstep::examples::describe_outputs(config.out_dir, outputs).c_str());
   if (!no_curves.empty()) {
     std::printf("lockstep-train: %s\n", no_curves.c_str());
   }

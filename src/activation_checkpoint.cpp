@@ -232,6 +232,25 @@ torch::autograd::edge_list edges_out(const std::vector<torch::Tensor>& outputs,
   return out;
 }
 
+// The default generators of the CPU and of each device among `inputs`,
+// with their states now.
+std::vector<std::pair<at::Generator, torch::Tensor>> generator_states(const std::vector<torch::Tensor>& inputs) {
+  std::vector<torch::Device> devices{torch::kCPU};
+  for (const auto& input : inputs) {
+    const auto device = input.device();
+    if (!device.is_cpu() && std::find(devices.begin(), devices.end(), device) == devices.end()) {
+      devices.push_back(device);
+    }
+  }
+  std::vector<std::pair<at::Generator, torch::Tensor>> states;
+  for (const auto& device : devices) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    states.emplace_back(generator, generator.get_state());
+  }
+  return states;
+}
+
 } // namespace
 } // namespace detail
 
@@ -246,7 +265,6 @@ std::vector<torch::Tensor> checkpoint(
   segment->fn = fn;
   segment->autocast = detail::AutocastState::current();
   segment->autocast.cache_enabled = false;
-  std::vector<torch::Device> devices{torch::kCPU};
   // The gradient accumulators of the detached inputs, held while fn runs:
   // autograd holds one weakly, and one freed could give its address to a
   // parameter's, which would then look like an input's.
@@ -262,16 +280,8 @@ std::vector<torch::Tensor> checkpoint(
       own.insert(own_edges.back().function.get());
       leaving.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
     }
-    const auto device = inputs[i].device();
-    if (!device.is_cpu() && std::find(devices.begin(), devices.end(), device) == devices.end()) {
-      devices.push_back(device);
-    }
   }
-  for (const auto& device : devices) {
-    auto generator = at::globalContext().defaultGenerator(device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    segment->generators.emplace_back(generator, generator.get_state());
-  }
+  segment->generators = detail::generator_states(inputs);
   const size_t leaving_inputs = leaving.size();
   std::vector<torch::Tensor> outputs;
   {

@@ -440,6 +440,22 @@ std::vector<FlatParamInfo> ShardedCore::flat_params() const {
   return infos;
 }
 
+namespace {
+
+// Rank 0's values of `params` and `buffers` on every rank.
+void broadcast_from_rank0(ProcessGroup& group, const std::vector<torch::Tensor>& params,
+                          const std::vector<torch::Tensor>& buffers) {
+  torch::NoGradGuard no_grad;
+  for (const auto* tensors : {&params, &buffers}) {
+    for (const auto& t : *tensors) {
+      auto data = t.detach();
+      group.broadcast(data, 0);
+    }
+  }
+}
+
+} // namespace
+
 ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, ProcessGroup group,
                          const ShardingOptions& options)
     : state_(std::make_shared<State>()), group_(group) {
@@ -457,17 +473,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
   s.model = check_same_model(s.group, planned.names, planned.params, s.where());
   detail::label_sync_batch_norms(module, s.group, s.model);
-  {
-    torch::NoGradGuard no_grad; // rank 0's values everywhere
-    for (auto& p : planned.params) {
-      auto data = p.detach();
-      s.group.broadcast(data, 0);
-    }
-    for (auto& b : module.buffers(/*recurse=*/true)) {
-      auto data = b.detach();
-      s.group.broadcast(data, 0);
-    }
-  }
+  broadcast_from_rank0(s.group, planned.params, module.buffers(/*recurse=*/true));
   s.flats = group_into_flats(planned, paths);
   for (auto& named : module.named_buffers(/*recurse=*/true)) {
     s.whole.emplace_back(named.key(), named.value());
