@@ -5,6 +5,7 @@
 #include "deterministic/micro_batch_step.h"
 #include "ddp/reducer.h"
 #include "util/bucket_key.h"
+#include "util/unique_tensors.h"
 
 #include <torch/torch.h>
 
@@ -48,27 +49,6 @@ std::string describe(const DistributedOptions& options) {
       << ", micro_batches=" << options.micro_batches() << ", micro_batch_size=" << options.micro_batch_size()
       << ", seed=" << options.seed();
   return out.str();
-}
-
-// Each tensor once, in first-seen order: a parameter registered under two
-// submodules is one parameter (Python DDP's _build_params_for_reducer).
-std::vector<size_t> first_occurrences(const std::vector<torch::Tensor>& tensors) {
-  std::unordered_set<const c10::TensorImpl*> seen;
-  std::vector<size_t> kept;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (seen.insert(tensors[i].unsafeGetTensorImpl()).second) {
-      kept.push_back(i);
-    }
-  }
-  return kept;
-}
-
-std::vector<torch::Tensor> unique_tensors(const std::vector<torch::Tensor>& tensors) {
-  std::vector<torch::Tensor> kept;
-  for (size_t i : first_occurrences(tensors)) {
-    kept.push_back(tensors[i]);
-  }
-  return kept;
 }
 
 std::vector<std::string> split_lines(const std::string& text) {
