@@ -221,8 +221,8 @@ TEST_F(Deterministic, RefusesAMisusedStep) {
   ddp->backward_micro_batches(1, loss_of); // each refusal left the wrapper usable
 }
 
-// A buffer that forward changes from the data differs between ranks after a
-// step: the next step names it on every rank.
+// A buffer that forward changes: from the data, it would differ between
+// ranks after a step; counting forwards, it would grow by V/W a step.
 struct CountingNetImpl : torch::nn::Module {
   CountingNetImpl() {
     fc = register_module("fc", torch::nn::Linear(7, 3));
@@ -241,12 +241,43 @@ TEST_F(Deterministic, RefusesABufferThatDiffersBetweenRanks) {
   testing::spawn(2, [](ProcessGroup& group) {
     CountingNet net;
     DistributedDataParallel<CountingNet> ddp(net, group, DistributedOptions().deterministic(true).micro_batches(2));
-    const auto x = torch::full({2, 7}, static_cast<double>(group.rank() + 1));
+    const auto x = torch::zeros({2, 7}); // forward adds 0: the buffer stays as it is
     auto loss_of = [&](int64_t) { return ddp->forward(x).sum(); };
     ddp->backward_micro_batches(0, loss_of);
+    {
+      torch::NoGradGuard no_grad;
+      net->seen.fill_(static_cast<double>(group.rank())); // between steps, each rank its own
+    }
     EXPECT_ERROR_SAYS(ddp->backward_micro_batches(1, loss_of), "as step 1 starts, buffer 'seen' differs between rank 0 "
                       "and rank 1");
   });
+}
+
+// A buffer that the micro-batches change would end other at another W (a
+// count of forwards grows by V/W on each rank), even where the ranks agree:
+// refused on every rank, at one rank too. So is a frozen parameter changed.
+TEST_F(Deterministic, RefusesABufferOrFrozenParameterThatForwardChanges) {
+  for (int world : {1, 2}) {
+    const auto errors = testing::strings_by_rank(world, [](ProcessGroup& group) {
+      CountingNet net;
+      DistributedDataParallel<CountingNet> ddp(net, group, DistributedOptions().deterministic(true).micro_batches(2));
+      const auto x = torch::ones({2, 7}); // the same on every rank
+      return testing::message_of([&] { ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(x).sum(); }); });
+    });
+    for (const auto& error : errors) {
+      EXPECT_NE(error.find("step 0's micro-batches changed buffer 'seen' on rank 0"), std::string::npos) << error;
+    }
+  }
+  DeterministicNet net;
+  net->fc2->weight.requires_grad_(false);
+  DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(), deterministic());
+  EXPECT_ERROR_SAYS(ddp->backward_micro_batches(0, [&](int64_t) {
+    {
+      torch::NoGradGuard no_grad;
+      net->fc2->weight.mul_(0.5); // as an EMA teacher updated in forward
+    }
+    return ddp->forward(torch::ones({3, 7})).sum();
+  }), "changed frozen parameter 'fc2.weight'");
 }
 
 // Each micro-batch's dropout is seeded by (seed, step, micro-batch): ranks
@@ -342,6 +373,90 @@ TEST_F(Deterministic, RefusesGradientsFromElsewhere) {
   DistributedDataParallel<DeterministicNet> plain(other, ProcessGroup());
   EXPECT_ERROR_SAYS(plain->backward_micro_batches(0, [&](int64_t) { return plain->forward(x).sum(); }),
                     "needs DistributedOptions().deterministic(true)");
+}
+
+// An error in one rank's micro-batch (here a short batch on rank 1 only)
+// is an error on every rank at once, not a wait until the group's timeout;
+// the running statistics are as the step found them.
+TEST_F(Deterministic, OneRanksMicroBatchErrorIsAnErrorOnEveryRank) {
+  const auto errors = testing::strings_by_rank(2, [](ProcessGroup& group) {
+    DeterministicNet net(0, true);
+    DistributedDataParallel<DeterministicNet> ddp(net, group, deterministic().micro_batch_size(3));
+    const auto before = net->norm->running_mean.clone();
+    const auto rows = group.rank() == 1 ? 2 : 3;
+    auto message = testing::message_of([&] {
+      ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(torch::ones({rows, 7})).sum(); });
+    });
+    EXPECT_TRUE(torch::equal(net->norm->running_mean, before));
+    return message;
+  }, std::chrono::seconds(10));
+  EXPECT_NE(errors[0].find("rank 1 failed in micro-batch 2 of step 0; its own error says why"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("micro-batch 2's forward got a batch of 2"), std::string::npos) << errors[1];
+}
+
+// Every micro-batch's update uses the momentum forward used, read at each
+// step: a schedule set after wrapping is followed, and a layer registered
+// under two names is one layer, updated once per micro-batch.
+TEST_F(Deterministic, BatchNormFollowsAMomentumScheduleAndIsOneLayerUnderTwoNames) {
+  DeterministicNet net(0, true), bare(0, true);
+  net->register_module("same_norm", net->norm);
+  DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(), deterministic());
+  for (int64_t step = 0; step < 2; ++step) {
+    net->norm->options.momentum(step == 0 ? 0.1 : 0.5);
+    bare->norm->options.momentum(step == 0 ? 0.1 : 0.5);
+    const auto batch = testing::global_batch(12, step);
+    ddp->backward_micro_batches(step, [&](int64_t v) {
+      return torch::mse_loss(ddp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
+    });
+    torch::NoGradGuard no_grad;
+    for (int64_t v = 0; v < 4; ++v) {
+      bare->forward(batch.first.narrow(0, 3 * v, 3));
+    }
+  }
+  EXPECT_EQ(net->norm->num_batches_tracked.item<int64_t>(), 8);
+  EXPECT_TRUE(torch::allclose(net->norm->running_mean, bare->norm->running_mean, 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(net->norm->running_var, bare->norm->running_var, 1e-6, 1e-7));
+}
+
+// A parameter that no micro-batch uses gets no gradient, so that momentum
+// and weight decay leave it alone, as under PyTorch's DDP.
+struct WithUnusedHeadImpl : torch::nn::Module {
+  WithUnusedHeadImpl() {
+    fc = register_module("fc", torch::nn::Linear(7, 3));
+    unused = register_module("unused", torch::nn::Linear(7, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc(x);
+  }
+  torch::nn::Linear fc{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(WithUnusedHead);
+
+TEST_F(Deterministic, AnUnusedParameterGetsNoGradient) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    WithUnusedHead net;
+    DistributedDataParallel<WithUnusedHead> ddp(net, group, deterministic());
+    torch::optim::SGD sgd(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.1));
+    const auto before = net->unused->weight.clone();
+    ddp->backward_micro_batches(0, [&](int64_t) { return ddp->forward(torch::ones({3, 7})).sum(); });
+    sgd.step();
+    EXPECT_TRUE(net->fc->weight.grad().defined());
+    EXPECT_FALSE(net->unused->weight.grad().defined());
+    EXPECT_TRUE(torch::equal(net->unused->weight, before));
+  });
+}
+
+// What deterministic mode cannot sum exactly is refused as it wraps, naming
+// the parameter or layer.
+TEST_F(Deterministic, RefusesComplexParametersAndSparseGradients) {
+  torch::nn::Sequential complex(torch::nn::Linear(7, 3));
+  complex->register_parameter("phase", torch::zeros({3}, torch::kComplexFloat));
+  EXPECT_ERROR_SAYS(DistributedDataParallel<torch::nn::Sequential>(complex, ProcessGroup(), deterministic()),
+                    "parameter 'phase' is complex", "view_as_real");
+  torch::nn::Sequential sparse(torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)));
+  EXPECT_ERROR_SAYS(DataParallel<torch::nn::Sequential>(sparse, DataParallelOptions().deterministic(true).micro_batches(2)),
+                    "'0' is an Embedding with sparse(true)", "sparse(false)");
 }
 
 } // namespace

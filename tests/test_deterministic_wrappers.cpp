@@ -97,6 +97,72 @@ TEST_F(DeterministicDataParallel, RefusesAMisusedStep) {
                     "needs DataParallelOptions().deterministic(true)");
 }
 
+// A step of `dp` on fixed micro-batches of `net`'s inputs.
+void dp_step(DataParallel<DeterministicNet>& dp, int64_t step) {
+  const auto batch = testing::global_batch(12, step);
+  dp->backward_micro_batches(step, [&](int64_t v) {
+    return torch::mse_loss(dp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
+  });
+}
+
+DataParallelOptions dp_deterministic() {
+  return DataParallelOptions().devices({torch::kCPU, torch::kCPU}).deterministic(true).micro_batches(4);
+}
+
+// DeterministicNet with fc1's weight registered under a second name too.
+struct TiedNetImpl : torch::nn::Cloneable<TiedNetImpl> {
+  TiedNetImpl() {
+    reset();
+  }
+  void reset() override {
+    net = register_module("net", DeterministicNet());
+    register_parameter("tied", net->fc1->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return net->forward(x);
+  }
+  DeterministicNet net{nullptr};
+};
+TORCH_MODULE(TiedNet);
+
+// A tied weight is one parameter: its gradient is the mean over the
+// micro-batches, as DistributedDataParallel gives it, not the zeros of its
+// second name.
+TEST_F(DeterministicDataParallel, ATiedWeightGetsItsGradientOnce) {
+  TiedNet tied, reference;
+  DataParallel<TiedNet> dp(tied, dp_deterministic());
+  DistributedDataParallel<TiedNet> ddp(reference, ProcessGroup(),
+                                       DistributedOptions().deterministic(true).micro_batches(4));
+  const auto batch = testing::global_batch(12, 0);
+  dp->backward_micro_batches(0, [&](int64_t v) {
+    return torch::mse_loss(dp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
+  });
+  ddp->backward_micro_batches(0, [&](int64_t v) {
+    return torch::mse_loss(ddp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
+  });
+  const auto& grad = tied->net->fc1->weight.grad();
+  ASSERT_TRUE(grad.defined());
+  EXPECT_GT(grad.abs().max().item<double>(), 0);
+  EXPECT_TRUE(torch::equal(grad, reference->net->fc1->weight.grad()));
+}
+
+// A parameter frozen when DataParallel wrapped the module and unfrozen later
+// gets the mean over the micro-batches, as the others, not their sum; one
+// no micro-batch gives a gradient keeps none, so the optimizer skips it.
+TEST_F(DeterministicDataParallel, AParameterUnfrozenLaterGetsTheMeanAndAnUnusedOneNone) {
+  DeterministicNet unfrozen, trained;
+  unfrozen->fc1->weight.requires_grad_(false);
+  DataParallel<DeterministicNet> dp(unfrozen, dp_deterministic());
+  DataParallel<DeterministicNet> reference(trained, dp_deterministic());
+  dp_step(dp, 0);
+  EXPECT_FALSE(unfrozen->fc1->weight.grad().defined());
+  unfrozen->fc1->weight.requires_grad_(true);
+  dp_step(dp, 1);
+  dp_step(reference, 1);
+  ASSERT_TRUE(unfrozen->fc1->weight.grad().defined());
+  EXPECT_TRUE(torch::equal(unfrozen->fc1->weight.grad(), trained->fc1->weight.grad()));
+}
+
 ShardingOptions sharded_deterministic() {
   return ShardingOptions().deterministic(true).micro_batches(4).micro_batch_size(3);
 }

@@ -157,8 +157,9 @@ class DataParallelImpl : public detail::WrapperModule<M> {
   /// with one rank: calls `loss_of(v)` for each of the V micro-batches of
   /// `step` in order, each a forward through this wrapper and its backward
   /// alone; then the parameters' .grad are the mean over them, summed
-  /// exactly, the bits DistributedDataParallel gives at any world size.
-  /// Returns the mean of the V losses.
+  /// exactly, the bits DistributedDataParallel gives at any world size (a
+  /// parameter no micro-batch used gets none, and one frozen at wrapping
+  /// may train later). Returns the mean of the V losses.
   double backward_micro_batches(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of) {
     TORCH_CHECK(determinism_ != nullptr, "lockstep::DataParallel: backward_micro_batches needs "
                 "DataParallelOptions().deterministic(true).micro_batches(V); this wrapper reduces in backward.");

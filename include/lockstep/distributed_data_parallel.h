@@ -149,7 +149,11 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   /// alone. `loss_of` runs forward through this wrapper on micro-batch v of
   /// the step (the same samples at every W) and returns its mean loss. Every
   /// .grad is then the mean over all V micro-batches, summed exactly across
-  /// ranks; returns the mean of the V losses, the same on every rank.
+  /// ranks (a parameter no micro-batch used gets none, so the optimizer
+  /// skips it); returns the mean of the V losses, the same on every rank.
+  /// Forward may change BatchNorm's running statistics, kept exact, and no
+  /// other buffer or frozen parameter. An error in any rank's micro-batch is
+  /// an error on every rank.
   ///
   /// ```
   /// for (int64_t step = 0; step < steps; ++step) {

@@ -6,6 +6,7 @@
 // alone, and every rank replays all of a step's updates in micro-batch order.
 
 #include <torch/nn/module.h>
+#include <torch/nn/options/batchnorm.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -27,16 +28,21 @@ class MicroBatchNorms {
   /// the others get the step's first statistics back, which they normalise
   /// with.
   void begin(int64_t k);
-  /// After micro-batch k: records its update, one flag and the two
-  /// statistics per layer; throws, naming the layer, if one was updated more
+  /// After micro-batch k: records its update, a flag, the momentum and the
+  /// two statistics per layer; throws, naming the layer, if one was updated more
   /// than once.
   void end(int64_t k);
   /// Elements that end(k) recorded for one micro-batch.
   int64_t recorded_per_micro_batch() const {
     return per_micro_batch_;
   }
-  /// This rank's records, micro-batch after micro-batch, as doubles.
-  std::vector<double> recorded() const;
+  /// This rank's records, micro-batch after micro-batch, as doubles, for
+  /// `share` micro-batches: zeros for those a failed step did not run.
+  std::vector<double> recorded(int64_t share) const;
+  /// Sets every layer's statistics back to the step's start.
+  void restore();
+  /// Whether `tensor` is a statistic these records keep.
+  bool tracks(const torch::Tensor& tensor) const;
   /// Sets every layer's statistics to the step's start with every
   /// micro-batch's update applied in order: `records` holds each rank's
   /// recorded(), in rank order.
@@ -47,7 +53,7 @@ class MicroBatchNorms {
     std::string name;
     const torch::nn::Module* module;
     torch::Tensor mean, var, count;
-    double momentum;
+    const torch::nn::BatchNormOptions* options; // the layer's own: momentum is read at each micro-batch
   };
   std::string where_;
   std::vector<Norm> norms_;

@@ -4,6 +4,8 @@
 
 #include "comm/collective_fingerprint.h"
 #include "deterministic/exact_sum.h"
+#include "util/sparse_embeddings.h"
+#include "util/unique_tensors.h"
 
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
@@ -67,7 +69,14 @@ namespace detail {
 // src/deterministic/micro_batch_norms.cpp). Any other buffer that forward changed
 // would depend on which micro-batches each rank ran: a hash of every buffer
 // as the step starts goes in the all_gather too, and buffers that differ
-// between ranks are an error naming the first.
+// between ranks are an error naming the first; so is a buffer other than
+// BatchNorm's statistics, or a frozen parameter, that the micro-batches
+// changed (its version counter moved and, for a buffer, its bytes), at any
+// W, W = 1 included. A parameter to which no micro-batch on any rank gave a
+// gradient gets none (DistributedDataParallel, DataParallel), so that the
+// optimizer skips it, as PyTorch's DDP leaves a globally unused
+// parameter's gradient alone; FullyShardedDataParallel's flat shards hold
+// zeros there.
 
 namespace {
 
@@ -115,6 +124,20 @@ double hash_of(const torch::Tensor& tensor) {
   double bits = 0;
   std::memcpy(&bits, &hash, sizeof(bits));
   return bits;
+}
+
+// What deterministic mode cannot sum exactly, refused as the wrapper is
+// built: a complex parameter (its gradient would lose its imaginary part in
+// double) and a sparse gradient (it sums dense ones).
+void check_parameters(torch::nn::Module& module, const std::string& where) {
+  for (const auto& named : module.named_parameters()) {
+    TORCH_CHECK(!named.value().is_complex(), where, "parameter '", named.key(), "' is complex (",
+                named.value().scalar_type(), "); deterministic mode sums real gradients only. Keep it as a real "
+                "tensor of twice the elements (torch::view_as_real) and view it as complex in forward.");
+  }
+  const auto sparse = first_sparse_embedding(module);
+  TORCH_CHECK(!sparse, where, "'", *sparse, "' is an Embedding with sparse(true), whose gradient is sparse, and "
+              "deterministic mode sums dense gradients only. Construct it with sparse(false).");
 }
 
 bool same_bits(double a, double b) {
@@ -200,8 +223,18 @@ MicroBatchStep::MicroBatchStep(torch::nn::Module& module, ProcessGroup group, co
   TORCH_CHECK(group_.supports(Collective::Allreduce, torch::kLong, device_), where_, "the ", group_.backend(),
               " backend cannot allreduce int64 tensors on ", device_, ", which deterministic(true) sums the gradients "
               "in. Use gloo, mpi or nccl.");
+  check_parameters(module, where_);
   for (const auto& b : module.named_buffers()) {
     buffers_.emplace_back(b.key(), b.value());
+    if (!norms_.tracks(b.value())) {
+      watched_.push_back({"buffer '" + b.key() + "'", b.value(), static_cast<int64_t>(buffers_.size() - 1)});
+    }
+  }
+  const auto params = module.named_parameters();
+  for (size_t i : first_occurrences(params.values())) {
+    if (!params[i].value().requires_grad()) {
+      watched_.push_back({"frozen parameter '" + params[i].key() + "'", params[i].value(), -1});
+    }
   }
   if (device_.is_cuda()) {
     // Note [The same bits at any world size]: a GPU kernel may add in an
@@ -210,6 +243,9 @@ MicroBatchStep::MicroBatchStep(torch::nn::Module& module, ProcessGroup group, co
     // reads its workspace setting when it first starts.
     ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+    // cuDNN's benchmark mode times the deterministic algorithms too and takes
+    // the fastest, which may differ between processes, and so would the bits.
+    at::globalContext().setBenchmarkCuDNN(false);
   }
 }
 
@@ -238,50 +274,88 @@ MicroBatchGradients MicroBatchStep::run(int64_t step, const std::function<torch:
   const int64_t first = group_.rank() * share;
   MicroBatchGradients gradients;
   gradients.micro_batches = config_.micro_batches;
-  std::vector<double> losses, buffer_hashes;
+  Report report;
   for (const auto& buffer : buffers_) {
-    buffer_hashes.push_back(hash_of(buffer.second));
+    report.buffer_hashes.push_back(hash_of(buffer.second));
   }
-  take(); // each micro-batch's gradient alone
-  struct Running {
-    int64_t& running;
-    ~Running() {
-      running = -1;
-    }
-  } running{running_};
-  for (int64_t k = 0; k < share; ++k) {
+  std::vector<uint32_t> versions;
+  for (const auto& w : watched_) {
+    versions.push_back(w.tensor._version());
+  }
+  const size_t count = take().size(); // each micro-batch's gradient alone
+  std::exception_ptr failure;
+  for (int64_t k = 0; k < share && !failure; ++k) {
     const int64_t v = first + k;
-    timeline::Span span([v] { return "micro-batch " + std::to_string(v); });
-    SeededGenerators seeded(device_, micro_batch_seed(config_.seed, step, v));
-    norms_.begin(k);
-    running_ = v;
-    torch::Tensor loss = loss_of(v);
-    TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()) && loss.requires_grad(),
-                where_, "loss_of(", v, ") must return the micro-batch's loss: one floating-point element that "
-                "requires a gradient, but it returned ", loss.defined() ? loss.toString() + " of " +
-                std::to_string(loss.numel()) + " elements" + (loss.requires_grad() ? "" : " without a gradient")
-                : std::string("an undefined tensor"), ".");
-    loss.backward();
-    running_ = -1;
-    norms_.end(k);
-    losses.push_back(loss.item<double>());
-    auto grads = take();
-    for (auto& grad : grads) {
-      grad = grad.defined() ? grad.reshape({-1}) : grad;
+    try {
+      timeline::Span span([v] { return "micro-batch " + std::to_string(v); });
+      SeededGenerators seeded(device_, micro_batch_seed(config_.seed, step, v));
+      norms_.begin(k);
+      running_ = v;
+      torch::Tensor loss = loss_of(v);
+      check_loss(loss, v);
+      loss.backward();
+      running_ = -1;
+      norms_.end(k);
+      report.losses.push_back(loss.item<double>());
+      auto grads = take();
+      for (auto& grad : grads) {
+        grad = grad.defined() ? grad.reshape({-1}) : grad;
+      }
+      gradients.grads.push_back(std::move(grads));
+    } catch (...) { // Note [A micro-batch's error on every rank]
+      running_ = -1;
+      failure = std::current_exception();
+      report.failed_at = v;
+      take();
     }
-    gradients.grads.push_back(std::move(grads));
   }
-  gather(step, gradients, losses, buffer_hashes);
+  report.losses.resize(static_cast<size_t>(share), 0.0);
+  report.changed = failure ? -1 : first_changed(versions, report.buffer_hashes);
+  gather(step, gradients, count, report, failure);
   return gradients;
 }
 
-void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const std::vector<double>& losses,
-                            const std::vector<double>& buffer_hashes) {
+// Note [A micro-batch's error on every rank]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A micro-batch's error (a batch of the wrong size, a loss that is not one,
+// a BatchNorm run twice, the user's own) may hit one rank only: the last
+// micro-batch of a short epoch lands on one. Thrown there at once, it would
+// leave the other ranks in the step's all_gather until the group's timeout.
+// So the rank stops running micro-batches, joins the all_gather with the
+// failed micro-batch's index in its report, and every rank then throws: the
+// failed rank its own error, the others one naming that rank and
+// micro-batch. The running statistics go back to the step's start.
+
+void MicroBatchStep::check_loss(const torch::Tensor& loss, int64_t v) const {
+  TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()) && loss.requires_grad(),
+              where_, "loss_of(", v, ") must return the micro-batch's loss: one floating-point element that "
+              "requires a gradient, but it returned ", loss.defined() ? loss.toString() + " of " +
+              std::to_string(loss.numel()) + " elements" + (loss.requires_grad() ? "" : " without a gradient")
+              : std::string("an undefined tensor"), ".");
+}
+
+// The first of watched_ that the step's micro-batches changed, -1 if none:
+// its version counter moved and, for a buffer, its bytes too (a forward may
+// rewrite a buffer with the values it held).
+int64_t MicroBatchStep::first_changed(const std::vector<uint32_t>& versions,
+                                      const std::vector<double>& buffer_hashes) const {
+  for (size_t i = 0; i < watched_.size(); ++i) {
+    const auto& w = watched_[i];
+    if (w.tensor._version() != versions[i] &&
+        (w.buffer < 0 || !same_bits(hash_of(w.tensor), buffer_hashes[static_cast<size_t>(w.buffer)]))) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, size_t count, const Report& report,
+                            const std::exception_ptr& failure) {
   timeline::Span span("deterministic: maxima, losses and buffers");
-  const size_t count = gradients.grads.empty() ? 0 : gradients.grads[0].size(), share = losses.size();
+  const size_t share = report.losses.size();
   std::vector<double> mine;
   for (size_t p = 0; p < count; ++p) {
-    double largest = 0;
+    double largest = -1; // no gradient in this rank's micro-batches
     for (const auto& micro_batch : gradients.grads) {
       if (micro_batch[p].defined()) {
         largest = max_of(largest, max_abs(micro_batch[p]));
@@ -289,10 +363,13 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
     }
     mine.push_back(largest);
   }
-  mine.insert(mine.end(), losses.begin(), losses.end());
-  mine.insert(mine.end(), buffer_hashes.begin(), buffer_hashes.end());
-  const auto records = norms_.recorded();
+  mine.insert(mine.end(), report.losses.begin(), report.losses.end());
+  mine.insert(mine.end(), report.buffer_hashes.begin(), report.buffer_hashes.end());
+  const auto records = norms_.recorded(static_cast<int64_t>(share));
   mine.insert(mine.end(), records.begin(), records.end());
+  const size_t changed_at = mine.size();
+  mine.push_back(static_cast<double>(report.changed));
+  mine.push_back(static_cast<double>(report.failed_at));
   mine.push_back(static_cast<double>(step));
   auto local = torch::tensor(mine, torch::kDouble).to(device_);
   if (group_.size() > 1) {
@@ -304,14 +381,25 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
   auto all = torch::empty({group_.size() * local.numel()}, local.options());
   group_.all_gather_into_async(all, local, "step " + std::to_string(step) + "'s largest gradients, losses and "
                                "buffers (deterministic mode)")->wait();
-  const auto theirs = all.chunk(group_.size());
-  gradients.maxima.assign(count, 0);
-  double loss_sum = 0; // in micro-batch order: rank 0's share first
   std::vector<torch::Tensor> on_cpu;
+  std::vector<const double*> reports;
+  for (const auto& theirs : all.chunk(group_.size())) {
+    on_cpu.push_back(theirs.cpu());
+    reports.push_back(on_cpu.back().data_ptr<double>());
+  }
+  try {
+    check_no_failure(step, reports, changed_at, failure);
+    for (size_t r = 0; r < reports.size(); ++r) {
+      check_same_as_rank0(r, reports[r], reports[0], count + share, mine.size() - 1);
+    }
+  } catch (...) {
+    norms_.restore(); // the step is not taken
+    throw;
+  }
+  gradients.maxima.assign(count, -1);
+  double loss_sum = 0; // in micro-batch order: rank 0's share first
   std::vector<const double*> norm_records;
-  for (size_t r = 0; r < theirs.size(); ++r) {
-    on_cpu.push_back(theirs[r].cpu());
-    const double* data = on_cpu.back().data_ptr<double>();
+  for (const double* data : reports) {
     norm_records.push_back(data + count + share + buffers_.size());
     for (size_t p = 0; p < count; ++p) {
       gradients.maxima[p] = max_of(gradients.maxima[p], data[p]);
@@ -319,10 +407,43 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, const 
     for (size_t k = 0; k < share; ++k) {
       loss_sum += data[count + k];
     }
-    check_same_as_rank0(r, data, on_cpu.front().data_ptr<double>(), count + share, mine.size() - 1);
+  }
+  gradients.used.assign(count, 0);
+  for (size_t p = 0; p < count; ++p) {
+    gradients.used[p] = !(gradients.maxima[p] < 0); // NaN was used
+    gradients.maxima[p] = gradients.used[p] ? gradients.maxima[p] : 0.0;
   }
   gradients.mean_loss = loss_sum / static_cast<double>(config_.micro_batches);
   norms_.replay(norm_records, static_cast<int64_t>(share));
+}
+
+// Every rank's report of a failed micro-batch or a watched tensor changed
+// (at `at` in each, the failed micro-batch after it): an error on every
+// rank, the same but for the failed rank's own.
+void MicroBatchStep::check_no_failure(int64_t step, const std::vector<const double*>& reports, size_t at,
+                                      const std::exception_ptr& failure) const {
+  int64_t failed_rank = -1;
+  for (size_t r = 0; r < reports.size() && failed_rank < 0; ++r) {
+    failed_rank = reports[r][at + 1] >= 0 ? static_cast<int64_t>(r) : -1;
+  }
+  if (failed_rank >= 0) {
+    if (failure) {
+      std::rethrow_exception(failure);
+    }
+    TORCH_CHECK(false, where_, "rank ", failed_rank, " failed in micro-batch ",
+                static_cast<int64_t>(reports[failed_rank][at + 1]), " of step ", step, "; its own error says why. "
+                "Every rank stops at this step.");
+  }
+  for (size_t r = 0; r < reports.size(); ++r) {
+    const auto changed = static_cast<int64_t>(reports[r][at]);
+    if (changed >= 0) {
+      TORCH_CHECK(false, where_, "step ", step, "'s micro-batches changed ", watched_[changed].name, " on rank ", r,
+                  ". What forward changes depends on how many micro-batches each rank runs, so deterministic mode "
+                  "cannot keep it the same at every world size; only BatchNorm's running statistics are kept "
+                  "exact. Keep it constant in forward (fill a cache once, before the first step, under "
+                  "torch::NoGradGuard), make it a trained parameter, or update it outside backward_micro_batches.");
+    }
+  }
 }
 
 // Rank r's step number (at `step_at` in the gathered values) and buffers'
@@ -432,8 +553,10 @@ void sum_by_reduce_scatter(MicroBatchStep& micro_batches, std::vector<torch::Ten
     // Over the gathered storage, as gradient_as_bucket_view, but not a view:
     // zero_grad()'s detach_() refuses one.
     auto& param = params[piece.param];
-    param.mutable_grad() = torch::empty({0}, gathered.options())
-                               .set_(gathered.storage(), piece.at, param.sizes(), dense_strides(param.sizes()));
+    param.mutable_grad() = gradients.used[piece.param]
+        ? torch::empty({0}, gathered.options())
+              .set_(gathered.storage(), piece.at, param.sizes(), dense_strides(param.sizes()))
+        : torch::Tensor();
   }
 }
 
@@ -480,7 +603,9 @@ double step_whole_parameters(MicroBatchStep& micro_batches, std::vector<torch::T
   timeline::Span to_floats("deterministic: back to floats");
   for (const auto& piece : pieces) {
     auto& param = params[piece.param];
-    param.mutable_grad() = read_fixed_point(sum, piece, gradients, param.scalar_type(), param.sizes());
+    param.mutable_grad() = gradients.used[piece.param]
+        ? read_fixed_point(sum, piece, gradients, param.scalar_type(), param.sizes())
+        : torch::Tensor();
   }
   return gradients.mean_loss;
 }

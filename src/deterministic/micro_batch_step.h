@@ -17,6 +17,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <string>
 #include <vector>
@@ -39,6 +40,8 @@ struct MicroBatchGradients {
   /// Per parameter, the largest |g| over every rank's micro-batches; NaN
   /// where one was not finite.
   std::vector<double> maxima;
+  /// Per parameter, whether a micro-batch on some rank gave it a gradient.
+  std::vector<char> used;
   int64_t micro_batches = 0; // V
   double mean_loss = 0; // over all V micro-batches, added in micro-batch order
 };
@@ -78,7 +81,9 @@ class MicroBatchStep {
 
   /// Runs this rank's micro-batches of `step`: after micro-batch v's
   /// loss_of(v) and its backward, `take()` returns the gradient it gave
-  /// each parameter (undefined where none) and clears them.
+  /// each parameter (undefined where none) and clears them. An error in a
+  /// micro-batch on any rank is an error on every rank, after the step's
+  /// first collective, with the running statistics as the step found them.
   MicroBatchGradients run(int64_t step, const std::function<torch::Tensor(int64_t)>& loss_of,
                           const std::function<std::vector<torch::Tensor>()>& take);
 
@@ -100,12 +105,32 @@ class MicroBatchStep {
   std::pair<int64_t, int64_t> next_collective(const PlanItem& item);
 
  private:
-  void gather(int64_t step, MicroBatchGradients& gradients, const std::vector<double>& losses,
-              const std::vector<double>& buffer_hashes);
+  // What a rank sends in the step's all_gather, besides its gradients' maxima.
+  struct Report {
+    std::vector<double> losses; // per micro-batch of this rank's share (0 where one did not run)
+    std::vector<double> buffer_hashes; // as the step started
+    int64_t changed = -1; // the first of watched_ that the micro-batches changed
+    int64_t failed_at = -1; // the micro-batch whose error stopped this rank
+  };
+  void check_loss(const torch::Tensor& loss, int64_t v) const;
+  int64_t first_changed(const std::vector<uint32_t>& versions, const std::vector<double>& buffer_hashes) const;
+  void gather(int64_t step, MicroBatchGradients& gradients, size_t count, const Report& report,
+              const std::exception_ptr& failure);
   void check_same_as_rank0(size_t r, const double* theirs, const double* rank0, size_t buffers_at,
                            size_t step_at) const;
+  void check_no_failure(int64_t step, const std::vector<const double*>& reports, size_t at,
+                        const std::exception_ptr& failure) const;
 
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;
+  // Buffers other than BatchNorm's statistics (by index into buffers_) and
+  // frozen parameters (-1): forward must not change them (Note [The same
+  // bits at any world size]).
+  struct Watched {
+    std::string name;
+    torch::Tensor tensor;
+    int64_t buffer;
+  };
+  std::vector<Watched> watched_;
   ProcessGroup group_;
   std::string where_;
   MicroBatchNorms norms_;

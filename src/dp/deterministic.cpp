@@ -9,20 +9,23 @@
 #include <lockstep/data_parallel.h>
 
 #include "deterministic/micro_batch_step.h"
+#include "util/unique_tensors.h"
 
 #include <torch/torch.h>
+
+#include <algorithm>
 
 namespace lockstep {
 namespace detail {
 
 DataParallelDeterminism::DataParallelDeterminism(torch::nn::Module& module, const DataParallelOptions& options) {
-  for (const auto& p : module.parameters()) {
-    if (p.requires_grad()) {
-      params_.push_back(p);
-    }
-  }
+  // Each parameter once (a tied one is listed under each of its names), and
+  // the frozen ones too: one unfrozen later is summed exactly as the others,
+  // and one that gets no gradient keeps none.
+  params_ = unique_tensors(module.parameters());
   const std::string where = "lockstep::DataParallel (deterministic): ";
-  TORCH_CHECK(!params_.empty(), where, "the module has no parameter that requires a gradient.");
+  TORCH_CHECK(std::any_of(params_.begin(), params_.end(), [](const auto& p) { return p.requires_grad(); }), where,
+              "the module has no parameter that requires a gradient.");
   MicroBatchConfig config;
   config.micro_batches = options.micro_batches();
   config.micro_batch_size = options.micro_batch_size();

@@ -13,6 +13,7 @@
 #include "fsdp/storage_watch.h"
 #include "util/bucket_key.h"
 #include "util/shard_registry.h"
+#include "util/sparse_embeddings.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -159,21 +160,9 @@ void check_not_nested(torch::nn::Module& module, const std::string& where) {
 // EmbeddingBag with sparse(true) and a trainable weight is refused here,
 // where backward would fail on reshaping it, naming nothing.
 void check_dense_gradients(torch::nn::Module& module, const std::string& where) {
-  for (const auto& named : module.named_modules("", /*include_self=*/true)) {
-    const auto* m = named.value().get();
-    bool sparse = false;
-    torch::Tensor weight;
-    if (const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(m)) {
-      sparse = embedding->options.sparse();
-      weight = embedding->weight;
-    } else if (const auto* bag = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(m)) {
-      sparse = bag->options.sparse();
-      weight = bag->weight;
-    }
-    TORCH_CHECK(!sparse || !weight.requires_grad(), where, "'", named.key(), "' is an Embedding with sparse(true), "
-                "whose gradient is sparse, and FullyShardedDataParallel shards dense gradients only. Construct it "
-                "with sparse(false).");
-  }
+  const auto sparse = first_sparse_embedding(module);
+  TORCH_CHECK(!sparse, where, "'", *sparse, "' is an Embedding with sparse(true), whose gradient is sparse, and "
+              "FullyShardedDataParallel shards dense gradients only. Construct it with sparse(false).");
 }
 
 // The unit paths: the options', checked, or each direct child. The root
