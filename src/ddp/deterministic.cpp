@@ -5,7 +5,7 @@
 #include <lockstep/distributed_data_parallel.h>
 
 #include "comm/collective_fingerprint.h"
-#include "deterministic/micro_batch_step.h"
+#include "deterministic/whole_parameters.h"
 
 #include <torch/torch.h>
 

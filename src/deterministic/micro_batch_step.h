@@ -116,6 +116,7 @@ class MicroBatchStep {
   int64_t first_changed(const std::vector<uint32_t>& versions, const std::vector<double>& buffer_hashes) const;
   void gather(int64_t step, MicroBatchGradients& gradients, size_t count, const Report& report,
               const std::exception_ptr& failure);
+  void combine(MicroBatchGradients& gradients, const std::vector<const double*>& reports, size_t count, size_t share);
   void check_same_as_rank0(size_t r, const double* theirs, const double* rank0, size_t buffers_at,
                            size_t step_at) const;
   void check_no_failure(int64_t step, const std::vector<const double*>& reports, size_t at,
@@ -139,14 +140,6 @@ class MicroBatchStep {
   int64_t running_ = -1; // the micro-batch whose loss is being computed, -1 outside one
   RecurringPlan plan_;
 };
-
-/// The step of a wrapper whose every rank holds the whole parameters
-/// (DistributedDataParallel, DataParallel): `step`'s micro-batches run, their
-/// gradients are summed exactly in int64 across ranks, and each of `params`
-/// gets the mean as its .grad. Returns the mean loss. `who` names the wrapper in the
-/// collectives' descriptions.
-double step_whole_parameters(MicroBatchStep& micro_batches, std::vector<torch::Tensor>& params, int64_t step,
-                             const std::function<torch::Tensor(int64_t)>& loss_of, const std::string& who);
 
 } // namespace detail
 } // namespace lockstep

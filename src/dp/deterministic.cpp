@@ -8,7 +8,7 @@
 
 #include <lockstep/data_parallel.h>
 
-#include "deterministic/micro_batch_step.h"
+#include "deterministic/whole_parameters.h"
 #include "util/unique_tensors.h"
 
 #include <torch/torch.h>
