@@ -39,7 +39,7 @@ struct PowerSGDOptions {
   /// rebuilt buckets find it (PyTorch's, kept by bucket, needs 2).
   TORCH_ARG(int64_t, start_iteration) = 1000;
   /// A matrix is compressed only when its compressed size, (n + m) * r, is
-  /// at least this many times smaller than n * m; other gradients, and every
+  /// more than this many times smaller than n * m; other gradients, and every
   /// vector, are allreduced whole.
   TORCH_ARG(double, min_compression_rate) = 2.0;
   /// Add to each iteration's gradients what compression lost from this
@@ -50,7 +50,8 @@ struct PowerSGDOptions {
   /// (warm_start): better approximations, no random draws.
   TORCH_ARG(bool, warm_start) = true;
   /// Seed of the random Q's drawn when compression starts (and every
-  /// iteration without warm_start). Every rank must use the same.
+  /// iteration without warm_start), each from (seed, iteration, parameter).
+  /// Every rank must use the same.
   TORCH_ARG(uint64_t, seed) = 0;
 };
 
@@ -61,7 +62,10 @@ struct PowerSGDState;
 /// The PowerSGD hook and its state. Pass it as DistributedOptions::comm_hook
 /// (it is a CommHook); copies share the state, so keep one to save and load
 /// it. One PowerSGD serves one DistributedDataParallel: a second one's
-/// buckets are refused while the first lives.
+/// buckets are refused while the first lives. A model wrapped once the first
+/// is destroyed takes over its iteration count, with the error feedback and
+/// warm start's Q's afresh (it may reduce other parameters), unless a state
+/// was loaded in between.
 class PowerSGD {
  public:
   /// A hook with `options`, and a fresh state; a rank below 1, a negative

@@ -91,12 +91,12 @@ struct PowerSGDState {
                             "PowerSGD makes them from DistributedDataParallel's buckets and PowerSGDOptions (rank, "
                             "min_compression_rate): look for one of these that differs between ranks."};
   int64_t iteration = 0;
-  int64_t draws = 0; // rounds that drew Q's: the next one's seed is (options.seed, draws)
   double compression_rate = 0;
   int64_t elements = 0, sent = 0; // this iteration's buckets, so far
   std::map<size_t, ParameterMemory> memory; // by GradBucket::parameters' index
   std::deque<std::shared_ptr<Round>> unfinished; // step 3 issued, step 4 not yet
   std::weak_ptr<const void> model; // the DistributedDataParallel this state is of
+  bool served = false; // whether `model` was set: a model destroyed since hands on only the iteration
   // Note [PowerSGD's state]: what this iteration's finished rounds would
   // keep, held until its last round finishes.
   struct Iteration {
@@ -159,8 +159,9 @@ torch::Tensor times_thin(const torch::Tensor& x, const torch::Tensor& f) {
 // One bucket's compression in one iteration (steps 1 to 5 of Note [PowerSGD]).
 class Round : public PendingReduction {
  public:
-  Round(std::shared_ptr<PowerSGDState> state, const ProcessGroup& group, const GradBucket& bucket, PowerSGDPlan plan)
-      : state_(std::move(state)), group_(group), bucket_(bucket), plan_(std::move(plan)) {}
+  Round(std::shared_ptr<PowerSGDState> state, const ProcessGroup& group, const GradBucket& bucket, PowerSGDPlan plan,
+        int64_t iteration)
+      : state_(std::move(state)), group_(group), bucket_(bucket), plan_(std::move(plan)), iteration_(iteration) {}
 
   // Steps 1 to 3, under the state's lock.
   void start();
@@ -183,6 +184,7 @@ class Round : public PendingReduction {
   ProcessGroup group_;
   GradBucket bucket_;
   PowerSGDPlan plan_;
+  int64_t iteration_; // the model's, counted from 0
   std::vector<torch::Tensor> matrices_, ps_, qs_; // views: bucket, first_, q_memory_
   torch::Tensor first_;    // the whole gradients, then every P
   torch::Tensor q_memory_; // every Q
@@ -207,11 +209,11 @@ void Round::add_errors() {
   kept_ = bucket_.buffer.narrow(0, 0, plan_.parameter_elements).clone();
 }
 
-// Each matrix's Q: last iteration's under warm start, else drawn (the same
-// on every rank: every rank draws for the same buckets in the same order).
+// Each matrix's Q: last iteration's under warm start, else drawn from a
+// generator seeded by (seed, iteration, parameter): the same on every rank,
+// and in a resumed run, whatever the buckets' layout.
 void Round::start_qs() {
   q_memory_ = torch::empty({plan_.q_elements}, bucket_.buffer.options());
-  c10::optional<at::Generator> generator;
   for (const auto& m : plan_.matrices) {
     qs_.push_back(q_memory_.narrow(0, m.q_offset, m.cols * m.rank).view({m.cols, m.rank}));
     const auto& kept = memory_of(m.gradient).q;
@@ -224,10 +226,10 @@ void Round::start_qs() {
       qs_.back().copy_(kept.view_as(qs_.back()));
       continue;
     }
-    if (!generator) {
-      generator = at::detail::createCPUGenerator(mix(state_->options.seed() ^ mix(static_cast<uint64_t>(state_->draws++))));
-    }
-    qs_.back().copy_(torch::randn({m.cols, m.rank}, *generator, torch::kFloat));
+    const uint64_t parameter = bucket_.parameters[m.gradient];
+    auto generator = at::detail::createCPUGenerator(
+        mix(state_->options.seed() ^ mix(static_cast<uint64_t>(iteration_) ^ mix(parameter))));
+    qs_.back().copy_(torch::randn({m.cols, m.rank}, generator, torch::kFloat));
   }
 }
 
@@ -433,7 +435,11 @@ namespace {
 // The state is kept by parameter index and counts iterations by the last
 // bucket: two models sharing it would each take the other's error feedback
 // and Q's (silently, where their shapes match) and count every step twice.
-// A model that has been destroyed hands the state on (a model wrapped again).
+// A model that has been destroyed hands on its iteration count (a model
+// wrapped again), but not the error feedback and Q's: the new wrapper may
+// reduce other parameters (one unfrozen shifts every index after it), so
+// they start afresh, as when compression starts. A state loaded since is
+// the next model's whole.
 void check_one_model(detail::PowerSGDState& state, const GradBucket& bucket) {
   const auto theirs = bucket.model.lock();
   if (!theirs) {
@@ -445,7 +451,11 @@ void check_one_model(detail::PowerSGDState& state, const GradBucket& bucket) {
               "parameter index and its iteration counts one model's steps, so two models would share them. Make one "
               "comm_hooks::powersgd() per DistributedDataParallel.");
   if (!mine) {
+    if (state.served) {
+      state.memory.clear();
+    }
     state.model = bucket.model;
+    state.served = true;
   }
 }
 
@@ -459,6 +469,7 @@ std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group
     state_->unfinished.clear(); // rounds an exception left behind in an earlier iteration
     state_->now = detail::PowerSGDState::Iteration{};
   }
+  const int64_t iteration = state_->iteration;
   if (bucket.last) {
     ++state_->iteration;
   }
@@ -480,7 +491,7 @@ std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group
     state_->compression_rate =
         state_->sent == 0 ? 1.0 : static_cast<double>(state_->elements) / static_cast<double>(state_->sent);
   }
-  auto round = std::make_shared<detail::Round>(state_, group, bucket, std::move(plan));
+  auto round = std::make_shared<detail::Round>(state_, group, bucket, std::move(plan), iteration);
   round->start();
   state_->unfinished.push_back(round);
   return round;
@@ -503,7 +514,6 @@ double PowerSGD::compression_rate() const {
 void PowerSGD::save(torch::serialize::OutputArchive& archive) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   archive.write("iteration", torch::tensor(state_->iteration));
-  archive.write("draws", torch::tensor(state_->draws));
   archive.write("rank", torch::tensor(state_->options.rank()));
   std::vector<int64_t> indices;
   for (const auto& [index, memory] : state_->memory) {
@@ -529,11 +539,10 @@ namespace {
 // they are kept, and the Q's are drawn anew at the new rank, as at the
 // start of compression.
 void load_state(detail::PowerSGDState& state, torch::serialize::InputArchive& archive, bool errors) {
-  torch::Tensor iteration, draws, parameters, saved_rank;
+  torch::Tensor iteration, parameters, saved_rank;
   const bool same_rank = !archive.try_read("rank", saved_rank) || saved_rank.item<int64_t>() == state.options.rank();
-  const bool found = archive.try_read("iteration", iteration) && archive.try_read("draws", draws) &&
-                     archive.try_read("parameters", parameters);
-  TORCH_CHECK(found && iteration.numel() == 1 && draws.numel() == 1 && parameters.dim() == 1 &&
+  const bool found = archive.try_read("iteration", iteration) && archive.try_read("parameters", parameters);
+  TORCH_CHECK(found && iteration.numel() == 1 && parameters.dim() == 1 &&
                   parameters.scalar_type() == torch::kInt64,
               "lockstep::PowerSGD::load: the archive does not hold a PowerSGD state; load what PowerSGD::save wrote.");
   std::map<size_t, detail::ParameterMemory> memory;
@@ -549,8 +558,8 @@ void load_state(detail::PowerSGDState& state, torch::serialize::InputArchive& ar
     }
   }
   state.iteration = iteration.item<int64_t>();
-  state.draws = draws.item<int64_t>();
   state.memory = std::move(memory);
+  state.served = false; // the next model's, even where another was served before
   state.unfinished.clear();
 }
 
