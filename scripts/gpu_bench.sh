@@ -14,8 +14,8 @@
 #                                           # GPU_BENCH_BUILD (default build/) and .venv's Python
 #
 # MFU is the model's training FLOPs a second over the card's dense bf16 peak:
-# 989 TFLOPS for an H100 or H200 (SXM), 312 for an A100; GPU_PEAK_TFLOPS sets
-# another. Goals (docs/performance.md): each wrapper within 3% of the bare
+# scripts/gpu_peak.sh's (989 TFLOPS for an H100 or H200 SXM, 756 for an H100
+# PCIe, 835 for an NVL, 312 for an A100); GPU_PEAK_TFLOPS sets another. Goals (docs/performance.md): each wrapper within 3% of the bare
 # module, and at least 1.0x its Python twin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,11 +49,7 @@ case "$mode" in
     exit 2
     ;;
 esac
-case "$card" in
-  *H100* | *H200*) peak=989 ;;
-  *A100*) peak=312 ;;
-  *) peak=0 ;;
-esac
+peak=$(bash "$(dirname "$0")/gpu_peak.sh" "$card")
 peak=${GPU_PEAK_TFLOPS:-$peak}
 
 lines=$out/lines.txt

@@ -4,7 +4,7 @@
 # and a .venv/ without a complete torch, or a build folder configured for
 # the other configuration, would build "current" against 1.13 silently.
 # Each case runs a copy of scripts/ in an empty checkout, where it stops
-# before CMake.
+# before CMake. Last, scripts/gpu_peak.sh's peak for each kind of card.
 #
 #   tests/scripts_check.sh SOURCE_DIR
 set -uo pipefail
@@ -36,3 +36,13 @@ expect_refusal "current's folder configured against Debian's" current \
 echo "Torch_DIR:PATH=$venv_torch" > "$repo/build-debian/CMakeCache.txt"
 expect_refusal "Debian's folder configured against the wheel" debian \
   "build: build-debian/ was configured against the LibTorch in '$venv_torch', not LOCKSTEP_TORCH=debian's (under /usr)"
+
+# scripts/gpu_bench.sh's MFU divides by the card's peak: a PCIe or NVL card
+# taken for an SXM one would understate it by a sixth to a quarter.
+for pair in "NVIDIA H100 80GB HBM3=989" "NVIDIA H100 PCIe=756" "NVIDIA H100 NVL=835" "NVIDIA H200=989" \
+            "NVIDIA H200 NVL=835" "NVIDIA A100-SXM4-80GB=312" "Tesla T4=0"; do
+  card=${pair%=*}
+  got=$(bash "$repo/scripts/gpu_peak.sh" "$card")
+  [ "$got" = "${pair##*=}" ] || fail "gpu_peak.sh '$card': expected ${pair##*=}, got $got"
+  echo "ok: gpu_peak.sh '$card': $got"
+done
