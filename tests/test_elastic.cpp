@@ -31,8 +31,7 @@ using namespace testing::jobs;
 using testing::Process;
 
 // Short timings, so that a lost node is seen within a second.
-const std::vector<std::string> kQuickRendezvous{
-    "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=4,join_timeout=60"};
+const std::string kQuickRendezvous = "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=4,join_timeout=60";
 
 // A job long enough to be interrupted: 8192 samples, 2 epochs, a checkpoint every 4 steps.
 std::vector<std::string> long_trainer(const std::string& name) {
@@ -58,6 +57,7 @@ struct ElasticJob {
   std::string name;
   std::string nnodes;
   std::string endpoint = "127.0.0.1:" + port();
+  std::string rdzv_conf = kQuickRendezvous;
   std::vector<std::string> extra; // more launcher flags
   std::vector<std::string> program; // the rank's command line; empty: lockstep-train
   std::vector<Process> nodes;
@@ -65,8 +65,7 @@ struct ElasticJob {
   // Starts one more node: a lockstep-run of one rank of `program`.
   Process& start_node(const std::vector<std::string>& env = {}) {
     std::vector<std::string> flags{"--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-                                   "--rdzv-id", name};
-    flags.insert(flags.end(), kQuickRendezvous.begin(), kQuickRendezvous.end());
+                                   "--rdzv-id", name, "--rdzv-conf", rdzv_conf};
     flags.insert(flags.end(), extra.begin(), extra.end());
     std::vector<std::string> all_env{kOneThread};
     all_env.insert(all_env.end(), env.begin(), env.end());
@@ -295,6 +294,134 @@ TEST(Elastic, AFailureAfterAnotherNodeFinishedFailsTheJob) {
   EXPECT_EQ(host.exit_code, 1) << host.output;
   EXPECT_NE(host.output.find("node(s) 1 left the job with a failure (see their logs); the job failed."),
             std::string::npos) << host.output;
+}
+
+// The same with a third node still running (1:3): the failing node leaves
+// the job with a failure, and the node still running stops its ranks and
+// fails with it, rather than take the silent node for lost and run the job
+// again without it (exit 0).
+TEST(Elastic, ANodeThatLeftWithAFailureEndsTheJobOnTheNodesStillRunning) {
+  ElasticJob job("elastic_left_failed", "1:3");
+  job.rdzv_conf = "last_call_timeout=30,keep_alive_interval=0.25,keep_alive_max_attempt=4,join_timeout=60"; // closes at 3
+  job.extra = {"--max-restarts", "0"};
+  job.program = {"/bin/sh", "-c", "case \"$ROLE\" in host) sleep 10;; fail) sleep 2; exit 1;; esac"};
+  job.start_node({"ROLE=host"});
+  ASSERT_TRUE(wait_for_listener(job.endpoint));
+  job.start_node({"ROLE=done"});
+  job.start_node({"ROLE=fail"});
+  testing::wait_all(job.nodes, kDeadline);
+  const auto& host = job.nodes[0];
+  EXPECT_EQ(job.nodes[1].exit_code, 0) << job.nodes[1].output;
+  EXPECT_EQ(job.nodes[2].exit_code, 1) << job.nodes[2].output;
+  EXPECT_EQ(host.exit_code, 1) << host.output;
+  EXPECT_TRUE(std::regex_search(host.output, std::regex("lockstep-run: node [12] left the job with a failure \\(exit "
+                                                        "code 1; see its log\\): the job failed, so this node stops "
+                                                        "its ranks"))) << host.output;
+  EXPECT_EQ(host.output.find("is lost"), std::string::npos) << host.output;
+  EXPECT_EQ(host.output.find("round 1"), std::string::npos) << host.output;
+  EXPECT_LT(host.seconds, 9) << "its rank (10 s) was not stopped: " << host.output;
+}
+
+// The node of `job` that waited behind a round it was left out of.
+const Process* waiting_node(const ElasticJob& job) {
+  for (const auto& node : job.nodes) {
+    if (node.output.find("round 0 runs without this node; waiting for the next round.") != std::string::npos) {
+      return &node;
+    }
+  }
+  return nullptr;
+}
+
+// A third node of a 2:2 job waits; a member fails after the other finished.
+// The job failed: the waiting node says so and exits 1, not "completed" and 0.
+TEST(Elastic, ANodeWaitingWhenTheJobFailsAfterAnotherFinishedExitsWithTheFailure) {
+  ElasticJob job("elastic_wait_late_failure", "2:2");
+  job.program = {"/bin/sh", "-c", "if [ \"$ROLE\" = host ]; then sleep 1; exit 0; fi; sleep 3; exit 1"};
+  job.start_node({"ROLE=host"});
+  ASSERT_TRUE(wait_for_listener(job.endpoint));
+  job.start_node();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500)); // round 0 closes with the first two
+  job.start_node();
+  testing::wait_all(job.nodes, kDeadline);
+  const Process* waiting = waiting_node(job);
+  ASSERT_NE(waiting, nullptr) << job.nodes[1].output << job.nodes[2].output;
+  EXPECT_EQ(waiting->exit_code, 1) << waiting->output;
+  EXPECT_NE(waiting->output.find("the job ended while this node waited to join: node(s) 1 left it with a failure (a "
+                                 "rank failed after node(s) 0 had finished the job); see their logs."),
+            std::string::npos) << waiting->output;
+  EXPECT_EQ(waiting->output.find("the job completed"), std::string::npos) << waiting->output;
+  EXPECT_EQ(job.nodes[0].exit_code, 1) << job.nodes[0].output;
+}
+
+// Starts a 2:2 job of three nodes whose ranks all fail after 2 s, with no
+// restarts: the first two make round 0, the third waits behind it.
+void give_up_with_a_node_waiting(ElasticJob& job) {
+  job.extra = {"--max-restarts", "0"};
+  job.program = {"/bin/sh", "-c", "sleep 2; exit 1"};
+  job.start_host();
+  job.start_node();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500)); // round 0 closes with the first two
+  job.start_node();
+  testing::wait_all(job.nodes, kDeadline);
+}
+
+// What a node waiting behind a job that gave up says.
+const std::regex kGaveUpWhileWaiting("the job ended while this node waited to join: node\\(s\\) [01] left it with a "
+                                     "failure \\(gave up after 0 restart\\(s\\) of --max-restarts 0\\); see "
+                                     "their logs.");
+
+// The members of a 2:2 job fail with no restarts left and give up while a
+// third node waits, under a store that outlives them (here the test's; the
+// launcher serving it could be the waiting node). The waiting node stops at
+// once and says why, rather than wait join_timeout (60 s here) in a round
+// nobody joins and blame the nodes that did not.
+TEST(Elastic, ANodeWaitingWhenTheJobGivesUpStopsAtOnceSayingWhy) {
+  ElasticJob job("elastic_wait_give_up", "2:2");
+  job.rdzv_conf = kQuickRendezvous + ",is_host=false";
+  const int store_port = std::stoi(job.endpoint.substr(job.endpoint.rfind(':') + 1));
+  const auto bound = detail::bind_first(detail::resolve_tcp("127.0.0.1", store_port), true, true);
+  ASSERT_GE(bound.fd, 0);
+  tools::KvServer store(bound.fd, {{tools::kServedJobKey, job.name}});
+  give_up_with_a_node_waiting(job);
+  const Process* waiting = waiting_node(job);
+  ASSERT_NE(waiting, nullptr) << job.nodes[0].output << job.nodes[1].output << job.nodes[2].output;
+  EXPECT_EQ(waiting->exit_code, 1) << waiting->output;
+  EXPECT_TRUE(std::regex_search(waiting->output, kGaveUpWhileWaiting)) << waiting->output;
+  EXPECT_EQ(waiting->output.find("join_timeout"), std::string::npos) << waiting->output;
+  EXPECT_LT(waiting->seconds, 20) << waiting->output;
+}
+
+// The same when the launcher that serves the store is a member that gives
+// up: the waiting node reads why before the store goes, rather than fail on
+// the lost store.
+TEST(Elastic, ANodeWaitingWhenTheStoresNodeGivesUpHearsWhy) {
+  ElasticJob job("elastic_wait_host_gives_up", "2:2");
+  give_up_with_a_node_waiting(job);
+  const Process* waiting = waiting_node(job);
+  ASSERT_NE(waiting, nullptr) << job.nodes[0].output << job.nodes[1].output << job.nodes[2].output;
+  EXPECT_EQ(waiting->exit_code, 1) << waiting->output;
+  EXPECT_TRUE(std::regex_search(waiting->output, kGaveUpWhileWaiting)) << waiting->output;
+  EXPECT_EQ(waiting->output.find("rendezvous store at"), std::string::npos) << waiting->output;
+}
+
+// A SIGTERM to the node that serves the store while every node's ranks run
+// stops it within moments: it does not wait two liveness windows (30 s at
+// torchrun's defaults) for the other nodes to leave.
+TEST(Elastic, ASignalToTheStoresNodeStopsItAtOnce) {
+  ElasticJob job("elastic_signal_host", "2:2");
+  job.rdzv_conf = "last_call_timeout=1,join_timeout=60"; // keep-alive: torchrun's 5 s x 3
+  job.program = {"/bin/sh", "-c", "sleep 60"};
+  job.start_host();
+  job.start_node();
+  std::this_thread::sleep_for(std::chrono::seconds(3)); // the round runs
+  std::vector<Process> host{job.nodes[0]};
+  const double signalled_at = std::chrono::duration<double>(std::chrono::steady_clock::now() - host[0].start).count();
+  kill(host[0].pid, SIGTERM);
+  testing::wait_all(host, kDeadline);
+  kill_node(job.nodes[1]);
+  EXPECT_EQ(host[0].exit_code, 128 + SIGTERM) << host[0].output;
+  EXPECT_NE(host[0].output.find("lockstep-run: stopped by signal 15"), std::string::npos) << host[0].output;
+  EXPECT_LT(host[0].seconds - signalled_at, 5) << host[0].output;
 }
 
 // The node that serves the store finished its ranks and waits for the other

@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <map>
@@ -137,8 +138,7 @@ class ElasticAgent {
       }
       last_ = *joined;
       if (last_->restarts > options_.max_restarts) {
-        std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options_.max_restarts);
-        return leave(1);
+        return leave(give_up());
       }
       const int code = run_round(*last_, attempt);
       if (code >= 0) {
@@ -205,14 +205,17 @@ class ElasticAgent {
   std::optional<Assignment> ended_while_waiting(const RoundJoin& join) {
     if (join.failed_nodes().empty()) {
       std::fprintf(stderr, "lockstep-run: the job completed while this node waited to join; nothing to do.\n");
-    } else {
+    } else if (join.why().empty()) {
       std::fprintf(stderr, "lockstep-run: the job ended while this node waited to join: node(s) %s left it with a "
                    "failure (see their logs).\n", join.failed_nodes().c_str());
-      ended_code_ = 1;
+    } else {
+      std::fprintf(stderr, "lockstep-run: the job ended while this node waited to join: node(s) %s left it with a "
+                   "failure (%s); see their logs.\n", join.failed_nodes().c_str(), join.why().c_str());
     }
+    ended_code_ = join.failed_nodes().empty() ? 0 : 1;
     if (serves_store_) {
-      kv_.set(s_.key("complete"), join.failed_nodes().empty() ? kJobSucceeded : join.failed_nodes());
-      std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3); // let waiting nodes read it
+      close_job(kv_, s_, join.failed_nodes(), join.why());
+      linger_for_waiting_nodes();
     }
     return std::nullopt;
   }
@@ -257,7 +260,7 @@ class ElasticAgent {
     Attempt run(options, program_, placement(a, attempt));
     RoundWatch watch(kv_, s_, a, me_.id, Clock::now());
     RoundEnd ended = RoundEnd::kNone;
-    bool over = false; // another node ended the round
+    bool over = false; // another node ended the round, or left the job with a failure
     auto next_look = Clock::now();
     const int root_cause = run.run([&] {
       if (ended != RoundEnd::kNone || over || Clock::now() < next_look) {
@@ -265,7 +268,7 @@ class ElasticAgent {
       }
       next_look = Clock::now() + seconds_to_ms(options_.monitor_interval);
       const auto verdict = watch.check(Clock::now());
-      over = verdict == RoundWatch::Verdict::kRoundOver;
+      over = verdict == RoundWatch::Verdict::kRoundOver || verdict == RoundWatch::Verdict::kMemberFailed;
       if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
         say_change(verdict, watch, a);
         ended = watch.end(RoundEnd::kMembership, s_.liveness_window());
@@ -285,9 +288,11 @@ class ElasticAgent {
       run.print_desync_report();
       const auto failure = classify_failure(watch, a);
       if (!failure) {
-        return failed_after_others_finished(watch, a);
+        return watch.failed().first >= 0 ? failed_elsewhere(watch, a) : failed_after_others_finished(watch, a);
       }
       ended = *failure;
+    } else if (watch.failed().first >= 0) {
+      return failed_elsewhere(watch, a);
     } else if (ended == RoundEnd::kNone) {
       ended = watch.reason_of(s_.liveness_window());
     }
@@ -306,7 +311,8 @@ class ElasticAgent {
   // A rank of this node failed: a change of membership if, within one
   // liveness window, a node is lost or another node ends the round as one
   // (its ranks then fail too); else a failure. nullopt when another member
-  // has already finished the job: no round can restart it.
+  // has already finished the job, or left it with a failure: no round can
+  // restart it.
   std::optional<RoundEnd> classify_failure(RoundWatch& watch, const Assignment& a) {
     const auto until = Clock::now() + s_.liveness_window() + s_.keep_alive_interval;
     while (Clock::now() < until && g_launcher_signal == 0) {
@@ -314,7 +320,7 @@ class ElasticAgent {
       if (verdict == RoundWatch::Verdict::kRoundOver) {
         return watch.reason_of(s_.liveness_window());
       }
-      if (verdict == RoundWatch::Verdict::kMembersDone) {
+      if (verdict == RoundWatch::Verdict::kMembersDone || verdict == RoundWatch::Verdict::kMemberFailed) {
         return std::nullopt;
       }
       if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
@@ -330,12 +336,42 @@ class ElasticAgent {
   // all succeeded has left the job for good (its outputs are written), so a
   // restart would run this node's part again alone, or wait for a round the
   // others never join and then find the job "complete" and exit 0. Neither
-  // is what happened: the job failed here. This node exits 1; the node that
-  // serves the store, which waits for every member (leave), reports it too.
-  int failed_after_others_finished(const RoundWatch& watch, const Assignment& a) const {
+  // is what happened: the job failed here. This node exits 1 and ends the
+  // job for every node (Note [A member that leaves with a failure]): the
+  // members still running stop, and the node that serves the store, which
+  // waits for every member, reports it too.
+  int failed_after_others_finished(const RoundWatch& watch, const Assignment& a) {
     const std::string done = a.group_ranks(watch.done_members());
     std::fprintf(stderr, "lockstep-run: a rank of this node failed after node(s) %s had finished the job; a restart "
                  "cannot bring them back, so the job ends here as a failure (not restarted).\n", done.c_str());
+    return fail_job("a rank failed after node(s) " + done + " had finished the job");
+  }
+
+  // Another member left the job with a failure (Note [A member that leaves
+  // with a failure]): the job failed, and no round can restart it.
+  int failed_elsewhere(const RoundWatch& watch, const Assignment& a) const {
+    std::fprintf(stderr, "lockstep-run: node %d left the job with a failure (exit code %s; see its log): the job "
+                 "failed, so this node stops its ranks and is not restarted.\n", a.group_rank_of(watch.failed().first),
+                 watch.failed().second.c_str());
+    return 1;
+  }
+
+  // No restarts are left: this node gives up, and the job fails on every node.
+  int give_up() {
+    std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options_.max_restarts);
+    return fail_job("gave up after " + std::to_string(options_.max_restarts) + " restart(s) of --max-restarts " +
+                    std::to_string(options_.max_restarts));
+  }
+
+  // This node leaves the job with a failure that no round can undo: it ends
+  // the job for every node, naming itself and `why`, before it says it
+  // leaves (Note [A member that leaves with a failure]). Returns 1.
+  int fail_job(const std::string& why) {
+    try {
+      close_job(kv_, s_, std::to_string(last_->group_rank), why);
+    } catch (const KvError&) {
+      // The store is gone: nobody is left to tell.
+    }
     return 1;
   }
 
@@ -350,8 +386,7 @@ class ElasticAgent {
     }
     const int64_t restarts = kv_.add(s_.key("restarts"), 0);
     if (restarts > options_.max_restarts) {
-      std::fprintf(stderr, "lockstep-run: giving up after %d restart(s).\n", options_.max_restarts);
-      return 1;
+      return give_up();
     }
     std::fprintf(stderr, "lockstep-run: restarting every rank in a new round (restart %lld of %d).\n",
                  static_cast<long long>(restarts), options_.max_restarts);
@@ -359,7 +394,8 @@ class ElasticAgent {
   }
 
   // This node's ranks all succeeded. The node that serves the store keeps
-  // it until every other member is done or lost, then tells waiting nodes.
+  // it until every other member is done, gone or lost, then ends the job
+  // for waiting nodes: failed if a member left with a failure or vanished.
   int finish(RoundWatch& watch, const Assignment& a) {
     watch.mark_done();
     if (!serves_store_) {
@@ -376,23 +412,31 @@ class ElasticAgent {
                    "running; the job did not complete.\n", static_cast<int>(g_launcher_signal));
       return stopped_by_signal();
     }
-    const std::string vanished = a.group_ranks(watch.vanished_members(Clock::now()));
-    kv_.set(s_.key("complete"), vanished.empty() ? kJobSucceeded : vanished); // waiting nodes fail on a vanished member too
-    std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3); // let waiting nodes read it
+    const auto vanished_ids = watch.vanished_members(Clock::now());
+    auto failed_ids = watch.failed_members();
+    const std::string vanished = a.group_ranks(vanished_ids), failed = a.group_ranks(failed_ids);
+    failed_ids.insert(failed_ids.end(), vanished_ids.begin(), vanished_ids.end());
+    std::sort(failed_ids.begin(), failed_ids.end()); // ids run in group rank order
+    close_job(kv_, s_, a.group_ranks(failed_ids), vanished.empty() ? "" : "node(s) " + vanished + " stopped "
+              "answering before their ranks finished");
+    if (!failed.empty()) {
+      std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s left the job with a failure "
+                   "(see their logs); the job failed.\n", failed.c_str());
+    }
     if (!vanished.empty()) {
       std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s stopped answering (no heartbeat "
                    "for %.1f s) before saying theirs had; their part of the job did not finish, so the job failed.\n",
                    vanished.c_str(), s_.liveness_window().count() / 1000.0);
-      return 1;
     }
-    return 0;
+    return failed_ids.empty() ? 0 : 1;
   }
 
   // Says this node leaves the job with `code`. The node that serves the
-  // store first waits, for two liveness windows at most, until the other
-  // members of the last round have left too: they may still have to read how
-  // the round ended. It exits 1 if one of them left with a failure (Note [A
-  // failure after the job finished elsewhere]).
+  // store then waits for the others (members_left_with_failure) and lets
+  // waiting nodes read the job's end; not when a signal stopped it: the
+  // others lose the store with it either way, and a launcher told to stop
+  // stops within moments. It exits 1 if a member left with a failure (Note
+  // [A failure after the job finished elsewhere]).
   int leave(int code) {
     if (!last_) {
       return code;
@@ -400,18 +444,9 @@ class ElasticAgent {
     std::string failed;
     try {
       kv_.set(s_.key(last_->round, "left/" + std::to_string(me_.id)), std::to_string(code));
-      const auto until = Clock::now() + 2 * s_.liveness_window();
-      for (size_t i = 0; serves_store_ && i < last_->members.size() && Clock::now() < until;) {
-        const int64_t id = last_->members[i];
-        const auto left = id == me_.id ? std::optional<std::string>("0") : kv_.get(s_.key(last_->round, "left/" + std::to_string(id)));
-        if (!left) {
-          std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
-          continue;
-        }
-        if (*left != "0") {
-          failed += (failed.empty() ? "" : ", ") + std::to_string(i);
-        }
-        ++i;
+      if (serves_store_ && g_launcher_signal == 0) {
+        failed = members_left_with_failure();
+        linger_for_waiting_nodes();
       }
     } catch (const KvError&) {
       // The store is gone: nobody is left to tell.
@@ -422,6 +457,36 @@ class ElasticAgent {
       return 1;
     }
     return code;
+  }
+
+  // Waits, for two liveness windows at most (or until a signal), until the
+  // other members of the last round have left too: they may still have to
+  // read how the round ended. Returns the group ranks of those that left
+  // with a code other than 0.
+  std::string members_left_with_failure() {
+    std::string failed;
+    const auto until = Clock::now() + 2 * s_.liveness_window();
+    for (size_t i = 0; i < last_->members.size() && Clock::now() < until && g_launcher_signal == 0;) {
+      const int64_t id = last_->members[i];
+      const auto left = id == me_.id ? std::optional<std::string>("0") : kv_.get(s_.key(last_->round, "left/" + std::to_string(id)));
+      if (!left) {
+        std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
+        continue;
+      }
+      if (*left != "0") {
+        failed += (failed.empty() ? "" : ", ") + std::to_string(i);
+      }
+      ++i;
+    }
+    return failed;
+  }
+
+  // Once the job's end is written, the node that serves the store keeps it
+  // a few polls longer, so that nodes waiting to join read it.
+  void linger_for_waiting_nodes() {
+    if (kv_.get(s_.key("complete"))) {
+      std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval) * 3);
+    }
   }
 
   const Options& options_;

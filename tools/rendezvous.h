@@ -34,24 +34,25 @@
 // The end. A member whose workers all succeeded says so ("R/done/<id>"); the
 // node that serves the store waits for every member to be done, gone or
 // lost, then writes "complete" so that waiting nodes exit too (naming the
-// members lost before they were done: the job failed); when it is
+// members lost or failed before they were done: the job failed); when it is
 // itself waiting, each waiting node sees the end in the members' "R/left/<id>"
 // (Note [The job ends while a node waits]). A member whose
 // worker fails after another is done does not restart: the job failed (Note
-// [A failure after the job finished elsewhere] in elastic_agent.h). The store lives in one
-// launcher: if that node is lost, every other node fails with an error that
-// names the store (a replicated store would survive it; this one is simple
-// and its failure is loud).
+// [A failure after the job finished elsewhere] in elastic_agent.h); nor
+// does one that gives up after --max-restarts: a node that leaves with a
+// failure ends the job on every node (Note [A member that leaves with a
+// failure]). The store lives in one launcher: if that node is lost, every
+// other node fails with an error that names the store (a replicated store
+// would survive it; this one is simple and its failure is loud).
 
 #include "kv_store.h"
 #include "rendezvous_records.h"
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <optional>
-#include <sstream>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -96,6 +97,47 @@ inline bool end_round(KeyValue& kv, const RendezvousSettings& s, int64_t round, 
   return true;
 }
 
+// Note [A member that leaves with a failure]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A member that leaves the job writes its exit code ("R/left/<id>"). 0: its
+// part finished. 128 + N: signal N stopped its launcher (scancel, a
+// preempted machine); that node is gone as a lost one is, and the others
+// may go on without it in a new round, as torchrun's do (its agent keeps
+// the rendezvous open on a signal). Any other code is a failure that no
+// round can undo: the node gave up after --max-restarts, or its ranks
+// failed after another member had finished (Note [A failure after the job
+// finished elsewhere] in elastic_agent.h). Such a node ends the job for
+// every node, as torchrun's agent closes the rendezvous (launcher/api.py's
+// shutdown): it writes the job's end ("complete", naming it, and "why",
+// the cause in words) so that waiting nodes stop at once, and each member
+// still running sees its code, stops its ranks and exits 1, rather than
+// wait for its heartbeat to go quiet, take it for lost and run the job
+// again without it. The first end written stands ("closing").
+
+/// How a member left the job, from the exit code it wrote. See Note [A
+/// member that leaves with a failure].
+enum class Departure { kFinished, kStopped, kFailed };
+
+inline Departure departure_of(const std::string& code) {
+  if (code == "0") {
+    return Departure::kFinished;
+  }
+  return std::atoi(code.c_str()) > 128 ? Departure::kStopped : Departure::kFailed;
+}
+
+/// Writes the job's end for every node unless another node wrote it first:
+/// `failed`, the group ranks of the nodes that failed ("" when the job
+/// succeeded), and `why`, the failure's cause in words (or "").
+inline void close_job(KeyValue& kv, const RendezvousSettings& s, const std::string& failed, const std::string& why) {
+  if (kv.add(s.key("closing"), 1) != 1) {
+    return;
+  }
+  if (!failed.empty() && !why.empty()) {
+    kv.set(s.key("why"), why); // before "complete": a node that reads "complete" finds it
+  }
+  kv.set(s.key("complete"), failed.empty() ? kJobSucceeded : failed);
+}
+
 /// One node's way into a round, a step at a time: poll() until it returns
 /// the node's assignment. A node left out of a round waits for the next.
 class RoundJoin {
@@ -113,6 +155,7 @@ class RoundJoin {
   Status poll(RdzvClock::time_point now) {
     if (const auto complete = kv_.get(s_.key("complete"))) { // kJobSucceeded, or the nodes that failed
       failed_nodes_ = *complete == kJobSucceeded ? "" : *complete;
+      why_ = failed_nodes_.empty() ? "" : kv_.get(s_.key("why")).value_or("");
       return failed_nodes_.empty() ? Status::kJobComplete : Status::kJobFailed;
     }
     if (waiting_) {
@@ -159,13 +202,19 @@ class RoundJoin {
   const std::string& failed_nodes() const {
     return failed_nodes_;
   }
+  /// After kJobFailed: why, in words, when the node that ended it said so.
+  const std::string& why() const {
+    return why_;
+  }
 
  private:
   // Note [The job ends while a node waits]: "complete" is written by the
-  // node that serves the store, once it finished as a member. When that
-  // node is the one waiting (it joined after MAX others), nobody writes it;
-  // so a waiting node reads the round it waits behind itself, and the job
-  // has ended once every member of that round has left it (each writes
+  // node that serves the store, once it finished as a member, or by a node
+  // that left with a failure (Note [A member that leaves with a failure]).
+  // When the store's node is the one waiting (it joined after MAX others)
+  // and every member finished, nobody writes it; so a waiting node reads
+  // the round it waits behind itself, and the job has ended once every
+  // member of that round has left it (each writes
   // left/ID with its exit code). Members that restart move to a new round,
   // which the waiting node then joins. Members can also vanish without a
   // code (their machines lost, their launchers killed): the waiting node
@@ -274,6 +323,7 @@ class RoundJoin {
   int64_t joined_ = 0;
   bool waiting_ = false;
   std::string failed_nodes_;
+  std::string why_;
   Assignment assignment_;
   std::map<int64_t, Heartbeat> member_beats_; // while waiting: the members of round_
 };
@@ -282,7 +332,7 @@ class RoundJoin {
 /// nodes waiting to join, and the round's end. check() is one step.
 class RoundWatch {
  public:
-  enum class Verdict { kHealthy, kRoundOver, kMemberLost, kNodeWaiting, kMembersDone };
+  enum class Verdict { kHealthy, kRoundOver, kMemberLost, kNodeWaiting, kMembersDone, kMemberFailed };
 
   RoundWatch(KeyValue& kv, const RendezvousSettings& settings, const Assignment& a, int64_t me, RdzvClock::time_point now)
       : kv_(kv), s_(settings), a_(a), me_(me) {
@@ -308,6 +358,11 @@ class RoundWatch {
     }
     bool any_done = false;
     for (auto& [id, beat] : beats_) {
+      const auto left = kv_.get(s_.key(a_.round, "left/" + std::to_string(id)));
+      if (left && departure_of(*left) == Departure::kFailed) { // Note [A member that leaves with a failure]
+        failed_ = {id, *left};
+        return Verdict::kMemberFailed;
+      }
       const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value();
       any_done = any_done || done;
       if (heartbeat_stopped(kv_, s_, a_.round, id, beat, now) && !done) {
@@ -344,6 +399,19 @@ class RoundWatch {
       }
     }
     return vanished;
+  }
+
+  /// The other members that left the job with a code other than 0 before
+  /// saying they were done: their part of the job did not finish.
+  std::vector<int64_t> failed_members() const {
+    std::vector<int64_t> failed;
+    for (const auto& entry : beats_) {
+      const auto left = kv_.get(s_.key(a_.round, "left/" + std::to_string(entry.first)));
+      if (left && *left != "0" && !kv_.get(s_.key(a_.round, "done/" + std::to_string(entry.first)))) {
+        failed.push_back(entry.first);
+      }
+    }
+    return failed;
   }
 
   /// The other members whose ranks all succeeded.
@@ -386,6 +454,10 @@ class RoundWatch {
   int64_t lost() const {
     return lost_;
   }
+  /// After kMemberFailed: the member that left with a failure, and its code.
+  const std::pair<int64_t, std::string>& failed() const {
+    return failed_;
+  }
 
  private:
   enum class Standing { kRunning, kFinished, kVanished };
@@ -411,6 +483,7 @@ class RoundWatch {
   std::map<int64_t, Heartbeat> beats_;
   RdzvClock::time_point next_beat_;
   int64_t lost_ = -1;
+  std::pair<int64_t, std::string> failed_{-1, ""};
 };
 
 } // namespace tools
