@@ -88,10 +88,12 @@ struct TransformerBlockImpl : torch::nn::Cloneable<TransformerBlockImpl>, lockst
 };
 TORCH_MODULE(TransformerBlock);
 
-/// `blocks` applied in turn to `x`.
-inline torch::Tensor run_blocks(std::vector<TransformerBlock>& blocks, torch::Tensor x) {
-  for (auto& block : blocks) {
-    x = block->forward(x);
+/// `blocks` (TransformerBlocks) applied in turn to `x`. Read from the list
+/// at each call, not kept aside: a clone (DataParallel's replicas) fills the
+/// list it made in reset() with the original's blocks, in place.
+inline torch::Tensor run_blocks(torch::nn::ModuleList& blocks, torch::Tensor x) {
+  for (const auto& block : *blocks) {
+    x = block->as<TransformerBlockImpl>()->forward(x);
   }
   return x;
 }
@@ -111,11 +113,10 @@ struct VisionTransformerImpl : torch::nn::Cloneable<VisionTransformerImpl> {
     cls_token = register_parameter("cls_token", torch::zeros({1, 1, dim}));
     pos_embed = register_parameter("pos_embed", torch::randn({1, 50, dim}) * 0.02);
     blocks = register_module("blocks", torch::nn::ModuleList());
-    typed_blocks.clear();
     for (int64_t i = 0; i < depth; ++i) {
-      typed_blocks.emplace_back(dim, heads, dropout);
-      typed_blocks.back()->set_activation_checkpointing(checkpointed);
-      blocks->push_back(typed_blocks.back());
+      TransformerBlock block(dim, heads, dropout);
+      block->set_activation_checkpointing(checkpointed);
+      blocks->push_back(block);
     }
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
     head = register_module("head", torch::nn::Linear(dim, 10));
@@ -124,7 +125,7 @@ struct VisionTransformerImpl : torch::nn::Cloneable<VisionTransformerImpl> {
     auto tokens = patch(x).flatten(2).transpose(1, 2); // [batch, 49, dim]
     tokens = torch::cat({cls_token.expand({x.size(0), 1, dim}), tokens}, 1) + pos_embed;
     tokens = torch::dropout(tokens, dropout, is_training());
-    tokens = run_blocks(typed_blocks, tokens);
+    tokens = run_blocks(blocks, tokens);
     return head(norm(tokens.select(1, 0)));
   }
   int64_t dim, depth, heads;
@@ -133,7 +134,6 @@ struct VisionTransformerImpl : torch::nn::Cloneable<VisionTransformerImpl> {
   torch::nn::Conv2d patch{nullptr};
   torch::Tensor cls_token, pos_embed;
   torch::nn::ModuleList blocks{nullptr};
-  std::vector<TransformerBlock> typed_blocks;
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Linear head{nullptr};
 };
@@ -160,11 +160,10 @@ struct GptImpl : torch::nn::Cloneable<GptImpl> {
     }
     wpe = register_parameter("wpe", torch::randn({context, dim}) * 0.02);
     blocks = register_module("blocks", torch::nn::ModuleList());
-    typed_blocks.clear();
     for (int64_t i = 0; i < depth; ++i) {
-      typed_blocks.emplace_back(dim, heads, dropout, /*causal=*/true);
-      typed_blocks.back()->set_activation_checkpointing(checkpointed);
-      blocks->push_back(typed_blocks.back());
+      TransformerBlock block(dim, heads, dropout, /*causal=*/true);
+      block->set_activation_checkpointing(checkpointed);
+      blocks->push_back(block);
     }
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
   }
@@ -172,7 +171,7 @@ struct GptImpl : torch::nn::Cloneable<GptImpl> {
     TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= context, "Gpt: takes [batch, length] token ids with length at "
                 "most its context ", context, "; got a tensor of shape ", tokens.sizes(), ".");
     auto h = torch::dropout(wte(tokens) + wpe.narrow(0, 0, tokens.size(1)), dropout, is_training());
-    h = run_blocks(typed_blocks, h);
+    h = run_blocks(blocks, h);
     return torch::linear(norm(h), wte->weight);
   }
   int64_t vocab, context, dim, depth, heads;
@@ -181,7 +180,6 @@ struct GptImpl : torch::nn::Cloneable<GptImpl> {
   torch::nn::Embedding wte{nullptr};
   torch::Tensor wpe;
   torch::nn::ModuleList blocks{nullptr};
-  std::vector<TransformerBlock> typed_blocks;
   torch::nn::LayerNorm norm{nullptr};
 };
 TORCH_MODULE(Gpt);

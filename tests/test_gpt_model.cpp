@@ -30,6 +30,23 @@ TEST(GptModel, TheTrainerModelsEvalTurnsEveryDropoutOff) {
   }
 }
 
+// A clone computes what the original does: DataParallel's replicas are
+// clones, and a clone's blocks are the original's, copied into the list
+// its reset() made, not the fresh ones reset() made.
+TEST(GptModel, ACloneOfTheTrainerModelComputesTheSame) {
+  for (const std::string kind : {"vit", "gpt"}) {
+    SCOPED_TRACE(kind);
+    torch::manual_seed(0);
+    examples::TrainerNet net(kind, /*checkpointed=*/false, /*dropout=*/0.0, /*context=*/16);
+    net->eval();
+    auto copy = std::dynamic_pointer_cast<examples::TrainerNetImpl>(net->clone());
+    ASSERT_TRUE(copy);
+    copy->eval();
+    const auto x = kind == "vit" ? torch::randn({2, 1, 28, 28}) : torch::randint(0, 256, {2, 16}, torch::kLong);
+    EXPECT_TRUE(copy->forward(x).equal(net->forward(x)));
+  }
+}
+
 TEST(GptModel, APositionSeesNoLaterToken) {
   torch::manual_seed(0);
   Gpt gpt(256, 16, 32, 2, 4, /*dropout=*/0.0);
