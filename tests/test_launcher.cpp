@@ -340,6 +340,27 @@ void expect_signal_stops_everything(int sig) {
   EXPECT_TRUE(testing::processes_with(temp(marker)).empty()) << "a rank outlived the launcher";
 }
 
+// A rank that saves on SIGTERM and outlasts the grace period is killed:
+// the launcher says so, and how to give it longer, rather than end as if
+// every rank had stopped cleanly.
+TEST(Launcher, ARankKilledAfterTheGracePeriodOnASignalIsNamed) {
+  const std::string marker = temp("grace_on_signal");
+  auto p = testing::start(
+      launcher({"--nproc-per-node", "1", "--master-port", port(), "--grace-period", "1"},
+               {"/bin/sh", "-c", "trap 'echo saving; sleep 4; echo saved; exit 0' TERM; echo ready; while :; do sleep 0.1; "
+                "done", marker}),
+      {}, marker + ".log");
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  kill(p.pid, SIGTERM);
+  std::vector<Process> one{p};
+  testing::wait_all(one, std::chrono::seconds(30));
+  EXPECT_EQ(one[0].exit_code, 128 + SIGTERM) << one[0].output;
+  EXPECT_NE(one[0].output.find("saving"), std::string::npos) << one[0].output;
+  EXPECT_NE(one[0].output.find("was still running 1.0 s after the signal and was killed with SIGKILL"),
+            std::string::npos) << one[0].output;
+  EXPECT_NE(one[0].output.find("--grace-period SECONDS"), std::string::npos) << one[0].output;
+}
+
 TEST(Launcher, SigtermIsForwardedAndNothingRemains) {
   expect_signal_stops_everything(SIGTERM);
 }

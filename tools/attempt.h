@@ -370,6 +370,23 @@ inline void print_root_cause(const Rank& r) {
   }
 }
 
+// After a signal to the launcher: each rank still running the grace period
+// after it was passed on, and so killed with SIGKILL. A rank that saves a
+// checkpoint on SIGTERM (a preempted Slurm job) lost it: said, with the flag
+// that gives it longer.
+inline void print_killed_on_signal(const Attempt& run, int world_on_node, double grace_seconds) {
+  for (int i = 0; i < world_on_node; ++i) {
+    const Rank& r = run.rank(i);
+    if (r.killed_after_grace) {
+      std::fprintf(stderr,
+                   "lockstep-run: rank %d (pid %d) was still running %.1f s after the signal and was killed with "
+                   "SIGKILL; whatever it did on the signal (saving a checkpoint) did not finish. Give it longer with "
+                   "--grace-period SECONDS (torchrun waits 30).\n",
+                   r.global_rank, r.pid, grace_seconds);
+    }
+  }
+}
+
 // The first rank to fail is not always the culprit: a rank that stalls makes
 // the others time out and fail first. Name the ranks that were still running.
 inline void print_stalled_ranks(const Attempt& run, int root_cause, int world_on_node, double grace_seconds) {

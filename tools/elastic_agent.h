@@ -277,7 +277,9 @@ class ElasticAgent {
     });
     run.merge_timeline();
     if (g_launcher_signal != 0) {
-      return stopped_by_signal();
+      const int code = stopped_by_signal();
+      print_killed_on_signal(run, options_.nproc_per_node, options_.grace_seconds);
+      return code;
     }
     if (root_cause < 0 && ended == RoundEnd::kNone && !over) {
       return finish(watch, a);

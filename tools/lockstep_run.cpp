@@ -258,6 +258,7 @@ int run_static(const Options& options, const std::string& program) {
     const bool timeline_written = run.merge_timeline();
     if (g_launcher_signal != 0) {
       std::fprintf(stderr, "lockstep-run: stopped by signal %d; every rank was stopped.\n", static_cast<int>(g_launcher_signal));
+      lockstep::tools::print_killed_on_signal(run, options.nproc_per_node, options.grace_seconds);
       return 128 + g_launcher_signal;
     }
     if (root_cause < 0) {
