@@ -9,6 +9,8 @@
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
@@ -202,6 +204,30 @@ TEST(SharedMemoryCollectives, NoSegmentIsLeftWhenARankNeverComesOrOnceTheGroupIs
     ASSERT_NE(transport, nullptr);
   });
   EXPECT_EQ(segments_left(), 0);
+}
+
+// A peer that published its segment and then died leaves it in /dev/shm
+// unless another rank unlinks it: connect unlinks every published segment
+// on the way out, and the join's deadline, which ends the process without
+// destructors, unlinks those of a group still joining first.
+TEST(SharedMemoryCollectives, ADeadPeersSegmentIsUnlinkedAndTheDeadlineUnlinksWhatIsJoining) {
+  const std::string dead = "/lockstep-" + std::to_string(::getpid()) + "-deadpeer";
+  const int fd = ::shm_open(dead.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  int own_left_at_deadline = -1;
+  auto exchange = [&](const std::string& stage, const std::string& mine) -> std::vector<std::string> {
+    if (stage == "segment") {
+      return {mine, detail::host_identity() + " " + dead + " 999999"};
+    }
+    detail::unlink_joining_segments(); // as the deadline would, before std::_Exit
+    own_left_at_deadline = segments_left();
+    throw std::runtime_error("rank 1 never said whether it mapped the segments");
+  };
+  EXPECT_THROW(SharedMemoryCollectives::connect(exchange, true, 0, 2, std::chrono::seconds(1)), std::runtime_error);
+  EXPECT_EQ(own_left_at_deadline, 0) << "the deadline left the segments in /dev/shm";
+  EXPECT_EQ(segments_left(), 0) << "the dead peer's segment stayed in /dev/shm";
+  ::shm_unlink(dead.c_str());
 }
 
 TEST(SharedMemoryCollectives, BroadcastsInPiecesFromAnyRoot) {

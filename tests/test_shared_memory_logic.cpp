@@ -6,6 +6,12 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
 #include <string>
 #include <vector>
 
@@ -14,6 +20,27 @@ namespace {
 
 using detail::one_host;
 using detail::slice_of;
+
+// A peer that died but is not reaped yet is a zombie, to which kill(pid, 0)
+// still answers: it counts as exited, so that a wait for it ends at once
+// rather than at the timeout.
+TEST(SharedMemoryLogic, AZombiePeerHasExited) {
+  EXPECT_FALSE(detail::process_exited(static_cast<int>(::getpid())));
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::_exit(0);
+  }
+  bool exited = false;
+  for (int i = 0; i < 200 && !exited; ++i) { // it becomes a zombie within moments
+    exited = detail::process_exited(static_cast<int>(child));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(exited);
+  EXPECT_EQ(::kill(child, 0), 0) << "not a zombie: the test shows nothing";
+  ::waitpid(child, nullptr, 0);
+  EXPECT_TRUE(detail::process_exited(static_cast<int>(child)));
+}
 
 TEST(SharedMemoryLogic, SharesOnlyWhereEveryRankPublishedTheSameHost) {
   const std::string here = "node1|boot-a|net:[1]|ipc:[2]|mnt:[3]|pid:[4]";

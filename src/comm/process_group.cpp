@@ -1,6 +1,7 @@
 #include <lockstep/process_group.h>
 
 #include "comm/backends/backends.h"
+#include "comm/backends/shared_memory_collectives.h"
 #include "comm/collective_args.h"
 #include "comm/collective_check.h"
 #include "comm/flight_recorder.h"
@@ -372,6 +373,7 @@ class InitDeadline {
                          static_cast<long long>(rank), what, static_cast<long long>(timeout.count()),
                          static_cast<long long>(kMargin.count()), longer);
             std::fflush(stderr);
+            detail::unlink_joining_segments(); // Note [Segments of a group that is joining]
             std::_Exit(1);
           }
         }) {}

@@ -19,6 +19,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
+#include <mutex>
 #include <random>
 #include <sstream>
 
@@ -223,6 +225,19 @@ bool one_host(const std::vector<std::string>& published) {
   return !published.empty();
 }
 
+bool process_exited(int pid) {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    return true;
+  }
+  // A zombie, under a parent that reaps its children late (a Python
+  // subprocess waiting on its ranks in order): state Z or X in its stat,
+  // after the command name, which may hold spaces and parentheses.
+  std::ifstream file("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const auto close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() && (stat[close + 2] == 'Z' || stat[close + 2] == 'X');
+}
+
 Slice slice_of(int64_t count, int rank, int size) {
   const int64_t each = (count + size - 1) / size;
   const int64_t first = std::min(count, each * rank);
@@ -247,25 +262,74 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(c10d::
   return connect(exchange, willing, rank, size, timeout);
 }
 
+// Note [Segments of a group that is joining]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A segment's name stays in /dev/shm until someone unlinks it. connect
+// unlinks its own and every peer's published segment on the way out, made or
+// not: once every rank has mapped the segments their names have no use, and
+// a peer that died after publishing would leave its own. While a group
+// joins, the names are registered here too, so that a process ended by the
+// join's deadline (std::_Exit, which runs no destructor) unlinks them first.
+namespace {
+
+std::mutex g_joining_mutex;
+std::vector<std::string> g_joining;
+
+// Names unlinked (and unregistered) when this goes.
+class JoiningSegments {
+ public:
+  JoiningSegments() = default;
+  JoiningSegments(const JoiningSegments&) = delete;
+  JoiningSegments& operator=(const JoiningSegments&) = delete;
+  ~JoiningSegments() {
+    std::lock_guard<std::mutex> lock(g_joining_mutex);
+    for (const auto& name : names_) {
+      ::shm_unlink(name.c_str());
+      g_joining.erase(std::find(g_joining.begin(), g_joining.end(), name));
+    }
+  }
+  void add(const std::string& name) {
+    std::lock_guard<std::mutex> lock(g_joining_mutex);
+    names_.push_back(name);
+    g_joining.push_back(name);
+  }
+
+ private:
+  std::vector<std::string> names_;
+};
+
+} // namespace
+
+void unlink_joining_segments() {
+  std::unique_lock<std::mutex> lock(g_joining_mutex, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    return; // another thread is in the middle of a change: not worth a wait at the end
+  }
+  for (const auto& name : g_joining) {
+    ::shm_unlink(name.c_str());
+  }
+}
+
 std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(const Exchange& exchange, bool willing,
                                                                       int rank, int size,
                                                                       std::chrono::milliseconds timeout) {
   const bool wanted = size > 1 && willing;
   std::unique_ptr<SharedMemoryCollectives> shm(new SharedMemoryCollectives(rank, size, timeout));
   const std::string name = "/lockstep-" + std::to_string(::getpid()) + "-" + random_hex();
+  JoiningSegments joining; // Note [Segments of a group that is joining]
   shm->maps_[rank] = wanted ? map_segment(name, shm->capacity_, /*create=*/true) : nullptr;
-  // Unlinked on the way out: once every rank has said whether it mapped the
-  // segments, or when the exchange gives up on a rank that never came.
-  struct Unlink {
-    std::string name;
-    ~Unlink() {
-      if (!name.empty()) {
-        ::shm_unlink(name.c_str());
-      }
-    }
-  } unlink{shm->maps_[rank] != nullptr ? name : ""};
+  if (shm->maps_[rank] != nullptr) {
+    joining.add(name);
+  }
   const auto published = exchange(
       "segment", shm->maps_[rank] != nullptr ? host_identity() + " " + name + " " + std::to_string(::getpid()) : "off");
+  for (int r = 0; r < size; ++r) {
+    std::istringstream in(published[r]);
+    std::string identity, segment;
+    if (r != rank && in >> identity >> segment && segment.rfind("/lockstep-", 0) == 0) {
+      joining.add(segment);
+    }
+  }
   bool mapped = one_host(published);
   for (int r = 0; mapped && r < size; ++r) {
     std::istringstream in(published[r]);
@@ -548,7 +612,7 @@ void SharedMemoryCollectives::wait_for(int peer, uint32_t phase) {
     if (stopping_) {
       fail("the group was destroyed while this collective waited for rank " + std::to_string(peer));
     }
-    if (::kill(static_cast<pid_t>(pids_[peer]), 0) != 0 && errno == ESRCH) {
+    if (process_exited(static_cast<int>(pids_[peer]))) {
       fail("rank " + std::to_string(peer) + " (process " + std::to_string(pids_[peer]) +
            " on this host) exited before it reached this collective");
     }
