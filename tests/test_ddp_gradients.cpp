@@ -4,6 +4,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "support/collective_contract.h"
 #include "support/errors.h"
 #include "support/threads.h"
 
@@ -138,6 +139,25 @@ TEST(DdpThreads, ABrokenStaticGraphUnderALayerWiseHookIsAnErrorOnEveryRank) {
                           "rank 1's 'b.weight' received no gradient, but got one in the first iteration");
       },
       std::chrono::seconds(5));
+}
+
+// Ranks joined with other JoinOptions would act on other plans: the one
+// that throws on early termination would stop while the others go on to a
+// reduction it never joins. Every rank refuses at the first round.
+TEST(DdpThreads, JoinOptionsThatDifferBetweenRanksAreAnErrorOnEveryRank) {
+  const auto errors = testing::strings_by_rank(2, [](ProcessGroup& group) {
+    torch::nn::Linear net(3, 2);
+    DistributedDataParallel<torch::nn::Linear> ddp(net, group);
+    return testing::message_of([&] {
+      auto join = ddp->join(JoinOptions().throw_on_early_termination(group.rank() == 0));
+      ddp->forward(torch::ones({2, 3})).sum().backward();
+      join.finish();
+    });
+  }, std::chrono::seconds(10));
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("1 of 2 ranks passed JoinOptions().throw_on_early_termination(true), the others false"),
+              std::string::npos) << error;
+  }
 }
 
 } // namespace

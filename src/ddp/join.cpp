@@ -37,7 +37,8 @@ namespace detail {
 // with the buffers, to every rank; where a rank's only reducing step came
 // in the join, so that it would rebuild the buckets at its next forward and
 // a rank that never stepped would not, every rank rebuilds them there by
-// its order. throw_on_early_termination turns any round
+// its order. Each round also counts the ranks' JoinOptions, which must be
+// the same everywhere. throw_on_early_termination turns any round
 // with some but not all ranks training into an error on every rank. The
 // guard's destructor only resets the flags here: communicating from a
 // destructor, while an exception unwinds, could hang.
@@ -56,15 +57,19 @@ thread_local int joined_wrappers = 0;
 
 DistributedCore::JoinRound DistributedCore::join_round(bool training, bool reduce) {
   const int world = group_.size();
-  auto round = torch::zeros({world + 3}, torch::TensorOptions().device(reducer_->device()));
+  auto round = torch::zeros({world + 5}, torch::TensorOptions().device(reducer_->device()));
   if (training) {
     round[group_.rank()] = 1;
     round[world] = sync_ ? 1 : 0;
     round[world + 1] = reduce ? 1 : 0;
     round[world + 2] = reduce && reducer_->rebuild_pending() ? 1 : 0;
   }
+  round[world + 3] = join_throw_on_early_termination_ ? 1 : 0;
+  round[world + 4] = join_divide_by_initial_world_size_ ? 1 : 0;
   group_.allreduce_async({round}, ReduceOp::Sum, "join's round (who is still training)")->wait();
   const auto counts = round.cpu();
+  check_same_join_options(counts[world + 3].item<float>(), "throw_on_early_termination");
+  check_same_join_options(counts[world + 4].item<float>(), "divide_by_initial_world_size");
   JoinRound result;
   for (int r = 0; r < world; ++r) {
     if (counts[r].item<float>() > 0) {
@@ -75,6 +80,16 @@ DistributedCore::JoinRound DistributedCore::join_round(bool training, bool reduc
   result.reduce = counts[world + 1].item<float>() > 0;
   result.rebuild = counts[world + 2].item<float>() > 0;
   return result;
+}
+
+// `set` of the ranks passed JoinOptions().NAME(true): all or none, or each
+// rank would act on another plan (one throwing while the others go on to a
+// reduction it never joins).
+void DistributedCore::check_same_join_options(float set, const char* name) const {
+  const int ranks = static_cast<int>(set);
+  TORCH_CHECK(ranks == 0 || ranks == group_.size(), "lockstep::DistributedDataParallel::join: rank ", group_.rank(),
+              ": ", ranks, " of ", group_.size(), " ranks passed JoinOptions().", name, "(true), the others false. "
+              "Give every rank the same JoinOptions.");
 }
 
 // A forward under join: the round, and the divisor of this step's

@@ -67,6 +67,7 @@ class DistributedCore {
   };
   JoinRound join_round(bool training, bool reduce);
   int join_forward_round(bool reduce);
+  void check_same_join_options(float set, const char* name) const;
   // Each shared parameter or buffer once.
   std::vector<torch::Tensor> synced_state() const;
   // A parameter frozen at wrapping has no hook: unfreezing it later would
