@@ -10,6 +10,7 @@
 #include <examples/checkpoint.h>
 #include <examples/idx.h>
 #include <examples/models.h>
+#include <tools/attempt.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -359,6 +360,28 @@ TEST(Launcher, ARankKilledAfterTheGracePeriodOnASignalIsNamed) {
   EXPECT_NE(one[0].output.find("was still running 1.0 s after the signal and was killed with SIGKILL"),
             std::string::npos) << one[0].output;
   EXPECT_NE(one[0].output.find("--grace-period SECONDS"), std::string::npos) << one[0].output;
+}
+
+// Once every rank has succeeded, the attempt is over: a look at the round
+// (an elastic node's, which may see the round end in that same moment and
+// would then run the job again) is not taken.
+TEST(Launcher, AnAttemptWhoseRanksAllSucceededAsksNothingMore) {
+  tools::RunOptions options;
+  options.nproc_per_node = 1;
+  options.command = {"/bin/sleep", "0.4"};
+  tools::Placement placement;
+  placement.file_store = true;
+  tools::Attempt attempt(options, "/bin/sleep", placement);
+  int looks = 0;
+  const int root_cause = attempt.run([&] {
+    if (++looks == 1) { // the first look, 0.1 s in: the rank still runs, and ends during this one
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      return true;
+    }
+    return false; // "the round ended": asked after the rank succeeded, it would stop a finished attempt
+  });
+  EXPECT_EQ(root_cause, -1);
+  EXPECT_EQ(looks, 1);
 }
 
 TEST(Launcher, SigtermIsForwardedAndNothingRemains) {

@@ -72,6 +72,34 @@ TEST(Launcher, AStaticNodeWithAnotherNnodesIsRefusedNamingBoth) {
   EXPECT_EQ(nodes[2].output.find("[rank"), std::string::npos) << "a rank started: " << nodes[2].output;
 }
 
+// Two jobs at one address (two sruns of one allocation on the first host's
+// default port): a node of the second job met the first's node 0 and ran as
+// its rank 1. It is refused, naming both jobs, before any rank starts.
+TEST(Launcher, AStaticNodeOfAnotherJobIsRefusedNamingBoth) {
+  const std::string master_port = port();
+  auto node = [&](int rank, const std::string& job) {
+    return testing::start(launcher({"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc-per-node", "1",
+                                    "--master-addr", "127.0.0.1", "--master-port", master_port, "--rdzv-id", job},
+                                   {"/bin/sh", "-c", "echo \"env $RANK of $WORLD_SIZE\""}),
+                          {}, temp("other_job_" + job + std::to_string(rank) + ".log"));
+  };
+  std::vector<Process> first{node(0, "jobA")};
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  std::vector<Process> intruder{node(1, "jobB")};
+  testing::wait_all(intruder, kDeadline);
+  EXPECT_NE(intruder[0].exit_code, 0) << intruder[0].output;
+  EXPECT_NE(intruder[0].output.find("runs job 'jobA', but this node is of job 'jobB'"), std::string::npos)
+      << intruder[0].output;
+  EXPECT_NE(intruder[0].output.find("Give each job its own --master-port"), std::string::npos) << intruder[0].output;
+  EXPECT_EQ(intruder[0].output.find("[rank"), std::string::npos) << "a rank started: " << intruder[0].output;
+  std::vector<Process> second{node(1, "jobA")}; // node 0 still waits for its own node 1
+  testing::wait_all(second, kDeadline);
+  testing::wait_all(first, kDeadline);
+  EXPECT_EQ(first[0].exit_code, 0) << first[0].output;
+  EXPECT_EQ(second[0].exit_code, 0) << second[0].output;
+  EXPECT_NE(second[0].output.find("[rank 1] env 1 of 2"), std::string::npos) << second[0].output;
+}
+
 // Variables inherited from an outer launcher (lockstep-run under torchrun's
 // agent, or a shell that ran a one-node job) must not reach the ranks of a
 // job of two nodes: an agent's store that nobody serves here, or one node's

@@ -163,6 +163,9 @@ class Attempt {
       if (root_cause < 0 && !stopping) { // a rank that fails once the others are being stopped is not the cause
         root_cause = first_failed();
       }
+      if (!stopping && root_cause < 0 && all_done()) {
+        break; // every rank succeeded: a round's end seen in the same moment must not undo that
+      }
       const int sig = g_launcher_signal;
       const bool told_to_stop = !keep_going();
       if (!stopping && (root_cause >= 0 || sig != 0 || told_to_stop)) {

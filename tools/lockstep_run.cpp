@@ -333,6 +333,7 @@ int main(int argc, char** argv) {
   std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
   options.run_id =
       lockstep::tools::default_run_id(std::getenv, text, static_cast<long>(::getpid()), options.nnodes, options.rdzv_id);
+  options.run_id_shared = options.run_id != text && options.run_id.rfind(std::string(text) + "-", 0) != 0;
   if (!options.elastic() && options.nnodes > 1 && options.run_id == text) {
     std::fprintf(stderr, "lockstep-run: warning: the run id is this node's start time (%s), which the other nodes do "
                  "not share: lockstep-train's ranks would look for their checkpoint in different runs/ID folders. "

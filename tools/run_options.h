@@ -43,6 +43,7 @@ struct RunOptions {
   double restart_delay = 1.0;
   int timeout_seconds = 0; // 0: the ranks' own (LOCKSTEP_TIMEOUT, else lockstep's default)
   std::string run_id;      // LOCKSTEP_RUN_ID: the same for every attempt
+  bool run_id_shared = false; // from --rdzv-id, LOCKSTEP_RUN_ID or Slurm: every node of the job has it
   std::vector<std::string> command;
   // Elastic rendezvous (Note [Elastic rendezvous] in tools/rendezvous.h)
   std::string rdzv_backend; // static or c10d; empty until parse_nnodes picks one

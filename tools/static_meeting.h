@@ -116,9 +116,12 @@ class StaticMeeting {
       return std::nullopt;
     }
     if (me == 0) {
+      kv->set("run_id", options_.run_id_shared ? options_.run_id : ""); // first: a node that reads nnodes finds it
       kv->set("nnodes", std::to_string(options_.nnodes));
     } else if (!check_nnodes(*kv)) {
       return std::nullopt;
+    } else {
+      check_same_job(*kv);
     }
     if (kv->add("claim/" + std::to_string(me), 1) != 1) {
       throw MeetingError("another node already gave --node-rank " + std::to_string(me) + " to node 0's launcher at " +
@@ -153,6 +156,21 @@ class StaticMeeting {
   // Whether this node's --nnodes is node 0's: its ranks would otherwise be
   // numbered past WORLD_SIZE, or count nodes that never come. False on a
   // signal; throws where they differ.
+  // Two jobs on one --master-addr:--master-port (two sruns of one
+  // allocation, both on the first host's default port) would meet as one,
+  // mixing their programs: a node whose job id (--rdzv-id, LOCKSTEP_RUN_ID
+  // or Slurm's job and step) differs from node 0's is refused. Ids made of
+  // a start time differ between nodes anyway, and are not compared.
+  void check_same_job(KvClient& kv) const {
+    const std::string theirs = kv.get("run_id").value_or("");
+    if (!options_.run_id_shared || theirs.empty() || theirs == options_.run_id) {
+      return;
+    }
+    throw MeetingError("node 0's launcher at " + where() + " runs job '" + theirs + "', but this node is of job '" +
+                       options_.run_id + "' (the ids of --rdzv-id, LOCKSTEP_RUN_ID or Slurm's job and step): two jobs "
+                       "meet at one address. Give each job its own --master-port.");
+  }
+
   bool check_nnodes(KvClient& kv) {
     std::optional<std::string> theirs;
     missing_text_ = "node 0's launcher at " + where() + " did not say how many nodes the job has";
