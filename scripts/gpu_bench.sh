@@ -15,8 +15,9 @@
 #
 # MFU is the model's training FLOPs a second over the card's dense bf16 peak:
 # scripts/gpu_peak.sh's (989 TFLOPS for an H100 or H200 SXM, 756 for an H100
-# PCIe, 835 for an NVL, 312 for an A100); GPU_PEAK_TFLOPS sets another. Goals (docs/performance.md): each wrapper within 3% of the bare
-# module, and at least 1.0x its Python twin.
+# PCIe, 835 for an NVL, 312 for an A100); GPU_PEAK_TFLOPS sets another.
+# Goals (docs/performance.md): each wrapper within 3% of the bare module, and
+# at least 1.0x its Python twin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}

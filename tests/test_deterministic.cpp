@@ -454,6 +454,15 @@ TEST_F(Deterministic, RefusesComplexParametersAndSparseGradients) {
   complex->register_parameter("phase", torch::zeros({3}, torch::kComplexFloat));
   EXPECT_ERROR_SAYS(DistributedDataParallel<torch::nn::Sequential>(complex, ProcessGroup(), deterministic()),
                     "parameter 'phase' is complex", "view_as_real");
+  const void* weight = complex->named_parameters()["0.weight"].data_ptr();
+  EXPECT_ERROR_SAYS(FullyShardedDataParallel<torch::nn::Sequential>(
+                        complex, ProcessGroup(), ShardingOptions().deterministic(true).micro_batches(4)),
+                    "parameter 'phase' is complex");
+  EXPECT_EQ(complex->named_parameters()["0.weight"].data_ptr(), weight) << "refused after sharding changed the module";
+  complex->named_parameters()["phase"].requires_grad_(false); // frozen: DDP never sums it
+  EXPECT_NO_THROW(DistributedDataParallel<torch::nn::Sequential>(complex, ProcessGroup(), deterministic()));
+  EXPECT_ERROR_SAYS(DataParallel<torch::nn::Sequential>(complex, DataParallelOptions().deterministic(true).micro_batches(2)),
+                    "parameter 'phase' is complex"); // DataParallel sums frozen ones too: one may train later
   torch::nn::Sequential sparse(torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)));
   EXPECT_ERROR_SAYS(DataParallel<torch::nn::Sequential>(sparse, DataParallelOptions().deterministic(true).micro_batches(2)),
                     "'0' is an Embedding with sparse(true)", "sparse(false)");

@@ -292,7 +292,8 @@ TEST(Elastic, AFailureAfterAnotherNodeFinishedFailsTheJob) {
             std::string::npos) << failing.output << "(nodes are numbered by GROUP_RANK)";
   EXPECT_EQ(failing.output.find("restarting every rank"), std::string::npos) << failing.output;
   EXPECT_EQ(host.exit_code, 1) << host.output;
-  EXPECT_NE(host.output.find("node(s) 1 left the job with a failure (see their logs); the job failed."),
+  EXPECT_NE(host.output.find("node(s) 1 left the job before theirs had (a failure, or a signal: see their logs); the job "
+                             "failed."),
             std::string::npos) << host.output;
 }
 
@@ -410,10 +411,13 @@ TEST(Elastic, ANodeWaitingWhenTheStoresNodeGivesUpHearsWhy) {
 TEST(Elastic, ASignalToTheStoresNodeStopsItAtOnce) {
   ElasticJob job("elastic_signal_host", "2:2");
   job.rdzv_conf = "last_call_timeout=1,join_timeout=60"; // keep-alive: torchrun's 5 s x 3
-  job.program = {"/bin/sh", "-c", "sleep 60"};
+  const std::string running = temp("elastic_signal_host_running");
+  ::unlink((running + "0").c_str());
+  ::unlink((running + "1").c_str());
+  job.program = {"/bin/sh", "-c", "touch " + running + "$RANK; sleep 60"};
   job.start_host();
   job.start_node();
-  std::this_thread::sleep_for(std::chrono::seconds(3)); // the round runs
+  ASSERT_TRUE(wait_for_file(running + "0", 60) && wait_for_file(running + "1", 60)) << "the round never ran";
   std::vector<Process> host{job.nodes[0]};
   const double signalled_at = std::chrono::duration<double>(std::chrono::steady_clock::now() - host[0].start).count();
   kill(host[0].pid, SIGTERM);

@@ -408,6 +408,26 @@ TEST(PowerSGD, AModelWrappedAgainStartsItsErrorsAndQsAfresh) {
   for (size_t i = 0; i < again->parameters().size(); ++i) {
     EXPECT_TRUE(torch::equal(again->parameters()[i].grad(), reference->parameters()[i].grad())) << "parameter " << i;
   }
+  // The same with a state loaded while the first model lived: once that
+  // model has stepped on it, it is that model's, and is not handed on.
+  auto loaded = comm_hooks::powersgd(PowerSGDOptions().rank(1).start_iteration(0));
+  {
+    DistributedDataParallel<testing::OddNet> first(make(), one, DistributedOptions().comm_hook(loaded));
+    step(first);
+    std::stringstream bytes;
+    torch::serialize::OutputArchive out;
+    loaded.save(out);
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    loaded.load(in);
+    step(first);
+  }
+  DistributedDataParallel<testing::OddNet> after_load(make(), one, DistributedOptions().comm_hook(loaded));
+  step(after_load);
+  for (size_t i = 0; i < after_load->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::equal(after_load->parameters()[i].grad(), reference->parameters()[i].grad())) << "parameter " << i;
+  }
 }
 
 // Without warm start, each matrix's Q is drawn from (seed, iteration,

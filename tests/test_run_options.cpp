@@ -243,6 +243,20 @@ TEST(SlurmStep, TwoJobsNeverShareARunId) {
   };
   EXPECT_EQ(tools::default_run_id(with_rdzv_id, "20261126-120000", 1, 2, "job-9"), "job-9")
       << "--rdzv-id, as torchrun's users give every node";
+  // A static node checks node 0's job id against its own only where both
+  // ids are ones the whole job shares; a start time, even one given as
+  // LOCKSTEP_RUN_ID, is the id's source that says so, not its text.
+  const auto shared = [](const Vars& vars, const std::string& rdzv_id) {
+    return tools::run_id_shared([&vars](const char* name) -> const char* {
+      auto it = vars.find(name);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    }, rdzv_id);
+  };
+  EXPECT_TRUE(shared({}, "job-9"));
+  EXPECT_TRUE(shared({{"LOCKSTEP_RUN_ID", "20261126-120000"}}, ""));
+  EXPECT_TRUE(shared({{"SLURM_JOB_ID", "77"}}, ""));
+  EXPECT_FALSE(shared({}, ""));
+  EXPECT_FALSE(shared({{"LOCKSTEP_RUN_ID", ""}}, ""));
 }
 
 TEST(SlurmStep, MoreTasksThanNodesIsAClearError) {

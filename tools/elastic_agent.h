@@ -422,8 +422,8 @@ class ElasticAgent {
     close_job(kv_, s_, a.group_ranks(failed_ids), vanished.empty() ? "" : "node(s) " + vanished + " stopped "
               "answering before their ranks finished");
     if (!failed.empty()) {
-      std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s left the job with a failure "
-                   "(see their logs); the job failed.\n", failed.c_str());
+      std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s left the job before theirs "
+                   "had (a failure, or a signal: see their logs); the job failed.\n", failed.c_str());
     }
     if (!vanished.empty()) {
       std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s stopped answering (no heartbeat "
@@ -454,8 +454,8 @@ class ElasticAgent {
       // The store is gone: nobody is left to tell.
     }
     if (code == 0 && !failed.empty()) {
-      std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s left the job with a failure "
-                   "(see their logs); the job failed.\n", failed.c_str());
+      std::fprintf(stderr, "lockstep-run: this node's ranks finished, but node(s) %s left the job before theirs "
+                   "had (a failure, or a signal: see their logs); the job failed.\n", failed.c_str());
       return 1;
     }
     return code;

@@ -279,6 +279,22 @@ int run_static(const Options& options, const std::string& program) {
   }
 }
 
+// The job's id (LOCKSTEP_RUN_ID for the ranks), and whether every node has
+// it; warns where a static job's nodes have only their start times.
+void set_run_id(Options& options) {
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
+  options.run_id =
+      lockstep::tools::default_run_id(std::getenv, text, static_cast<long>(::getpid()), options.nnodes, options.rdzv_id);
+  options.run_id_shared = lockstep::tools::run_id_shared(std::getenv, options.rdzv_id);
+  if (!options.elastic() && options.nnodes > 1 && !options.run_id_shared) {
+    std::fprintf(stderr, "lockstep-run: warning: the run id is this node's start time (%s), which the other nodes do "
+                 "not share: lockstep-train's ranks would look for their checkpoint in different runs/ID folders. "
+                 "Give every node the same --rdzv-id (or LOCKSTEP_RUN_ID).\n", text);
+  }
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -328,17 +344,7 @@ int main(int argc, char** argv) {
   // the default back too.
   ::signal(SIGCHLD, SIG_DFL);
 
-  const std::time_t now = std::time(nullptr);
-  char text[32];
-  std::strftime(text, sizeof(text), "%Y%m%d-%H%M%S", std::localtime(&now));
-  options.run_id =
-      lockstep::tools::default_run_id(std::getenv, text, static_cast<long>(::getpid()), options.nnodes, options.rdzv_id);
-  options.run_id_shared = options.run_id != text && options.run_id.rfind(std::string(text) + "-", 0) != 0;
-  if (!options.elastic() && options.nnodes > 1 && options.run_id == text) {
-    std::fprintf(stderr, "lockstep-run: warning: the run id is this node's start time (%s), which the other nodes do "
-                 "not share: lockstep-train's ranks would look for their checkpoint in different runs/ID folders. "
-                 "Give every node the same --rdzv-id (or LOCKSTEP_RUN_ID).\n", text);
-  }
+  set_run_id(options);
   remove_stale_store_files();
   return options.elastic() ? lockstep::tools::run_elastic(options, program) : run_static(options, program);
 }

@@ -401,8 +401,9 @@ class RoundWatch {
     return vanished;
   }
 
-  /// The other members that left the job with a code other than 0 before
-  /// saying they were done: their part of the job did not finish.
+  /// The other members that left the job with a code other than 0 (a
+  /// failure, or a signal) before saying they were done: their part of the
+  /// job did not finish.
   std::vector<int64_t> failed_members() const {
     std::vector<int64_t> failed;
     for (const auto& entry : beats_) {

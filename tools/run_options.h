@@ -402,6 +402,16 @@ inline std::string default_run_id(const GetEnv& get, const std::string& now, lon
   return nnodes == 1 ? now + "-" + std::to_string(pid) : now;
 }
 
+/// Whether default_run_id's id is one every node of the job has (from
+/// --rdzv-id, LOCKSTEP_RUN_ID or Slurm), not one made of a start time.
+inline bool run_id_shared(const GetEnv& get, const std::string& rdzv_id) {
+  const auto set = [&](const char* name) {
+    const char* v = get(name);
+    return v != nullptr && *v != '\0';
+  };
+  return !rdzv_id.empty() || set("LOCKSTEP_RUN_ID") || set("SLURM_JOB_ID");
+}
+
 // Note [lockstep-run under srun]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // `srun --ntasks-per-node=1 lockstep-run ...` starts one launcher per node:

@@ -120,8 +120,6 @@ class StaticMeeting {
       kv->set("nnodes", std::to_string(options_.nnodes));
     } else if (!check_nnodes(*kv)) {
       return std::nullopt;
-    } else {
-      check_same_job(*kv);
     }
     if (kv->add("claim/" + std::to_string(me), 1) != 1) {
       throw MeetingError("another node already gave --node-rank " + std::to_string(me) + " to node 0's launcher at " +
@@ -153,9 +151,6 @@ class StaticMeeting {
   }
 
  private:
-  // Whether this node's --nnodes is node 0's: its ranks would otherwise be
-  // numbered past WORLD_SIZE, or count nodes that never come. False on a
-  // signal; throws where they differ.
   // Two jobs on one --master-addr:--master-port (two sruns of one
   // allocation, both on the first host's default port) would meet as one,
   // mixing their programs: a node whose job id (--rdzv-id, LOCKSTEP_RUN_ID
@@ -168,9 +163,13 @@ class StaticMeeting {
     }
     throw MeetingError("node 0's launcher at " + where() + " runs job '" + theirs + "', but this node is of job '" +
                        options_.run_id + "' (the ids of --rdzv-id, LOCKSTEP_RUN_ID or Slurm's job and step): two jobs "
-                       "meet at one address. Give each job its own --master-port.");
+                       "meet at one address. Give each job its own --master-port; or, if these nodes are one job, "
+                       "give every node the same --rdzv-id (or LOCKSTEP_RUN_ID).");
   }
 
+  // Whether this node is of node 0's job (check_same_job) and its --nnodes
+  // is node 0's: its ranks would otherwise be numbered past WORLD_SIZE, or
+  // count nodes that never come. False on a signal; throws where they differ.
   bool check_nnodes(KvClient& kv) {
     std::optional<std::string> theirs;
     missing_text_ = "node 0's launcher at " + where() + " did not say how many nodes the job has";
@@ -179,6 +178,7 @@ class StaticMeeting {
         return false;
       }
     }
+    check_same_job(kv); // node 0 wrote the job's id before --nnodes
     if (std::atoi(theirs->c_str()) != options_.nnodes) {
       throw MeetingError("node 0's launcher at " + where() + " runs a job of " + *theirs + " nodes (its --nnodes), "
                          "but this node has --nnodes " + std::to_string(options_.nnodes) + ": give every node the "

@@ -455,8 +455,8 @@ void check_one_model(detail::PowerSGDState& state, const GradBucket& bucket) {
       state.memory.clear();
     }
     state.model = bucket.model;
-    state.served = true;
   }
+  state.served = true; // a state loaded while this model lives is this model's from its next bucket on
 }
 
 } // namespace

@@ -83,16 +83,18 @@ MicroBatchNorms::MicroBatchNorms(torch::nn::Module& module, const std::string& w
   }
 }
 
-void MicroBatchNorms::begin(int64_t k) {
+void MicroBatchNorms::start_step() {
   torch::NoGradGuard no_grad;
-  if (k == 0) {
-    start_mean_.clear(), start_var_.clear(), start_count_.clear(), recorded_.clear();
-    for (const auto& n : norms_) {
-      start_mean_.push_back(n.mean.clone());
-      start_var_.push_back(n.var.clone());
-      start_count_.push_back(n.count.clone());
-    }
+  start_mean_.clear(), start_var_.clear(), start_count_.clear(), recorded_.clear();
+  for (const auto& n : norms_) {
+    start_mean_.push_back(n.mean.clone());
+    start_var_.push_back(n.var.clone());
+    start_count_.push_back(n.count.clone());
   }
+}
+
+void MicroBatchNorms::begin() {
+  torch::NoGradGuard no_grad;
   for (size_t i = 0; i < norms_.size(); ++i) {
     auto& n = norms_[i];
     if (n.module->is_training()) {
@@ -128,7 +130,7 @@ void MicroBatchNorms::end(int64_t k) {
 
 void MicroBatchNorms::restore() {
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < norms_.size() && i < start_mean_.size(); ++i) {
+  for (size_t i = 0; i < norms_.size(); ++i) {
     norms_[i].mean.copy_(start_mean_[i]);
     norms_[i].var.copy_(start_var_[i]);
     norms_[i].count.copy_(start_count_[i]);

@@ -23,11 +23,12 @@ class MicroBatchNorms {
   /// average (momentum unset), naming the layer.
   MicroBatchNorms(torch::nn::Module& module, const std::string& where);
 
-  /// Before micro-batch k (0 at a step's first): zeroes the statistics of the
-  /// layers in training mode, so that forward leaves its own update in them;
-  /// the others get the step's first statistics back, which they normalise
-  /// with.
-  void begin(int64_t k);
+  /// As a step starts: keeps the statistics, which restore() gives back.
+  void start_step();
+  /// Before each micro-batch: zeroes the statistics of the layers in
+  /// training mode, so that forward leaves its own update in them; the
+  /// others get the step's first statistics back, which they normalise with.
+  void begin();
   /// After micro-batch k: records its update, a flag, the momentum and the
   /// two statistics per layer; throws, naming the layer, if one was updated more
   /// than once.

@@ -126,19 +126,20 @@ double hash_of(const torch::Tensor& tensor) {
   return bits;
 }
 
-// What deterministic mode cannot sum exactly, refused as the wrapper is
-// built: a complex parameter (its gradient would lose its imaginary part in
-// double) and a sparse gradient (it sums dense ones).
-void check_parameters(torch::nn::Module& module, const std::string& where) {
-  for (const auto& named : module.named_parameters()) {
-    TORCH_CHECK(!named.value().is_complex(), where, "parameter '", named.key(), "' is complex (",
-                named.value().scalar_type(), "); deterministic mode sums real gradients only. Keep it as a real "
-                "tensor of twice the elements (torch::view_as_real) and view it as complex in forward.");
+// BatchNorm's statistics back at the step's start unless the step was
+// taken: an error anywhere in it leaves them as it found them.
+struct RestoreUnlessTaken {
+  explicit RestoreUnlessTaken(MicroBatchNorms& n) : norms(n) {}
+  MicroBatchNorms& norms;
+  bool taken = false;
+  RestoreUnlessTaken(const RestoreUnlessTaken&) = delete;
+  RestoreUnlessTaken& operator=(const RestoreUnlessTaken&) = delete;
+  ~RestoreUnlessTaken() {
+    if (!taken) {
+      norms.restore();
+    }
   }
-  const auto sparse = first_sparse_embedding(module);
-  TORCH_CHECK(!sparse, where, "'", *sparse, "' is an Embedding with sparse(true), whose gradient is sparse, and "
-              "deterministic mode sums dense gradients only. Construct it with sparse(false).");
-}
+};
 
 bool same_bits(double a, double b) {
   return std::memcmp(&a, &b, sizeof(a)) == 0;
@@ -150,6 +151,18 @@ double max_of(double a, double b) {
 }
 
 } // namespace
+
+void check_exactly_summable(torch::nn::Module& module, const std::string& where, bool frozen_too) {
+  for (const auto& named : module.named_parameters()) {
+    TORCH_CHECK(!named.value().is_complex() || !(frozen_too || named.value().requires_grad()), where,
+                "parameter '", named.key(), "' is complex (", named.value().scalar_type(), "); deterministic mode "
+                "sums real gradients only. Keep it as a real tensor of twice the elements (torch::view_as_real) and "
+                "view it as complex in forward.");
+  }
+  const auto sparse = first_sparse_embedding(module);
+  TORCH_CHECK(!sparse, where, "'", *sparse, "' is an Embedding with sparse(true), whose gradient is sparse, and "
+              "deterministic mode sums dense gradients only. Construct it with sparse(false).");
+}
 
 void write_fixed_point(torch::Tensor& sum, const std::vector<FixedPointPiece>& pieces,
                        const MicroBatchGradients& gradients) {
@@ -223,7 +236,7 @@ MicroBatchStep::MicroBatchStep(torch::nn::Module& module, ProcessGroup group, co
   TORCH_CHECK(group_.supports(Collective::Allreduce, torch::kLong, device_), where_, "the ", group_.backend(),
               " backend cannot allreduce int64 tensors on ", device_, ", which deterministic(true) sums the gradients "
               "in. Use gloo, mpi or nccl.");
-  check_parameters(module, where_);
+  check_exactly_summable(module, where_, /*frozen_too=*/false);
   for (const auto& b : module.named_buffers()) {
     buffers_.emplace_back(b.key(), b.value());
     if (!norms_.tracks(b.value())) {
@@ -283,13 +296,15 @@ MicroBatchGradients MicroBatchStep::run(int64_t step, const std::function<torch:
     versions.push_back(w.tensor._version());
   }
   const size_t count = take().size(); // each micro-batch's gradient alone
+  norms_.start_step();
+  RestoreUnlessTaken restore{norms_};
   std::exception_ptr failure;
   for (int64_t k = 0; k < share && !failure; ++k) {
     const int64_t v = first + k;
     try {
       timeline::Span span([v] { return "micro-batch " + std::to_string(v); });
       SeededGenerators seeded(device_, micro_batch_seed(config_.seed, step, v));
-      norms_.begin(k);
+      norms_.begin();
       running_ = v;
       torch::Tensor loss = loss_of(v);
       check_loss(loss, v);
@@ -312,6 +327,7 @@ MicroBatchGradients MicroBatchStep::run(int64_t step, const std::function<torch:
   report.losses.resize(static_cast<size_t>(share), 0.0);
   report.changed = failure ? -1 : first_changed(versions, report.buffer_hashes);
   gather(step, gradients, count, report, failure);
+  restore.taken = true;
   return gradients;
 }
 
@@ -387,14 +403,9 @@ void MicroBatchStep::gather(int64_t step, MicroBatchGradients& gradients, size_t
     on_cpu.push_back(theirs.cpu());
     reports.push_back(on_cpu.back().data_ptr<double>());
   }
-  try {
-    check_no_failure(step, reports, changed_at, failure);
-    for (size_t r = 0; r < reports.size(); ++r) {
-      check_same_as_rank0(r, reports[r], reports[0], count + share, mine.size() - 1);
-    }
-  } catch (...) {
-    norms_.restore(); // the step is not taken
-    throw;
+  check_no_failure(step, reports, changed_at, failure);
+  for (size_t r = 0; r < reports.size(); ++r) {
+    check_same_as_rank0(r, reports[r], reports[0], count + share, mine.size() - 1);
   }
   combine(gradients, reports, count, share);
 }

@@ -70,6 +70,12 @@ torch::Tensor read_fixed_point(const torch::Tensor& sum, const FixedPointPiece& 
 void read_fixed_point_into(torch::Tensor out, const torch::Tensor& sum, const FixedPointPiece& piece,
                            const MicroBatchGradients& gradients);
 
+/// Refuses what deterministic mode cannot sum exactly, naming it: a complex
+/// parameter that trains (`frozen_too`: any; its gradient would lose its
+/// imaginary part in double) and an Embedding with sparse(true) (it sums
+/// dense gradients). A wrapper calls it before it changes the module.
+void check_exactly_summable(torch::nn::Module& module, const std::string& where, bool frozen_too);
+
 class MicroBatchStep {
  public:
   /// `module` is the wrapped module: its buffers must be alike on every rank

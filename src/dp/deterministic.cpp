@@ -24,6 +24,7 @@ DataParallelDeterminism::DataParallelDeterminism(torch::nn::Module& module, cons
   // and one that gets no gradient keeps none.
   params_ = unique_tensors(module.parameters());
   const std::string where = "lockstep::DataParallel (deterministic): ";
+  check_exactly_summable(module, where, /*frozen_too=*/true); // a frozen one may train later, and is summed
   TORCH_CHECK(std::any_of(params_.begin(), params_.end(), [](const auto& p) { return p.requires_grad(); }), where,
               "the module has no parameter that requires a gradient.");
   MicroBatchConfig config;

@@ -8,6 +8,7 @@
 #include <lockstep/sync_batch_norm.h>
 
 #include "comm/collective_fingerprint.h"
+#include "deterministic/micro_batch_step.h"
 #include "fsdp/flat_param.h"
 #include "fsdp/state.h"
 #include "fsdp/storage_watch.h"
@@ -454,6 +455,9 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   s.reshard_after_forward = options.reshard_after_forward();
   check_not_nested(module, s.where()); // Note [Nested wrappers]
   check_dense_gradients(module, s.where());
+  if (options.deterministic()) {
+    check_exactly_summable(module, s.where(), /*frozen_too=*/false); // before the parameters become the flats' views
+  }
   const auto paths = unit_paths(module, options, s.where());
   if (options.activation_checkpointing()) {
     s.checkpointed_units = checkpoint_units(module, paths, s.where());
