@@ -5,6 +5,7 @@
 #include <lockstep/lockstep.h>
 
 #include "comm/backends/shared_memory_collectives.h"
+#include "comm/backends/shared_memory_segments.h"
 #include "support/errors.h"
 #include "support/threads.h"
 

@@ -1,7 +1,7 @@
 #include <lockstep/process_group.h>
 
 #include "comm/backends/backends.h"
-#include "comm/backends/shared_memory_collectives.h"
+#include "comm/backends/shared_memory_segments.h"
 #include "comm/collective_args.h"
 #include "comm/collective_check.h"
 #include "comm/flight_recorder.h"

@@ -1,6 +1,7 @@
 // Compiled with gloo.cpp, when LibTorch has c10d's Gloo process group.
 
 #include "comm/backends/shared_memory_collectives.h"
+#include "comm/backends/shared_memory_segments.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -126,26 +127,6 @@ int64_t capacity_of(int size) {
   return std::min<int64_t>(8 << 20, std::max<int64_t>(1 << 20, (16 << 20) / size));
 }
 
-void* map_segment(const std::string& name, int64_t capacity, bool create) {
-  const int fd = ::shm_open(name.c_str(), create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
-  if (fd < 0) {
-    return nullptr;
-  }
-  const int64_t bytes = kHeaderBytes + capacity;
-  void* at = nullptr;
-  // posix_fallocate reserves the pages now: a full /dev/shm fails here, not
-  // with SIGBUS in the middle of a step.
-  if (!create || ::posix_fallocate(fd, 0, bytes) == 0) {
-    at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  }
-  ::close(fd);
-  at = at == MAP_FAILED ? nullptr : at;
-  if (create && at == nullptr) {
-    ::shm_unlink(name.c_str()); // no rank will map it
-  }
-  return at;
-}
-
 std::string key_of(const char* what, int rank) {
   return std::string("lockstep/shm_") + what + "/" + std::to_string(rank);
 }
@@ -262,62 +243,14 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(c10d::
   return connect(exchange, willing, rank, size, timeout);
 }
 
-// Note [Segments of a group that is joining]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A segment's name stays in /dev/shm until someone unlinks it. connect
-// unlinks its own and every peer's published segment on the way out, made or
-// not: once every rank has mapped the segments their names have no use, and
-// a peer that died after publishing would leave its own. While a group
-// joins, the names are registered here too, so that a process ended by the
-// join's deadline (std::_Exit, which runs no destructor) unlinks them first.
-namespace {
-
-std::mutex g_joining_mutex;
-std::vector<std::string> g_joining;
-
-// Names unlinked (and unregistered) when this goes.
-class JoiningSegments {
- public:
-  JoiningSegments() = default;
-  JoiningSegments(const JoiningSegments&) = delete;
-  JoiningSegments& operator=(const JoiningSegments&) = delete;
-  ~JoiningSegments() {
-    std::lock_guard<std::mutex> lock(g_joining_mutex);
-    for (const auto& name : names_) {
-      ::shm_unlink(name.c_str());
-      g_joining.erase(std::find(g_joining.begin(), g_joining.end(), name));
-    }
-  }
-  void add(const std::string& name) {
-    std::lock_guard<std::mutex> lock(g_joining_mutex);
-    names_.push_back(name);
-    g_joining.push_back(name);
-  }
-
- private:
-  std::vector<std::string> names_;
-};
-
-} // namespace
-
-void unlink_joining_segments() {
-  std::unique_lock<std::mutex> lock(g_joining_mutex, std::try_to_lock);
-  if (!lock.owns_lock()) {
-    return; // another thread is in the middle of a change: not worth a wait at the end
-  }
-  for (const auto& name : g_joining) {
-    ::shm_unlink(name.c_str());
-  }
-}
-
 std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(const Exchange& exchange, bool willing,
                                                                       int rank, int size,
                                                                       std::chrono::milliseconds timeout) {
   const bool wanted = size > 1 && willing;
   std::unique_ptr<SharedMemoryCollectives> shm(new SharedMemoryCollectives(rank, size, timeout));
   const std::string name = "/lockstep-" + std::to_string(::getpid()) + "-" + random_hex();
-  JoiningSegments joining; // Note [Segments of a group that is joining]
-  shm->maps_[rank] = wanted ? map_segment(name, shm->capacity_, /*create=*/true) : nullptr;
+  JoiningSegments joining; // Note [Segments of a group that is joining] in shared_memory_segments.cpp
+  shm->maps_[rank] = wanted ? map_segment(name, kHeaderBytes + shm->capacity_, /*create=*/true) : nullptr;
   if (shm->maps_[rank] != nullptr) {
     joining.add(name);
   }
@@ -336,7 +269,7 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(const 
     std::string identity, segment;
     in >> identity >> segment >> shm->pids_[r];
     if (r != rank) {
-      shm->maps_[r] = map_segment(segment, shm->capacity_, /*create=*/false);
+      shm->maps_[r] = map_segment(segment, kHeaderBytes + shm->capacity_, /*create=*/false);
       mapped = shm->maps_[r] != nullptr;
     }
   }

@@ -35,11 +35,6 @@ bool one_host(const std::vector<std::string>& published);
 /// parent has not reaped it yet (kill(pid, 0) still succeeds on one).
 bool process_exited(int pid);
 
-/// Unlinks the segments of groups this process is joining (Note [Segments
-/// of a group that is joining]): what a process ended by the join's
-/// deadline calls first.
-void unlink_joining_segments();
-
 /// The elements of `count` that rank `rank` of `size` reduces: [first, last).
 struct Slice {
   int64_t first = 0, last = 0;
