@@ -11,7 +11,10 @@
 //
 // Start (start_ranks). The launcher forks N ranks into one new process group,
 // with their stdout and stderr on pipes and PR_SET_PDEATHSIG, so that no rank
-// outlives the launcher even if the launcher is killed with SIGKILL. Each
+// outlives the launcher even if the launcher is killed with SIGKILL. (The
+// signal reaches the rank's own process only: a process a rank started, as a
+// shell script's trainer, outlives a launcher killed so, as under torchrun;
+// SIGINT, SIGTERM and SIGHUP reach the whole group.) Each
 // rank gets torchrun's variables (child_environment) and LOCKSTEP_RUN_ID, the
 // same for all attempts of the job (the launcher's start time unless it is
 // set). On one node, ranks also get LOCKSTEP_STORE_FILE: lockstep's
