@@ -319,6 +319,8 @@ TEST(PowerSGD, SavedStateResumesExactly) {
   in.load_from(bytes);
   resumed.load(in);
   EXPECT_EQ(resumed.iteration(), 5);
+  EXPECT_GT(running.compression_rate(), 1.0);
+  EXPECT_EQ(resumed.compression_rate(), running.compression_rate()) << "what a resumed run reports before its next step";
   for (int i = 5; i < 8; ++i) {
     auto a = bucket_of({gradient(i), torch::ones({3})});
     auto b = bucket_of({gradient(i), torch::ones({3})});

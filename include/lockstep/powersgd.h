@@ -85,7 +85,7 @@ class PowerSGD {
   double compression_rate() const;
 
   /// This rank's state: the iteration, the error feedback (this rank's own),
-  /// and warm start's Q's. With them, a resumed run goes on exactly as the
+  /// warm start's Q's, and compression_rate(). With them, a resumed run goes on exactly as the
   /// uninterrupted one.
   void save(torch::serialize::OutputArchive& archive) const;
   /// The state save() wrote, saved with the same model. A state saved with

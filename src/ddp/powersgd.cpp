@@ -515,6 +515,7 @@ void PowerSGD::save(torch::serialize::OutputArchive& archive) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   archive.write("iteration", torch::tensor(state_->iteration));
   archive.write("rank", torch::tensor(state_->options.rank()));
+  archive.write("compression_rate", torch::tensor(state_->compression_rate, torch::kDouble));
   std::vector<int64_t> indices;
   for (const auto& [index, memory] : state_->memory) {
     indices.push_back(static_cast<int64_t>(index));
@@ -558,6 +559,8 @@ void load_state(detail::PowerSGDState& state, torch::serialize::InputArchive& ar
     }
   }
   state.iteration = iteration.item<int64_t>();
+  torch::Tensor rate;
+  state.compression_rate = archive.try_read("compression_rate", rate) && rate.numel() == 1 ? rate.item<double>() : 0.0;
   state.memory = std::move(memory);
   state.served = false; // the next model's, even where another was served before
   state.unfinished.clear();
