@@ -68,6 +68,19 @@ TEST_F(Deterministic, OneRanksBitsOnTheGpu_CUDA) {
   }
 }
 
+// Step `step` of 4 micro-batches of 3 rows through `ddp`, and the same
+// micro-batches in order through `bare`'s forward alone.
+void step_beside(DistributedDataParallel<DeterministicNet>& ddp, DeterministicNet& bare, int64_t step) {
+  const auto batch = testing::global_batch(12, step);
+  ddp->backward_micro_batches(step, [&](int64_t v) {
+    return torch::mse_loss(ddp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
+  });
+  torch::NoGradGuard no_grad;
+  for (int64_t v = 0; v < 4; ++v) {
+    bare->forward(batch.first.narrow(0, 3 * v, 3));
+  }
+}
+
 // Note [Running statistics over micro-batches]: the statistics are those of
 // one BatchNorm that saw the micro-batches in order, up to rounding.
 TEST_F(Deterministic, BatchNormStatisticsAreThoseOfTheMicroBatchesInOrder) {
@@ -75,14 +88,7 @@ TEST_F(Deterministic, BatchNormStatisticsAreThoseOfTheMicroBatchesInOrder) {
   DistributedDataParallel<DeterministicNet> ddp(net, ProcessGroup(),
                                                 DistributedOptions().deterministic(true).micro_batches(4));
   for (int64_t step = 0; step < 2; ++step) {
-    const auto batch = testing::global_batch(12, step);
-    ddp->backward_micro_batches(step, [&](int64_t v) {
-      return torch::mse_loss(ddp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
-    });
-    torch::NoGradGuard no_grad;
-    for (int64_t v = 0; v < 4; ++v) {
-      bare->forward(batch.first.narrow(0, 3 * v, 3));
-    }
+    step_beside(ddp, bare, step);
   }
   EXPECT_TRUE(torch::allclose(net->norm->running_mean, bare->norm->running_mean, 1e-6, 1e-7));
   EXPECT_TRUE(torch::allclose(net->norm->running_var, bare->norm->running_var, 1e-6, 1e-7));
@@ -405,14 +411,7 @@ TEST_F(Deterministic, BatchNormFollowsAMomentumScheduleAndIsOneLayerUnderTwoName
   for (int64_t step = 0; step < 2; ++step) {
     net->norm->options.momentum(step == 0 ? 0.1 : 0.5);
     bare->norm->options.momentum(step == 0 ? 0.1 : 0.5);
-    const auto batch = testing::global_batch(12, step);
-    ddp->backward_micro_batches(step, [&](int64_t v) {
-      return torch::mse_loss(ddp->forward(batch.first.narrow(0, 3 * v, 3)), batch.second.narrow(0, 3 * v, 3));
-    });
-    torch::NoGradGuard no_grad;
-    for (int64_t v = 0; v < 4; ++v) {
-      bare->forward(batch.first.narrow(0, 3 * v, 3));
-    }
+    step_beside(ddp, bare, step);
   }
   EXPECT_EQ(net->norm->num_batches_tracked.item<int64_t>(), 8);
   EXPECT_TRUE(torch::allclose(net->norm->running_mean, bare->norm->running_mean, 1e-6, 1e-7));
