@@ -69,5 +69,19 @@ inline std::pair<torch::Tensor, Tally> score(const torch::Tensor& logits, const 
   const double sum = loss.item<double>() * (reduction == at::Reduction::Sum ? 1 : rows);
   return {loss, Tally{sum, logits.argmax(-1).eq(labels).sum().item<int64_t>(), rows}};
 }
+
+// Rows of the test set a rank evaluates at once: 500 images, or as many
+// sequences of `length` tokens as hold the attention scores of 500 of 128
+// (their memory grows with the length squared), at least one: a long
+// --context would otherwise run out of memory in evaluation at any
+// --batch-size.
+inline int64_t evaluation_rows(int64_t length) {
+  constexpr int64_t kRows = 500, kLength = 128;
+  if (length <= kLength) {
+    return kRows;
+  }
+  return std::max<int64_t>(1, kRows * kLength * kLength / (length * length));
+}
+
 } // namespace examples
 } // namespace lockstep

@@ -121,9 +121,9 @@ Tally evaluate(const Run& run) {
   const int64_t begin = n * run.setup.rank / run.setup.world_size;
   const int64_t end = n * (run.setup.rank + 1) / run.setup.world_size;
   Tally mine;
-  constexpr int64_t kBatch = 500;
-  for (int64_t i = begin; i < end; i += kBatch) {
-    const int64_t rows = std::min(kBatch, end - i);
+  const int64_t batch = lockstep::examples::evaluation_rows(test.inputs.dim() == 2 ? test.inputs.size(1) : 0);
+  for (int64_t i = begin; i < end; i += batch) {
+    const int64_t rows = std::min(batch, end - i);
     auto logits = run.net(test.inputs.narrow(0, i, rows).to(run.setup.device));
     mine += score(logits, test.labels.narrow(0, i, rows).to(run.setup.device), at::Reduction::Sum).second;
   }

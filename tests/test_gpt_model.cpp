@@ -3,6 +3,7 @@
 // cut into training and held-out sequences.
 
 #include <examples/models.h>
+#include <examples/scoring.h>
 #include <examples/text_data.h>
 
 #include <gtest/gtest.h>
@@ -82,6 +83,19 @@ TEST(GptModel, ASequenceLongerThanTheContextIsRefused) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("length at most its context 8; got a tensor of shape [1, 9]"),
               std::string::npos) << e.what();
+  }
+}
+
+// Evaluation's batches hold attention scores of one size whatever the
+// context: 500 images or sequences of up to 128 tokens, fewer of longer
+// ones (one of 4096), so that a long --context does not run out of memory.
+TEST(TextData, EvaluationTakesFewerSequencesOfALongerContext) {
+  EXPECT_EQ(examples::evaluation_rows(0), 500); // images
+  EXPECT_EQ(examples::evaluation_rows(128), 500);
+  EXPECT_EQ(examples::evaluation_rows(256), 125);
+  EXPECT_EQ(examples::evaluation_rows(4096), 1);
+  for (int64_t length = 129; length <= 4096; length *= 2) {
+    EXPECT_LE(examples::evaluation_rows(length) * length * length, 500 * 128 * 128) << length;
   }
 }
 
