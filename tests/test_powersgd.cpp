@@ -140,19 +140,93 @@ TEST(PowerSGD, OrthogonalizeGivesTheSameColumnsThroughRowsAsThroughTensorOperati
 }
 
 // M = P Q^T by rows (Note [Writing P Q^T by rows]) where M is contiguous in
-// memory, by torch::matmul_out otherwise: the same M either way.
+// memory, by torch::matmul_out otherwise: the same M either way, and the
+// residual given loses it. Rank 5 takes the rows' loop for any rank; 37
+// columns leave a tail after the rows' vectors.
 TEST(PowerSGD, LowRankProductByRowsIsPTimesQTransposed) {
-  for (int64_t rank : {1, 4}) {
+  for (int64_t rank : {1, 3, 4, 5, 8}) {
     for (auto dtype : {torch::kFloat, torch::kDouble}) {
       auto p = torch::randn({33, rank}).to(dtype);
-      auto q = torch::randn({20, rank}).to(dtype);
-      auto rows = torch::full({33, 20}, 7.0, dtype); // overwritten, not added to
+      auto q = torch::randn({37, rank}).to(dtype);
+      auto rows = torch::full({33, 37}, 7.0, dtype); // overwritten, not added to
       detail::low_rank_product_(rows, p, q);
-      auto strided = torch::full({20, 33}, 7.0, dtype).t();
+      auto strided = torch::full({37, 33}, 7.0, dtype).t();
       detail::low_rank_product_(strided, p, q);
       const auto expected = torch::matmul(p.to(torch::kDouble), q.to(torch::kDouble).t()).to(dtype);
       EXPECT_TRUE(torch::allclose(rows, expected, 1e-5, 1e-5)) << "rank " << rank << " " << dtype;
       EXPECT_TRUE(torch::allclose(strided, expected, 1e-5, 1e-5)) << "rank " << rank << " " << dtype;
+      const auto kept = torch::randn({33, 37}).to(dtype);
+      auto residual = kept.clone();
+      auto with_residual = torch::empty({33, 37}, dtype);
+      detail::low_rank_product_(with_residual, p, q, residual);
+      EXPECT_TRUE(torch::equal(with_residual, rows)) << "rank " << rank << " " << dtype;
+      EXPECT_TRUE(torch::equal(residual, kept - rows)) << "rank " << rank << " " << dtype;
+      auto strided_residual = kept.t().contiguous().t();
+      detail::low_rank_product_(strided, p, q, strided_residual);
+      EXPECT_TRUE(torch::allclose(strided_residual, kept - expected, 1e-5, 1e-5)) << "rank " << rank << " " << dtype;
+    }
+  }
+}
+
+// Every element of M = P Q^T is ((p0 q0 + p1 q1) + p2 q2) + ..., each
+// product and sum rounded on its own, whatever the CPU: every rank writes
+// the same M from the same averaged factors, and so keeps the same
+// parameters, on AVX512, AVX2 or neither (Note [PowerSGD's passes over M]).
+TEST(PowerSGD, LowRankProductRoundsEachProductAndSumInOrder) {
+  const int64_t rows = 5, cols = 70, rank = 4;
+  auto p = torch::randn({rows, rank});
+  auto q = torch::randn({cols, rank});
+  auto m = torch::empty({rows, cols});
+  detail::low_rank_product_(m, p, q);
+  const auto* pp = p.data_ptr<float>();
+  const auto* qq = q.data_ptr<float>();
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      volatile float sum = pp[i * rank] * qq[j * rank]; // volatile: no fused multiply-add here either
+      for (int64_t k = 1; k < rank; ++k) {
+        volatile float product = pp[i * rank + k] * qq[j * rank + k];
+        sum = sum + product;
+      }
+      ASSERT_EQ(m[i][j].item<float>(), sum) << "(" << i << ", " << j << ")";
+    }
+  }
+}
+
+// P = (gradient + error) Q and Q = M^T P by rows, where every operand is a
+// contiguous float matrix at a rank the rows' loops are made for, and by
+// tensor operations otherwise (double, a column-major gradient, rank 5):
+// the same factors either way, and the same kept sum.
+TEST(PowerSGD, ProjectionsByRowsMatchTensorOperations) {
+  for (int64_t rank : {1, 2, 3, 4, 5, 8}) {
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      for (bool column_major : {false, true}) {
+        const int64_t n = 19, m = 53;
+        auto gradient = torch::randn({n, m}).to(dtype);
+        if (column_major) {
+          gradient = gradient.t().contiguous().t();
+        }
+        const auto error = torch::randn({n, m}).to(dtype);
+        const auto q = torch::randn({m, rank}).to(dtype);
+        const auto sum = (gradient.to(torch::kDouble) + error.to(torch::kDouble));
+        const auto where = "rank " + std::to_string(rank) + " " + c10::toString(dtype) +
+            (column_major ? " column-major" : "");
+        auto kept = torch::full({n, m}, 7.0, dtype);
+        auto p = torch::empty({n, rank}, dtype);
+        detail::project_(p, gradient, error, q, kept);
+        EXPECT_TRUE(torch::equal(kept, gradient + error)) << where;
+        EXPECT_TRUE(torch::allclose(p.to(torch::kDouble), torch::matmul(sum, q.to(torch::kDouble)), 1e-4, 1e-4))
+            << where;
+        auto p_alone = torch::empty({n, rank}, dtype);
+        detail::project_(p_alone, gradient, torch::Tensor(), q, torch::Tensor());
+        EXPECT_TRUE(torch::allclose(p_alone.to(torch::kDouble),
+                                    torch::matmul(gradient.to(torch::kDouble), q.to(torch::kDouble)), 1e-4, 1e-4))
+            << where;
+        auto q_out = torch::full({m, rank}, 7.0, dtype); // overwritten, not added to
+        detail::project_transposed_(q_out, kept, p);
+        EXPECT_TRUE(torch::allclose(q_out.to(torch::kDouble),
+                                    torch::matmul(kept.to(torch::kDouble).t(), p.to(torch::kDouble)), 1e-4, 1e-4))
+            << where;
+      }
     }
   }
 }

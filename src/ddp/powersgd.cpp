@@ -126,36 +126,6 @@ uint64_t mix(uint64_t x) { // splitmix64: seeds far apart for consecutive draws
   return x ^ (x >> 31);
 }
 
-// Note [PowerSGD's products and the BLAS]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Each round multiplies the bucket's matrices by thin factors: P = M Q and
-// Q = M^T P, M of n x m and the factors of rank r (4 by default). How fast
-// a BLAS runs such a product depends on the form it is given, and the two
-// BLAS that LibTorch ships with disagree (one core, n = m = 1024, r = 4,
-// 2026-11-29's AMD EPYC):
-//   P = M Q as mm(M, Q):       MKL 1.20 ms, OpenBLAS 0.25 ms
-//   P = M Q as (Q^T M^T)^T:    MKL 0.30 ms, OpenBLAS 0.72 ms
-//   Q = M^T P as mm(M^T, P):   MKL 3.79 ms, OpenBLAS 0.44 ms
-//   Q = M^T P as (P^T M)^T:    MKL 0.25 ms, OpenBLAS 0.28 ms
-// (OpenBLAS's 0.72 is the rows of a 1024-wide M falling 4 KiB apart; for
-// n x m = 1024 x 784 it is 0.22 against 0.19.) So Q takes the thin operand
-// first everywhere, and P does where ATen has MKL, and on GPUs, where
-// cuBLAS's forms were not measured. The form decides the bits, and it
-// follows from the build and the device, never from a timing, so that a
-// resumed run repeats its bits.
-
-// X^T F for a thin F (k x r), computed as (F^T X)^T.
-torch::Tensor thin_times(const torch::Tensor& f, const torch::Tensor& x) {
-  return torch::matmul(f.t(), x).t();
-}
-
-// X F for a thin F (k x r), in the form this build's BLAS runs faster; on
-// a GPU, thin first.
-torch::Tensor times_thin(const torch::Tensor& x, const torch::Tensor& f) {
-  static const bool mkl = at::hasMKL();
-  return mkl || !x.is_cpu() ? torch::matmul(f.t(), x.t()).t() : torch::mm(x, f);
-}
-
 // One bucket's compression in one iteration (steps 1 to 5 of Note [PowerSGD]).
 class Round : public PendingReduction {
  public:
@@ -172,7 +142,9 @@ class Round : public PendingReduction {
   torch::Tensor wait() override;
 
  private:
-  void add_errors();
+  torch::Tensor error_of(size_t gradient);
+  torch::Tensor kept_of(size_t gradient) const;
+  void add_errors_to_whole(const std::vector<bool>& compressed);
   void start_qs();
   void finish();
   bool finite_result(const FactorSummary& factors) const;
@@ -185,7 +157,8 @@ class Round : public PendingReduction {
   GradBucket bucket_;
   PowerSGDPlan plan_;
   int64_t iteration_; // the model's, counted from 0
-  std::vector<torch::Tensor> matrices_, ps_, qs_; // views: bucket, first_, q_memory_
+  std::vector<torch::Tensor> matrices_; // each M: views of kept_ under error feedback, else of the bucket
+  std::vector<torch::Tensor> products_, ps_, qs_; // views: bucket (where P Q^T goes), first_, q_memory_
   torch::Tensor first_;    // the whole gradients, then every P
   torch::Tensor q_memory_; // every Q
   torch::Tensor kept_;     // the gradients with the error added, for the next error
@@ -193,20 +166,43 @@ class Round : public PendingReduction {
   bool exchanged_ = false, done_ = false;
 };
 
-void Round::add_errors() {
-  for (size_t i = 0; i < bucket_.gradients.size(); ++i) {
-    auto& gradient = bucket_.gradients[i];
-    const auto& error = memory_of(i).error;
-    if (!error.defined()) {
+// Gradient i's error feedback, flat on the bucket's device; undefined
+// without error feedback or before the first compressed iteration.
+torch::Tensor Round::error_of(size_t i) {
+  const auto& error = memory_of(i).error;
+  if (!state_->options.error_feedback() || !error.defined()) {
+    return {};
+  }
+  const auto& gradient = bucket_.gradients[i];
+  TORCH_CHECK(error.numel() == gradient.numel(), "lockstep::PowerSGD: the error feedback of parameter ",
+              bucket_.parameters[i], " (in ", bucket_.name, ") holds ", error.numel(), " elements, but its gradient "
+              "has ", gradient.numel(), ": the state was loaded from another model; load the state this model "
+              "saved, or none.");
+  return error.to(gradient.device()).reshape({-1});
+}
+
+// Where gradient i plus its error is kept, flat; undefined without error
+// feedback.
+torch::Tensor Round::kept_of(size_t i) const {
+  return kept_.defined() ? kept_.narrow(0, plan_.offsets[i], bucket_.gradients[i].numel()) : torch::Tensor();
+}
+
+// Step 1 for the gradients sent whole: their error is added in the bucket,
+// from which the P allreduce takes them, and the sum is kept. The
+// compressed ones get theirs in project_, which reads each gradient once
+// (Note [PowerSGD's passes over M]).
+void Round::add_errors_to_whole(const std::vector<bool>& compressed) {
+  for (size_t i = 0; kept_.defined() && i < bucket_.gradients.size(); ++i) {
+    if (compressed[i]) {
       continue;
     }
-    TORCH_CHECK(error.numel() == gradient.numel(), "lockstep::PowerSGD: the error feedback of parameter ",
-                bucket_.parameters[i], " (in ", bucket_.name, ") holds ", error.numel(), " elements, but its gradient "
-                "has ", gradient.numel(), ": the state was loaded from another model; load the state this model "
-                "saved, or none.");
-    gradient.add_(error.to(gradient.device()).view_as(gradient));
+    auto gradient = bucket_.gradients[i].view({-1});
+    const auto error = error_of(i);
+    if (error.defined()) {
+      gradient.add_(error);
+    }
+    kept_of(i).copy_(gradient);
   }
-  kept_ = bucket_.buffer.narrow(0, 0, plan_.parameter_elements).clone();
 }
 
 // Each matrix's Q: last iteration's under warm start, else drawn from a
@@ -237,8 +233,13 @@ void Round::start() {
   timeline::Span span("PowerSGD: P = M Q");
   torch::NoGradGuard no_grad;
   if (state_->options.error_feedback()) {
-    add_errors();
+    kept_ = torch::empty({plan_.parameter_elements}, bucket_.buffer.options());
   }
+  std::vector<bool> compressed(bucket_.gradients.size(), false);
+  for (const auto& m : plan_.matrices) {
+    compressed[m.gradient] = true;
+  }
+  add_errors_to_whole(compressed);
   start_qs();
   // The words' room at the end (Note [Planned collectives]).
   const int64_t room = plan_words_elements(group_.size());
@@ -251,10 +252,13 @@ void Round::start() {
   }
   for (size_t i = 0; i < plan_.matrices.size(); ++i) {
     const auto& m = plan_.matrices[i];
-    matrices_.push_back(bucket_.gradients[m.gradient].view({m.rows, m.cols}));
+    const auto as_matrix = [&](const torch::Tensor& t) { return t.defined() ? t.view({m.rows, m.cols}) : t; };
+    products_.push_back(bucket_.gradients[m.gradient].view({m.rows, m.cols}));
+    const auto kept = as_matrix(kept_of(m.gradient));
+    matrices_.push_back(kept.defined() ? kept : products_.back());
     ps_.push_back(first_.narrow(0, at + m.p_offset, m.rows * m.rank).view({m.rows, m.rank}));
     orthogonalize_(qs_[i]);
-    ps_[i].copy_(times_thin(matrices_[i], qs_[i]));
+    project_(ps_[i], products_[i], as_matrix(error_of(m.gradient)), qs_[i], kept);
   }
   const auto [plan, item] = state_->collectives.next({first_.numel(), first_.scalar_type()});
   PlannedCollective planned(plan, item);
@@ -278,7 +282,7 @@ void Round::compute_qs() {
   }
   for (size_t i = 0; i < matrices_.size(); ++i) {
     orthogonalize_(ps_[i]);
-    qs_[i].copy_(thin_times(ps_[i], matrices_[i]));
+    project_transposed_(qs_[i], matrices_[i], ps_[i]);
   }
 }
 
@@ -337,26 +341,32 @@ void Round::finish() {
     second_work_->wait();
   }
   timeline::Span span("PowerSGD: M = P Q^T");
-  for (size_t i = 0; i < matrices_.size(); ++i) {
-    low_rank_product_(matrices_[i], ps_[i], qs_[i]);
+  // Under error feedback each matrix's next error, kept minus M, is made as
+  // M is written, and the whole gradients' below.
+  for (size_t i = 0; i < products_.size(); ++i) {
+    low_rank_product_(products_[i], ps_[i], qs_[i], kept_.defined() ? matrices_[i] : torch::Tensor());
   }
   done_ = true;
   auto& now = state_->now;
   // Note [PowerSGD's state]: the averaged gradients and every Q are the
   // same on every rank, so is this decision.
-  const auto gradients = bucket_.buffer.narrow(0, 0, plan_.parameter_elements);
   const auto factors = summarize_factors(plan_, first_.narrow(0, plan_.whole_elements, plan_.p_elements), q_memory_);
   now.finite = now.finite && finite_result(factors);
   if (now.finite) {
-    for (size_t i = 0; i < matrices_.size(); ++i) {
+    for (size_t i = 0; i < products_.size(); ++i) {
       const bool keep = state_->options.warm_start() && !factors.q_has_zero_column[i]; // else drawn anew
       now.memory[bucket_.parameters[plan_.matrices[i].gradient]].q = keep ? qs_[i].reshape({-1}) : torch::Tensor();
     }
   }
-  if (now.finite && state_->options.error_feedback()) {
-    auto errors = kept_.sub_(gradients);
+  if (now.finite && kept_.defined()) {
+    for (const auto& [offset, numel] : plan_.whole) {
+      const int64_t inside = std::min(numel, plan_.parameter_elements - offset); // not what follows the gradients
+      if (inside > 0) {
+        kept_.narrow(0, offset, inside).sub_(bucket_.buffer.narrow(0, offset, inside));
+      }
+    }
     for (size_t i = 0; i < bucket_.gradients.size(); ++i) {
-      now.memory[bucket_.parameters[i]].error = errors.narrow(0, plan_.offsets[i], bucket_.gradients[i].numel());
+      now.memory[bucket_.parameters[i]].error = kept_of(i);
     }
   }
   if (++now.finished == now.rounds && now.last_started) {
@@ -399,7 +409,7 @@ bool Round::finite_result(const FactorSummary& factors) const {
   }
   const double largest = largest_finite(bucket_.buffer.scalar_type());
   for (size_t i = 0; i < matrices_.size(); ++i) {
-    if (!(factors.bound[i] < largest) && !torch::isfinite(matrices_[i]).all().item<bool>()) {
+    if (!(factors.bound[i] < largest) && !torch::isfinite(products_[i]).all().item<bool>()) {
       return false;
     }
   }

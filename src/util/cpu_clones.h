@@ -7,7 +7,8 @@
 // computes the same bits: loops of exact integer steps and of IEEE
 // operations that every level rounds alike. A multiply followed by an add
 // may become one fused instruction at v3 and v4, rounded once where the
-// baseline rounds twice: the same bits only where the product is exact.
+// baseline rounds twice: the same bits only where the product is exact, or
+// in a file compiled with -ffp-contract=off (src/ddp/powersgd_kernels.cpp).
 // Elsewhere (another compiler or architecture) the function is compiled once,
 // and so it is under ThreadSanitizer: the loader runs a clone's resolver
 // before TSan's runtime is ready, and the program crashed before main.
