@@ -129,7 +129,7 @@ inline void add_training_options(CLI::App& app, Config& config) {
   app.add_option("--batch-size", config.batch_size, "Global batch size, split evenly over the ranks or replicas")
       ->check(common::positive())->check(whole_number(1, kMaxCount))->capture_default_str()->group("Training");
   app.add_option("--model", config.model, "The model: cnn (two convolutions, BatchNorm), vit (a Vision "
-                 "Transformer: 4x4 patches, 4 pre-norm blocks of width 64, dropout) or gpt (a decoder-only language "
+                 "Transformer: 4x4 patches, 4 pre-norm blocks of width 64, --dropout) or gpt (a decoder-only language "
                  "model over bytes: 4 causal blocks of width 128, tied embeddings, trained on text; its losses, "
                  "accuracies and speeds count predicted tokens). Under --sharding each transformer block is a unit")
       ->check(CLI::IsMember({"cnn", "vit", "gpt"}))->capture_default_str()->group("Training");
@@ -200,7 +200,7 @@ inline void add_output_options(CLI::App& app, Config& config) {
                  "loads into a bare model), and as safetensors beside it (FILE with .pt replaced by .safetensors), "
                  "which Python's safetensors reads (examples/python/evaluate.py)")->group("Outputs");
   app.add_option("--init-from", config.init_from, "Start from the weights in this safetensors file, strictly (every "
-                 "name, shape and dtype of the CNN): a model.safetensors of an earlier run, or Python's "
+                 "name, shape and dtype of the --model): a model.safetensors of an earlier run, or Python's "
                  "model.state_dict() saved with safetensors.torch.save_file. A checkpoint that resumes takes "
                  "precedence")->check(CLI::ExistingFile)->group("Outputs");
   app.add_option("--checkpoint", config.checkpoint_path, "Checkpoint file instead of OUT/checkpoint.ckpt: resumed "

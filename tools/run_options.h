@@ -153,7 +153,7 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   app.add_option("--rdzv-backend,--rdzv_backend", options.rdzv_backend, "static: the nodes are given --node-rank and "
                  "meet at --master-addr; c10d: they meet in rounds at --rdzv-endpoint, ranks are assigned, and the job "
                  "goes on when nodes leave or join (default: c10d for --nnodes MIN:MAX or with --rdzv-endpoint, else "
-                 "static; a static job with --rdzv-endpoint and no --master-addr meets there)");
+                 "static; a static job with --rdzv-endpoint meets there, in place of --master-addr)");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", options.rdzv_endpoint, "HOST[:PORT] of the rendezvous store: the "
                  "launcher on HOST serves it, the others reach it (default port 29400)");
   app.add_option("--rdzv-id,--rdzv_id", options.rdzv_id, "The job's id, the same on every node, and the ranks' "

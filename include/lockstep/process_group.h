@@ -47,7 +47,8 @@ class ProcessGroup {
   int size() const {
     return impl_->size();
   }
-  /// "gloo", "nccl", or "local" for the group of one.
+  /// "gloo", "nccl", "mpi", or "local" for the group of one; a custom
+  /// backend's own name (GroupImpl::backend).
   std::string backend() const {
     return impl_->backend();
   }

@@ -91,7 +91,7 @@ namespace detail {
 // once, naming both. Backward's order follows from forward's, which its
 // checked gathers have just shown to be the same on every rank.
 // Over Gloo these collectives run as Lockstep's rings of send and receive
-// (Note [Gloo's reduce-scatter] in src/comm/backends/gloo.cpp), and the
+// (Note [Gloo's reduce-scatter] in src/comm/backends/gloo_rings.cpp), and the
 // argument of Note [Planned collectives] holds for them: the check is an
 // all_gather on Gloo's own slots and a ring sends on tags of its own, so a
 // planned ring that meets a check moves no bytes (in shared memory, where

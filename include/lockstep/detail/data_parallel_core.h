@@ -3,7 +3,7 @@
 // Internal: everything of DataParallel that does not depend on the module's
 // type, one method per stage of Note [DataParallel step] (data_parallel.h),
 // implemented in src/dp/data_parallel.cpp in that order. The autograd node that
-// stage 5 attaches is src/parallel_backward.{h,cpp}.
+// stage 5 attaches is src/dp/parallel_backward.{h,cpp}.
 
 #include <lockstep/data_parallel_options.h>
 #include <lockstep/detail/scatter_gather.h>
