@@ -308,15 +308,20 @@ namespace {
 
 // The scale lives in a float32 tensor: a double beyond float's range
 // passed a check in double, then failed in ATen's fill_ with a message
-// that named neither the argument nor the call.
+// that named neither the argument nor the call. Below float's smallest
+// normal number the scale rounds to 0 or its reciprocal, the unscaling
+// factor, to inf: every step would be skipped, and backing off keeps it so.
 bool valid_scale(double scale) {
-  return std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max();
+  return std::isfinite(scale) && scale >= std::numeric_limits<float>::min() &&
+      scale <= std::numeric_limits<float>::max();
 }
+
+constexpr const char* kScaleRange = "must be a finite number from float32's smallest normal (1.2e-38) to its "
+                                    "largest (3.4e38)";
 
 // `where` is the constructor, or load() with the archive's values.
 void check_options(const GradScalerOptions& o, const char* where) {
-  TORCH_CHECK(valid_scale(o.init_scale()), where, "init_scale ", o.init_scale(), " must be a finite number above 0, "
-              "at most float32's largest (3.4e38)");
+  TORCH_CHECK(valid_scale(o.init_scale()), where, "init_scale ", o.init_scale(), " ", kScaleRange);
   TORCH_CHECK(std::isfinite(o.growth_factor()) && o.growth_factor() > 1.0, where, "growth_factor ",
               o.growth_factor(), " must be above 1");
   TORCH_CHECK(o.backoff_factor() > 0 && o.backoff_factor() < 1.0, where, "backoff_factor ",
@@ -437,6 +442,15 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   return !overflowed;
 }
 
+// Note [The loss scale's floor]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each skipped step halves the scale (backoff_factor). PyTorch lets it fall
+// below float32's smallest normal number after some 140 skipped steps in a
+// row from 65536: its reciprocal, the unscaling factor, is then inf, every
+// gradient unscales to inf or NaN, and every later step is skipped, even
+// once the cause (a stretch of bad data, a spike) has passed, since a scale
+// of 0 never grows back. So update() keeps the scale at float32's smallest
+// normal number or above: a run that recovers grows it again from there.
 void GradScaler::update() {
   if (!options_.enabled()) {
     return;
@@ -461,6 +475,8 @@ void GradScaler::update() {
     scale_.fill_(next.first);
     growth_tracker_.fill_(next.second);
   }
+  // Note [The loss scale's floor]: on the device, without a wait.
+  scale_.clamp_min_(std::numeric_limits<float>::min());
   optimizers_.clear();
 }
 
@@ -469,8 +485,7 @@ void GradScaler::update(double new_scale) {
     return;
   }
   check_scaled("update");
-  TORCH_CHECK(valid_scale(new_scale), "lockstep::GradScaler::update: new_scale ", new_scale,
-              " must be a finite number above 0, at most float32's largest (3.4e38)");
+  TORCH_CHECK(valid_scale(new_scale), "lockstep::GradScaler::update: new_scale ", new_scale, " ", kScaleRange);
   scale_.fill_(new_scale);
   optimizers_.clear();
 }

@@ -301,7 +301,8 @@ TEST(GradScaler, LoadRefusesAStateThatCannotWork) {
   };
   GradScaler scaler(GradScalerOptions().init_scale(8.0));
   auto zero = archive_with("scale", 0.0);
-  EXPECT_ERROR_SAYS(scaler.load(zero), "GradScaler::load: the archive's init_scale 0 must be a finite number above 0");
+  EXPECT_ERROR_SAYS(scaler.load(zero), "GradScaler::load: the archive's init_scale 0 must be a finite number from "
+                    "float32's smallest normal (1.2e-38)");
   auto nan = archive_with("scale", std::nan(""));
   EXPECT_ERROR_SAYS(scaler.load(nan), "init_scale nan must be");
   auto backoff = archive_with("backoff_factor", 0.0);
@@ -312,6 +313,28 @@ TEST(GradScaler, LoadRefusesAStateThatCannotWork) {
   EXPECT_ERROR_SAYS(scaler.load(tracker), "_growth_tracker 5000 must count the good steps");
   EXPECT_EQ(scaler.get_scale(), 8.0) << "a refused load changes nothing";
   EXPECT_ERROR_SAYS(GradScaler(GradScalerOptions().init_scale(1e39)), "init_scale 1e+39 must be a finite number");
+  // Rounded to float32, 1e-50 is 0: every step would be skipped.
+  EXPECT_ERROR_SAYS(GradScaler(GradScalerOptions().init_scale(1e-50)), "init_scale 1e-50 must be a finite number");
+  GradScaler started(GradScalerOptions().init_scale(8.0));
+  auto w = torch::ones({1}, torch::requires_grad());
+  started.scale(w.sum()).backward();
+  EXPECT_ERROR_SAYS(started.update(1e-40), "new_scale 1e-40 must be a finite number from float32's smallest normal");
+}
+
+// Note [The loss scale's floor]: skipped steps back the scale off down to
+// float32's smallest normal number, not to 0 (or to a scale whose
+// reciprocal is inf), so a run whose gradients are finite again steps again.
+TEST(GradScaler, BackingOffStopsAtFloat32sSmallestNormalAndTheRunRecovers) {
+  const double smallest = std::numeric_limits<float>::min();
+  auto w = torch::ones({3}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(2 * smallest).backoff_factor(0.5));
+  for (int skipped = 0; skipped < 4; ++skipped) {
+    EXPECT_FALSE(scaled_step(scaler, sgd, w, true));
+    EXPECT_EQ(scaler.get_scale(), smallest) << "after " << skipped + 1 << " skipped steps";
+  }
+  EXPECT_TRUE(scaled_step(scaler, sgd, w, false)) << "a finite gradient must step again";
+  EXPECT_TRUE(torch::allclose(w, torch::full({3}, 0.9f))) << "the unscaled gradient is 1: one step of 0.1";
 }
 
 TEST(GradScaler, DisabledEveryCallPassesThrough) {

@@ -105,9 +105,12 @@ class GradScaler {
   /// a gradient of any rank was inf or NaN. Returns whether it stepped.
   bool step(torch::optim::Optimizer& optimizer);
   /// Backs the scale off after a skipped step, grows it after
-  /// growth_interval good ones, and ends the iteration.
+  /// growth_interval good ones, and ends the iteration. The scale stays at
+  /// float32's smallest normal number (1.2e-38) or above, where PyTorch's
+  /// falls to 0 after some 140 skipped steps in a row and never grows back.
   void update();
-  /// Sets the scale to `new_scale` and ends the iteration.
+  /// Sets the scale to `new_scale` (from 1.2e-38 to 3.4e38) and ends the
+  /// iteration.
   void update(double new_scale);
 
   /// The current scale; 1.0 when disabled.
