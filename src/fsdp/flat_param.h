@@ -82,7 +82,7 @@ inline bool is_set_aside(const FlatParam& flat, const torch::Tensor& shard_grad)
       shard_grad._version() == flat.set_aside_version;
 }
 
-// src/fsdp/construct.cpp: what ShardedCore's constructor plans.
+// src/fsdp/same_model.cpp: the ranks' agreement at construction.
 
 /// Every rank must shard the same parameters, or the flat buffers would not
 /// line up: the names, shapes and dtypes, hashed and compared; a different
@@ -96,6 +96,8 @@ int64_t check_same_model(const ProcessGroup& group, const std::vector<std::strin
 /// a checkpoint's verdicts and id): the CPU where it can, else `device`, the
 /// parameters' (NCCL takes CUDA tensors only).
 torch::Device control_device(const ProcessGroup& group, torch::Device device);
+
+// src/fsdp/construct.cpp: what ShardedCore's constructor plans.
 
 /// Note [A module wrapped twice]: the trainable parameters of the live
 /// wrappers. A parameter another wrapper holds is an error naming it.

@@ -1,0 +1,80 @@
+// FullyShardedDataParallel's check at construction that every rank wraps
+// the same model: the flat buffers that src/fsdp/construct.cpp plans must
+// line up across the ranks (src/fsdp/flat_param.h).
+
+#include "comm/collective_fingerprint.h"
+#include "fsdp/flat_param.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <functional>
+#include <sstream>
+
+namespace lockstep {
+namespace detail {
+
+namespace {
+
+// The first parameter on each device, named: "'0.weight' on cpu, ...".
+std::string devices_of(const std::vector<std::string>& names, const std::vector<torch::Tensor>& params,
+                       int64_t& count) {
+  std::vector<torch::Device> seen;
+  std::string text;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (std::find(seen.begin(), seen.end(), params[i].device()) == seen.end()) {
+      seen.push_back(params[i].device());
+      text += (text.empty() ? "'" : ", '") + names[i] + "' on " + params[i].device().str();
+    }
+  }
+  count = static_cast<int64_t>(seen.size());
+  return text;
+}
+
+} // namespace
+
+torch::Device control_device(const ProcessGroup& group, torch::Device device) {
+  return group.supports(Collective::AllGather, torch::kLong, torch::kCPU) ? torch::Device(torch::kCPU) : device;
+}
+
+// Every rank must shard the same parameters, or the flat buffers would not
+// line up: the names, shapes and dtypes, hashed, and compared. Each rank's
+// must be on one device, as FSDP1 requires: with two, two of autograd's
+// device threads would run the gradient hooks, which share the reduce state.
+int64_t check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
+                         const std::vector<torch::Tensor>& params, const std::string& where) {
+  std::ostringstream text;
+  for (size_t i = 0; i < names.size(); ++i) {
+    text << names[i] << params[i].sizes() << c10::toString(params[i].scalar_type()) << params[i].requires_grad() << ";";
+  }
+  const auto hash = static_cast<int64_t>(std::hash<std::string>()(text.str()) >> 1);
+  int64_t devices = 0;
+  const std::string on = devices_of(names, params, devices);
+  const auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash, devices, propose_model_number()},
+                                  torch::kLong);
+  const auto device = control_device(group, params.empty() ? torch::Device(torch::kCPU) : params[0].device());
+  std::vector<torch::Tensor> all;
+  for (const auto& theirs : group.all_gather(mine.to(device))) {
+    all.push_back(theirs.cpu());
+  }
+  for (int r = 1; r < group.size(); ++r) {
+    const auto* theirs = all[r].data_ptr<int64_t>();
+    const auto* first = all[0].data_ptr<int64_t>();
+    TORCH_CHECK(theirs[0] == first[0] && theirs[1] == first[1], where, "rank ", r,
+                " built a different model than rank 0 (", theirs[0], " against ", first[0],
+                " parameters, or different names, shapes, dtypes or requires_grad). Every rank must construct the "
+                "same module before wrapping it.");
+  }
+  int several = devices > 1 ? group.rank() : -1; // this rank's own first: it can name them
+  for (int r = 0; r < group.size() && several < 0; ++r) {
+    several = all[r].data_ptr<int64_t>()[2] > 1 ? r : -1;
+  }
+  TORCH_CHECK(several < 0, where, "rank ", several, "'s parameters are on ", all[several].data_ptr<int64_t>()[2],
+              " devices", several == group.rank() ? " (" + on + ")" : std::string(), ", but FullyShardedDataParallel "
+              "shards the parameters of one device per rank. Move the module to one device (module->to(device)) "
+              "before wrapping it.");
+  return all[0].data_ptr<int64_t>()[3];
+}
+
+} // namespace detail
+} // namespace lockstep
