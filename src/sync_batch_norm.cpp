@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -354,6 +355,15 @@ SyncBatchNormImpl::SyncBatchNormImpl(torch::nn::BatchNormOptions options_, Proce
 void SyncBatchNormImpl::reset() {
   TORCH_CHECK(options.num_features() > 0, "lockstep::SyncBatchNorm: num_features must be > 0, but got ",
               options.num_features(), ".");
+  // A NaN or negative eps makes every output NaN where a channel's variance
+  // is small, and a momentum outside [0, 1] running statistics that
+  // extrapolate (or NaN), without an error from the operators.
+  TORCH_CHECK(std::isfinite(options.eps()) && options.eps() >= 0, "lockstep::SyncBatchNorm: eps must be a finite "
+              "number >= 0 (PyTorch's default is 1e-5), but got ", options.eps(), ".");
+  const auto momentum = options.momentum();
+  TORCH_CHECK(!momentum.has_value() || (*momentum >= 0 && *momentum <= 1), "lockstep::SyncBatchNorm: momentum must "
+              "be from 0 to 1 (the weight of each batch in the running statistics; PyTorch's default is 0.1), or none "
+              "for a cumulative average, but got ", momentum.has_value() ? *momentum : 0.0, ".");
   // The names, shapes and order of torch::nn::BatchNorm's, so that state
   // dicts move between the two.
   const int64_t c = options.num_features();

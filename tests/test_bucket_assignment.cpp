@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -61,6 +63,16 @@ TEST(BucketAssignment, EveryParameterExactlyOnce) {
 TEST(BucketAssignment, DefaultsAreOneAndTwentyFiveMiB) {
   EXPECT_EQ(kFirstBucketBytes, 1 << 20);
   EXPECT_EQ(DistributedOptions().bucket_bytes(), 25 << 20);
+}
+
+// An infinite cap once became INT64_MIN bytes, then one-byte buckets: one
+// collective per parameter, the opposite of what was asked.
+TEST(BucketAssignment, ABucketCapThatIsNotAFiniteNumberOfMiBIsRefused) {
+  for (double mib : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::nan(""), 1e13}) {
+    EXPECT_ERROR_SAYS(DistributedOptions().bucket_cap_mb(mib), "bucket_cap_mb must be a finite number of MiB above 0");
+  }
+  EXPECT_EQ(DistributedOptions().bucket_cap_mb(1e-9).bucket_bytes(), 1);
+  EXPECT_EQ(DistributedOptions().bucket_cap_mb(8e12).bucket_bytes(), static_cast<int64_t>(8e12 * 1024 * 1024));
 }
 
 } // namespace

@@ -134,6 +134,27 @@ class GpuOnlyGroup : public ExchangeCountingGroup {
   }
 };
 
+// A backend that numbers itself wrongly: a group of `size` whose rank is `rank`.
+class MisnumberedGroup : public ExchangeCountingGroup {
+ public:
+  MisnumberedGroup(int rank, int size) : ExchangeCountingGroup(ProcessGroup()), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+ private:
+  int rank_, size_;
+};
+
+// A group of no rank, or a rank outside it, is refused where the backend is
+// wrapped: DDP's micro-batch split divided by the size (SIGFPE) and FSDP's
+// shards were indexed by the rank.
+TEST(ProcessGroupContract, ABackendThatNumbersItselfOutOfRangeIsRefused) {
+  EXPECT_ERROR_SAYS(ProcessGroup(std::make_shared<MisnumberedGroup>(0, 0)), "says it is rank 0 of 0");
+  EXPECT_ERROR_SAYS(ProcessGroup(std::make_shared<MisnumberedGroup>(2, 2)), "says it is rank 2 of 2");
+  EXPECT_ERROR_SAYS(ProcessGroup(std::make_shared<MisnumberedGroup>(-1, 2)), "0 <= rank() < size()");
+  EXPECT_EQ(ProcessGroup(std::make_shared<MisnumberedGroup>(0, 1)).size(), 1);
+}
+
 // A CPU tensor given to a backend of GPU tensors is refused saying so; it
 // was told to reduce a copy "in a type it has", float32 for a float32.
 TEST(ProcessGroupContract, ACpuTensorOnAGpuOnlyBackendIsRefusedSayingWhy) {

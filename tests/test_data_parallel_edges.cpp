@@ -355,6 +355,38 @@ TEST(DataParallel, BadOptionsAreClearErrors) {
     });
     EXPECT_NE(message.find("devices[1] is cuda:0 but this process sees 0 CUDA device(s)"), std::string::npos) << message;
   }
+  // Each failed only after every replica had run forward, in a raw error
+  // from the copy to the output device, or asked OpenMP for 2^32 threads.
+  const torch::Device absent(torch::kCUDA, 100);
+  EXPECT_ERROR_SAYS(DataParallel<Mlp>(Mlp(), DataParallelOptions().devices(cpus(2)).output_device(absent)),
+                    "output_device is cuda:100 but this process sees");
+  EXPECT_ERROR_SAYS(DataParallel<Mlp>(Mlp(), DataParallelOptions().devices(cpus(2)).output_device(torch::kMeta)),
+                    "output_device is meta; DataParallel gathers outputs on a CPU or a CUDA device");
+  EXPECT_ERROR_SAYS(DataParallel<Mlp>(Mlp(), DataParallelOptions().devices(cpus(2)).intra_op_threads(4294967300LL)),
+                    "intra_op_threads must be from 0 (0 splits the cores) to 4096, but got 4294967300");
+}
+
+// Sums over dim 0: an input [4, N] split along dim 1 gives outputs [N / 2].
+struct ColumnSumsImpl : torch::nn::Cloneable<ColumnSumsImpl> {
+  ColumnSumsImpl() {
+    reset();
+  }
+  void reset() override {
+    scale = register_parameter("scale", torch::ones({1}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return (x * scale).sum(0);
+  }
+  torch::Tensor scale;
+};
+TORCH_MODULE(ColumnSums);
+
+// The outputs lacked the dim the inputs were split along: a raw "Dimension
+// out of range" that named neither the option nor the output.
+TEST(DataParallel, AnOutputWithoutTheSplitDimIsAClearError) {
+  DataParallel<ColumnSums> dp(ColumnSums(), DataParallelOptions().devices(cpus(2)).dim(1));
+  EXPECT_ERROR_SAYS(dp(torch::randn({4, 6})), "DataParallelOptions::dim is 1, but a replica's output has 1 "
+                    "dimension(s) (sizes [3])");
 }
 
 // A parameter on a device other than devices[0], on any machine.

@@ -181,6 +181,23 @@ TEST_F(Deterministic, RefusesWhatItCannotKeepExact) {
   torch::nn::Sequential synced(torch::nn::Linear(7, 4), SyncBatchNorm(torch::nn::BatchNormOptions(4)));
   EXPECT_ERROR_SAYS(DistributedDataParallel<torch::nn::Sequential>(synced, ProcessGroup(), deterministic()),
                     "'1' is a lockstep::SyncBatchNorm");
+  EXPECT_ERROR_SAYS(DistributedDataParallel<DeterministicNet>(net, ProcessGroup(),
+                                                              deterministic().find_unused_parameters(true)),
+                    "find_unused_parameters and static_graph", "would change nothing");
+}
+
+// Options that only deterministic mode reads were taken without it, and
+// changed nothing: each wrapper refuses them, naming deterministic(true).
+TEST_F(Deterministic, ItsOptionsWithoutItAreRefused) {
+  DeterministicNet net;
+  EXPECT_ERROR_SAYS(DistributedDataParallel<DeterministicNet>(net, ProcessGroup(), DistributedOptions().micro_batch_size(8)),
+                    "DistributedOptions() sets micro_batches(0), micro_batch_size(8) or seed(0) without "
+                    "deterministic(true)");
+  EXPECT_ERROR_SAYS(FullyShardedDataParallel<DeterministicNet>(DeterministicNet(), ProcessGroup(),
+                                                               ShardingOptions().seed(3)),
+                    "ShardingOptions() sets", "seed(3) without deterministic(true)");
+  EXPECT_ERROR_SAYS(DataParallel<DeterministicNet>(DeterministicNet(), DataParallelOptions().micro_batches(4)),
+                    "DataParallelOptions() sets micro_batches(4)", "Add deterministic(true)");
 }
 
 struct TwiceNormImpl : torch::nn::Module {

@@ -14,6 +14,8 @@
 #include <examples/checkpoint.h>
 
 #include <gtest/gtest.h>
+
+#include <cmath>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
@@ -117,6 +119,8 @@ TEST(FullyShardedDataParallel, ClipGradNormClipsByTheWholeModelsNorm) {
   testing::spawn(2, [](ProcessGroup& group) {
     FullyShardedDataParallel<OddNet> model(OddNet(), group);
     EXPECT_ERROR_SAYS(model->clip_grad_norm_(1.0, 0.0), "norm_type 0 is not a norm");
+    EXPECT_ERROR_SAYS(model->clip_grad_norm_(-1.0), "max_norm -1 is not a largest norm");
+    EXPECT_ERROR_SAYS(model->clip_grad_norm_(std::nan("")), "max_norm nan is not a largest norm");
   });
 }
 

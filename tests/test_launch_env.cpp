@@ -111,6 +111,22 @@ TEST(LaunchEnv, MissingOrMalformedVariablesNameThemselves) {
   EXPECT_NE(message.find("LOCAL_RANK=2 is out of range for LOCAL_WORLD_SIZE=2"), std::string::npos) << message;
 }
 
+// A value given in the options that is neither "unset" nor in range is
+// refused by its name: a world_size of 0 was read as unset (and the error
+// then named $WORLD_SIZE), one of 2^32 + 2 became 2.
+TEST(LaunchEnv, OptionsOutOfRangeNameThemselves) {
+  const auto vars = env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "29500"}});
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions().world_size(0), vars),
+                    "ProcessGroupOptions::world_size is 0; expected 1 to 1048576 processes, or -1");
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions().world_size(4294967298LL).rank(0), vars),
+                    "ProcessGroupOptions::world_size is 4294967298");
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions().rank(-2), vars),
+                    "ProcessGroupOptions::rank is -2; expected 0 <= rank < world_size, or -1");
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions().master_port(-1), vars),
+                    "ProcessGroupOptions::master_port is -1; expected a port number from 1 to 65535, or 0");
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions().world_size(2).rank(1), vars).rank, 1);
+}
+
 TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
   std::map<std::string, std::string> vars{{"RANK", "0"}, {"WORLD_SIZE", "1"}};
   EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)).timeout, kDefaultTimeout);

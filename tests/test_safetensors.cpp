@@ -330,6 +330,24 @@ TEST(Safetensors, NamesAndMetadataThatAreNotUtf8AreRefused) {
   EXPECT_FALSE(std::filesystem::exists(path));
 }
 
+// The last value of a repeated key was written without a word.
+TEST(Safetensors, AMetadataKeyGivenTwiceIsRefused) {
+  const auto path = testing::scratch("twice.safetensors");
+  torch::OrderedDict<std::string, torch::Tensor> tensors;
+  tensors.insert("w", torch::ones({2}));
+  EXPECT_ERROR_SAYS(write_safetensors(tensors, path, {{"note", "a"}, {"note", "b"}}),
+                    "the safetensors metadata has the key \"note\" twice (\"a\" and \"b\")");
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+// A Hugging Face model's folder is what users have at hand: the error says
+// it is a folder and what to pass instead, not that there is no such file.
+TEST(Safetensors, AFolderIsRefusedNamingWhatToPass) {
+  const auto folder = testing::scratch("model_folder");
+  std::filesystem::create_directories(folder);
+  EXPECT_ERROR_SAYS(read_safetensors(folder), "is a folder", "model.safetensors");
+}
+
 TEST(SafetensorsFormat, DuplicateNamesAreRefused) {
   const auto bytes = raw_file(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                               R"("w":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",

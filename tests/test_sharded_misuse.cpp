@@ -108,6 +108,26 @@ TEST(ShardedMisuse, ASparseEmbeddingIsRefusedNamingIt) {
   });
 }
 
+// A seed of base + rank gave each rank's micro-batches other dropout masks
+// in deterministic mode, and other units or strategies failed at the first
+// collective or the timeout: every rank refuses at construction, saying
+// what it has.
+TEST(ShardedMisuse, ShardingOptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
+  const auto net = [] { return Net(torch::nn::Linear(4, 4), torch::nn::Dropout(0.5), torch::nn::Linear(4, 2)); };
+  testing::spawn(2, [&](ProcessGroup& group) {
+    const auto options = ShardingOptions().deterministic(true).micro_batches(2).seed(7 + group.rank());
+    const auto mine = "This rank (" + std::to_string(group.rank()) + ") has: strategy=FullShard";
+    const auto seed = "seed=" + std::to_string(7 + group.rank());
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<Net>(net(), group, options), "rank 1's ShardingOptions differ from "
+                      "rank 0's", mine.c_str(), seed.c_str());
+  });
+  testing::spawn(2, [&](ProcessGroup& group) {
+    const auto strategy = group.rank() == 0 ? ShardingStrategy::FullShard : ShardingStrategy::ShardGradOp;
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<Net>(net(), group, ShardingOptions().strategy(strategy)),
+                      "ShardingOptions differ");
+  });
+}
+
 // to() after wrapping moved or cast only the shards, and the step then
 // failed far from the cause: refused, unless it changes nothing.
 TEST(ShardedMisuse, MovingOrCastingAfterWrappingIsRefused) {

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,16 @@ TEST(SyncBatchNorm, WrongInputShapeIsAClearError) {
   SyncBatchNorm sync(torch::nn::BatchNormOptions(4));
   EXPECT_ERROR_SAYS(sync(torch::randn({2, 3, 5})), "expected input of shape (N, 4, *), but got [2, 3, 5]");
   EXPECT_ERROR_SAYS(sync(torch::randn({4})), "expected input of shape (N, 4, *)");
+}
+
+// Each gave NaN outputs or running statistics without an error.
+TEST(SyncBatchNorm, AnEpsOrMomentumThatCannotWorkIsRefused) {
+  EXPECT_ERROR_SAYS(SyncBatchNorm(torch::nn::BatchNormOptions(4).eps(-1e-5)), "eps must be a finite number >= 0");
+  EXPECT_ERROR_SAYS(SyncBatchNorm(torch::nn::BatchNormOptions(4).eps(std::nan(""))), "but got nan");
+  EXPECT_ERROR_SAYS(SyncBatchNorm(torch::nn::BatchNormOptions(4).momentum(1.5)), "momentum must be from 0 to 1");
+  EXPECT_ERROR_SAYS(SyncBatchNorm(torch::nn::BatchNormOptions(4).momentum(std::nan(""))), "but got nan");
+  SyncBatchNorm cumulative(torch::nn::BatchNormOptions(4).momentum(c10::nullopt).eps(0));
+  EXPECT_FALSE(cumulative->options.momentum().has_value());
 }
 
 struct MemberNetImpl : torch::nn::Module {

@@ -8,12 +8,26 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 namespace lockstep {
 namespace {
 
 using timeline::detail::lanes_for;
 using timeline::detail::rank_path;
+using timeline::detail::unwritable_because;
 using common::with_tag;
+
+// Said at start (the recorder is made when the rank starts), where it was
+// found only at exit, after the run, with no reason given.
+TEST(TimelinePaths, APathThatCannotBeWrittenSaysWhy) {
+  const auto folder = std::filesystem::temp_directory_path().string();
+  EXPECT_EQ(unwritable_because(folder + "/timeline.json"), "");
+  EXPECT_EQ(unwritable_because("timeline.json"), "") << "the working folder";
+  EXPECT_EQ(unwritable_because(folder), folder + " is a folder");
+  EXPECT_EQ(unwritable_because("/no/such/folder/t.json"), "the folder /no/such/folder of /no/such/folder/t.json does "
+                                                          "not exist");
+}
 
 TEST(TimelinePaths, TheRankFillsInEveryPercentR) {
   EXPECT_EQ(rank_path("/tmp/t%r.json", 3, 4), "/tmp/t3.json");

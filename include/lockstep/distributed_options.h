@@ -9,6 +9,7 @@
 #include <torch/arg.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace lockstep {
@@ -72,7 +73,9 @@ struct DistributedOptions {
  public: // TORCH_ARG leaves the rest private
   /// bucket_bytes in MiB, as PyTorch's bucket_cap_mb; at least one byte.
   DistributedOptions& bucket_cap_mb(double mib) {
-    TORCH_CHECK(mib > 0, "lockstep::DistributedOptions: bucket_cap_mb must be > 0, but got ", mib, ".");
+    // Beyond 2^43 MiB the bytes would not fit bucket_bytes' 64 bits.
+    TORCH_CHECK(std::isfinite(mib) && mib > 0 && mib <= 8.0e12, "lockstep::DistributedOptions: bucket_cap_mb must be "
+                "a finite number of MiB above 0 (at most 8e12), but got ", mib, ".");
     bucket_bytes_ = std::max<int64_t>(1, static_cast<int64_t>(mib * 1024 * 1024));
     return *this;
   }

@@ -129,7 +129,23 @@ void check_timeout(std::chrono::milliseconds timeout, const char* what) {
               " ms; expected a positive duration of at most 7 days (", kMaxTimeout.count(), " ms).");
 }
 
+// The options' own values, before any is replaced by the environment's: a
+// value that is neither "unset" nor in range would be read as unset (a
+// world_size of 0, a port of -1), or cut to an int (a world_size of 2^32 +
+// 2 became 2).
+void check_set_options(const ProcessGroupOptions& options) {
+  TORCH_CHECK(options.world_size() == -1 || (options.world_size() >= 1 && options.world_size() <= (1 << 20)),
+              "lockstep: ProcessGroupOptions::world_size is ", options.world_size(), "; expected 1 to ", 1 << 20,
+              " processes, or -1 (the default) for $WORLD_SIZE.");
+  TORCH_CHECK(options.rank() >= -1 && options.rank() < (1 << 20), "lockstep: ProcessGroupOptions::rank is ",
+              options.rank(), "; expected 0 <= rank < world_size, or -1 (the default) for $RANK.");
+  TORCH_CHECK(options.master_port() >= 0 && options.master_port() <= 65535, "lockstep: ProcessGroupOptions::"
+              "master_port is ", options.master_port(), "; expected a port number from 1 to 65535, or 0 (the default) "
+              "for $MASTER_PORT.");
+}
+
 LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get) {
+  check_set_options(options);
   LaunchEnv env;
   const bool from_mpi = options.world_size() <= 0 && options.rank() < 0 && get("WORLD_SIZE") == nullptr &&
       get("RANK") == nullptr && read_mpi_launcher(env, get);

@@ -17,6 +17,10 @@ void DistributedCore::make_deterministic(std::vector<torch::Tensor> params, cons
       " of " + std::to_string(group_.size()) + "): ";
   TORCH_CHECK(!options.comm_hook() && !options.gradient_as_bucket_view(), where, "deterministic(true) sums the "
               "gradients itself, exactly: it takes neither a comm_hook nor gradient_as_bucket_view. Leave them unset.");
+  TORCH_CHECK(!options.find_unused_parameters() && !options.static_graph(), where, "deterministic(true) runs each "
+              "micro-batch's backward whole and sums after it, a parameter no micro-batch used getting no gradient: "
+              "find_unused_parameters and static_graph, options of the reducer it replaces, would change nothing. "
+              "Leave them unset.");
   MicroBatchConfig config;
   config.micro_batches = options.micro_batches();
   config.micro_batch_size = options.micro_batch_size();

@@ -218,6 +218,8 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   if (options.deterministic()) {
     make_deterministic(std::move(params), options);
   } else {
+    check_no_micro_batch_options({options.micro_batches(), options.micro_batch_size(), options.seed()},
+                                 "lockstep::DistributedDataParallel: ", "DistributedOptions");
     reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_, options, model_);
   }
 }

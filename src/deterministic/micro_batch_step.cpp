@@ -215,6 +215,13 @@ void read_fixed_point_into(torch::Tensor out, const torch::Tensor& sum, const Fi
   from_fixed_point_into(out, sum.narrow(0, piece.at, piece.count), exponent, gradients.micro_batches);
 }
 
+void check_no_micro_batch_options(const MicroBatchConfig& config, const std::string& where, const char* options) {
+  TORCH_CHECK(config.micro_batches == 0 && config.micro_batch_size == 0 && config.seed == 0, where, options, "() "
+              "sets micro_batches(", config.micro_batches, "), micro_batch_size(", config.micro_batch_size, ") or seed(",
+              config.seed, ") without deterministic(true): only deterministic mode splits the batch into micro-batches "
+              "and seeds them, so they would change nothing. Add deterministic(true), or leave them unset.");
+}
+
 MicroBatchStep::MicroBatchStep(torch::nn::Module& module, ProcessGroup group, const MicroBatchConfig& config,
                                torch::Device device, std::string where)
     : group_(std::move(group)),

@@ -32,6 +32,11 @@ struct MicroBatchConfig {
   uint64_t seed = 0;
 };
 
+/// Refuses micro_batches, micro_batch_size and seed given to a wrapper
+/// outside deterministic mode, where nothing reads them: `options` names the
+/// wrapper's options ("DistributedOptions").
+void check_no_micro_batch_options(const MicroBatchConfig& config, const std::string& where, const char* options);
+
 /// One step's micro-batch gradients, and what the ranks agreed on.
 struct MicroBatchGradients {
   /// [micro-batch k of this rank][parameter]: flat, contiguous, undefined

@@ -3,6 +3,7 @@
 
 #include <lockstep/data_parallel.h>
 
+#include "deterministic/micro_batch_step.h"
 #include "dp/parallel_backward.h"
 #include "dp/worker_pool.h"
 #include "util/torch_compat.h"
@@ -66,6 +67,8 @@ void alias(torch::Tensor& target, const torch::Tensor& source) {
 
 } // namespace
 
+constexpr int64_t kMaxIntraOpThreads = 4096;
+
 DataParallelOptions resolve_options(DataParallelOptions options) {
   if (options.devices().empty()) {
     options.devices(default_devices());
@@ -83,11 +86,28 @@ DataParallelOptions resolve_options(DataParallelOptions options) {
     }
   }
   options.devices(devices);
+  if (options.output_device().has_value()) {
+    auto out = *options.output_device();
+    TORCH_CHECK(out.is_cpu() || out.is_cuda(), "lockstep::DataParallel: output_device is ", out, "; DataParallel "
+                "gathers outputs on a CPU or a CUDA device.");
+    if (out.is_cuda() && !out.has_index()) {
+      options.output_device(torch::Device(torch::kCUDA, 0));
+    }
+    TORCH_CHECK(!out.is_cuda() || options.output_device()->index() < gpus, "lockstep::DataParallel: output_device is ",
+                *options.output_device(), " but this process sees ", gpus, " CUDA device(s). Pass an existing "
+                "device, or leave it unset for devices[0].");
+  }
+  // An int for OpenMP's thread count; more threads than any machine has
+  // cores asks the OS for thousands of threads.
   TORCH_CHECK(
-      options.intra_op_threads() >= 0,
-      "lockstep::DataParallel: intra_op_threads must be >= 0 (0 splits the cores), but got ", options.intra_op_threads(),
-      ".");
+      options.intra_op_threads() >= 0 && options.intra_op_threads() <= kMaxIntraOpThreads,
+      "lockstep::DataParallel: intra_op_threads must be from 0 (0 splits the cores) to ", kMaxIntraOpThreads,
+      ", but got ", options.intra_op_threads(), ".");
   chunk_sizes(1, static_cast<int64_t>(devices.size()), options.weights()); // checks the weights
+  if (!options.deterministic()) {
+    check_no_micro_batch_options({options.micro_batches(), options.micro_batch_size(), options.seed()},
+                                 "lockstep::DataParallel: ", "DataParallelOptions");
+  }
   return options;
 }
 

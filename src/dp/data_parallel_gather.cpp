@@ -31,6 +31,10 @@ torch::Tensor gather_one(
   }
   torch::Tensor gathered;
   if (parts[0].dim() > 0) {
+    TORCH_CHECK(dim >= -parts[0].dim() && dim < parts[0].dim(), "lockstep::DataParallel: DataParallelOptions::dim is ",
+                dim, ", but a replica's output has ", parts[0].dim(), " dimension(s) (sizes ", parts[0].sizes(), "), "
+                "and outputs are concatenated along dim. Return outputs that have that dimension, or set a dim they "
+                "have (0 for a batch-first output).");
     spec.dim = c10::maybe_wrap_dim(dim, parts[0].dim());
     for (const auto& p : parts) {
       spec.sizes.push_back(p.size(spec.dim));

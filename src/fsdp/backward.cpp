@@ -323,6 +323,11 @@ torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_
   TORCH_CHECK(norm_type > 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ", group_.rank(),
               ": norm_type ", norm_type, " is not a norm; pass 2.0 (the default), 1.0, or "
               "std::numeric_limits<double>::infinity()");
+  // A negative max_norm would flip every gradient's sign (the factor below
+  // is max_norm / norm), and NaN would make every gradient NaN after the
+  // loss scaler's check.
+  TORCH_CHECK(std::isfinite(max_norm) && max_norm >= 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ",
+              group_.rank(), ": max_norm ", max_norm, " is not a largest norm; pass a finite number >= 0.");
   CollectiveTag tag(model_tag(state_->model, 0)); // Note [Collective tags]: two models' norms never swap
   if (state_->micro_batches) {
     return state_->exact_clip_grad_norm_(max_norm, norm_type);

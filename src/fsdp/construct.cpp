@@ -399,6 +399,9 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   check_dense_gradients(module, s.where());
   if (options.deterministic()) {
     check_exactly_summable(module, s.where(), /*frozen_too=*/false); // before the parameters become the flats' views
+  } else {
+    check_no_micro_batch_options({options.micro_batches(), options.micro_batch_size(), options.seed()}, s.where(),
+                                 "ShardingOptions");
   }
   const auto paths = unit_paths(module, options, s.where());
   if (options.activation_checkpointing()) {
@@ -406,7 +409,7 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   }
   const auto planned = plan_parameters(module, paths, options.param_dtype() || options.reduce_dtype(), s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
-  s.model = check_same_model(s.group, planned.names, planned.params, s.where());
+  s.model = check_same_model(s.group, planned.names, planned.params, options, s.where());
   detail::label_sync_batch_norms(module, s.group, s.model);
   broadcast_from_rank0(s.group, planned.params, module.buffers(/*recurse=*/true));
   s.flats = group_into_flats(planned, paths);

@@ -85,12 +85,13 @@ inline bool is_set_aside(const FlatParam& flat, const torch::Tensor& shard_grad)
 // src/fsdp/same_model.cpp: the ranks' agreement at construction.
 
 /// Every rank must shard the same parameters, or the flat buffers would not
-/// line up: the names, shapes and dtypes, hashed and compared; a different
-/// model on any rank, or one whose parameters are on several devices, is an
-/// error on every rank. Returns the wrapper's model number, rank 0's
-/// proposal (Note [Collective tags]).
+/// line up: the names, shapes and dtypes, hashed and compared, and the
+/// options; a different model or options on any rank, or parameters on
+/// several devices, is an error on every rank. Returns the wrapper's model
+/// number, rank 0's proposal (Note [Collective tags]).
 int64_t check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
-                         const std::vector<torch::Tensor>& params, const std::string& where);
+                         const std::vector<torch::Tensor>& params, const ShardingOptions& options,
+                         const std::string& where);
 
 /// Where the group carries FSDP's own small int64 tensors (the model check,
 /// a checkpoint's verdicts and id): the CPU where it can, else `device`, the

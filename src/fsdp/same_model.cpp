@@ -1,6 +1,9 @@
 // FullyShardedDataParallel's check at construction that every rank wraps
-// the same model: the flat buffers that src/fsdp/construct.cpp plans must
-// line up across the ranks (src/fsdp/flat_param.h).
+// the same model with the same options: the flat buffers that
+// src/fsdp/construct.cpp plans must line up across the ranks
+// (src/fsdp/flat_param.h).
+
+#include <lockstep/sharding_options.h>
 
 #include "comm/collective_fingerprint.h"
 #include "fsdp/flat_param.h"
@@ -31,6 +34,29 @@ std::string devices_of(const std::vector<std::string>& names, const std::vector<
   return text;
 }
 
+
+// What every rank's wrapper must agree on: the units and strategy set the
+// collectives, the dtypes their sizes, and in deterministic mode the seed
+// each micro-batch's random numbers (a seed of base + rank gave each rank
+// other dropout masks, and other bits at another world size, silently).
+std::string describe(const ShardingOptions& options) {
+  std::ostringstream out;
+  const char* strategies[] = {"FullShard", "ShardGradOp", "NoShard"};
+  out << "strategy=" << strategies[static_cast<int>(options.strategy())] << ", units=[";
+  for (const auto& unit : options.units()) {
+    out << unit << ";";
+  }
+  const auto dtype = [](const std::optional<torch::ScalarType>& t) {
+    return t ? std::string(c10::toString(*t)) : std::string("none");
+  };
+  out << "], reshard_after_forward=" << options.reshard_after_forward()
+      << ", activation_checkpointing=" << options.activation_checkpointing()
+      << ", param_dtype=" << dtype(options.param_dtype()) << ", reduce_dtype=" << dtype(options.reduce_dtype())
+      << ", deterministic=" << options.deterministic() << ", micro_batches=" << options.micro_batches()
+      << ", micro_batch_size=" << options.micro_batch_size() << ", seed=" << options.seed();
+  return out.str();
+}
+
 } // namespace
 
 torch::Device control_device(const ProcessGroup& group, torch::Device device) {
@@ -38,20 +64,24 @@ torch::Device control_device(const ProcessGroup& group, torch::Device device) {
 }
 
 // Every rank must shard the same parameters, or the flat buffers would not
-// line up: the names, shapes and dtypes, hashed, and compared. Each rank's
-// must be on one device, as FSDP1 requires: with two, two of autograd's
-// device threads would run the gradient hooks, which share the reduce state.
+// line up: the names, shapes and dtypes, hashed, and compared; and with the
+// same options (describe). Each rank's must be on one device, as FSDP1
+// requires: with two, two of autograd's device threads would run the
+// gradient hooks, which share the reduce state.
 int64_t check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
-                         const std::vector<torch::Tensor>& params, const std::string& where) {
+                         const std::vector<torch::Tensor>& params, const ShardingOptions& options,
+                         const std::string& where) {
   std::ostringstream text;
   for (size_t i = 0; i < names.size(); ++i) {
     text << names[i] << params[i].sizes() << c10::toString(params[i].scalar_type()) << params[i].requires_grad() << ";";
   }
   const auto hash = static_cast<int64_t>(std::hash<std::string>()(text.str()) >> 1);
+  const std::string described = describe(options);
+  const auto options_hash = static_cast<int64_t>(std::hash<std::string>()(described) >> 1);
   int64_t devices = 0;
   const std::string on = devices_of(names, params, devices);
-  const auto mine = torch::tensor({static_cast<int64_t>(names.size()), hash, devices, propose_model_number()},
-                                  torch::kLong);
+  const auto mine = torch::tensor(
+      {static_cast<int64_t>(names.size()), hash, devices, propose_model_number(), options_hash}, torch::kLong);
   const auto device = control_device(group, params.empty() ? torch::Device(torch::kCPU) : params[0].device());
   std::vector<torch::Tensor> all;
   for (const auto& theirs : group.all_gather(mine.to(device))) {
@@ -64,6 +94,12 @@ int64_t check_same_model(const ProcessGroup& group, const std::vector<std::strin
                 " built a different model than rank 0 (", theirs[0], " against ", first[0],
                 " parameters, or different names, shapes, dtypes or requires_grad). Every rank must construct the "
                 "same module before wrapping it.");
+  }
+  for (int r = 1; r < group.size(); ++r) {
+    TORCH_CHECK(all[r].data_ptr<int64_t>()[4] == all[0].data_ptr<int64_t>()[4], where, "rank ", r, "'s "
+                "ShardingOptions differ from rank 0's. This rank (", group.rank(), ") has: ", described, ". Every rank "
+                "must pass the same ShardingOptions: they set the units and the collectives, and in deterministic "
+                "mode the seed of each micro-batch's random numbers.");
   }
   int several = devices > 1 ? group.rank() : -1; // this rank's own first: it can name them
   for (int r = 0; r < group.size() && several < 0; ++r) {

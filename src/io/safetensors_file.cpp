@@ -184,6 +184,10 @@ SafetensorsSet open_safetensors_set(const std::string& path) {
   if (!file_exists(path) && file_exists(path + ".index.json")) {
     return open_index(path + ".index.json");
   }
+  struct stat status {};
+  TORCH_CHECK(::stat(path.c_str(), &status) != 0 || !S_ISDIR(status.st_mode), "cannot open the safetensors file ",
+              path, ": it is a folder. Pass the file in it (", path, "/model.safetensors) or, for a model in several "
+              "files, their index (", path, "/model.safetensors.index.json).");
   TORCH_CHECK(file_exists(path), "cannot open the safetensors file ", path, ": there is no such file (nor an index ",
               path, ".index.json beside it).");
   SafetensorsSet set;

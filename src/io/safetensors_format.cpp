@@ -200,6 +200,9 @@ std::string safetensors_header(std::vector<SafetensorsEntry>& entries, const Saf
   if (!metadata.empty()) {
     Json pairs = Json::object();
     for (const auto& [key, value] : metadata) {
+      TORCH_CHECK(!pairs.contains(key), "lockstep: the safetensors metadata has the key \"", key, "\" twice (\"",
+                  pairs[key].get<std::string>(), "\" and \"", value, "\"); a file's __metadata__ holds each key once: "
+                  "give it one value.");
       pairs[key] = value;
     }
     json["__metadata__"] = std::move(pairs);

@@ -10,7 +10,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <initializer_list>
 #include <map>
@@ -19,6 +21,7 @@
 #include <set>
 #include <vector>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace lockstep {
@@ -111,6 +114,16 @@ struct Event {
 
 class Recorder {
  public:
+  // A path the file cannot be written to is said at start, not after the
+  // run it was to record.
+  Recorder() {
+    const std::string path = rank_path(env("LOCKSTEP_TIMELINE"), rank_from_env(), world_size_from_env());
+    const std::string problem = unwritable_because(path);
+    if (!problem.empty()) {
+      std::fprintf(stderr, "lockstep: rank %d: LOCKSTEP_TIMELINE: %s, so this rank's timeline cannot be written "
+                   "there; give a file in a folder that exists.\n", rank_from_env(), problem.c_str());
+    }
+  }
   ~Recorder() {
     write();
   }
@@ -174,7 +187,10 @@ class Recorder {
     out << trace.dump() << "\n";
     out.close();
     if (!out || std::rename(partial.c_str(), path.c_str()) != 0) {
-      std::fprintf(stderr, "lockstep: rank %d: could not write the timeline to %s (LOCKSTEP_TIMELINE)\n", rank, path.c_str());
+      const std::string problem = unwritable_because(path);
+      std::remove(partial.c_str());
+      std::fprintf(stderr, "lockstep: rank %d: could not write the timeline to %s (LOCKSTEP_TIMELINE)%s%s\n", rank,
+                   path.c_str(), problem.empty() ? "" : ": ", problem.c_str());
     } else if (dropped_ > 0) {
       std::fprintf(stderr, "lockstep: rank %d: the timeline in %s holds its first %zu events and leaves out the %zu "
                    "after them; set LOCKSTEP_TIMELINE only for a short run to see them all.\n", rank,
@@ -253,6 +269,22 @@ std::string rank_path(std::string path, int rank, int world_size) {
     path.replace(at, 2, std::to_string(rank));
   }
   return has_rank || world_size <= 1 ? path : common::with_tag(path, ".rank" + std::to_string(rank));
+}
+
+std::string unwritable_because(const std::string& path) {
+  struct stat status {};
+  if (::stat(path.c_str(), &status) == 0 && S_ISDIR(status.st_mode)) {
+    return path + " is a folder";
+  }
+  const auto slash = path.find_last_of('/');
+  const std::string folder = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  if (::stat(folder.c_str(), &status) != 0 || !S_ISDIR(status.st_mode)) {
+    return "the folder " + folder + " of " + path + " does not exist";
+  }
+  if (::access(folder.c_str(), W_OK) != 0) {
+    return "the folder " + folder + " of " + path + " cannot be written (" + std::strerror(errno) + ")";
+  }
+  return "";
 }
 
 int64_t now_us() {

@@ -21,6 +21,10 @@ void record(const std::string& name, int64_t start_us, int64_t end_us, const std
 /// The file rank `rank` of `world_size` writes for LOCKSTEP_TIMELINE=`path`
 /// (Note [Timeline]).
 std::string rank_path(std::string path, int rank, int world_size);
+/// Why a timeline file could not be written at `path`: "" where its folder
+/// exists and can be written, else what is wrong (a missing folder, a path
+/// that is a folder, a folder without write permission).
+std::string unwritable_because(const std::string& path);
 /// For spans [start, end) of one track, in any order, the lane of each:
 /// spans of one lane never overlap, and lanes are as few as can be.
 std::vector<int> lanes_for(const std::vector<std::pair<int64_t, int64_t>>& spans);
