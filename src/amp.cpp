@@ -228,8 +228,8 @@ ReplicaAutocast::~ReplicaAutocast() {
 
 std::pair<float, int32_t> next_scale(float scale, int32_t growth_tracker, bool found_inf, double growth_factor,
                                      double backoff_factor, int64_t growth_interval) {
-  if (found_inf) {
-    return {static_cast<float>(scale * backoff_factor), 0};
+  if (found_inf) { // Note [The loss scale's floor]
+    return {std::max(static_cast<float>(scale * backoff_factor), std::numeric_limits<float>::min()), 0};
   }
   const int32_t successful = growth_tracker + 1;
   if (successful < growth_interval) {
@@ -328,6 +328,18 @@ void check_options(const GradScalerOptions& o, const char* where) {
               o.backoff_factor(), " must be between 0 and 1");
   TORCH_CHECK(o.growth_interval() > 0 && o.growth_interval() <= INT32_MAX, where, "growth_interval ",
               o.growth_interval(), " must be a positive number of steps");
+}
+
+// Note [The loss scale's floor]: read only on a skipped step, which has
+// already waited for its check.
+void warn_at_the_floor(const torch::Tensor& scale_tensor, double backoff_factor) {
+  const double scale = scale_tensor.item<float>();
+  if (scale * backoff_factor < std::numeric_limits<float>::min()) {
+    TORCH_WARN_ONCE("lockstep::GradScaler: the gradients hold inf or NaN at a loss scale of ", scale, ", float32's "
+                    "smallest normal number or near it, where no float16 overflow is left: the loss or a parameter "
+                    "is likely inf or NaN (a learning rate too large, a log of 0, data with NaN). Steps are skipped "
+                    "while it lasts, and the scale grows back once gradients are finite.");
+  }
 }
 
 } // namespace
@@ -437,6 +449,8 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   const bool overflowed = state.found_inf.item<float>() != 0;
   if (!overflowed) {
     optimizer.step();
+  } else {
+    warn_at_the_floor(scale_, options_.backoff_factor());
   }
   state.stage = Stage::Stepped;
   return !overflowed;
@@ -450,7 +464,11 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
 // gradient unscales to inf or NaN, and every later step is skipped, even
 // once the cause (a stretch of bad data, a spike) has passed, since a scale
 // of 0 never grows back. So update() keeps the scale at float32's smallest
-// normal number or above: a run that recovers grows it again from there.
+// normal number or above, and step() warns once when a skipped step finds it
+// there: at such a scale float16 gradients underflow to 0 rather than
+// overflow, so the cause is a loss or parameter that is not finite. A run
+// whose gradients are finite again grows the scale back, one growth_factor
+// per growth_interval good steps.
 void GradScaler::update() {
   if (!options_.enabled()) {
     return;
@@ -524,7 +542,13 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
                 "GradScaler's save() (a disabled one saves nothing)");
     return value.item<double>();
   };
-  const double scale = read("scale");
+  double scale = read("scale");
+  if (scale > 0 && scale < std::numeric_limits<float>::min()) { // Note [The loss scale's floor]
+    TORCH_WARN("lockstep::GradScaler::load: the archive's scale ", scale, " is below float32's smallest normal "
+               "number, which a scaler without a floor backs off to; it is loaded as ",
+               std::numeric_limits<float>::min(), ".");
+    scale = std::numeric_limits<float>::min();
+  }
   const double growth_factor = read("growth_factor");
   const double backoff_factor = read("backoff_factor");
   const double interval = read("growth_interval");

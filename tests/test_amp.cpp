@@ -335,6 +335,8 @@ TEST(GradScaler, BackingOffStopsAtFloat32sSmallestNormalAndTheRunRecovers) {
   }
   EXPECT_TRUE(scaled_step(scaler, sgd, w, false)) << "a finite gradient must step again";
   EXPECT_TRUE(torch::allclose(w, torch::full({3}, 0.9f))) << "the unscaled gradient is 1: one step of 0.1";
+  // The update without ATen's kernel (1.13 on some devices) keeps the same floor.
+  EXPECT_EQ(detail::next_scale(static_cast<float>(smallest), 0, true, 2.0, 0.5, 10).first, static_cast<float>(smallest));
 }
 
 TEST(GradScaler, DisabledEveryCallPassesThrough) {

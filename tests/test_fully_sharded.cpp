@@ -121,6 +121,18 @@ TEST(FullyShardedDataParallel, ClipGradNormClipsByTheWholeModelsNorm) {
     EXPECT_ERROR_SAYS(model->clip_grad_norm_(1.0, 0.0), "norm_type 0 is not a norm");
     EXPECT_ERROR_SAYS(model->clip_grad_norm_(-1.0), "max_norm -1 is not a largest norm");
     EXPECT_ERROR_SAYS(model->clip_grad_norm_(std::nan("")), "max_norm nan is not a largest norm");
+    model->forward(torch::randn({4, 7})).sum().backward();
+    std::vector<torch::Tensor> before;
+    for (const auto& p : model->parameters()) {
+      before.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+    }
+    const auto norm = model->clip_grad_norm_(std::numeric_limits<double>::infinity());
+    EXPECT_GT(norm.item<double>(), 0) << "infinity reads the norm";
+    for (size_t i = 0; i < before.size(); ++i) {
+      if (before[i].defined()) {
+        EXPECT_TRUE(torch::equal(model->parameters()[i].grad(), before[i])) << "and clips nothing";
+      }
+    }
   });
 }
 

@@ -24,6 +24,7 @@ namespace {
 
 using testing::bucket_of;
 using testing::error_of;
+using testing::saved;
 
 // M = A B^T with A (rows x rank) and B (cols x rank) drawn from `seed`: a
 // matrix of that rank.
@@ -61,6 +62,10 @@ TEST(PowerSGD, PlanCompressesTheMatricesWorthItAndSendsTheRestWhole) {
   auto thin = detail::plan_powersgd(bucket_of({torch::zeros({2, 50})}), 8, 0.5);
   ASSERT_EQ(thin.matrices.size(), 1u);
   EXPECT_EQ(thin.matrices[0].rank, 2);
+  EXPECT_FALSE(plan.gaps);
+  auto gapped = bucket_of({torch::zeros({4, 4}), torch::zeros({3})});
+  gapped.gradients[1] = gapped.buffer.narrow(0, 17, 2); // one element between the two
+  EXPECT_TRUE(detail::plan_powersgd(gapped, 1, 2.0).gaps);
 }
 
 TEST(PowerSGD, GradientsThatDoNotViewTheBufferAreRefused) {
@@ -286,18 +291,6 @@ TEST(PowerSGD, CompressionRateCountsEveryBucketOfTheIteration) {
 }
 
 // A tensor of PowerSGD's saved state ("parameter.0.error", ...).
-torch::Tensor saved(const PowerSGD& powersgd, const std::string& key) {
-  std::stringstream bytes;
-  torch::serialize::OutputArchive out;
-  powersgd.save(out);
-  out.save_to(bytes);
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  torch::Tensor value;
-  in.read(key, value);
-  return value;
-}
-
 TEST(PowerSGD, ErrorFeedbackCarriesTheResidualIntoTheNextIteration) {
   ProcessGroup one;
   PowerSGD powersgd(PowerSGDOptions().rank(1).start_iteration(2));

@@ -27,6 +27,26 @@ TEST(PowerSGDThreads, AZeroGradientAndAnOverflowDoNotBecomeTheState) {
   }
 }
 
+// PyTorch's powerSGD_hook: the error of a gradient sent whole is what this
+// rank had (its gradient plus its error) minus the average that came back,
+// as for the compressed ones; at one rank it is always 0.
+TEST(PowerSGDThreads, AWholeGradientsErrorIsWhatTheRankHadMinusTheAverage) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    PowerSGD powersgd(PowerSGDOptions().rank(1).start_iteration(0));
+    const double mine = 1.0 + group.rank(); // the average is 1.5
+    double error = 0;
+    for (int i = 0; i < 3; ++i) {
+      auto bucket = testing::bucket_of({torch::ones({16, 8}), torch::full({8}, mine)});
+      powersgd(group, bucket)->wait();
+      const double average = 1.5; // the ranks' errors, +e and -e, average to 0
+      EXPECT_TRUE(torch::allclose(bucket.gradients[1], torch::full({8}, average))) << "iteration " << i;
+      error = mine + error - average;
+      EXPECT_TRUE(torch::allclose(testing::saved(powersgd, "parameter.1.error"), torch::full({8}, error)))
+          << "iteration " << i << " on rank " << group.rank();
+    }
+  });
+}
+
 // Note [Average]: float16 is divided before it is summed. PowerSGD's
 // allreduces summed and divided after, so two ranks' 40000 (and Q's of
 // 42426, from an 8 x 8 gradient of 15000) came back inf where DDP's own

@@ -154,8 +154,10 @@ class GradScaler {
 
 namespace detail {
 /// One update of the scale, as ATen's _amp_update_scale_ kernel computes it
-/// (in float): back off on found_inf, grow after growth_interval good steps
-/// unless that overflows. Returns {scale, growth_tracker}.
+/// (in float): back off on found_inf, not below float32's smallest normal
+/// number (GradScaler::update() keeps that floor after the kernel too), grow
+/// after growth_interval good steps unless that overflows. Returns {scale,
+/// growth_tracker}.
 std::pair<float, int32_t> next_scale(float scale, int32_t growth_tracker, bool found_inf, double growth_factor,
                                      double backoff_factor, int64_t growth_interval);
 } // namespace detail

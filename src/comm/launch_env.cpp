@@ -132,7 +132,7 @@ void check_timeout(std::chrono::milliseconds timeout, const char* what) {
 // The options' own values, before any is replaced by the environment's: a
 // value that is neither "unset" nor in range would be read as unset (a
 // world_size of 0, a port of -1), or cut to an int (a world_size of 2^32 +
-// 2 became 2).
+// 2 to 2).
 void check_set_options(const ProcessGroupOptions& options) {
   TORCH_CHECK(options.world_size() == -1 || (options.world_size() >= 1 && options.world_size() <= (1 << 20)),
               "lockstep: ProcessGroupOptions::world_size is ", options.world_size(), "; expected 1 to ", 1 << 20,

@@ -112,7 +112,7 @@ ProcessGroup::ProcessGroup() : impl_(std::make_shared<detail::LocalGroup>()) {}
 ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
   TORCH_CHECK(impl != nullptr, "lockstep::ProcessGroup: the group implementation is null.");
   // Every wrapper divides by size() and indexes by rank(): a group of 0
-  // divided by zero, a rank out of range read past the micro-batches.
+  // would divide by zero, a rank out of range read past the micro-batches.
   TORCH_CHECK(impl->size() >= 1 && impl->rank() >= 0 && impl->rank() < impl->size(), "lockstep::ProcessGroup: the ",
               impl->backend(), " group implementation says it is rank ", impl->rank(), " of ", impl->size(),
               "; a group has at least one rank, and 0 <= rank() < size(): fix its rank() and size().");

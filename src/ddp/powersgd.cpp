@@ -233,7 +233,10 @@ void Round::start() {
   timeline::Span span("PowerSGD: P = M Q");
   torch::NoGradGuard no_grad;
   if (state_->options.error_feedback()) {
-    kept_ = torch::empty({plan_.parameter_elements}, bucket_.buffer.options());
+    // Zeros in gaps between gradients, not whatever the memory held, which
+    // a saved state would carry.
+    kept_ = plan_.gaps ? torch::zeros({plan_.parameter_elements}, bucket_.buffer.options())
+                       : torch::empty({plan_.parameter_elements}, bucket_.buffer.options());
   }
   std::vector<bool> compressed(bucket_.gradients.size(), false);
   for (const auto& m : plan_.matrices) {

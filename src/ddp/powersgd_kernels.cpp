@@ -111,9 +111,9 @@ torch::Tensor times_thin(const torch::Tensor& x, const torch::Tensor& f) {
 // averaged factors: ranks on AVX512 and on AVX2 keep the same parameters.
 // One core, n x m = 1024 x 784, r = 4, in cache (2026-11-30's AMD EPYC,
 // 2.15's MKL): step 1 0.15 ms against 0.29 for the addition and the BLAS's
-// product, step 2 0.11 against 0.14, step 3 0.08 against 0.56 before its
-// loop vectorised. DDP + PowerSGD's step on the MLP, 2 ranks on 2 cores:
-// 1.03 x the steps per second (docs/performance.md).
+// product, step 2 0.11 against 0.14, step 3 0.08 against 0.56 for a scalar
+// loop. DDP + PowerSGD's step on the MLP, 2 ranks on 2 cores: 1.03 x the
+// steps per second of the BLAS's (docs/performance.md).
 constexpr int kLanes = 16;
 // kLanes floats as one value: GCC's vector extension, which each clone
 // lowers to its own registers (one AVX512 register, two AVX2 ones, four
@@ -259,8 +259,9 @@ void project_(torch::Tensor p, const torch::Tensor& gradient, const torch::Tenso
               torch::Tensor kept) {
   TORCH_INTERNAL_ASSERT(gradient.dim() == 2 && q.dim() == 2 && p.dim() == 2 && q.size(0) == gradient.size(1) &&
                         p.size(0) == gradient.size(0) && p.size(1) == q.size(1));
+  // The rows' loop keeps gradient + error only where it is asked to keep it.
   if (by_rows({&p, &gradient, &error, &kept}, q.size(1)) && q.device().is_cpu() &&
-      q.scalar_type() == torch::kFloat) {
+      q.scalar_type() == torch::kFloat && (kept.defined() || !error.defined())) {
     const auto q_t = q.t().contiguous();
     project_rows(p.data_ptr<float>(), gradient.data_ptr<float>(), error.defined() ? error.data_ptr<float>() : nullptr,
                  q_t.data_ptr<float>(), kept.defined() ? kept.data_ptr<float>() : nullptr, gradient.size(0),

@@ -63,6 +63,7 @@ PowerSGDPlan plan_powersgd(const GradBucket& bucket, int64_t rank, double min_ra
   for (const auto& [offset, i] : order) {
     const auto& g = bucket.gradients[i];
     TORCH_CHECK(offset >= cursor, "lockstep::PowerSGD: gradients of ", bucket.name, " overlap at element ", offset, ".");
+    plan.gaps = plan.gaps || offset > cursor;
     add_whole(plan, cursor, offset - cursor);
     cursor = offset + g.numel();
     const int64_t rows = g.dim() >= 2 ? g.size(0) : 0;

@@ -32,6 +32,7 @@ struct PowerSGDPlan {
   std::vector<PowerSGDMatrix> matrices;
   std::vector<int64_t> offsets; // of each gradient in the buffer
   int64_t parameter_elements = 0; // where the last gradient ends: what error feedback covers
+  bool gaps = false; // whether elements before that lie between gradients (a bucket made by hand)
   int64_t bucket_elements = 0;
   int64_t whole_elements = 0, p_elements = 0, q_elements = 0;
   int64_t sent() const {

@@ -325,9 +325,11 @@ torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_
               "std::numeric_limits<double>::infinity()");
   // A negative max_norm would flip every gradient's sign (the factor below
   // is max_norm / norm), and NaN would make every gradient NaN after the
-  // loss scaler's check.
-  TORCH_CHECK(std::isfinite(max_norm) && max_norm >= 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ",
-              group_.rank(), ": max_norm ", max_norm, " is not a largest norm; pass a finite number >= 0.");
+  // loss scaler's check. Infinity clips nothing: the norm alone, as in
+  // PyTorch.
+  TORCH_CHECK(!std::isnan(max_norm) && max_norm >= 0, "lockstep::FullyShardedDataParallel::clip_grad_norm_: rank ",
+              group_.rank(), ": max_norm ", max_norm, " is not a largest norm; pass a number >= 0, or infinity to "
+              "read the norm without clipping.");
   CollectiveTag tag(model_tag(state_->model, 0)); // Note [Collective tags]: two models' norms never swap
   if (state_->micro_batches) {
     return state_->exact_clip_grad_norm_(max_norm, norm_type);

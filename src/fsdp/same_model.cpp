@@ -37,8 +37,8 @@ std::string devices_of(const std::vector<std::string>& names, const std::vector<
 
 // What every rank's wrapper must agree on: the units and strategy set the
 // collectives, the dtypes their sizes, and in deterministic mode the seed
-// each micro-batch's random numbers (a seed of base + rank gave each rank
-// other dropout masks, and other bits at another world size, silently).
+// each micro-batch's random numbers (a seed of base + rank would give each
+// rank other dropout masks, and other bits at another world size).
 std::string describe(const ShardingOptions& options) {
   std::ostringstream out;
   const char* strategies[] = {"FullShard", "ShardGradOp", "NoShard"};

@@ -17,6 +17,14 @@ SafetensorsSaveOptions& SafetensorsSaveOptions::max_shard_bytes(int64_t bytes) {
 }
 
 SafetensorsSaveOptions& SafetensorsSaveOptions::metadata(SafetensorsMetadata metadata) {
+  // A file's __metadata__ holds each key once: the last value would win.
+  for (size_t i = 0; i < metadata.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK(metadata[j].first != metadata[i].first, "lockstep: the safetensors metadata has the key \"",
+                  metadata[i].first, "\" twice (\"", metadata[j].second, "\" and \"", metadata[i].second, "\"); a "
+                  "file's __metadata__ holds each key once: give it one value.");
+    }
+  }
   metadata_ = std::move(metadata);
   return *this;
 }

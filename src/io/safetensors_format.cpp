@@ -200,10 +200,7 @@ std::string safetensors_header(std::vector<SafetensorsEntry>& entries, const Saf
   if (!metadata.empty()) {
     Json pairs = Json::object();
     for (const auto& [key, value] : metadata) {
-      TORCH_CHECK(!pairs.contains(key), "lockstep: the safetensors metadata has the key \"", key, "\" twice (\"",
-                  pairs[key].get<std::string>(), "\" and \"", value, "\"); a file's __metadata__ holds each key once: "
-                  "give it one value.");
-      pairs[key] = value;
+      pairs[key] = value; // the library's own keys, added last, replace a caller's copy of them
     }
     json["__metadata__"] = std::move(pairs);
   }

@@ -120,8 +120,9 @@ class Recorder {
     const std::string path = rank_path(env("LOCKSTEP_TIMELINE"), rank_from_env(), world_size_from_env());
     const std::string problem = unwritable_because(path);
     if (!problem.empty()) {
-      std::fprintf(stderr, "lockstep: rank %d: LOCKSTEP_TIMELINE: %s, so this rank's timeline cannot be written "
-                   "there; give a file in a folder that exists.\n", rank_from_env(), problem.c_str());
+      std::fprintf(stderr, "lockstep: rank %d: LOCKSTEP_TIMELINE: %s as the rank starts; unless that changes by "
+                   "the time it exits, its timeline will not be written. Give a file in a folder that exists.\n",
+                   rank_from_env(), problem.c_str());
     }
   }
   ~Recorder() {

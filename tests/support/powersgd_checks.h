@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,19 @@ namespace testing {
 /// A bucket as DistributedDataParallel builds it: the gradients' views of one
 /// flat buffer of the first one's dtype, then `extra` trailing elements
 /// (static_graph's flag).
+/// The entry `key` of what powersgd.save() writes ("parameter.1.error").
+inline torch::Tensor saved(const PowerSGD& powersgd, const std::string& key) {
+  std::stringstream bytes;
+  torch::serialize::OutputArchive out;
+  powersgd.save(out);
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  torch::Tensor value;
+  in.read(key, value);
+  return value;
+}
+
 inline GradBucket bucket_of(const std::vector<torch::Tensor>& gradients, int64_t extra = 0,
                             torch::Device device = torch::kCPU) {
   int64_t total = extra;
