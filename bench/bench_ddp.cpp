@@ -14,7 +14,7 @@
 // gradop-mpi (over MPI, under mpirun) | fullshard-bf16 (FullShard with
 // param_dtype bf16 and reduce_dtype fp32: all-gathers of half the bytes) |
 // powersgd (DDP with PowerSGD at --powersgd-rank, compressing from the
-// third step) | comm (communication alone: each step allreduces buffers of
+// third step) | powersgd-views (the same with gradient_as_bucket_view) | comm (communication alone: each step allreduces buffers of
 // the sizes of DDP's buckets, with no compute) | checkpointed,
 // fullshard-checkpointed (vit and gpt: DDP and FullShard with each block a
 // lockstep::checkpoint segment).
@@ -180,14 +180,14 @@ template <typename M>
 std::shared_ptr<lockstep::DistributedDataParallel<M>> replicate(M net, const lockstep::ProcessGroup& group,
                                                                 const std::string& mode, const BenchOptions& bench) {
   auto options = lockstep::DistributedOptions()
-                     .gradient_as_bucket_view(mode == "views")
+                     .gradient_as_bucket_view(mode == "views" || mode == "powersgd-views")
                      .static_graph(mode == "static")
                      .rebuild_buckets(mode != "norebuild")
                      .bucket_cap_mb(bench.bucket_cap_mb);
   if (mode == "deterministic") { // one micro-batch per rank: each rank's work is plain DDP's
     options.deterministic(true).micro_batches(group.size());
   }
-  if (mode == "powersgd") {
+  if (mode == "powersgd" || mode == "powersgd-views") {
     options.comm_hook(lockstep::comm_hooks::powersgd(
         lockstep::PowerSGDOptions().rank(bench.powersgd_rank).start_iteration(2)));
   }
@@ -424,7 +424,7 @@ int parse_options(int argc, char** argv, RunOptions& options) {
                  "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward), nocomm (no communication), deterministic and fullshard-deterministic (one micro-batch per rank), checkpointed and fullshard-checkpointed (vit and gpt: each block a lockstep::checkpoint segment) or the sharded and compressed modes")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
                                          "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
-                                         "gradop-mpi", "fullshard-bf16", "powersgd", "comm", "deterministic",
+                                         "gradop-mpi", "fullshard-bf16", "powersgd", "powersgd-views", "comm", "deterministic",
                                          "fullshard-deterministic", "checkpointed", "fullshard-checkpointed"}));
   app.add_option("MODEL", options.model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "
                  "last layer first), wide (8 x Linear(2048, 2048)), cnn (the trainer's, with BatchNorm, batch 64), vit (the "

@@ -140,7 +140,8 @@ for model in sys.argv[2:]:
             print(f"  {mine}/{peer} = {med[mine] / med[peer]:.3f}")
     # Sharded data parallelism against DDP on the same backend, and against PyTorch's FSDP.
     for mine, peer in (("lockstep", "lockstep-tcp"), ("lockstep-tcp", "python"), ("powersgd", "nocomm"),
-                       ("powersgd-tcp", "nocomm"), ("powersgd", "lockstep"), ("deterministic", "lockstep"),
+                       ("powersgd-tcp", "nocomm"), ("powersgd-views", "nocomm"), ("powersgd-views", "powersgd"),
+                       ("powersgd", "lockstep"), ("deterministic", "lockstep"),
                        ("fullshard-deterministic", "fullshard"),
                        ("gradop", "lockstep"), ("fullshard", "lockstep"), ("noshard", "lockstep"),
                        ("gradop-mpi", "mpi"), ("fullshard-mpi", "mpi"), ("fullshard", "python-fsdp"),
