@@ -151,13 +151,19 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
   static torch::Tensor forward(
       torch::autograd::AutogradContext* ctx,
       const torch::Tensor& input,
-      const torch::Tensor& weight,
-      const torch::Tensor& bias,
-      torch::Tensor running_mean,
-      torch::Tensor running_var,
+      const c10::optional<torch::Tensor>& maybe_weight,
+      const c10::optional<torch::Tensor>& maybe_bias,
+      const c10::optional<torch::Tensor>& maybe_running_mean,
+      const c10::optional<torch::Tensor>& maybe_running_var,
       double eps,
       double momentum,
       c10::intrusive_ptr<GroupCapsule> capsule) {
+    // Optional: apply() refuses an undefined tensor argument, and a layer
+    // without affine or track_running_stats has none.
+    const auto weight = maybe_weight.value_or(torch::Tensor());
+    const auto bias = maybe_bias.value_or(torch::Tensor());
+    const auto running_mean = maybe_running_mean.value_or(torch::Tensor());
+    const auto running_var = maybe_running_var.value_or(torch::Tensor());
     const ProcessGroup& group = capsule->group;
     const auto x = input.contiguous(input.suggest_memory_format()); // channels-last stays so, as BatchNorm's
     const int64_t channels = x.size(1);
@@ -430,7 +436,11 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
                                                      options.eps());
   }
   auto label = path_.empty() ? std::string("SyncBatchNorm") : "SyncBatchNorm '" + path_ + "'";
-  return SyncBatchNormFunction::apply(input, weight, bias, running_mean, running_var, options.eps(), factor,
+  const auto maybe = [](const torch::Tensor& t) {
+    return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+  };
+  return SyncBatchNormFunction::apply(input, maybe(weight), maybe(bias), maybe(running_mean), maybe(running_var),
+                                      options.eps(), factor,
                                       c10::make_intrusive<GroupCapsule>(group, tag_, std::move(label)));
 }
 

@@ -11,6 +11,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <vector>
+
 namespace lockstep {
 namespace {
 
@@ -89,6 +91,41 @@ TEST(SyncBatchNormThreads, AFloat64ChannelFarFromZeroKeepsItsVariance) {
     EXPECT_LT(relative_error(norm->running_var, reference_var), 1e-6) << norm->running_var;
     EXPECT_LT(relative_error(norm->running_mean, reference_mean), 1e-12) << norm->running_mean;
   });
+}
+
+// Without affine parameters or running statistics, as PyTorch's
+// SyncBatchNorm takes weight=None and running_mean=None: the whole batch's
+// output and input gradient, and statistics tracked where asked.
+TEST(SyncBatchNormThreads, WithoutAffineOrRunningStatisticsNormalisesTheWholeBatch) {
+  torch::manual_seed(0);
+  const auto whole = torch::randn({6, 3, 4}, torch::kDouble);
+  const auto dy = torch::randn({6, 3, 4}, torch::kDouble);
+  auto reference_input = whole.clone().requires_grad_();
+  const auto reference = torch::batch_norm(reference_input, {}, {}, {}, {}, /*training=*/true, 0.1, 1e-5,
+                                           /*cudnn_enabled=*/false);
+  reference.backward(dy);
+  for (const bool affine : {false, true}) {
+    for (const bool track : {false, true}) {
+      if (affine && track) {
+        continue;
+      }
+      SCOPED_TRACE("affine " + std::to_string(affine) + ", track_running_stats " + std::to_string(track));
+      testing::spawn(2, [&](ProcessGroup& group) {
+        SyncBatchNorm norm(torch::nn::BatchNormOptions(3).affine(affine).track_running_stats(track), group);
+        norm->to(torch::kDouble);
+        const auto rows = torch::indexing::Slice(3 * group.rank(), 3 * group.rank() + 3);
+        auto x = whole.index({rows}).clone().requires_grad_();
+        const auto out = norm->forward(x);
+        EXPECT_LT(relative_error(out, reference.index({rows})), 1e-12);
+        out.backward(dy.index({rows}));
+        EXPECT_LT(relative_error(x.grad(), reference_input.grad().index({rows})), 1e-12);
+        EXPECT_EQ(norm->running_mean.defined(), track);
+        if (track) {
+          EXPECT_LT(relative_error(norm->running_mean, 0.1 * whole.mean(std::vector<int64_t>{0, 2})), 1e-12);
+        }
+      });
+    }
+  }
 }
 
 // A channels-last input gives a channels-last output, as BatchNorm's (and
