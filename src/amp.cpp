@@ -122,16 +122,18 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype,
               "lockstep::AutocastGuard: lockstep runs autocast for CPU and CUDA tensors, not ", device_type,
               " ones: DataParallel's replicas and lockstep::checkpoint's recomputation would run without it; use "
               "torch::kCPU or torch::kCUDA");
-  TORCH_CHECK(dtype == c10::kBFloat16 || dtype == c10::kHalf, "lockstep::AutocastGuard: dtype ", dtype,
+  // A disabled guard's dtype is never used (`AutocastGuard g(kCPU, amp ? kBFloat16 : kFloat, amp)`, as
+  // torch.autocast takes it): it keeps the dtype it found.
+  TORCH_CHECK(!enabled || dtype == c10::kBFloat16 || dtype == c10::kHalf, "lockstep::AutocastGuard: dtype ", dtype,
               " is not a lower precision autocast can run in; pass torch::kBFloat16 or torch::kHalf");
-  TORCH_CHECK(device_type != c10::DeviceType::CPU || dtype != c10::kHalf || detail::kCpuAutocastTakesHalf,
+  TORCH_CHECK(!enabled || device_type != c10::DeviceType::CPU || dtype != c10::kHalf || detail::kCpuAutocastTakesHalf,
               "lockstep::AutocastGuard: CPU autocast to float16 needs PyTorch 2.4 or later, and this LibTorch is ",
               TORCH_VERSION, "; pass torch::kBFloat16 for the CPU");
   previous_enabled_ = detail::autocast_enabled(device_type);
   previous_dtype_ = detail::autocast_dtype(device_type);
   previous_cache_enabled_ = at::autocast::is_autocast_cache_enabled();
   detail::set_autocast_enabled(device_type, enabled);
-  detail::set_autocast_dtype(device_type, dtype);
+  detail::set_autocast_dtype(device_type, enabled ? dtype : previous_dtype_);
   at::autocast::set_autocast_cache_enabled(cache_enabled.value_or(previous_cache_enabled_));
   at::autocast::increment_nesting();
   thread_ = this_thread_number();

@@ -4,6 +4,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "src/util/torch_compat.h"
 #include "support/errors.h"
 
 #include <ATen/autocast_mode.h>
@@ -13,6 +14,7 @@
 
 #include <limits>
 #include <sstream>
+#include <string>
 #include <vector>
 
 namespace lockstep {
@@ -88,6 +90,19 @@ TEST(AutocastGuard, RefusesWhatAutocastCannotRun) {
   EXPECT_ERROR_SAYS(AutocastGuard(torch::kCPU, torch::kHalf), "CPU autocast to float16 needs PyTorch 2.4");
 #endif
   EXPECT_EQ(mm_dtype(), torch::kFloat) << "a refused guard left autocast on";
+}
+
+// `AutocastGuard g(kCPU, amp ? kBFloat16 : kFloat, amp)`, as torch.autocast
+// takes float32 when disabled: the guard turns autocast off and keeps the
+// dtype an enclosing guard set.
+TEST(AutocastGuard, ADisabledGuardTakesAnyDtypeAndKeepsTheOneItFound) {
+  AutocastGuard outer(torch::kCPU, torch::kBFloat16);
+  {
+    AutocastGuard off(torch::kCPU, torch::kFloat, /*enabled=*/false);
+    EXPECT_EQ(mm_dtype(), torch::kFloat);
+    EXPECT_EQ(detail::autocast_dtype(torch::kCPU), torch::kBFloat16);
+  }
+  EXPECT_EQ(mm_dtype(), torch::kBFloat16);
 }
 
 // PyTorch's test_grad_scaling_update_scale: growth 2, backoff 0.25, interval 2.
@@ -337,6 +352,48 @@ TEST(GradScaler, BackingOffStopsAtFloat32sSmallestNormalAndTheRunRecovers) {
   EXPECT_TRUE(torch::allclose(w, torch::full({3}, 0.9f))) << "the unscaled gradient is 1: one step of 0.1";
   // The update without ATen's kernel (1.13 on some devices) keeps the same floor.
   EXPECT_EQ(detail::next_scale(static_cast<float>(smallest), 0, true, 2.0, 0.5, 10).first, static_cast<float>(smallest));
+}
+
+// The texts of the warnings raised while a WarningsTo guard holds it.
+struct Warnings : detail::WarningTextHandler {
+  std::vector<std::string> texts;
+  void on_warning(const std::string& text) override {
+    texts.push_back(text);
+  }
+};
+
+// Note [The loss scale's floor]: a step skipped where the scale cannot back
+// off further says why, and a scale loaded below the floor says it was raised.
+TEST(GradScaler, WarnsWhenItSkipsAStepAtTheFloorOrLoadsAScaleBelowIt) {
+  const double smallest = std::numeric_limits<float>::min();
+  auto w = torch::ones({3}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(4 * smallest).backoff_factor(0.5));
+  Warnings warnings;
+  {
+    detail::WarningsTo to(warnings);
+    scaled_step(scaler, sgd, w, true);
+    scaled_step(scaler, sgd, w, true);
+    EXPECT_TRUE(warnings.texts.empty()) << "the scales 4 and 2 times the floor back off to it: " << warnings.texts[0];
+    scaled_step(scaler, sgd, w, true);
+    ASSERT_EQ(warnings.texts.size(), 1u) << "a step skipped at the floor warns";
+    EXPECT_NE(warnings.texts[0].find("the gradients hold inf or NaN at a loss scale of 1.17549e-38"), std::string::npos)
+        << warnings.texts[0];
+
+    GradScaler saved(GradScalerOptions().init_scale(8.0));
+    torch::serialize::OutputArchive out;
+    saved.save(out);
+    out.write("scale", torch::tensor(1e-40, torch::kDouble), /*is_buffer=*/true);
+    std::stringstream bytes;
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    scaler.load(in);
+  }
+  ASSERT_EQ(warnings.texts.size(), 2u);
+  EXPECT_NE(warnings.texts[1].find("the archive's scale 1e-40 is below float32's smallest normal"), std::string::npos)
+      << warnings.texts[1];
+  EXPECT_EQ(scaler.get_scale(), smallest);
 }
 
 TEST(GradScaler, DisabledEveryCallPassesThrough) {

@@ -8,6 +8,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -149,7 +150,7 @@ constexpr bool kCpuAutocastTakesHalf = false;
 /// The safetensors dtypes that only some LibTorch releases have, by their
 /// safetensors names (the Python package's table, safetensors/torch.py):
 /// float8 came in 2.1 (its fnuz variants in 2.2), the unsigned integers
-/// wider than a byte in 2.3.
+/// wider than a byte in 2.3, float8_e8m0fnu (microscaling's scales) in 2.7.
 inline std::vector<std::pair<std::string, c10::ScalarType>> versioned_safetensors_dtypes() {
   std::vector<std::pair<std::string, c10::ScalarType>> dtypes;
 #if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 201
@@ -164,6 +165,9 @@ inline std::vector<std::pair<std::string, c10::ScalarType>> versioned_safetensor
   dtypes.emplace_back("U16", c10::ScalarType::UInt16);
   dtypes.emplace_back("U32", c10::ScalarType::UInt32);
   dtypes.emplace_back("U64", c10::ScalarType::UInt64);
+#endif
+#if TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 207
+  dtypes.emplace_back("F8_E8M0", c10::ScalarType::Float8_e8m0fnu);
 #endif
   return dtypes;
 }
@@ -200,6 +204,40 @@ class AllocatorBase<Base, false> : public Base {
 };
 
 using CpuAllocatorBase = AllocatorBase<c10::Allocator>;
+
+/// Hands the text of each warning raised on this thread to on_warning while
+/// a WarningsTo guard holds it, TORCH_WARN_ONCE's every time. The handler's
+/// namespace and process() differ: c10::Warning and (location, text, verbatim)
+/// in 1.13, c10::WarningUtils and a c10::Warning from 2.0 on.
+class WarningTextHandler : public c10::WarningHandler {
+ public:
+  virtual void on_warning(const std::string& text) = 0;
+#if TORCH_VERSION_MAJOR >= 2
+  void process(const c10::Warning& warning) override {
+    on_warning(warning.msg());
+  }
+#else
+  void process(const c10::SourceLocation&, const std::string& text, const bool) override {
+    on_warning(text);
+  }
+#endif
+};
+
+#if TORCH_VERSION_MAJOR >= 2
+namespace warning_utils = c10::WarningUtils;
+#else
+namespace warning_utils = c10::Warning;
+#endif
+
+/// Routes this thread's warnings to a handler, each one every time, while it lives.
+class WarningsTo {
+ public:
+  explicit WarningsTo(WarningTextHandler& handler) : handler_(&handler), always_(true) {}
+
+ private:
+  warning_utils::WarningHandlerGuard handler_;
+  warning_utils::WarnAlways always_;
+};
 
 } // namespace detail
 } // namespace lockstep
