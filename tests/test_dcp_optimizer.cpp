@@ -120,6 +120,51 @@ TEST(DcpOptimizer, AdamsStateSavedAtTwoRanksLoadsAtThreeUnderPyTorchsNames) {
   });
 }
 
+// The state is kept by parameter name: a save whose units list a group's
+// parameters in another order loads; a group of other parameters is
+// refused, naming one.
+TEST(DcpOptimizer, AGroupsParametersInAnotherOrderLoadAndOtherParametersAreNamed) {
+  const auto dir = testing::scratch("dcp_units");
+  torch::manual_seed(4);
+  const auto initial = bn_net();
+  Moments saved;
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone()), group,
+                                        ShardingOptions().units({"0"}));
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    model(torch::randn({4, 5})).pow(2).sum().backward();
+    adam.step();
+    save_sharded(model, adam, dir);
+    auto all = gathered(model, adam);
+    if (group.rank() == 0) {
+      saved = all;
+    }
+  });
+  testing::spawn(1, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(bn_net(), group);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.5));
+    load_sharded(model, adam, dir);
+    expect_same(gathered(model, adam), saved, "one unit");
+  });
+  const auto two_groups = [](auto& model) {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    for (const auto& flat : model->parameters()) {
+      groups.emplace_back(std::vector<torch::Tensor>{flat});
+    }
+    return groups;
+  };
+  const auto grouped = testing::scratch("dcp_units_groups");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<Net> model(bn_net(), group, ShardingOptions().units({"0"}));
+    torch::optim::Adam adam(two_groups(model), torch::optim::AdamOptions(0.01));
+    save_sharded(model, adam, grouped);
+    FullyShardedDataParallel<Net> other(bn_net(), group, ShardingOptions().units({"2"}));
+    torch::optim::Adam other_adam(two_groups(other), torch::optim::AdamOptions(0.01));
+    EXPECT_ERROR_SAYS(load_sharded(other, other_adam, grouped), "parameter group 0 held '2.bias', which this "
+                      "optimizer's does not (2 saved parameters are not here, and 2 here were not saved)");
+  });
+}
+
 // A folder as PyTorch's dcp.save writes an FSDP2 model's and Adam's state
 // ({**model.state_dict(), "state": optimizer_state["state"]}), here one
 // plain file: its state loads, with the step as float32, and the caller's

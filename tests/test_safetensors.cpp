@@ -188,6 +188,24 @@ TEST(Safetensors, StrictLoadListsMissingAndUnexpectedNamesAsPythonAndLoadsNothin
   EXPECT_NE(model->named_parameters()["2.bias"].abs().sum().item<float>(), 0.0f);
 }
 
+// A Python DistributedDataParallel's state_dict() names every tensor
+// "module.<name>": the error says so, and strict(false), which would load
+// nothing, is refused instead of leaving the module as it was without a word.
+TEST(Safetensors, NamesWithPythonWrappersPrefixAreNamedAsSuch) {
+  torch::OrderedDict<std::string, torch::Tensor> tensors;
+  auto model = net();
+  for (const auto& item : model->named_parameters()) {
+    tensors.insert("module." + item.key(), torch::zeros_like(item.value()));
+  }
+  const auto path = testing::scratch("ddp_prefix.safetensors");
+  write_safetensors(tensors, path);
+  EXPECT_ERROR_SAYS(load_safetensors(model, path), "Unexpected key(s) in state_dict: \"module.0.bias\"",
+                    "carry the prefix \"module.\" of a Python DistributedDataParallel's");
+  EXPECT_ERROR_SAYS(load_safetensors(model, path, SafetensorsLoadOptions().strict(false)),
+                    "holds none of the module's 9 names", "the file's first is \"module.0.bias\"",
+                    "carry the prefix \"module.\"");
+}
+
 TEST(Safetensors, ShapeMismatchIsAnErrorEvenWhenNotStrict) {
   torch::OrderedDict<std::string, torch::Tensor> tensors;
   tensors.insert("0.weight", torch::zeros({3, 4}));
@@ -272,6 +290,20 @@ TEST(Safetensors, AFailedWriteLeavesNoFile) {
   EXPECT_FALSE(std::filesystem::exists(path));
 }
 
+// A tensor with no dense bytes is refused before any file is written, naming
+// the file and the tensor.
+TEST(Safetensors, ASparseOrMetaTensorIsRefusedNamingIt) {
+  const auto path = testing::scratch("no_bytes.safetensors");
+  torch::OrderedDict<std::string, torch::Tensor> sparse;
+  sparse.insert("s", torch::eye(3).to_sparse());
+  EXPECT_ERROR_SAYS(write_safetensors(sparse, path), "write_safetensors(", "no_bytes.safetensors): tensor 's' is Sparse",
+                    ".to_dense()");
+  torch::OrderedDict<std::string, torch::Tensor> meta;
+  meta.insert("m", torch::empty({2}, torch::TensorOptions().device(torch::kMeta)));
+  EXPECT_ERROR_SAYS(write_safetensors(meta, path), "tensor 'm' is on the meta device");
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
 TEST(Safetensors, AMissingFileIsAnErrorNamingIt) {
   auto model = net();
   EXPECT_ERROR_SAYS(load_safetensors(model, "/nonexistent/model.safetensors"),
@@ -353,6 +385,12 @@ TEST(SafetensorsFormat, DuplicateNamesAreRefused) {
                               R"("w":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
                               "ab");
   EXPECT_NE(parse_error(bytes).find("names tensor 'w' twice"), std::string::npos);
+  // A field given twice in one entry (nlohmann keeps the last, here F32 over I32).
+  const auto fields = raw_file(R"({"v":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                               R"("w":{"dtype":"I32","dtype":"F32","shape":[1],"data_offsets":[1,5]}})",
+                               "abcde");
+  EXPECT_NE(parse_error(fields).find("gives 'dtype' twice in the entry of 'w'"), std::string::npos)
+      << parse_error(fields);
 }
 
 TEST(SafetensorsFormat, AnUnknownDtypeIsRefusedNamingTheKnownOnes) {

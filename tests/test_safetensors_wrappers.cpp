@@ -87,6 +87,24 @@ TEST(SafetensorsWrappers, DistributedDataParallelSavesAndLoadsUnderTheBareNames)
   });
 }
 
+// Every rank saving the same path wrote the same files at once under two
+// save ids, so that a split save's index named one and its files the other
+// (Note [One writer of replicas]): rank 0 alone writes.
+TEST(SafetensorsWrappers, DistributedDataParallelWritesOnRankZeroAlone) {
+  const auto path = testing::scratch("ddp_every_rank.safetensors");
+  const auto only_one = testing::scratch("ddp_rank_one.safetensors");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    DistributedDataParallel<torch::nn::Sequential> ddp(trained_bn_net(4), group);
+    save_safetensors(ddp, path, SafetensorsSaveOptions().max_shard_bytes(64));
+    if (group.rank() == 1) {
+      save_safetensors(ddp, only_one);
+    }
+    group.barrier();
+    expect_same_state(read_safetensors(path), *ddp->module());
+  });
+  EXPECT_FALSE(std::filesystem::exists(only_one)) << "rank 1 wrote the file";
+}
+
 // Saved at 2 ranks by each strategy, the file is the bare module's, bit for
 // bit; loaded at 3 ranks, every rank's summoned parameters are the file's.
 TEST(SafetensorsWrappers, FullyShardedSavesTheWholeModelAndLoadsAtAnotherWorldSize) {

@@ -262,6 +262,37 @@ TEST(ShardedCheckpoint, AFolderOfAnotherSaveThanTheCallerNamesIsRefused) {
   });
 }
 
+// Each rank reads its own folder (node-local storage): one missing on rank 1
+// alone, or of the earlier format on rank 1 alone, fails on every rank, and
+// the ranks' next collectives still pair.
+TEST(ShardedCheckpoint, AFolderMissingOrOfAnotherFormatOnOneRankFailsOnEveryRank) {
+  const auto dir = checkpoint_dir("one_rank");
+  const auto v1_look = checkpoint_dir("one_rank_v1");
+  std::filesystem::create_directories(v1_look);
+  std::ofstream(v1_look + "/index.json") << "{}";
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        FullyShardedDataParallel<Net> model(one_layer(false), group);
+        torch::optim::Adam adam(model->parameters());
+        save_sharded(model, adam, dir);
+        const bool one = group.rank() == 1;
+        const std::string missing = "the folder " + dir + "_not_here is missing";
+        const std::string named = "load_sharded of " + dir + " on rank 1 failed";
+        if (one) {
+          EXPECT_ERROR_SAYS(load_sharded(model, adam, dir + "_not_here"), missing.c_str());
+        } else {
+          EXPECT_ERROR_SAYS(load_sharded(model, adam, dir), named.c_str());
+        }
+        EXPECT_ERROR_SAYS(load_sharded(model, adam, one ? v1_look : dir), "rank 1's folder holds lockstep's earlier "
+                          "sharded format (index.json), rank 0's PyTorch's distributed checkpoint layout");
+        const auto out = model->forward(torch::ones({1, 6}));
+        EXPECT_EQ(out.sizes(), (std::vector<int64_t>{1, 2})) << "the ranks' collectives no longer pair";
+        load_sharded(model, adam, dir);
+      },
+      std::chrono::seconds(20));
+}
+
 // PyTorch's readers take every .safetensors file of the folder, and its
 // default one the .metadata: a save refuses a folder holding either, naming
 // the file, before anything is removed; and a load of PyTorch's default

@@ -29,7 +29,11 @@ class DistributedDataParallelImpl;
 
 /// While alive, forward and backward through the DistributedDataParallel do
 /// not communicate: .grad accumulates locally, and the next forward outside
-/// the guard reduces the accumulated sum in its backward.
+/// the guard reduces the accumulated sum in its backward. A forward in grad
+/// mode outside the guard whose backward never ran (an evaluation without
+/// torch::NoGradGuard) is still waiting for it, and the next backward
+/// reduces, inside the guard or not, as in PyTorch: evaluate under
+/// torch::NoGradGuard.
 class NoSyncGuard {
  public:
   /// Takes over `other`'s guard; `other` then restores nothing when it ends.
@@ -182,6 +186,9 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   /// The group the gradients are averaged over.
   const ProcessGroup& group() const {
     return core_->group();
+  }
+  bool writes_files() const override {
+    return core_->group().rank() == 0;
   }
   /// Indices into the reduced parameters (parameters() that require a
   /// gradient, a shared one once, at its first name) per bucket, in reduction

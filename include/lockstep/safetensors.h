@@ -3,9 +3,10 @@
 /// \file
 /// Weights in and out of LibTorch in safetensors, the format of Hugging Face
 /// and of Python's `safetensors` package: a model saved here loads in Python
-/// with `safetensors.torch.load_file` (or `load_model`), and a Python
-/// `state_dict` saved with `save_file` loads into the LibTorch module of the
-/// same architecture. Names are the module's state-dict names
+/// with `model.load_state_dict(safetensors.torch.load_file(path))` (or
+/// `load_model`, with strict=False for a model with tied weights), and a
+/// Python `state_dict` saved with `save_file` or `save_model` loads into the
+/// LibTorch module of the same architecture. Names are the module's state-dict names
 /// (`body.0.weight`, `bn.running_mean`), which equal Python's.
 
 #include <torch/nn/module.h>
@@ -94,11 +95,15 @@ SafetensorsMetadata read_safetensors_metadata(const std::string& path);
 void write_safetensors(const torch::OrderedDict<std::string, torch::Tensor>& tensors, const std::string& path,
                        const SafetensorsMetadata& metadata = {});
 
-/// Writes every parameter and buffer of `module` under its state-dict name.
+/// Writes every parameter and buffer of `module` under its state-dict name
+/// (a tied weight under each of its names, as `state_dict()` holds it).
 /// A DataParallel or DistributedDataParallel writes its module's, under the
-/// bare module's names. A FullyShardedDataParallel is collective: every rank
-/// calls it with the same path, the units are gathered one at a time (so
-/// the peak is one unit), and rank 0 writes.
+/// bare module's names. A DistributedDataParallel writes on rank 0 and
+/// returns at once on the others, so every rank may call it, or rank 0
+/// alone (save its `module()` to write on another rank). A
+/// FullyShardedDataParallel is collective: every rank calls it with the same
+/// path, the units are gathered one at a time (so the peak is one unit), and
+/// rank 0 writes.
 void save_safetensors(const torch::nn::Module& module, const std::string& path,
                       const SafetensorsSaveOptions& options = {});
 

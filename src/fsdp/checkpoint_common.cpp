@@ -77,6 +77,8 @@ void check_same_save(const ProcessGroup& group, torch::Device device, int64_t sa
   }
 }
 
+namespace {
+
 void check_checkpoint_folder(const std::string& dir) {
   struct stat info {};
   const bool found = ::stat(dir.c_str(), &info) == 0;
@@ -89,6 +91,36 @@ bool is_lockstep_v1_folder(const std::string& dir) {
   struct stat info {};
   return ::stat((dir + "/index.json").c_str(), &info) == 0 &&
       ::stat((dir + "/" + kDcpSaveRecord).c_str(), &info) != 0;
+}
+
+} // namespace
+
+// Each rank reads its own `dir` (node-local storage may lack it on one), and
+// each branch below runs collectives: a rank that failed alone, or took the
+// other format's branch, would leave the others waiting in a collective it
+// never calls.
+bool is_lockstep_v1_folder_on_every_rank(const ProcessGroup& group, torch::Device device, const std::string& dir) {
+  bool v1 = false;
+  on_every_rank(group, device, "load_sharded of " + dir, [&] {
+    check_checkpoint_folder(dir);
+    v1 = is_lockstep_v1_folder(dir);
+  });
+  auto formats = torch::zeros({group.size()}, torch::kLong);
+  formats[group.rank()] = v1 ? 1 : 0;
+  formats = formats.to(device);
+  group.allreduce(formats, ReduceOp::Sum);
+  formats = formats.cpu();
+  const auto format = [&](int r) {
+    return formats[r].item<int64_t>() == 1 ? "lockstep's earlier sharded format (index.json)"
+                                           : "PyTorch's distributed checkpoint layout";
+  };
+  for (int r = 1; r < group.size(); ++r) {
+    TORCH_CHECK(formats[r].item<int64_t>() == formats[0].item<int64_t>(), "lockstep::load_sharded: rank ", r,
+                "'s folder holds ", format(r), ", rank 0's ", format(0), "; this rank, ", group.rank(), ", loaded ",
+                dir, ". Every rank must load the same checkpoint: give each the same folder, on storage they share "
+                "or as copies of one save.");
+  }
+  return v1;
 }
 
 void ShardedCore::refuse_serialization(const char* what) const {

@@ -25,12 +25,12 @@ int64_t new_save_id(const ProcessGroup& group, torch::Device device);
 /// Note [One save on every rank]: every rank learns that all loaded save
 /// `save_id`, or fails naming the rank that did not.
 void check_same_save(const ProcessGroup& group, torch::Device device, int64_t save_id, const std::string& dir);
-/// An error unless `dir` is a folder (load_sharded's first check).
-void check_checkpoint_folder(const std::string& dir);
-/// Whether `dir` holds lockstep's earlier sharded format (index.json and
-/// shard-R-of-W.pt, Note [Sharded checkpoint] in src/fsdp/checkpoint_v1.cpp)
-/// and no later save.
-bool is_lockstep_v1_folder(const std::string& dir);
+/// load_sharded's first step, on every rank alike: an error unless `dir` is
+/// a folder on every rank, then whether it holds lockstep's earlier sharded
+/// format (index.json and shard-R-of-W.pt, Note [Sharded checkpoint] in
+/// src/fsdp/checkpoint_v1.cpp) and no later save, an error unless every
+/// rank's does or none does.
+bool is_lockstep_v1_folder_on_every_rank(const ProcessGroup& group, torch::Device device, const std::string& dir);
 /// Runs `step` on every rank, then every rank learns whether every other got
 /// through it, so that none waits for one that failed: the failing rank
 /// throws its own error, the others one naming it and `failure`, saying

@@ -139,12 +139,11 @@ void ShardedCore::load_sharded(torch::optim::Optimizer* optimizer, const std::st
   CollectiveTag tag(model_tag(s.model, 0)); // Note [Collective tags]: two models' calls never pair
   TORCH_CHECK(!s.summoned, s.where(), "load_sharded() inside summon_full_params(): the guard's end would overwrite "
               "(writeback) or hide what it loads. End the guard first.");
-  check_checkpoint_folder(dir);
-  if (is_lockstep_v1_folder(dir)) {
+  const auto device = control_device_of(group_, flats());
+  if (is_lockstep_v1_folder_on_every_rank(group_, device, dir)) {
     load_sharded_v1(optimizer, dir, expected_save_id);
     return;
   }
-  const auto device = control_device_of(group_, flats());
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
   StagedOptimizer staged;
   int64_t save_id = 0;

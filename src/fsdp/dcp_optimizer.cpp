@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <map>
 #include <unordered_map>
 
@@ -213,6 +214,22 @@ nlohmann::json optimizer_record(torch::optim::Optimizer& optimizer, const std::v
 
 namespace {
 
+// The state is kept by parameter name, so a group's parameters may come in
+// another order (the flats of other units list them in another).
+void check_same_parameters(std::vector<std::string> saved, std::vector<std::string> here, size_t group,
+                           const std::string& where) {
+  std::sort(saved.begin(), saved.end());
+  std::sort(here.begin(), here.end());
+  std::vector<std::string> only_saved, only_here;
+  std::set_difference(saved.begin(), saved.end(), here.begin(), here.end(), std::back_inserter(only_saved));
+  std::set_difference(here.begin(), here.end(), saved.begin(), saved.end(), std::back_inserter(only_here));
+  TORCH_CHECK(only_saved.empty() && only_here.empty(), where, ": parameter group ", group, " ",
+              only_saved.empty() ? "did not hold '" + only_here.front() + "', which this optimizer's does"
+                                 : "held '" + only_saved.front() + "', which this optimizer's does not",
+              " (", only_saved.size(), " saved parameters are not here, and ", only_here.size(), " here were not "
+              "saved). Make the optimizer with the parameter groups it was saved with.");
+}
+
 // Each group's options as the record holds them, checked against this
 // optimizer's groups (Note [Optimizer options in a sharded checkpoint]).
 GroupOptions recorded_options(torch::optim::Optimizer& optimizer, const nlohmann::json& saved,
@@ -225,10 +242,7 @@ GroupOptions recorded_options(torch::optim::Optimizer& optimizer, const nlohmann
                 "but this optimizer has ", names.size(), ". Make the optimizer with the parameter groups it was saved "
                 "with.");
     for (size_t g = 0; g < names.size(); ++g) {
-      const auto params = groups[g].at("params").get<std::vector<std::string>>();
-      TORCH_CHECK(params == names[g], where, ": parameter group ", g, " held ", params.size(), " parameters (",
-                  params.empty() ? std::string("none") : "'" + params.front() + "', ...", "), but here it holds ",
-                  names[g].size(), ". Make the optimizer with the parameter groups it was saved with.");
+      check_same_parameters(groups[g].at("params").get<std::vector<std::string>>(), names[g], g, where);
       torch::serialize::OutputArchive archive;
       for (const auto& [key, value] : groups[g].items()) {
         if (key != "params") {

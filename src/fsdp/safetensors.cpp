@@ -63,8 +63,9 @@ torch::Tensor ShardedCore::State::gathered_in_own_dtype(OneFlat& cache, size_t f
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A parameter registered under two names (an embedding tied to the output
 // layer) is planned once, under its first name. A module's state dict holds
-// it under each name, and PyTorch's loaders look for each: load_state_dict,
-// dcp.load into FSDP2's state_dict, safetensors' load_model. So
+// it under each name, and PyTorch's loaders look for each: load_state_dict
+// and dcp.load into FSDP2's state_dict (safetensors' load_model wants one,
+// and takes the other only with strict=False). So
 // save_safetensors and save_sharded write it under every name, as the bare
 // module's save_safetensors does; load_safetensors reads every name it finds
 // (strict, it wants one of them, as the bare module's does: Note [Tied
@@ -102,6 +103,7 @@ std::vector<SafetensorsSource> ShardedCore::State::safetensors_sources(const std
   };
   const auto add_whole = [&](const std::string& name, const torch::Tensor& tensor) {
     safetensors_dtype_name(tensor.scalar_type(), who + ": '" + name + "'");
+    check_has_bytes(tensor, who + ": '" + name + "'");
     sources.push_back(
         source(name, tensor.scalar_type(), tensor.sizes().vec(), [tensor = tensor] { return host_bytes(tensor); }));
   };

@@ -65,6 +65,7 @@ detail::SafetensorsSource source_of(const std::string& name, const torch::Tensor
   source.entry.name = name;
   source.entry.dtype = tensor.scalar_type();
   detail::safetensors_dtype_name(tensor.scalar_type(), who + ": tensor '" + name + "'");
+  detail::check_has_bytes(tensor, who + ": tensor '" + name + "'");
   source.entry.shape = tensor.sizes().vec();
   source.bytes = [tensor] { return detail::host_bytes(tensor); };
   return source;
@@ -102,6 +103,10 @@ void save_safetensors(const torch::nn::Module& module, const std::string& path, 
   if (const auto* sharded = dynamic_cast<const detail::ShardedWrapperMark*>(&module)) {
     sharded->sharded_core().save_safetensors(path, options);
     return;
+  }
+  const auto* wrapper = dynamic_cast<const detail::ReplicaWrapperMark*>(&module);
+  if (wrapper != nullptr && !wrapper->writes_files()) {
+    return; // Every rank writing the same files would mix their save ids: Note [One writer of replicas].
   }
   const std::string who = "lockstep::save_safetensors(" + path + ")";
   std::vector<detail::SafetensorsSource> sources;

@@ -245,6 +245,11 @@ uint64_t byte_count(const SafetensorsEntry& entry) {
 // made of two. Every file's __metadata__ and the index's "metadata" carry the
 // same random lockstep_save_id, and reading an index refuses a file whose id
 // differs. An index without one (Hugging Face's) is read as it is.
+//
+// Note [One writer of replicas]: so two processes writing one path at once
+// mix files of two saves, which a load refuses. A DistributedDataParallel's
+// ranks hold the same weights, so rank 0 alone writes them; a
+// FullyShardedDataParallel's rank 0 writes what every rank gathers.
 std::string new_save_id() {
   std::random_device random;
   std::ostringstream text;
@@ -335,6 +340,13 @@ torch::Tensor host_bytes(const torch::Tensor& tensor) {
   return tensor.detach().to(torch::kCPU).resolve_conj().resolve_neg().contiguous();
 }
 
+void check_has_bytes(const torch::Tensor& tensor, const std::string& what) {
+  TORCH_CHECK(tensor.layout() == torch::kStrided, what, " is ", tensor.layout(), ", and safetensors holds dense "
+              "tensors only: save its .to_dense().");
+  TORCH_CHECK(!tensor.is_meta(), what, " is on the meta device and has no values yet (a module made with deferred "
+              "initialisation): initialise it, or move it to a device, before saving.");
+}
+
 void write_safetensors_save(const SafetensorsSavePlan& plan, const std::vector<SafetensorsSource>& sources,
                             const std::string& who) {
   for (const auto& file : plan.files) {
@@ -386,6 +398,23 @@ std::vector<size_t> same_tensors(const std::vector<torch::Tensor>& tensors) {
     }
   }
   return same_as;
+}
+
+// What to do about names that do not match: the prefix "module." that a
+// Python DistributedDataParallel's or DataParallel's state_dict() gives
+// every name, or, where `partial`, a load that is not strict.
+std::string how_to_match(const std::vector<std::string>& unexpected, const std::map<std::string, size_t>& in_module,
+                         bool partial) {
+  const std::string prefix = "module.";
+  const bool wrapped = !unexpected.empty() && std::all_of(unexpected.begin(), unexpected.end(), [&](const auto& name) {
+    return name.compare(0, prefix.size(), prefix) == 0 && in_module.count(name.substr(prefix.size())) != 0;
+  });
+  if (wrapped) {
+    return "\nThe file's names carry the prefix \"module.\" of a Python DistributedDataParallel's (or "
+           "DataParallel's) state_dict(): save model.module.state_dict() in Python, or read the file with "
+           "lockstep::read_safetensors and load the tensors under the names without it.";
+  }
+  return partial ? "\nSafetensorsLoadOptions().strict(false) loads the names that match and leaves the rest." : "";
 }
 
 StateMatch match_state(const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
@@ -443,9 +472,12 @@ StateMatch match_state(const std::vector<std::string>& names, const std::vector<
     errors += "\n\t" + mismatch;
   }
   TORCH_CHECK(errors.empty(), "Error(s) in loading ", file, " (nothing was loaded):", errors,
-              options.strict() && (!missing.empty() || !unexpected.empty())
-                  ? "\nSafetensorsLoadOptions().strict(false) loads the names that match and leaves the rest."
-                  : "");
+              how_to_match(unexpected, in_module,
+                           options.strict() && !match.pairs.empty() && (!missing.empty() || !unexpected.empty())));
+  TORCH_CHECK(!match.pairs.empty() || set.tensors.empty() || names.empty(), "lockstep: ", file, " holds none of "
+              "the module's ", names.size(), " names, so a load that is not strict would load nothing (the file's "
+              "first is \"", set.tensors.front().name, "\", the module's \"", names.front(), "\").",
+              how_to_match(unexpected, in_module, false));
   return match;
 }
 

@@ -56,6 +56,9 @@ SafetensorsSet open_safetensors_set(const std::string& path);
 /// with a conjugate or negative view resolved (such a view's memory holds
 /// the values before the conjugation or negation).
 torch::Tensor host_bytes(const torch::Tensor& tensor);
+/// An error unless `tensor` has bytes to write: dense and not on the meta
+/// device (a module built with deferred initialisation). `what` names it.
+void check_has_bytes(const torch::Tensor& tensor, const std::string& what);
 
 /// A tensor to write: its name, and a function giving its bytes (a
 /// contiguous CPU tensor of `entry`'s dtype and shape) when its turn comes,

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace lockstep {
 namespace detail {
@@ -47,13 +49,26 @@ uint64_t read_length(const char* bytes) {
   return length;
 }
 
-// The JSON text, refusing a name given twice (nlohmann keeps the last).
+// The JSON text, refusing a name given twice in one object (nlohmann keeps
+// the last; Python's safetensors keeps the last tensor, and refuses a field
+// given twice in an entry).
 Json parse_json(const std::string& text, const std::string& file) {
-  std::set<std::string> names;
-  std::string duplicate;
-  auto note_keys = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::key && depth == 1 && !names.insert(parsed.get<std::string>()).second) {
-      duplicate = parsed.get<std::string>();
+  std::vector<std::set<std::string>> objects; // the names of each object being read, outermost first
+  std::string tensor, duplicate;              // the tensor being read; the first name given twice
+  auto note_keys = [&](int, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::object_start) {
+      objects.emplace_back();
+    } else if (event == Json::parse_event_t::object_end) {
+      objects.pop_back();
+    } else if (event == Json::parse_event_t::key) {
+      const auto name = parsed.get<std::string>();
+      if (objects.size() == 1) {
+        tensor = name;
+      }
+      if (!objects.back().insert(name).second && duplicate.empty()) {
+        duplicate = objects.size() == 1 ? "names tensor '" + name + "' twice"
+                                        : "gives '" + name + "' twice in the entry of '" + tensor + "'";
+      }
     }
     return true;
   };
@@ -64,8 +79,8 @@ Json parse_json(const std::string& text, const std::string& file) {
     TORCH_CHECK(false, file, ": the safetensors header is not valid JSON (", e.what(),
                 "). The file is damaged or not a safetensors file.");
   }
-  TORCH_CHECK(duplicate.empty(), file, ": the safetensors header names tensor '", duplicate,
-              "' twice. The file is damaged: write it again.");
+  TORCH_CHECK(duplicate.empty(), file, ": the safetensors header ", duplicate, ". The file is damaged: write it "
+              "again.");
   TORCH_CHECK(header.is_object(), file, ": the safetensors header is JSON but not an object of tensors.");
   return header;
 }

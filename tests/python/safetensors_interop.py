@@ -25,6 +25,7 @@ DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 
 failures = []

@@ -36,6 +36,12 @@ int64_t leading_batch_size(const First& first, const Rest&... rest) {
 struct ReplicaWrapperMark {
   virtual ~ReplicaWrapperMark() = default;
   virtual torch::nn::Module& wrapped_module() const = 0;
+  /// Whether save_safetensors writes the wrapped module's files in this
+  /// process: a DistributedDataParallel's are the same on every rank, and
+  /// rank 0 alone writes them.
+  virtual bool writes_files() const {
+    return true;
+  }
 };
 
 template <typename M>
