@@ -404,17 +404,28 @@ TEST(DdpThreads, ABackwardStoppedByAnErrorIsAnErrorAtTheNextForward) {
   });
 }
 
-// A sparse gradient (Embedding's sparse(true)) is an error naming the
-// parameter, on every rank; ATen's "not a sparse tensor" internal assert
-// asked the user to report a bug to PyTorch.
-TEST(DdpThreads, ASparseGradientIsAnErrorNamingTheParameter) {
+// A sparse gradient (Embedding's sparse(true)) is refused when the model is
+// wrapped, naming the layer: at the first backward it left the wrapper
+// unusable, and ATen's "not a sparse tensor" internal assert asked the user
+// to report a bug to PyTorch.
+TEST(DdpThreads, ASparseEmbeddingIsRefusedAtWrappingNamingIt) {
   testing::spawn(2, [](ProcessGroup& group) {
     torch::nn::Sequential net(torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 3).sparse(true)),
                               torch::nn::Linear(3, 1));
-    DistributedDataParallel<torch::nn::Sequential> ddp(net, group);
-    auto ids = torch::tensor({1, 4, 4}, torch::kLong);
-    EXPECT_ERROR_SAYS(ddp(ids).sum().backward(), "parameter '0.weight' received a sparse gradient",
-                      "Construct that layer with sparse(false)");
+    EXPECT_ERROR_SAYS((DistributedDataParallel<torch::nn::Sequential>(net, group)), "'0' is an Embedding with "
+                      "sparse(true)", "Construct it with sparse(false)");
+  });
+}
+
+// A parameter of a dtype the backend cannot sum (complex on Gloo; bfloat16
+// on 1.13's Gloo) is refused at wrapping, naming it, not at the first
+// backward after earlier buckets went out.
+TEST(DdpThreads, AParameterTheBackendCannotSumIsRefusedAtWrapping) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    auto net = torch::nn::Sequential(torch::nn::Linear(3, 1));
+    net->register_parameter("phase", torch::ones({2}, torch::kComplexFloat));
+    EXPECT_ERROR_SAYS((DistributedDataParallel<torch::nn::Sequential>(net, group)), "parameter 'phase' is "
+                      "ComplexFloat, which the gloo backend cannot sum on cpu", "comm_hooks::bf16_compress");
   });
 }
 
@@ -474,6 +485,12 @@ TEST(DdpThreads, CompressionHooksRoundToTheirType) {
       GradBucket exact{0, torch::full({5}, value), {0}, "bucket 0", {}, true, {}};
       EXPECT_EQ(comm_hooks::allreduce(group, exact)->wait()[0].item<float>(), value);
     }
+    // A bfloat16 bucket, which 1.13's Gloo cannot sum in its own type: summed in float32 there.
+    const auto halves = torch::full({5}, 0.5 + group.rank(), torch::kBFloat16);
+    GradBucket narrow{0, halves, {0}, "bucket 0", {}, true, {}};
+    const auto averaged = comm_hooks::bf16_compress(group, narrow)->wait();
+    EXPECT_EQ(averaged.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(averaged, torch::full({5}, 1.0, torch::kBFloat16))) << averaged;
   });
 }
 

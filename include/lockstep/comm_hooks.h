@@ -64,13 +64,14 @@ std::shared_ptr<PendingReduction> allreduce(const ProcessGroup& group, GradBucke
 /// Divided by the world size, cast to float16, summed over ranks, cast back.
 /// Halves the bytes sent; values lose float16's precision (about 1e-3 relative).
 /// Where the backend cannot sum float16 (ProcessGroup::supports: MPI), the
-/// values are rounded to it and summed in the bucket's type: the same
-/// precision, no bytes saved.
+/// values are rounded to it and summed in the bucket's type (float32 where
+/// the backend cannot sum that either): the same precision, no bytes saved.
 std::shared_ptr<PendingReduction> fp16_compress(const ProcessGroup& group, GradBucket& bucket);
 /// As fp16_compress with bfloat16 (wider range, about 1e-2 relative). Where
 /// the backend cannot sum the 16-bit type (ProcessGroup::supports: MPI, and
 /// Gloo on LibTorch 1.13), the values are rounded to it and summed in the
-/// bucket's type: the same precision, no bytes saved.
+/// bucket's type (float32 where the backend cannot sum that either: a
+/// bfloat16 model there): the same precision, no bytes saved.
 std::shared_ptr<PendingReduction> bf16_compress(const ProcessGroup& group, GradBucket& bucket);
 /// A reduction that is done once `work` is, with `result` as the averaged
 /// bucket: for hooks built on ProcessGroup::allreduce_async.

@@ -39,8 +39,10 @@ std::shared_ptr<PendingReduction> compressed(const ProcessGroup& group, GradBuck
   if (!group.supports(Collective::Allreduce, dtype, values.device())) {
     // A backend that cannot sum the type (MPI has no 16-bit float types;
     // 1.13's Gloo has no bfloat16 sum): round to the type (the same precision
-    // loss), then sum in the bucket's own type. Nothing is saved on the wire.
-    values = values.to(bucket.buffer.scalar_type());
+    // loss), then sum in the bucket's own type, or in float32 where that is
+    // the same 16-bit type. Nothing is saved on the wire.
+    const auto own = bucket.buffer.scalar_type();
+    values = values.to(group.supports(Collective::Allreduce, own, values.device()) ? own : torch::kFloat);
   }
   auto work = group.allreduce_async({values}, ReduceOp::Sum, "allreduce of " + bucket.name);
   auto buffer = bucket.buffer;

@@ -4,6 +4,7 @@
 #include "comm/collective_fingerprint.h"
 #include "deterministic/micro_batch_step.h"
 #include "ddp/reducer.h"
+#include "util/sparse_embeddings.h"
 #include "util/bucket_key.h"
 #include "util/unique_tensors.h"
 
@@ -188,6 +189,35 @@ void broadcast_coalesced(const ProcessGroup& group, const std::vector<torch::Ten
   }
 }
 
+namespace {
+
+// What backward would otherwise refuse at the first backward, after earlier
+// buckets went out and leaving the wrapper unusable: a sparse gradient, and
+// a dtype the backend cannot sum in the built-in allreduce (a bfloat16 model
+// on 1.13's Gloo). A hook reduces as it likes; deterministic mode sums
+// integers.
+void check_dense_and_summable(torch::nn::Module& module, const ProcessGroup& group,
+                              const std::vector<std::string>& names, const std::vector<torch::Tensor>& params,
+                              const DistributedOptions& options) {
+  const auto sparse = first_sparse_embedding(module);
+  TORCH_CHECK(!sparse, "lockstep::DistributedDataParallel: '", *sparse, "' is an Embedding with sparse(true), whose "
+              "gradient is sparse, and DistributedDataParallel reduces dense gradients only. Construct it with "
+              "sparse(false).");
+  if (options.comm_hook() || options.deterministic()) {
+    return;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto dtype = params[i].scalar_type();
+    TORCH_CHECK(group.supports(Collective::Allreduce, dtype, params[i].device()), "lockstep::DistributedDataParallel: "
+                "rank ", group.rank(), ": parameter '", names[i], "' is ", dtype, ", which the ", group.backend(),
+                " backend cannot sum on ", params[i].device(), ". Keep the parameters in float32 and compute in ",
+                dtype, " under lockstep::AutocastGuard, or reduce in float32 with DistributedOptions().comm_hook("
+                "lockstep::comm_hooks::bf16_compress).");
+  }
+}
+
+} // namespace
+
 DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, const DistributedOptions& options)
     : module_(module),
       group_(std::move(group)),
@@ -210,6 +240,7 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   TORCH_CHECK(!params.empty(), "lockstep::DistributedDataParallel: the module has no parameter that requires a "
               "gradient, so there is nothing to reduce.");
   check_one_device(names, params, group_.rank());
+  check_dense_and_summable(module, group_, names, params, options);
   Reducer::check_not_reduced(params, names, group_.rank());
   model_ = verify_same_parameters(group_, names, params, describe(options));
   buffers_ = unique_tensors(module.buffers());
