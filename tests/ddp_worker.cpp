@@ -384,6 +384,24 @@ void desync_skip(const ProcessGroup& group) {
   group.barrier();
 }
 
+// A disagreement refused and survived (the ranks stay paired), then rank 1
+// skips an allreduce: the flight records and the desync report must tell of
+// the second failure, where only the first was ever written.
+void desync_after_caught(const ProcessGroup& group) {
+  auto t = torch::ones({4});
+  expect_error(group, [&] {
+    auto own = torch::ones({group.rank() == 0 ? 4 : 5});
+    group.allreduce(own);
+  }, {"ranks disagree"});
+  for (int i = 0; i < 3; ++i) {
+    group.allreduce(t);
+  }
+  if (group.rank() != 1) {
+    group.allreduce(t);
+  }
+  group.barrier();
+}
+
 // Under LOCKSTEP_DEBUG=detail: rank 1 runs another shape, or another
 // operation, than the others; every rank must throw naming both.
 void desync_detail(const ProcessGroup& group, bool other_op) {
@@ -439,6 +457,28 @@ ProcessGroup group_over_own_tcp_store() {
   return lockstep::new_group(store, rank, size, "gloo", std::chrono::seconds(10));
 }
 
+// Spans on 1100 threads one after another, as a program making a
+// DataParallel per evaluation makes threads: the threads' tracks must not
+// run into the named tracks' numbers.
+void spans_on_many_threads(const ProcessGroup&) {
+  for (int i = 0; i < 1100; ++i) {
+    std::thread([] { lockstep::timeline::Span span("work"); }).join();
+  }
+  lockstep::timeline::Span span("allreduce", -1, "collectives");
+}
+
+// The "given_ranks" scenario's group: ranks given by ProcessGroupOptions, in
+// processes started without a launcher's variables (LOCKSTEP_TEST_RANK and
+// LOCKSTEP_TEST_PORT are the test's own).
+ProcessGroup group_of_given_ranks() {
+  return lockstep::init_process_group(lockstep::ProcessGroupOptions()
+                                          .rank(std::stoi(env("LOCKSTEP_TEST_RANK")))
+                                          .world_size(2)
+                                          .master_addr("127.0.0.1")
+                                          .master_port(std::stoi(env("LOCKSTEP_TEST_PORT")))
+                                          .backend("gloo"));
+}
+
 // The "new_group_late" scenario, under mpirun: rank 1 makes its group long
 // after the others' timeout (mpirun ends it once rank 0 fails). Over MPI the
 // others wait in MPI's start-up exchange or MPI_Comm_dup, neither with a
@@ -454,6 +494,15 @@ ProcessGroup group_joined_late(const char* backend) {
 
 // Scenarios whose group waits for a rank that never comes: a short timeout.
 constexpr std::chrono::seconds kShortTimeout{3};
+
+// The "late_join" scenario's group: rank 1 starts joining long after the
+// others' timeout.
+ProcessGroup group_joined_late_over_gloo() {
+  if (std::stoi(env("RANK")) == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(8));
+  }
+  return lockstep::init_process_group(lockstep::ProcessGroupOptions().backend("gloo").timeout(kShortTimeout));
+}
 
 // Runs `scenario` on the group alone.
 lockstep::testing::WorkerScenario on_group(std::function<void(const ProcessGroup&)> scenario) {
@@ -506,6 +555,12 @@ lockstep::testing::WorkerTable scenarios() {
   using lockstep::comm_hooks::fp16_compress;
   auto tcp_store = on_group(collectives);
   tcp_store.make_group = [](const std::string&) { return group_over_own_tcp_store(); };
+  auto given_ranks = on_group(timeline_steps);
+  given_ranks.make_group = [](const std::string&) { return group_of_given_ranks(); };
+  auto many_threads = on_group(spans_on_many_threads);
+  many_threads.make_group = [](const std::string&) { return ProcessGroup(); };
+  auto late_join = on_group(collectives);
+  late_join.make_group = [](const std::string&) { return group_joined_late_over_gloo(); };
   auto new_group_late = on_group(collectives);
   new_group_late.make_group = [](const std::string& backend) { return group_joined_late(backend.c_str()); };
   return {
@@ -538,9 +593,13 @@ lockstep::testing::WorkerTable scenarios() {
       {"static_graph_extra", on_group([](const ProcessGroup& g) { static_graph_broken(g, false); })},
       {"desync_skip", timing_out(desync_skip)},
       {"desync_avg", on_group(desync_avg)},
+      {"desync_after_caught", timing_out(desync_after_caught)},
       {"desync_shape", on_group([](const ProcessGroup& g) { desync_detail(g, false); })},
       {"desync_op", on_group([](const ProcessGroup& g) { desync_detail(g, true); })},
       {"timeline", on_group(timeline_steps)},
+      {"given_ranks", given_ranks},
+      {"many_threads", many_threads},
+      {"late_join", late_join},
       {"shared", on_group(lockstep::testing::shared_parameters)},
       {"unused_no_sync", on_group([](const ProcessGroup& g) {
          lockstep::testing::unused_across_no_sync(g, false);

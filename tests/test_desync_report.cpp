@@ -66,6 +66,32 @@ TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
   EXPECT_TRUE(tools::desync_report(std::map<int, nlohmann::json>{}, {0, 1}).empty());
 }
 
+// A disagreement refused at #0 and survived (the program caught it), then
+// #1 agreed, then rank 1 skipped an allreduce: the report names #2, where
+// the job died, not #0.
+TEST(DesyncReport, AFailureTheRanksSurvivedIsNotTheOneNamed) {
+  const auto agreed = entry(1, "allreduce", 8, "completed");
+  auto lines = tools::desync_report({{0, record({entry(0, "allreduce", 4, "failed"), agreed,
+                                                 entry(2, "allreduce", 4, "failed")}, 3)},
+                                     {1, record({entry(0, "allreduce", 5, "failed"), agreed,
+                                                 entry(2, "barrier", 0, "failed")}, 3)}},
+                                    {0, 1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0], "rank 0 ran allreduce (sum) of 4 Float as #2 where rank 1 ran barrier: the ranks issued "
+                      "different collectives from here on.");
+}
+
+// Rank 1 ran out of batches and exited 0 while rank 0 waited in #1: said
+// so, where the report said it was stopped or died.
+TEST(DesyncReport, ARankThatExitedNormallyIsNamedAsSuch) {
+  const auto agreed = entry(0, "allreduce", 8, "completed");
+  const auto lines = tools::desync_report({{0, record({agreed, entry(1, "allreduce", 4, "started")}, 2)}}, {0, 1}, {},
+                                          /*finished=*/{1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("which rank 1 never joined: rank 1 exited normally (code 0) without it, having issued fewer "
+                          "collectives than the others"), std::string::npos) << lines[0];
+}
+
 // Rank 1 stopped at #5; rank 0 went on to #11, and its buffer of two kept
 // only #10 and #11. The report named #10, the first collective both
 // records could speak of, as the one rank 1 never started.

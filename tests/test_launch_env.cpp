@@ -55,6 +55,19 @@ TEST(LaunchEnv, ReadsTorchrunVariables) {
   EXPECT_EQ(env.master_port, 29500);
 }
 
+// Under mpirun, ProcessGroupOptions giving the world size alone turned
+// Open MPI's variables off, and the error asked for torchrun's RANK.
+TEST(LaunchEnv, HalfOfRankAndWorldSizeUnderAnMpiLauncherSaysWhy) {
+  const auto mpi = env_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions().world_size(2), mpi),
+                    "started by Open MPI's mpirun (OMPI_COMM_WORLD_RANK=1), but only the world size is given",
+                    "Give both in ProcessGroupOptions, or neither");
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions().rank(1), mpi), "only the rank is given");
+  const auto env = detail::parse_launch_env(ProcessGroupOptions().rank(1).world_size(2).master_addr("127.0.0.1")
+                                                .master_port(29500), mpi);
+  EXPECT_EQ(env.rank, 1);
+}
+
 // DeepSpeed's launcher and hand-written scripts set LOCAL_RANK without
 // LOCAL_WORLD_SIZE; PyTorch's init_process_group takes them.
 TEST(LaunchEnv, LocalRankWithoutLocalWorldSizeIsTaken) {

@@ -255,6 +255,35 @@ TEST(Launcher, DesyncReportNamesTheRankThatSkippedACollectiveAndItsNumber) {
       << p.output;
 }
 
+// A failure the program survived wrote the only record: the report then
+// named it, not the collective where the job died.
+TEST(Launcher, DesyncReportTellsOfTheLastFailureNotOneTheRanksSurvived) {
+  const std::string logs = temp("desync_after_logs");
+  ::mkdir(logs.c_str(), 0755);
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--log-dir", logs},
+                  {LOCKSTEP_DDP_WORKER, "desync_after_caught"}, "desync_after", {kOneThread});
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_TRUE(std::regex_search(p.output, std::regex("desync report, from the ranks' flight records[^\n]*\n  rank 0 "
+                                                     "ran allreduce \\(sum\\) of 4 Float as #[0-9]+ where rank 1 "
+                                                     "ran barrier")))
+      << p.output;
+  const auto record = nlohmann::json::parse(read_text(logs + "/lockstep_trace_rank0.json"), nullptr, false);
+  ASSERT_TRUE(record.is_object()) << p.output;
+  EXPECT_EQ(record["reason"].get<std::string>().find("of 5 Float"), std::string::npos) << record["reason"];
+}
+
+// A rank that comes after the others' timeout, under lockstep-run's store:
+// rank 0 fails naming its rank, the join and what to do, where c10d's store
+// said only "Wait timeout".
+TEST(Launcher, ARankThatJoinsTooLateGivesAnErrorNamingTheJoin) {
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, {LOCKSTEP_DDP_WORKER, "late_join"}, "late_join",
+                  {kOneThread});
+  EXPECT_NE(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep: rank 0 of 2: joining the gloo group failed or did not complete within the "
+                          "timeout of 3000 ms"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("Set LOCKSTEP_TIMEOUT"), std::string::npos) << p.output;
+}
+
 TEST(Launcher, StoreFilesOfDeadLaunchersAreRemoved) {
   const std::string tmp = temp("store_tmp");
   ASSERT_EQ(mkdir(tmp.c_str(), 0755), 0);

@@ -11,8 +11,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <regex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -156,6 +158,53 @@ TEST(Timeline, APathWithoutTheRankGivesEachRankItsOwnFile) {
   expect_rank_file(temp("own_timeline.rank0.json"), 0);
   expect_rank_file(temp("own_timeline.rank1.json"), 1);
   EXPECT_FALSE(file_exists(path)) << "both ranks wrote " << path;
+}
+
+// Ranks given by ProcessGroupOptions, with no launcher's variables: each
+// file is named by its group's rank, where both ranks wrote one file as
+// rank 0 and one was lost.
+TEST(Timeline, RanksGivenByOptionsEachWriteTheirOwnFile) {
+  const std::string path = temp("given_timeline.json");
+  const std::string master_port = port();
+  std::vector<Process> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::remove(temp("given_timeline.rank" + std::to_string(rank) + ".json").c_str());
+    ranks.push_back(testing::start({LOCKSTEP_DDP_WORKER, "given_ranks"},
+                                   {kOneThread, "LOCKSTEP_TIMELINE=" + path, "LOCKSTEP_TEST_RANK=" + std::to_string(rank),
+                                    "LOCKSTEP_TEST_PORT=" + master_port},
+                                   temp("given_timeline" + std::to_string(rank) + ".log")));
+  }
+  testing::wait_all(ranks, kDeadline);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(ranks[rank].exit_code, 0) << ranks[rank].output;
+    expect_rank_file(temp("given_timeline.rank" + std::to_string(rank) + ".json"), rank);
+  }
+  EXPECT_FALSE(file_exists(path)) << "a rank wrote " << path;
+}
+
+// A thousand threads' spans and a named track's: the threads' track numbers
+// ran into the named tracks' at 1000, and writing the file at exit aborted
+// the process (exit 134), losing the timeline.
+TEST(Timeline, SpansOnThousandsOfThreadsAreWrittenAtExit) {
+  const std::string path = temp("many_threads_timeline.json");
+  std::remove(path.c_str());
+  auto p = testing::run({LOCKSTEP_DDP_WORKER, "many_threads"}, {kOneThread, "LOCKSTEP_TIMELINE=" + path},
+                        temp("many_threads_timeline.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  const auto trace = nlohmann::json::parse(read_text(path), nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(trace.is_object()) << path << " does not parse as JSON";
+  std::set<int> threads;
+  std::string collectives_track;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e.value("name", "") == "work") {
+      threads.insert(e["tid"].get<int>());
+    }
+    if (e.value("name", "") == "thread_name") {
+      collectives_track = e["args"].value("name", "");
+    }
+  }
+  EXPECT_EQ(threads.size(), 1100u);
+  EXPECT_EQ(collectives_track, "collectives");
 }
 
 // A rank that records nothing is merged (an empty track), not reported as a

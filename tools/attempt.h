@@ -127,9 +127,12 @@ class Attempt {
 
   // The desync report from the ranks' flight records; nothing when none wrote one.
   void print_desync_report() const {
-    std::vector<int> ranks;
+    std::vector<int> ranks, finished; // finished: exited 0
     for (const auto& r : ranks_) {
       ranks.push_back(r.global_rank);
+      if (r.done && !failed(r.status)) {
+        finished.push_back(r.global_rank);
+      }
     }
     std::vector<int> elsewhere; // the other nodes' ranks
     for (int rank = 0; rank < placement_.world_size; ++rank) {
@@ -137,7 +140,7 @@ class Attempt {
         elsewhere.push_back(rank);
       }
     }
-    const auto lines = lockstep::tools::desync_report(trace_dir_, ranks, elsewhere);
+    const auto lines = lockstep::tools::desync_report(trace_dir_, ranks, elsewhere, finished);
     if (lines.empty()) {
       return;
     }

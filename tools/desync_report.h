@@ -209,6 +209,25 @@ inline std::string desync_at(SeqRecords& records, int64_t s, const std::map<int,
   return unfinished_text(records, s, present, what, everyone, elsewhere);
 }
 
+// Where to start looking: after the last collective that every rank
+// completed, since a failure before it was survived (a disagreement refused
+// before anything was sent, caught by the program: the ranks stayed paired),
+// and the record, written anew at each failure, is of a later one (Note
+// [Every failure dumps] in src/comm/flight_recorder.cpp).
+inline int64_t survived_until(SeqRecords& records, const std::map<int, nlohmann::json>& groups) {
+  for (int64_t s = records.hi; s >= records.lo; --s) {
+    bool everywhere = true;
+    for (const auto& [rank, group] : groups) {
+      const auto found = records.by_seq[rank].find(s);
+      everywhere = everywhere && found != records.by_seq[rank].end() && found->second.value("state", "") == "completed";
+    }
+    if (everywhere) {
+      return s + 1;
+    }
+  }
+  return records.lo;
+}
+
 // One group's records, by rank: the first sequence number where they part.
 // Empty when they agree. `everyone`: no rank's record is missing, so a
 // collective that every record started and none finished is the transport's
@@ -220,7 +239,7 @@ inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool
   if (records.fewest < records.lo && records.fewest <= records.hi) {
     return forgotten_collective(groups, records.fewest);
   }
-  for (int64_t s = records.lo; s <= records.hi; ++s) {
+  for (int64_t s = survived_until(records, groups); s <= records.hi; ++s) {
     auto found = desync_at(records, s, groups, everyone, elsewhere);
     if (!found.empty()) {
       return found;
@@ -240,8 +259,31 @@ inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool
 // collective: from these records alone that reads as a failed link. So the
 // report names the ranks it has no record of, and sends the reader to
 // their launchers' output rather than blaming the connection.
+// Why `missing` (which left no record) never joined: `finished` ranks exited
+// normally, so they issued fewer collectives than the others; the rest were
+// stopped or died.
+inline std::string why_absent(const std::vector<int>& missing, const std::vector<int>& finished) {
+  std::vector<int> done, stopped;
+  for (int r : missing) {
+    (std::find(finished.begin(), finished.end(), r) != finished.end() ? done : stopped).push_back(r);
+  }
+  std::string text;
+  if (!done.empty()) {
+    text = rank_list(done) + " exited" + " normally (code 0) without it, having "
+        "issued fewer collectives than the others: a loop of another length, an early return, or fewer batches "
+        "there (lockstep's join() handles uneven inputs)";
+  }
+  if (!stopped.empty()) {
+    text += (text.empty() ? "" : "; ") + rank_list(stopped) + " left no flight record, so " +
+        (stopped.size() == 1 ? "it was" : "they were") + " stopped or died before any collective failed there (" +
+        (stopped.size() == 1 ? "its" : "their") + " own output says which)";
+  }
+  return text + ".";
+}
+
 inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json>& records, const std::vector<int>& ranks,
-                                              const std::vector<int>& elsewhere = {}) {
+                                              const std::vector<int>& elsewhere = {},
+                                              const std::vector<int>& finished = {}) {
   std::vector<std::string> lines;
   if (records.empty()) {
     return lines;
@@ -284,16 +326,15 @@ inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json
       std::snprintf(waited, sizeof(waited), "%.1f s", stuck.value("waited_ms", stuck.value("duration_ms", 0.0)) / 1000.0);
       lines.push_back(prefix + "rank " + std::to_string(rank) + " waited " + waited + " in collective #" +
                       std::to_string(stuck.value("seq", int64_t{0})) + " (" + describe_collective(stuck) + "), which " +
-                      rank_list(missing) + " never joined: " + (missing.size() == 1 ? "it" : "they") + " left no "
-                      "flight record, so " + (missing.size() == 1 ? "it was" : "they were") + " stopped or died "
-                      "before any collective failed there (" + (missing.size() == 1 ? "its" : "their") +
-                      " own output says which).");
+                      rank_list(missing) + " never joined: " + why_absent(missing, finished));
       return lines;
     }
   }
   for (int r : missing) {
-    lines.push_back("rank " + std::to_string(r) + " left no flight record: it was stopped or died before a "
-                    "collective failed on it (its own output says which).");
+    const bool done = std::find(finished.begin(), finished.end(), r) != finished.end();
+    lines.push_back("rank " + std::to_string(r) + (done ? " exited normally (code 0) and left no flight record."
+                                                         : " left no flight record: it was stopped or died before a "
+                                                           "collective failed on it (its own output says which)."));
   }
   lines.push_back("the flight records agree: every rank that wrote one ran the same collectives, and each "
                   "completed; the failure was not in a collective (see the root cause above)." +
@@ -304,7 +345,8 @@ inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json
 // Reads the records of `ranks` from `dir`. A file that does not parse counts
 // as no record, with a line saying so.
 inline std::vector<std::string> desync_report(const std::string& dir, const std::vector<int>& ranks,
-                                              const std::vector<int>& elsewhere = {}) {
+                                              const std::vector<int>& elsewhere = {},
+                                              const std::vector<int>& finished = {}) {
   std::map<int, nlohmann::json> records;
   std::vector<std::string> unreadable;
   for (int r : ranks) {
@@ -319,7 +361,7 @@ inline std::vector<std::string> desync_report(const std::string& dir, const std:
     }
     records[r] = std::move(record);
   }
-  auto lines = desync_report(records, ranks, elsewhere);
+  auto lines = desync_report(records, ranks, elsewhere, finished);
   lines.insert(lines.begin(), unreadable.begin(), unreadable.end());
   return lines;
 }

@@ -13,10 +13,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <fstream>
 #include <mutex>
@@ -41,9 +42,9 @@ namespace detail {
 // SyncBatchNorm and user calls alike. The cost is one mutex and one small
 // copy per collective, a few per step.
 //
-// On the first failed or timed-out wait, the rank writes its record: a short
+// On each failed or timed-out wait, the rank writes its record: a short
 // summary to stderr and the whole of it as JSON to $LOCKSTEP_TRACE_DIR (which
-// lockstep-run sets). lockstep-run reads the ranks' files after a failure and
+// lockstep-run sets), over the last (Note [Every failure dumps]). lockstep-run reads the ranks' files after a failure and
 // names the first sequence number where they disagree or where some never
 // arrived (tools/desync_report.h).
 //
@@ -200,7 +201,11 @@ std::vector<std::weak_ptr<FlightRecorder>>& registry() {
   return recorders;
 }
 
-std::atomic<bool> g_dumped{false};
+// Note [Every failure dumps]: one dump at a time; the reason of the last summary shown, and how many were.
+std::timed_mutex g_dumping;
+std::string g_last_reason;
+int g_summaries = 0;
+constexpr int kMaxSummaries = 3;
 
 size_t trace_buffer_size() {
   const char* text = std::getenv("LOCKSTEP_TRACE_BUFFER_SIZE");
@@ -336,7 +341,10 @@ std::string write_record(const nlohmann::json& record, int rank) {
   if (out && std::rename(partial.c_str(), path.c_str()) == 0) {
     return "whole record: " + path;
   }
-  return "could not write the whole record to " + path;
+  const std::string why = std::strerror(errno);
+  std::remove(partial.c_str());
+  return "could not write the whole record to " + path + " (" + why + "; LOCKSTEP_TRACE_DIR must be a folder this "
+         "process can write)";
 }
 
 // One collective of the record as a line of the summary.
@@ -376,8 +384,19 @@ std::string summary_of(const nlohmann::json& record, int rank, const std::string
 
 } // namespace
 
+// Note [Every failure dumps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A failure may be survived: a disagreement refused before anything was
+// sent leaves the ranks paired, and a program may catch it and go on, or make
+// a new group. So every failure writes the record anew, over the last, and
+// the file (and lockstep-run's desync report from it) tells of the newest.
+// The summary goes to stderr for the first few failures of another reason
+// than the last, not for each of a broken group's many. A dump that waits
+// for another thread's is skipped after a moment: one that comes just before
+// an abort must not wait for a thread that may never finish.
 void dump_flight_records(const std::string& reason) {
-  if (g_dumped.exchange(true)) {
+  std::unique_lock<std::timed_mutex> lock(g_dumping, std::defer_lock);
+  if (!lock.try_lock_for(std::chrono::seconds(2))) {
     return;
   }
   const auto recorders = live_recorders();
@@ -387,8 +406,12 @@ void dump_flight_records(const std::string& reason) {
   const int rank = recorders.front()->rank();
   const auto record = record_of(recorders, rank, reason);
   const std::string where = write_record(record, rank);
-  std::fputs(summary_of(record, rank, where).c_str(), stderr);
-  std::fflush(stderr);
+  if (reason != g_last_reason && g_summaries < kMaxSummaries) {
+    ++g_summaries;
+    std::fputs(summary_of(record, rank, where).c_str(), stderr);
+    std::fflush(stderr);
+  }
+  g_last_reason = reason;
 }
 
 } // namespace detail

@@ -81,6 +81,15 @@ bool read_mpi_launcher(LaunchEnv& env, const std::function<const char*(const cha
 // (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE, LOCAL_RANK).
 void read_torchrun_env(LaunchEnv& env, const ProcessGroupOptions& options,
                        const std::function<const char*(const char*)>& get) {
+  // Under an MPI launcher, half of the pair given turns its variables off.
+  const MpiLauncher* mpi = mpi_launcher_of(get);
+  const bool rank_given = options.rank() >= 0 || get("RANK") != nullptr;
+  const bool size_given = options.world_size() > 0 || get("WORLD_SIZE") != nullptr;
+  TORCH_CHECK(mpi == nullptr || (rank_given && size_given), "lockstep: started by ", mpi->name, " (", mpi->rank, "=",
+              get(mpi->rank), "), but only ", rank_given ? "the rank" : "the world size", " is given (by "
+              "ProcessGroupOptions or ", rank_given ? "RANK" : "WORLD_SIZE", "), so the launcher's variables are "
+              "not read and ", rank_given ? "the world size" : "the rank", " is unknown. Give both in "
+              "ProcessGroupOptions, or neither (then ", mpi->rank, " and ", mpi->size, " are read).");
   env.world_size = options.world_size() > 0
       ? options.world_size()
       : parse_int("WORLD_SIZE", get("WORLD_SIZE"), 1, 1 << 20, "a whole number >= 1");

@@ -6,6 +6,7 @@
 #include "comm/collective_check.h"
 #include "comm/flight_recorder.h"
 #include "comm/store.h"
+#include "util/timeline_detail.h"
 #include "util/torch_compat.h"
 
 #include "comm/launch_env.h"
@@ -117,6 +118,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
               impl->backend(), " group implementation says it is rank ", impl->rank(), " of ", impl->size(),
               "; a group has at least one rank, and 0 <= rank() < size(): fix its rank() and size().");
   // Note [Ranks agree before they send], then Note [Flight recorder].
+  timeline::detail::note_group(impl->rank(), impl->size());
   impl_ = detail::recorded(detail::checked(std::move(impl)));
 }
 
@@ -425,6 +427,26 @@ const c10d::TCPStore* tcp_store_under(c10::intrusive_ptr<c10d::Store> store) {
   return dynamic_cast<const c10d::TCPStore*>(store.get()); // kept alive by the caller's store
 }
 
+// The backend's group, or an error naming the rank, the wait and what to do:
+// c10d's store says only "Wait timeout" for a rank that never came, and Gloo
+// throws its own IoException where a rank left.
+std::shared_ptr<GroupImpl> join(const Backend& backend, const BackendArgs& args, const char* longer) {
+  std::string cause;
+  try {
+    return backend.make(args);
+  } catch (const c10::Error& e) {
+    cause = e.what_without_backtrace();
+    if (cause.rfind("lockstep", 0) == 0) {
+      throw; // ours name the rank and the fix already
+    }
+  } catch (const std::exception& e) {
+    cause = e.what();
+  }
+  TORCH_CHECK(false, "lockstep: rank ", args.rank, " of ", args.size, ": joining the ", backend.name, " group failed "
+              "or did not complete within the timeout of ", args.timeout.count(), " ms: another rank failed, never "
+              "started or started too late; its own error says why. ", longer, " Cause: ", cause);
+}
+
 } // namespace
 
 ProcessGroup new_group(
@@ -451,7 +473,7 @@ ProcessGroup new_group(
   if (chosen.needs_store) {
     args.store = store_of_next_group(store, rank);
   }
-  return ProcessGroup(chosen.make(args));
+  return ProcessGroup(join(chosen, args, "Pass new_group a longer timeout to wait longer."));
 }
 
 ProcessGroup init_process_group(ProcessGroupOptions options) {
@@ -471,7 +493,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
                 "it).");
     args.store = store_of_next_group(detail::make_store(env, options), args.rank);
   }
-  return ProcessGroup(backend.make(args));
+  return ProcessGroup(join(backend, args, "Set LOCKSTEP_TIMEOUT (seconds) for a longer wait."));
 }
 
 } // namespace lockstep

@@ -90,7 +90,9 @@ c10::intrusive_ptr<c10d::Store> make_store(const LaunchEnv& env, const ProcessGr
     TORCH_CHECK(false, "lockstep: rank ", env.rank, " could not ", store_options.isServer ? "start" : "reach",
                 env.agent_store ? " torchrun's agent store" : " the store", " at ", env.master_addr, ":", env.master_port,
                 timed_out ? " within " : " (failed after ", timed_out ? env.timeout.count() : waited.count(),
-                timed_out ? " ms: did every rank start, and can it reach MASTER_ADDR?): " : " ms: is the port free?): ",
+                timed_out                ? " ms: did every rank start, and can it reach MASTER_ADDR?): "
+                    : store_options.isServer ? " ms: is the port free?): "
+                                             : " ms: rank 0 serves the store; has it started, or did it exit?): ",
                 e.what());
   }
   if (env.agent_store) {

@@ -71,8 +71,11 @@ namespace detail {
 namespace {
 
 constexpr size_t kMaxEvents = 1000000;
-constexpr int kFirstTrack = 1000; // named tracks' tids; threads' count from 0
-constexpr int kLaneStride = 1000; // lane k of track tid t: t + k * kLaneStride (fewer tracks than that)
+// Threads' tids count from 0 and stay below kFirstTrack (a thread is made
+// for each DataParallel's workers, so a run may make thousands); lane k of
+// named track t (tid kFirstTrack + t) is tid kFirstTrack + t + k * kLaneStride.
+constexpr int kFirstTrack = 1 << 24;
+constexpr int kLaneStride = 1 << 12; // more than any run's named tracks
 
 std::string env(const char* name) {
   const char* value = std::getenv(name);
@@ -125,12 +128,24 @@ class Recorder {
                    rank_from_env(), problem.c_str());
     }
   }
-  ~Recorder() {
-    write();
+  ~Recorder() { // at exit: an exception here would abort a run that succeeded
+    try {
+      write();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "lockstep: the timeline (LOCKSTEP_TIMELINE) could not be written: %s\n", e.what());
+    }
+  }
+
+  void note_group(int rank, int world_size) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (world_size >= group_size_) {
+      group_rank_ = rank;
+      group_size_ = world_size;
+    }
   }
 
   void add(const std::string& name, int64_t start, int64_t end, const std::string& track, int64_t bytes) {
-    thread_local int thread_id = next_thread_.fetch_add(1);
+    thread_local int thread_id = next_thread_.fetch_add(1) % kFirstTrack;
     std::lock_guard<std::mutex> lock(mutex_);
     int tid = thread_id;
     if (!track.empty()) {
@@ -153,8 +168,8 @@ class Recorder {
     if (path.empty() || ::getpid() != owner_) { // a fork()ed child (a data loader's) is not the rank
       return;
     }
-    const int rank = rank_from_env();
-    path = rank_path(path, rank, world_size_from_env());
+    const int rank = group_size_ > 0 ? group_rank_ : rank_from_env();
+    path = rank_path(path, rank, group_size_ > 0 ? group_size_ : world_size_from_env());
     nlohmann::json events = nlohmann::json::array();
     const std::vector<int> tids = lane_tids();
     for (size_t i = 0; i < events_.size(); ++i) {
@@ -173,7 +188,7 @@ class Recorder {
     for (int tid : std::set<int>(tids.begin(), tids.end())) {
       if (tid >= kFirstTrack) {
         const int lane = (tid - kFirstTrack) / kLaneStride;
-        const std::string& track = names.at(tid - lane * kLaneStride);
+        const std::string& track = names[tid - lane * kLaneStride];
         events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", tid},
                           {"args", {{"name", lane == 0 ? track : track + " " + std::to_string(lane + 1)}}}});
       }
@@ -227,6 +242,7 @@ class Recorder {
   std::vector<Event> events_;
   std::map<std::string, int> tracks_;
   std::atomic<int> next_thread_{0};
+  int group_rank_ = 0, group_size_ = 0; // note_group's; 0: none made
   size_t dropped_ = 0;
   const pid_t owner_ = ::getpid();
 };
@@ -295,6 +311,12 @@ int64_t now_us() {
 
 void record(const std::string& name, int64_t start_us, int64_t end_us, const std::string& track, int64_t bytes) {
   recorder().add(name, start_us, end_us, track, bytes);
+}
+
+void note_group(int rank, int world_size) {
+  if (kEnabled) {
+    recorder().note_group(rank, world_size);
+  }
 }
 
 } // namespace detail

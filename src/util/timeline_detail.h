@@ -25,6 +25,10 @@ std::string rank_path(std::string path, int rank, int world_size);
 /// exists and can be written, else what is wrong (a missing folder, a path
 /// that is a folder, a folder without write permission).
 std::string unwritable_because(const std::string& path);
+/// A ProcessGroup of `world_size` ranks in which this process is `rank` was
+/// made: the largest names the file and the process in it, over the
+/// launchers' variables (ranks given by ProcessGroupOptions have none).
+void note_group(int rank, int world_size);
 /// For spans [start, end) of one track, in any order, the lane of each:
 /// spans of one lane never overlap, and lanes are as few as can be.
 std::vector<int> lanes_for(const std::vector<std::pair<int64_t, int64_t>>& spans);
