@@ -66,19 +66,46 @@ TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
   EXPECT_TRUE(tools::desync_report(std::map<int, nlohmann::json>{}, {0, 1}).empty());
 }
 
+// `c` started at `ms` (unix milliseconds) and lasted `duration_ms`.
+nlohmann::json at(nlohmann::json c, int64_t ms, double duration_ms = 1.0) {
+  c["started_unix_ms"] = ms;
+  c.erase("waited_ms");
+  c["duration_ms"] = duration_ms;
+  return c;
+}
+
 // A disagreement refused at #0 and survived (the program caught it), then
 // #1 agreed, then rank 1 skipped an allreduce: the report names #2, where
-// the job died, not #0.
+// the job died, not #0; also where rank 1's record is still the one it
+// wrote at #0 (it was killed later, leaving no newer one).
 TEST(DesyncReport, AFailureTheRanksSurvivedIsNotTheOneNamed) {
-  const auto agreed = entry(1, "allreduce", 8, "completed");
-  auto lines = tools::desync_report({{0, record({entry(0, "allreduce", 4, "failed"), agreed,
-                                                 entry(2, "allreduce", 4, "failed")}, 3)},
-                                     {1, record({entry(0, "allreduce", 5, "failed"), agreed,
-                                                 entry(2, "barrier", 0, "failed")}, 3)}},
+  const auto agreed = at(entry(1, "allreduce", 8, "completed"), 2000);
+  const auto refused0 = at(entry(0, "allreduce", 4, "failed"), 1000), refused1 = at(entry(0, "allreduce", 5, "failed"), 1000);
+  auto lines = tools::desync_report({{0, record({refused0, agreed, at(entry(2, "allreduce", 4, "failed"), 3000)}, 3)},
+                                     {1, record({refused1, agreed, at(entry(2, "barrier", 0, "failed"), 3000)}, 3)}},
                                     {0, 1});
   ASSERT_EQ(lines.size(), 1u);
   EXPECT_EQ(lines[0], "rank 0 ran allreduce (sum) of 4 Float as #2 where rank 1 ran barrier: the ranks issued "
                       "different collectives from here on.");
+  auto written_at_the_refusal = record({refused1}, 1);
+  written_at_the_refusal["dumped_unix_ms"] = 1001;
+  lines = tools::desync_report({{0, record({refused0, agreed, at(entry(2, "allreduce", 4, "started"), 3000, 3000)}, 3)},
+                                {1, written_at_the_refusal}},
+                               {0, 1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("rank 0 waited 3.0 s in collective #2 (allreduce (sum) of 4 Float), which rank 1 never "
+                          "joined"), std::string::npos) << lines[0];
+}
+
+// #1 refused, but #2, issued before #1's wait threw, completed on both: the
+// job died of #1, which is named.
+TEST(DesyncReport, ACollectiveIssuedBeforeTheFailureDoesNotMakeItSurvived) {
+  const auto lines = tools::desync_report(
+      {{0, record({at(entry(1, "allreduce", 4, "failed"), 1000, 50), at(entry(2, "allreduce", 8, "completed"), 1010)}, 3)},
+       {1, record({at(entry(1, "allreduce", 5, "failed"), 1000, 50), at(entry(2, "allreduce", 8, "completed"), 1010)}, 3)}},
+      {0, 1});
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("as #1 where rank 1 ran allreduce (sum) of 5 Float"), std::string::npos) << lines[0];
 }
 
 // Rank 1 ran out of batches and exited 0 while rank 0 waited in #1: said

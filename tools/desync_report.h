@@ -56,14 +56,18 @@ inline std::string describe_against(const nlohmann::json& c, const nlohmann::jso
   return text + " shaped " + c.value("shape", nlohmann::json()).dump();
 }
 
-// The earliest collective of `group` that did not complete, or null.
+// The earliest collective of `group` that did not complete after the last
+// that did (a failure before that was survived), or null.
 inline nlohmann::json first_unfinished(const nlohmann::json& group) {
+  nlohmann::json first = nullptr;
   for (const auto& c : group.value("collectives", nlohmann::json::array())) {
-    if (c.value("state", "") != "completed") {
-      return c;
+    if (c.value("state", "") == "completed") {
+      first = nullptr;
+    } else if (first.is_null()) {
+      first = c;
     }
   }
-  return nullptr;
+  return first;
 }
 
 // `absent` never started the collective `what` names, which the other
@@ -209,23 +213,27 @@ inline std::string desync_at(SeqRecords& records, int64_t s, const std::map<int,
   return unfinished_text(records, s, present, what, everyone, elsewhere);
 }
 
-// Where to start looking: after the last collective that every rank
-// completed, since a failure before it was survived (a disagreement refused
-// before anything was sent, caught by the program: the ranks stayed paired),
-// and the record, written anew at each failure, is of a later one (Note
-// [Every failure dumps] in src/comm/flight_recorder.cpp).
-inline int64_t survived_until(SeqRecords& records, const std::map<int, nlohmann::json>& groups) {
-  for (int64_t s = records.hi; s >= records.lo; --s) {
-    bool everywhere = true;
-    for (const auto& [rank, group] : groups) {
-      const auto found = records.by_seq[rank].find(s);
-      everywhere = everywhere && found != records.by_seq[rank].end() && found->second.value("state", "") == "completed";
+// Whether a failure at #s was survived: a collective issued after it
+// failed completed. Completing needs every rank, so one rank's record
+// proves it for all; issued after: started once #s had ended on that rank
+// (one issued before #s's wait threw, and waited for first, proves
+// nothing). The record, written anew at each failure (Note [Every failure
+// dumps] in src/comm/flight_recorder.cpp), may still hold such a failure.
+inline bool survived(SeqRecords& records, int64_t s) {
+  for (auto& [rank, mine] : records.by_seq) {
+    const auto failed = mine.find(s);
+    if (failed == mine.end() || failed->second.value("state", "") != "failed") {
+      continue;
     }
-    if (everywhere) {
-      return s + 1;
+    const double ended = failed->second.value("started_unix_ms", 0.0) + failed->second.value("duration_ms", 0.0);
+    for (auto later = std::next(failed); later != mine.end(); ++later) {
+      if (later->second.value("state", "") == "completed" &&
+          later->second.value("started_unix_ms", 0.0) >= static_cast<double>(static_cast<int64_t>(ended))) {
+        return true;
+      }
     }
   }
-  return records.lo;
+  return false;
 }
 
 // One group's records, by rank: the first sequence number where they part.
@@ -239,9 +247,9 @@ inline std::string find_desync(const std::map<int, nlohmann::json>& groups, bool
   if (records.fewest < records.lo && records.fewest <= records.hi) {
     return forgotten_collective(groups, records.fewest);
   }
-  for (int64_t s = survived_until(records, groups); s <= records.hi; ++s) {
+  for (int64_t s = records.lo; s <= records.hi; ++s) {
     auto found = desync_at(records, s, groups, everyone, elsewhere);
-    if (!found.empty()) {
+    if (!found.empty() && !survived(records, s)) {
       return found;
     }
   }
@@ -274,17 +282,47 @@ inline std::string why_absent(const std::vector<int>& missing, const std::vector
         "there (lockstep's join() handles uneven inputs)";
   }
   if (!stopped.empty()) {
-    text += (text.empty() ? "" : "; ") + rank_list(stopped) + " left no flight record, so " +
+    text += (text.empty() ? "" : "; ") + rank_list(stopped) + " left no record of " +
+        (stopped.size() == 1 ? "its" : "their") + " last collectives, so " +
         (stopped.size() == 1 ? "it was" : "they were") + " stopped or died before any collective failed there (" +
         (stopped.size() == 1 ? "its" : "their") + " own output says which)";
   }
   return text + ".";
 }
 
-inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json>& records, const std::vector<int>& ranks,
-                                              const std::vector<int>& elsewhere = {},
+// The records without those written before a collective they do not hold
+// that another rank's record shows completed, started after the first was
+// written: a rank writes at a failure, so one that survived a failure and
+// then stopped or exited keeps a record of that failure, and it must have
+// issued that later collective too.
+inline std::map<int, nlohmann::json> current_records(const std::map<int, nlohmann::json>& records) {
+  std::map<int, nlohmann::json> current;
+  for (const auto& [rank, record] : records) {
+    const auto mine = record.value("groups", nlohmann::json::array());
+    const int64_t dumped = record.value("dumped_unix_ms", int64_t{0});
+    bool stale = false;
+    for (const auto& [other, theirs] : records) {
+      const auto groups = theirs.value("groups", nlohmann::json::array());
+      for (size_t g = 0; g < std::min(mine.size(), groups.size()) && !stale; ++g) {
+        const int64_t issued = mine[g].value("issued", int64_t{0});
+        for (const auto& c : groups[g].value("collectives", nlohmann::json::array())) {
+          stale = stale || (c.value("state", "") == "completed" && c.value("seq", int64_t{0}) >= issued &&
+                            c.value("started_unix_ms", int64_t{0}) > dumped);
+        }
+      }
+    }
+    if (!stale) {
+      current[rank] = record;
+    }
+  }
+  return current;
+}
+
+inline std::vector<std::string> desync_report(const std::map<int, nlohmann::json>& all_records,
+                                              const std::vector<int>& ranks, const std::vector<int>& elsewhere = {},
                                               const std::vector<int>& finished = {}) {
   std::vector<std::string> lines;
+  const auto records = current_records(all_records);
   if (records.empty()) {
     return lines;
   }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -42,9 +43,10 @@ namespace detail {
 // SyncBatchNorm and user calls alike. The cost is one mutex and one small
 // copy per collective, a few per step.
 //
-// On each failed or timed-out wait, the rank writes its record: a short
+// On a failed or timed-out wait, the rank writes its record: a short
 // summary to stderr and the whole of it as JSON to $LOCKSTEP_TRACE_DIR (which
-// lockstep-run sets), over the last (Note [Every failure dumps]). lockstep-run reads the ranks' files after a failure and
+// lockstep-run sets), anew after each failure it survived (Note [Every
+// failure dumps]). lockstep-run reads the ranks' files after a failure and
 // names the first sequence number where they disagree or where some never
 // arrived (tools/desync_report.h).
 //
@@ -201,11 +203,10 @@ std::vector<std::weak_ptr<FlightRecorder>>& registry() {
   return recorders;
 }
 
-// Note [Every failure dumps]: one dump at a time; the reason of the last summary shown, and how many were.
-std::timed_mutex g_dumping;
-std::string g_last_reason;
-int g_summaries = 0;
-constexpr int kMaxSummaries = 3;
+// Note [Every failure dumps]: whether a collective completed since the last
+// dump, or none was made (trivially destructible: the dump before an abort
+// may run while the process exits).
+std::atomic<bool> g_dump_due{true};
 
 size_t trace_buffer_size() {
   const char* text = std::getenv("LOCKSTEP_TRACE_BUFFER_SIZE");
@@ -232,6 +233,7 @@ class RecordedWork : public ForwardingWork {
       throw;
     }
     recorder_->finish(seq_, "completed");
+    g_dump_due.store(true, std::memory_order_relaxed);
   }
 
  private:
@@ -387,16 +389,19 @@ std::string summary_of(const nlohmann::json& record, int rank, const std::string
 // Note [Every failure dumps]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A failure may be survived: a disagreement refused before anything was
-// sent leaves the ranks paired, and a program may catch it and go on, or make
-// a new group. So every failure writes the record anew, over the last, and
-// the file (and lockstep-run's desync report from it) tells of the newest.
-// The summary goes to stderr for the first few failures of another reason
-// than the last, not for each of a broken group's many. A dump that waits
-// for another thread's is skipped after a moment: one that comes just before
-// an abort must not wait for a thread that may never finish.
+// sent leaves the ranks paired, and a program may catch it and go on. So a
+// failure after a collective has completed since the last dump writes the
+// record anew, over the last, and the file (and lockstep-run's desync
+// report from it) tells of the newest. The failures that follow one without
+// a collective completing between them (a broken group's queued
+// collectives, cleanup in catch blocks) are its consequences: the record
+// keeps the first's reason, and stderr gets one summary.
 void dump_flight_records(const std::string& reason) {
-  std::unique_lock<std::timed_mutex> lock(g_dumping, std::defer_lock);
-  if (!lock.try_lock_for(std::chrono::seconds(2))) {
+  // One dump at a time; one that waits long for another's (the dump before an
+  // abort, beside a thread stuck in its write) gives up. Never destroyed, as above.
+  static auto* dumping = new std::timed_mutex();
+  std::unique_lock<std::timed_mutex> lock(*dumping, std::defer_lock);
+  if (!lock.try_lock_for(std::chrono::seconds(2)) || !g_dump_due.exchange(false)) {
     return;
   }
   const auto recorders = live_recorders();
@@ -406,12 +411,8 @@ void dump_flight_records(const std::string& reason) {
   const int rank = recorders.front()->rank();
   const auto record = record_of(recorders, rank, reason);
   const std::string where = write_record(record, rank);
-  if (reason != g_last_reason && g_summaries < kMaxSummaries) {
-    ++g_summaries;
-    std::fputs(summary_of(record, rank, where).c_str(), stderr);
-    std::fflush(stderr);
-  }
-  g_last_reason = reason;
+  std::fputs(summary_of(record, rank, where).c_str(), stderr);
+  std::fflush(stderr);
 }
 
 } // namespace detail

@@ -427,20 +427,32 @@ const c10d::TCPStore* tcp_store_under(c10::intrusive_ptr<c10d::Store> store) {
   return dynamic_cast<const c10d::TCPStore*>(store.get()); // kept alive by the caller's store
 }
 
-// The backend's group, or an error naming the rank, the wait and what to do:
-// c10d's store says only "Wait timeout" for a rank that never came, and Gloo
-// throws its own IoException where a rank left.
-std::shared_ptr<GroupImpl> join(const Backend& backend, const BackendArgs& args, const char* longer) {
+// The backend's group. A wait for the other ranks that ran out, or a peer's
+// connection that broke, is said as such, naming the rank and what to do:
+// c10d's store says only "Wait timeout", and Gloo throws its own IoException.
+// Other errors (a wrong GLOO_SOCKET_IFNAME, a CUDA error) pass unchanged.
+std::shared_ptr<GroupImpl> join(const Backend& backend, const BackendArgs& args, const std::string& longer) {
+  const auto about_peers = [](const std::string& cause) {
+    for (const char* word : {"imeout", "timed out", "Connection", "connection"}) {
+      if (cause.find(word) != std::string::npos) {
+        return true;
+      }
+    }
+    return false;
+  };
   std::string cause;
   try {
     return backend.make(args);
   } catch (const c10::Error& e) {
     cause = e.what_without_backtrace();
-    if (cause.rfind("lockstep", 0) == 0) {
-      throw; // ours name the rank and the fix already
+    if (cause.rfind("lockstep", 0) == 0 || !about_peers(cause)) {
+      throw; // ours name the rank and the fix already; the rest are not about the other ranks
     }
   } catch (const std::exception& e) {
     cause = e.what();
+    if (!about_peers(cause)) {
+      throw;
+    }
   }
   TORCH_CHECK(false, "lockstep: rank ", args.rank, " of ", args.size, ": joining the ", backend.name, " group failed "
               "or did not complete within the timeout of ", args.timeout.count(), " ms: another rank failed, never "
@@ -483,7 +495,9 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
     return ProcessGroup();
   }
   // Note [Initialisation deadline]
-  InitDeadline deadline("init_process_group", env.rank, env.timeout, "Set LOCKSTEP_TIMEOUT (seconds) for a longer wait.");
+  const char* longer = options.timeout().count() > 0 ? "Pass a longer ProcessGroupOptions::timeout to wait longer."
+                                                     : "Set LOCKSTEP_TIMEOUT (seconds) for a longer wait.";
+  InitDeadline deadline("init_process_group", env.rank, env.timeout, longer);
   BackendArgs args{{}, static_cast<int>(env.rank), static_cast<int>(env.world_size), env.timeout, env.master_addr,
                    static_cast<int>(env.master_port)};
   if (backend.needs_store) {
@@ -493,7 +507,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
                 "it).");
     args.store = store_of_next_group(detail::make_store(env, options), args.rank);
   }
-  return ProcessGroup(join(backend, args, "Set LOCKSTEP_TIMEOUT (seconds) for a longer wait."));
+  return ProcessGroup(join(backend, args, longer));
 }
 
 } // namespace lockstep

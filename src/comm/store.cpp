@@ -92,6 +92,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const LaunchEnv& env, const ProcessGr
                 timed_out ? " within " : " (failed after ", timed_out ? env.timeout.count() : waited.count(),
                 timed_out                ? " ms: did every rank start, and can it reach MASTER_ADDR?): "
                     : store_options.isServer ? " ms: is the port free?): "
+                    : env.agent_store        ? " ms: torchrun's agent serves it; is it running?): "
                                              : " ms: rank 0 serves the store; has it started, or did it exit?): ",
                 e.what());
   }

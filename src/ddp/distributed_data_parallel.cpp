@@ -208,11 +208,19 @@ void check_dense_and_summable(torch::nn::Module& module, const ProcessGroup& gro
   }
   for (size_t i = 0; i < params.size(); ++i) {
     const auto dtype = params[i].scalar_type();
-    TORCH_CHECK(group.supports(Collective::Allreduce, dtype, params[i].device()), "lockstep::DistributedDataParallel: "
-                "rank ", group.rank(), ": parameter '", names[i], "' is ", dtype, ", which the ", group.backend(),
-                " backend cannot sum on ", params[i].device(), ". Keep the parameters in float32 and compute in ",
-                dtype, " under lockstep::AutocastGuard, or reduce in float32 with DistributedOptions().comm_hook("
-                "lockstep::comm_hooks::bf16_compress).");
+    const auto device = params[i].device();
+    if (!group.supports(Collective::Allreduce, torch::kFloat, device) ||
+        group.supports(Collective::Allreduce, dtype, device)) {
+      continue; // a device the backend does not take at all: the collective's own refusal says what to do
+    }
+    const bool half = dtype == torch::kHalf || dtype == torch::kBFloat16;
+    TORCH_CHECK(false, "lockstep::DistributedDataParallel: rank ", group.rank(), ": parameter '", names[i], "' is ",
+                dtype, ", which the ", group.backend(), " backend cannot sum on ", device, ". ",
+                half ? std::string("Keep the parameters in float32 and compute in ") + c10::toString(dtype) +
+                        " under lockstep::AutocastGuard, or sum them in float32 with DistributedOptions().comm_hook("
+                        "lockstep::comm_hooks::" + (dtype == torch::kHalf ? "fp16" : "bf16") + "_compress)."
+                     : std::string("Register it in a type the backend sums (a complex parameter as real, "
+                                   "torch::view_as_real, viewed as complex in forward)."));
   }
 }
 
@@ -240,9 +248,9 @@ DistributedCore::DistributedCore(torch::nn::Module& module, ProcessGroup group, 
   TORCH_CHECK(!params.empty(), "lockstep::DistributedDataParallel: the module has no parameter that requires a "
               "gradient, so there is nothing to reduce.");
   check_one_device(names, params, group_.rank());
-  check_dense_and_summable(module, group_, names, params, options);
   Reducer::check_not_reduced(params, names, group_.rank());
   model_ = verify_same_parameters(group_, names, params, describe(options));
+  check_dense_and_summable(module, group_, names, params, options); // the same on every rank, checked just above
   buffers_ = unique_tensors(module.buffers());
   detail::label_sync_batch_norms(module, group_, model_);
   broadcast_coalesced(group_, synced_state(), 0, "the broadcast of rank 0's parameters and buffers");

@@ -105,8 +105,11 @@ void save_safetensors(const torch::nn::Module& module, const std::string& path, 
     return;
   }
   const auto* wrapper = dynamic_cast<const detail::ReplicaWrapperMark*>(&module);
-  if (wrapper != nullptr && !wrapper->writes_files()) {
-    return; // Every rank writing the same files would mix their save ids: Note [One writer of replicas].
+  if (wrapper != nullptr && !wrapper->writes_files()) { // Note [One writer of replicas]
+    TORCH_WARN_ONCE("lockstep::save_safetensors(", path, ") of a DistributedDataParallel on a rank other than 0 "
+                    "writes nothing: rank 0 writes the weights, which are the same on every rank. Wait for it "
+                    "(a barrier) before reading the file elsewhere, or save its module() to write a file here.");
+    return;
   }
   const std::string who = "lockstep::save_safetensors(" + path + ")";
   std::vector<detail::SafetensorsSource> sources;

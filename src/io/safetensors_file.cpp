@@ -400,6 +400,24 @@ std::vector<size_t> same_tensors(const std::vector<torch::Tensor>& tensors) {
   return same_as;
 }
 
+namespace {
+
+// Note [Tied parameters in safetensors files]: a name missing from the file
+// is not missing where another name of the same tensor was found.
+void drop_tied_names(std::vector<std::string>& missing, const StateMatch& match,
+                     const std::map<std::string, size_t>& in_module, const std::vector<size_t>& same_as) {
+  if (same_as.empty()) {
+    return;
+  }
+  std::set<size_t> loaded;
+  for (const auto& pair : match.pairs) {
+    loaded.insert(same_as[pair.first]);
+  }
+  missing.erase(std::remove_if(missing.begin(), missing.end(),
+                               [&](const std::string& name) { return loaded.count(same_as[in_module.at(name)]) != 0; }),
+                missing.end());
+}
+
 // What to do about names that do not match: the prefix "module." that a
 // Python DistributedDataParallel's or DataParallel's state_dict() gives
 // every name, or, where `partial`, a load that is not strict.
@@ -416,6 +434,8 @@ std::string how_to_match(const std::vector<std::string>& unexpected, const std::
   }
   return partial ? "\nSafetensorsLoadOptions().strict(false) loads the names that match and leaves the rest." : "";
 }
+
+} // namespace
 
 StateMatch match_state(const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
                        const std::vector<torch::ScalarType>& dtypes, const SafetensorsSet& set,
@@ -452,15 +472,7 @@ StateMatch match_state(const std::vector<std::string>& names, const std::vector<
       unexpected.push_back(where.name);
     }
   }
-  if (!same_as.empty()) { // Note [Tied parameters in safetensors files]
-    std::set<size_t> loaded;
-    for (const auto& pair : match.pairs) {
-      loaded.insert(same_as[pair.first]);
-    }
-    missing.erase(std::remove_if(missing.begin(), missing.end(),
-                                 [&](const std::string& name) { return loaded.count(same_as[in_module.at(name)]) != 0; }),
-                  missing.end());
-  }
+  drop_tied_names(missing, match, in_module, same_as);
   std::string errors;
   if (options.strict() && !missing.empty()) {
     errors += "\n\tMissing key(s) in state_dict: " + quoted_list(missing) + ".";
@@ -474,10 +486,11 @@ StateMatch match_state(const std::vector<std::string>& names, const std::vector<
   TORCH_CHECK(errors.empty(), "Error(s) in loading ", file, " (nothing was loaded):", errors,
               how_to_match(unexpected, in_module,
                            options.strict() && !match.pairs.empty() && (!missing.empty() || !unexpected.empty())));
-  TORCH_CHECK(!match.pairs.empty() || set.tensors.empty() || names.empty(), "lockstep: ", file, " holds none of "
-              "the module's ", names.size(), " names, so a load that is not strict would load nothing (the file's "
-              "first is \"", set.tensors.front().name, "\", the module's \"", names.front(), "\").",
-              how_to_match(unexpected, in_module, false));
+  if (match.pairs.empty() && !set.tensors.empty() && !names.empty()) { // as load_state_dict(strict=False), but said
+    TORCH_WARN("lockstep: ", file, " holds none of the module's ", names.size(), " names, so nothing was loaded "
+               "(the file's first is \"", set.tensors.front().name, "\", the module's \"", names.front(), "\").",
+               how_to_match(unexpected, in_module, false));
+  }
   return match;
 }
 

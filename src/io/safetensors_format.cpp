@@ -49,9 +49,10 @@ uint64_t read_length(const char* bytes) {
   return length;
 }
 
-// The JSON text, refusing a name given twice in one object (nlohmann keeps
-// the last; Python's safetensors keeps the last tensor, and refuses a field
-// given twice in an entry).
+// The JSON text, refusing a tensor named twice or a field given twice in
+// its entry (nlohmann keeps the last; Python's safetensors keeps the last
+// tensor, and refuses the field). A key twice in __metadata__ is taken as
+// Python takes it: the last.
 Json parse_json(const std::string& text, const std::string& file) {
   std::vector<std::set<std::string>> objects; // the names of each object being read, outermost first
   std::string tensor, duplicate;              // the tensor being read; the first name given twice
@@ -65,7 +66,8 @@ Json parse_json(const std::string& text, const std::string& file) {
       if (objects.size() == 1) {
         tensor = name;
       }
-      if (!objects.back().insert(name).second && duplicate.empty()) {
+      const bool in_metadata = objects.size() == 2 && tensor == "__metadata__"; // Python keeps the last
+      if (!in_metadata && !objects.back().insert(name).second && duplicate.empty()) {
         duplicate = objects.size() == 1 ? "names tensor '" + name + "' twice"
                                         : "gives '" + name + "' twice in the entry of '" + tensor + "'";
       }

@@ -138,7 +138,7 @@ class Recorder {
 
   void note_group(int rank, int world_size) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (world_size >= group_size_) {
+    if (world_size > group_size_) {
       group_rank_ = rank;
       group_size_ = world_size;
     }
@@ -148,11 +148,11 @@ class Recorder {
     thread_local int thread_id = next_thread_.fetch_add(1) % kFirstTrack;
     std::lock_guard<std::mutex> lock(mutex_);
     int tid = thread_id;
-    if (!track.empty()) {
-      auto it = tracks_.find(track);
-      if (it == tracks_.end()) {
-        it = tracks_.emplace(track, kFirstTrack + static_cast<int>(tracks_.size())).first;
-      }
+    auto it = tracks_.find(track);
+    if (!track.empty() && it == tracks_.end() && tracks_.size() + 1 < static_cast<size_t>(kLaneStride)) {
+      it = tracks_.emplace(track, kFirstTrack + static_cast<int>(tracks_.size())).first;
+    }
+    if (it != tracks_.end()) { // past kLaneStride named tracks, a span stays on its thread's
       tid = it->second;
     }
     if (events_.size() >= kMaxEvents) {
@@ -188,7 +188,7 @@ class Recorder {
     for (int tid : std::set<int>(tids.begin(), tids.end())) {
       if (tid >= kFirstTrack) {
         const int lane = (tid - kFirstTrack) / kLaneStride;
-        const std::string& track = names[tid - lane * kLaneStride];
+        const std::string& track = names.at(tid - lane * kLaneStride);
         events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", tid},
                           {"args", {{"name", lane == 0 ? track : track + " " + std::to_string(lane + 1)}}}});
       }
@@ -313,8 +313,11 @@ void record(const std::string& name, int64_t start_us, int64_t end_us, const std
   recorder().add(name, start_us, end_us, track, bytes);
 }
 
+// The launchers' variables name the file where they are set: they give the
+// job's rank, where a program's first group may be a node's subgroup. Ranks
+// as threads of one process make groups of one size: the first names it.
 void note_group(int rank, int world_size) {
-  if (kEnabled) {
+  if (kEnabled && world_size > 1 && world_size_from_env() == 1) {
     recorder().note_group(rank, world_size);
   }
 }
