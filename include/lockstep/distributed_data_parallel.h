@@ -187,6 +187,8 @@ class DistributedDataParallelImpl : public detail::WrapperModule<M> {
   const ProcessGroup& group() const {
     return core_->group();
   }
+  /// Whether save_safetensors writes this model's files here: on rank 0
+  /// only, as the replicas are the same on every rank.
   bool writes_files() const override {
     return core_->group().rank() == 0;
   }
