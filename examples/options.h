@@ -137,7 +137,7 @@ inline void add_training_options(CLI::App& app, Config& config) {
       ->check(CLI::Range(0.0, 0.9))->capture_default_str()->group("Training");
   app.add_flag("--activation-checkpointing", config.activation_checkpointing, "--model vit or gpt: keep no "
                "activations inside the blocks; backward makes them again (lockstep::checkpoint), for the same "
-               "gradients")->group("Training");
+               "gradients (not with --dropout on 2 or more --replicas, which is refused)")->group("Training");
   app.add_option("--optimizer", config.optimizer, "sgd (with --momentum) or adamw (PyTorch's defaults: betas 0.9 "
                  "and 0.999, weight decay 0.01). Default: sgd for --model cnn, adamw for vit and gpt")
       ->check(CLI::IsMember({"sgd", "adamw"}))->group("Training");
@@ -365,6 +365,13 @@ inline void check_launch_flags(const CLI::App& app, const Config& config, bool l
     throw UsageError("--replicas sets DataParallel's CPU replicas when lockstep-train runs alone; under a launcher "
                      "each process is one rank: set their number with the launcher (lockstep-run --nproc-per-node N), "
                      "and leave --replicas out.");
+  }
+  if (!launched && config.replicas >= 2 && config.activation_checkpointing && config.dropout > 0) {
+    throw UsageError("--activation-checkpointing with --dropout on " + std::to_string(config.replicas) +
+                     " DataParallel CPU replicas (--replicas): the replicas draw dropout's "
+                     "numbers from one generator at once, so backward's second run of a block would not draw its "
+                     "forward's (lockstep::checkpoint). Leave out one of the three (--replicas 1), or run the "
+                     "ranks under a launcher (lockstep-run --nproc-per-node 2 lockstep-train ...).");
   }
   if (!launched && app.count("--timeout") > 0) {
     throw UsageError("--timeout is how long a rank waits for the others; alone, lockstep-train has no other rank. Run "

@@ -16,8 +16,12 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -43,9 +47,10 @@ namespace {
 // node, CheckpointBackward, then stands for the whole segment: its next
 // edges are those, and fn's graph is dropped with its activations. In
 // backward the node runs fn again on the saved inputs, computes the
-// gradients that reach those same edges (the engine's capture, which
-// accumulates nothing), and hands them to the outer backward, which
-// accumulates them and runs every hook as it would without checkpointing.
+// gradients that reach those same edges (captured at nodes that stand for
+// them, Note [Where the recomputation stops]), and hands them to the outer
+// backward, which accumulates them and runs every hook as it would without
+// checkpointing.
 // fn runs again with the generators set to the states they had before its
 // first run (then restored), and under the autocast state it ran in, so it
 // computes the same values: the gradients are the same bits.
@@ -62,6 +67,19 @@ namespace {
 // recomputation would read other values. A
 // backward that creates a graph (double backward) is refused: the
 // recomputation's gradients would end at its own detached inputs.
+
+// Note [Recomputations on several threads]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The generators are the process's, and DataParallel's CPU replicas run
+// their backwards, and so their recomputations, on several threads at
+// once. Each recomputation sets the generators to its segment's states;
+// were each to put back what it found, two that overlap would leave them
+// at a state the first set, older than where the caller left them, and the
+// next step's dropout would draw numbers already drawn. So the state the
+// caller left is saved by the first recomputation to begin and put back by
+// the last to end. (Segments that draw random numbers while others
+// recompute on other threads do not draw their forward's numbers again:
+// the header says to keep such segments free of randomness.)
 
 struct Segment {
   std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)> fn;
@@ -88,29 +106,181 @@ class CastCacheOff {
   bool previous_;
 };
 
-// The states of `segment`'s generators for the lifetime of this object.
+// The states of `segment`'s generators for the lifetime of this object
+// (Note [Recomputations on several threads]).
 class GeneratorsAsBefore {
  public:
   explicit GeneratorsAsBefore(const Segment& segment) {
+    std::lock_guard<std::mutex> lock(mutex());
     for (const auto& [generator, state] : segment.generators) {
       auto g = generator;
-      std::lock_guard<std::mutex> lock(g.mutex());
-      now_.emplace_back(g, g.get_state());
+      std::lock_guard<std::mutex> generator_lock(g.mutex());
+      auto& entered = active()[g.unsafeGetGeneratorImpl()];
+      if (entered.count++ == 0) {
+        entered.state_before = g.get_state();
+      }
       g.set_state(state);
+      held_.push_back(g);
     }
   }
   ~GeneratorsAsBefore() {
-    for (auto& [generator, state] : now_) {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(state);
+    std::lock_guard<std::mutex> lock(mutex());
+    for (auto& generator : held_) {
+      auto it = active().find(generator.unsafeGetGeneratorImpl());
+      TORCH_INTERNAL_ASSERT(it != active().end() && it->second.count > 0);
+      if (--it->second.count == 0) {
+        std::lock_guard<std::mutex> generator_lock(generator.mutex());
+        generator.set_state(it->second.state_before);
+        active().erase(it);
+      }
     }
   }
   GeneratorsAsBefore(const GeneratorsAsBefore&) = delete;
   GeneratorsAsBefore& operator=(const GeneratorsAsBefore&) = delete;
 
  private:
-  std::vector<std::pair<at::Generator, torch::Tensor>> now_;
+  struct Entered {
+    size_t count = 0;            // recomputations under way with this generator
+    torch::Tensor state_before;  // its state when the first of them began
+  };
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::unordered_map<const c10::GeneratorImpl*, Entered>& active() {
+    static std::unordered_map<const c10::GeneratorImpl*, Entered> entered;
+    return entered;
+  }
+  std::vector<at::Generator> held_;
 };
+
+// The graph's end for one edge by which the segment's recomputed graph
+// leaves it: the gradient is captured here, and nothing runs past it
+// (Note [Where the recomputation stops]). It takes the metadata of the
+// input it stands for, so the engine checks and reduces the gradient
+// reaching it as it would the original's.
+class SegmentExit : public torch::autograd::Node {
+ public:
+  explicit SegmentExit(const torch::autograd::InputMetadata& metadata)
+      : Node(/*sequence_nr=*/UINT64_MAX, /*next_edges=*/{}) {
+    input_metadata_.push_back(metadata);
+  }
+  std::string name() const override {
+    return "lockstep::SegmentExit";
+  }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& /*grads*/) override {
+    return {};
+  }
+};
+
+// The sequence numbers this thread gave the nodes fn made: [first, last).
+struct MadeByFn {
+  uint64_t thread, first, last;
+  bool operator()(const torch::autograd::Node& node) const {
+    return node.thread_id() == thread && node.sequence_nr() >= first && node.sequence_nr() < last;
+  }
+};
+
+// Walks fn's graph from `roots` and calls exit(edge) on each edge by which
+// it leaves the segment: to a gradient accumulator other than the inputs'
+// (`own`), or to a node fn did not make (a node's sequence number counts
+// per thread, so a node of another thread, a DataParallel replica's
+// parameter, is never taken for one of fn's). Where exit returns an edge,
+// it replaces the one it was given (in `roots` too).
+void walk_segment(torch::autograd::edge_list& roots, const std::unordered_set<const torch::autograd::Node*>& own,
+                  MadeByFn made,
+                  const std::function<std::optional<torch::autograd::Edge>(const torch::autograd::Edge&)>& exit) {
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  // Whether `edge` was replaced by exit's answer, through `replace`.
+  auto visit = [&](const torch::autograd::Edge& edge, const std::function<void(torch::autograd::Edge)>& replace) {
+    auto* node = edge.function.get();
+    if (node == nullptr || own.count(node) != 0) {
+      return;
+    }
+    if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr || !made(*node)) {
+      if (auto replacement = exit(edge)) {
+        replace(std::move(*replacement));
+      }
+    } else if (seen.insert(node).second) {
+      stack.push_back(node);
+    }
+  };
+  for (auto& root : roots) {
+    visit(root, [&root](torch::autograd::Edge e) { root = std::move(e); });
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    for (size_t i = 0; i < node->num_outputs(); ++i) {
+      // Not set_next_edge, which refuses a node that has a parent: a
+      // SegmentExit's topological number, 0, keeps the node's above it.
+      visit(node->next_edge(i), [node, i](torch::autograd::Edge e) { node->next_edges()[i] = std::move(e); });
+    }
+  }
+}
+
+// The edges by which fn's graph, from `outputs`, leaves the segment, each
+// once, in the order met.
+torch::autograd::edge_list edges_out(const std::vector<torch::Tensor>& outputs,
+                                     const std::unordered_set<const torch::autograd::Node*>& own, MadeByFn made) {
+  torch::autograd::edge_list roots;
+  for (const auto& output : outputs) {
+    if (output.defined() && output.requires_grad()) {
+      roots.push_back(torch::autograd::impl::gradient_edge(output));
+    }
+  }
+  torch::autograd::edge_list out;
+  walk_segment(roots, own, made, [&out](const torch::autograd::Edge& edge) -> std::optional<torch::autograd::Edge> {
+    const bool met = std::any_of(out.begin(), out.end(), [&edge](const torch::autograd::Edge& e) {
+      return e.function == edge.function && e.input_nr == edge.input_nr;
+    });
+    if (!met) {
+      out.push_back(edge);
+    }
+    return std::nullopt;
+  });
+  return out;
+}
+
+// Note [Where the recomputation stops]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The recomputation's backward must compute the gradients that reach the
+// segment's exits and run nothing beyond them: the outer backward runs
+// those nodes, once. Capturing at the exits themselves is not enough. The
+// engine runs a captured node when another captured node lies beyond it (a
+// segment that reads both a weight and weight.t() made before it), which
+// would add that path's gradient twice, or free its saved tensors before
+// the outer backward reaches it; and PyTorch 2.x runs a captured node's
+// tensor hooks (register_hook, retain_grad), which the outer backward runs
+// again. So each edge of the recomputed graph that leaves the segment is
+// pointed at a SegmentExit of its own, a node with no next edges, and the
+// gradients are captured there.
+torch::autograd::edge_list stop_at_exits(torch::autograd::edge_list& roots,
+                                         const std::unordered_set<const torch::autograd::Node*>& own, MadeByFn made,
+                                         const torch::autograd::edge_list& exits) {
+  std::vector<std::shared_ptr<SegmentExit>> stops(exits.size());
+  walk_segment(roots, own, made, [&](const torch::autograd::Edge& edge) -> std::optional<torch::autograd::Edge> {
+    for (size_t k = 0; k < exits.size(); ++k) {
+      if (exits[k].function == edge.function && exits[k].input_nr == edge.input_nr) {
+        if (!stops[k]) {
+          stops[k] = std::make_shared<SegmentExit>(edge.function->input_metadata(edge.input_nr));
+        }
+        return torch::autograd::Edge(stops[k], 0);
+      }
+    }
+    TORCH_CHECK(false, "lockstep::checkpoint: running the segment again in backward, its graph reached ",
+                edge.function->name(), ", which its first run did not: fn must compute the same thing both times.");
+  });
+  torch::autograd::edge_list capture;
+  for (size_t k = 0; k < exits.size(); ++k) {
+    // An exit the recomputation does not reach gets no gradient.
+    capture.emplace_back(stops[k] ? stops[k]
+                                  : std::make_shared<SegmentExit>(exits[k].function->input_metadata(exits[k].input_nr)),
+                         0);
+  }
+  return capture;
+}
 
 class CheckpointBackward : public torch::autograd::Node {
  public:
@@ -145,6 +315,7 @@ torch::autograd::variable_list CheckpointBackward::apply(torch::autograd::variab
   }
   torch::autograd::variable_list outputs;
   torch::autograd::edge_list capture;
+  const uint64_t first = at::sequence_number::peek();
   {
     GeneratorsAsBefore generators(*segment_);
     ReplicaAutocast autocast(segment_->autocast);
@@ -159,9 +330,7 @@ torch::autograd::variable_list CheckpointBackward::apply(torch::autograd::variab
     TORCH_INTERNAL_ASSERT(capture.size() == leaving_inputs_);
     outputs = segment_->fn(inputs);
   }
-  for (size_t e = leaving_inputs_; e < num_outputs(); ++e) {
-    capture.push_back(next_edge(e));
-  }
+  const MadeByFn made{at::RecordFunction::currentThreadId(), first, at::sequence_number::peek()};
   torch::autograd::edge_list roots;
   torch::autograd::variable_list root_grads;
   for (size_t k = 0; k < segment_->differentiable.size(); ++k) {
@@ -177,59 +346,17 @@ torch::autograd::variable_list CheckpointBackward::apply(torch::autograd::variab
   if (roots.empty()) {
     return torch::autograd::variable_list(num_outputs());
   }
+  std::unordered_set<const torch::autograd::Node*> own;
+  for (const auto& edge : capture) {
+    own.insert(edge.function.get());
+  }
+  const torch::autograd::edge_list exits(next_edges().begin() + static_cast<std::ptrdiff_t>(leaving_inputs_),
+                                         next_edges().end());
+  const auto stops = stop_at_exits(roots, own, made, exits);
+  capture.insert(capture.end(), stops.begin(), stops.end());
   return torch::autograd::Engine::get_default_engine().execute(roots, root_grads, /*keep_graph=*/false,
                                                                /*create_graph=*/false, /*accumulate_grad=*/false,
                                                                capture);
-}
-
-// The sequence numbers this thread gave the nodes fn made: [first, last).
-struct MadeByFn {
-  uint64_t thread, first, last;
-  bool operator()(const torch::autograd::Node& node) const {
-    return node.thread_id() == thread && node.sequence_nr() >= first && node.sequence_nr() < last;
-  }
-};
-
-// The edges by which fn's graph, from `outputs`, leaves the segment: to a
-// gradient accumulator other than the inputs' (`own`), or to a node fn did
-// not make (a node's sequence number counts per thread, so a node of
-// another thread, a DataParallel replica's parameter, is never taken for
-// one of fn's), each once, in the order met.
-torch::autograd::edge_list edges_out(const std::vector<torch::Tensor>& outputs,
-                                     const std::unordered_set<const torch::autograd::Node*>& own, MadeByFn made) {
-  torch::autograd::edge_list out;
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack;
-  auto visit = [&](const torch::autograd::Edge& edge) {
-    auto* node = edge.function.get();
-    if (node == nullptr || own.count(node) != 0) {
-      return;
-    }
-    const bool leaves = dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr || !made(*node);
-    if (leaves) {
-      for (const auto& e : out) {
-        if (e.function.get() == node && e.input_nr == edge.input_nr) {
-          return;
-        }
-      }
-      out.push_back(edge);
-    } else if (seen.insert(node).second) {
-      stack.push_back(node);
-    }
-  };
-  for (const auto& output : outputs) {
-    if (output.defined() && output.requires_grad()) {
-      visit(torch::autograd::impl::gradient_edge(output));
-    }
-  }
-  while (!stack.empty()) {
-    auto* node = stack.back();
-    stack.pop_back();
-    for (const auto& edge : node->next_edges()) {
-      visit(edge);
-    }
-  }
-  return out;
 }
 
 // The default generators of the CPU and of each device among `inputs`,

@@ -14,7 +14,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cstring>
+#include <thread>
 #include <optional>
 #include <string>
 #include <vector>
@@ -199,6 +201,96 @@ TEST(ActivationCheckpoint, GradientsReachWhatTheSegmentReadsFromOutside) {
   }
   EXPECT_TRUE(same_bits(grads[0][0], grads[1][0]));
   EXPECT_TRUE(same_bits(grads[0][1], grads[1][1]));
+}
+
+// A segment that reads a leaf and a tensor made from it before the
+// segment (a weight and its transpose, a slice of a table): the path
+// through the outside tensor is taken once, by the outer backward, as
+// without checkpointing, and not a second time inside the recomputation,
+// which would double it, or fail where the outside node saved tensors.
+TEST(ActivationCheckpoint, ALeafAndATensorMadeFromItOutsideGetTheirGradientOnce) {
+  auto w = torch::randn({4, 4}, torch::requires_grad());
+  auto x = torch::randn({3, 4}, torch::requires_grad());
+  std::vector<torch::Tensor> grads[2];
+  for (bool checkpointed : {false, true}) {
+    w.mutable_grad().reset();
+    x.mutable_grad().reset();
+    const auto w_t = w.t();        // a view: its node saves nothing
+    const auto a = w * 2;
+    const auto b = a.exp();        // saves its result for backward
+    auto fn = [&](const torch::Tensor& in) { return in.matmul(w).matmul(w_t).matmul(a) + in.matmul(b); };
+    (checkpointed ? checkpoint(fn, x) : fn(x)).pow(2).sum().backward();
+    grads[checkpointed] = {w.grad().clone(), x.grad().clone()};
+  }
+  EXPECT_TRUE(same_bits(grads[0][0], grads[1][0])) << (grads[0][0] - grads[1][0]).abs().max().item<double>();
+  EXPECT_TRUE(same_bits(grads[0][1], grads[1][1]));
+}
+
+// Hooks on what a segment reads run once per backward, as without
+// checkpointing: a leaf's hook, and retain_grad on a tensor made outside.
+TEST(ActivationCheckpoint, HooksOnWhatTheSegmentReadsRunOnce) {
+  auto w = torch::randn({4, 4}, torch::requires_grad());
+  auto v = torch::randn({4, 4}, torch::requires_grad());
+  std::vector<torch::Tensor> grads[2];
+  int calls[2] = {0, 0};
+  for (bool checkpointed : {false, true}) {
+    w.mutable_grad().reset();
+    auto hook = w.register_hook([&calls, checkpointed](const torch::Tensor& g) {
+      ++calls[checkpointed];
+      return g * 0.5;
+    });
+    auto u = v * 2;
+    u.retain_grad();
+    auto fn = [&](const torch::Tensor& in) { return in.matmul(w).tanh().matmul(u); };
+    (checkpointed ? checkpoint(fn, torch::ones({2, 4})) : fn(torch::ones({2, 4}))).sum().backward();
+    w.remove_hook(hook);
+    grads[checkpointed] = {w.grad().clone(), u.grad().clone()};
+  }
+  EXPECT_EQ(calls[0], 1);
+  EXPECT_EQ(calls[1], 1);
+  EXPECT_TRUE(same_bits(grads[0][0], grads[1][0]));
+  EXPECT_TRUE(same_bits(grads[0][1], grads[1][1]));
+}
+
+// Two recomputations that overlap on two threads, the first to begin
+// ending first (as DataParallel's CPU replicas' backwards may): the
+// generator ends where the caller left it, not at a state one of them set
+// (Note [Recomputations on several threads]).
+TEST(ActivationCheckpoint, OverlappingRecomputationsLeaveTheGeneratorAsTheCallerLeftIt) {
+  std::atomic<bool> in_backward{false}, a_in{false}, b_in{false}, a_done{false};
+  const auto wait_for = [](const std::atomic<bool>& flag) {
+    while (!flag.load()) {
+      std::this_thread::yield();
+    }
+  };
+  auto w = torch::randn({3, 3}, torch::requires_grad());
+  torch::manual_seed(5);
+  auto out_a = checkpoint([&](const torch::Tensor& in) {
+    if (in_backward) {
+      a_in = true;
+      wait_for(b_in);
+    }
+    return in.matmul(w);
+  }, torch::ones({2, 3}));
+  torch::rand({7}); // the generator moves on between the segments
+  auto out_b = checkpoint([&](const torch::Tensor& in) {
+    if (in_backward) {
+      b_in = true;
+      wait_for(a_done);
+    }
+    return in.matmul(w);
+  }, torch::ones({2, 3}));
+  torch::rand({7});
+  const auto caller_left = at::globalContext().defaultGenerator(torch::kCPU).get_state();
+  in_backward = true;
+  std::thread b([&] {
+    wait_for(a_in); // B's recomputation begins inside A's
+    out_b.sum().backward();
+  });
+  out_a.sum().backward();
+  a_done = true;
+  b.join();
+  EXPECT_TRUE(torch::equal(at::globalContext().defaultGenerator(torch::kCPU).get_state(), caller_left));
 }
 
 TEST(ActivationCheckpoint, RefusesABackwardAfterItsGraphWasFreedAndRunsPlainWithoutAutograd) {

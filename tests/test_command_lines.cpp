@@ -122,6 +122,9 @@ TEST(TrainerCommandLine, OutputsThatCollideAndFlagsWithoutEffectAreRefused) {
                  "--dropout is the ViT's and the GPT's; the CNN has none");
   expect_refused(train(tiny("timeout_alone"), {"--timeout", "5"}, "timeout_alone"),
                  "--timeout is how long a rank waits for the others");
+  expect_refused(train(tiny("replicas_dropout"), {"--model", "vit", "--dropout", "0.1", "--activation-checkpointing"},
+                       "replicas_dropout"),
+                 "--activation-checkpointing with --dropout on 2 DataParallel CPU replicas (--replicas)");
 }
 
 // Notes at the start of a run that would otherwise mislead: a warmup

@@ -48,6 +48,10 @@ namespace lockstep {
 /// threads at once, so there a segment that draws random numbers (dropout)
 /// does not draw the same ones again in backward: keep such segments free
 /// of randomness, or checkpoint under DistributedDataParallel instead.
+/// As in PyTorch, a parameter fn reads must keep its values until backward
+/// has run: one changed in place in between (an optimizer step between
+/// forward and backward) gets the gradient at its new values, where a plain
+/// backward would usually refuse.
 std::vector<torch::Tensor> checkpoint(
     const std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>& fn,
     const std::vector<torch::Tensor>& inputs);
@@ -65,6 +69,9 @@ template <typename F, typename... Tensors>
 torch::Tensor checkpoint(F&& fn, const torch::Tensor& first, const Tensors&... rest) {
   static_assert((std::is_convertible_v<const Tensors&, const torch::Tensor&> && ...),
                 "lockstep::checkpoint(fn, inputs...): every input must be a torch::Tensor");
+  static_assert(std::is_invocable_v<F&, const torch::Tensor&, const Tensors&...>,
+                "lockstep::checkpoint(fn, inputs...): fn must take the inputs as tensors, one parameter each; for "
+                "a fn of std::vector<torch::Tensor>, pass std::vector<torch::Tensor>{...} as the inputs");
   auto outputs = checkpoint(
       [fn = std::forward<F>(fn)](const std::vector<torch::Tensor>& in) mutable {
         return std::apply([&fn](const auto&... t) { return std::vector<torch::Tensor>{fn(t...)}; },
