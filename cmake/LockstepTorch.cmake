@@ -7,7 +7,10 @@
 #  - oldest: Debian 12's CPU libtorch 1.13 (libtorch-dev), found by default.
 # API differences between them are in src/util/torch_compat.h.
 # TorchConfig puts TORCH_CXX_FLAGS (the C++ ABI choice) on the torch target.
-include_guard(GLOBAL)
+# Once per directory: a consumer may find_package(lockstep) in two sibling
+# directories, and imported targets (torch, OpenMP::OpenMP_CXX) exist only in
+# the directory whose find_package made them.
+include_guard(DIRECTORY)
 
 # An installed lockstep also looks where it was built against, so that a
 # consumer links the same libtorch; the consumer's own CMAKE_PREFIX_PATH or
@@ -19,6 +22,23 @@ if(LOCKSTEP_BUILT_WITH_TORCH_PREFIX)
 endif()
 find_package(Torch REQUIRED CONFIG)
 set(CMAKE_PREFIX_PATH "${_lockstep_saved_prefix_path}")
+
+# TorchConfig finds c10 (and the rest of TORCH_LIBRARIES' files) with
+# find_library(... PATHS <torch>/lib), which searches the system's folders
+# first: beside Debian's libtorch-dev, the wheel's TORCH_LIBRARIES would name
+# /usr's libc10 of 1.13, and a program linking them aborts at start. Each
+# such file is replaced by its namesake in the LibTorch found, where it has
+# one. (lockstep itself links the torch target, which names no file.)
+set(_lockstep_torch_libraries)
+foreach(_lib IN LISTS TORCH_LIBRARIES)
+  get_filename_component(_name "${_lib}" NAME)
+  if(IS_ABSOLUTE "${_lib}" AND NOT _lib MATCHES "^${TORCH_INSTALL_PREFIX}/" AND
+     EXISTS "${TORCH_INSTALL_PREFIX}/lib/${_name}")
+    set(_lib "${TORCH_INSTALL_PREFIX}/lib/${_name}")
+  endif()
+  list(APPEND _lockstep_torch_libraries "${_lib}")
+endforeach()
+set(TORCH_LIBRARIES "${_lockstep_torch_libraries}")
 
 # ATen's intra-op threads are OpenMP in both; while CPU replicas run, the
 # caller's OpenMP threads yield to them (Note [CPU replicas and threads],

@@ -40,8 +40,11 @@ esac
 # Test files four to a compile (Note [Unity test builds], tests/CMakeLists.txt),
 # in every configuration these scripts build; a plain cmake builds each alone.
 torch_cmake_args+=(-DLOCKSTEP_UNITY_TESTS=ON)
-# LOCKSTEP_CMAKE_ARGS: more arguments for the first configure of the build
-# folder (CI's ASan stage: -DLOCKSTEP_BUILD_EXAMPLES=OFF).
+# The trainer and the benchmarks are built unless LOCKSTEP_CMAKE_ARGS, which
+# comes after and so wins, turns them off (CI's ASan stage:
+# -DLOCKSTEP_BUILD_EXAMPLES=OFF); scripts/build.sh configures the folder anew
+# when these arguments change.
+torch_cmake_args+=(-DLOCKSTEP_BUILD_EXAMPLES=ON -DLOCKSTEP_BUILD_BENCH=ON)
 read -r -a extra_cmake_args <<< "${LOCKSTEP_CMAKE_ARGS:-}"
 torch_cmake_args+=("${extra_cmake_args[@]}")
 export LOCKSTEP_TORCH LOCKSTEP_SANITIZE

@@ -14,6 +14,10 @@ devcheck_configure() {
   fi
   local torch_prefix
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
-  cmake -S "$dir/src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix;$stage" \
-    -DZLIB_ROOT="$stage" "$@" >>"$log" 2>&1
+  if ! cmake -S "$dir/src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix;$stage" \
+      -DZLIB_ROOT="$stage" "$@" >>"$log" 2>&1; then
+    tail -n 30 "$log"
+    echo "devcheck: configuring $build failed (above; all of it in $log)"
+    return 1
+  fi
 }

@@ -15,8 +15,14 @@ targets=("$@")
 
 LOCKSTEP_TORCH=debian LOCKSTEP_SETUP_FUZZ=1 bash scripts/setup.sh
 build=build-fuzz
-if [ ! -f "$build/CMakeCache.txt" ]; then
-  cmake -S tests/fuzz -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ >/dev/null
+if [ ! -f "$build/build.ninja" ]; then # also after a configure that failed
+  mkdir -p "$build"
+  if ! cmake -S tests/fuzz -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+      >"$build/configure.log" 2>&1; then
+    tail -n 30 "$build/configure.log" >&2
+    echo "fuzz: configuring $build/ failed (above; all of it in $build/configure.log)." >&2
+    exit 1
+  fi
 fi
 cmake --build "$build" -j"${LOCKSTEP_JOBS:-2}" --target "${targets[@]}"
 

@@ -50,7 +50,7 @@ case "$mode" in
     exit 2
     ;;
 esac
-peak=$(bash "$(dirname "$0")/gpu_peak.sh" "$card")
+peak=$(bash scripts/gpu_peak.sh "$card") # from the repository root, where this runs
 peak=${GPU_PEAK_TFLOPS:-$peak}
 
 lines=$out/lines.txt

@@ -29,18 +29,30 @@ case "${1:-}" in
     echo "gpu_check: $(du -sh "$dir" | cut -f1) in .devcheck/, of commit $(git rev-parse --short HEAD)"
     ;;
   run)
-    out=${2:?usage: scripts/gpu_check.sh run OUT [SECONDS]}
+    out=$(realpath -m "${2:?usage: scripts/gpu_check.sh run OUT [SECONDS]}")
+    mkdir -p "$out"
     # Steps run most important first, each cut off at the deadline, so a
-    # short loan still returns every log.
+    # short loan still returns every log. A step that fails does not stop
+    # the ones after it; the script ends non-zero, naming each failure.
     deadline=$((SECONDS + ${3:-3000}))
     left() { local n=$((deadline - SECONDS)); echo $((n > 5 ? n : 5)); }
+    failures=()
+    step() { # NAME LOG COMMAND...: COMMAND's output into LOG
+      local name=$1 log=$2 rc=0
+      shift 2
+      timeout "$(left)" "$@" >"$log" 2>&1 || rc=$?
+      [ "$rc" -eq 0 ] || failures+=("$name (exit $rc; $log)")
+    }
     nvidia-smi -L
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
     source scripts/devcheck_build.sh
     devcheck_configure /tmp/lockstep "$out/configure.log" -DLOCKSTEP_BUILD_BENCH=OFF
     # -k 0: a file that fails to compile leaves the other targets to build and run.
     build_start=$SECONDS
-    cmake --build /tmp/lockstep -- -k 0 >"$out/build.log" 2>&1 || grep -E -A12 "error|FAILED" "$out/build.log" | head -60
+    if ! cmake --build /tmp/lockstep -- -k 0 >"$out/build.log" 2>&1; then
+      grep -E -A12 "error|FAILED" "$out/build.log" | head -60
+      failures+=("build ($out/build.log)")
+    fi
     echo "gpu_check: built in $((SECONDS - build_start)) s"
     cd /tmp/lockstep
     # c10d's own flight recorder, which lockstep does not use, inserted into
@@ -49,18 +61,26 @@ case "${1:-}" in
     # 2.11 the thread tests, whose ranks are threads of one process, crashed
     # in that insert in 3 runs of 5, and in none of 3 with it off.
     export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-0}
-    # A failure must not stop the checks after it: every step reports, none exits.
-    { timeout "$(left)" ctest -R CUDA --timeout 240 --output-on-failure 2>&1 || true; } | tee "$out/cuda.log" |
-      grep -E "Test +#|tests passed|tests failed" || true
-    { timeout "$(left)" ./lockstep-train --synthetic --train-samples 6000 --test-samples 1000 --epochs 2 --replicas 0 \
-      --out /tmp/gpu_train 2>&1 || true; } | tee "$out/train.log" | grep -E "^lockstep-train: (2 epoch|last epoch)|rror" || true
-    { timeout "$(left)" ./lockstep-run --nproc-per-node 1 ./lockstep-train --synthetic --train-samples 6000 --test-samples 1000 \
-      --epochs 2 --sharding full --out /tmp/gpu_train_fsdp 2>&1 || true; } | tee "$out/train_fsdp.log" |
-      grep -E "lockstep-train: (2 epoch|last epoch)|rror" || true
-    { timeout "$(left)" tests/lockstep_unit_tests 2>&1 || true; } >"$out/unit.log"; tail -1 "$out/unit.log"
-    { timeout "$(left)" tests/lockstep_thread_tests 2>&1 || true; } >"$out/threads.log"; tail -4 "$out/threads.log"
-    { timeout "$(left)" tests/lockstep_process_tests --gtest_filter='FsdpProcesses.*:DdpProcesses.*' 2>&1 || true; } \
-      >"$out/processes.log"; tail -3 "$out/processes.log"
+    step "the CUDA tests" "$out/cuda.log" ctest -R CUDA --timeout 240 --output-on-failure
+    grep -E "Test +#|tests passed|tests failed" "$out/cuda.log" || true
+    step "lockstep-train over every GPU" "$out/train.log" ./lockstep-train --synthetic --train-samples 6000 \
+      --test-samples 1000 --epochs 2 --replicas 0 --out /tmp/gpu_train
+    grep -E "^lockstep-train: (2 epoch|last epoch)|rror" "$out/train.log" || true
+    step "lockstep-train under FullShard" "$out/train_fsdp.log" ./lockstep-run --nproc-per-node 1 ./lockstep-train \
+      --synthetic --train-samples 6000 --test-samples 1000 --epochs 2 --sharding full --out /tmp/gpu_train_fsdp
+    grep -E "lockstep-train: (2 epoch|last epoch)|rror" "$out/train_fsdp.log" || true
+    step "the unit tests" "$out/unit.log" tests/lockstep_unit_tests
+    tail -1 "$out/unit.log"
+    step "the thread tests" "$out/threads.log" tests/lockstep_thread_tests
+    tail -4 "$out/threads.log"
+    step "the DDP and FSDP process tests" "$out/processes.log" tests/lockstep_process_tests \
+      --gtest_filter='FsdpProcesses.*:DdpProcesses.*'
+    tail -3 "$out/processes.log"
+    if [ ${#failures[@]} -gt 0 ]; then
+      printf 'gpu_check: FAILED: %s\n' "${failures[@]}"
+      exit 1
+    fi
+    echo "gpu_check: every step passed"
     ;;
   *)
     echo "usage: scripts/gpu_check.sh prepare | run OUT [SECONDS]" >&2

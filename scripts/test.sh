@@ -8,4 +8,5 @@ bash scripts/setup.sh
 bash scripts/build.sh
 cd "$build_dir"
 echo "test: PyTorch configuration '$LOCKSTEP_TORCH' in $build_dir/"
-ctest --output-on-failure -j2 "$@"
+# --no-tests=error: a -L or -R that matches nothing fails instead of passing.
+ctest --output-on-failure --no-tests=error -j2 "$@"

@@ -6,8 +6,24 @@
 # per suite]) would run under one name.
 #   cmake -DCTEST=... -DBUILD_DIR=... -P check_test_properties.cmake
 cmake_minimum_required(VERSION 3.19)
-execute_process(COMMAND ${CTEST} --test-dir ${BUILD_DIR} --show-only=json-v1
+# ctest lists the tests of a copy of the folders' CTestTestfile.cmake files
+# (they include the test lists by absolute path): a ctest run in BUILD_DIR
+# itself writes its Testing/Temporary/LastTest.log over the log of the ctest
+# that runs this check.
+set(copy "${BUILD_DIR}/tests/test_properties_check")
+file(REMOVE_RECURSE "${copy}")
+function(copy_test_files dir) # and those of the folders its subdirs() name
+  file(COPY "${BUILD_DIR}/${dir}/CTestTestfile.cmake" DESTINATION "${copy}/${dir}")
+  file(STRINGS "${BUILD_DIR}/${dir}/CTestTestfile.cmake" subdirs REGEX "^subdirs\\(")
+  foreach(line IN LISTS subdirs)
+    string(REGEX REPLACE "^subdirs\\(\"?([^\")]*)\"?\\)$" "\\1" sub "${line}")
+    copy_test_files("${dir}/${sub}")
+  endforeach()
+endfunction()
+copy_test_files(".")
+execute_process(COMMAND ${CTEST} --test-dir ${copy} --show-only=json-v1
   OUTPUT_VARIABLE json RESULT_VARIABLE rc)
+file(REMOVE_RECURSE "${copy}")
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "ctest --show-only=json-v1 failed in ${BUILD_DIR} (exit ${rc})")
 endif()

@@ -37,6 +37,16 @@ echo "Torch_DIR:PATH=$venv_torch" > "$repo/build-debian/CMakeCache.txt"
 expect_refusal "Debian's folder configured against the wheel" debian \
   "build: build-debian/ was configured against the LibTorch in '$venv_torch', not LOCKSTEP_TORCH=debian's (under /usr)"
 
+# A first configure that failed leaves a CMakeCache.txt and no build.ninja:
+# the next run configures again (here it fails again, with CMake's own
+# output: this checkout has no CMakeLists.txt), instead of running ninja on
+# nothing.
+rm -rf "$repo/build-debian"
+mkdir -p "$repo/build-debian"
+echo "Torch_DIR:PATH=/usr/lib/x86_64-linux-gnu/cmake/Torch" > "$repo/build-debian/CMakeCache.txt"
+expect_refusal "a folder whose configure failed" debian \
+  "build: configuring build-debian/ failed"
+
 # scripts/gpu_bench.sh's MFU divides by the card's peak: a PCIe or NVL card
 # taken for an SXM one would understate it by a sixth to a quarter.
 for pair in "NVIDIA H100 80GB HBM3=989" "NVIDIA H100 PCIe=756" "NVIDIA H100 NVL=835" "NVIDIA H200=989" \

@@ -12,6 +12,12 @@ function(run)
 endfunction()
 if(MODE STREQUAL "package")
   run(${CMAKE_COMMAND} --install "${LOCKSTEP_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+  # The installed package names targets its config finds again, never a
+  # file of the machine it was built on.
+  file(STRINGS "${WORK_DIR}/prefix/lib/cmake/lockstep/lockstepTargets.cmake" links REGEX "INTERFACE_LINK_LIBRARIES")
+  if(links MATCHES "(^|[\";])/")
+    message(FATAL_ERROR "the installed lockstepTargets.cmake links files by absolute path: ${links}")
+  endif()
   set(how -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
 elseif(MODE STREQUAL "source")
   get_filename_component(torch_prefix "${TORCH_DIR}/.." ABSOLUTE) # found as a prefix: see cmake/LockstepTorch.cmake
@@ -21,5 +27,8 @@ else()
 endif()
 run(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}" ${how}
     -DCMAKE_BUILD_TYPE=Release)
-run(${CMAKE_COMMAND} --build "${WORK_DIR}/build" --target app)
+run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 run("${WORK_DIR}/build/app")
+if(MODE STREQUAL "package")
+  run("${WORK_DIR}/build/second/app_second")
+endif()
