@@ -181,25 +181,25 @@ struct MadeByFn {
   }
 };
 
-// Walks fn's graph from `roots` and calls exit(edge) on each edge by which
+// Walks fn's graph from `roots` and calls on_exit(edge) on each edge by which
 // it leaves the segment: to a gradient accumulator other than the inputs'
 // (`own`), or to a node fn did not make (a node's sequence number counts
 // per thread, so a node of another thread, a DataParallel replica's
-// parameter, is never taken for one of fn's). Where exit returns an edge,
+// parameter, is never taken for one of fn's). Where on_exit returns an edge,
 // it replaces the one it was given (in `roots` too).
 void walk_segment(torch::autograd::edge_list& roots, const std::unordered_set<const torch::autograd::Node*>& own,
                   MadeByFn made,
-                  const std::function<std::optional<torch::autograd::Edge>(const torch::autograd::Edge&)>& exit) {
+                  const std::function<std::optional<torch::autograd::Edge>(const torch::autograd::Edge&)>& on_exit) {
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
-  // Whether `edge` was replaced by exit's answer, through `replace`.
+  // An edge that leaves is handed to on_exit, and replaced by its answer through `replace`.
   auto visit = [&](const torch::autograd::Edge& edge, const std::function<void(torch::autograd::Edge)>& replace) {
     auto* node = edge.function.get();
     if (node == nullptr || own.count(node) != 0) {
       return;
     }
     if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr || !made(*node)) {
-      if (auto replacement = exit(edge)) {
+      if (auto replacement = on_exit(edge)) {
         replace(std::move(*replacement));
       }
     } else if (seen.insert(node).second) {
@@ -259,12 +259,12 @@ torch::autograd::edge_list edges_out(const std::vector<torch::Tensor>& outputs,
 torch::autograd::edge_list stop_at_exits(torch::autograd::edge_list& roots,
                                          const std::unordered_set<const torch::autograd::Node*>& own, MadeByFn made,
                                          const torch::autograd::edge_list& exits) {
-  std::vector<std::shared_ptr<SegmentExit>> stops(exits.size());
+  std::vector<NodePtr> stops(exits.size());
   walk_segment(roots, own, made, [&](const torch::autograd::Edge& edge) -> std::optional<torch::autograd::Edge> {
     for (size_t k = 0; k < exits.size(); ++k) {
       if (exits[k].function == edge.function && exits[k].input_nr == edge.input_nr) {
         if (!stops[k]) {
-          stops[k] = std::make_shared<SegmentExit>(edge.function->input_metadata(edge.input_nr));
+          stops[k] = make_node<SegmentExit>(edge.function->input_metadata(edge.input_nr));
         }
         return torch::autograd::Edge(stops[k], 0);
       }
@@ -275,8 +275,8 @@ torch::autograd::edge_list stop_at_exits(torch::autograd::edge_list& roots,
   torch::autograd::edge_list capture;
   for (size_t k = 0; k < exits.size(); ++k) {
     // An exit the recomputation does not reach gets no gradient.
-    capture.emplace_back(stops[k] ? stops[k]
-                                  : std::make_shared<SegmentExit>(exits[k].function->input_metadata(exits[k].input_nr)),
+    const auto& out = exits[k];
+    capture.emplace_back(stops[k] ? stops[k] : NodePtr(make_node<SegmentExit>(out.function->input_metadata(out.input_nr))),
                          0);
   }
   return capture;
