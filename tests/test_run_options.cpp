@@ -106,7 +106,8 @@ TEST(ElasticOptions, BadElasticCommandLinesSayWhatIsWrong) {
   EXPECT_EQ(refusal({"--rdzv-endpoint", ":5"}), "--rdzv-endpoint :5 has no host; expected HOST[:PORT].");
   EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "wait=5"}),
             "--rdzv-conf wait=5: unknown key; expected join_timeout (or timeout), last_call_timeout, "
-            "keep_alive_interval (or heartbeat), keep_alive_max_attempt, read_timeout, close_timeout or is_host.");
+            "keep_alive_interval (or heartbeat), keep_alive_max_attempt, read_timeout, is_host, store_type, or "
+            "torchrun's close_timeout, heartbeat_timeout or cas_backoff_max_seconds (accepted, no effect).");
   EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "join_timeout=-1"}),
             "--rdzv-conf join_timeout=-1: expected a number of seconds above 0 and at most 604800 (7 days).");
   // A space split the store's "ADD KEY VALUE" line: the job ended naming a lost store.
@@ -222,6 +223,43 @@ TEST(SlurmStep, NodeCountNodeRankAndMasterComeFromTheStep) {
   EXPECT_EQ(alone.master_addr, "127.0.0.1");
 }
 
+// `lockstep-run --nnodes 1 ...` in a step of 2 nodes said "--node-rank 1 is
+// out of range for --nnodes 1", a flag nobody gave; and --standalone was
+// overridden by the step's values, silently.
+TEST(SlurmStep, ANodeRankFromTheStepNamesSlurmAndStandaloneIgnoresTheStep) {
+  const std::map<std::string, std::string> step{{"SLURM_STEP_ID", "0"}, {"SLURM_STEP_NUM_NODES", "2"},
+                                                {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_NODEID", "1"},
+                                                {"SLURM_STEP_NODELIST", "localhost"}};
+  try {
+    parse_with({"--nnodes", "1"}, step);
+    ADD_FAILURE() << "node 1 of the step was accepted as a node of --nnodes 1";
+  } catch (const tools::RunUsageError& e) {
+    EXPECT_STREQ(e.what(), "SLURM_NODEID=1 (this node's index in the srun step of 2 node(s)) is lockstep-run's default "
+                           "--node-rank, and it is out of range for --nnodes 1. Under srun, leave --nnodes out (it is "
+                           "then the step's node count) or give the step's 2; for a job of this node alone on each "
+                           "machine, pass --standalone.");
+  }
+  EXPECT_NE(std::string(refusal({"--nnodes", "2", "--node-rank", "2", "--master-addr", "h"})).find(
+                "--node-rank 2 is out of range for --nnodes 2"), std::string::npos) << "a --node-rank given stays named";
+  const auto alone = parse_with({"--standalone", "--nproc-per-node", "2"}, step);
+  EXPECT_EQ(alone.nnodes, 1);
+  EXPECT_EQ(alone.node_rank, 0);
+  EXPECT_EQ(alone.master_addr, "127.0.0.1");
+  auto more_tasks = step;
+  more_tasks["SLURM_STEP_NUM_TASKS"] = "4";
+  EXPECT_EQ(parse_with({"--standalone"}, more_tasks).nnodes, 1) << "each task its own job of one node";
+}
+
+// Note [The rendezvous's id]: an elastic job's nodes meet under --rdzv-id,
+// else Slurm's job and step, else no id (their programs tell jobs apart).
+TEST(SlurmStep, AnElasticJobsRendezvousIdIsSlurmsJobAndStepWithoutRdzvId) {
+  const std::map<std::string, std::string> step{{"SLURM_JOB_ID", "77"}, {"SLURM_STEP_ID", "3"}};
+  EXPECT_EQ(parse_with({"--nnodes", "1:2", "--rdzv-endpoint", "h"}, step).rdzv_job, "slurm-77.3");
+  EXPECT_EQ(parse_with({"--nnodes", "1:2", "--rdzv-endpoint", "h", "--rdzv-id", "mine"}, step).rdzv_job, "mine");
+  EXPECT_EQ(parse_with({"--nnodes", "1:2", "--rdzv-endpoint", "h"}, {}).rdzv_job, "");
+  EXPECT_EQ(parse_with({"--nnodes", "1:2", "--rdzv-endpoint", "h"}, {{"SLURM_JOB_ID", "77"}}).rdzv_job, "slurm-77");
+}
+
 // lockstep-train's default folder is runs/<run id>, where a restart finds
 // its checkpoint: two jobs with one id train on from each other's.
 TEST(SlurmStep, TwoJobsNeverShareARunId) {
@@ -298,6 +336,48 @@ TEST(ElasticOptions, TorchrunsRdzvConfKeysAreTakenAndBadOnesSayWhatIsAccepted) {
             "--rdzv-conf read_timeout=999999: expected a number of seconds above 0 and at most 604800 (7 days).");
   EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "is_host=maybe"}),
             "--rdzv-conf is_host=maybe: expected is_host=true or is_host=false (1 or 0).");
+}
+
+// torchrun's c10d rendezvous reads heartbeat_timeout, store_type and
+// cas_backoff_max_seconds too (Note [torchrun's --rdzv-conf keys]): its
+// command lines were refused here as "unknown key".
+TEST(ElasticOptions, EveryKeyOfTorchrunsC10dRendezvousIsTaken) {
+  const auto o = parse({"--rdzv-endpoint", "h", "--rdzv-conf", "join_timeout=20,last_call_timeout=2,close_timeout=3,"
+                        "heartbeat_timeout=4,keep_alive_interval=1,keep_alive_max_attempt=5,cas_backoff_max_seconds=0,"
+                        "is_host=false,read_timeout=60,store_type=TCP"});
+  EXPECT_EQ(o.join_timeout, 20);
+  EXPECT_EQ(o.last_call_timeout, 2);
+  EXPECT_EQ(o.keep_alive_interval, 1);
+  EXPECT_EQ(o.keep_alive_max_attempt, 5);
+  EXPECT_EQ(o.read_timeout, 60);
+  EXPECT_EQ(o.is_host, 0);
+  ASSERT_EQ(o.notes.size(), 3u) << "close_timeout, heartbeat_timeout, cas_backoff_max_seconds";
+  EXPECT_EQ(o.notes[1], "--rdzv-conf heartbeat_timeout has no effect: a heartbeat is one store operation, which "
+                        "read_timeout bounds as every other.");
+  EXPECT_EQ(o.notes[2], "--rdzv-conf cas_backoff_max_seconds has no effect: lockstep-run's rendezvous store counts "
+                        "atomically, so no write is retried.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "store_type=file"}),
+            "--rdzv-conf store_type=file: lockstep-run's rendezvous store is served over TCP at --rdzv-endpoint, and "
+            "it has no file store; drop store_type, or give store_type=tcp.");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "store_type=etcd"}),
+            "--rdzv-conf store_type=etcd: expected store_type=tcp (torchrun's default, and lockstep-run's only store).");
+  EXPECT_EQ(refusal({"--rdzv-endpoint", "h", "--rdzv-conf", "cas_backoff_max_seconds=-1"}),
+            "--rdzv-conf cas_backoff_max_seconds=-1: expected a number of seconds from 0 to 604800 (7 days).");
+}
+
+// A --local-addr of ',' or ';' broke the rendezvous's records: every node,
+// the store's too, aborted on std::invalid_argument (exit 134).
+TEST(ElasticOptions, ALocalAddrThatCannotBeAnAddressIsRefused) {
+  for (const std::string bad : {"host;x", "b,x", "a b", "tab\there", "nul\x01"}) {
+    EXPECT_EQ(refusal({"--nnodes", "1:2", "--rdzv-endpoint", "h", "--local-addr", bad}),
+              "--local-addr '" + bad + "' holds a comma, a semicolon, a space or a control character; give a host "
+              "name or an IP address of this machine that the other nodes reach, for example 10.0.0.5.") << bad;
+  }
+  ::setenv("PET_LOCAL_ADDR", "b,x", 1);
+  const std::string from_pet = refusal({"--nnodes", "1:2", "--rdzv-endpoint", "h"});
+  ::unsetenv("PET_LOCAL_ADDR");
+  EXPECT_EQ(from_pet.rfind("--local-addr (from PET_LOCAL_ADDR) 'b,x' holds a comma", 0), 0u) << from_pet;
+  EXPECT_EQ(parse({"--nnodes", "1:2", "--rdzv-endpoint", "h", "--local-addr", "fd00::5"}).local_addr, "fd00::5");
 }
 
 TEST(RunOptions, TorchrunsFlagsAreAcceptedAndThoseWithoutEffectSaySo) {

@@ -21,10 +21,12 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -38,6 +40,25 @@ constexpr auto kSettle = std::chrono::milliseconds(1000); // Attempt::run: befor
 inline volatile sig_atomic_t g_launcher_signal = 0;
 
 using Options = RunOptions;
+
+constexpr double kMaxRestartDelay = 30.0;
+
+/// Seconds before restart `restart` + 1 (restarts count from 0):
+/// --restart-delay, doubled for each restart before it, at most 30. A
+/// failure that repeats at once (a busy port, a node still starting)
+/// should not burn the restarts in a second.
+inline double restart_delay_seconds(const Options& options, int restart) {
+  return std::min(options.restart_delay * std::pow(2.0, restart), kMaxRestartDelay);
+}
+
+/// Sleeps `seconds` unless a signal comes first; false if one did.
+inline bool sleep_unless_signalled(double seconds) {
+  const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (g_launcher_signal == 0 && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return g_launcher_signal == 0;
+}
 
 /// Where this node's ranks stand in one attempt of the job.
 struct Placement {

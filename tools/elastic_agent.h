@@ -20,6 +20,7 @@
 #include <chrono>
 #include <map>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <memory>
 #include <optional>
@@ -40,50 +41,13 @@ inline RendezvousSettings rendezvous_settings(const Options& options) {
   RendezvousSettings s;
   s.min_nodes = options.min_nodes;
   s.max_nodes = options.nnodes;
-  s.id = options.rdzv_id.empty() ? "job" : options.rdzv_id;
+  s.id = options.rdzv_job.empty() ? "job" : options.rdzv_job; // Note [The rendezvous's id] in tools/run_id.h
   s.join_timeout = seconds_to_ms(options.join_timeout);
   s.last_call = seconds_to_ms(options.last_call_timeout);
   s.keep_alive_interval = seconds_to_ms(options.keep_alive_interval);
   s.keep_alive_max_attempt = options.keep_alive_max_attempt;
   return s;
 }
-
-/// The store's server, when --rdzv-endpoint is an address of this machine
-/// and its port is free; nullptr when another launcher serves it. A host
-/// name that resolves to loopback here listens on every interface (Note [A
-/// server named by a host name]). The store names its job (Note [One store,
-/// one job]).
-inline std::unique_ptr<KvServer> serve_rendezvous(const Options& options) {
-  if (options.is_host == 0) {
-    return nullptr; // --rdzv-conf is_host=false
-  }
-  const auto listening = detail::listen_as(options.rdzv_host, options.rdzv_port);
-  if (listening.fd < 0 && options.is_host == 1) {
-    throw RendezvousError("--rdzv-conf is_host=true, but this node cannot serve the store at --rdzv-endpoint " +
-                          options.rdzv_host + ":" + std::to_string(options.rdzv_port) + " (" + listening.error +
-                          "): give an address of this machine and a free port, or drop is_host.");
-  }
-  if (listening.fd < 0) {
-    return nullptr; // not this machine's address, or its port is taken: the store's launcher is elsewhere
-  }
-  return std::make_unique<KvServer>(listening.fd, std::map<std::string, std::string>{{kServedJobKey, options.rdzv_id}});
-}
-
-/// Whether --rdzv-endpoint is an address of this machine whose port something
-/// already holds: another launcher of the job, or another program.
-inline bool endpoint_port_taken_here(const Options& options) {
-  const auto bound = detail::bind_first(detail::resolve_tcp(options.rdzv_host, options.rdzv_port), /*listen=*/false,
-                                        /*reuse_address=*/true);
-  if (bound.fd >= 0) {
-    ::close(bound.fd);
-    return false;
-  }
-  return bound.error_code == EADDRINUSE;
-}
-
-// A store on this machine answers within milliseconds: what holds the port
-// and says nothing for this long is not one.
-constexpr Millis kLocalStoreAnswer{2000};
 
 /// The address this machine reaches `host` from (a UDP "connection" sends
 /// nothing), or `host` where that is a loopback (reachable_address), and a
@@ -118,6 +82,8 @@ inline std::pair<std::string, int> local_address_toward(const std::string& host,
 
 /// One node of an elastic job. See Note [Elastic rendezvous].
 class ElasticAgent {
+  using Verdict = RoundWatch::Verdict;
+
  public:
   ElasticAgent(const Options& options, const std::string& program, KeyValue& kv, bool serves_store)
       : options_(options), program_(program), kv_(kv), s_(rendezvous_settings(options)), serves_store_(serves_store) {}
@@ -134,7 +100,7 @@ class ElasticAgent {
     for (int attempt = 0;; ++attempt) {
       const auto joined = join();
       if (!joined) {
-        return leave(g_launcher_signal != 0 ? stopped_by_signal() : ended_code_);
+        return leave(g_launcher_signal != 0 ? stopped_while_joining() : ended_code_);
       }
       last_ = *joined;
       if (last_->restarts > options_.max_restarts) {
@@ -226,6 +192,14 @@ class ElasticAgent {
     return 128 + g_launcher_signal;
   }
 
+  // A signal while this node waited to join a round: no rank of it ran then.
+  int stopped_while_joining() const {
+    std::fprintf(stderr, "lockstep-run: stopped by signal %d while this node waited to join a round; %s\n",
+                 static_cast<int>(g_launcher_signal), last_ ? "its ranks of the last round had already stopped."
+                                                           : "no rank had started.");
+    return 128 + g_launcher_signal;
+  }
+
   Placement placement(const Assignment& a, int attempt) const {
     Placement p;
     p.group_rank = a.group_rank;
@@ -260,20 +234,22 @@ class ElasticAgent {
     Attempt run(options, program_, placement(a, attempt));
     RoundWatch watch(kv_, s_, a, me_.id, Clock::now());
     RoundEnd ended = RoundEnd::kNone;
-    bool over = false; // another node ended the round, or left the job with a failure
+    auto over = Verdict::kHealthy; // set when another node ended the round, or the job ends elsewhere
     auto next_look = Clock::now();
     const int root_cause = run.run([&] {
-      if (ended != RoundEnd::kNone || over || Clock::now() < next_look) {
-        return ended == RoundEnd::kNone && !over;
+      if (ended != RoundEnd::kNone || over != Verdict::kHealthy || Clock::now() < next_look) {
+        return ended == RoundEnd::kNone && over == Verdict::kHealthy;
       }
       next_look = Clock::now() + seconds_to_ms(options_.monitor_interval);
       const auto verdict = watch.check(Clock::now());
-      over = verdict == RoundWatch::Verdict::kRoundOver || verdict == RoundWatch::Verdict::kMemberFailed;
-      if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
+      if (verdict == Verdict::kRoundOver || verdict == Verdict::kMemberFailed || verdict == Verdict::kLostAfterDone) {
+        over = verdict;
+      }
+      if (verdict == Verdict::kMemberLost || verdict == Verdict::kNodeWaiting) {
         say_change(verdict, watch, a);
         ended = watch.end(RoundEnd::kMembership, s_.liveness_window());
       }
-      return ended == RoundEnd::kNone && !over;
+      return ended == RoundEnd::kNone && over == Verdict::kHealthy;
     });
     run.merge_timeline();
     if (g_launcher_signal != 0) {
@@ -281,57 +257,112 @@ class ElasticAgent {
       print_killed_on_signal(run, options_.nproc_per_node, options_.grace_seconds);
       return code;
     }
-    if (root_cause < 0 && ended == RoundEnd::kNone && !over) {
-      return finish(watch, a);
-    }
     if (root_cause >= 0) {
       print_root_cause(run.rank(root_cause));
       print_stalled_ranks(run, root_cause, options_.nproc_per_node, options_.grace_seconds);
       run.print_desync_report();
-      const auto failure = classify_failure(watch, a);
-      if (!failure) {
-        return watch.failed().first >= 0 ? failed_elsewhere(watch, a) : failed_after_others_finished(watch, a);
-      }
-      ended = *failure;
-    } else if (watch.failed().first >= 0) {
-      return failed_elsewhere(watch, a);
-    } else if (ended == RoundEnd::kNone) {
-      ended = watch.reason_of(s_.liveness_window());
+      return on_rank_failure(watch, a);
     }
-    return after_round(ended);
+    if (ended == RoundEnd::kNone && over == Verdict::kHealthy) {
+      return finish(watch, a);
+    }
+    if (over == Verdict::kMemberFailed) {
+      return failed_elsewhere(watch, a);
+    }
+    if (over == Verdict::kLostAfterDone) {
+      return lost_after_others_finished(watch, a);
+    }
+    return after_round(ended != RoundEnd::kNone ? ended : watch.reason_of(s_.liveness_window()));
   }
 
-  void say_change(RoundWatch::Verdict verdict, const RoundWatch& watch, const Assignment& a) const {
-    if (verdict == RoundWatch::Verdict::kMemberLost) {
-      std::fprintf(stderr, "lockstep-run: node %d is lost: no heartbeat for %.1f s; starting a new round without it.\n",
-                   a.group_rank_of(watch.lost()), s_.liveness_window().count() / 1000.0);
+  // How member watch.lost() went: the signal that stopped its launcher, or its silence.
+  std::string how_lost(const RoundWatch& watch) const {
+    const std::string code = watch.lost_code(); // 128 + N: Note [A member that leaves with a failure]
+    if (!code.empty()) {
+      return "its launcher was stopped by signal " + std::to_string(std::atoi(code.c_str()) - 128);
+    }
+    char text[64];
+    std::snprintf(text, sizeof(text), "no heartbeat for %.1f s", s_.liveness_window().count() / 1000.0);
+    return text;
+  }
+
+  void say_change(Verdict verdict, const RoundWatch& watch, const Assignment& a) const {
+    if (verdict == Verdict::kMemberLost) {
+      std::fprintf(stderr, "lockstep-run: node %d is lost: %s; starting a new round without it.\n",
+                   a.group_rank_of(watch.lost()), how_lost(watch).c_str());
     } else {
       std::fprintf(stderr, "lockstep-run: a node waits to join; starting a new round with it.\n");
     }
   }
 
-  // A rank of this node failed: a change of membership if, within one
-  // liveness window, a node is lost or another node ends the round as one
-  // (its ranks then fail too); else a failure. nullopt when another member
-  // has already finished the job, or left it with a failure: no round can
-  // restart it.
-  std::optional<RoundEnd> classify_failure(RoundWatch& watch, const Assignment& a) {
-    const auto until = Clock::now() + s_.liveness_window() + s_.keep_alive_interval;
-    while (Clock::now() < until && g_launcher_signal == 0) {
+  // A rank of this node failed. A failure after another member was done
+  // ends the job (Note [Which came first, a failure or a member done] in
+  // tools/rendezvous.h). Else, in a round of several nodes, a change of
+  // membership if, within one liveness window, a node is lost or another
+  // node ends the round as one (its ranks then fail too); else a failure,
+  // counted against --max-restarts. A round of one node has nobody to lose:
+  // a failure at once. Returns what after_round does, or the job's exit code.
+  int on_rank_failure(RoundWatch& watch, const Assignment& a) {
+    const int64_t done_before = watch.record_failure();
+    if (done_before > 0) {
+      return failed_after_others_finished(watch, a, done_before);
+    }
+    if (a.group_world_size == 1) {
+      return after_round(watch.end(RoundEnd::kFailure, s_.liveness_window()));
+    }
+    const auto window = s_.liveness_window() + s_.keep_alive_interval;
+    std::fprintf(stderr, "lockstep-run: waiting up to %.1f s (a liveness window) before counting this failure: if "
+                 "another node is lost meanwhile, its loss failed the rank, and the round restarts without it.\n",
+                 window.count() / 1000.0);
+    for (const auto until = Clock::now() + window; Clock::now() < until && g_launcher_signal == 0;) {
       const auto verdict = watch.check(Clock::now());
-      if (verdict == RoundWatch::Verdict::kRoundOver) {
-        return watch.reason_of(s_.liveness_window());
+      if (verdict == Verdict::kRoundOver) {
+        return after_round(watch.reason_of(s_.liveness_window()));
       }
-      if (verdict == RoundWatch::Verdict::kMembersDone || verdict == RoundWatch::Verdict::kMemberFailed) {
-        return std::nullopt;
+      if (verdict == Verdict::kMemberFailed) {
+        return failed_elsewhere(watch, a);
       }
-      if (verdict == RoundWatch::Verdict::kMemberLost || verdict == RoundWatch::Verdict::kNodeWaiting) {
+      if (verdict == Verdict::kLostAfterDone) {
+        return lost_after_others_finished(watch, a);
+      }
+      if (verdict == Verdict::kMembersDone) { // done before this failure, its record late: as done_before > 0
+        return failed_after_others_finished(watch, a, 1);
+      }
+      if (verdict == Verdict::kMemberLost || verdict == Verdict::kNodeWaiting) {
         say_change(verdict, watch, a);
-        return watch.end(RoundEnd::kMembership, s_.liveness_window());
+        return after_round(watch.end(RoundEnd::kMembership, s_.liveness_window()));
       }
       std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
     }
-    return watch.end(RoundEnd::kFailure, s_.liveness_window());
+    return after_round(watch.end(RoundEnd::kFailure, s_.liveness_window()));
+  }
+
+  // This node's ranks all finished, but another member's rank had failed
+  // before in this round (Note [Which came first, a failure or a member
+  // done]): the round failed, and the job has not finished. This node
+  // waits, beating, for the failing member to end the round, and goes on
+  // into the next with the others, as after a failure of its own.
+  int await_failed_round(RoundWatch& watch, const Assignment& a) {
+    std::fprintf(stderr, "lockstep-run: this node's ranks finished, but a rank of another node had failed before in "
+                 "this round: the round failed, so this node waits for its end and runs again with the others.\n");
+    while (g_launcher_signal == 0) {
+      const auto verdict = watch.check(Clock::now());
+      if (verdict == Verdict::kRoundOver) {
+        return after_round(watch.reason_of(s_.liveness_window()));
+      }
+      if (verdict == Verdict::kMemberFailed) {
+        return failed_elsewhere(watch, a);
+      }
+      if (verdict == Verdict::kLostAfterDone) {
+        return lost_after_others_finished(watch, a);
+      }
+      if (verdict == Verdict::kMemberLost) { // the failing member too: nobody else would end the round
+        say_change(verdict, watch, a);
+        return after_round(watch.end(RoundEnd::kMembership, s_.liveness_window()));
+      }
+      std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
+    }
+    return stopped_by_signal();
   }
 
   // Note [A failure after the job finished elsewhere]: a member whose ranks
@@ -342,11 +373,40 @@ class ElasticAgent {
   // job for every node (Note [A member that leaves with a failure]): the
   // members still running stop, and the node that serves the store, which
   // waits for every member, reports it too.
-  int failed_after_others_finished(const RoundWatch& watch, const Assignment& a) {
-    const std::string done = a.group_ranks(watch.done_members());
+  //
+  // `count` members were done before the failure; each says so right after
+  // it counts itself (RoundWatch::mark_done), so their names may come late.
+  int failed_after_others_finished(const RoundWatch& watch, const Assignment& a, int64_t count) {
+    auto members = watch.done_members();
+    for (const auto until = Clock::now() + s_.liveness_window();
+         static_cast<int64_t>(members.size()) < count && Clock::now() < until; members = watch.done_members()) {
+      std::this_thread::sleep_for(Millis(20));
+    }
+    const std::string done = members.empty() ? "another node" : a.group_ranks(members);
     std::fprintf(stderr, "lockstep-run: a rank of this node failed after node(s) %s had finished the job; a restart "
                  "cannot bring them back, so the job ends here as a failure (not restarted).\n", done.c_str());
     return fail_job("a rank failed after node(s) " + done + " had finished the job");
+  }
+
+  // A member was lost after another was done: as for a failure after
+  // another member finished the job (the Note above), no round can run the
+  // job again without the finished member, whose part is done and gone; a
+  // round of the survivors alone would rerun theirs and report success. The
+  // job failed: this node ends it for every node, naming the node lost (as
+  // finish() does on the node that serves the store), and exits 1.
+  int lost_after_others_finished(const RoundWatch& watch, const Assignment& a) {
+    const std::string lost = std::to_string(a.group_rank_of(watch.lost()));
+    const std::string done = a.group_ranks(watch.done_members());
+    const std::string why = "node " + lost + " was lost (" + how_lost(watch) + ") before its ranks finished, after "
+        "node(s) " + done + " had finished the job";
+    std::fprintf(stderr, "lockstep-run: %s: a new round cannot bring the finished nodes back, so the job failed; this "
+                 "node stops its ranks and is not restarted.\n", why.c_str());
+    try {
+      close_job(kv_, s_, lost, why);
+    } catch (const KvError&) {
+      // The store is gone: nobody is left to tell.
+    }
+    return 1;
   }
 
   // Another member left the job with a failure (Note [A member that leaves
@@ -390,16 +450,20 @@ class ElasticAgent {
     if (restarts > options_.max_restarts) {
       return give_up();
     }
-    std::fprintf(stderr, "lockstep-run: restarting every rank in a new round (restart %lld of %d).\n",
-                 static_cast<long long>(restarts), options_.max_restarts);
-    return -1;
+    const double delay = restart_delay_seconds(options_, static_cast<int>(std::max<int64_t>(restarts - 1, 0)));
+    std::fprintf(stderr, "lockstep-run: restarting every rank in a new round (restart %lld of %d) in %.1f s "
+                 "(--restart-delay).\n", static_cast<long long>(restarts), options_.max_restarts, delay);
+    return sleep_unless_signalled(delay) ? -1 : stopped_by_signal();
   }
 
-  // This node's ranks all succeeded. The node that serves the store keeps
+  // This node's ranks all succeeded (after no failure in the round: else
+  // await_failed_round). The node that serves the store keeps
   // it until every other member is done, gone or lost, then ends the job
   // for waiting nodes: failed if a member left with a failure or vanished.
   int finish(RoundWatch& watch, const Assignment& a) {
-    watch.mark_done();
+    if (!watch.mark_done()) {
+      return await_failed_round(watch, a);
+    }
     if (!serves_store_) {
       return 0;
     }
@@ -502,63 +566,6 @@ class ElasticAgent {
   int ended_code_ = 0; // the job's end, seen while waiting to join
   std::optional<Assignment> last_; // the last round this node was a member of
 };
-
-/// A client of the store at --rdzv-endpoint, waiting up to join_timeout for
-/// the launcher that serves it to start. Throws KvError.
-inline std::unique_ptr<KvClient> connect_to_store(const Options& options, Millis store_timeout) {
-  const auto deadline = Clock::now() + seconds_to_ms(options.join_timeout);
-  for (bool said = false;;) { // the node that serves the store may start after this one
-    try {
-      return std::make_unique<KvClient>(options.rdzv_host, options.rdzv_port, store_timeout);
-    } catch (const KvError& e) {
-      if (Clock::now() > deadline || g_launcher_signal != 0) {
-        throw;
-      }
-      if (!said) {
-        std::fprintf(stderr, "lockstep-run: waiting up to join_timeout (%.0f s) for %s (the launcher on that machine "
-                     "serves it)\n", options.join_timeout, e.what());
-        said = true;
-      }
-      std::this_thread::sleep_for(Millis(200));
-    }
-  }
-}
-
-/// An elastic job on this node: serves the rendezvous store if
-/// --rdzv-endpoint is here, then runs the agent. A store of another job, or
-/// a port held by another program, is refused at once (exit 2, Note [One
-/// store, one job]); every later store failure is an error that names the
-/// store.
-inline int run_elastic(const Options& options, const std::string& program) {
-  const auto store_timeout = options.read_timeout > 0 ? seconds_to_ms(options.read_timeout)
-      : std::max(Millis(2000), seconds_to_ms(options.keep_alive_interval * options.keep_alive_max_attempt));
-  try {
-    const auto server = serve_rendezvous(options);
-    const bool taken_here = server == nullptr && options.is_host != 0 && endpoint_port_taken_here(options);
-    const auto kv = connect_to_store(options, store_timeout);
-    kv->set_timeout(taken_here ? std::min(kLocalStoreAnswer, store_timeout) : store_timeout);
-    const std::string refused = check_served_job(*kv, options.rdzv_id, kv->where());
-    if (!refused.empty()) {
-      std::fprintf(stderr, "lockstep-run: %s\nRun 'lockstep-run --help' for usage.\n", refused.c_str());
-      return common::kUsageError;
-    }
-    kv->set_timeout(store_timeout);
-    ElasticAgent agent(options, program, *kv, server != nullptr);
-    return agent.run();
-  } catch (const KvError& e) {
-    if (g_launcher_signal != 0) { // a Ctrl-C while it waited for the store: not a lost store
-      std::fprintf(stderr, "lockstep-run: stopped by signal %d while it waited for the rendezvous store at %s:%d.\n",
-                   static_cast<int>(g_launcher_signal), options.rdzv_host.c_str(), options.rdzv_port);
-      return 128 + g_launcher_signal;
-    }
-    std::fprintf(stderr, "lockstep-run: %s. The launcher on --rdzv-endpoint %s:%d serves the rendezvous: it has "
-                 "stopped, or this node lost its link to it, so the job cannot go on here.\n", e.what(),
-                 options.rdzv_host.c_str(), options.rdzv_port);
-  } catch (const RendezvousError& e) {
-    std::fprintf(stderr, "lockstep-run: %s\n", e.what());
-  }
-  return 1;
-}
 
 } // namespace tools
 } // namespace lockstep

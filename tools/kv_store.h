@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -237,7 +238,14 @@ class KvClient : public KeyValue {
   KvClient& operator=(const KvClient&) = delete;
 
   int64_t add(const std::string& key, int64_t delta) override {
-    return std::stoll(value_of(request("ADD " + key + " " + std::to_string(delta))));
+    const std::string value = value_of(request("ADD " + key + " " + std::to_string(delta)));
+    char* end = nullptr;
+    errno = 0;
+    const long long sum = std::strtoll(value.c_str(), &end, 10);
+    if (value.empty() || *end != '\0' || errno != 0) {
+      fail("a counter that is not a number ('" + value + "' for " + key + ")");
+    }
+    return sum;
   }
   void set(const std::string& key, const std::string& value) override {
     request("SET " + key + " " + value);
@@ -310,7 +318,8 @@ class KvClient : public KeyValue {
 
 // Note [One store, one job]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Every key of a job is under its --rdzv-id, so two jobs could share one
+// Every key of a job is under its id (--rdzv-id, else Slurm's job and step:
+// Note [The rendezvous's id] in tools/run_id.h), so two jobs could share one
 // store; but the store lives in one launcher of the first job, and goes when
 // that job ends: a second job that met there would then fail for no fault of
 // its own. So the launcher that serves the store writes the id of its job
@@ -319,6 +328,8 @@ class KvClient : public KeyValue {
 // job is refused at start, told which job holds the port. The same read
 // tells a lockstep-run store from another program that holds the port: that
 // one answers with something else, or not at all.
+// Two jobs that both have no id pass this check; their programs tell them
+// apart (Note [The job's first node sets its terms] in tools/job_record.h).
 
 /// The key under which the store names the job it serves.
 inline const std::string kServedJobKey = "served-rdzv-id";

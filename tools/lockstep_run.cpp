@@ -36,7 +36,7 @@
 // non-zero.
 
 #include "attempt.h"
-#include "elastic_agent.h"
+#include "elastic_job.h"
 #include "static_meeting.h"
 
 #include <common/process_files.h>
@@ -81,7 +81,6 @@ using lockstep::tools::Clock;
 using lockstep::tools::g_launcher_signal;
 using lockstep::tools::Options;
 using lockstep::tools::Placement;
-constexpr double kMaxRestartDelay = 30.0;
 
 void on_signal(int sig) {
   g_launcher_signal = sig;
@@ -230,18 +229,13 @@ std::optional<lockstep::tools::StaticLayout> meet_other_nodes(const Options& opt
   return layout;
 }
 
-// Backs off before restart `attempt + 1`, doubling up to a limit: a failure
-// that repeats at once (a busy port, a node still starting) should not burn
-// the restarts in a second. False if a signal came meanwhile.
+// Backs off before restart `attempt + 1` (restart_delay_seconds). False if
+// a signal came meanwhile.
 bool wait_before_restart(const Options& options, int attempt) {
-  const double delay = std::min(options.restart_delay * std::pow(2.0, attempt), kMaxRestartDelay);
+  const double delay = lockstep::tools::restart_delay_seconds(options, attempt);
   std::fprintf(stderr, "lockstep-run: restarting every rank in %.1f s (restart %d of %d).\n", delay, attempt + 1,
                options.max_restarts);
-  const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(delay * 1000));
-  while (g_launcher_signal == 0 && Clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  if (g_launcher_signal != 0) {
+  if (!lockstep::tools::sleep_unless_signalled(delay)) {
     std::fprintf(stderr, "lockstep-run: stopped by signal %d before restarting.\n", static_cast<int>(g_launcher_signal));
     return false;
   }

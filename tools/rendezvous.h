@@ -7,7 +7,8 @@
 // Note [Elastic rendezvous]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // The launchers of a job meet in a store that one of them serves on
-// --rdzv-endpoint (tools/kv_store.h); all keys are under --rdzv-id. Each
+// --rdzv-endpoint (tools/kv_store.h); all keys are under the job's id
+// (Note [The rendezvous's id] in tools/run_id.h). Each
 // launcher takes a node id once, from the counter "nodes": the order of the
 // ids is the order of the ranks, so the nodes that stay keep their order and
 // a node that joins comes after them.
@@ -27,9 +28,11 @@
 // see a lost member, or a waiting node while the round has room, ends the
 // round (takes "R/end", writes "R/reason", counts "round" up); every member
 // sees "round" move, stops its workers and joins the next round. A member
-// whose own worker failed waits out one liveness window first: a worker that
-// failed because a peer's node died is a change of membership, not a
-// failure. Only failures count against --max-restarts ("restarts").
+// whose launcher a signal stopped says so ("R/left/<id>", 128 + N) and is
+// gone at once, without the window. A member whose own worker failed waits
+// out one liveness window first (unless it is the round's only member): a
+// worker that failed because a peer's node died is a change of membership,
+// not a failure. Only failures count against --max-restarts ("restarts").
 //
 // The end. A member whose workers all succeeded says so ("R/done/<id>"); the
 // node that serves the store waits for every member to be done, gone or
@@ -38,7 +41,10 @@
 // itself waiting, each waiting node sees the end in the members' "R/left/<id>"
 // (Note [The job ends while a node waits]). A member whose
 // worker fails after another is done does not restart: the job failed (Note
-// [A failure after the job finished elsewhere] in elastic_agent.h); nor
+// [A failure after the job finished elsewhere] in elastic_agent.h; which
+// came first: Note [Which came first, a failure or a member done]). A
+// member lost after another is done ends the job as failed, naming it,
+// rather than start a round without it. Nor
 // does one that gives up after --max-restarts: a node that leaves with a
 // failure ends the job on every node (Note [A member that leaves with a
 // failure]). The store lives in one launcher: if that node is lost, every
@@ -101,14 +107,17 @@ inline bool end_round(KeyValue& kv, const RendezvousSettings& s, int64_t round, 
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A member that leaves the job writes its exit code ("R/left/<id>"). 0: its
 // part finished. 128 + N: signal N stopped its launcher (scancel, a
-// preempted machine); that node is gone as a lost one is, and the others
-// may go on without it in a new round, as torchrun's do (its agent keeps
+// preempted machine); that node is gone as a lost one is (at once, not
+// after the liveness window), and the others may go on without it in a new
+// round, as torchrun's do (its agent keeps
 // the rendezvous open on a signal). Any other code is a failure that no
-// round can undo: the node gave up after --max-restarts, or its ranks
+// round can undo: the node gave up after --max-restarts, its ranks
 // failed after another member had finished (Note [A failure after the job
-// finished elsewhere] in elastic_agent.h). Such a node ends the job for
+// finished elsewhere] in elastic_agent.h), or it saw a member lost after
+// another had finished. Such a node ends the job for
 // every node, as torchrun's agent closes the rendezvous (launcher/api.py's
-// shutdown): it writes the job's end ("complete", naming it, and "why",
+// shutdown): it writes the job's end ("complete", naming the nodes that
+// failed, and "why",
 // the cause in words) so that waiting nodes stop at once, and each member
 // still running sees its code, stops its ranks and exits 1, rather than
 // wait for its heartbeat to go quiet, take it for lost and run the job
@@ -328,11 +337,34 @@ class RoundJoin {
   std::map<int64_t, Heartbeat> member_beats_; // while waiting: the members of round_
 };
 
+// Note [Which came first, a failure or a member done]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A member whose rank failed waits one liveness window before it calls the
+// failure one (Note [Elastic rendezvous]); a member whose ranks finish in
+// that window did not finish the job before the failure: the round had
+// failed already, and a restart reruns every node's part (a rank that
+// fails at t=1 s and a node done at t=8 s is a failure to restart, not a
+// failure after the job finished). Only a member done before the failure
+// makes it one that no restart can undo (Note [A failure after the job
+// finished elsewhere] in elastic_agent.h). The nodes' clocks are not one
+// clock, so the store orders the two: one counter per round ("R/outcome"),
+// to which a failure adds 1 and a member done adds kDoneWeight, in one
+// atomic ADD each. The sum before a node's own ADD says what came first:
+// a failing member reads how many members were done before it, a member
+// done reads whether a failure came before it. That member then does not
+// say it is done ("R/done/<id>"): it waits, beating, for the round's end
+// and goes on with the others into the next round.
+constexpr int64_t kDoneWeight = int64_t{1} << 32;
+
 /// A member's watch over its running round: its own heartbeat, the others',
 /// nodes waiting to join, and the round's end. check() is one step.
 class RoundWatch {
  public:
-  enum class Verdict { kHealthy, kRoundOver, kMemberLost, kNodeWaiting, kMembersDone, kMemberFailed };
+  /// kMemberLost: a member is gone (silent for the liveness window, or its
+  /// launcher stopped by a signal), and no member is done: a new round can
+  /// go on without it. kLostAfterDone: the same after a member was done:
+  /// the job failed, as no round can bring the finished member back.
+  enum class Verdict { kHealthy, kRoundOver, kMemberLost, kNodeWaiting, kMembersDone, kMemberFailed, kLostAfterDone };
 
   RoundWatch(KeyValue& kv, const RendezvousSettings& settings, const Assignment& a, int64_t me, RdzvClock::time_point now)
       : kv_(kv), s_(settings), a_(a), me_(me) {
@@ -357,6 +389,7 @@ class RoundWatch {
       return Verdict::kRoundOver;
     }
     bool any_done = false;
+    int64_t lost = -1;
     for (auto& [id, beat] : beats_) {
       const auto left = kv_.get(s_.key(a_.round, "left/" + std::to_string(id)));
       if (left && departure_of(*left) == Departure::kFailed) { // Note [A member that leaves with a failure]
@@ -365,10 +398,16 @@ class RoundWatch {
       }
       const bool done = kv_.get(s_.key(a_.round, "done/" + std::to_string(id))).has_value();
       any_done = any_done || done;
-      if (heartbeat_stopped(kv_, s_, a_.round, id, beat, now) && !done) {
-        lost_ = id;
-        return Verdict::kMemberLost;
+      // Every member's count is read at every check, so that each is lost one window after it fell silent;
+      // a member whose launcher a signal stopped is gone at once.
+      const bool silent = heartbeat_stopped(kv_, s_, a_.round, id, beat, now);
+      if ((silent || (left && departure_of(*left) == Departure::kStopped)) && !done && lost < 0) {
+        lost = id;
       }
+    }
+    if (lost >= 0) {
+      lost_ = lost;
+      return any_done ? Verdict::kLostAfterDone : Verdict::kMemberLost;
     }
     if (any_done) {
       return Verdict::kMembersDone; // the job is ending: no new round for joiners
@@ -377,6 +416,24 @@ class RoundWatch {
       return Verdict::kNodeWaiting;
     }
     return Verdict::kHealthy;
+  }
+
+  /// A rank of this member failed: says so in the round's order (Note
+  /// [Which came first, a failure or a member done]) and returns how many
+  /// members were done before it.
+  int64_t record_failure() {
+    return (kv_.add(s_.key(a_.round, "outcome"), 1) - 1) / kDoneWeight;
+  }
+
+  /// This member's ranks all succeeded: it says it is done, unless a
+  /// member's rank failed before (then false: the round failed, and this
+  /// member goes on into the next with the others).
+  bool mark_done() {
+    if ((kv_.add(s_.key(a_.round, "outcome"), kDoneWeight) - kDoneWeight) % kDoneWeight != 0) {
+      return false;
+    }
+    kv_.set(s_.key(a_.round, "done/" + std::to_string(me_)), "1");
+    return true;
   }
 
   /// Whether every other member is done, has left the job, or is lost.
@@ -426,10 +483,6 @@ class RoundWatch {
     return done;
   }
 
-  void mark_done() {
-    kv_.set(s_.key(a_.round, "done/" + std::to_string(me_)), "1");
-  }
-
   /// Ends the round for `reason` unless another member ended it first, and
   /// returns the reason it ended for (waiting up to `timeout` for the first
   /// member to write it).
@@ -452,8 +505,14 @@ class RoundWatch {
     }
   }
 
+  /// After kMemberLost or kLostAfterDone: the member gone.
   int64_t lost() const {
     return lost_;
+  }
+  /// After kMemberLost or kLostAfterDone: the code it left with, when its
+  /// launcher said goodbye (a signal); empty when it fell silent.
+  std::string lost_code() const {
+    return kv_.get(s_.key(a_.round, "left/" + std::to_string(lost_))).value_or("");
   }
   /// After kMemberFailed: the member that left with a failure, and its code.
   const std::pair<int64_t, std::string>& failed() const {

@@ -5,9 +5,10 @@
 // it, a closed round, and where one node stands in it.
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
-#include <sstream>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -43,6 +44,43 @@ struct RendezvousSettings {
   }
 };
 
+// Note [Records that do not parse]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The records are text that other launchers wrote into the store: a node
+// of another lockstep-run version, or a program that is not one, can leave
+// text that does not parse. Every node reads it, the one that serves the
+// store too, so an exception the launcher does not catch
+// (std::invalid_argument) would abort them all; decode throws
+// RendezvousError, which each launcher reports and exits 1 on.
+
+/// `text` split at every `separator` ("a,,b": "a", "", "b").
+inline std::vector<std::string> split_record(const std::string& text, char separator) {
+  std::vector<std::string> fields;
+  size_t start = 0;
+  for (size_t at; (at = text.find(separator, start)) != std::string::npos; start = at + 1) {
+    fields.push_back(text.substr(start, at - start));
+  }
+  fields.push_back(text.substr(start));
+  return fields;
+}
+
+inline RendezvousError malformed_record(const std::string& what, const std::string& text, const std::string& why) {
+  return RendezvousError("the rendezvous store holds a " + what + " record that does not parse ('" + text + "': " +
+                         why + "): a launcher of another lockstep-run version, or another program, wrote it. Give "
+                         "every node the same lockstep-run, and this job an --rdzv-endpoint port of its own.");
+}
+
+/// A whole number of `text`'s; throws RendezvousError on anything else.
+inline int64_t record_number(const std::string& field, const std::string& what, const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(field.c_str(), &end, 10);
+  if (field.empty() || *end != '\0' || errno != 0 || value < 0 || value > (int64_t{1} << 40)) {
+    throw malformed_record(what, text, "'" + field + "' is not a count");
+  }
+  return value;
+}
+
 /// A node as the others see it: its id, its ranks, the address it reaches
 /// the store from, and a free port there for its workers' store.
 struct NodeDesc {
@@ -54,17 +92,18 @@ struct NodeDesc {
   std::string encode() const {
     return std::to_string(id) + "," + std::to_string(nproc) + "," + addr + "," + std::to_string(port);
   }
+  /// Throws RendezvousError on text that encode() did not write.
   static NodeDesc decode(const std::string& text) {
+    const auto fields = split_record(text, ',');
+    if (fields.size() != 4) {
+      throw malformed_record("node", text, "expected 4 fields (id,ranks,address,port), found " +
+                             std::to_string(fields.size()));
+    }
     NodeDesc d;
-    std::istringstream in(text);
-    std::string field;
-    std::getline(in, field, ',');
-    d.id = std::stoll(field);
-    std::getline(in, field, ',');
-    d.nproc = std::stoi(field);
-    std::getline(in, d.addr, ',');
-    std::getline(in, field, ',');
-    d.port = std::stoi(field);
+    d.id = record_number(fields[0], "node", text);
+    d.nproc = static_cast<int>(record_number(fields[1], "node", text));
+    d.addr = fields[2];
+    d.port = static_cast<int>(record_number(fields[3], "node", text));
     return d;
   }
 };
@@ -82,15 +121,14 @@ struct RoundRecord {
     }
     return text;
   }
+  /// Throws RendezvousError on text that encode() did not write.
   static RoundRecord decode(int64_t round, const std::string& text) {
+    const auto fields = split_record(text, ';');
     RoundRecord r;
     r.round = round;
-    std::istringstream in(text);
-    std::string field;
-    std::getline(in, field, ';');
-    r.restarts = std::stoll(field);
-    while (std::getline(in, field, ';')) {
-      r.nodes.push_back(NodeDesc::decode(field));
+    r.restarts = record_number(fields[0], "round", text);
+    for (size_t i = 1; i < fields.size(); ++i) {
+      r.nodes.push_back(NodeDesc::decode(fields[i]));
     }
     return r;
   }

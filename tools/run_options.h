@@ -5,6 +5,7 @@
 // a fuzzer can call it: bad input is a RunUsageError carrying the message
 // lockstep-run prints and its exit code.
 
+#include "rdzv_conf.h"
 #include "run_id.h"
 #include "slurm_host_list.h"
 
@@ -27,7 +28,7 @@
 namespace lockstep {
 namespace tools {
 
-struct RunOptions {
+struct RunOptions : RdzvConf { // RdzvConf: what --rdzv-conf sets
   std::string nproc_text = "1"; // --nproc-per-node N, or torchrun's auto, cpu, gpu
   int nproc_per_node = 1;       // N; 1 for a keyword until resolve_nproc_per_node
   std::string nproc_kind;       // auto, cpu or gpu; empty for N
@@ -35,6 +36,7 @@ struct RunOptions {
   int nnodes = 1;                // N; MAX for MIN:MAX
   int min_nodes = 1;
   int node_rank = 0;
+  int slurm_step_nodes = 0; // the srun step's node count when its SLURM_NODEID gave node_rank; else 0
   std::string master_addr;
   int master_port = 29500;
   int max_restarts = 0;
@@ -52,11 +54,8 @@ struct RunOptions {
   std::string rdzv_host;
   int rdzv_port = 29400; // torchrun's default
   std::string rdzv_id;
+  std::string rdzv_job; // the rendezvous's id (rendezvous_id): --rdzv-id, else Slurm's job and step, else empty
   std::string rdzv_conf;
-  double join_timeout = 600, last_call_timeout = 30, keep_alive_interval = 5; // seconds, torchrun's defaults
-  int keep_alive_max_attempt = 3;
-  double read_timeout = 0; // seconds a store operation may take; 0: the liveness window, at least 2 s
-  int is_host = -1;        // --rdzv-conf is_host: 1 serve the store, 0 never, -1 if the endpoint is here
   double monitor_interval = 0.1;
   // torchrun's flags (Note [torchrun's flags])
   bool standalone = false;
@@ -90,8 +89,9 @@ struct RunUsageError : std::runtime_error {
 // --local-ranks-filter (whose output reaches the console; every rank's still
 // reaches --log-dir), --nproc-per-node auto|cpu|gpu. Those that do not
 // (--tee and --redirects: every rank's output always reaches the console,
-// prefixed, and --log-dir; --local-addr in a static job; close_timeout in
-// --rdzv-conf) are accepted, and the launcher says so once at start.
+// prefixed, and --log-dir; --local-addr in a static job; some --rdzv-conf
+// keys, Note [torchrun's --rdzv-conf keys] in tools/rdzv_conf.h) are
+// accepted, and the launcher says so once at start.
 inline void describe_torchrun_flags(CLI::App& app, RunOptions& options) {
   app.add_flag("--standalone", options.standalone, "torchrun's one-node job: lockstep-run's default (no --nnodes, "
                "--rdzv-endpoint or --master-addr with it)");
@@ -144,7 +144,8 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   app.add_option("--grace-period", options.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
   app.add_option("--restart-delay", options.restart_delay,
-                 "Seconds before the first restart, doubled for each one after (at most 30)")
+                 "Seconds before the first restart, doubled for each one after (at most 30); in an elastic job, "
+                 "before each node joins the round that restarts the job after a failure")
       ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
   app.add_option("--timeout", options.timeout_seconds,
                  "Seconds a rank waits for the others (store, connections, each collective) before failing; sets "
@@ -158,11 +159,14 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
                  "launcher on HOST serves it, the others reach it (default port 29400)");
   app.add_option("--rdzv-id,--rdzv_id", options.rdzv_id, "The job's id, the same on every node, and the ranks' "
                  "LOCKSTEP_RUN_ID (default: Slurm's job and step, else the start time: the first node's in an elastic "
-                 "job, each node's own in a static one)");
-  app.add_option("--rdzv-conf,--rdzv_conf", options.rdzv_conf, "KEY=VALUE,...: join_timeout or timeout (600 s), "
-                 "last_call_timeout (30 s), keep_alive_interval or heartbeat (5 s), keep_alive_max_attempt (3), "
-                 "read_timeout (the store's, s), is_host (true/false: whether this node serves the store), "
-                 "close_timeout (accepted, no effect)");
+                 "job, each node's own in a static one). An elastic node of another id is refused; without one "
+                 "(and outside Slurm), a node whose PROGRAM and ARGS differ from the job's first node's is refused");
+  app.add_option("--rdzv-conf,--rdzv_conf", options.rdzv_conf, "KEY=VALUE,...: join_timeout (600 s), "
+                 "last_call_timeout (30 s), keep_alive_interval (5 s), keep_alive_max_attempt (3), read_timeout (s, "
+                 "each store operation's deadline), is_host (true/false: whether this node serves the store), "
+                 "store_type (tcp only); torchrun's close_timeout, heartbeat_timeout and cas_backoff_max_seconds are "
+                 "accepted and have no effect. Unlike torchrun's c10d, timeout sets join_timeout, and heartbeat is "
+                 "short for keep_alive_interval (not torchrun's heartbeat_timeout)");
   app.add_option("--monitor-interval,--monitor_interval", options.monitor_interval, "Seconds between the elastic "
                  "launcher's looks at the rendezvous store")->check(CLI::Range(0.01, 60.0))->capture_default_str();
   describe_torchrun_flags(app, options);
@@ -170,8 +174,6 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
   app.prefix_command(); // everything from PROGRAM on belongs to PROGRAM
 }
-
-using Fail = std::function<void(const std::string&)>;
 
 inline int parse_count(const std::string& text, const std::string& what, const Fail& fail) {
   char* end = nullptr;
@@ -220,97 +222,6 @@ inline void check_node_rank(const RunOptions& options, bool node_rank_given, boo
     fail("--node-rank " + std::to_string(options.node_rank) + " with --rdzv-endpoint: by default the nodes meet in "
          "c10d rounds and are numbered in the order they join, so --node-rank would be ignored. Pass --rdzv-backend "
          "static to number the nodes by hand (torchrun's default), or drop --node-rank.");
-  }
-}
-
-// --rdzv-conf's keys, torchrun's aliases to the name they set.
-inline std::string rdzv_conf_key(const std::string& key) {
-  if (key == "timeout") {
-    return "join_timeout";
-  }
-  if (key == "heartbeat") {
-    return "keep_alive_interval";
-  }
-  return key;
-}
-
-// --rdzv-conf is_host=VALUE, as torchrun reads it.
-inline int parse_is_host(const std::string& item, const std::string& value, const Fail& fail) {
-  std::string lower;
-  for (unsigned char c : value) {
-    lower += static_cast<char>(std::tolower(c));
-  }
-  if (lower == "1" || lower == "true" || lower == "yes" || lower == "y") {
-    return 1;
-  }
-  if (lower == "0" || lower == "false" || lower == "no" || lower == "n") {
-    return 0;
-  }
-  fail("--rdzv-conf " + item + ": expected is_host=true or is_host=false (1 or 0).");
-  return -1;
-}
-
-// One KEY=VALUE of --rdzv-conf, whose key (after torchrun's aliases) is `key`.
-inline void parse_rdzv_setting(RunOptions& options, const std::string& item, const std::string& key,
-                               const std::string& value, const Fail& fail) {
-  if (key == "is_host") {
-    options.is_host = parse_is_host(item, value, fail);
-    return;
-  }
-  const bool count = key == "keep_alive_max_attempt";
-  const bool known = count || key == "join_timeout" || key == "last_call_timeout" || key == "keep_alive_interval" ||
-      key == "read_timeout" || key == "close_timeout";
-  if (!known) {
-    fail("--rdzv-conf " + item + ": unknown key; expected join_timeout (or timeout), last_call_timeout, "
-         "keep_alive_interval (or heartbeat), keep_alive_max_attempt, read_timeout, close_timeout or is_host.");
-  }
-  char* end = nullptr;
-  const double number = std::strtod(value.c_str(), &end);
-  const bool in_range = !value.empty() && *end == '\0' && number > 0 && number <= 7 * 24 * 3600;
-  if (!in_range || (count && number != std::floor(number))) {
-    fail("--rdzv-conf " + item + (count ? ": expected a whole count from 1 to 604800." : ": expected a number of "
-         "seconds above 0 and at most 604800 (7 days)."));
-  }
-  if (key == "join_timeout") {
-    options.join_timeout = number;
-  } else if (key == "last_call_timeout") {
-    options.last_call_timeout = number;
-  } else if (key == "keep_alive_interval") {
-    options.keep_alive_interval = number;
-  } else if (key == "read_timeout") {
-    options.read_timeout = number;
-  } else if (count) {
-    options.keep_alive_max_attempt = static_cast<int>(number);
-  } else {
-    options.notes.push_back("--rdzv-conf close_timeout has no effect: a lockstep-run round closes when --nnodes MAX "
-                            "nodes joined, or last_call_timeout after MIN did.");
-  }
-}
-
-// --rdzv-conf KEY=VALUE,...: each key once (an alias counts as its key),
-// no empty item.
-inline void parse_rdzv_conf(RunOptions& options, const Fail& fail) {
-  const std::string& conf = options.rdzv_conf;
-  std::vector<std::string> seen;
-  int index = 0;
-  for (size_t start = 0; start <= conf.size() && !conf.empty(); ++index) {
-    const size_t comma = std::min(conf.find(',', start), conf.size());
-    const std::string item = conf.substr(start, comma - start);
-    start = comma + 1;
-    if (item.empty()) {
-      fail("--rdzv-conf " + conf + ": item " + std::to_string(index + 1) + " is empty; expected KEY=VALUE items "
-           "separated by single commas.");
-    }
-    const size_t eq = item.find('=');
-    const std::string key = rdzv_conf_key(item.substr(0, eq));
-    for (const auto& earlier : seen) {
-      if (rdzv_conf_key(earlier) == key) {
-        fail("--rdzv-conf " + conf + ": " + (earlier == item.substr(0, eq) ? key + " is given twice" : earlier +
-             " and " + item.substr(0, eq) + " both set " + key) + "; give it once.");
-      }
-    }
-    seen.push_back(item.substr(0, eq));
-    parse_rdzv_setting(options, item, key, eq == std::string::npos ? "" : item.substr(eq + 1), fail);
   }
 }
 
@@ -365,7 +276,7 @@ inline void parse_rendezvous(RunOptions& options, const Fail& fail) {
     }
     options.rdzv_port = static_cast<int>(value);
   }
-  parse_rdzv_conf(options, fail);
+  parse_rdzv_conf(options.rdzv_conf, options, options.notes, fail);
   check_rendezvous_timing(options, fail);
   for (unsigned char c : options.rdzv_id) {
     if (std::isspace(c) || std::iscntrl(c)) { // the store's keys are words of its line protocol
@@ -382,11 +293,14 @@ inline void parse_rendezvous(RunOptions& options, const Fail& fail) {
 // --master-addr default to the step's node count, this node's index and the
 // first host of the step's node list. A batch script outside srun has
 // SLURM_NODEID too, but no step: there lockstep-run is one node, as anywhere.
+// --standalone asks for a job of this node alone: the step's values, which
+// would make it one node of several, are not applied.
 inline void apply_slurm_step(RunOptions& options, const CLI::App& app, const GetEnv& get, const Fail& fail) {
   const char* nodes = get("SLURM_STEP_NUM_NODES") ? get("SLURM_STEP_NUM_NODES") : get("SLURM_NNODES");
   const char* node_id = get("SLURM_NODEID");
   const char* list = get("SLURM_STEP_NODELIST") ? get("SLURM_STEP_NODELIST") : get("SLURM_JOB_NODELIST");
-  if (get("SLURM_STEP_ID") == nullptr || nodes == nullptr || node_id == nullptr || list == nullptr || options.elastic()) {
+  if (get("SLURM_STEP_ID") == nullptr || nodes == nullptr || node_id == nullptr || list == nullptr || options.elastic() ||
+      options.standalone) {
     return;
   }
   const char* tasks = get("SLURM_STEP_NUM_TASKS") ? get("SLURM_STEP_NUM_TASKS") : get("SLURM_NTASKS");
@@ -405,6 +319,7 @@ inline void apply_slurm_step(RunOptions& options, const CLI::App& app, const Get
       fail(std::string("SLURM_NODEID=") + node_id + " is not a node index; give --node-rank.");
     }
     options.node_rank = static_cast<int>(id);
+    options.slurm_step_nodes = std::atoi(nodes);
   }
   if (app.count("--master-addr") == 0) {
     options.master_addr = first_host(list);
@@ -467,6 +382,22 @@ inline void apply_torchrun_flags(RunOptions& options, const CLI::App& app, const
   }
 }
 
+// --local-addr (or PET_LOCAL_ADDR) is the address the other nodes reach
+// this node's ranks at, and goes into the rendezvous's records, whose
+// fields ',' and ';' separate: a host name or an address has none of
+// these, nor spaces or control characters.
+inline void check_local_addr(const RunOptions& options, const Fail& fail) {
+  const std::string& addr = options.local_addr;
+  for (unsigned char c : addr) {
+    if (c == ',' || c == ';' || std::isspace(c) || std::iscntrl(c)) {
+      const char* pet = std::getenv("PET_LOCAL_ADDR"); // CLI11 read it there when the command line did not give it
+      const std::string flag = pet != nullptr && addr == pet ? "--local-addr (from PET_LOCAL_ADDR)" : "--local-addr";
+      fail(flag + " '" + addr + "' holds a comma, a semicolon, a space or a control character; give a host name or "
+           "an IP address of this machine that the other nodes reach, for example 10.0.0.5.");
+    }
+  }
+}
+
 // --local-addr names an elastic node's address; a static job's ranks meet at --master-addr.
 inline void note_static_local_addr(RunOptions& options) {
   if (!options.elastic() && !options.local_addr.empty()) {
@@ -524,6 +455,13 @@ inline void check_static_meeting(RunOptions& options, const Fail& fail) {
   if (!options.rdzv_conf.empty()) {
     options.notes.push_back("--rdzv-conf has no effect in a static job: its nodes wait --timeout for each other.");
   }
+  if (options.node_rank >= options.nnodes && options.slurm_step_nodes > 0) {
+    fail("SLURM_NODEID=" + std::to_string(options.node_rank) + " (this node's index in the srun step of " +
+         std::to_string(options.slurm_step_nodes) + " node(s)) is lockstep-run's default --node-rank, and it is out of "
+         "range for --nnodes " + std::to_string(options.nnodes) + ". Under srun, leave --nnodes out (it is then the "
+         "step's node count) or give the step's " + std::to_string(options.slurm_step_nodes) + "; for a job of this "
+         "node alone on each machine, pass --standalone.");
+  }
   if (options.node_rank >= options.nnodes) {
     fail("--node-rank " + std::to_string(options.node_rank) + " is out of range for --nnodes " +
          std::to_string(options.nnodes) + "; expected 0 to " + std::to_string(options.nnodes - 1) + ".");
@@ -562,9 +500,11 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
   }
   parse_nnodes(options, fail);
   check_node_rank(options, app.count("--node-rank") > 0, backend_given, fail); // Note [--node-rank and the rendezvous]
+  check_local_addr(options, fail);
   note_static_local_addr(options);
   if (options.elastic()) {
     parse_rendezvous(options, fail);
+    options.rdzv_job = rendezvous_id(options.rdzv_id, get);
   } else {
     check_static_meeting(options, fail);
   }
