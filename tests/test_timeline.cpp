@@ -23,6 +23,7 @@ namespace lockstep {
 namespace {
 
 using namespace testing::jobs;
+using testing::Process;
 
 // The [start, end] of each event named `name` of rank `pid` in a merged timeline.
 std::vector<std::pair<int64_t, int64_t>> intervals(const nlohmann::json& events, int pid, const std::string& name) {
