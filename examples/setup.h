@@ -63,9 +63,13 @@ inline std::string make_dir(const std::string& dir) {
 
 // Where the group's collectives take their tensors, and so where this rank
 // trains: the CPU where the backend reduces CPU tensors, else (NCCL) one GPU
-// per rank.
+// per rank. A job of one rank has no backend (its group takes any device):
+// it trains where the backend "auto" picks would put a larger job, on a GPU
+// when there is one.
 inline torch::Device group_device(const lockstep::ProcessGroup& group) {
-  if (group.supports(lockstep::Collective::Allreduce, torch::kFloat, torch::kCPU)) {
+  const bool on_cpu = group.size() == 1 ? !torch::cuda::is_available()
+                                        : group.supports(lockstep::Collective::Allreduce, torch::kFloat, torch::kCPU);
+  if (on_cpu) {
     return torch::kCPU;
   }
   const char* local = std::getenv("LOCAL_RANK");
@@ -403,6 +407,11 @@ void set_deterministic_step(Setup& setup, Model& model, const Config& config) {
   }
 }
 
+// Where the ranks train, said where it is not the CPU.
+inline std::string device_description(const torch::Device& device) {
+  return device.is_cpu() ? "" : " on " + device.str();
+}
+
 inline std::string deterministic_description(const Config& config) {
   return config.deterministic ? ", deterministic: " + std::to_string(config.batch_size / config.micro_batch_size) +
       " micro-batches of " + std::to_string(config.micro_batch_size) + " a batch" : "";
@@ -438,7 +447,7 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, TrainerNet& 
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
   set_deterministic_step(setup, model, config);
   setup.description = "DistributedDataParallel over " + std::to_string(group.size()) + " ranks (" + group.backend() +
-                      ")" + hook.description + deterministic_description(config);
+                      ")" + device_description(setup.device) + hook.description + deterministic_description(config);
   if (hook.powersgd) {
     setup.compression_rate = [powersgd = *hook.powersgd] { return powersgd.compression_rate(); };
   }
@@ -542,7 +551,7 @@ inline Setup sharded_setup(const lockstep::ProcessGroup& group, TrainerNet& net,
   set_deterministic_step(setup, model, config);
   setup.description = "FullyShardedDataParallel (--sharding " + config.sharding + ") over " +
                       std::to_string(group.size()) + " ranks (" + group.backend() + ")" +
-                      deterministic_description(config);
+                      device_description(setup.device) + deterministic_description(config);
   setup.save_checkpoint = [rank = group.rank(), path = config.checkpoint_path, model, optimizer = setup.optimizer](
                               const TrainingState& state) {
     const int64_t save_id = model->save_sharded(*optimizer, shards_dir(path, state.step));

@@ -272,6 +272,22 @@ TEST(Checkpoint, ACpuCheckpointResumesOnTheGpu_CUDA) {
   }
 }
 
+// One rank under a launcher trains on the GPU, as two do: its group (of
+// one, with no backend) takes any device, so the trainer once chose the CPU.
+TEST(TrainerSharding, OneLaunchedRankTrainsOnTheGpu_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  for (const std::string strategy : {"", "full"}) {
+    SCOPED_TRACE("--sharding " + strategy);
+    const std::string name = "one_rank_gpu" + strategy;
+    auto p = launch({"--nproc-per-node", "1", "--master-port", port()},
+                    strategy.empty() ? trainer(name) : sharded(trainer(name), strategy), name, {kOneThread});
+    ASSERT_EQ(p.exit_code, 0) << p.output;
+    EXPECT_NE(p.output.find("over 1 ranks (local) on cuda:0"), std::string::npos) << p.output;
+  }
+}
+
 TEST(Checkpoint, DamagedContentIsAClearError) {
   const std::string path = temp("damaged.ckpt");
   examples::ConvNet net;

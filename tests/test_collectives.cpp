@@ -395,6 +395,12 @@ TEST(ProcessGroupContract, NcclGroupOfOneKeepsTheContract_CUDA) {
   EXPECT_TRUE(torch::equal(longs.cpu(), torch::full({3}, int64_t{-3}))) << longs;
   const auto message = testing::message_of([&] { group.allreduce_async({}, ReduceOp::Sum, "empty allreduce"); });
   EXPECT_NE(message.find("no tensors"), std::string::npos) << message;
+  // NCCL has no 16-bit integers: a broadcast carries them as Half's bits
+  // (DDP's first broadcast of an int16 buffer), and a sum is refused by name.
+  auto shorts = torch::full({3}, int16_t{-7}, gpu.dtype(torch::kShort));
+  group.broadcast_async({shorts}, 0, "int16 broadcast")->wait();
+  EXPECT_TRUE(torch::equal(shorts.cpu(), torch::full({3}, int16_t{-7}))) << shorts;
+  EXPECT_FALSE(group.supports(Collective::Allreduce, torch::kShort, torch::kCUDA));
 }
 
 } // namespace

@@ -332,15 +332,18 @@ class CheckedGroup : public ForwardingGroup {
     std::shared_ptr<Work> work;
     std::exception_ptr error;
     try {
-      c10::OptionalStreamGuard on(job.stream);
       const std::string broken = broken_->first(); // Note [A group whose collective failed]
       TORCH_CHECK(broken.empty(), "lockstep: rank ", rank(), " of ", size(), ": ", job.what, " was not sent: an "
                   "earlier collective of this group failed, so its ranks can no longer be kept in step. Let the "
                   "error end the job (a launcher restarts it from the last checkpoint), or make a new group on every "
                   "rank. The first failure: ", broken);
       if (!job.words.defined()) {
+        // On this thread's streams, not the caller's: on a GPU, the check's
+        // copies between host and device would otherwise wait for all the
+        // work the caller has queued, backward's kernels among it.
         agree(job);
       }
+      c10::OptionalStreamGuard on(job.stream); // Note [The caller's stream]
       work = job.start(job.what);
     } catch (...) {
       error = std::current_exception();

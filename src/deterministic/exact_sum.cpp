@@ -28,7 +28,8 @@ int ceil_log2(int64_t n) {
 }
 
 // One pass over the elements where they are contiguous float or double on
-// the CPU; elsewhere (a GPU) LibTorch's operators compute the same values.
+// the CPU; elsewhere (a GPU) LibTorch's operators compute the same values
+// (each a correctly rounded product or quotient).
 bool on_cpu_as_float_or_double(const torch::Tensor& t) {
   return t.is_cpu() && t.is_contiguous() && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kDouble);
 }
@@ -221,7 +222,10 @@ void from_fixed_point_into(torch::Tensor out, const torch::Tensor& sum, int expo
   if (!sum.is_cpu() || !sum.is_contiguous() || !out.is_contiguous() ||
       (dtype != torch::kFloat && dtype != torch::kDouble)) {
     auto value = sum.reshape({-1}).to(torch::kDouble).mul_(scale.first).mul_(scale.second);
-    out.view({-1}).copy_(value.div_(static_cast<double>(divisor)));
+    // A tensor divisor, not a double: ATen's CUDA kernels multiply by the
+    // reciprocal of a number given from the CPU, which can differ from the
+    // quotient in the last bit; with a tensor on the device they divide.
+    out.view({-1}).copy_(value.div_(torch::scalar_tensor(static_cast<double>(divisor), value.options())));
     return;
   }
   const auto* in = sum.data_ptr<int64_t>();

@@ -212,9 +212,10 @@ variable_list ParallelBackward::combine(std::vector<variable_list>& results, con
 // gradient and AccumulateGrad runs as without the wrapper. The engine adds
 // into a defined .grad on the calling thread, alone (it gave its cores to the
 // replicas): a pass over every gradient that cost 15% of an MLP step. So when
-// .grad holds only zeros (zero_grad() without set_to_none) and this backward
-// adds to it, the workers undefine it and the engine takes the sum as the
-// new .grad: the same values, no add. Only where nothing else holds that
+// .grad is on the CPU, holds only zeros (zero_grad() without set_to_none)
+// and this backward adds to it, the workers undefine it and the engine takes
+// the sum as the new .grad: the same values, no add (on a GPU, reading for
+// zeros would wait for the device once per parameter). Only where nothing else holds that
 // .grad or its memory (owned_alone): a .grad that is a view of a flat
 // buffer, or that the caller keeps, is added into in place, as autograd's
 // AccumulateGrad does. The sums, and the reading for zeros, are shared out over the CPU
@@ -251,7 +252,7 @@ void ParallelBackward::sum_param_gradients(
     }
     auto& grad = plan_.params[p].mutable_grad();
     if (accumulates[p] && out[p].defined() && grad.defined() && grad.layout() == torch::kStrided &&
-        !grad.requires_grad() && owned_alone(grad) && !grad.any().item<bool>()) {
+        grad.is_cpu() && !grad.requires_grad() && owned_alone(grad) && !grad.any().item<bool>()) {
       grad.reset();
     }
   };

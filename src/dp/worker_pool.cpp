@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -153,9 +154,17 @@ void map_replicas(
     const std::function<void(size_t)>& fn) {
   at::ThreadLocalState state;
   const auto autocast = AutocastState::current(); // Note [Mixed precision] in src/amp.cpp
-  std::vector<c10::optional<c10::Stream>> streams(devices.size()); // Note [The caller's stream]
-  for (size_t r : which) {
-    streams[r] = caller_stream(devices[r]);
+  // Note [The caller's stream]: every replica's thread takes the caller's
+  // current stream on every device of the step, not only its own: a copy
+  // between devices (the input scattered from the first device, a gradient
+  // brought back) runs on the current stream of its source device.
+  std::vector<c10::Stream> streams;
+  for (const auto& device : devices) {
+    const auto stream = caller_stream(device);
+    if (stream && std::none_of(streams.begin(), streams.end(),
+                               [&](const c10::Stream& s) { return s.device() == device; })) {
+      streams.push_back(*stream);
+    }
   }
   if (std::any_of(which.begin(), which.end(), [&](size_t r) { return devices[r].is_cpu(); })) {
     release_idle_openmp_team(); // Note [CPU replicas and threads]
@@ -165,13 +174,10 @@ void map_replicas(
     ReplicaAutocast replica_autocast(autocast);
     CpuCacheScope cache(devices[r].is_cpu()); // Note [CPU replicas' memory] in src/util/cpu_cache.cpp
     c10::OptionalDeviceGuard device_guard;
-    c10::OptionalStreamGuard stream_guard;
     if (!devices[r].is_cpu()) {
       device_guard.reset_device(devices[r]);
     }
-    if (streams[r]) {
-      stream_guard.reset_stream(*streams[r]);
-    }
+    c10::MultiStreamGuard stream_guard(streams);
     timeline::Span span([&] { return "replica " + std::to_string(r) + " " + stage; }); // Note [Timeline]
     fn(r);
   });

@@ -197,7 +197,9 @@ void ShardedCore::State::launch(Bucket& bucket) {
     used.push_back(write_grads(flats[i], rows.narrow(1, offset, flats[i].layout.shard)) ? 1.0 : 0.0);
     offset += flats[i].layout.shard;
   }
-  rows.narrow(1, offset, members).copy_(torch::tensor(used, torch::kDouble).expand({world, members}));
+  for (int64_t m = 0; m < members; ++m) { // fills: a copy from a CPU tensor would wait for a GPU's stream
+    rows.select(1, offset + m).fill_(used[static_cast<size_t>(m)]);
+  }
   bucket.span = timeline::Span([&] { return (sharded() ? "reduce_scatter " : "allreduce ") + bucket_name(bucket.members); },
                                -1, "collectives");
   const std::string what = (sharded() ? "reduce_scatter of " : "allreduce of ") + bucket_name(bucket.members) +

@@ -27,9 +27,11 @@ namespace detail {
 //
 // DataParallel's replicas run on threads of lockstep's own too
 // (src/dp/worker_pool.cpp), and read what the caller queued: the input, the
-// parameters it just changed. Each replica runs under the stream current on
-// its device where the step was called, as PyTorch's parallel_apply does; so
-// its results are ordered before whatever the caller queues next.
+// parameters it just changed. Each replica runs under the streams current
+// on every device of the step where the step was called (a copy between
+// devices runs on its source device's stream), as PyTorch's parallel_apply
+// does on its replica's device; so its results are ordered before whatever
+// the caller queues next.
 
 /// The calling thread's current stream on `device`; none on the CPU.
 inline c10::optional<c10::Stream> caller_stream(c10::Device device) {
