@@ -37,7 +37,8 @@ stamp=$build_dir/.lockstep-configure-args
 wanted=$(printf '%s\n' -DCMAKE_BUILD_TYPE=Release "${torch_cmake_args[@]}")
 if [ ! -f "$build_dir/build.ninja" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   mkdir -p "$build_dir"
-  if ! cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${torch_cmake_args[@]}" \
+  # --fresh: no value of an earlier configure's arguments stays in the cache.
+  if ! cmake --fresh -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${torch_cmake_args[@]}" \
       >"$build_dir/configure.log" 2>&1; then
     tail -n 30 "$build_dir/configure.log" >&2
     echo "build: configuring $build_dir/ failed (the end of its output is above; all of it in" \

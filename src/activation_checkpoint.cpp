@@ -112,19 +112,34 @@ class GeneratorsAsBefore {
  public:
   explicit GeneratorsAsBefore(const Segment& segment) {
     std::lock_guard<std::mutex> lock(mutex());
-    for (const auto& [generator, state] : segment.generators) {
-      auto g = generator;
-      std::lock_guard<std::mutex> generator_lock(g.mutex());
-      auto& entered = active()[g.unsafeGetGeneratorImpl()];
-      if (entered.count++ == 0) {
-        entered.state_before = g.get_state();
+    try {
+      for (const auto& [generator, state] : segment.generators) {
+        auto g = generator;
+        std::lock_guard<std::mutex> generator_lock(g.mutex());
+        auto& entered = active()[g.unsafeGetGeneratorImpl()];
+        if (entered.count == 0) {
+          entered.state_before = g.get_state();
+        }
+        ++entered.count;
+        held_.push_back(g);
+        g.set_state(state);
       }
-      g.set_state(state);
-      held_.push_back(g);
+    } catch (...) {
+      release(); // what was entered before the throw
+      throw;
     }
   }
   ~GeneratorsAsBefore() {
     std::lock_guard<std::mutex> lock(mutex());
+    release();
+  }
+  GeneratorsAsBefore(const GeneratorsAsBefore&) = delete;
+  GeneratorsAsBefore& operator=(const GeneratorsAsBefore&) = delete;
+
+ private:
+  // Leaves each generator entered; the last to leave one puts back its
+  // state. Under mutex().
+  void release() {
     for (auto& generator : held_) {
       auto it = active().find(generator.unsafeGetGeneratorImpl());
       TORCH_INTERNAL_ASSERT(it != active().end() && it->second.count > 0);
@@ -134,11 +149,8 @@ class GeneratorsAsBefore {
         active().erase(it);
       }
     }
+    held_.clear();
   }
-  GeneratorsAsBefore(const GeneratorsAsBefore&) = delete;
-  GeneratorsAsBefore& operator=(const GeneratorsAsBefore&) = delete;
-
- private:
   struct Entered {
     size_t count = 0;            // recomputations under way with this generator
     torch::Tensor state_before;  // its state when the first of them began

@@ -272,8 +272,8 @@ TEST(Checkpoint, ACpuCheckpointResumesOnTheGpu_CUDA) {
   }
 }
 
-// One rank under a launcher trains on the GPU, as two do: its group (of
-// one, with no backend) takes any device, so the trainer once chose the CPU.
+// One rank under a launcher trains on the GPU, as two do, though its group
+// (of one, with no backend) would take tensors on any device.
 TEST(TrainerSharding, OneLaunchedRankTrainsOnTheGpu_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device";

@@ -114,8 +114,9 @@ TEST(Elastic, TwoJobsWithoutAnIdAtOneEndpointAreToldApartByTheirPrograms) {
   }
 }
 
-// A --local-addr that cannot be an address broke the rendezvous's records:
-// every node aborted on std::invalid_argument (exit 134).
+// A --local-addr that cannot be an address would break the rendezvous's
+// records, which separate fields with ',' and ';': it is a usage error
+// (exit 2) at start, on the node given it, and no other node is harmed.
 TEST(Elastic, ALocalAddrThatCannotBeAnAddressIsAUsageErrorNotACrash) {
   for (const std::string bad : {"host;x", "b,x"}) {
     const auto p = launch({"--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:" + port(), "--rdzv-conf",

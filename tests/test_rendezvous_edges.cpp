@@ -139,9 +139,9 @@ TEST(Rendezvous, AFailureBeforeAMemberWasDoneIsRestartedAndOneAfterIsNot) {
   EXPECT_EQ(again_b.done_members(), std::vector<int64_t>{a.id});
 }
 
-// A node of another version, or another program at the endpoint, wrote
-// records that do not parse: every launcher aborted on std::invalid_argument
-// (exit 134), the one serving the store too, rather than say what is wrong.
+// Records that do not parse (a node of another version, or another program
+// at the endpoint) are rendezvous errors that say what the store holds and
+// what was expected, on every launcher, the one serving the store too.
 TEST(Rendezvous, RecordsThatDoNotParseAreRendezvousErrors) {
   EXPECT_EQ(NodeDesc::decode("3,2,10.0.0.3,4001").addr, "10.0.0.3");
   EXPECT_EQ(tools::RoundRecord::decode(1, "2;1,1,a,5;2,1,b,6").nodes.size(), 2u);
@@ -153,6 +153,7 @@ TEST(Rendezvous, RecordsThatDoNotParseAreRendezvousErrors) {
   }
   try {
     NodeDesc::decode("1,1,b,x,5");
+    ADD_FAILURE() << "a record of five fields was taken";
   } catch (const RendezvousError& e) {
     EXPECT_NE(std::string(e.what()).find("the rendezvous store holds a node record that does not parse ('1,1,b,x,5': "
                                          "expected 4 fields (id,ranks,address,port), found 5)"), std::string::npos)

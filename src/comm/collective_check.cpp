@@ -338,9 +338,9 @@ class CheckedGroup : public ForwardingGroup {
                   "error end the job (a launcher restarts it from the last checkpoint), or make a new group on every "
                   "rank. The first failure: ", broken);
       if (!job.words.defined()) {
-        // On this thread's streams, not the caller's: on a GPU, the check's
-        // copies between host and device would otherwise wait for all the
-        // work the caller has queued, backward's kernels among it.
+        // On this thread's streams, not the caller's: on a GPU, a caller on a
+        // stream of its own (not the default) would otherwise have the
+        // check's copies between host and device wait for all it queued.
         agree(job);
       }
       c10::OptionalStreamGuard on(job.stream); // Note [The caller's stream]

@@ -10,27 +10,14 @@ namespace lockstep {
 namespace detail {
 namespace {
 
-// c10d's NCCL group takes CUDA tensors only, of the dtypes NCCL has (c10d's
-// ncclDataType map): no 16-bit integers, which the copies then carry as a
-// dtype of the same width (carrier_of).
+// c10d's NCCL group takes CUDA tensors only. NCCL has no 16-bit integers
+// (c10d's ncclDataType map), which the copies then carry as a dtype of the
+// same width (carrier_of); complex ones c10d sends as their real parts.
 class NcclGroup final : public C10dGroup<c10d::ProcessGroupNCCL> {
  public:
   using C10dGroup::C10dGroup;
   bool supports(Collective, torch::ScalarType dtype, torch::Device device) const override {
-    switch (dtype) {
-      case torch::kByte:
-      case torch::kChar:
-      case torch::kInt:
-      case torch::kLong:
-      case torch::kHalf:
-      case torch::kBFloat16:
-      case torch::kFloat:
-      case torch::kDouble:
-      case torch::kBool:
-        return device.is_cuda();
-      default:
-        return false;
-    }
+    return device.is_cuda() && dtype != torch::kShort;
   }
   // A collective is a kernel on a stream: its start costs microseconds.
   bool cheap_collective_starts() const override {
