@@ -293,6 +293,20 @@ TEST(ActivationCheckpoint, OverlappingRecomputationsLeaveTheGeneratorAsTheCaller
   EXPECT_TRUE(torch::equal(at::globalContext().defaultGenerator(torch::kCPU).get_state(), caller_left));
 }
 
+// fn is copied, so a const reference to a mutable lambda is taken: the
+// copy is what runs.
+TEST(ActivationCheckpoint, TakesAConstMutableLambda) {
+  auto w = torch::randn({3, 3}, torch::requires_grad());
+  int calls = 0;
+  const auto fn = [w, &calls](const torch::Tensor& in) mutable {
+    ++calls;
+    return in.matmul(w);
+  };
+  checkpoint(fn, torch::ones({2, 3})).sum().backward();
+  EXPECT_EQ(calls, 2); // forward, and again in backward
+  EXPECT_TRUE(torch::equal(w.grad(), torch::full({3, 3}, 2.0f)));
+}
+
 TEST(ActivationCheckpoint, RefusesABackwardAfterItsGraphWasFreedAndRunsPlainWithoutAutograd) {
   auto w = torch::randn({4, 4}, torch::requires_grad());
   auto fn = [&](const torch::Tensor& in) { return in.matmul(w).tanh(); };

@@ -69,7 +69,7 @@ template <typename F, typename... Tensors>
 torch::Tensor checkpoint(F&& fn, const torch::Tensor& first, const Tensors&... rest) {
   static_assert((std::is_convertible_v<const Tensors&, const torch::Tensor&> && ...),
                 "lockstep::checkpoint(fn, inputs...): every input must be a torch::Tensor");
-  static_assert(std::is_invocable_v<F&, const torch::Tensor&, const Tensors&...>,
+  static_assert(std::is_invocable_v<std::decay_t<F>&, const torch::Tensor&, const Tensors&...>,
                 "lockstep::checkpoint(fn, inputs...): fn must take the inputs as tensors, one parameter each; for "
                 "a fn of std::vector<torch::Tensor>, pass std::vector<torch::Tensor>{...} as the inputs");
   auto outputs = checkpoint(
