@@ -1,0 +1,115 @@
+#pragma once
+
+// lockstep-train's resume: where a run starts from its checkpoint, and what
+// it says when the checkpoint was written by a run with other settings.
+
+#include "checkpoint.h"
+#include "options.h"
+#include "sampling.h"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <functional>
+#include <string>
+
+namespace lockstep {
+namespace examples {
+
+// What differs between the run that wrote a checkpoint and this one, in
+// words ("" if nothing): each changes the data order from here on.
+inline std::string resume_differences(const TrainingState& there, const BatchPlan& here, const DataSignature& data) {
+  std::string said;
+  if (there.world_size != here.world_size) {
+    said += "; written over " + std::to_string(there.world_size) + " rank(s): the data order goes on unchanged";
+  }
+  if (there.batch_size != 0 && there.batch_size != here.batch_size) { // format 2 kept no batch size
+    said += "; written with --batch-size " + std::to_string(there.batch_size) + ": the rest of the epoch goes on in "
+            "batches of " + std::to_string(here.batch_size);
+  }
+  if (there.data.rows == 0) { // format 2 kept no signature
+    return said;
+  }
+  if (there.data.rows != data.rows || there.data.checksum != data.checksum) {
+    said += "; written over other training data (" + std::to_string(there.data.rows) + " samples of another content, "
+            "seed " + std::to_string(there.data.seed) + "; here " + std::to_string(data.rows) + ", seed " +
+            std::to_string(data.seed) + ": another --data, --train-samples, or --seed with --synthetic), so the rest "
+            "of the run trains on this data";
+  } else if (there.data.seed != data.seed) {
+    said += "; written with --seed " + std::to_string(there.data.seed) + ", so the data order differs from here on";
+  }
+  return said;
+}
+
+// The settings a checkpoint keeps to say when a resume changes them
+// (TrainingState::settings).
+inline std::string run_settings(const Config& config) {
+  std::string settings = "--precision " + config.precision;
+  if (!config.sharding.empty()) {
+    settings += " --sharding " + config.sharding;
+  }
+  if (config.comm_hook == "powersgd") { // Note [PowerSGD state of another rank]: the Q's start anew
+    settings += " --comm-hook powersgd --powersgd-rank " + std::to_string(config.powersgd_rank);
+  } else if (config.comm_hook != "none") {
+    settings += " --comm-hook " + config.comm_hook;
+  }
+  return settings;
+}
+
+// `state` as this run writes it into its checkpoints.
+inline TrainingState this_run(TrainingState state, const BatchPlan& plan, const DataSignature& data,
+                              const Config& config) {
+  state.settings = run_settings(config);
+  if (state.step == 0 && state.epoch == 0) {
+    state.sample_counts = torch::zeros({plan.samples}, torch::kInt32);
+  } else if (state.sample_counts.defined() && state.sample_counts.numel() != plan.samples) {
+    state.sample_counts = torch::Tensor(); // counts of other training data: this run's are unknown
+  }
+  if (state.sample_counts.defined()) {
+    state.unsynced_counts = torch::zeros_like(state.sample_counts);
+  }
+  state.world_size = plan.world_size;
+  state.batch_size = plan.batch_size;
+  state.data = data;
+  return state;
+}
+
+// Where training starts: the checkpoint's position when `load` finds one
+// (and loads the model and optimizer), else the beginning. With `report`,
+// the line that says so goes to stderr, or, with `report_later`, there, for
+// a caller that loads more before the resume has succeeded.
+inline TrainingState resume(
+    const Config& config,
+    const BatchPlan& plan,
+    const DataSignature& data,
+    bool report,
+    const std::function<bool(TrainingState&)>& load,
+    std::string* report_later = nullptr) {
+  TrainingState state;
+  if (config.checkpoint_path.empty() || !load(state)) {
+    return this_run(state, plan, data, config);
+  }
+  state.resumed_world_size = state.world_size;
+  state.resumed_step = state.step;
+  if (report) {
+    char line[512];
+    std::snprintf(line, sizeof(line), "lockstep-train: resumed from %s at step %lld (epoch %lld, sample %lld of %lld)",
+                  config.checkpoint_path.c_str(), static_cast<long long>(state.step),
+                  static_cast<long long>(state.epoch + 1), static_cast<long long>(state.samples_in_epoch),
+                  static_cast<long long>(epoch_extent(plan).first));
+    std::string said = line + resume_differences(state, plan, data);
+    if (!state.settings.empty() && state.settings != run_settings(config)) {
+      said += "; written with " + state.settings + ", and this run goes on with " + run_settings(config);
+    }
+    said += "\n";
+    if (report_later != nullptr) {
+      *report_later = said;
+    } else {
+      std::fputs(said.c_str(), stderr);
+    }
+  }
+  return this_run(state, plan, data, config);
+}
+
+} // namespace examples
+} // namespace lockstep
