@@ -73,8 +73,8 @@ inline torch::Device group_device(const lockstep::ProcessGroup& group) {
   if (on_cpu) {
     return torch::kCPU;
   }
-  const char* local = std::getenv("LOCAL_RANK");
-  const int64_t index = local != nullptr ? std::atoll(local) : group.rank();
+  const int64_t local = lockstep::launched_local_rank();
+  const int64_t index = local >= 0 ? local : group.rank();
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index % std::max<int64_t>(1, torch::cuda::device_count())));
 }
 

@@ -180,6 +180,26 @@ TEST(LaunchEnv, MpiRanksOnThisHostAreTheLaunchersLocalSizeElseItsWorldSize) {
   EXPECT_EQ(detail::mpi_ranks_on_this_host(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}})), 0);
 }
 
+// A rank's GPU is its local rank's: under mpirun --map-by node, ranks 0, 2,
+// 4 and 6 share a host, and rank % 4 would put two of them on GPU 0 and two
+// on GPU 2.
+TEST(LaunchEnv, TheLocalRankIsTheLaunchersThatGaveTheRank) {
+  EXPECT_EQ(detail::local_rank_of(env_of({{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+                                          {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}})), 2);
+  EXPECT_EQ(detail::local_rank_of(env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                                          {"SLURM_STEP_ID", "0"}})), 1);
+  EXPECT_EQ(detail::local_rank_of(env_of({{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "3"}})), 3);
+  // torchrun's variables win over an MPI launcher's, as they do for the rank.
+  EXPECT_EQ(detail::local_rank_of(env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
+                                          {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"},
+                                          {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}})), 1);
+  EXPECT_EQ(detail::local_rank_of(env_of({{"LOCAL_RANK", "3"}})), 3); // DeepSpeed's, hand-written scripts
+  EXPECT_EQ(detail::local_rank_of(env_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}})), -1);
+  EXPECT_EQ(detail::local_rank_of(env_of({})), -1);
+  const std::string message = error_of([] { detail::local_rank_of(env_of({{"LOCAL_RANK", "gpu1"}})); });
+  EXPECT_NE(message.find("LOCAL_RANK"), std::string::npos) << message;
+}
+
 TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
   auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"OMPI_COMM_WORLD_RANK", "2"},
       {"OMPI_COMM_WORLD_SIZE", "3"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}}));

@@ -161,6 +161,15 @@ ProcessGroup new_group(
 /// variables; see Note [MPI launchers] in src/comm/launch_env.cpp).
 bool launched_by_launcher();
 
+/// This rank's index among the job's ranks on its host, as its launcher
+/// says: LOCAL_RANK (lockstep-run, torchrun), or under mpirun, srun or
+/// mpiexec their own variable (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID,
+/// MPI_LOCALRANKID), read where init_process_group reads that launcher's rank.
+/// -1 where none says. Pick a rank's GPU with it: the global rank modulo the
+/// GPUs per host is another GPU's index when ranks are placed round-robin
+/// over hosts (`mpirun --map-by node`).
+int64_t launched_local_rank();
+
 /// The backends this build has, e.g. {"gloo", "mpi"}.
 std::vector<std::string> available_backends();
 

@@ -121,6 +121,14 @@ const char* find_mpi_launcher(const std::function<const char*(const char*)>& get
   return l != nullptr ? l->name : nullptr;
 }
 
+int64_t local_rank_of(const std::function<const char*(const char*)>& get) {
+  const bool torchrun = get("WORLD_SIZE") != nullptr || get("RANK") != nullptr; // as parse_launch_env decides
+  const MpiLauncher* mpi = torchrun ? nullptr : mpi_launcher_of(get);
+  const char* name = mpi != nullptr ? mpi->local_rank : "LOCAL_RANK";
+  const char* value = get(name);
+  return value != nullptr ? parse_int(name, value, 0, 1 << 20, "a whole number >= 0") : -1;
+}
+
 int64_t mpi_ranks_on_this_host(const std::function<const char*(const char*)>& get) {
   const MpiLauncher* l = mpi_launcher_of(get);
   if (l == nullptr) {

@@ -52,6 +52,11 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
 /// mpirun"), or nullptr.
 const char* find_mpi_launcher(const std::function<const char*(const char*)>& get);
 
+/// The local rank the launcher gives (LOCAL_RANK, or the MPI launcher's own
+/// variable where parse_launch_env reads that launcher), or -1 where it gives
+/// none. A malformed value is a c10::Error naming the variable.
+int64_t local_rank_of(const std::function<const char*(const char*)>& get);
+
 /// How many ranks the MPI launcher started on this host: its local size,
 /// else its world size; 0 where no MPI launcher's variables are set, or they
 /// are not whole numbers (the caller decides nothing from it then).

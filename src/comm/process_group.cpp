@@ -283,6 +283,10 @@ bool launched_by_launcher() {
   return get("WORLD_SIZE") != nullptr || detail::find_mpi_launcher(get) != nullptr;
 }
 
+int64_t launched_local_rank() {
+  return detail::local_rank_of([](const char* name) { return std::getenv(name); });
+}
+
 namespace {
 
 // Note [Backend table]
