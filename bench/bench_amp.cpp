@@ -5,13 +5,16 @@
 // medians with bf16's ratio to fp32. Each row also splits a step into
 // forward, backward and optimizer, to show where bf16 gains or loses.
 // --fp16 adds autocast to float16 (PyTorch 2.4 or later on the CPU), to show
-// what lockstep-train's note on fp16 on a CPU says.
+// what lockstep-train's note on fp16 on a CPU says. Every contender keeps
+// freed memory in glibc's heap, as lockstep-train does: otherwise the
+// step's page faults, which autocast's casts multiply, are what is timed.
 //
 //   build/lockstep-bench-amp [--rounds N] [--seconds S] [--model mlp|cnn] [--fp16]
 
 #include <lockstep/lockstep.h>
 
 #include <examples/models.h>
+#include <examples/process_settings.h>
 
 #include "bench_cli.h"
 
@@ -151,6 +154,7 @@ int main(int argc, char** argv) {
                                         {"fp32", "bf16", "fp16"});
   app.add_flag("--fp16", fp16, "Also time autocast to float16 (PyTorch 2.4 or later)");
   CLI11_PARSE(app, argc, argv);
+  lockstep::examples::keep_freed_memory();
   const std::string& only = options.only;
   const std::string& contender = options.contender;
   try {

@@ -46,16 +46,17 @@ inline bool cpu_computes_natively(torch::ScalarType dtype) {
 }
 
 // Says so when --precision asks the CPU for arithmetic it emulates. fp16
-// is said whatever the CPU's flags: LibTorch's CPU float16 kernels are far
-// slower than its fp32 and bf16 ones even where AVX512-FP16 and AMX-FP16
-// exist (docs/performance.md's AMP table: 33 times fp32's on the MLP on a
-// CPU with AVX512-BF16, where bf16 runs 1.6 times faster than fp32).
+// is said whatever the CPU's flags: LibTorch's CPU float16 kernels are
+// slower than its fp32 and bf16 ones even where AVX512-FP16 and AMX exist
+// (docs/performance.md's AMP table: there the CNN's step takes 86 times
+// fp32's, its backward 183 times, and the MLP's 1.1 times; without
+// AVX512-FP16 the MLP's takes 33 times).
 inline void say_if_emulated(const Config& config, torch::Device device, bool lead) {
   const auto dtype = precision_dtype(config);
   if (lead && dtype == torch::kHalf && device.is_cpu()) {
     std::fprintf(stderr, "lockstep-train: note: --precision fp16 on a CPU is slow: LibTorch's CPU float16 kernels "
-                 "take many times longer than fp32's (33 times longer on an MLP on a CPU where bf16 is 1.6 times "
-                 "faster than fp32). Use --precision bf16 on a CPU; fp16 is for GPUs.\n");
+                 "take longer than fp32's, whatever the CPU: a CNN's step 86 times longer even with AVX512-FP16 and "
+                 "AMX, where bf16 is faster than fp32. Use --precision bf16 on a CPU; fp16 is for GPUs.\n");
     return;
   }
   if (lead && dtype != torch::kFloat && device.is_cpu() && !cpu_computes_natively(dtype)) {

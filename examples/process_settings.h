@@ -15,15 +15,21 @@
 namespace lockstep {
 namespace examples {
 
+// Keeps freed memory in glibc's heap instead of returning every large
+// tensor to the kernel: fresh pages fault and are zeroed on each step
+// otherwise, which cost 25% of a CNN step on CPU, and over half of a bf16
+// MLP step under autocast, whose casts allocate anew every step
+// (docs/performance.md). The whole process's setting, so the program's.
+inline void keep_freed_memory() {
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
 // Settings of the whole process, made before any tensor: a fast BLAS, a heap
 // that keeps freed memory, and the intra-op thread count.
 inline void prepare_process(int threads, bool deterministic) {
   lockstep::examples::require_fast_blas("lockstep-train");
-  // Keep freed memory in the heap instead of returning every large tensor
-  // to the kernel: fresh pages fault and are zeroed on each step otherwise,
-  // which cost 25% of a CNN step on CPU here (docs/performance.md).
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  keep_freed_memory();
   // --threads, else OMP_NUM_THREADS (lockstep-run gives each rank its
   // share), else every core: libtorch's own default can be lower (it asks
   // cpuinfo for physical cores, which fails on some virtual machines).
