@@ -17,7 +17,7 @@ namespace examples {
 
 // Keeps freed memory in glibc's heap instead of returning every large
 // tensor to the kernel: fresh pages fault and are zeroed on each step
-// otherwise, which cost 25% of a CNN step on CPU, and over half of a bf16
+// otherwise, which cost 25% of a CNN step on CPU, and two fifths of a bf16
 // MLP step under autocast, whose casts allocate anew every step
 // (docs/performance.md). The whole process's setting, so the program's.
 inline void keep_freed_memory() {
