@@ -149,7 +149,13 @@ struct Loaded {
 
 // The folder saved at 2 ranks loads at 1, 2 and 3 into the weights,
 // optimizer state and options its files hold, bit for bit, and the next
-// step is the same at every world size.
+// step is the same at every world size: bit for bit at 2 ranks, where the
+// average of two equal gradients is exact, and within rounding at 3, where
+// (g + g + g) / 3 is not g in about one float of seven. The fixture's
+// gradients for the Linear weight are nearly zero (the sum of squares after
+// BatchNorm hardly depends on it), so their low bits are rounding, which
+// depends on the BLAS and the CPU, and Adam scales them to whole steps: at
+// 3 ranks a bitwise check would test the averaging's rounding, not the load.
 TEST(ShardedCheckpointV1, TheEarlierFormatLoadsAtAnyWorldSize) {
   const auto dir = fixture_copy("any_world");
   const auto saved = saved_in(dir);
@@ -179,7 +185,16 @@ TEST(ShardedCheckpointV1, TheEarlierFormatLoadsAtAnyWorldSize) {
     const std::string at = "loaded at " + std::to_string(w + 1) + " ranks";
     expect_equal(loads[w].once, saved.values, at);
     expect_equal(loads[w].moments, saved.moments, at + ", Adam's moments");
-    expect_equal(loads[w].twice, loads[0].twice, at + ", after one more step, against 1 rank");
+    if (w + 1 == 3) {
+      ASSERT_EQ(loads[w].twice.size(), loads[0].twice.size());
+      for (size_t i = 0; i < loads[w].twice.size(); ++i) {
+        EXPECT_TRUE(torch::allclose(loads[w].twice[i], loads[0].twice[i], 1e-5, 1e-7))
+            << at << ", after one more step, against 1 rank, tensor " << i << ": " << loads[w].twice[i] << " vs "
+            << loads[0].twice[i];
+      }
+    } else {
+      expect_equal(loads[w].twice, loads[0].twice, at + ", after one more step, against 1 rank");
+    }
   }
   testing::spawn(2, [&](ProcessGroup& group) {
     FullyShardedDataParallel<Net> model(Net(torch::nn::Linear(torch::nn::LinearOptions(6, 2).bias(false)),
