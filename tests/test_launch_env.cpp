@@ -230,6 +230,27 @@ TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
   EXPECT_NE(message.find("OMPI_COMM_WORLD_RANK=\"4\" is malformed"), std::string::npos) << message;
 }
 
+// A job's MASTER_ADDR without MASTER_PORT (a Slurm script's, say) made
+// every rank under mpirun fail, asking for a port the mpi backend never uses.
+TEST(LaunchEnv, AnMpiJobWithAnAddressButNoPortNeedsAPortOnlyForAStore) {
+  const std::map<std::string, std::string> vars{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                                                {"MASTER_ADDR", "127.0.0.1"}};
+  const auto env = detail::parse_launch_env(ProcessGroupOptions(), env_of(vars));
+  EXPECT_EQ(env.world_size, 2);
+  EXPECT_EQ(env.master_port, 0);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions().master_port(29500), env_of(vars)).master_port, 29500);
+  // Gloo does need the store: init_process_group says which variable is missing.
+  for (const auto& [name, value] : vars) {
+    ASSERT_EQ(setenv(name.c_str(), value.c_str(), 1), 0);
+  }
+  const auto message = error_of([] { init_process_group(ProcessGroupOptions().backend("gloo")); });
+  for (const auto& [name, value] : vars) {
+    unsetenv(name.c_str());
+  }
+  EXPECT_NE(message.find("rank 0: started by Open MPI's mpirun, the gloo backend needs a store, and MASTER_PORT is "
+                         "not set"), std::string::npos) << message;
+}
+
 TEST(LaunchEnv, WorldSizeOneNeedsNoStore) {
   auto env = detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), env_of({}));
   EXPECT_EQ(env.world_size, 1);

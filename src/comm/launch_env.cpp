@@ -196,6 +196,9 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
                 "torchrun, or pass master_addr in ProcessGroupOptions.");
     env.master_addr = addr;
   }
+  if (from_mpi && options.master_port() == 0 && get("MASTER_PORT") == nullptr) {
+    return env; // the mpi backend needs no store; init_process_group asks for the port where one is needed
+  }
   env.master_port = options.master_port() > 0 ? options.master_port()
                                               : parse_int("MASTER_PORT", get("MASTER_PORT"), 1, 65535, "a port number in [1, 65535]");
   TORCH_CHECK(

@@ -45,7 +45,9 @@ struct LaunchEnv {
 };
 
 /// `get` looks a variable up (nullptr: unset). Only what `options` leaves
-/// unset is read; world size 1 needs neither address nor port.
+/// unset is read; world size 1 needs neither address nor port. Under an MPI
+/// launcher both may be unset (master_port 0): the mpi backend needs no
+/// store, and init_process_group refuses a backend that does.
 LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::function<const char*(const char*)>& get);
 
 /// The MPI launcher whose variables name this process's rank ("Open MPI's

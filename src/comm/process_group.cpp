@@ -505,10 +505,11 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   BackendArgs args{{}, static_cast<int>(env.rank), static_cast<int>(env.world_size), env.timeout, env.master_addr,
                    static_cast<int>(env.master_port)};
   if (backend.needs_store) {
-    TORCH_CHECK(env.mpi_launcher == nullptr || !env.master_addr.empty(), "lockstep: rank ", env.rank, ": started by ",
-                env.mpi_launcher, ", the ", backend.name, " backend needs a store: set MASTER_ADDR and MASTER_PORT for "
-                "every rank (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port), or use the mpi backend (\"auto\" picks "
-                "it).");
+    TORCH_CHECK(env.mpi_launcher == nullptr || (!env.master_addr.empty() && env.master_port > 0), "lockstep: rank ",
+                env.rank, ": started by ", env.mpi_launcher, ", the ", backend.name, " backend needs a store, and ",
+                env.master_addr.empty() ? "MASTER_ADDR" : "MASTER_PORT", " is not set: set MASTER_ADDR and MASTER_PORT "
+                "for every rank (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port), or use the mpi backend (\"auto\" "
+                "picks it).");
     args.store = store_of_next_group(detail::make_store(env, options), args.rank);
   }
   return ProcessGroup(join(backend, args, longer));
