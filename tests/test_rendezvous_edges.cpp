@@ -189,6 +189,11 @@ TEST(JobTerms, ANodeWhoseTermsDifferFromTheFirstNodesIsRefusedNamingBoth) {
   EXPECT_EQ(agree(kv, terms(1, 1, 3, {"python3", "train.py"}), true),
             "this node has --max-restarts 3, but the job at --rdzv-endpoint h:7 was started with --max-restarts 0 by "
             "its first node: give every node of the job the same --max-restarts.");
+  auto slower = first;
+  slower.restart_delay_ms = 2500;
+  EXPECT_EQ(agree(kv, slower, true),
+            "this node has --restart-delay 2.5, but the job at --rdzv-endpoint h:7 was started with --restart-delay 1 "
+            "by its first node: give every node of the job the same --restart-delay.");
   EXPECT_EQ(agree(kv, terms(1, 2, 0, {"python3", "eval.py", "--name", "a b"}), true),
             "another job serves the rendezvous at --rdzv-endpoint h:7: its first node runs 'python3 train.py', this "
             "node 'python3 eval.py --name \"a b\"', and neither job has an id (no --rdzv-id, no Slurm job). Give each "
@@ -197,11 +202,13 @@ TEST(JobTerms, ANodeWhoseTermsDifferFromTheFirstNodesIsRefusedNamingBoth) {
   EXPECT_EQ(agree(kv, terms(1, 1, 0, {"python3", "eval.py"}), false), "")
       << "with an id, the nodes of one job may run different commands (srun --multi-prog)";
   // Any argument survives the store's line protocol.
-  const auto odd = terms(2, 5, 7, {"sh", "-c", "echo 'a  b'\n%41;,", "", "\t"});
+  auto odd = terms(2, 5, 7, {"sh", "-c", "echo 'a  b'\n%41;,", "", "\t"});
+  odd.restart_delay_ms = 250;
   const auto back = tools::JobTerms::decode(odd.encode());
   EXPECT_EQ(back.command, odd.command);
   EXPECT_EQ(back.nnodes(), "2:5");
   EXPECT_EQ(back.max_restarts, 7);
+  EXPECT_EQ(back.restart_delay_ms, 250);
   EXPECT_EQ(odd.encode().find('\n'), std::string::npos);
   EXPECT_THROW(tools::JobTerms::decode("two 0 x"), RendezvousError);
 }

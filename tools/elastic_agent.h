@@ -316,17 +316,8 @@ class ElasticAgent {
                  window.count() / 1000.0);
     for (const auto until = Clock::now() + window; Clock::now() < until && g_launcher_signal == 0;) {
       const auto verdict = watch.check(Clock::now());
-      if (verdict == Verdict::kRoundOver) {
-        return after_round(watch.reason_of(s_.liveness_window()));
-      }
-      if (verdict == Verdict::kMemberFailed) {
-        return failed_elsewhere(watch, a);
-      }
-      if (verdict == Verdict::kLostAfterDone) {
-        return lost_after_others_finished(watch, a);
-      }
-      if (verdict == Verdict::kMembersDone) { // done before this failure, its record late: as done_before > 0
-        return failed_after_others_finished(watch, a, 1);
+      if (const auto code = ended_by_others(verdict, watch, a)) {
+        return *code;
       }
       if (verdict == Verdict::kMemberLost || verdict == Verdict::kNodeWaiting) {
         say_change(verdict, watch, a);
@@ -335,6 +326,25 @@ class ElasticAgent {
       std::this_thread::sleep_for(seconds_to_ms(options_.monitor_interval));
     }
     return after_round(watch.end(RoundEnd::kFailure, s_.liveness_window()));
+  }
+
+  // While this node waits after a failure in the round, its own or another
+  // member's: what another node's news makes of the wait (the round ended,
+  // a member left with a failure, or one was lost after another finished),
+  // as after_round or the job's exit code; nullopt for other news. A member
+  // cannot be done after a failure (RoundWatch::mark_done), so kMembersDone
+  // does not come here.
+  std::optional<int> ended_by_others(Verdict verdict, RoundWatch& watch, const Assignment& a) {
+    switch (verdict) {
+      case Verdict::kRoundOver:
+        return after_round(watch.reason_of(s_.liveness_window()));
+      case Verdict::kMemberFailed:
+        return failed_elsewhere(watch, a);
+      case Verdict::kLostAfterDone:
+        return lost_after_others_finished(watch, a);
+      default:
+        return std::nullopt;
+    }
   }
 
   // This node's ranks all finished, but another member's rank had failed
@@ -347,14 +357,8 @@ class ElasticAgent {
                  "this round: the round failed, so this node waits for its end and runs again with the others.\n");
     while (g_launcher_signal == 0) {
       const auto verdict = watch.check(Clock::now());
-      if (verdict == Verdict::kRoundOver) {
-        return after_round(watch.reason_of(s_.liveness_window()));
-      }
-      if (verdict == Verdict::kMemberFailed) {
-        return failed_elsewhere(watch, a);
-      }
-      if (verdict == Verdict::kLostAfterDone) {
-        return lost_after_others_finished(watch, a);
+      if (const auto code = ended_by_others(verdict, watch, a)) {
+        return *code;
       }
       if (verdict == Verdict::kMemberLost) { // the failing member too: nobody else would end the round
         say_change(verdict, watch, a);

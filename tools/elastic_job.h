@@ -69,6 +69,7 @@ inline JobTerms job_terms(const Options& options) {
   terms.min_nodes = options.min_nodes;
   terms.max_nodes = options.nnodes;
   terms.max_restarts = options.max_restarts;
+  terms.restart_delay_ms = std::llround(options.restart_delay * 1000.0);
   terms.command = options.command;
   return terms;
 }

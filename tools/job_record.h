@@ -24,7 +24,9 @@ namespace tools {
 // job's nodes must agree on theirs: else a node of --nnodes 1 runs the job
 // alone, and one of --nnodes 2 at the same endpoint waits behind it and
 // exits 0, "nothing to do", having run nothing. So the first node to reach the store (it takes "job/claim") writes the
-// job's terms ("job"): --nnodes MIN:MAX, --max-restarts, and its PROGRAM
+// job's terms ("job"): --nnodes MIN:MAX, --max-restarts, --restart-delay
+// (nodes that back off for different times after a failure would close a
+// round at MIN without the slowest, which then forces another), and its PROGRAM
 // and ARGS as given (not the path PATH finds: it may differ between the
 // machines of one job). Every later node reads them before it takes a node
 // id, and is refused at once (exit 2) where its own differ, told both. The
@@ -39,12 +41,16 @@ struct JobTerms {
   int min_nodes = 1;
   int max_nodes = 1;
   int max_restarts = 0;
+  /// --restart-delay in whole milliseconds: nodes that back off for
+  /// different times before a restart would meet in different rounds.
+  int64_t restart_delay_ms = 1000;
   std::vector<std::string> command; // PROGRAM and ARGS, as given
 
-  /// "1:2 0 PROGRAM ARGS": each word of the command escaped, so that the
+  /// "1:2 0 1000 PROGRAM ARGS": each word of the command escaped, so that the
   /// record is one line of the store's protocol whatever the arguments hold.
   std::string encode() const {
-    std::string text = std::to_string(min_nodes) + ":" + std::to_string(max_nodes) + " " + std::to_string(max_restarts);
+    std::string text = std::to_string(min_nodes) + ":" + std::to_string(max_nodes) + " " + std::to_string(max_restarts) +
+        " " + std::to_string(restart_delay_ms);
     for (const auto& word : command) {
       text += " " + escape(word);
     }
@@ -54,14 +60,15 @@ struct JobTerms {
   static JobTerms decode(const std::string& text) {
     const auto words = split_record(text, ' ');
     const size_t colon = words[0].find(':');
-    if (words.size() < 2 || colon == std::string::npos) {
-      throw malformed_record("job", text, "expected MIN:MAX, --max-restarts and the program");
+    if (words.size() < 3 || colon == std::string::npos) {
+      throw malformed_record("job", text, "expected MIN:MAX, --max-restarts, --restart-delay and the program");
     }
     JobTerms terms;
     terms.min_nodes = static_cast<int>(record_number(words[0].substr(0, colon), "job", text));
     terms.max_nodes = static_cast<int>(record_number(words[0].substr(colon + 1), "job", text));
     terms.max_restarts = static_cast<int>(record_number(words[1], "job", text));
-    for (size_t i = 2; i < words.size(); ++i) {
+    terms.restart_delay_ms = record_number(words[2], "job", text);
+    for (size_t i = 3; i < words.size(); ++i) {
       terms.command.push_back(unescape(words[i]));
     }
     return terms;
@@ -110,6 +117,13 @@ struct JobTerms {
   }
 };
 
+/// 1500 ms as "1.5", as --restart-delay is given.
+inline std::string seconds_text(int64_t ms) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", static_cast<double>(ms) / 1000.0);
+  return text;
+}
+
 /// Empty when `mine` may join the job whose terms `recorded` are; else
 /// the message that refuses this node, naming both. `where` is the
 /// endpoint; `compare_command`: whether the job has no id (Note [The job's
@@ -131,6 +145,11 @@ inline std::string compare_terms(const JobTerms& recorded, const JobTerms& mine,
     return "this node has --max-restarts " + std::to_string(mine.max_restarts) + ", but " + job + "--max-restarts " +
         std::to_string(recorded.max_restarts) + " by its first node: give every node of the job the same "
         "--max-restarts.";
+  }
+  if (recorded.restart_delay_ms != mine.restart_delay_ms) {
+    return "this node has --restart-delay " + seconds_text(mine.restart_delay_ms) + ", but " + job + "--restart-delay " +
+        seconds_text(recorded.restart_delay_ms) + " by its first node: give every node of the job the same "
+        "--restart-delay.";
   }
   return "";
 }
