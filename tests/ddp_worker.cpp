@@ -358,15 +358,6 @@ void static_graph_broken(const ProcessGroup& group, bool starts_with_branch) {
                 starts_with_branch ? "no gradient, but got one in the first iteration" : "a gradient, but got none in the first iteration"});
 }
 
-// Rank 0 averages where the others sum. The ranks' check refuses it on
-// every rank; the flight records must show the reduction each caller asked
-// for, which reaches the backend as a sum either way.
-void desync_avg(const ProcessGroup& group) {
-  auto t = torch::ones({4});
-  group.allreduce(t);
-  group.allreduce(t, group.rank() == 0 ? lockstep::ReduceOp::Avg : lockstep::ReduceOp::Sum);
-}
-
 // Two DDP steps, then rank 1 skips a collective the others run, and every
 // rank ends in a barrier: the ranks disagree from that collective on, every
 // rank fails within the timeout, and each writes its flight record.
@@ -382,42 +373,6 @@ void desync_skip(const ProcessGroup& group) {
     group.allreduce(t);
   }
   group.barrier();
-}
-
-// A disagreement refused and survived (the ranks stay paired), then rank 1
-// skips an allreduce: the flight records and the desync report must tell of
-// the second failure, where only the first was ever written.
-void desync_after_caught(const ProcessGroup& group) {
-  auto t = torch::ones({4});
-  expect_error(group, [&] {
-    auto own = torch::ones({group.rank() == 0 ? 4 : 5});
-    group.allreduce(own);
-  }, {"ranks disagree"});
-  for (int i = 0; i < 3; ++i) {
-    group.allreduce(t);
-  }
-  if (group.rank() != 1) {
-    group.allreduce(t);
-  }
-  group.barrier();
-}
-
-// Under LOCKSTEP_DEBUG=detail: rank 1 runs another shape, or another
-// operation, than the others; every rank must throw naming both.
-void desync_detail(const ProcessGroup& group, bool other_op) {
-  auto t = torch::ones({4});
-  group.allreduce(t); // agreed: #0
-  expect_error(group, [&] {
-    if (group.rank() != 1) {
-      group.allreduce(t);
-    } else if (other_op) {
-      group.broadcast(t, 0);
-    } else {
-      auto longer = torch::ones({5});
-      group.allreduce(longer);
-    }
-  }, {"LOCKSTEP_DEBUG=detail: ranks disagree on collective #1: rank 0 runs allreduce (sum) of [4] Float but rank 1 runs ",
-      other_op ? "broadcast from rank 0 of [4] Float" : "allreduce (sum) of [5] Float"});
 }
 
 // Three DDP steps with many buckets, for the timeline (LOCKSTEP_TIMELINE):
@@ -592,10 +547,10 @@ lockstep::testing::WorkerTable scenarios() {
       {"static_graph_missing", on_group([](const ProcessGroup& g) { static_graph_broken(g, true); })},
       {"static_graph_extra", on_group([](const ProcessGroup& g) { static_graph_broken(g, false); })},
       {"desync_skip", timing_out(desync_skip)},
-      {"desync_avg", on_group(desync_avg)},
-      {"desync_after_caught", timing_out(desync_after_caught)},
-      {"desync_shape", on_group([](const ProcessGroup& g) { desync_detail(g, false); })},
-      {"desync_op", on_group([](const ProcessGroup& g) { desync_detail(g, true); })},
+      {"desync_avg", on_group(lockstep::testing::desync_avg)},
+      {"desync_after_caught", timing_out(lockstep::testing::desync_after_caught)},
+      {"desync_shape", on_group([](const ProcessGroup& g) { lockstep::testing::desync_detail(g, false); })},
+      {"desync_op", on_group([](const ProcessGroup& g) { lockstep::testing::desync_detail(g, true); })},
       {"timeline", on_group(timeline_steps)},
       {"given_ranks", given_ranks},
       {"many_threads", many_threads},

@@ -108,6 +108,12 @@ void sync_batch_norm_ddp(const ProcessGroup& group);
 void join(const ProcessGroup& group, std::vector<int> counts, bool divide_by_initial_world_size);
 void join_throw(const ProcessGroup& group, std::vector<int> counts);
 
+// Scenarios in tests/ddp_worker_desync.cpp: ranks that disagree on a
+// collective, for the checks, the flight records and the desync report.
+void desync_avg(const ProcessGroup& group);
+void desync_after_caught(const ProcessGroup& group);
+void desync_detail(const ProcessGroup& group, bool other_op);
+
 // Scenarios in tests/ddp_worker_answers.cpp: what wrapping in DDP must not
 // change (issue "Wrapping must never change the answer").
 void shared_parameters(const ProcessGroup& group);
