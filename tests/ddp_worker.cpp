@@ -516,6 +516,8 @@ lockstep::testing::WorkerTable scenarios() {
   many_threads.make_group = [](const std::string&) { return ProcessGroup(); };
   auto late_join = on_group(collectives);
   late_join.make_group = [](const std::string&) { return group_joined_late_over_gloo(); };
+  auto second_group = on_group(lockstep::testing::desync_in_a_second_group); // makes its groups itself
+  second_group.make_group = [](const std::string&) { return ProcessGroup(); };
   auto new_group_late = on_group(collectives);
   new_group_late.make_group = [](const std::string& backend) { return group_joined_late(backend.c_str()); };
   return {
@@ -551,6 +553,7 @@ lockstep::testing::WorkerTable scenarios() {
       {"desync_after_caught", timing_out(lockstep::testing::desync_after_caught)},
       {"desync_shape", on_group([](const ProcessGroup& g) { lockstep::testing::desync_detail(g, false); })},
       {"desync_op", on_group([](const ProcessGroup& g) { lockstep::testing::desync_detail(g, true); })},
+      {"desync_second_group", second_group},
       {"timeline", on_group(timeline_steps)},
       {"given_ranks", given_ranks},
       {"many_threads", many_threads},

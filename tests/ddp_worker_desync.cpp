@@ -6,7 +6,13 @@
 
 #include <lockstep/lockstep.h>
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/torch.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
 
 namespace lockstep {
 namespace testing {
@@ -54,6 +60,35 @@ void desync_detail(const ProcessGroup& group, bool other_op) {
     }
   }, {"LOCKSTEP_DEBUG=detail: ranks disagree on collective #1: rank 0 runs allreduce (sum) of [4] Float but rank 1 runs ",
       other_op ? "broadcast from rank 0 of [4] Float" : "allreduce (sum) of [5] Float"});
+}
+
+// Two groups of the same processes: the world's, and one in the reverse
+// order (its rank 1 - the process's, over a FileStore in
+// LOCKSTEP_TRACE_DIR), where the ranks disagree on an allreduce's length.
+// Once beside the world's group, refused and survived; once more after the
+// world's group is gone, which ends the process. Each rank's summary must
+// show the reversed group's collectives, and its record file and desync
+// report its own rank, not its rank in the group that failed.
+void desync_in_a_second_group(const ProcessGroup&) {
+  auto world = std::make_unique<ProcessGroup>(
+      init_process_group(ProcessGroupOptions().backend("gloo").timeout(std::chrono::seconds(3))));
+  const int rank = world->rank();
+  const int size = world->size();
+  const char* dir = std::getenv("LOCKSTEP_TRACE_DIR");
+  TORCH_CHECK(dir != nullptr, "desync_in_a_second_group runs under lockstep-run --log-dir");
+  auto reversed = new_group(c10::make_intrusive<c10d::FileStore>(std::string(dir) + "/reversed_group_store", size),
+                            size - 1 - rank, size, "gloo", std::chrono::seconds(3));
+  auto t = torch::ones({4});
+  world->allreduce(t);
+  reversed.allreduce(t);
+  const auto disagree = [&] {
+    auto own = torch::ones({rank == 0 ? 4 : 5});
+    reversed.allreduce(own);
+  };
+  expect_error(reversed, disagree, {"ranks disagree"});
+  world.reset();
+  reversed.allreduce(t);
+  disagree();
 }
 
 } // namespace testing

@@ -111,5 +111,37 @@ TEST(Launcher, DesyncReportTellsOfTheLastFailureNotOneTheRanksSurvived) {
   EXPECT_EQ(record["reason"].get<std::string>().find("of 5 Float"), std::string::npos) << record["reason"];
 }
 
+// The summary showed the process's first group, not the one that failed,
+// and the record was named after the first live group's rank: with the
+// world's group gone, each rank's after its rank in the reversed group, so
+// the desync report swapped the ranks.
+TEST(Launcher, FlightRecordsNameTheProcessAndShowTheGroupThatFailed) {
+  const std::string logs = temp("second_group_logs");
+  ::mkdir(logs.c_str(), 0755);
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port(), "--log-dir", logs},
+                  {LOCKSTEP_DDP_WORKER, "desync_second_group"}, "second_group", {kOneThread});
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  for (int r = 0; r < 2; ++r) {
+    // Beside the world's group: its own rank, and the failed group's.
+    const std::string first = "lockstep: rank " + std::to_string(r) + ": flight recorder, the last collectives of this "
+        "rank in group 1 (its rank " + std::to_string(1 - r) + " of 2) (whole record: " + logs;
+    const size_t at = p.output.find(first);
+    ASSERT_NE(at, std::string::npos) << first << "\n" << p.output;
+    const std::string summary = p.output.substr(at, p.output.find("lockstep: rank", at + 1) - at);
+    EXPECT_TRUE(std::regex_search(summary, std::regex("#1 allreduce \\(sum\\) of [45] Float: failed"))) << summary;
+    EXPECT_EQ(summary.find("#2"), std::string::npos) << summary;
+    const auto record = nlohmann::json::parse(read_text(logs + "/lockstep_trace_rank" + std::to_string(r) + ".json"),
+                                              nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(record.is_object()) << "rank " << r << "'s flight record is missing or does not parse\n" << p.output;
+    EXPECT_EQ(record["rank"], r);
+    ASSERT_EQ(record["groups"].size(), 1u) << "the world's group was gone at the last failure";
+    EXPECT_EQ(record["groups"][0]["rank"], 1 - r);
+  }
+  EXPECT_TRUE(std::regex_search(p.output, std::regex("desync report, from the ranks' flight records[^\n]*\n  rank 0 "
+                                                     "ran allreduce \\(sum\\) of 4 Float as #3 where rank 1 ran "
+                                                     "allreduce \\(sum\\) of 5 Float")))
+      << p.output;
+}
+
 } // namespace
 } // namespace lockstep

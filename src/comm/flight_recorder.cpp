@@ -208,6 +208,12 @@ std::vector<std::weak_ptr<FlightRecorder>>& registry() {
 // may run while the process exits).
 std::atomic<bool> g_dump_due{true};
 
+// set_process_rank's, or -1 (trivially destructible, as above).
+std::atomic<int> g_process_rank{-1};
+
+// The dump, with the recorder of the group whose collective failed (nullptr: unknown).
+void dump_records(const std::string& reason, const FlightRecorder* failed);
+
 size_t trace_buffer_size() {
   const char* text = std::getenv("LOCKSTEP_TRACE_BUFFER_SIZE");
   if (text == nullptr || *text == '\0') {
@@ -229,7 +235,7 @@ class RecordedWork : public ForwardingWork {
       inner_->wait();
     } catch (const c10::Error& e) {
       recorder_->finish(seq_, "failed", e.what_without_backtrace());
-      dump_flight_records(e.what_without_backtrace());
+      dump_records(e.what_without_backtrace(), recorder_.get());
       throw;
     }
     recorder_->finish(seq_, "completed");
@@ -283,7 +289,7 @@ class RecordedGroup : public ForwardingGroup {
       work = issue();
     } catch (const c10::Error& e) {
       recorder_->finish(seq, "failed", e.what_without_backtrace());
-      dump_flight_records(e.what_without_backtrace());
+      dump_records(e.what_without_backtrace(), recorder_.get());
       throw;
     }
     recorder_->attach(seq, work);
@@ -372,19 +378,42 @@ std::string summary_line(const nlohmann::json& c) {
   return text + ": " + state + "\n";
 }
 
-// The summary for stderr: the last few collectives of the first group, where DDP runs.
-std::string summary_of(const nlohmann::json& record, int rank, const std::string& where) {
-  const auto& collectives = record["groups"][0]["collectives"];
-  std::string text = "lockstep: rank " + std::to_string(rank) + ": flight recorder, the last collectives of this rank (" +
-      where + "):\n";
+// The group a summary shows: the one whose collective failed, where known
+// (`failed`, an index into the record's groups, or -1); else, for a dump
+// before an abort, the first whose last collective did not complete.
+size_t summarised_group(const nlohmann::json& groups, int64_t failed) {
+  if (failed >= 0) {
+    return static_cast<size_t>(failed);
+  }
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const auto& collectives = groups[i]["collectives"];
+    if (!collectives.empty() && collectives.back()["state"] != "completed") {
+      return i;
+    }
+  }
+  return 0;
+}
+
+// The summary for stderr: the last few collectives of the group that failed.
+// Where the process has several groups it names that one, and its rank in it.
+std::string summary_of(const nlohmann::json& record, int64_t failed, const std::string& where) {
+  const auto& groups = record["groups"];
+  const size_t shown_group = summarised_group(groups, failed);
+  const auto& group = groups[shown_group];
+  const auto& collectives = group["collectives"];
+  std::string in_group;
+  if (groups.size() > 1) {
+    in_group = " in group " + std::to_string(shown_group) + " (its rank " + std::to_string(group["rank"].get<int>()) +
+        " of " + std::to_string(group["size"].get<int>()) + ")";
+  }
+  std::string text = "lockstep: rank " + std::to_string(record["rank"].get<int>()) + ": flight recorder, the last "
+      "collectives of this rank" + in_group + " (" + where + "):\n";
   const size_t shown = std::min<size_t>(collectives.size(), 5);
   for (size_t k = collectives.size() - shown; k < collectives.size(); ++k) {
     text += summary_line(collectives[k]);
   }
   return text;
 }
-
-} // namespace
 
 // Note [Every failure dumps]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -396,7 +425,7 @@ std::string summary_of(const nlohmann::json& record, int rank, const std::string
 // a collective completing between them (a broken group's queued
 // collectives, cleanup in catch blocks) are its consequences: the record
 // keeps the first's reason, and stderr gets one summary.
-void dump_flight_records(const std::string& reason) {
+void dump_records(const std::string& reason, const FlightRecorder* failed) {
   // One dump at a time; one that waits long for another's (the dump before an
   // abort, beside a thread stuck in its write) gives up. Never destroyed, as above.
   static auto* dumping = new std::timed_mutex();
@@ -408,11 +437,24 @@ void dump_flight_records(const std::string& reason) {
   if (recorders.empty()) {
     return;
   }
-  const int rank = recorders.front()->rank();
+  const int given = g_process_rank.load();
+  const int rank = given >= 0 ? given : recorders.front()->rank();
   const auto record = record_of(recorders, rank, reason);
+  const auto at = std::find_if(recorders.begin(), recorders.end(), [&](const auto& r) { return r.get() == failed; });
+  const int64_t failed_index = at == recorders.end() ? -1 : at - recorders.begin();
   const std::string where = write_record(record, rank);
-  std::fputs(summary_of(record, rank, where).c_str(), stderr);
+  std::fputs(summary_of(record, failed_index, where).c_str(), stderr);
   std::fflush(stderr);
+}
+
+} // namespace
+
+void dump_flight_records(const std::string& reason) {
+  dump_records(reason, nullptr);
+}
+
+void set_process_rank(int rank) {
+  g_process_rank.store(rank);
 }
 
 } // namespace detail

@@ -18,10 +18,16 @@ std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl);
 
 /// Writes every group's record of this process: a summary to stderr, and the
 /// whole record as JSON to $LOCKSTEP_TRACE_DIR/lockstep_trace_rank<R>.json
-/// when that is set. Once per process: the first failure is the one to read.
+/// when that is set, R being set_process_rank's rank (else the first live
+/// group's). The summary shows the group whose collective failed. Once per process: the first failure is the one to read.
 /// Installed as a before_abort hook (src/comm/before_abort.h) for paths that end
 /// the process without throwing (MPI_Abort).
 void dump_flight_records(const std::string& reason);
+
+/// This process's rank in the job (init_process_group's), which names its
+/// record: lockstep-run reads rank R's from lockstep_trace_rank<R>.json,
+/// whatever its rank in the group that failed.
+void set_process_rank(int rank);
 
 constexpr size_t kDefaultTraceBufferSize = 256;
 

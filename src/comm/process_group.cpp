@@ -498,6 +498,7 @@ ProcessGroup init_process_group(ProcessGroupOptions options) {
   if (env.world_size == 1) {
     return ProcessGroup();
   }
+  detail::set_process_rank(static_cast<int>(env.rank));
   // Note [Initialisation deadline]
   const char* longer = options.timeout().count() > 0 ? "Pass a longer ProcessGroupOptions::timeout to wait longer."
                                                      : "Set LOCKSTEP_TIMEOUT (seconds) for a longer wait.";

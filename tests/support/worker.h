@@ -113,6 +113,7 @@ void join_throw(const ProcessGroup& group, std::vector<int> counts);
 void desync_avg(const ProcessGroup& group);
 void desync_after_caught(const ProcessGroup& group);
 void desync_detail(const ProcessGroup& group, bool other_op);
+void desync_in_a_second_group(const ProcessGroup&);
 
 // Scenarios in tests/ddp_worker_answers.cpp: what wrapping in DDP must not
 // change (issue "Wrapping must never change the answer").
