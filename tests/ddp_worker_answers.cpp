@@ -14,7 +14,7 @@
 
 #include <torch/torch.h>
 
-#include <c10/util/Optional.h>
+#include <optional>
 
 #include <string>
 #include <vector>
@@ -132,7 +132,7 @@ void train_tied(const ProcessGroup& group, const Mode& mode) {
   }
   Tied reference;
   copy_values(*net, *reference);
-  c10::optional<JoinGuard> join;
+  std::optional<JoinGuard> join;
   if (mode.join) {
     join.emplace(ddp->join());
   }
