@@ -160,5 +160,62 @@ TEST(DdpThreads, JoinOptionsThatDifferBetweenRanksAreAnErrorOnEveryRank) {
   }
 }
 
+// Each bucket slot takes its parameter's strides where they hold its rows
+// in order (a channels-last convolution, a weight whose inner dimensions are
+// permuted), as c10d's bucket views do. Slots were all row-major, so with
+// gradient_as_bucket_view a .grad's layout differed from its parameter's
+// (every optimizer step and accumulation then strided), and without it every
+// copy into and out of the bucket was a transpose. A transposed matrix keeps
+// a row-major slot: PowerSGD compresses the matrix a slot's memory holds.
+struct LayoutNetImpl : torch::nn::Module {
+  LayoutNetImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)));
+    mix = register_parameter("mix", torch::randn({8, 2, 3}).permute({0, 2, 1})); // strides (6, 1, 3)
+    fc = register_parameter("fc", torch::randn({5, 6}).t()); // strides (1, 6)
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return conv(x).mean({2, 3}).matmul(mix.reshape({8, 6})).matmul(fc).sum();
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::Tensor mix, fc;
+};
+TORCH_MODULE(LayoutNet);
+
+// A net with the values of `like`, its convolution's weight channels-last.
+LayoutNet channels_last_copy(const LayoutNet& like) {
+  LayoutNet net;
+  torch::NoGradGuard no_grad;
+  for (const auto& p : like->named_parameters()) {
+    net->named_parameters()[p.key()].copy_(p.value());
+  }
+  auto& w = net->conv->weight;
+  w.set_data(w.contiguous(torch::MemoryFormat::ChannelsLast));
+  return net;
+}
+
+TEST(DdpThreads, BucketSlotsTakeTheirParametersStridesWhereTheyHoldItsRows) {
+  torch::manual_seed(3);
+  const LayoutNet like;
+  const auto x = torch::randn({4, 3, 6, 6}).contiguous(torch::MemoryFormat::ChannelsLast);
+  for (const bool views : {true, false}) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      auto net = channels_last_copy(like);
+      auto bare = channels_last_copy(like);
+      ASSERT_TRUE(net->conv->weight.is_contiguous(torch::MemoryFormat::ChannelsLast));
+      DistributedDataParallel<LayoutNet> ddp(net, group, DistributedOptions().gradient_as_bucket_view(views));
+      ddp(x.narrow(0, 2 * group.rank(), 2)).backward();
+      bare(x).backward();
+      for (const auto& p : net->named_parameters()) {
+        const auto& grad = p.value().grad();
+        const bool row_major_slot = views && p.key() == "fc";
+        EXPECT_EQ(grad.strides(), row_major_slot ? c10::IntArrayRef({5, 1}) : p.value().strides())
+            << p.key() << (views ? ", views" : "");
+        // the mean over 2 ranks' halves of the batch is half the whole batch's sum
+        EXPECT_TRUE(torch::allclose(grad, bare->named_parameters()[p.key()].grad() / 2, 1e-5, 1e-6)) << p.key();
+      }
+    });
+  }
+}
+
 } // namespace
 } // namespace lockstep

@@ -71,9 +71,27 @@ TEST(PowerSGD, PlanCompressesTheMatricesWorthItAndSendsTheRestWhole) {
 TEST(PowerSGD, GradientsThatDoNotViewTheBufferAreRefused) {
   auto bucket = bucket_of({torch::zeros({4, 4})});
   bucket.gradients[0] = torch::zeros({4, 4});
-  EXPECT_NE(error_of([&] { detail::plan_powersgd(bucket, 1, 2.0); }).find("gradient 0 of bucket 0 is not a contiguous "
-                                                                            "view of the bucket's buffer"),
+  EXPECT_NE(error_of([&] { detail::plan_powersgd(bucket, 1, 2.0); }).find("gradient 0 of bucket 0 is not a view of "
+                                                                            "numel elements of the bucket's buffer"),
             std::string::npos);
+  // A transposed view's memory is not its rows: compressing it would
+  // approximate another matrix.
+  bucket.gradients[0] = bucket.buffer.narrow(0, 0, 16).view({4, 4}).t();
+  EXPECT_NE(error_of([&] { detail::plan_powersgd(bucket, 1, 2.0); }).find("its rows in order (strides [1, 4])"),
+            std::string::npos);
+}
+
+// DDP's slot for a channels-last weight takes its strides; its memory holds
+// its rows (output channels) in order, and it is compressed as such.
+TEST(PowerSGD, AChannelsLastGradientIsPlannedAsTheRowsItsMemoryHolds) {
+  auto bucket = bucket_of({torch::zeros({16, 8, 3, 3})});
+  bucket.gradients[0] = bucket.buffer.narrow(0, 0, 16 * 8 * 9).view({16, 3, 3, 8}).permute({0, 3, 1, 2});
+  ASSERT_TRUE(bucket.gradients[0].is_contiguous(torch::MemoryFormat::ChannelsLast));
+  const auto plan = detail::plan_powersgd(bucket, 2, 1.0);
+  ASSERT_EQ(plan.matrices.size(), 1u);
+  EXPECT_EQ(plan.matrices[0].rows, 16);
+  EXPECT_EQ(plan.matrices[0].cols, 72);
+  EXPECT_EQ(plan.offsets[0], 0);
 }
 
 TEST(PowerSGD, OrthogonalizeGivesOrthonormalColumnsAndKeepsAZeroColumnZero) {

@@ -92,6 +92,29 @@ TEST(PowerSGDThreads, UnderJoinARankThatRanOutShadowsTheHookWithZeros) {
   }
 }
 
+// A channels-last gradient (DDP's slot for such a weight takes its strides)
+// is compressed as the rows its memory holds: the ranks' rank-1 matrices
+// average to one of rank 2, which PowerSGD at rank 2 gives back exactly,
+// in the gradient's layout. It was refused as not contiguous.
+TEST(PowerSGDThreads, AChannelsLastGradientIsAveragedInItsLayout) {
+  const auto matrix_of = [](int r) { // output channel x the rest, rank 1
+    return torch::arange(1, 17, torch::kFloat).mul(r + 1).view({16, 1, 1, 1}) *
+        torch::linspace(-1, 1, 72).add(r).view({1, 8, 3, 3});
+  };
+  const auto expected = (matrix_of(0) + matrix_of(1)) / 2;
+  testing::spawn(2, [&](ProcessGroup& group) {
+    auto bucket = testing::bucket_of({torch::zeros({16 * 72})});
+    auto grad = bucket.buffer.view({16, 3, 3, 8}).permute({0, 3, 1, 2});
+    bucket.gradients[0] = grad;
+    grad.copy_(matrix_of(group.rank()));
+    PowerSGD powersgd(PowerSGDOptions().rank(2).start_iteration(0).error_feedback(false).warm_start(false));
+    powersgd(group, bucket)->wait();
+    EXPECT_TRUE(bucket.gradients[0].is_contiguous(torch::MemoryFormat::ChannelsLast));
+    EXPECT_LT((bucket.gradients[0] - expected).abs().max().item<double>(), 1e-4 * expected.abs().max().item<double>());
+    EXPECT_GT(powersgd.compression_rate(), 1);
+  });
+}
+
 // NCCL refuses two ranks on one GPU: a group of one checks the hook's
 // collectives and arithmetic on the device.
 TEST(PowerSGDThreads, OneGpuOverNcclIsExactAtTheMatrixRank_CUDA) {

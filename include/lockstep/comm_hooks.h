@@ -32,7 +32,10 @@ struct GradBucket {
   /// "bucket 2 (5 parameters, 1.0 MiB)": names the bucket in errors.
   std::string name;
   /// Views of `buffer`, one per parameter in `parameters`, shaped as the
-  /// parameter (PyTorch's GradBucket::gradients): for layer-wise hooks.
+  /// parameter (PyTorch's GradBucket::gradients): for layer-wise hooks. Each
+  /// has its parameter's strides where they hold its rows in order (a
+  /// channels-last weight's), else is contiguous: reshape() rather than
+  /// view() to flatten one.
   std::vector<torch::Tensor> gradients;
   /// Whether this is the iteration's last bucket (PyTorch's is_last).
   bool last = false;

@@ -33,7 +33,10 @@ struct DistributedOptions {
   /// leaves each rank's buffers its own, as PyTorch's.
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// Make each .grad a view into its bucket: no copy in or out, and no
-  /// gradient-sized memory besides the buckets.
+  /// gradient-sized memory besides the buckets. A .grad keeps its
+  /// parameter's strides (channels-last) except for a parameter whose
+  /// dimension 0 is not outermost in memory (a transposed matrix), whose
+  /// .grad is contiguous.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// How a bucket is reduced: comm_hooks::allreduce, fp16_compress,
   /// bf16_compress, or your own. Empty (the default): the built-in allreduce,

@@ -196,7 +196,7 @@ void Round::add_errors_to_whole(const std::vector<bool>& compressed) {
     if (compressed[i]) {
       continue;
     }
-    auto gradient = bucket_.gradients[i].view({-1});
+    auto gradient = bucket_.buffer.narrow(0, plan_.offsets[i], bucket_.gradients[i].numel()); // in memory order
     const auto error = error_of(i);
     if (error.defined()) {
       gradient.add_(error);
@@ -256,7 +256,7 @@ void Round::start() {
   for (size_t i = 0; i < plan_.matrices.size(); ++i) {
     const auto& m = plan_.matrices[i];
     const auto as_matrix = [&](const torch::Tensor& t) { return t.defined() ? t.view({m.rows, m.cols}) : t; };
-    products_.push_back(bucket_.gradients[m.gradient].view({m.rows, m.cols}));
+    products_.push_back(bucket_.buffer.narrow(0, plan_.offsets[m.gradient], m.rows * m.cols).view({m.rows, m.cols}));
     const auto kept = as_matrix(kept_of(m.gradient));
     matrices_.push_back(kept.defined() ? kept : products_.back());
     ps_.push_back(first_.narrow(0, at + m.p_offset, m.rows * m.rank).view({m.rows, m.rank}));

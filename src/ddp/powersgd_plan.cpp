@@ -2,6 +2,7 @@
 // gradients are compressed, and where their P and Q live.
 
 #include "ddp/powersgd_plan.h"
+#include "util/row_layout.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -23,10 +24,11 @@ namespace {
 // Where `gradient` starts in `buffer`, in elements.
 int64_t offset_in(const torch::Tensor& gradient, const torch::Tensor& buffer, const GradBucket& bucket, size_t i) {
   const int64_t offset = gradient.storage_offset() - buffer.storage_offset();
-  TORCH_CHECK(gradient.is_alias_of(buffer) && gradient.is_contiguous() && offset >= 0 &&
+  TORCH_CHECK(gradient.is_alias_of(buffer) && rows_in_memory(gradient) && offset >= 0 &&
                   offset + gradient.numel() <= buffer.numel(),
-              "lockstep::PowerSGD: gradient ", i, " of ", bucket.name, " is not a contiguous view of the bucket's "
-              "buffer; GradBucket::gradients must view GradBucket::buffer, as DistributedDataParallel's do.");
+              "lockstep::PowerSGD: gradient ", i, " of ", bucket.name, " is not a view of numel elements of the "
+              "bucket's buffer, its rows in order (strides ", gradient.strides(), "); GradBucket::gradients must view "
+              "GradBucket::buffer, as DistributedDataParallel's do.");
   return offset;
 }
 

@@ -47,8 +47,10 @@ struct PowerSGDPlan {
 // PyTorch's _should_compress: (n + m) * r * min_rate < n * m.
 bool worth_compressing(int64_t rows, int64_t cols, int64_t rank, double min_rate);
 
-// Which gradients of `bucket` are compressed at `rank`. The gradients must be
-// contiguous views of the buffer that do not overlap.
+// Which gradients of `bucket` are compressed at `rank`. The gradients must
+// view the buffer without overlapping, each numel elements of it with its
+// rows in order (contiguous, or a channels-last weight's strides); each is
+// compressed as the matrix its memory holds.
 PowerSGDPlan plan_powersgd(const GradBucket& bucket, int64_t rank, double min_rate);
 
 // What the end of a round needs of its averaged factors (Note [PowerSGD's

@@ -7,6 +7,7 @@
 #include "comm/planned_collective.h"
 #include "ddp/reducer_state.h"
 #include "util/bucket_key.h"
+#include "util/row_layout.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -122,9 +123,16 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
       // set_() on the bucket's storage rather than narrow().view(): the slot
       // aliases the bucket without being an autograd view, so that .grad can
       // be the slot and still take the C++ optimizer's zero_grad(), which
-      // calls detach_() (refused on views).
+      // calls detach_() (refused on views). The slot takes the parameter's
+      // strides where they hold its rows in order (a channels-last weight's),
+      // as c10d's bucket views take them: the gradient then has its
+      // parameter's layout, and the copies in and out run in memory order.
+      // Other layouts (a transposed matrix) get a row-major slot, since
+      // PowerSGD compresses the matrix a slot's memory holds.
+      const c10::DimVector strides =
+          rows_in_memory(p) ? c10::DimVector(p.strides()) : c10::contiguous_strides(p.sizes());
       bucket.views.push_back(torch::empty({0}, bucket.buffer.options())
-                                 .set_(bucket.buffer.storage(), offset, p.sizes(), c10::contiguous_strides(p.sizes())));
+                                 .set_(bucket.buffer.storage(), offset, p.sizes(), strides));
       slot_of[bucket.params[k]] = {b, k};
       offset += p.numel();
     }
