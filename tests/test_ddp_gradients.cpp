@@ -217,5 +217,27 @@ TEST(DdpThreads, BucketSlotsTakeTheirParametersStridesWhereTheyHoldItsRows) {
   }
 }
 
+// A slot's layout is the order its gradient's elements take in the
+// allreduce: a rank whose weight is channels-last where rank 0's is not
+// would sum unrelated elements, so every rank refuses it, naming the layout.
+TEST(DdpThreads, ParametersInAnotherMemoryFormatThanRankZerosAreAnErrorOnEveryRank) {
+  torch::manual_seed(3);
+  const LayoutNet like;
+  testing::spawn(2, [&](ProcessGroup& group) {
+    auto net = channels_last_copy(like);
+    if (group.rank() == 0) {
+      auto& w = net->conv->weight;
+      w.set_data(w.contiguous());
+    }
+    // Rank 1's error tells its own layout; rank 0's leaves that to rank 1's.
+    const std::string theirs = group.rank() == 1 ? "'conv.weight' [8, 3, 3, 3] Float laid out with strides [27, 1, 9, 3]"
+                                                 : "something else (its own error says what)";
+    const auto message = testing::error_of([&] { DistributedDataParallel<LayoutNet>(net, group); });
+    EXPECT_NE(message.find("rank 1's parameters differ from rank 0's at parameter 2: rank 0 has 'conv.weight' "
+                           "[8, 3, 3, 3] Float, rank 1 has " + theirs + ". Every rank must build the same model, with "
+                           "the same parameters in the same order and memory format."), std::string::npos) << message;
+  });
+}
+
 } // namespace
 } // namespace lockstep

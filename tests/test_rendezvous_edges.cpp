@@ -209,6 +209,9 @@ TEST(JobTerms, ANodeWhoseTermsDifferFromTheFirstNodesIsRefusedNamingBoth) {
   EXPECT_EQ(back.nnodes(), "2:5");
   EXPECT_EQ(back.max_restarts, 7);
   EXPECT_EQ(back.restart_delay_ms, 250);
+  EXPECT_EQ(tools::seconds_text(1234567), "1234.567"); // told apart from 1234.568
+  EXPECT_EQ(tools::seconds_text(250), "0.25");
+  EXPECT_EQ(tools::seconds_text(0), "0");
   EXPECT_EQ(odd.encode().find('\n'), std::string::npos);
   EXPECT_THROW(tools::JobTerms::decode("two 0 x"), RendezvousError);
 }

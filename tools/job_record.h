@@ -8,6 +8,7 @@
 #include "rendezvous_records.h"
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <optional>
 #include <string>
@@ -117,10 +118,15 @@ struct JobTerms {
   }
 };
 
-/// 1500 ms as "1.5", as --restart-delay is given.
+/// 1500 ms as "1.5", as --restart-delay is given: to the millisecond.
 inline std::string seconds_text(int64_t ms) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%g", static_cast<double>(ms) / 1000.0);
+  std::string text = std::to_string(ms / 1000);
+  if (ms % 1000 != 0) {
+    char fraction[8];
+    std::snprintf(fraction, sizeof(fraction), ".%03lld", static_cast<long long>(ms % 1000));
+    text += fraction;
+    text.erase(text.find_last_not_of('0') + 1);
+  }
   return text;
 }
 

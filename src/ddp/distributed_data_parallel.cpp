@@ -4,6 +4,7 @@
 #include "comm/collective_fingerprint.h"
 #include "deterministic/micro_batch_step.h"
 #include "ddp/reducer.h"
+#include "util/row_layout.h"
 #include "util/sparse_embeddings.h"
 #include "util/bucket_key.h"
 #include "util/unique_tensors.h"
@@ -20,9 +21,16 @@ namespace lockstep {
 namespace detail {
 namespace {
 
+// What the ranks compare of a parameter: its shape, dtype and, where it is
+// not row-major, the layout of its bucket slot, which is the order its
+// gradient's elements take in the allreduce (slot_strides).
 std::string describe(const std::string& name, const torch::Tensor& p) {
   std::ostringstream out;
   out << "'" << name << "' " << p.sizes() << " " << p.scalar_type();
+  const auto strides = slot_strides(p);
+  if (c10::IntArrayRef(strides) != c10::IntArrayRef(c10::contiguous_strides(p.sizes()))) {
+    out << " laid out with strides " << c10::IntArrayRef(strides);
+  }
   return out.str();
 }
 
@@ -131,7 +139,7 @@ int64_t verify_same_parameters(
     }
     TORCH_CHECK(false, "lockstep::DistributedDataParallel: rank ", group.rank(), ": rank ", r,
                 "'s parameters differ from rank 0's at parameter ", param, ": rank 0 has ", rank0, ", rank ", r, " has ",
-                theirs, ". Every rank must build the same model, with the same parameters in the same order.");
+                theirs, ". Every rank must build the same model, with the same parameters in the same order and memory format.");
   }
   return verdicts[0].cpu()[2].item<int64_t>();
 }

@@ -380,11 +380,11 @@ LOCKSTEP_CPU_CLONES void low_rank_rows_of_doubles(double* m, const double* p, co
 
 void low_rank_product_(torch::Tensor matrix, const torch::Tensor& p, const torch::Tensor& q, torch::Tensor residual) {
   TORCH_INTERNAL_ASSERT(p.dim() == 2 && q.dim() == 2 && p.size(1) == q.size(1) && p.size(1) >= 1);
-  const bool rows_in_memory = matrix.device().is_cpu() && matrix.is_contiguous() && matrix.dim() == 2 &&
+  const bool loop_by_rows = matrix.device().is_cpu() && matrix.is_contiguous() && matrix.dim() == 2 &&
       matrix.size(1) > 0 && p.scalar_type() == matrix.scalar_type() && q.scalar_type() == matrix.scalar_type() &&
       (!residual.defined() || (residual.is_contiguous() && residual.sizes() == matrix.sizes() &&
                                residual.scalar_type() == matrix.scalar_type() && residual.device().is_cpu()));
-  if (rows_in_memory && (matrix.scalar_type() == torch::kFloat || matrix.scalar_type() == torch::kDouble)) {
+  if (loop_by_rows && (matrix.scalar_type() == torch::kFloat || matrix.scalar_type() == torch::kDouble)) {
     const auto p_rows = p.contiguous();
     const auto q_t = q.t().contiguous();
     if (matrix.scalar_type() == torch::kFloat) {

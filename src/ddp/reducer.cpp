@@ -123,16 +123,9 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
       // set_() on the bucket's storage rather than narrow().view(): the slot
       // aliases the bucket without being an autograd view, so that .grad can
       // be the slot and still take the C++ optimizer's zero_grad(), which
-      // calls detach_() (refused on views). The slot takes the parameter's
-      // strides where they hold its rows in order (a channels-last weight's),
-      // as c10d's bucket views take them: the gradient then has its
-      // parameter's layout, and the copies in and out run in memory order.
-      // Other layouts (a transposed matrix) get a row-major slot, since
-      // PowerSGD compresses the matrix a slot's memory holds.
-      const c10::DimVector strides =
-          rows_in_memory(p) ? c10::DimVector(p.strides()) : c10::contiguous_strides(p.sizes());
+      // calls detach_() (refused on views). Its strides: slot_strides.
       bucket.views.push_back(torch::empty({0}, bucket.buffer.options())
-                                 .set_(bucket.buffer.storage(), offset, p.sizes(), strides));
+                                 .set_(bucket.buffer.storage(), offset, p.sizes(), slot_strides(p)));
       slot_of[bucket.params[k]] = {b, k};
       offset += p.numel();
     }

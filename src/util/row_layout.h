@@ -16,5 +16,15 @@ inline bool rows_in_memory(const torch::Tensor& t) {
   return t.is_non_overlapping_and_dense() && (t.dim() == 0 || t.size(0) <= 1 || t.stride(0) * t.size(0) == t.numel());
 }
 
+/// The strides of DistributedDataParallel's bucket slot for parameter `p`:
+/// its own where they hold its rows in order (a channels-last weight's, as
+/// c10d's bucket views take them), so that its gradient keeps its layout
+/// and the copies in and out run in memory order; else row-major (a
+/// transposed matrix), since PowerSGD compresses the matrix a slot's memory
+/// holds.
+inline c10::DimVector slot_strides(const torch::Tensor& p) {
+  return rows_in_memory(p) ? c10::DimVector(p.strides()) : c10::contiguous_strides(p.sizes());
+}
+
 } // namespace detail
 } // namespace lockstep
