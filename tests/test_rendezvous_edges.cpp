@@ -161,29 +161,6 @@ TEST(Rendezvous, RecordsThatDoNotParseAreRendezvousErrors) {
   }
 }
 
-// Note [A node lost while the round is open]: a node that joined and went
-// silent before the last call was made a member anyway, and the next round
-// waited the liveness window again for its ranks. The node that closes the
-// round now leaves it out; were it only slow, it waits for the next round.
-TEST(Rendezvous, ANodeSilentWhileTheRoundIsOpenIsLeftOut) {
-  MemoryKeyValue kv;
-  const auto s = settings(2, 4); // below MAX: the last call (1 s) closes it; liveness window 300 ms
-  const auto t0 = RdzvClock::now();
-  RoundJoin a(kv, s, node(kv, s), t0);
-  RoundJoin b(kv, s, node(kv, s), t0);
-  RoundJoin dead(kv, s, node(kv, s), t0); // joins, then never polls again
-  Status sa = Status::kPending, sb = Status::kPending;
-  for (auto t = t0; sa != Status::kJoined && t < t0 + milliseconds(2000); t += milliseconds(50)) {
-    sa = a.poll(t);
-    sb = b.poll(t);
-  }
-  ASSERT_EQ(sa, Status::kJoined);
-  ASSERT_EQ(sb, Status::kJoined);
-  EXPECT_EQ(a.assignment().group_world_size, 2) << "the silent node is no member";
-  EXPECT_EQ(dead.poll(t0 + milliseconds(2000)), Status::kPending);
-  EXPECT_TRUE(dead.waiting()) << "a silent node that comes back waits for the next round";
-}
-
 // --- the job's terms (Note [The job's first node sets its terms] in tools/job_record.h) --
 
 tools::JobTerms terms(int min_nodes, int max_nodes, int max_restarts, std::vector<std::string> command) {

@@ -18,9 +18,7 @@
 // description there ("R/node/<place>": id, ranks, address, a free port). The
 // round closes as soon as --nnodes MAX nodes are in, or when last_call has
 // passed since MIN were: the first node to see that takes "R/close" and
-// writes the members ("R/members", with the failure count "restarts"),
-// leaving out a node silent for the liveness window while the round was
-// open (Note [A node lost while the round is open]). A node
+// writes the members ("R/members", with the failure count "restarts"). A node
 // that is not among them, because it came late or the round was full, is
 // waiting: it says so ("R/waiting") and joins the next round.
 //
@@ -61,7 +59,6 @@
 #include <cstdlib>
 #include <map>
 #include <optional>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -73,22 +70,16 @@ namespace tools {
 /// and when it last moved.
 using Heartbeat = std::pair<int64_t, RdzvClock::time_point>;
 
-/// Reads the heartbeat count at `key` into `beat`; whether it has not moved
-/// for the liveness window.
-inline bool heartbeat_stopped(KeyValue& kv, const RendezvousSettings& s, const std::string& key, Heartbeat& beat,
+/// Reads member `id`'s heartbeat count in `round` into `beat`; whether it
+/// has not moved for the liveness window (the member is lost).
+inline bool heartbeat_stopped(KeyValue& kv, const RendezvousSettings& s, int64_t round, int64_t id, Heartbeat& beat,
                               RdzvClock::time_point now) {
-  const int64_t count = kv.add(key, 0);
+  const int64_t count = kv.add(s.key(round, "hb/" + std::to_string(id)), 0);
   if (count != beat.first) {
     beat = {count, now};
     return false;
   }
   return now - beat.second > s.liveness_window();
-}
-
-/// Member `id`'s heartbeat in running `round`: whether it is lost.
-inline bool heartbeat_stopped(KeyValue& kv, const RendezvousSettings& s, int64_t round, int64_t id, Heartbeat& beat,
-                              RdzvClock::time_point now) {
-  return heartbeat_stopped(kv, s, s.key(round, "hb/" + std::to_string(id)), beat, now);
 }
 
 /// Why a running round ends.
@@ -186,7 +177,6 @@ class RoundJoin {
     }
     auto members = kv_.get(s_.key(round_, "members"));
     if (!members) {
-      keep_alive_while_open(now);
       maybe_close(now);
       members = kv_.get(s_.key(round_, "members"));
     }
@@ -289,38 +279,7 @@ class RoundJoin {
       return;
     }
     place_ = kv_.add(s_.key(round_, "joined"), 1);
-    open_beats_.clear();
-    silent_places_.clear();
-    next_open_beat_ = now;
-    keep_alive_while_open(now);
     kv_.set(s_.key(round_, "node/" + std::to_string(place_)), me_.encode());
-  }
-
-  // Note [A node lost while the round is open]: a node that joined and then
-  // died (its machine lost, its launcher killed) before the round closed
-  // was made a member anyway, and the round that followed waited for its
-  // ranks until the liveness window had passed again, to end as a change of
-  // membership: 46 s in a reviewer's run. As torchrun's rendezvous drops a
-  // participant whose keep-alive has stopped before it closes a round, a
-  // node counts its own heartbeat at its place ("R/open_hb/<place>") every
-  // keep_alive_interval while the round is open, follows every other
-  // place's at each poll, and the node that closes the round leaves out a
-  // place silent for the liveness window. Such a node, if it was only
-  // slow, finds itself waiting and joins the next round, as a late one does.
-  void keep_alive_while_open(RdzvClock::time_point now) {
-    if (now >= next_open_beat_) {
-      kv_.add(s_.key(round_, "open_hb/" + std::to_string(place_)), 1);
-      next_open_beat_ = now + s_.keep_alive_interval;
-    }
-    const int64_t joined = kv_.add(s_.key(round_, "joined"), 0);
-    for (int64_t place = 1; place <= std::min<int64_t>(joined, s_.max_nodes); ++place) {
-      auto& beat = open_beats_.try_emplace(place, Heartbeat{-1, now}).first->second;
-      if (heartbeat_stopped(kv_, s_, s_.key(round_, "open_hb/" + std::to_string(place)), beat, now)) {
-        silent_places_.insert(place);
-      } else {
-        silent_places_.erase(place);
-      }
-    }
   }
 
   void wait_for_next_round() {
@@ -344,8 +303,7 @@ class RoundJoin {
     // with MIN nodes described, or it would run below MIN (until join_timeout).
     std::vector<NodeDesc> described;
     for (int64_t place = 1; place <= std::min<int64_t>(joined_, s_.max_nodes); ++place) {
-      const auto desc = kv_.get(s_.key(round_, "node/" + std::to_string(place)));
-      if (desc && silent_places_.count(place) == 0) { // Note [A node lost while the round is open]
+      if (const auto desc = kv_.get(s_.key(round_, "node/" + std::to_string(place)))) {
         described.push_back(NodeDesc::decode(*desc));
       }
     }
@@ -377,9 +335,6 @@ class RoundJoin {
   std::string why_;
   Assignment assignment_;
   std::map<int64_t, Heartbeat> member_beats_; // while waiting: the members of round_
-  std::map<int64_t, Heartbeat> open_beats_;   // while round_ is open: each place's
-  std::set<int64_t> silent_places_;           // places silent for the liveness window
-  RdzvClock::time_point next_open_beat_;
 };
 
 // Note [Which came first, a failure or a member done]
