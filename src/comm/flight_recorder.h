@@ -19,7 +19,9 @@ std::shared_ptr<GroupImpl> recorded(std::shared_ptr<GroupImpl> impl);
 /// Writes every group's record of this process: a summary to stderr, and the
 /// whole record as JSON to $LOCKSTEP_TRACE_DIR/lockstep_trace_rank<R>.json
 /// when that is set, R being set_process_rank's rank (else the first live
-/// group's). The summary shows the group whose collective failed. Once per process: the first failure is the one to read.
+/// group's). The summary shows the group whose collective failed. Written
+/// anew at a failure after a collective has completed since the last
+/// (Note [Every failure dumps] in src/comm/flight_recorder.cpp).
 /// Installed as a before_abort hook (src/comm/before_abort.h) for paths that end
 /// the process without throwing (MPI_Abort).
 void dump_flight_records(const std::string& reason);

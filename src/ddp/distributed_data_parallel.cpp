@@ -139,7 +139,8 @@ int64_t verify_same_parameters(
     }
     TORCH_CHECK(false, "lockstep::DistributedDataParallel: rank ", group.rank(), ": rank ", r,
                 "'s parameters differ from rank 0's at parameter ", param, ": rank 0 has ", rank0, ", rank ", r, " has ",
-                theirs, ". Every rank must build the same model, with the same parameters in the same order and memory format.");
+                theirs, ". Every rank must build the same model, with the same parameters in the same order and "
+                "memory format.");
   }
   return verdicts[0].cpu()[2].item<int64_t>();
 }
