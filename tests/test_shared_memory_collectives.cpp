@@ -373,5 +373,78 @@ TEST(SharedMemoryCollectives, StopEndsAWaitAtOnce) {
   EXPECT_LT(waited, 5.0);
 }
 
+// Note [Buffers every rank can reach]: the ranks' copies of a shared buffer
+// are reduced where they lie, to the bits the segments give, over slices and
+// chunks of uneven lengths; the memory starts zeroed and outlives the group.
+TEST(SharedMemoryCollectives, SharedBuffersAreReducedWhereTheyLieToTheSegmentsBits) {
+  for (int size : {2, 3}) {
+    const int64_t numel = 1000003;
+    std::mutex mutex;
+    std::vector<torch::Tensor> kept(size);
+    on_transports(size, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+      ASSERT_NE(transport, nullptr);
+      const auto buffers = transport->share({64, numel * 4, 24});
+      ASSERT_EQ(buffers.size(), 3u);
+      auto shared = buffers[1].view(torch::kFloat);
+      const bool zeroed = torch::equal(shared, torch::zeros_like(shared));
+      // Values whose sum depends on its order, beyond two ranks.
+      shared.copy_(torch::arange(numel, torch::kFloat).mul(0.37 * (rank + 1)).sin().mul(1000.0 / (rank + 1)));
+      auto plain = shared.clone();
+      transport->allreduce(shared, ReduceOp::Sum);
+      transport->allreduce(plain, ReduceOp::Sum);
+      auto ints = buffers[0].view(torch::kInt).fill_(rank + 1);
+      transport->allreduce(ints, ReduceOp::Max);
+      std::lock_guard<std::mutex> lock(mutex);
+      EXPECT_TRUE(zeroed) << "rank " << rank;
+      EXPECT_TRUE(torch::equal(shared, plain)) << "rank " << rank << " of " << size;
+      EXPECT_TRUE(torch::equal(ints, torch::full({16}, size, torch::kInt))) << ints;
+      kept[rank] = shared;
+    });
+    const auto sum = kept[0].clone();
+    for (int r = 0; r < size; ++r) { // the transports are gone
+      EXPECT_TRUE(torch::equal(kept[r], sum)) << "rank " << r;
+      kept[r].add_(1);
+      EXPECT_TRUE(torch::equal(kept[r], sum + 1)) << "rank " << r;
+    }
+  }
+}
+
+TEST(SharedMemoryCollectives, SharedBuffersOfSizesThatDifferAreNoneOnEveryRankAndTheGroupGoesOn) {
+  std::mutex mutex;
+  std::vector<size_t> made(2, 99);
+  std::vector<double> sums(2);
+  on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+    const auto buffers = transport->share({64, rank == 0 ? 128 : 256});
+    auto t = torch::ones({4});
+    transport->allreduce(t, ReduceOp::Sum);
+    std::lock_guard<std::mutex> lock(mutex);
+    made[rank] = buffers.size();
+    sums[rank] = t.sum().item<double>();
+  });
+  EXPECT_EQ(made, std::vector<size_t>(2, 0));
+  EXPECT_EQ(sums, std::vector<double>(2, 8.0));
+}
+
+// A rank whose allreduce is of its own memory where the other's is of a
+// shared buffer, or of another one, would read and write the wrong bytes.
+TEST(SharedMemoryCollectives, AnAllreduceOfASharedBufferMeetingOneOfOtherMemoryFailsOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+    ASSERT_NE(transport, nullptr);
+    const auto buffers = transport->share({32});
+    ASSERT_EQ(buffers.size(), 1u);
+    auto t = rank == 0 ? buffers[0].view(torch::kFloat) : torch::ones({8});
+    const auto error = testing::error_of([&] { transport->allreduce(t, ReduceOp::Sum); });
+    std::lock_guard<std::mutex> lock(mutex);
+    errors[rank] = error;
+  });
+  EXPECT_NE(errors[0].find("rank 1's collective is an allreduce of 8 elements of Float (sum) where rank 0's is an "
+                           "allreduce of 8 elements of Float in shared buffer 0 (sum)"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank 0's collective is an allreduce of 8 elements of Float in shared buffer 0 (sum) where "
+                           "rank 1's is an allreduce of 8 elements of Float (sum)"), std::string::npos) << errors[1];
+}
+
 } // namespace
 } // namespace lockstep

@@ -92,6 +92,19 @@ class GroupImpl {
   virtual bool cheap_collective_starts() const {
     return false;
   }
+  /// Memory that every rank of the group can reach: on each rank, one
+  /// zeroed uint8 tensor of bytes[i] bytes for each i. An allreduce of
+  /// exactly one of them (its whole memory, viewed as any dtype) then reduces
+  /// the ranks' copies where they lie, with no copy through a staging area
+  /// (Note [Buffers every rank can reach] in
+  /// src/comm/backends/shared_memory_buffers.cpp). A collective: every rank
+  /// calls it, in the same place, with the same sizes. Empty on every rank
+  /// where the backend cannot, the sizes differ, or there is no room; the
+  /// caller then allocates as usual. This default cannot.
+  virtual std::vector<torch::Tensor> shared_buffers(const std::vector<int64_t>& bytes) {
+    (void)bytes;
+    return {};
+  }
   /// Whether a collective on `device` can only ever complete against a
   /// collective of the same kind on the other ranks: one that meets another
   /// kind moves no bytes and fails, at the timeout or, where the backend

@@ -108,6 +108,10 @@ class ProcessGroup {
   /// Whether the backend starts a collective for little beside its bytes
   /// (GroupImpl::cheap_collective_starts).
   bool cheap_collective_starts() const;
+  /// Memory every rank can reach, where the backend has it
+  /// (GroupImpl::shared_buffers): a collective, empty on every rank where
+  /// the backend cannot.
+  std::vector<torch::Tensor> shared_buffers(const std::vector<int64_t>& bytes) const;
   /// Whether this handle and `other` are one group (copies of one handle).
   bool same_group_as(const ProcessGroup& other) const {
     return impl_ == other.impl_;

@@ -40,6 +40,9 @@ class ForwardingGroup : public GroupImpl {
   bool pairs_collectives_by_kind(torch::Device device) const override {
     return inner_->pairs_collectives_by_kind(device);
   }
+  std::vector<torch::Tensor> shared_buffers(const std::vector<int64_t>& bytes) override {
+    return inner_->shared_buffers(bytes);
+  }
 
  protected:
   std::shared_ptr<GroupImpl> inner_;

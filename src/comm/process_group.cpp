@@ -278,6 +278,13 @@ bool ProcessGroup::cheap_collective_starts() const {
   return impl_->cheap_collective_starts();
 }
 
+std::vector<torch::Tensor> ProcessGroup::shared_buffers(const std::vector<int64_t>& bytes) const {
+  for (const int64_t b : bytes) {
+    TORCH_CHECK(b > 0, "lockstep: rank ", rank(), ": shared_buffers: every size must be > 0, but got ", b, ".");
+  }
+  return bytes.empty() ? std::vector<torch::Tensor>() : impl_->shared_buffers(bytes);
+}
+
 bool launched_by_launcher() {
   auto get = [](const char* name) { return std::getenv(name); };
   return get("WORLD_SIZE") != nullptr || detail::find_mpi_launcher(get) != nullptr;

@@ -115,8 +115,18 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
     const bool flag = flag_in_last_bucket() && b + 1 == assignment.size();
     const auto& first = params[bucket.params.front()];
     bucket.numel = numel;
-    bucket.buffer = torch::zeros({numel + (flag ? 1 : 0) + words}, first.options().requires_grad(false));
-    plan_items.push_back({bucket.buffer.numel(), bucket.buffer.scalar_type()});
+    bucket.bytes = numel * static_cast<int64_t>(first.element_size());
+    bucket.name = "bucket " + std::to_string(b) + " (" + std::to_string(bucket.params.size()) + " parameters, " +
+        mib(bucket.bytes) + ")";
+    plan_items.push_back({numel + (flag ? 1 : 0) + words, first.scalar_type()});
+    built.push_back(std::move(bucket));
+  }
+  plan = agree_on_plan(group, "DistributedDataParallel's buckets", plan_items, params[0].device(), kBucketPlanHint);
+  const auto memory = bucket_memory(plan_items);
+  for (size_t b = 0; b < built.size(); ++b) {
+    auto& bucket = built[b];
+    const auto options = params[bucket.params.front()].options().requires_grad(false);
+    bucket.buffer = memory.empty() ? torch::zeros({plan_items[b].elements}, options) : memory[b].view(plan_items[b].dtype);
     int64_t offset = 0;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const auto& p = params[bucket.params[k]];
@@ -124,21 +134,29 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
       // aliases the bucket without being an autograd view, so that .grad can
       // be the slot and still take the C++ optimizer's zero_grad(), which
       // calls detach_() (refused on views). Its strides: slot_strides.
-      bucket.views.push_back(torch::empty({0}, bucket.buffer.options())
-                                 .set_(bucket.buffer.storage(), offset, p.sizes(), slot_strides(p)));
+      bucket.views.push_back(torch::empty({0}, options).set_(bucket.buffer.storage(), offset, p.sizes(), slot_strides(p)));
       slot_of[bucket.params[k]] = {b, k};
       offset += p.numel();
     }
-    bucket.bytes = numel * static_cast<int64_t>(first.element_size());
-    bucket.name = "bucket " + std::to_string(b) + " (" + std::to_string(bucket.params.size()) + " parameters, " +
-        mib(bucket.bytes) + ")";
-    built.push_back(std::move(bucket));
   }
   buckets = std::move(built);
-  plan = agree_on_plan(group, "DistributedDataParallel's buckets", plan_items, params[0].device(), kBucketPlanHint);
   if (options.gradient_as_bucket_view()) {
     move_gradients_into_slots();
   }
+}
+
+// Note [Buffers every rank can reach]: the built-in allreduce of a CPU
+// bucket then reads the other ranks' buckets where they lie. A comm hook
+// reduces what it chooses, mostly not the bucket itself, so it gets none.
+std::vector<torch::Tensor> Reducer::State::bucket_memory(const std::vector<PlanItem>& items) const {
+  if (options.comm_hook() || !params[0].device().is_cpu()) {
+    return {};
+  }
+  std::vector<int64_t> bytes;
+  for (const auto& item : items) {
+    bytes.push_back(item.elements * static_cast<int64_t>(c10::elementSize(item.dtype)));
+  }
+  return group.shared_buffers(bytes);
 }
 
 // .grad is the bucket slot: backward accumulates into the bucket, and no

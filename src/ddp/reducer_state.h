@@ -6,6 +6,7 @@
 #include <lockstep/distributed_options.h>
 #include <lockstep/timeline.h>
 
+#include "comm/planned_collective.h"
 #include "ddp/reducer.h"
 #include "util/torch_compat.h"
 
@@ -198,6 +199,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
 
   void build_buckets(const std::vector<size_t>& order);
+  // Memory for the buckets of `items` that every rank maps, or none.
+  std::vector<torch::Tensor> bucket_memory(const std::vector<PlanItem>& items) const;
   // gradient_as_bucket_view: each defined .grad copied into its bucket slot, and made the slot.
   void move_gradients_into_slots();
   void autograd_hook(size_t index);

@@ -321,6 +321,17 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
     }
     return on_ring_thread([shm = shm_.get(), tensor = tensors[0], op] { shm->allreduce(tensor, op); }, std::move(what));
   }
+  // Note [Buffers every rank can reach], made on the ring thread, among the
+  // collectives.
+  std::vector<torch::Tensor> shared_buffers(const std::vector<int64_t>& bytes) override {
+    if (!shm_) {
+      return {};
+    }
+    auto made = std::make_shared<std::vector<torch::Tensor>>();
+    on_ring_thread([shm = shm_.get(), bytes, made] { *made = shm->share(bytes); },
+                   "the allocation of buffers in shared memory")->wait();
+    return *made;
+  }
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
     if (!shm_ || tensors.size() != 1 || !SharedMemoryCollectives::fits(tensors[0])) {
       return C10dGroup::broadcast(tensors, root, std::move(what));

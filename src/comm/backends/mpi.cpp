@@ -388,6 +388,18 @@ class MpiGroup : public GroupImpl {
     });
   }
 
+  // Note [Buffers every rank can reach], made on the communication thread.
+  std::vector<torch::Tensor> shared_buffers(const std::vector<int64_t>& bytes) override {
+    if (!shm_) {
+      return {};
+    }
+    auto made = std::make_shared<std::vector<torch::Tensor>>();
+    start("the allocation of buffers in shared memory", [] {}, [shm = shm_.get(), bytes, made] {
+      return through_shared_memory([&] { *made = shm->share(bytes); });
+    })->wait();
+    return *made;
+  }
+
   std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) override {
     auto flat = on_cpu(tensors, what);
     const MPI_Datatype type = mpi_type(flat, what, rank_);

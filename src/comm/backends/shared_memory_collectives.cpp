@@ -22,7 +22,6 @@
 #include <fstream>
 #include <iterator>
 #include <mutex>
-#include <random>
 #include <sstream>
 
 namespace lockstep {
@@ -105,13 +104,6 @@ std::string namespace_of(const char* kind) {
   return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string("?");
 }
 
-std::string random_hex() {
-  std::random_device device;
-  std::ostringstream out;
-  out << std::hex << device() << device();
-  return out.str();
-}
-
 void futex_wait(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::milliseconds slice) {
   timespec ts{};
   ts.tv_sec = slice.count() / 1000;
@@ -159,7 +151,8 @@ std::string describe(const SharedMemoryCollectives::Call& call) {
     return "unknown";
   }
   std::string text = std::string(kinds[call.kind]) + (call.planned ? " of a plan" : "") + " of " +
-      std::to_string(call.elements) + " elements of " + c10::toString(static_cast<c10::ScalarType>(call.dtype));
+      std::to_string(call.elements) + " elements of " + c10::toString(static_cast<c10::ScalarType>(call.dtype)) +
+      (call.buffer >= 0 ? " in shared buffer " + std::to_string(call.buffer) : "");
   switch (call.kind) {
     case SharedMemoryCollectives::kAllGather:
       return text;
@@ -248,7 +241,7 @@ std::unique_ptr<SharedMemoryCollectives> SharedMemoryCollectives::connect(const 
                                                                       std::chrono::milliseconds timeout) {
   const bool wanted = size > 1 && willing;
   std::unique_ptr<SharedMemoryCollectives> shm(new SharedMemoryCollectives(rank, size, timeout));
-  const std::string name = "/lockstep-" + std::to_string(::getpid()) + "-" + random_hex();
+  const std::string name = new_segment_name();
   JoiningSegments joining; // Note [Segments of a group that is joining] in shared_memory_segments.cpp
   shm->maps_[rank] = wanted ? map_segment(name, kHeaderBytes + shm->capacity_, /*create=*/true) : nullptr;
   if (shm->maps_[rank] != nullptr) {
@@ -351,7 +344,7 @@ uint32_t SharedMemoryCollectives::meet(const Call& call, const std::function<voi
   for (int q = 0; q < size_; ++q) {
     const Call& theirs = header(q).call;
     if (theirs.kind != mine.call.kind || theirs.elements != mine.call.elements || theirs.dtype != mine.call.dtype ||
-        theirs.op != mine.call.op || theirs.planned != mine.call.planned) {
+        theirs.op != mine.call.op || theirs.planned != mine.call.planned || theirs.buffer != mine.call.buffer) {
       fail("rank " + std::to_string(q) + "'s collective is " + describe(theirs) + " where rank " +
            std::to_string(rank_) + "'s is " + describe(mine.call) + ": the ranks called different collectives here");
     }
@@ -364,6 +357,11 @@ uint32_t SharedMemoryCollectives::meet(const Call& call, const std::function<voi
 
 void SharedMemoryCollectives::allreduce(const torch::Tensor& tensor, ReduceOp op) {
   check_usable();
+  std::shared_ptr<Region> region;
+  if (const Buffer* buffer = buffer_of(tensor, region)) {
+    allreduce_where_it_lies(tensor, *buffer, *region, op);
+    return;
+  }
   const int64_t item = tensor.element_size();
   const Call call{kAllreduce, static_cast<int32_t>(tensor.scalar_type()), static_cast<int32_t>(op), tensor.numel()};
   char* bytes = static_cast<char*>(tensor.data_ptr());

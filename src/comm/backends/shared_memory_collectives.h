@@ -69,8 +69,13 @@ class SharedMemoryCollectives {
   // [Planned rings] in src/comm/planned_collective.cpp), whose every slot
   // holds its rank's words once the call returns.
 
-  /// `tensor` reduced by `op` across the ranks, in place.
+  /// `tensor` reduced by `op` across the ranks, in place. Where it is
+  /// exactly one of share()'s buffers, the ranks' copies are reduced where
+  /// they lie.
   void allreduce(const torch::Tensor& tensor, ReduceOp op);
+  /// Memory every rank maps: one zeroed uint8 tensor per entry of `bytes`
+  /// (GroupImpl::shared_buffers), or {} on every rank. Called by every rank.
+  std::vector<torch::Tensor> share(const std::vector<int64_t>& bytes);
   /// GroupImpl::reduce_scatter's: `output` (n elements) receives every rank's
   /// input[rank*n, (rank+1)*n) reduced by `op`.
   void reduce_scatter(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op, const torch::Tensor& words);
@@ -87,11 +92,18 @@ class SharedMemoryCollectives {
     int32_t kind = 0, dtype = 0, op = 0; // op: a broadcast's root
     int64_t elements = 0; // the input's
     int32_t planned = 0;  // whether it carries a plan's words
+    int32_t buffer = -1;  // an allreduce of share()'s buffer: its number
   };
 
  private:
   static constexpr int64_t kWordRoom = 24; // doubles of words per rank
   struct Header;
+  struct Region; // a share()'s memory, every rank's mapping of it
+  struct Buffer { // one of share()'s tensors
+    std::weak_ptr<Region> region;
+    int64_t offset = 0, bytes = 0;
+    int32_t number = 0; // the same on every rank: share()'s are collectives
+  };
   SharedMemoryCollectives(int rank, int size, std::chrono::milliseconds timeout);
   Header& header(int rank) const;
   char* data(int rank) const;
@@ -100,6 +112,9 @@ class SharedMemoryCollectives {
   uint32_t meet(const Call& call, const std::function<void(char*)>& fill, const torch::Tensor& words);
   // out = terms[0] op terms[1] op ..., one term per rank in rank order.
   void reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op, bool out_is_an_input);
+  const Buffer* buffer_of(const torch::Tensor& tensor, std::shared_ptr<Region>& region) const;
+  void allreduce_where_it_lies(const torch::Tensor& tensor, const Buffer& buffer, const Region& region, ReduceOp op);
+  std::vector<std::string> exchange_records(const std::string& mine);
   void advance();
   void wait_all(uint32_t phase);
   void wait_for(int peer, uint32_t phase);
@@ -114,6 +129,8 @@ class SharedMemoryCollectives {
   std::string failed_;
   std::atomic<bool> stopping_{false};
   torch::Tensor scratch_; // an allreduce slice's partial result, beyond two ranks
+  std::vector<Buffer> buffers_;
+  int32_t buffers_shared_ = 0;
 };
 
 } // namespace detail

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <mutex>
+#include <random>
+#include <sstream>
 
 namespace lockstep {
 namespace detail {
@@ -51,6 +53,13 @@ void unlink_joining_segments() {
   for (const auto& name : g_joining) {
     ::shm_unlink(name.c_str());
   }
+}
+
+std::string new_segment_name() {
+  std::random_device device;
+  std::ostringstream out;
+  out << "/lockstep-" << ::getpid() << "-" << std::hex << device() << device();
+  return out.str();
 }
 
 void* map_segment(const std::string& name, int64_t bytes, bool create) {

@@ -11,6 +11,9 @@
 namespace lockstep {
 namespace detail {
 
+/// A name for a new segment: this process's id and random digits.
+std::string new_segment_name();
+
 /// Segment `name` of `bytes`, mapped: made (and its pages reserved, so that a
 /// full /dev/shm fails here) with `create`, else opened. nullptr where it
 /// cannot be.
