@@ -126,7 +126,8 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
   for (size_t b = 0; b < built.size(); ++b) {
     auto& bucket = built[b];
     const auto options = params[bucket.params.front()].options().requires_grad(false);
-    bucket.buffer = memory.empty() ? torch::zeros({plan_items[b].elements}, options) : memory[b].view(plan_items[b].dtype);
+    bucket.buffer =
+        memory.empty() ? torch::zeros({plan_items[b].elements}, options) : memory[b].view(plan_items[b].dtype);
     int64_t offset = 0;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const auto& p = params[bucket.params[k]];
@@ -134,7 +135,8 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
       // aliases the bucket without being an autograd view, so that .grad can
       // be the slot and still take the C++ optimizer's zero_grad(), which
       // calls detach_() (refused on views). Its strides: slot_strides.
-      bucket.views.push_back(torch::empty({0}, options).set_(bucket.buffer.storage(), offset, p.sizes(), slot_strides(p)));
+      bucket.views.push_back(
+          torch::empty({0}, options).set_(bucket.buffer.storage(), offset, p.sizes(), slot_strides(p)));
       slot_of[bucket.params[k]] = {b, k};
       offset += p.numel();
     }
@@ -149,7 +151,8 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
 // bucket then reads the other ranks' buckets where they lie. A comm hook
 // reduces what it chooses, mostly not the bucket itself, so it gets none.
 std::vector<torch::Tensor> Reducer::State::bucket_memory(const std::vector<PlanItem>& items) const {
-  if (options.comm_hook() || !params[0].device().is_cpu()) {
+  const bool on_cpu = std::all_of(params.begin(), params.end(), [](const torch::Tensor& p) { return p.is_cpu(); });
+  if (options.comm_hook() || !on_cpu) {
     return {};
   }
   std::vector<int64_t> bytes;

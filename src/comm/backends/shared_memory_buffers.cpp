@@ -138,7 +138,8 @@ std::vector<torch::Tensor> SharedMemoryCollectives::share(const std::vector<int6
   std::vector<torch::Tensor> tensors;
   for (size_t i = 0; i < bytes.size(); ++i) {
     char* at = static_cast<char*>(region->maps[rank_]) + offsets[i];
-    tensors.push_back(torch::from_blob(at, {bytes[i]}, [region](void*) {}, torch::TensorOptions().dtype(torch::kUInt8)));
+    const auto keep = [region](void*) {}; // every rank's mapping lives while a tensor views it
+    tensors.push_back(torch::from_blob(at, {bytes[i]}, keep, torch::TensorOptions().dtype(torch::kUInt8)));
     buffers_.push_back({region, offsets[i], bytes[i], buffers_shared_++});
   }
   return tensors;
