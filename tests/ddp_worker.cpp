@@ -565,6 +565,7 @@ lockstep::testing::WorkerTable scenarios() {
        })},
       {"wrapped_twice", on_group(lockstep::testing::wrapped_twice)},
       {"options_differ", on_group(lockstep::testing::options_differ)},
+      {"plans_in_another_order", on_group(lockstep::testing::plans_in_another_order)},
       {"powersgd", {powersgd}},
       {"deterministic", on_group(deterministic)},
       {"deterministic_indivisible", on_group(deterministic_indivisible)},

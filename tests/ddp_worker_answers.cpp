@@ -251,5 +251,30 @@ void options_differ(const ProcessGroup& group) {
       "every rank must pass the same ones"});
 }
 
+// Note [A switch of plans is checked], where planned allreduces go without
+// the check before each (Gloo; MPI between ranks of one host, through shared
+// memory): two models whose backwards run in another order on one rank are
+// an error on every rank, never one model's gradients added to the other's.
+// The rank that switches plans is at a check, which the other's planned
+// allreduce meets in shared memory: both fail at once.
+void plans_in_another_order(const ProcessGroup& group) {
+  const int r = group.rank();
+  torch::manual_seed(3);
+  torch::nn::Linear one(64, 64), other(64, 64);
+  DistributedDataParallel<torch::nn::Linear> first(one, group);
+  DistributedDataParallel<torch::nn::Linear> second(other, group);
+  const auto x = torch::randn({4, 64});
+  for (int step = 0; step < 2; ++step) { // the plans agreed, then sent as planned
+    first->forward(x).sum().backward();
+    second->forward(x).sum().backward();
+  }
+  auto a = first->forward(x).sum();
+  auto b = second->forward(x).sum();
+  expect_error(group, [&] {
+    (r == 1 ? b : a).backward();
+    (r == 1 ? a : b).backward();
+  }, {"rank " + std::to_string(r), "allreduce of bucket 0", "the ranks called different collectives here"});
+}
+
 } // namespace testing
 } // namespace lockstep

@@ -109,8 +109,10 @@ class GroupImpl {
   /// collective of the same kind on the other ranks: one that meets another
   /// kind moves no bytes and fails, at the timeout or, where the backend
   /// sees the other's kind, at once. Gloo's does, each kind having slots of
-  /// its own (and shared memory, between ranks on one host, a header); MPI and NCCL match collectives by their order
-  /// alone, and must keep false. Where true, the collectives of a bucket
+  /// its own (and shared memory, between ranks on one host, a header), and
+  /// so does lockstep's MPI group between ranks of one host, through the same
+  /// shared memory; MPI between hosts and NCCL match collectives by their
+  /// order alone, and must keep false. Where true, the collectives of a bucket
   /// plan that every rank agreed on are sent without the check before each
   /// (Note [Planned collectives] in src/comm/planned_collective.cpp).
   virtual bool pairs_collectives_by_kind(torch::Device device) const {

@@ -24,7 +24,8 @@ namespace detail {
 // on a backend that can only pair a collective with one of its own kind
 // (GroupImpl::pairs_collectives_by_kind: Gloo, whose collectives of each kind
 // have their own slots, and which sends nothing until the receiver waits on
-// the same slot).
+// the same slot; and Gloo and MPI between ranks of one host, through shared
+// memory, where every collective's header names its kind).
 //
 // Why sizes still cannot differ there: the checks are all_gathers and the
 // plan's items allreduces, so a plan item that meets another rank's check

@@ -121,6 +121,7 @@ void shared_parameters(const ProcessGroup& group);
 void unused_across_no_sync(const ProcessGroup& group, bool views);
 void wrapped_twice(const ProcessGroup& group);
 void options_differ(const ProcessGroup& group);
+void plans_in_another_order(const ProcessGroup& group);
 
 } // namespace testing
 } // namespace lockstep

@@ -349,6 +349,16 @@ class MpiGroup : public GroupImpl {
   bool cheap_collective_starts() const override {
     return one_node_;
   }
+  // Note [Planned collectives]: through shared memory, every collective's
+  // header names its kind, as the Gloo group's do there, and a planned
+  // allreduce (a floating dtype, summed) always goes that way. One that meets
+  // a collective that goes through MPI itself (a barrier, or a dtype that
+  // shared memory does not carry) moves no bytes, and both wait until the
+  // timeout, which ends the job on every rank (Note [MPI's thread and
+  // timeouts]). Between hosts MPI pairs collectives by their order alone.
+  bool pairs_collectives_by_kind(torch::Device device) const override {
+    return shm_ != nullptr && device.is_cpu();
+  }
   // The types mpi_type maps, on the CPU. MPI reduces MPI_C_BOOL only with
   // its logical operations, so bools are reduced as bytes (Note [One tensor
   // per collective] in src/comm/collective_args.cpp).
