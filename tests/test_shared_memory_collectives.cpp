@@ -409,21 +409,27 @@ TEST(SharedMemoryCollectives, SharedBuffersAreReducedWhereTheyLieToTheSegmentsBi
   }
 }
 
+// Sizes that differ, or one that is not positive on one rank only, or none:
+// no buffers on any rank, and no rank left waiting in the exchange.
 TEST(SharedMemoryCollectives, SharedBuffersOfSizesThatDifferAreNoneOnEveryRankAndTheGroupGoesOn) {
-  std::mutex mutex;
-  std::vector<size_t> made(2, 99);
-  std::vector<double> sums(2);
-  on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
-    ASSERT_NE(transport, nullptr);
-    const auto buffers = transport->share({64, rank == 0 ? 128 : 256});
-    auto t = torch::ones({4});
-    transport->allreduce(t, ReduceOp::Sum);
-    std::lock_guard<std::mutex> lock(mutex);
-    made[rank] = buffers.size();
-    sums[rank] = t.sum().item<double>();
-  });
-  EXPECT_EQ(made, std::vector<size_t>(2, 0));
-  EXPECT_EQ(sums, std::vector<double>(2, 8.0));
+  const std::vector<std::vector<std::vector<int64_t>>> cases = {
+      {{64, 128}, {64, 256}}, {{0}, {64}}, {{64}, {-64}}, {{}, {}}, {{}, {64}}};
+  for (const auto& sizes : cases) {
+    std::mutex mutex;
+    std::vector<size_t> made(2, 99);
+    std::vector<double> sums(2);
+    on_transports(2, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+      ASSERT_NE(transport, nullptr);
+      const auto buffers = transport->share(sizes[rank]);
+      auto t = torch::ones({4});
+      transport->allreduce(t, ReduceOp::Sum);
+      std::lock_guard<std::mutex> lock(mutex);
+      made[rank] = buffers.size();
+      sums[rank] = t.sum().item<double>();
+    });
+    EXPECT_EQ(made, std::vector<size_t>(2, 0)) << sizes[0].size() << " and " << sizes[1].size() << " sizes";
+    EXPECT_EQ(sums, std::vector<double>(2, 8.0));
+  }
 }
 
 // A rank whose allreduce is of its own memory where the other's is of a

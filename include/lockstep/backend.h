@@ -98,9 +98,10 @@ class GroupImpl {
   /// the ranks' copies where they lie, with no copy through a staging area
   /// (Note [Buffers every rank can reach] in
   /// src/comm/backends/shared_memory_buffers.cpp). A collective: every rank
-  /// calls it, in the same place, with the same sizes. Empty on every rank
-  /// where the backend cannot, the sizes differ, or there is no room; the
-  /// caller then allocates as usual. This default cannot.
+  /// calls it in the same place, with no collective of the group in flight.
+  /// Empty on every rank where the backend cannot, the ranks' sizes differ,
+  /// one is not positive, or there is no room; the caller then allocates as
+  /// usual. This default cannot.
   virtual std::vector<torch::Tensor> shared_buffers(const std::vector<int64_t>& bytes) {
     (void)bytes;
     return {};

@@ -109,8 +109,8 @@ class ProcessGroup {
   /// (GroupImpl::cheap_collective_starts).
   bool cheap_collective_starts() const;
   /// Memory every rank can reach, where the backend has it
-  /// (GroupImpl::shared_buffers): a collective, empty on every rank where
-  /// the backend cannot.
+  /// (GroupImpl::shared_buffers): a collective, called by every rank with no
+  /// collective in flight; empty on every rank where it cannot be had.
   std::vector<torch::Tensor> shared_buffers(const std::vector<int64_t>& bytes) const;
   /// Whether this handle and `other` are one group (copies of one handle).
   bool same_group_as(const ProcessGroup& other) const {

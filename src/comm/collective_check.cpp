@@ -51,7 +51,8 @@ namespace detail {
 // The cost is one small all_gather per collective, off the caller's thread:
 // it delays each collective's start by a round trip (docs/performance.md).
 // DistributedDataParallel's buckets, PowerSGD's allreduces and
-// FullyShardedDataParallel's backward avoid it over Gloo: their plan is
+// FullyShardedDataParallel's backward avoid it over Gloo (and DDP's and
+// PowerSGD's over MPI between ranks of one host): their plan is
 // agreed once, and each carries words checked after it completes instead
 // (Note [Planned collectives] and Note [Planned rings] in
 // src/comm/planned_collective.cpp); with nothing queued before it, such a

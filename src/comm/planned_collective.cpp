@@ -74,7 +74,7 @@ namespace detail {
 // Everything else keeps the check before sending: broadcasts and barriers,
 // all_gathers and reduce-scatters other than those of Note [Planned rings],
 // collectives that no plan marks (user calls, SyncBatchNorm, the small ones
-// at the end of a backward), every collective over MPI or
+// at the end of a backward), every collective over MPI between hosts or
 // NCCL (which match collectives by their order alone, so an allreduce
 // meeting a check would read the wrong bytes), and every collective under
 // LOCKSTEP_DEBUG=detail, which compares each one's shape.

@@ -279,10 +279,7 @@ bool ProcessGroup::cheap_collective_starts() const {
 }
 
 std::vector<torch::Tensor> ProcessGroup::shared_buffers(const std::vector<int64_t>& bytes) const {
-  for (const int64_t b : bytes) {
-    TORCH_CHECK(b > 0, "lockstep: rank ", rank(), ": shared_buffers: every size must be > 0, but got ", b, ".");
-  }
-  return bytes.empty() ? std::vector<torch::Tensor>() : impl_->shared_buffers(bytes);
+  return impl_->shared_buffers(bytes); // a collective: every rank goes in, whatever its sizes
 }
 
 bool launched_by_launcher() {

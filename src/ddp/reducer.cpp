@@ -149,7 +149,8 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
 
 // Note [Buffers every rank can reach]: the built-in allreduce of a CPU
 // bucket then reads the other ranks' buckets where they lie. A comm hook
-// reduces what it chooses, mostly not the bucket itself, so it gets none.
+// chooses what it reduces, mostly a compressed copy (fp16, PowerSGD), where
+// such buckets would only take room in /dev/shm: it gets ordinary memory.
 std::vector<torch::Tensor> Reducer::State::bucket_memory(const std::vector<PlanItem>& items) const {
   const bool on_cpu = std::all_of(params.begin(), params.end(), [](const torch::Tensor& p) { return p.is_cpu(); });
   if (options.comm_hook() || !on_cpu) {

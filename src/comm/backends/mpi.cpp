@@ -350,12 +350,12 @@ class MpiGroup : public GroupImpl {
     return one_node_;
   }
   // Note [Planned collectives]: through shared memory, every collective's
-  // header names its kind, as the Gloo group's do there, and a planned
-  // allreduce (a floating dtype, summed) always goes that way. One that meets
-  // a collective that goes through MPI itself (a barrier, or a dtype that
-  // shared memory does not carry) moves no bytes, and both wait until the
-  // timeout, which ends the job on every rank (Note [MPI's thread and
-  // timeouts]). Between hosts MPI pairs collectives by their order alone.
+  // header names its kind, as the Gloo group's do there. A planned allreduce
+  // (Float or Double, the floating dtypes supports() lets through, summed)
+  // always goes that way, and so does the check before every unplanned
+  // collective (an all-gather of Long): a planned allreduce that meets
+  // anything but another rank's allreduce of its size fails on both at once.
+  // Between hosts MPI pairs collectives by their order alone.
   bool pairs_collectives_by_kind(torch::Device device) const override {
     return shm_ != nullptr && device.is_cpu();
   }

@@ -36,13 +36,17 @@ namespace detail {
 // asked for, and the ranks exchange its name, with a hash of the sizes,
 // through an all-gather of the segments; every rank maps every other's, and
 // a second all-gather says whether all did. Any rank that could not (sizes
-// that differ, no room: the ranks' copies together may take at most half of
-// what /dev/shm has free) makes every rank's answer empty, and the caller
-// allocates as usual. A buffer's number, the same on every rank, goes in the
+// that differ or are not positive, no room: the ranks' copies together may
+// take at most half of what /dev/shm has free, counting the group's earlier
+// buffers, which a rebuild of the buckets gives back) makes every rank's
+// answer empty, and the caller allocates as usual. A buffer's number, the same on every rank, goes in the
 // allreduce's header, so a rank whose allreduce is of another buffer, or of
 // memory of its own, fails every rank at once, naming both. The segments are
 // unlinked once mapped; a buffer's tensor keeps every rank's mapping alive,
-// so memory stays valid while any tensor views it, even past the group.
+// so memory stays valid while any tensor views it, even past the group. A
+// rank whose collective fails (a peer past the timeout) may still have its
+// buffer written by a slower peer finishing its slice: the error stands, and
+// the buffer's contents are not used.
 
 namespace {
 
@@ -50,14 +54,16 @@ constexpr int64_t kAlign = 64;               // each buffer starts on a cache li
 constexpr int64_t kChunkBytes = 256 << 10;   // reduced, then copied out, while in cache
 constexpr int64_t kRecordBytes = 128;        // a rank's line in share()'s exchanges
 
-// Whether /dev/shm has room for `bytes` more, leaving half of what it has free.
-bool room_for(int64_t bytes) {
+// Whether /dev/shm has room for `bytes` more: at most half of what is free
+// and of what `held` bytes of earlier buffers take, which a rebuild of the
+// same buckets gives back once it is done.
+bool room_for(int64_t bytes, int64_t held) {
   struct statvfs fs {};
   if (::statvfs("/dev/shm", &fs) != 0) {
     return false;
   }
   const auto free_bytes = static_cast<long double>(fs.f_bavail) * static_cast<long double>(fs.f_frsize);
-  return static_cast<long double>(bytes) <= free_bytes / 2;
+  return static_cast<long double>(bytes) <= (free_bytes + static_cast<long double>(held)) / 2;
 }
 
 } // namespace
@@ -99,8 +105,9 @@ std::vector<torch::Tensor> SharedMemoryCollectives::share(const std::vector<int6
   std::vector<int64_t> offsets;
   int64_t total = 0;
   uint64_t hash = 1469598103934665603ull; // FNV-1a over the sizes
+  bool wanted = !bytes.empty();
   for (const int64_t b : bytes) {
-    TORCH_INTERNAL_ASSERT(b > 0, "a shared buffer of ", b, " bytes");
+    wanted = wanted && b > 0;
     offsets.push_back(total);
     total += (b + kAlign - 1) / kAlign * kAlign;
     hash = (hash ^ static_cast<uint64_t>(b)) * 1099511628211ull;
@@ -108,7 +115,7 @@ std::vector<torch::Tensor> SharedMemoryCollectives::share(const std::vector<int6
   auto region = std::make_shared<Region>(size_, total);
   const std::string name = new_segment_name();
   JoiningSegments joining; // Note [Segments of a group that is joining]
-  if (room_for(total * size_)) {
+  if (wanted && room_for(total * size_, held_by_all())) {
     region->maps[rank_] = map_segment(name, total, /*create=*/true);
   }
   if (region->maps[rank_] != nullptr) {
@@ -143,6 +150,20 @@ std::vector<torch::Tensor> SharedMemoryCollectives::share(const std::vector<int6
     buffers_.push_back({region, offsets[i], bytes[i], buffers_shared_++});
   }
   return tensors;
+}
+
+// The bytes of this group's live buffers, every rank's copies together.
+int64_t SharedMemoryCollectives::held_by_all() const {
+  std::vector<const Region*> seen;
+  int64_t held = 0;
+  for (const auto& b : buffers_) {
+    auto r = b.region.lock();
+    if (r && std::find(seen.begin(), seen.end(), r.get()) == seen.end()) {
+      seen.push_back(r.get());
+      held += r->bytes * size_;
+    }
+  }
+  return held;
 }
 
 const SharedMemoryCollectives::Buffer* SharedMemoryCollectives::buffer_of(const torch::Tensor& tensor,

@@ -74,7 +74,9 @@ class SharedMemoryCollectives {
   /// they lie.
   void allreduce(const torch::Tensor& tensor, ReduceOp op);
   /// Memory every rank maps: one zeroed uint8 tensor per entry of `bytes`
-  /// (GroupImpl::shared_buffers), or {} on every rank. Called by every rank.
+  /// (GroupImpl::shared_buffers), or {} on every rank, where the ranks'
+  /// sizes differ, one is not positive, or there is no room. Called by every
+  /// rank.
   std::vector<torch::Tensor> share(const std::vector<int64_t>& bytes);
   /// GroupImpl::reduce_scatter's: `output` (n elements) receives every rank's
   /// input[rank*n, (rank+1)*n) reduced by `op`.
@@ -112,6 +114,7 @@ class SharedMemoryCollectives {
   uint32_t meet(const Call& call, const std::function<void(char*)>& fill, const torch::Tensor& words);
   // out = terms[0] op terms[1] op ..., one term per rank in rank order.
   void reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op, bool out_is_an_input);
+  int64_t held_by_all() const;
   const Buffer* buffer_of(const torch::Tensor& tensor, std::shared_ptr<Region>& region) const;
   void allreduce_where_it_lies(const torch::Tensor& tensor, const Buffer& buffer, const Region& region, ReduceOp op);
   std::vector<std::string> exchange_records(const std::string& mine);
