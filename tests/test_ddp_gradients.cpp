@@ -12,6 +12,9 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace lockstep {
 namespace {
@@ -236,6 +239,155 @@ TEST(DdpThreads, ParametersInAnotherMemoryFormatThanRankZerosAreAnErrorOnEveryRa
     EXPECT_NE(message.find("rank 1's parameters differ from rank 0's at parameter 2: rank 0 has 'conv.weight' "
                            "[8, 3, 3, 3] Float, rank 1 has " + theirs + ". Every rank must build the same model, with "
                            "the same parameters in the same order and memory format."), std::string::npos) << message;
+  });
+}
+
+// Note [Gradients that are bucket slots]: without gradient_as_bucket_view, a
+// CPU parameter's .grad that nothing else holds becomes its bucket slot,
+// where PyTorch copies the average into it; a .grad the caller holds keeps
+// PyTorch's values.
+struct TwoLayersImpl : torch::nn::Module {
+  TwoLayersImpl() {
+    a = register_module("a", torch::nn::Linear(6, 5));
+    b = register_module("b", torch::nn::Linear(5, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return b(torch::relu(a(x))).pow(2).sum();
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwoLayers);
+
+// A backward of `ddp` on this rank's batch of `step`, after zero_grad() of
+// either kind; returns every parameter's average over the ranks, computed
+// apart from DDP (from identical copies of the model).
+std::vector<torch::Tensor> step_and_average(TwoLayers& net, DistributedDataParallel<TwoLayers>& ddp,
+                                            ProcessGroup& group, int step, bool set_to_none) {
+  TwoLayers copy;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : net->named_parameters()) {
+      copy->named_parameters()[p.key()].copy_(p.value());
+    }
+  }
+  for (auto& p : net->parameters()) {
+    if (set_to_none) {
+      p.mutable_grad().reset();
+    } else if (p.grad().defined()) {
+      p.mutable_grad().zero_();
+    }
+  }
+  const auto x = torch::linspace(-1, 1, 24).view({4, 6}) * (1 + step) + group.rank();
+  ddp(x).backward();
+  copy(x).backward();
+  std::vector<torch::Tensor> averages;
+  for (const auto& p : copy->parameters()) {
+    const auto all = group.all_gather(p.grad());
+    averages.push_back((all[0] + all[1]) / 2);
+  }
+  return averages;
+}
+
+void expect_averages(const TwoLayers& net, const std::vector<torch::Tensor>& averages, const std::string& when) {
+  const auto params = net->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(params[i].grad(), averages[i], 1e-5, 1e-6)) << "parameter " << i << ", " << when;
+  }
+}
+
+const void* storage_of(const torch::Tensor& t) {
+  return t.storage().unsafeGetStorageImpl();
+}
+
+// Under the built-in allreduce, comm_hooks::allreduce and PowerSGD (which
+// compresses from the first iteration here, so its averages are not exact).
+TEST(DdpThreads, GradientsThatNothingElseHoldsBecomeTheirBucketSlots) {
+  for (const bool set_to_none : {true, false}) {
+    for (const std::string hook : {"none", "allreduce", "powersgd"}) {
+      testing::spawn(2, [&](ProcessGroup& group) {
+        torch::manual_seed(1);
+        TwoLayers net;
+        auto options = DistributedOptions();
+        if (hook == "allreduce") {
+          options.comm_hook(comm_hooks::allreduce);
+        } else if (hook == "powersgd") {
+          options.comm_hook(comm_hooks::powersgd(PowerSGDOptions().rank(1).start_iteration(0)));
+        }
+        DistributedDataParallel<TwoLayers> ddp(net, group, options);
+        const void* bucket = nullptr;
+        for (int step = 0; step < 4; ++step) {
+          const auto averages = step_and_average(net, ddp, group, step, set_to_none);
+          const std::string when =
+              "step " + std::to_string(step) + (set_to_none ? ", set to none" : ", zeroed") + ", hook " + hook;
+          if (hook != "powersgd") {
+            expect_averages(net, averages, when);
+          }
+          // one bucket: every .grad on its storage
+          for (const auto& p : net->parameters()) {
+            EXPECT_EQ(storage_of(p.grad()), storage_of(net->a->weight.grad())) << when;
+          }
+          // Once the buckets are rebuilt (at step 1's forward), nothing held
+          // them, so no backward moved anything out of them.
+          if (step >= 2) {
+            EXPECT_EQ(storage_of(net->a->weight.grad()), bucket) << when;
+          }
+          bucket = storage_of(net->a->weight.grad());
+        }
+      });
+    }
+  }
+}
+
+// What the caller keeps of a step's .grad keeps that step's values through
+// the next backward, as in PyTorch, whose next backward makes .grad anew
+// after zero_grad() set it to none; zeroed in place, the kept tensor is
+// .grad itself, and takes the next average, as in PyTorch. Under
+// gradient_as_bucket_view the kept tensor is the slot, and .grad, either way.
+TEST(DdpThreads, AGradientTheCallerKeptKeepsPyTorchsValuesThroughTheNextBackwards) {
+  for (const auto& [set_to_none, views] : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true},
+                                           std::pair{false, true}}) {
+    testing::spawn(2, [&, set_to_none = set_to_none, views = views](ProcessGroup& group) {
+      torch::manual_seed(1);
+      TwoLayers net;
+      DistributedDataParallel<TwoLayers> ddp(net, group, DistributedOptions().gradient_as_bucket_view(views));
+      for (int step = 0; step < 2; ++step) { // past the rebuild
+        step_and_average(net, ddp, group, step, set_to_none);
+      }
+      const auto kept = net->a->weight.grad();
+      const auto kept_values = kept.clone();
+      for (int step = 2; step < 4; ++step) {
+        const auto averages = step_and_average(net, ddp, group, step, set_to_none);
+        const std::string when =
+            "step " + std::to_string(step) + (set_to_none ? ", set to none" : ", zeroed") + (views ? ", views" : "");
+        expect_averages(net, averages, when);
+        if (set_to_none && !views) {
+          EXPECT_TRUE(torch::equal(kept, kept_values)) << when;
+        } else {
+          EXPECT_TRUE(kept.is_same(net->a->weight.grad())) << when;
+          EXPECT_TRUE(torch::allclose(kept, averages[0], 1e-5, 1e-6)) << when;
+        }
+      }
+      // The other gradients, which nothing held, are slots again.
+      EXPECT_EQ(storage_of(net->a->bias.grad()), storage_of(net->b->weight.grad()));
+    });
+  }
+}
+
+// A .grad the caller set and holds stays that tensor, and takes the average.
+TEST(DdpThreads, AGradTheCallerHoldsStaysItsTensorAndTakesTheAverage) {
+  testing::spawn(2, [&](ProcessGroup& group) {
+    torch::manual_seed(1);
+    TwoLayers net;
+    DistributedDataParallel<TwoLayers> ddp(net, group);
+    for (int step = 0; step < 3; ++step) {
+      const auto mine = torch::zeros_like(net->b->weight);
+      const auto averages = step_and_average(net, ddp, group, step, /*set_to_none=*/true);
+      EXPECT_FALSE(mine.is_same(net->b->weight.grad()));
+      net->b->weight.mutable_grad() = mine;
+      const auto next = step_and_average(net, ddp, group, step + 10, /*set_to_none=*/false);
+      EXPECT_TRUE(mine.is_same(net->b->weight.grad())) << "step " << step;
+      expect_averages(net, next, "step " + std::to_string(step));
+    }
   });
 }
 

@@ -36,7 +36,12 @@ struct DistributedOptions {
   /// gradient-sized memory besides the buckets. A .grad keeps its
   /// parameter's strides (channels-last) except for a parameter whose
   /// dimension 0 is not outermost in memory (a transposed matrix), whose
-  /// .grad is contiguous.
+  /// .grad is contiguous. Without it, .grad holds PyTorch's values and stays
+  /// any tensor you hold; on the CPU a .grad that nothing else holds (the
+  /// one backward makes after zero_grad() set it to none) still becomes its
+  /// bucket slot, and a slot you keep keeps its values through the next
+  /// backward (Note [Gradients that are bucket slots] in
+  /// src/ddp/reducer_slots.cpp).
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// How a bucket is reduced: comm_hooks::allreduce, fp16_compress,
   /// bf16_compress, or your own. Empty (the default): the built-in allreduce,

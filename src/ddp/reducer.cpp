@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <utility>
 
 namespace lockstep {
 namespace detail {
@@ -122,12 +123,12 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
     built.push_back(std::move(bucket));
   }
   plan = agree_on_plan(group, "DistributedDataParallel's buckets", plan_items, params[0].device(), kBucketPlanHint);
-  const auto memory = bucket_memory(plan_items);
+  auto memory = bucket_memory(plan_items);
   for (size_t b = 0; b < built.size(); ++b) {
     auto& bucket = built[b];
     const auto options = params[bucket.params.front()].options().requires_grad(false);
-    bucket.buffer =
-        memory.empty() ? torch::zeros({plan_items[b].elements}, options) : memory[b].view(plan_items[b].dtype);
+    bucket.buffer = memory.empty() ? torch::zeros({plan_items[b].elements}, options)
+                                   : std::exchange(memory[b], torch::Tensor()).view(plan_items[b].dtype);
     int64_t offset = 0;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const auto& p = params[bucket.params[k]];
@@ -140,11 +141,23 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
       slot_of[bucket.params[k]] = {b, k};
       offset += p.numel();
     }
+    bucket.own_references = bucket.buffer.storage().use_count();
+  }
+  // Under gradient_as_bucket_view every .grad moves into its new slot; else
+  // those that are slots of the buckets replaced here and that nothing else
+  // holds (Note [Gradients that are bucket slots]).
+  std::vector<char> moving(params.size(), options.gradient_as_bucket_view() ? 1 : 0);
+  for (const auto& old : buckets) {
+    if (held_elsewhere(old)) {
+      continue;
+    }
+    for (size_t k = 0; k < old.params.size(); ++k) {
+      const auto& grad = params[old.params[k]].grad();
+      moving[old.params[k]] |= grad.defined() && grad.unsafeGetTensorImpl() == old.views[k].unsafeGetTensorImpl();
+    }
   }
   buckets = std::move(built);
-  if (options.gradient_as_bucket_view()) {
-    move_gradients_into_slots();
-  }
+  move_gradients_into_slots(moving);
 }
 
 // Note [Buffers every rank can reach]: the built-in allreduce of a CPU
@@ -169,11 +182,11 @@ std::vector<torch::Tensor> Reducer::State::bucket_memory(const std::vector<PlanI
 // undefined .grad stays undefined until a backward reaches it, as in
 // c10d's Reducer::initialize_bucket_views: a zero .grad from construction
 // would let an optimizer step apply weight decay before any backward.
-void Reducer::State::move_gradients_into_slots() {
+void Reducer::State::move_gradients_into_slots(const std::vector<char>& which) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
     auto& grad = params[i].mutable_grad();
-    if (grad.defined()) {
+    if (which[i] && grad.defined()) {
       auto& view = buckets[slot_of[i].first].views[slot_of[i].second];
       view.copy_(grad);
       grad = view;
@@ -315,6 +328,7 @@ void Reducer::prepare_for_backward(bool sync) {
   for (auto& b : s.buckets) {
     b.pending = b.params.size();
     b.result.reset();
+    b.checked = false;
   }
 }
 
@@ -325,7 +339,7 @@ void Reducer::shadow_backward() {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < s.params.size(); ++i) {
     if (!s.ready[i]) {
-      s.buckets[s.slot_of[i].first].views[s.slot_of[i].second].zero_();
+      s.writable_slot(i).zero_();
       s.mark_ready(i);
     }
   }
@@ -397,7 +411,7 @@ void Reducer::State::autograd_hook(size_t index) {
 // The parameter's .grad into its bucket slot, divided for the built-in
 // allreduce; zeros when it has none.
 void Reducer::State::copy_in(size_t index) {
-  auto& view = buckets[slot_of[index].first].views[slot_of[index].second];
+  auto& view = writable_slot(index);
   auto& grad = params[index].mutable_grad();
   torch::NoGradGuard no_grad;
   TORCH_CHECK(!grad.defined() || grad.layout() == torch::kStrided, where(), "parameter '", names[index],
@@ -410,7 +424,7 @@ void Reducer::State::copy_in(size_t index) {
   const bool built_in = !options.comm_hook();
   if (!grad.defined()) {
     view.zero_();
-  } else if (options.gradient_as_bucket_view() && grad.data_ptr() == view.data_ptr()) {
+  } else if (grad.data_ptr() == view.data_ptr()) { // .grad is the slot (Note [Gradients that are bucket slots])
     if (built_in) {
       view.div_(divisor);
     }
@@ -441,8 +455,8 @@ void Reducer::State::copy_in(size_t index) {
 // that tensor, and copy_out points it at the slot only if some rank used it.
 void Reducer::State::copy_in_unused(size_t index) {
   torch::NoGradGuard no_grad;
+  auto& view = writable_slot(index); // before `grad` below holds the slot too
   const auto grad = params[index].grad();
-  auto& view = buckets[slot_of[index].first].views[slot_of[index].second];
   const bool may_be_unused = options.find_unused_parameters() || options.static_graph();
   const bool is_slot = grad.defined() && grad.data_ptr() == view.data_ptr();
   if (may_be_unused && is_slot) {

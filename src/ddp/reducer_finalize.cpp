@@ -168,10 +168,12 @@ void Reducer::State::copy_out(size_t b, const torch::Tensor& reduced) {
       if (saved.defined()) {
         bucket.views[k].copy_(saved);
       }
-    } else if (options.gradient_as_bucket_view()) {
-      grad = bucket.views[k];
+    } else if (options.gradient_as_bucket_view() || slot_may_become_grad(index, bucket.views[k])) {
+      grad = bucket.views[k]; // Note [Gradients that are bucket slots]
     } else if (grad.defined()) {
-      grad.copy_(bucket.views[k]);
+      if (grad.data_ptr() != bucket.views[k].data_ptr()) {
+        grad.copy_(bucket.views[k]);
+      }
     } else {
       grad = bucket.views[k].clone();
     }

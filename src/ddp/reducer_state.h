@@ -141,6 +141,11 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     std::string name;
     int64_t bytes = 0;
     timeline::Span allreduce_span; // from its launch to its wait (Note [Timeline] in src/util/timeline.cpp)
+    // Note [Gradients that are bucket slots]: the references to the buffer's
+    // storage that the buffer and the views make, and whether this backward
+    // has checked for others before writing.
+    size_t own_references = 0;
+    bool checked = false;
   };
 
   std::vector<torch::Tensor> params;
@@ -201,9 +206,16 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void build_buckets(const std::vector<size_t>& order);
   // Memory for the buckets of `items` that every rank maps, or none.
   std::vector<torch::Tensor> bucket_memory(const std::vector<PlanItem>& items) const;
-  // gradient_as_bucket_view: each defined .grad copied into its bucket slot, and made the slot.
-  void move_gradients_into_slots();
+  // Each defined .grad of `which` copied into its bucket slot, and made the slot.
+  void move_gradients_into_slots(const std::vector<char>& which);
   void autograd_hook(size_t index);
+  // Note [Gradients that are bucket slots]: the parameter's slot, once what
+  // others hold of its bucket has moved to memory of their own.
+  torch::Tensor& writable_slot(size_t index);
+  bool held_elsewhere(const Bucket& bucket) const;
+  void move_out_holders(Bucket& bucket);
+  // Whether copy_out may make the parameter's slot its .grad instead of copying into it.
+  bool slot_may_become_grad(size_t index, const torch::Tensor& slot) const;
   void copy_in(size_t index);
   void copy_in_unused(size_t index);
   void mark_ready(size_t index);
