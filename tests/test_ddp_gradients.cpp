@@ -355,6 +355,7 @@ TEST(DdpThreads, AGradientTheCallerKeptKeepsPyTorchsValuesThroughTheNextBackward
       }
       const auto kept = net->a->weight.grad();
       const auto kept_values = kept.clone();
+      ASSERT_EQ(storage_of(kept), storage_of(net->b->weight.grad())) << "a slot, one bucket";
       for (int step = 2; step < 4; ++step) {
         const auto averages = step_and_average(net, ddp, group, step, set_to_none);
         const std::string when =
@@ -387,6 +388,66 @@ TEST(DdpThreads, AGradTheCallerHoldsStaysItsTensorAndTakesTheAverage) {
       const auto next = step_and_average(net, ddp, group, step + 10, /*set_to_none=*/false);
       EXPECT_TRUE(mine.is_same(net->b->weight.grad())) << "step " << step;
       expect_averages(net, next, "step " + std::to_string(step));
+    }
+  });
+}
+
+// A view of a .grad that is its slot sees what .grad holds, as in PyTorch:
+// zero_grad() in place (LibTorch 1.13's only kind), an accumulation under
+// no_sync, and the next average.
+TEST(DdpThreads, AViewOfAGradThatIsItsSlotFollowsTheGrad) {
+  for (const bool accumulate : {false, true}) {
+    testing::spawn(2, [&](ProcessGroup& group) {
+      torch::manual_seed(1);
+      TwoLayers net;
+      DistributedDataParallel<TwoLayers> ddp(net, group);
+      for (int step = 0; step < 2; ++step) { // past the rebuild
+        step_and_average(net, ddp, group, step, /*set_to_none=*/true);
+      }
+      const auto view = net->a->weight.grad().view({-1});
+      ASSERT_EQ(storage_of(view), storage_of(net->b->weight.grad())) << "a slot, one bucket";
+      for (int step = 2; step < 4; ++step) {
+        const std::string when = "step " + std::to_string(step) + (accumulate ? ", after no_sync" : "");
+        torch::Tensor extra; // what the no_sync pass adds, the same on both ranks
+        if (accumulate) {
+          for (auto& p : net->parameters()) {
+            p.mutable_grad().zero_();
+          }
+          auto guard = ddp->no_sync();
+          ddp(torch::ones({2, 6})).backward();
+          EXPECT_TRUE(torch::equal(view, net->a->weight.grad().view({-1}))) << when;
+          extra = net->a->weight.grad().clone();
+        }
+        const auto averages = accumulate ? std::vector<torch::Tensor>{} : step_and_average(net, ddp, group, step, false);
+        if (accumulate) {
+          const auto x = torch::linspace(-1, 1, 24).view({4, 6}) + group.rank();
+          ddp(x).backward();
+        }
+        EXPECT_TRUE(torch::equal(view, net->a->weight.grad().view({-1}))) << when;
+        if (!accumulate) {
+          EXPECT_TRUE(torch::allclose(view, averages[0].view({-1}), 1e-5, 1e-6)) << when;
+        } else {
+          EXPECT_FALSE(torch::allclose(net->a->weight.grad(), extra)) << when << ": the synced backward was averaged in";
+        }
+      }
+    });
+  }
+}
+
+// A slot kept from the first step keeps its values after the buckets are
+// rebuilt (at the second forward) and through later backwards.
+TEST(DdpThreads, ASlotKeptAcrossTheRebuildKeepsItsValues) {
+  testing::spawn(2, [&](ProcessGroup& group) {
+    torch::manual_seed(1);
+    TwoLayers net;
+    DistributedDataParallel<TwoLayers> ddp(net, group, DistributedOptions().bucket_bytes(128).first_bucket_bytes(64));
+    step_and_average(net, ddp, group, 0, /*set_to_none=*/true);
+    const auto kept = net->b->weight.grad();
+    const auto kept_values = kept.clone();
+    for (int step = 1; step < 4; ++step) {
+      const auto averages = step_and_average(net, ddp, group, step, /*set_to_none=*/true);
+      expect_averages(net, averages, "step " + std::to_string(step));
+      EXPECT_TRUE(torch::equal(kept, kept_values)) << "step " << step;
     }
   });
 }

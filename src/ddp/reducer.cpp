@@ -127,8 +127,11 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
   for (size_t b = 0; b < built.size(); ++b) {
     auto& bucket = built[b];
     const auto options = params[bucket.params.front()].options().requires_grad(false);
+    // On shared memory, set_() rather than view(dtype): the buffer holds no
+    // base tensor, only the storage (Note [Gradients that are bucket slots]).
     bucket.buffer = memory.empty() ? torch::zeros({plan_items[b].elements}, options)
-                                   : std::exchange(memory[b], torch::Tensor()).view(plan_items[b].dtype);
+                                   : torch::empty({0}, options).set_(memory[b].storage(), 0, {plan_items[b].elements}, {1});
+    bucket.shared = !memory.empty();
     int64_t offset = 0;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const auto& p = params[bucket.params[k]];
@@ -141,21 +144,8 @@ void Reducer::State::build_buckets(const std::vector<size_t>& order) {
       slot_of[bucket.params[k]] = {b, k};
       offset += p.numel();
     }
-    bucket.own_references = bucket.buffer.storage().use_count();
   }
-  // Under gradient_as_bucket_view every .grad moves into its new slot; else
-  // those that are slots of the buckets replaced here and that nothing else
-  // holds (Note [Gradients that are bucket slots]).
-  std::vector<char> moving(params.size(), options.gradient_as_bucket_view() ? 1 : 0);
-  for (const auto& old : buckets) {
-    if (held_elsewhere(old)) {
-      continue;
-    }
-    for (size_t k = 0; k < old.params.size(); ++k) {
-      const auto& grad = params[old.params[k]].grad();
-      moving[old.params[k]] |= grad.defined() && grad.unsafeGetTensorImpl() == old.views[k].unsafeGetTensorImpl();
-    }
-  }
+  const auto moving = gradients_to_move();
   buckets = std::move(built);
   move_gradients_into_slots(moving);
 }
@@ -177,11 +167,13 @@ std::vector<torch::Tensor> Reducer::State::bucket_memory(const std::vector<PlanI
 }
 
 // .grad is the bucket slot: backward accumulates into the bucket, and no
-// copy or gradient-sized memory is needed besides it. A gradient already
-// there (an earlier bucket's slot, or one the caller set) moves in. An
-// undefined .grad stays undefined until a backward reaches it, as in
-// c10d's Reducer::initialize_bucket_views: a zero .grad from construction
-// would let an optimizer step apply weight decay before any backward.
+// copy or gradient-sized memory is needed besides it. Under
+// gradient_as_bucket_view a gradient already there (an earlier bucket's
+// slot, or one the caller set) moves in; otherwise, one that was a slot
+// (gradients_to_move). An undefined .grad stays undefined until a backward
+// reaches it, as in c10d's Reducer::initialize_bucket_views: a zero .grad
+// from construction would let an optimizer step apply weight decay before
+// any backward.
 void Reducer::State::move_gradients_into_slots(const std::vector<char>& which) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {

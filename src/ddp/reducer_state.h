@@ -1,7 +1,8 @@
 #pragma once
 
 // Internal: the reducer's state, shared by src/ddp/reducer.cpp (buckets, hooks,
-// the step's start) and src/ddp/reducer_finalize.cpp (the end of backward).
+// the step's start), src/ddp/reducer_finalize.cpp (the end of backward) and
+// src/ddp/reducer_slots.cpp (.grad as its bucket slot).
 
 #include <lockstep/distributed_options.h>
 #include <lockstep/timeline.h>
@@ -34,7 +35,8 @@ namespace detail {
 // first hook queues finalize_backward on the engine, which runs when backward
 // ends: parameters that got no gradient are reduced with what .grad holds,
 // zeros if nothing (Note [Unused parameters]), so that no rank
-// waits forever; every bucket is waited for and copied back into .grad, and,
+// waits forever; every bucket is waited for and copied back into .grad (or
+// made .grad: Note [Gradients that are bucket slots]), and,
 // in plain mode (neither find_unused_parameters nor static_graph), one more
 // tiny allreduce tells every rank whether any rank had parameters without
 // gradients, so that they all raise the error instead of one raising and the
@@ -141,11 +143,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     std::string name;
     int64_t bytes = 0;
     timeline::Span allreduce_span; // from its launch to its wait (Note [Timeline] in src/util/timeline.cpp)
-    // Note [Gradients that are bucket slots]: the references to the buffer's
-    // storage that the buffer and the views make, and whether this backward
-    // has checked for others before writing.
-    size_t own_references = 0;
-    bool checked = false;
+    bool shared = false; // in memory every rank maps (Note [Buffers every rank can reach])
+    bool checked = false; // Note [Gradients that are bucket slots]: this backward looked for holders
   };
 
   std::vector<torch::Tensor> params;
@@ -214,6 +213,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   torch::Tensor& writable_slot(size_t index);
   bool held_elsewhere(const Bucket& bucket) const;
   void move_out_holders(Bucket& bucket);
+  // Before the buckets are replaced: which .grad move into the new slots.
+  std::vector<char> gradients_to_move() const;
   // Whether copy_out may make the parameter's slot its .grad instead of copying into it.
   bool slot_may_become_grad(size_t index, const torch::Tensor& slot) const;
   void copy_in(size_t index);

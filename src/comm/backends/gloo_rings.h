@@ -55,7 +55,10 @@ class RingThread {
     }
   }
   std::shared_future<void> run(std::function<void()> ring) {
-    std::packaged_task<void()> task(std::move(ring));
+    // The ring, and the tensors it holds, are released before its future is
+    // ready: a caller that counts who holds a tensor (Note [Gradients that
+    // are bucket slots]) must not find the finished ring among them.
+    std::packaged_task<void()> task([ring = std::move(ring)]() mutable { std::exchange(ring, nullptr)(); });
     auto done = task.get_future().share();
     {
       std::lock_guard<std::mutex> lock(mutex_);

@@ -22,6 +22,7 @@
 #include <limits>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 namespace lockstep {
 namespace detail {
@@ -527,9 +528,9 @@ class MpiGroup : public GroupImpl {
     auto pending = std::make_shared<Pending>();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      queue_.emplace_back([pending, call = std::move(call)] {
+      queue_.emplace_back([pending, call = std::move(call)]() mutable {
         pending->started = true;
-        std::string error = call();
+        std::string error = std::exchange(call, nullptr)(); // its tensors released before it is done, as in gloo_rings.h
         std::lock_guard<std::mutex> done_lock(pending->mutex);
         pending->error = std::move(error);
         pending->done = true;
