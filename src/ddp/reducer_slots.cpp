@@ -48,8 +48,9 @@ namespace detail {
 // graph that saved that .grad sees no version change. On the CPU
 // gradient_as_bucket_view still matters: with it, .grad is the slot whoever
 // holds it, and the next backward writes the slot a kept .grad is.
-// On the MLP on two cores, side by side, DDP's steps per second rose 1.10 x
-// over MPI and 1.04 x over Gloo (docs/performance.md, "DDP on CPU").
+// On the MLP on two cores, side by side, DDP's steps per second rose 1.01
+// to 1.10 x over MPI, 1.04 x over Gloo and 1.06 x under PowerSGD
+// (docs/performance.md, "DDP on CPU").
 
 // Under gradient_as_bucket_view a kept .grad is the slot, as in PyTorch:
 // the next backward accumulates into it, and the average replaces it.
