@@ -208,6 +208,32 @@ TEST(PlannedCollectives, APlannedAverageCanBeWaitedOnAgain) {
   });
 }
 
+// A planned average that the backend divides (GroupImpl::averages, Gloo's
+// threads through shared memory): each rank's words go in times the group's
+// size, and the division gives them back exactly at 3 ranks too; another
+// item on one rank is still an error on every rank that names both.
+TEST(PlannedCollectives, APlannedAverageThatTheBackendDividesCarriesItsWordsExactly) {
+  const auto errors = testing::strings_by_rank(3, [](ProcessGroup& group) {
+    EXPECT_TRUE(group.averages_in_backend(torch::kFloat));
+    const int64_t plan = two_item_plan(group);
+    auto average = [&](int64_t item, torch::Tensor& bucket) {
+      detail::PlannedCollective planned(plan, item);
+      group.allreduce_async({bucket}, ReduceOp::Avg, "an average of bucket " + std::to_string(item))->wait();
+    };
+    auto bucket = torch::full({kGradients + detail::plan_words_elements(group.size())}, 3.0f * (group.rank() + 1));
+    average(1, bucket);
+    EXPECT_TRUE(bucket.narrow(0, 0, kGradients).eq(6).all().item<bool>()) << "rank " << group.rank();
+    EXPECT_EQ(detail::plan_words_disagreement(words_of(bucket, group), group.size()), "");
+    EXPECT_GT(words_of(bucket, group).abs().sum().item<float>(), 0) << "the words are missing";
+    return testing::message_of([&] { average(group.rank() == 2 ? 0 : 1, bucket); });
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("ranks disagree on this collective, found once it completed"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("but rank 2 sent item 0 of plan"), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
 // Note [Recurring plans]: the first iteration is recorded and checked, the
 // next agrees on it and goes planned, item by item, until an item differs;
 // from there the iteration is checked, and the one after agrees anew.

@@ -452,5 +452,46 @@ TEST(SharedMemoryCollectives, AnAllreduceOfASharedBufferMeetingOneOfOtherMemoryF
                            "rank 1's is an allreduce of 8 elements of Float (sum)"), std::string::npos) << errors[1];
 }
 
+// Note [An average divided where it is summed]: an Avg of float or double,
+// in a shared buffer or staged through the segments, is the sum in rank
+// order divided by the group's size, the bits of a Sum then Tensor::div_;
+// the group asks the backend to average those types only.
+TEST(SharedMemoryCollectives, AnAverageIsTheSumDividedOnceWhereverItLies) {
+  for (int size : {2, 3}) {
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      const int64_t numel = 3000001; // pieces of a segment, staged
+      std::mutex mutex;
+      on_transports(size, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+        ASSERT_NE(transport, nullptr);
+        const auto values = torch::arange(numel, dtype).mul(0.37 * (rank + 1)).sin().mul(1000.0 / (rank + 1));
+        auto summed = values.clone();
+        transport->allreduce(summed, ReduceOp::Sum);
+        summed.div_(size);
+        auto staged = values.clone();
+        transport->allreduce(staged, ReduceOp::Avg);
+        auto shared = transport->share({numel * static_cast<int64_t>(c10::elementSize(dtype))})[0].view(dtype);
+        shared.copy_(values);
+        transport->allreduce(shared, ReduceOp::Avg);
+        std::lock_guard<std::mutex> lock(mutex);
+        EXPECT_TRUE(torch::equal(staged, summed)) << "rank " << rank << " of " << size << ", " << dtype;
+        EXPECT_TRUE(torch::equal(shared, summed)) << "rank " << rank << " of " << size << ", " << dtype;
+      });
+    }
+  }
+  EXPECT_FALSE(SharedMemoryCollectives::fits(torch::ones({4}, torch::kHalf), ReduceOp::Avg));
+  EXPECT_FALSE(SharedMemoryCollectives::fits(torch::ones({4}, torch::kLong), ReduceOp::Avg));
+  for (const char* shm : {"1", "0"}) {
+    setenv("LOCKSTEP_GLOO_SHM", shm, 1);
+    testing::spawn(2, [&](ProcessGroup& group) {
+      EXPECT_EQ(group.averages_in_backend(torch::kFloat), *shm == '1') << "LOCKSTEP_GLOO_SHM=" << shm;
+      EXPECT_FALSE(group.averages_in_backend(torch::kBFloat16));
+      auto t = torch::full({5}, static_cast<float>(group.rank()) + 0.5f);
+      group.allreduce(t, ReduceOp::Avg);
+      EXPECT_TRUE(t.eq(1.0f).all().item<bool>()) << t;
+    });
+    unsetenv("LOCKSTEP_GLOO_SHM");
+  }
+}
+
 } // namespace
 } // namespace lockstep

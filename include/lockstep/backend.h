@@ -61,8 +61,9 @@ class GroupImpl {
   virtual std::string backend() const = 0;
   /// How long a collective may take before it is an error.
   virtual std::chrono::milliseconds timeout() const = 0;
-  /// Every rank's `tensors` reduced by `op` (Sum, Max or Min: ProcessGroup
-  /// does Avg itself), in place on every rank.
+  /// Every rank's `tensors` reduced by `op` (Sum, Max or Min; Avg only
+  /// where averages() says so, as ProcessGroup does it otherwise), in place
+  /// on every rank.
   virtual std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) = 0;
   /// Rank `root`'s `tensors` copied into every rank's.
   virtual std::shared_ptr<Work> broadcast(std::vector<torch::Tensor>& tensors, int root, std::string what) = 0;
@@ -83,6 +84,18 @@ class GroupImpl {
   virtual bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const {
     (void)op, (void)dtype, (void)device;
     return true;
+  }
+  /// Whether allreduce() takes ReduceOp::Avg of a non-empty contiguous
+  /// tensor of floating-point `dtype` (ProcessGroup asks for no other) on
+  /// `device` itself: the sum in rank order, then
+  /// divided by size() (Tensor::div_), the same bits as ProcessGroup's own
+  /// Avg (Note [Average] in src/comm/process_group.cpp), but divided in the
+  /// backend's own pass over the memory, and only the part each rank reduces
+  /// (Note [An average divided where it is summed] in
+  /// src/comm/backends/shared_memory_collectives.cpp). This default does not.
+  virtual bool averages(torch::ScalarType dtype, torch::Device device) const {
+    (void)dtype, (void)device;
+    return false;
   }
   /// Whether starting a collective costs little beside moving its bytes
   /// (shared memory, NCCL's kernels), rather than a network round trip and

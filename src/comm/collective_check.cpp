@@ -255,7 +255,8 @@ class CheckedGroup : public ForwardingGroup {
       if (job->words.defined()) {
         PlanWords words = current_plan_words();
         words.seq = seq;
-        write_plan_words(job->words, job->rank, job->size, words);
+        write_plan_words(job->words, job->rank, job->size, words,
+                         kind == kAllreduce && arg == static_cast<int64_t>(ReduceOp::Avg));
         if (queue_.empty() && !busy_) {
           run(*job); // nothing to check first, nor to wait for: started here, in order, without a thread hop
           return std::make_shared<QueuedWork>(std::move(job));
@@ -272,8 +273,9 @@ class CheckedGroup : public ForwardingGroup {
   // undefined, with the room zeroed (its sum is not read).
   torch::Tensor planned_words(Kind kind, int64_t arg, const std::vector<torch::Tensor>& tensors) {
     const int64_t room = plan_words_elements(size());
-    if (current_plan_words().plan < 0 || kind != kAllreduce || arg != static_cast<int64_t>(ReduceOp::Sum) ||
-        tensors.size() != 1 || room == 0) {
+    // An Avg reaches here only where the backend averages (GroupImpl::averages).
+    const bool adds = arg == static_cast<int64_t>(ReduceOp::Sum) || arg == static_cast<int64_t>(ReduceOp::Avg);
+    if (current_plan_words().plan < 0 || kind != kAllreduce || !adds || tensors.size() != 1 || room == 0) {
       return {};
     }
     const auto& t = tensors[0];

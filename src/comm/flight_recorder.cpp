@@ -71,7 +71,7 @@ enum Op : int64_t { kAllreduce = 0, kBroadcast = 1, kAllGather = 2, kBarrier = 3
 const char* kReduceNames[] = {"sum", "avg", "max", "min"};
 
 // What the caller asked for, not what reaches the backend: an Avg is a Sum
-// there (Note [Average]), and a record that said "sum" for both would hide
+// there unless the backend averages (Note [Average]), and a record that said "sum" for both would hide
 // ranks that disagree on it from the desync report.
 const char* reduction_name(ReduceOp backend_op) {
   return kReduceNames[caller_reduction(static_cast<int64_t>(backend_op))];

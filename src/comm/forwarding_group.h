@@ -1,7 +1,7 @@
 #pragma once
 
 // Internal: a GroupImpl that wraps another and passes on what describes it
-// (rank, size, backend, timeout, what it supports). The wrappers, the
+// (rank, size, backend, timeout, what it supports and averages). The wrappers, the
 // agreement check (src/comm/collective_check.cpp) and the flight recorder
 // (src/comm/flight_recorder.cpp), override the collectives.
 
@@ -33,6 +33,9 @@ class ForwardingGroup : public GroupImpl {
   }
   bool supports(Collective op, torch::ScalarType dtype, torch::Device device) const override {
     return inner_->supports(op, dtype, device);
+  }
+  bool averages(torch::ScalarType dtype, torch::Device device) const override {
+    return inner_->averages(dtype, device);
   }
   bool cheap_collective_starts() const override {
     return inner_->cheap_collective_starts();

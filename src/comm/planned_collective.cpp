@@ -290,9 +290,14 @@ PlanWords current_plan_words() {
   return words;
 }
 
-void write_plan_words(torch::Tensor room, int rank, int size, const PlanWords& words) {
+void write_plan_words(torch::Tensor room, int rank, int size, const PlanWords& words, bool averaged) {
   TORCH_INTERNAL_ASSERT(room.numel() == plan_words_elements(size) && rank < size);
-  const auto digits = digits_of(words);
+  TORCH_INTERNAL_ASSERT(!averaged || room.scalar_type() == torch::kFloat || room.scalar_type() == torch::kDouble,
+                        "averaged words need a float or double tensor");
+  auto digits = digits_of(words);
+  for (auto& d : digits) {
+    d *= averaged ? size : 1; // below 256 * kMaxPlanRanks = 2^16: float holds it, and its quotient, exactly
+  }
   room.zero_();
   room.narrow(0, rank * kDigits, kDigits)
       .copy_(torch::tensor(std::vector<int64_t>(digits.begin(), digits.end()), torch::kLong));

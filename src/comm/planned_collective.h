@@ -67,7 +67,7 @@ class RecurringPlan {
 int64_t plan_words_elements(int size);
 
 /// While alive, the collective this thread starts is item `item` of the
-/// plan `plan`: an allreduce (Sum) whose tensor's last plan_words_elements()
+/// plan `plan`: an allreduce (Sum, or Avg where the backend averages) whose tensor's last plan_words_elements()
 /// elements are free for the words, or an all-gather or reduce-scatter,
 /// whose words a backend that carries them sends beside it (Note [Planned
 /// rings]); any other is checked as before.
@@ -95,7 +95,10 @@ PlanWords current_plan_words();
 /// Writes `words` into rank `rank`'s slot of `room` (plan_words_elements(size)
 /// elements of a floating-point tensor) and zeros the other ranks' slots, so
 /// that after an allreduce (Sum) each slot holds its rank's words exactly.
-void write_plan_words(torch::Tensor room, int rank, int size, const PlanWords& words);
+/// `averaged`: the allreduce is an Avg that the backend divides (a float or
+/// double tensor), so each digit goes in times `size`, which the division
+/// leaves exactly.
+void write_plan_words(torch::Tensor room, int rank, int size, const PlanWords& words, bool averaged = false);
 
 /// After the allreduce: "" when every rank's words in `room` equal rank 0's,
 /// otherwise the error every rank raises, naming both.

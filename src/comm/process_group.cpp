@@ -125,8 +125,9 @@ ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
 // Note [Average]
 // ~~~~~~~~~~~~~~
 // ReduceOp::Avg is a sum, then a division by the group's size once the sum is
-// done, here and nowhere else: Gloo has no AVG, MPI has none, and one way for
-// every backend gives every backend the same rounding. Integers are divided
+// done, here (or, where GroupImpl::averages says so, by the backend as it
+// sums, with the same rounding) and nowhere else: Gloo has no AVG, MPI has
+// none, and one way for every backend gives every backend the same rounding. Integers are divided
 // rounding down (floor, as Python's //): the type stays, as it does for
 // every other reduction, and a sum of -1 over two ranks averages to -1, not
 // 0. A bool has no average; its Sum is a logical or, its Max (as NCCL's c10d
@@ -158,8 +159,14 @@ std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> t
     detail::widen(packed);
   }
   std::vector<torch::Tensor> sent{packed.sent};
-  auto work = impl_->allreduce(sent, op == ReduceOp::Avg ? ReduceOp::Sum : op, std::move(what));
-  return detail::finish_after(std::move(work), std::move(packed), op == ReduceOp::Avg && !first ? size() : 0);
+  // The backend divides as it sums where it can (GroupImpl::averages): a
+  // float sum divided after is the same bits either way.
+  const bool backend_divides = op == ReduceOp::Avg && !first && packed.sent.numel() > 0 &&
+                               at::isFloatingType(packed.sent.scalar_type()) &&
+                               impl_->averages(packed.sent.scalar_type(), packed.sent.device());
+  const bool divide_after = op == ReduceOp::Avg && !first && !backend_divides;
+  auto work = impl_->allreduce(sent, op == ReduceOp::Avg && !backend_divides ? ReduceOp::Sum : op, std::move(what));
+  return detail::finish_after(std::move(work), std::move(packed), divide_after ? size() : 0);
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast_async(std::vector<torch::Tensor> tensors, int root, std::string what) const {
@@ -272,6 +279,10 @@ void ProcessGroup::barrier() const {
 
 bool ProcessGroup::supports(Collective op, torch::ScalarType dtype, torch::Device device) const {
   return detail::carrier_of(*impl_, op, dtype, device) != torch::ScalarType::Undefined;
+}
+
+bool ProcessGroup::averages_in_backend(torch::ScalarType dtype, torch::Device device) const {
+  return impl_->averages(dtype, device);
 }
 
 bool ProcessGroup::cheap_collective_starts() const {

@@ -348,6 +348,9 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
   bool pairs_collectives_by_kind(torch::Device device) const override {
     return device.is_cpu();
   }
+  bool averages(torch::ScalarType dtype, torch::Device device) const override {
+    return shm_ != nullptr && device.is_cpu() && SharedMemoryCollectives::averages(dtype);
+  }
   bool supports(Collective, torch::ScalarType dtype, torch::Device device) const override {
     if (!device.is_cpu() && !device.is_cuda()) {
       return false;

@@ -30,31 +30,24 @@ namespace {
 
 // Note [MPI's thread and timeouts]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Every MPI call of a group runs on that group's one communication thread, in
-// the order the collectives were started, which is the same on every rank.
-// The caller only queues them, so buckets are reduced while backward goes on,
-// as over Gloo. MPI is initialised with MPI_THREAD_SERIALIZED, the level this
-// needs: calls come from more than one thread (initialisation and the
-// communication thread), never at once.
+// Every MPI call of a group runs on that group's one communication thread, in the order the collectives
+// were started, which is the same on every rank. The caller only queues them, so buckets are reduced while
+// backward goes on, as over Gloo. MPI is initialised with MPI_THREAD_SERIALIZED, the level this needs:
+// calls come from more than one thread (initialisation and the communication thread), never at once.
 //
-// MPI has no timeout. A rank waiting on a collective that another rank never
-// starts would wait for good. So Work::wait() waits at most the group's
-// timeout; past it, it prints why (rank, collective, timeout) and brings the
-// whole job down with MPI_Abort, so that no rank hangs. It cannot throw and
-// let the program go on: its communication thread is still inside MPI, and
-// the next collective, or MPI_Finalize at exit, would hang. A rank that exits
-// without MPI_Finalize makes mpirun end the others.
+// MPI has no timeout. A rank waiting on a collective that another rank never starts would wait for good.
+// So Work::wait() waits at most the group's timeout; past it, it prints why (rank, collective, timeout)
+// and brings the whole job down with MPI_Abort, so that no rank hangs. It cannot throw and let the program
+// go on: its communication thread is still inside MPI, and the next collective, or MPI_Finalize at exit,
+// would hang. A rank that exits without MPI_Finalize makes mpirun end the others.
 //
-// While it waits inside a collective, Open MPI's shared-memory transport
-// polls without pause. That thread is one Open MPI does not count: on a
-// machine with no core to spare (2 ranks on 2 cores) its polling took the
-// core that the rank's own compute, or the other rank's, was waiting for,
-// and a sharded model's step, whose gathers run beside forward, lost up to
-// a quarter (docs/performance.md). So when lockstep initialises MPI, it asks
-// Open MPI to yield while idle, as Open MPI does by itself when
-// oversubscribed, unless the environment already says
-// (OMPI_MCA_mpi_yield_when_idle=0 restores polling). Other MPI libraries
-// ignore the variable.
+// While it waits inside a collective, Open MPI's shared-memory transport polls without pause. That thread
+// is one Open MPI does not count: on a machine with no core to spare (2 ranks on 2 cores) its polling took
+// the core that the rank's own compute, or the other rank's, was waiting for, and a sharded model's step,
+// whose gathers run beside forward, lost up to a quarter (docs/performance.md). So when lockstep
+// initialises MPI, it asks Open MPI to yield while idle, as Open MPI does by itself when oversubscribed,
+// unless the environment already says (OMPI_MCA_mpi_yield_when_idle=0 restores polling). Other MPI
+// libraries ignore the variable.
 
 std::atomic<bool> g_aborting{false};
 
@@ -159,9 +152,9 @@ MPI_Op mpi_op(ReduceOp op) {
     case ReduceOp::Min:
       return MPI_MIN;
     case ReduceOp::Avg:
-      break; // ProcessGroup turns it into a sum (Note [Average])
+      break; // averaged through shared memory, or a sum (Note [Average])
   }
-  TORCH_INTERNAL_ASSERT(false, "ReduceOp::Avg reached the mpi backend");
+  TORCH_INTERNAL_ASSERT(false, "ReduceOp::Avg reached MPI itself");
 }
 
 // MPI's text for a return code; empty for MPI_SUCCESS.
@@ -360,6 +353,9 @@ class MpiGroup : public GroupImpl {
   bool pairs_collectives_by_kind(torch::Device device) const override {
     return shm_ != nullptr && device.is_cpu();
   }
+  bool averages(torch::ScalarType dtype, torch::Device device) const override {
+    return shm_ != nullptr && device.is_cpu() && SharedMemoryCollectives::averages(dtype);
+  }
   // The types mpi_type maps, on the CPU. MPI reduces MPI_C_BOOL only with
   // its logical operations, so bools are reduced as bytes (Note [One tensor
   // per collective] in src/comm/collective_args.cpp).
@@ -386,14 +382,14 @@ class MpiGroup : public GroupImpl {
   std::shared_ptr<Work> allreduce(std::vector<torch::Tensor>& tensors, ReduceOp op, std::string what) override {
     auto flat = on_cpu(tensors, what);
     const MPI_Datatype type = mpi_type(flat, what, rank_);
-    const MPI_Op mpi = mpi_op(op);
     const int count = mpi_count(flat, what, rank_);
     std::function<void()> finish = [tensors, flat]() mutable { copy_back(flat, tensors); };
-    if (shm_ && SharedMemoryCollectives::fits(flat, op)) {
+    if (shm_ && SharedMemoryCollectives::fits(flat, op)) { // Avg among them, where averages() says so
       return start(what, std::move(finish), [shm = shm_.get(), flat, op] {
         return through_shared_memory([&] { shm->allreduce(flat, op); });
       });
     }
+    const MPI_Op mpi = mpi_op(op);
     return start(what, std::move(finish), [this, flat, type, mpi, count] {
       return mpi_error(MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), count, type, mpi, comm_));
     });

@@ -79,6 +79,23 @@ namespace detail {
 // 2 ranks on 2 cores), and a rank that exits or runs another collective is
 // found here as over Gloo. Its ranks exchange their segments' names through
 // MPI itself, which needs no store. LOCKSTEP_MPI_SHM=0 keeps Open MPI's.
+//
+// Note [An average divided where it is summed]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An average is a sum divided by the group's size (Note [Average] in
+// src/comm/process_group.cpp). Divided after the collective, every rank
+// passes over its whole tensor once more; divided before it, as PyTorch's
+// DDP divides each gradient into its bucket, the same, where the gradient is
+// already its bucket slot (Note [Gradients that are bucket slots]). Here each
+// rank divides the slice it has just summed, chunk by chunk while it is in
+// cache, before the others copy it: one pass over 1/size of the tensor, on
+// memory that is already hot. The bits are ProcessGroup's own Avg's, the sum
+// in rank order then Tensor::div_. For float and double only: 16-bit types
+// keep ProcessGroup's way (float16 divides first), and a planned collective's
+// words go in times the group's size, which the division gives back exactly
+// in these two types alone (write_plan_words). On 2 ranks of one core each,
+// DDP over MPI, whose gradients were divided before the sum, ran
+// docs/performance.md's "DDP on CPU" figures with this.
 
 namespace {
 
@@ -138,6 +155,8 @@ const char* op_name(int32_t op) {
       return "max";
     case ReduceOp::Min:
       return "min";
+    case ReduceOp::Avg:
+      return "avg";
     default:
       return "sum";
   }
@@ -281,8 +300,8 @@ SharedMemoryCollectives::~SharedMemoryCollectives() {
 }
 
 bool SharedMemoryCollectives::fits(const torch::Tensor& t, ReduceOp op) {
-  if (op != ReduceOp::Sum && op != ReduceOp::Max && op != ReduceOp::Min) {
-    return false;
+  if (op == ReduceOp::Avg) { // Note [An average divided where it is summed]
+    return averages(t.scalar_type()) && t.device().is_cpu() && t.is_contiguous() && t.numel() > 0;
   }
   switch (t.scalar_type()) {
     case torch::kFloat:
@@ -475,8 +494,20 @@ torch::Tensor SharedMemoryCollectives::slice(int rank, int64_t offset, int64_t c
 // `out` = `terms` (one per rank) reduced in rank order. Where `out` is one
 // of them, through scratch_ beyond two ranks, so that no term is
 // overwritten before it is read.
+bool SharedMemoryCollectives::averages(torch::ScalarType dtype) {
+  return dtype == torch::kFloat || dtype == torch::kDouble;
+}
+
 void SharedMemoryCollectives::reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op,
                                           bool out_is_an_input) {
+  reduce_terms(out, terms, op, out_is_an_input);
+  if (op == ReduceOp::Avg) {
+    out.div_(size_); // Note [An average divided where it is summed]
+  }
+}
+
+void SharedMemoryCollectives::reduce_terms(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op,
+                                           bool out_is_an_input) {
   const int64_t count = out.numel();
   const auto dtype = out.scalar_type();
   auto combine = [op](torch::Tensor& into, const torch::Tensor& a, const torch::Tensor& b) {

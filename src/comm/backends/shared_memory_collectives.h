@@ -60,8 +60,11 @@ class SharedMemoryCollectives {
   SharedMemoryCollectives& operator=(const SharedMemoryCollectives&) = delete;
 
   /// Whether `t` can take part: a non-empty contiguous CPU tensor of a dtype
-  /// ATen adds, and Sum, Max or Min.
+  /// ATen adds, and Sum, Max or Min, or Avg of a dtype averages() takes.
   static bool fits(const torch::Tensor& t, ReduceOp op = ReduceOp::Sum);
+  /// Whether an allreduce with ReduceOp::Avg of `dtype` is divided here, as
+  /// it is summed (GroupImpl::averages): float and double.
+  static bool averages(torch::ScalarType dtype);
 
   // Each throws on a rank whose collective differs, a rank that exited, the
   // timeout, or after any earlier failure. Every rank's results are the same
@@ -113,7 +116,9 @@ class SharedMemoryCollectives {
   void check_usable() const;
   uint32_t meet(const Call& call, const std::function<void(char*)>& fill, const torch::Tensor& words);
   // out = terms[0] op terms[1] op ..., one term per rank in rank order.
+  // Avg: then divided by the group's size.
   void reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op, bool out_is_an_input);
+  void reduce_terms(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op, bool out_is_an_input);
   int64_t held_by_all() const;
   const Buffer* buffer_of(const torch::Tensor& tensor, std::shared_ptr<Region>& region) const;
   void allreduce_where_it_lies(const torch::Tensor& tensor, const Buffer& buffer, const Region& region, ReduceOp op);
