@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -450,6 +451,56 @@ TEST(DdpThreads, ASlotKeptAcrossTheRebuildKeepsItsValues) {
       EXPECT_TRUE(torch::equal(kept, kept_values)) << "step " << step;
     }
   });
+}
+
+// Over shared memory, the built-in allreduce is an average that the backend
+// divides as it sums (Note [An average divided where it is summed]): every
+// rank's .grad is the ranks' gradients summed in rank order, then divided
+// once by the world size, to the bit, whether .grad was set to none or
+// zeroed. At 3 ranks, where 1/3 is inexact, gradients divided before the sum
+// give other bits, which the test checks it would see.
+TEST(DdpThreads, OverSharedMemoryAGradientIsTheRanksSumDividedOnce) {
+  for (const bool set_to_none : {true, false}) {
+    std::atomic<int> differs{0};
+    testing::spawn(3, [&](ProcessGroup& group) {
+      ASSERT_TRUE(group.averages_in_backend(torch::kFloat)) << "ranks as threads share memory";
+      EXPECT_FALSE(group.averages_in_backend(torch::kBFloat16));
+      torch::manual_seed(1);
+      TwoLayers net, copy;
+      DistributedDataParallel<TwoLayers> ddp(net, group);
+      for (int step = 0; step < 3; ++step) { // the first buckets, then the rebuilt ones
+        {
+          torch::NoGradGuard no_grad;
+          for (const auto& p : net->named_parameters()) {
+            copy->named_parameters()[p.key()].copy_(p.value());
+          }
+        }
+        for (auto& p : net->parameters()) {
+          if (set_to_none) {
+            p.mutable_grad().reset();
+          } else if (p.grad().defined()) {
+            p.mutable_grad().zero_();
+          }
+        }
+        const auto x = torch::linspace(-1, 1, 24).view({4, 6}) * (1 + step) + 0.3 * group.rank();
+        ddp(x).backward();
+        copy->zero_grad();
+        copy(x).backward();
+        const auto params = net->parameters(), local = copy->parameters();
+        for (size_t i = 0; i < params.size(); ++i) {
+          const auto all = group.all_gather(local[i].grad());
+          const auto expected = ((all[0] + all[1]) + all[2]).div_(3);
+          const float third = 1.0f / 3;
+          const auto divided_first = (all[0] * third + all[1] * third) + all[2] * third;
+          differs += torch::equal(divided_first, expected) ? 0 : 1;
+          EXPECT_TRUE(torch::equal(params[i].grad(), expected))
+              << "rank " << group.rank() << ", step " << step << ", parameter " << i
+              << (set_to_none ? ", set to none" : ", zeroed");
+        }
+      }
+    });
+    EXPECT_GT(differs.load(), 0) << "no gradient here tells the two ways of averaging apart";
+  }
 }
 
 } // namespace

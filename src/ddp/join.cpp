@@ -162,6 +162,8 @@ void DistributedCore::finish_join() {
                           /*keep_versions=*/true); // Note [Buffers synced without a version bump]
     }
     if (round.reduce) {
+      // The training ranks' divisor, which chooses the allreduce's op.
+      reducer_->set_divisor(join_divide_by_initial_world_size_ ? group_.size() : static_cast<int>(round.training.size()));
       reducer_->shadow_backward();
     }
   }

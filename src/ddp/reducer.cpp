@@ -412,8 +412,8 @@ void Reducer::State::copy_in(size_t index) {
   timeline::Span span([&] { return "copy-in bucket " + std::to_string(slot_of[index].first); },
                       view.numel() * static_cast<int64_t>(view.element_size()));
   // The built-in allreduce sums what the ranks put in: put in grad / divisor,
-  // in the same pass as the copy.
-  const bool built_in = !options.comm_hook();
+  // in the same pass as the copy, unless the backend divides the sum.
+  const bool built_in = !options.comm_hook() && !backend_averages(buckets[slot_of[index].first]);
   if (!grad.defined()) {
     view.zero_();
   } else if (grad.data_ptr() == view.data_ptr()) { // .grad is the slot (Note [Gradients that are bucket slots])
@@ -476,8 +476,9 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
       return; // Note [Static graph]: the flag is known only once backward has ended
     }
     auto& bucket = buckets[next_bucket];
-    if (flagged) {
-      bucket.buffer[bucket.numel].fill_(last_bucket_flag());
+    const bool averaged = backend_averages(bucket);
+    if (flagged) { // averaged, a count of the ranks that flagged still comes out
+      bucket.buffer[bucket.numel].fill_(last_bucket_flag() * (averaged ? group.size() : 1));
     }
     bucket.allreduce_span =
         timeline::Span([&] { return "allreduce bucket " + std::to_string(next_bucket); }, bucket.bytes, "collectives");
@@ -487,10 +488,11 @@ void Reducer::State::launch_ready_buckets(bool backward_ended) {
                       next_bucket + 1 == buckets.size(), weak_from_this()};
       bucket.result = options.comm_hook()(group, view);
     } else {
-      // The gradients were divided by the divisor on their way in.
+      // The gradients were divided by the divisor on their way in, unless averaged.
       PlannedCollective planned(plan, static_cast<int64_t>(next_bucket));
       bucket.result = comm_hooks::pending(
-          group.allreduce_async({bucket.buffer}, ReduceOp::Sum, "allreduce of " + bucket.name), bucket.buffer);
+          group.allreduce_async({bucket.buffer}, averaged ? ReduceOp::Avg : ReduceOp::Sum, "allreduce of " + bucket.name),
+          bucket.buffer);
     }
     TORCH_CHECK(bucket.result != nullptr, where(), "the communication hook returned no result for ", bucket.name, ".");
     ++next_bucket;

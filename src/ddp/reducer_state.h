@@ -198,6 +198,15 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   float last_bucket_flag() const {
     return (options.static_graph() ? surprised() : had_unused) ? 1.0f : 0.0f;
   }
+  // Whether the built-in allreduce of `bucket` is an Avg that the backend
+  // divides as it sums (Note [An average divided where it is summed] in
+  // src/comm/backends/shared_memory_collectives.cpp), rather than a Sum of
+  // gradients divided on their way in. The same on every rank: the backend,
+  // the plan's dtypes and the divisor are.
+  bool backend_averages(const Bucket& bucket) const {
+    return !options.comm_hook() && divisor == group.size() &&
+           group.averages_in_backend(bucket.buffer.scalar_type(), bucket.buffer.device());
+  }
   bool surprised() const {
     return std::any_of(surprises.begin(), surprises.end(), [](int64_t s) { return s != kNone; });
   }
