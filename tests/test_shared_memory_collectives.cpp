@@ -480,6 +480,8 @@ TEST(SharedMemoryCollectives, AnAverageIsTheSumDividedOnceWhereverItLies) {
   }
   EXPECT_FALSE(SharedMemoryCollectives::fits(torch::ones({4}, torch::kHalf), ReduceOp::Avg));
   EXPECT_FALSE(SharedMemoryCollectives::fits(torch::ones({4}, torch::kLong), ReduceOp::Avg));
+  const char* set = std::getenv("LOCKSTEP_GLOO_SHM");
+  const std::string before = set != nullptr ? set : "";
   for (const char* shm : {"1", "0"}) {
     setenv("LOCKSTEP_GLOO_SHM", shm, 1);
     testing::spawn(2, [&](ProcessGroup& group) {
@@ -489,6 +491,10 @@ TEST(SharedMemoryCollectives, AnAverageIsTheSumDividedOnceWhereverItLies) {
       group.allreduce(t, ReduceOp::Avg);
       EXPECT_TRUE(t.eq(1.0f).all().item<bool>()) << t;
     });
+  }
+  if (set != nullptr) {
+    setenv("LOCKSTEP_GLOO_SHM", before.c_str(), 1);
+  } else {
     unsetenv("LOCKSTEP_GLOO_SHM");
   }
 }

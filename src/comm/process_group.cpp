@@ -125,9 +125,11 @@ ProcessGroup::ProcessGroup(std::shared_ptr<GroupImpl> impl) {
 // Note [Average]
 // ~~~~~~~~~~~~~~
 // ReduceOp::Avg is a sum, then a division by the group's size once the sum is
-// done, here (or, where GroupImpl::averages says so, by the backend as it
-// sums, with the same rounding) and nowhere else: Gloo has no AVG, MPI has
-// none, and one way for every backend gives every backend the same rounding. Integers are divided
+// done, one way for every backend, so that every backend rounds the same:
+// Gloo has no AVG, and MPI none. ProcessGroup divides, or, for float and
+// double where GroupImpl::averages says so, the backend divides each slice
+// it sums, with the same rounding (Note [An average divided where it is
+// summed] in src/comm/backends/shared_memory_collectives.cpp). Integers are divided
 // rounding down (floor, as Python's //): the type stays, as it does for
 // every other reduction, and a sum of -1 over two ranks averages to -1, not
 // 0. A bool has no average; its Sum is a logical or, its Max (as NCCL's c10d
@@ -161,9 +163,8 @@ std::shared_ptr<Work> ProcessGroup::allreduce_async(std::vector<torch::Tensor> t
   std::vector<torch::Tensor> sent{packed.sent};
   // The backend divides as it sums where it can (GroupImpl::averages): a
   // float sum divided after is the same bits either way.
-  const bool backend_divides = op == ReduceOp::Avg && !first && packed.sent.numel() > 0 &&
-                               at::isFloatingType(packed.sent.scalar_type()) &&
-                               impl_->averages(packed.sent.scalar_type(), packed.sent.device());
+  const bool backend_divides = op == ReduceOp::Avg && packed.sent.numel() > 0 &&
+                               averages_in_backend(packed.sent.scalar_type(), packed.sent.device());
   const bool divide_after = op == ReduceOp::Avg && !first && !backend_divides;
   auto work = impl_->allreduce(sent, op == ReduceOp::Avg && !backend_divides ? ReduceOp::Sum : op, std::move(what));
   return detail::finish_after(std::move(work), std::move(packed), divide_after ? size() : 0);
@@ -282,7 +283,9 @@ bool ProcessGroup::supports(Collective op, torch::ScalarType dtype, torch::Devic
 }
 
 bool ProcessGroup::averages_in_backend(torch::ScalarType dtype, torch::Device device) const {
-  return impl_->averages(dtype, device);
+  // Float and double only: a planned collective's words, and DDP's flag, go
+  // in times the group's size, which only they give back exactly.
+  return (dtype == torch::kFloat || dtype == torch::kDouble) && impl_->averages(dtype, device);
 }
 
 bool ProcessGroup::cheap_collective_starts() const {

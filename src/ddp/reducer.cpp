@@ -400,8 +400,8 @@ void Reducer::State::autograd_hook(size_t index) {
   mark_ready(index);
 }
 
-// The parameter's .grad into its bucket slot, divided for the built-in
-// allreduce; zeros when it has none.
+// The parameter's .grad into its bucket slot, divided where the built-in
+// allreduce sums (rather than averages); zeros when it has none.
 void Reducer::State::copy_in(size_t index) {
   auto& view = writable_slot(index);
   auto& grad = params[index].mutable_grad();
@@ -413,15 +413,15 @@ void Reducer::State::copy_in(size_t index) {
                       view.numel() * static_cast<int64_t>(view.element_size()));
   // The built-in allreduce sums what the ranks put in: put in grad / divisor,
   // in the same pass as the copy, unless the backend divides the sum.
-  const bool built_in = !options.comm_hook() && !backend_averages(buckets[slot_of[index].first]);
+  const bool divide_in = !options.comm_hook() && !backend_averages(buckets[slot_of[index].first]);
   if (!grad.defined()) {
     view.zero_();
   } else if (grad.data_ptr() == view.data_ptr()) { // .grad is the slot (Note [Gradients that are bucket slots])
-    if (built_in) {
+    if (divide_in) {
       view.div_(divisor);
     }
   } else {
-    if (built_in) {
+    if (divide_in) {
       // 16-bit gradients are divided in float: 1/3 rounded to bfloat16 is
       // 0.333984, a bias of 0.2% on every gradient (float16: -0.024%), and
       // LibTorch 1.13 rounds a scalar to the tensor's dtype.

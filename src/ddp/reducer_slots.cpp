@@ -41,7 +41,8 @@ namespace detail {
 //    storage: that tensor may be a view of the .grad, and must keep seeing
 //    what .grad holds (zero_grad() in place, accumulation, the next average
 //    by copy), as in PyTorch.
-// So the values, and which tensors they are in, are PyTorch's. What differs:
+// So which tensors hold the values is PyTorch's, and the values are too but
+// for the average's rounding (Note [An average divided where it is summed]). What differs:
 // a .grad's storage() is the bucket's, holding the other parameters'
 // gradients too, as under gradient_as_bucket_view; and the reduction writes
 // a slot that is .grad through the reducer's own tensors, so an autograd

@@ -349,7 +349,7 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
     return device.is_cpu();
   }
   bool averages(torch::ScalarType dtype, torch::Device device) const override {
-    return shm_ != nullptr && device.is_cpu() && SharedMemoryCollectives::averages(dtype);
+    return SharedMemoryCollectives::averages(shm_.get(), dtype, device);
   }
   bool supports(Collective, torch::ScalarType dtype, torch::Device device) const override {
     if (!device.is_cpu() && !device.is_cuda()) {

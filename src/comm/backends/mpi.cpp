@@ -30,24 +30,31 @@ namespace {
 
 // Note [MPI's thread and timeouts]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Every MPI call of a group runs on that group's one communication thread, in the order the collectives
-// were started, which is the same on every rank. The caller only queues them, so buckets are reduced while
-// backward goes on, as over Gloo. MPI is initialised with MPI_THREAD_SERIALIZED, the level this needs:
-// calls come from more than one thread (initialisation and the communication thread), never at once.
+// Every MPI call of a group runs on that group's one communication thread, in
+// the order the collectives were started, which is the same on every rank.
+// The caller only queues them, so buckets are reduced while backward goes on,
+// as over Gloo. MPI is initialised with MPI_THREAD_SERIALIZED, the level this
+// needs: calls come from more than one thread (initialisation and the
+// communication thread), never at once.
 //
-// MPI has no timeout. A rank waiting on a collective that another rank never starts would wait for good.
-// So Work::wait() waits at most the group's timeout; past it, it prints why (rank, collective, timeout)
-// and brings the whole job down with MPI_Abort, so that no rank hangs. It cannot throw and let the program
-// go on: its communication thread is still inside MPI, and the next collective, or MPI_Finalize at exit,
-// would hang. A rank that exits without MPI_Finalize makes mpirun end the others.
+// MPI has no timeout. A rank waiting on a collective that another rank never
+// starts would wait for good. So Work::wait() waits at most the group's
+// timeout; past it, it prints why (rank, collective, timeout) and brings the
+// whole job down with MPI_Abort, so that no rank hangs. It cannot throw and
+// let the program go on: its communication thread is still inside MPI, and
+// the next collective, or MPI_Finalize at exit, would hang. A rank that exits
+// without MPI_Finalize makes mpirun end the others.
 //
-// While it waits inside a collective, Open MPI's shared-memory transport polls without pause. That thread
-// is one Open MPI does not count: on a machine with no core to spare (2 ranks on 2 cores) its polling took
-// the core that the rank's own compute, or the other rank's, was waiting for, and a sharded model's step,
-// whose gathers run beside forward, lost up to a quarter (docs/performance.md). So when lockstep
-// initialises MPI, it asks Open MPI to yield while idle, as Open MPI does by itself when oversubscribed,
-// unless the environment already says (OMPI_MCA_mpi_yield_when_idle=0 restores polling). Other MPI
-// libraries ignore the variable.
+// While it waits inside a collective, Open MPI's shared-memory transport
+// polls without pause. That thread is one Open MPI does not count: on a
+// machine with no core to spare (2 ranks on 2 cores) its polling took the
+// core that the rank's own compute, or the other rank's, was waiting for,
+// and a sharded model's step, whose gathers run beside forward, lost up to
+// a quarter (docs/performance.md). So when lockstep initialises MPI, it asks
+// Open MPI to yield while idle, as Open MPI does by itself when
+// oversubscribed, unless the environment already says
+// (OMPI_MCA_mpi_yield_when_idle=0 restores polling). Other MPI libraries
+// ignore the variable.
 
 std::atomic<bool> g_aborting{false};
 
@@ -354,7 +361,7 @@ class MpiGroup : public GroupImpl {
     return shm_ != nullptr && device.is_cpu();
   }
   bool averages(torch::ScalarType dtype, torch::Device device) const override {
-    return shm_ != nullptr && device.is_cpu() && SharedMemoryCollectives::averages(dtype);
+    return SharedMemoryCollectives::averages(shm_.get(), dtype, device);
   }
   // The types mpi_type maps, on the CPU. MPI reduces MPI_C_BOOL only with
   // its logical operations, so bools are reduced as bytes (Note [One tensor
@@ -389,8 +396,7 @@ class MpiGroup : public GroupImpl {
         return through_shared_memory([&] { shm->allreduce(flat, op); });
       });
     }
-    const MPI_Op mpi = mpi_op(op);
-    return start(what, std::move(finish), [this, flat, type, mpi, count] {
+    return start(what, std::move(finish), [this, flat, type, mpi = mpi_op(op), count] {
       return mpi_error(MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), count, type, mpi, comm_));
     });
   }
@@ -460,14 +466,13 @@ class MpiGroup : public GroupImpl {
     std::vector<torch::Tensor> outputs{output};
     auto out = on_cpu(outputs, what);
     const MPI_Datatype type = mpi_type(in, what, rank_);
-    const MPI_Op mpi = mpi_op(op);
     const int count = mpi_count(out, what, rank_);
     if (shm_ && SharedMemoryCollectives::fits(in, op) && SharedMemoryCollectives::fits(out, op)) {
       return start(what, nullptr, [shm = shm_.get(), in, out, op] {
         return through_shared_memory([&] { shm->reduce_scatter(out, in, op, {}); });
       });
     }
-    return start(what, nullptr, [this, in, out, type, mpi, count] {
+    return start(what, nullptr, [this, in, out, type, mpi = mpi_op(op), count] {
       return mpi_error(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count, type, mpi, comm_));
     });
   }

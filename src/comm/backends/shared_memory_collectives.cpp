@@ -83,19 +83,17 @@ namespace detail {
 // Note [An average divided where it is summed]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // An average is a sum divided by the group's size (Note [Average] in
-// src/comm/process_group.cpp). Divided after the collective, every rank
-// passes over its whole tensor once more; divided before it, as PyTorch's
-// DDP divides each gradient into its bucket, the same, where the gradient is
-// already its bucket slot (Note [Gradients that are bucket slots]). Here each
-// rank divides the slice it has just summed, chunk by chunk while it is in
-// cache, before the others copy it: one pass over 1/size of the tensor, on
-// memory that is already hot. The bits are ProcessGroup's own Avg's, the sum
-// in rank order then Tensor::div_. For float and double only: 16-bit types
-// keep ProcessGroup's way (float16 divides first), and a planned collective's
+// src/comm/process_group.cpp). Divided by ProcessGroup once the allreduce is
+// done, it costs every rank a pass over its whole tensor. Here, instead, each
+// rank divides the slice it has just reduced, before the others copy it: in a
+// shared buffer, chunk by chunk while the chunk is in cache; staged, the
+// piece's slice. That is one pass over 1/size of the tensor. The bits are
+// ProcessGroup's: the sum in rank order, then Tensor::div_. Only allreduces
+// of float and double average here (GroupImpl::averages): 16-bit types keep
+// ProcessGroup's way (float16 divides first), and a planned collective's
 // words go in times the group's size, which the division gives back exactly
-// in these two types alone (write_plan_words). On 2 ranks of one core each,
-// DDP over MPI, whose gradients were divided before the sum, ran
-// docs/performance.md's "DDP on CPU" figures with this.
+// only in these two types (write_plan_words). DistributedDataParallel's
+// buckets use it (Reducer::State::backend_averages).
 
 namespace {
 
@@ -299,9 +297,14 @@ SharedMemoryCollectives::~SharedMemoryCollectives() {
   }
 }
 
+bool SharedMemoryCollectives::averages(const SharedMemoryCollectives* shm, torch::ScalarType dtype,
+                                       torch::Device device) {
+  return shm != nullptr && device.is_cpu() && (dtype == torch::kFloat || dtype == torch::kDouble);
+}
+
 bool SharedMemoryCollectives::fits(const torch::Tensor& t, ReduceOp op) {
-  if (op == ReduceOp::Avg) { // Note [An average divided where it is summed]
-    return averages(t.scalar_type()) && t.device().is_cpu() && t.is_contiguous() && t.numel() > 0;
+  if (op == ReduceOp::Avg && t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kDouble) {
+    return false; // Note [An average divided where it is summed]
   }
   switch (t.scalar_type()) {
     case torch::kFloat:
@@ -417,6 +420,7 @@ void SharedMemoryCollectives::allreduce(const torch::Tensor& tensor, ReduceOp op
 void SharedMemoryCollectives::reduce_scatter(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op,
                                              const torch::Tensor& words) {
   check_usable();
+  TORCH_INTERNAL_ASSERT(op != ReduceOp::Avg, "ProcessGroup sums a reduce-scatter's average, then divides");
   const int64_t item = input.element_size();
   const int64_t n = output.numel();
   const Call call{kReduceScatter, static_cast<int32_t>(input.scalar_type()), static_cast<int32_t>(op), input.numel()};
@@ -494,10 +498,6 @@ torch::Tensor SharedMemoryCollectives::slice(int rank, int64_t offset, int64_t c
 // `out` = `terms` (one per rank) reduced in rank order. Where `out` is one
 // of them, through scratch_ beyond two ranks, so that no term is
 // overwritten before it is read.
-bool SharedMemoryCollectives::averages(torch::ScalarType dtype) {
-  return dtype == torch::kFloat || dtype == torch::kDouble;
-}
-
 void SharedMemoryCollectives::reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op,
                                           bool out_is_an_input) {
   reduce_terms(out, terms, op, out_is_an_input);

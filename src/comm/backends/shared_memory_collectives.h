@@ -60,11 +60,12 @@ class SharedMemoryCollectives {
   SharedMemoryCollectives& operator=(const SharedMemoryCollectives&) = delete;
 
   /// Whether `t` can take part: a non-empty contiguous CPU tensor of a dtype
-  /// ATen adds, and Sum, Max or Min, or Avg of a dtype averages() takes.
+  /// ATen adds, and Sum, Max or Min, or, for an allreduce, Avg of float or
+  /// double (Note [An average divided where it is summed]).
   static bool fits(const torch::Tensor& t, ReduceOp op = ReduceOp::Sum);
-  /// Whether an allreduce with ReduceOp::Avg of `dtype` is divided here, as
-  /// it is summed (GroupImpl::averages): float and double.
-  static bool averages(torch::ScalarType dtype);
+  /// A group's GroupImpl::averages, where `shm` is its transport or null:
+  /// float and double on the CPU, through shared memory.
+  static bool averages(const SharedMemoryCollectives* shm, torch::ScalarType dtype, torch::Device device);
 
   // Each throws on a rank whose collective differs, a rank that exited, the
   // timeout, or after any earlier failure. Every rank's results are the same
