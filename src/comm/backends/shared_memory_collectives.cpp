@@ -88,7 +88,9 @@ namespace detail {
 // rank divides the slice it has just reduced, before the others copy it: in a
 // shared buffer, chunk by chunk while the chunk is in cache; staged, the
 // piece's slice. That is one pass over 1/size of the tensor. The bits are
-// ProcessGroup's: the sum in rank order, then Tensor::div_. Only allreduces
+// ProcessGroup's: the sum in rank order, then Tensor::div_ (or, for a power
+// of two, a multiplication by its reciprocal, which is the same real number
+// rounded the same way, without a division's cost). Only allreduces
 // of float and double average here (GroupImpl::averages): 16-bit types keep
 // ProcessGroup's way (float16 divides first), and a planned collective's
 // words go in times the group's size, which the division gives back exactly
@@ -501,7 +503,9 @@ torch::Tensor SharedMemoryCollectives::slice(int rank, int64_t offset, int64_t c
 void SharedMemoryCollectives::reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op,
                                           bool out_is_an_input) {
   reduce_terms(out, terms, op, out_is_an_input);
-  if (op == ReduceOp::Avg) {
+  if (op == ReduceOp::Avg && (size_ & (size_ - 1)) == 0) {
+    out.mul_(1.0 / size_); // Note [An average divided where it is summed]
+  } else if (op == ReduceOp::Avg) {
     out.div_(size_); // Note [An average divided where it is summed]
   }
 }
