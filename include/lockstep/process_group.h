@@ -105,8 +105,9 @@ class ProcessGroup {
   /// backend does, or for a broadcast or all_gather, bit for bit through a
   /// type of the same width (bool as bytes, bfloat16 as 16-bit values).
   bool supports(Collective op, torch::ScalarType dtype, torch::Device device = torch::kCPU) const;
-  /// Whether an allreduce with ReduceOp::Avg of `dtype` on `device` is
-  /// divided by the backend as it reduces (GroupImpl::averages), rather than
+  /// Whether an allreduce with ReduceOp::Avg of `dtype` (float or double;
+  /// false for any other) on `device` is divided by the backend as it
+  /// reduces (GroupImpl::averages), rather than
   /// in a pass over the whole tensor once the sum is done. A caller that
   /// would divide its tensor before a Sum then saves that pass by asking for
   /// Avg instead.
