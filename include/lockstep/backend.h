@@ -85,13 +85,14 @@ class GroupImpl {
     (void)op, (void)dtype, (void)device;
     return true;
   }
-  /// Whether allreduce() takes ReduceOp::Avg of a non-empty contiguous
-  /// tensor of `dtype`, float or double (ProcessGroup asks for no other),
-  /// on `device` itself: the sum in rank order, then divided by size()
-  /// (Tensor::div_), the same bits as ProcessGroup's own Avg (Note [Average] in src/comm/process_group.cpp), but divided in the
-  /// backend's own pass over the memory, and only the part each rank reduces
-  /// (Note [An average divided where it is summed] in
-  /// src/comm/backends/shared_memory_collectives.cpp). This default does not.
+  /// Whether allreduce() takes ReduceOp::Avg of a non-empty contiguous tensor
+  /// of `dtype`, float or double (ProcessGroup asks for no other), on `device`
+  /// itself: the sum in rank order, then divided by size() (Tensor::div_), the
+  /// same bits as ProcessGroup's own Avg (Note [Average] in
+  /// src/comm/process_group.cpp), but divided in the backend's own pass over
+  /// the memory, and only the part each rank reduces (Note [An average divided
+  /// where it is summed] in src/comm/backends/shared_memory_collectives.cpp).
+  /// This default does not.
   virtual bool averages(torch::ScalarType dtype, torch::Device device) const {
     (void)dtype, (void)device;
     return false;
