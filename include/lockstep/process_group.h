@@ -107,10 +107,9 @@ class ProcessGroup {
   bool supports(Collective op, torch::ScalarType dtype, torch::Device device = torch::kCPU) const;
   /// Whether an allreduce with ReduceOp::Avg of `dtype` (float or double;
   /// false for any other) on `device` is divided by the backend as it
-  /// reduces (GroupImpl::averages), rather than
-  /// in a pass over the whole tensor once the sum is done. A caller that
-  /// would divide its tensor before a Sum then saves that pass by asking for
-  /// Avg instead.
+  /// reduces (GroupImpl::averages), rather than in a pass over the whole
+  /// tensor once the sum is done. A caller that would divide its tensor
+  /// before a Sum then saves that pass by asking for Avg instead.
   bool averages_in_backend(torch::ScalarType dtype, torch::Device device = torch::kCPU) const;
   /// Whether the backend starts a collective for little beside its bytes
   /// (GroupImpl::cheap_collective_starts).
