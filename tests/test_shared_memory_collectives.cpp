@@ -457,31 +457,37 @@ TEST(SharedMemoryCollectives, AnAllreduceOfASharedBufferMeetingOneOfOtherMemoryF
 // order divided by the group's size, the bits of a Sum then Tensor::div_;
 // the group asks the backend to average those types only.
 TEST(SharedMemoryCollectives, AnAverageIsTheSumDividedOnceWhereverItLies) {
+  const char* set = std::getenv("LOCKSTEP_GLOO_SHM");
+  const std::string before = set != nullptr ? set : "";
+  setenv("LOCKSTEP_GLOO_SHM", "1", 1);
+  // Values of every size, and, scaled by `tiny`, sums whose averages are
+  // subnormal, where a group of two multiplies by 1/2 instead of dividing.
   for (int size : {2, 3}) {
     for (auto dtype : {torch::kFloat, torch::kDouble}) {
-      const int64_t numel = 3000001; // pieces of a segment, staged
-      std::mutex mutex;
-      on_transports(size, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
-        ASSERT_NE(transport, nullptr);
-        const auto values = torch::arange(numel, dtype).mul(0.37 * (rank + 1)).sin().mul(1000.0 / (rank + 1));
-        auto summed = values.clone();
-        transport->allreduce(summed, ReduceOp::Sum);
-        summed.div_(size);
-        auto staged = values.clone();
-        transport->allreduce(staged, ReduceOp::Avg);
-        auto shared = transport->share({numel * static_cast<int64_t>(c10::elementSize(dtype))})[0].view(dtype);
-        shared.copy_(values);
-        transport->allreduce(shared, ReduceOp::Avg);
-        std::lock_guard<std::mutex> lock(mutex);
-        EXPECT_TRUE(torch::equal(staged, summed)) << "rank " << rank << " of " << size << ", " << dtype;
-        EXPECT_TRUE(torch::equal(shared, summed)) << "rank " << rank << " of " << size << ", " << dtype;
-      });
+      for (const double tiny : {1.0, dtype == torch::kFloat ? 1e-41 : 1e-312}) {
+        const int64_t numel = 3000001; // pieces of a segment, staged
+        std::mutex mutex;
+        on_transports(size, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+          ASSERT_NE(transport, nullptr);
+          const auto values =
+              torch::arange(numel, dtype).mul(0.37 * (rank + 1)).sin().mul(1000.0 / (rank + 1)).mul(tiny);
+          auto summed = values.clone();
+          transport->allreduce(summed, ReduceOp::Sum);
+          summed.div_(size);
+          auto staged = values.clone();
+          transport->allreduce(staged, ReduceOp::Avg);
+          auto shared = transport->share({numel * static_cast<int64_t>(c10::elementSize(dtype))})[0].view(dtype);
+          shared.copy_(values);
+          transport->allreduce(shared, ReduceOp::Avg);
+          std::lock_guard<std::mutex> lock(mutex);
+          EXPECT_TRUE(torch::equal(staged, summed)) << "rank " << rank << " of " << size << ", " << dtype;
+          EXPECT_TRUE(torch::equal(shared, summed)) << "rank " << rank << " of " << size << ", " << dtype;
+        });
+      }
     }
   }
   EXPECT_FALSE(SharedMemoryCollectives::fits(torch::ones({4}, torch::kHalf), ReduceOp::Avg));
   EXPECT_FALSE(SharedMemoryCollectives::fits(torch::ones({4}, torch::kLong), ReduceOp::Avg));
-  const char* set = std::getenv("LOCKSTEP_GLOO_SHM");
-  const std::string before = set != nullptr ? set : "";
   for (const char* shm : {"1", "0"}) {
     setenv("LOCKSTEP_GLOO_SHM", shm, 1);
     testing::spawn(2, [&](ProcessGroup& group) {

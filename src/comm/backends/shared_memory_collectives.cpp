@@ -90,7 +90,10 @@ namespace detail {
 // piece's slice. That is one pass over 1/size of the tensor. The bits are
 // ProcessGroup's: the sum in rank order, then Tensor::div_ (or, for a power
 // of two, a multiplication by its reciprocal, which is the same real number
-// rounded the same way, without a division's cost). Only allreduces
+// rounded the same way, without a division's cost). One caveat: the division
+// runs on the backend's thread, not the one that waits, so a caller that
+// flushes denormals on its own thread (at::globalContext().setFlushDenormal)
+// gets the backend thread's rounding of subnormal averages. Only allreduces
 // of float and double average here (GroupImpl::averages): 16-bit types keep
 // ProcessGroup's way (float16 divides first), and a planned collective's
 // words go in times the group's size, which the division gives back exactly
@@ -497,9 +500,8 @@ torch::Tensor SharedMemoryCollectives::slice(int rank, int64_t offset, int64_t c
   return torch::from_blob(data(rank) + offset, {count}, torch::TensorOptions().dtype(dtype));
 }
 
-// `out` = `terms` (one per rank) reduced in rank order. Where `out` is one
-// of them, through scratch_ beyond two ranks, so that no term is
-// overwritten before it is read.
+// `out` = `terms` (one per rank) reduced in rank order, by reduce_terms;
+// for Avg, then divided by the group's size.
 void SharedMemoryCollectives::reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op,
                                           bool out_is_an_input) {
   reduce_terms(out, terms, op, out_is_an_input);
@@ -510,6 +512,8 @@ void SharedMemoryCollectives::reduce_into(torch::Tensor& out, const std::vector<
   }
 }
 
+// Where `out` is one of the terms, through scratch_ beyond two ranks, so
+// that no term is overwritten before it is read.
 void SharedMemoryCollectives::reduce_terms(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op,
                                            bool out_is_an_input) {
   const int64_t count = out.numel();

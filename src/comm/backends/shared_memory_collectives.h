@@ -117,7 +117,6 @@ class SharedMemoryCollectives {
   void check_usable() const;
   uint32_t meet(const Call& call, const std::function<void(char*)>& fill, const torch::Tensor& words);
   // out = terms[0] op terms[1] op ..., one term per rank in rank order.
-  // Avg: then divided by the group's size.
   void reduce_into(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op, bool out_is_an_input);
   void reduce_terms(torch::Tensor& out, const std::vector<torch::Tensor>& terms, ReduceOp op, bool out_is_an_input);
   int64_t held_by_all() const;
