@@ -219,8 +219,10 @@ TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
   EXPECT_EQ(detail::find_mpi_launcher(batch), nullptr);
   EXPECT_NE(error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), batch); })
                 .find("environment variable WORLD_SIZE is not set"), std::string::npos);
-  // torchrun's variables win over a launcher's.
+  // torchrun's variables win over a launcher's, where torchrun (or
+  // lockstep-run) set them: `srun torchrun ...`.
   env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"},
+                                                                  {"TORCHELASTIC_RUN_ID", "none"},
                                                                   {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
   EXPECT_EQ(env.mpi_launcher, nullptr);
   EXPECT_EQ(env.world_size, 1);
@@ -228,6 +230,38 @@ TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
     detail::parse_launch_env(ProcessGroupOptions(), env_of({{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
   });
   EXPECT_NE(message.find("OMPI_COMM_WORLD_RANK=\"4\" is malformed"), std::string::npos) << message;
+}
+
+// RANK=0 and WORLD_SIZE=1 left in the shell made every process of
+// `mpirun -np 2` rank 0 of a job of one: two jobs, each training alone.
+TEST(LaunchEnv, StaleRankAndWorldSizeUnderAnMpiLauncherAreRefused) {
+  const std::map<std::string, std::string> mpirun{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}};
+  auto with = [&](std::map<std::string, std::string> more) {
+    more.insert(mpirun.begin(), mpirun.end());
+    return env_of(more);
+  };
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "0"}, {"WORLD_SIZE", "1"}})),
+                    "RANK=0 and WORLD_SIZE=1 are set in the environment, but Open MPI's mpirun started this process "
+                    "as rank 1 of 2 (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE)",
+                    "Unset RANK and WORLD_SIZE");
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "0"}, {"WORLD_SIZE", "2"},
+                                                                          {"MASTER_ADDR", "127.0.0.1"},
+                                                                          {"MASTER_PORT", "29500"}})),
+                    "RANK=0 and WORLD_SIZE=2");
+  // The same values as the launcher's, and values the caller passes, stand.
+  auto env = detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "1"}, {"WORLD_SIZE", "2"},
+                                                                   {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}));
+  EXPECT_EQ(env.rank, 1);
+  env = detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), with({{"RANK", "0"}, {"WORLD_SIZE", "1"}}));
+  EXPECT_EQ(env.world_size, 1);
+  // Slurm's variables count only inside a step; a batch script's are no launcher's.
+  env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "3"},
+                                                                  {"SLURM_NTASKS", "4"}}));
+  EXPECT_EQ(env.world_size, 1);
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"},
+                                                                            {"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"},
+                                                                            {"SLURM_STEP_ID", "0"}})),
+                    "Slurm's srun started this process as rank 3 of 4");
 }
 
 // A job's MASTER_ADDR without MASTER_PORT (a Slurm script's, say) made

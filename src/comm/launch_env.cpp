@@ -77,6 +77,34 @@ bool read_mpi_launcher(LaunchEnv& env, const std::function<const char*(const cha
   return true;
 }
 
+// Note [Stale RANK and WORLD_SIZE]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// torchrun's RANK and WORLD_SIZE win over an MPI launcher's variables, so
+// that `srun torchrun ...` and `mpirun ... torchrun ...` work: each of
+// torchrun's workers is a rank of torchrun's job. But the same pair left in a
+// shell (an `export RANK=0 WORLD_SIZE=1` from an earlier run) would make every
+// process of `mpirun -np 4` rank 0 of 1: four jobs training alone, each
+// writing the same checkpoint, with no error. So under an MPI launcher, a
+// pair from the environment that differs from the launcher's is refused,
+// unless a torchrun-like launcher set it (TORCHELASTIC_RUN_ID, which torchrun
+// and lockstep-run give every worker). A launcher of one's own inside mpirun
+// passes its rank and size in ProcessGroupOptions instead.
+void check_not_stale(const LaunchEnv& env, const ProcessGroupOptions& options, const MpiLauncher* mpi,
+                     const std::function<const char*(const char*)>& get) {
+  if (mpi == nullptr || options.rank() >= 0 || options.world_size() > 0 || get("TORCHELASTIC_RUN_ID") != nullptr) {
+    return;
+  }
+  LaunchEnv launcher;
+  read_mpi_launcher(launcher, get);
+  TORCH_CHECK(launcher.rank == env.rank && launcher.world_size == env.world_size, "lockstep: RANK=", env.rank,
+              " and WORLD_SIZE=", env.world_size, " are set in the environment, but ", mpi->name,
+              " started this process as rank ", launcher.rank, " of ", launcher.world_size, " (", mpi->rank, ", ",
+              mpi->size, "), and no torchrun or lockstep-run set them (TORCHELASTIC_RUN_ID is unset). Variables left "
+              "from another launch would make each process a job of its own. Unset RANK and WORLD_SIZE to take the "
+              "launcher's, or, for a launcher of your own inside it, pass the rank and world size in "
+              "ProcessGroupOptions.");
+}
+
 // Rank, size and local rank from `options`, else from torchrun's variables
 // (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE, LOCAL_RANK).
 void read_torchrun_env(LaunchEnv& env, const ProcessGroupOptions& options,
@@ -100,6 +128,7 @@ void read_torchrun_env(LaunchEnv& env, const ProcessGroupOptions& options,
     TORCH_CHECK(env.rank < env.world_size, "lockstep: environment variable RANK=", env.rank,
                 " is out of range for WORLD_SIZE=", env.world_size, "; expected 0 <= RANK < WORLD_SIZE.");
   }
+  check_not_stale(env, options, mpi, get);
   if (const char* v = get("LOCAL_WORLD_SIZE")) {
     env.local_world_size = parse_int("LOCAL_WORLD_SIZE", v, 1, 1 << 20, "a whole number >= 1");
   }
