@@ -9,7 +9,9 @@
 // norebuild (buckets kept in reverse registration order) | norecorder (the
 // flight recorder off) | detail (LOCKSTEP_DEBUG=detail) | mpi (lockstep over
 // the mpi backend, under mpirun) | naive (one allreduce per gradient after
-// backward) | nocomm (no communication: the limit) | fullshard, gradop,
+// backward) | nocomm (no communication: the limit) | barrier-mpi (no
+// communication but a barrier over MPI after each step: the limit for ranks
+// that wait for each other every step) | fullshard, gradop,
 // noshard (FullyShardedDataParallel's strategies over Gloo) | fullshard-mpi,
 // gradop-mpi (over MPI, under mpirun) | fullshard-bf16 (FullShard with
 // param_dtype bf16 and reduce_dtype fp32: all-gathers of half the bytes) |
@@ -203,7 +205,7 @@ Wrapped<M> wrap(M net, const lockstep::ProcessGroup& group, const std::string& m
     auto fsdp = wrapped.fsdp = shard(net, group, mode);
     wrapped.forward = [fsdp](const torch::Tensor& in) { return (*fsdp)(in); };
     wrapped.params = (*fsdp)->parameters();
-  } else if (mode != "naive" && mode != "nocomm") {
+  } else if (mode != "naive" && mode != "nocomm" && mode != "barrier-mpi") {
     auto ddp = wrapped.ddp = replicate(net, group, mode, bench);
     wrapped.forward = [ddp](const torch::Tensor& in) { return (*ddp)(in); };
   } else if (mode == "naive") {
@@ -312,8 +314,13 @@ void run(M net, const lockstep::ProcessGroup& group, const std::string& mode, co
         group.allreduce(p.mutable_grad(), lockstep::ReduceOp::Avg);
       }
     }
-    lockstep::timeline::Span span("optimizer step");
-    optimizer->step();
+    {
+      lockstep::timeline::Span span("optimizer step");
+      optimizer->step();
+    }
+    if (mode == "barrier-mpi") {
+      group.barrier();
+    }
   };
   print_result(group, mode, model, steps, time_steps(step, steps, group));
 }
@@ -421,9 +428,9 @@ int parse_options(int argc, char** argv, RunOptions& options) {
   CLI::App app{"lockstep-bench-ddp: one rank of the DDP benchmark (bench/run_ddp_bench.sh starts two per "
                "contender, with torchrun's environment variables)."};
   app.add_option("MODE", options.mode, "lockstep, views (gradient_as_bucket_view), static (static_graph), norebuild (buckets "
-                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward), nocomm (no communication), deterministic and fullshard-deterministic (one micro-batch per rank), checkpointed and fullshard-checkpointed (vit and gpt: each block a lockstep::checkpoint segment) or the sharded and compressed modes")
+                 "kept in registration order), norecorder (flight recorder off), detail (LOCKSTEP_DEBUG=detail), mpi (lockstep over MPI, under mpirun), naive (one allreduce per gradient after backward), nocomm (no communication), barrier-mpi (no communication but a barrier over MPI after each step, under mpirun), deterministic and fullshard-deterministic (one micro-batch per rank), checkpointed and fullshard-checkpointed (vit and gpt: each block a lockstep::checkpoint segment) or the sharded and compressed modes")
       ->required()->check(CLI::IsMember({"lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi",
-                                         "naive", "nocomm", "fullshard", "gradop", "noshard", "fullshard-mpi",
+                                         "naive", "nocomm", "barrier-mpi", "fullshard", "gradop", "noshard", "fullshard-mpi",
                                          "gradop-mpi", "fullshard-bf16", "powersgd", "powersgd-views", "comm", "deterministic",
                                          "fullshard-deterministic", "checkpointed", "fullshard-checkpointed"}));
   app.add_option("MODEL", options.model, "mlp (784-1024-1024-10), deep (48 x Linear(256, 256)), reversed (deep, registered "

@@ -14,6 +14,9 @@
 #   CONTENDERS="lockstep lockstep-tcp python nocomm" bench/run_ddp_bench.sh
 # and one ending in -ompi keeps Open MPI's own collectives (LOCKSTEP_MPI_SHM=0):
 #   CONTENDERS="lockstep mpi mpi-ompi nocomm" bench/run_ddp_bench.sh
+# and barrier-mpi, no communication but a barrier over MPI after each step,
+# what is left of nocomm's rate once the ranks wait for each other every step:
+#   CONTENDERS="lockstep mpi barrier-mpi nocomm" bench/run_ddp_bench.sh
 # and the flight recorder's cost, and LOCKSTEP_DEBUG=detail's:
 #   CONTENDERS="lockstep norecorder detail" bench/run_ddp_bench.sh
 # FullyShardedDataParallel against DDP and PyTorch's FSDP2, with Adam:
@@ -127,7 +130,7 @@ for model in sys.argv[2:]:
     med = {mode: statistics.median(rates[(model, mode)]) for (m, mode) in rates if m == model}
     print(f"{model}: steps/s (median of {len(rates[(model, 'lockstep')])} rounds) and ratios")
     known = ("lockstep", "views", "static", "norebuild", "norecorder", "detail", "mpi", "python", "naive", "nocomm",
-             "gradop", "fullshard", "noshard", "gradop-mpi", "fullshard-mpi", "python-fsdp")
+             "barrier-mpi", "gradop", "fullshard", "noshard", "gradop-mpi", "fullshard-mpi", "python-fsdp")
     # Every contender measured: the known ones in this order, then the rest (powersgd, ...).
     for mode in [m for m in known if m in med] + sorted(m for m in med if m not in known):
         above = ""
@@ -135,7 +138,8 @@ for model in sys.argv[2:]:
             above = f" ({statistics.median(rss[(model, mode)]) - statistics.median(base[(model, mode)]):.1f} above the process before the model)"
         print(f"  {mode:13s} {med[mode]:8.2f} steps/s   lockstep/{mode} = {med['lockstep'] / med[mode]:.3f}   "
               f"peak RSS per rank {statistics.median(rss[(model, mode)]):.1f} MiB{above}")
-    for mine, peer in (("mpi", "python"), ("mpi", "nocomm"), ("mpi-ompi", "nocomm"), ("mpi", "mpi-ompi")):
+    for mine, peer in (("mpi", "python"), ("mpi", "nocomm"), ("mpi-ompi", "nocomm"), ("mpi", "mpi-ompi"),
+                       ("mpi", "barrier-mpi"), ("barrier-mpi", "nocomm")):
         if mine in med and peer in med:
             print(f"  {mine}/{peer} = {med[mine] / med[peer]:.3f}")
     # Sharded data parallelism against DDP on the same backend, and against PyTorch's FSDP.
