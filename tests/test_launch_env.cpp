@@ -235,33 +235,40 @@ TEST(LaunchEnv, MpiLaunchersGiveRankAndSizeWithoutAStore) {
 // RANK=0 and WORLD_SIZE=1 left in the shell made every process of
 // `mpirun -np 2` rank 0 of a job of one: two jobs, each training alone.
 TEST(LaunchEnv, StaleRankAndWorldSizeUnderAnMpiLauncherAreRefused) {
-  const std::map<std::string, std::string> mpirun{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}};
+  const std::map<std::string, std::string> mpirun{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                                                  {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
   auto with = [&](std::map<std::string, std::string> more) {
     more.insert(mpirun.begin(), mpirun.end());
     return env_of(more);
   };
   EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "0"}, {"WORLD_SIZE", "1"}})),
-                    "RANK=0 and WORLD_SIZE=1 are set in the environment, but Open MPI's mpirun started this process "
-                    "as rank 1 of 2 (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE)",
+                    "rank 0 of 1 (RANK and WORLD_SIZE from the environment) cannot be a launch inside Open MPI's "
+                    "mpirun, which started this process as rank 1 of 2 (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE)",
                     "Unset RANK and WORLD_SIZE");
-  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "0"}, {"WORLD_SIZE", "2"},
-                                                                          {"MASTER_ADDR", "127.0.0.1"},
-                                                                          {"MASTER_PORT", "29500"}})),
-                    "RANK=0 and WORLD_SIZE=2");
-  // The same values as the launcher's, and values the caller passes, stand.
-  auto env = detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "1"}, {"WORLD_SIZE", "2"},
-                                                                   {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}));
-  EXPECT_EQ(env.rank, 1);
-  env = detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), with({{"RANK", "0"}, {"WORLD_SIZE", "1"}}));
-  EXPECT_EQ(env.world_size, 1);
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "0"}, {"WORLD_SIZE", "2"}})),
+                    "rank 0 of 2 (RANK and WORLD_SIZE from the environment)");
+  EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions().world_size(2), with({{"RANK", "0"}})),
+                    "rank 0 of 2 (RANK from the environment, the world size from ProcessGroupOptions)");
+  // The launcher's own values, a larger world (a launcher inside it, or
+  // ranks started by hand in an interactive Slurm step), torchrun's or
+  // lockstep-run's numbering, and values the caller passes, stand.
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "1"}, {"WORLD_SIZE", "2"}})).rank, 1);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "0"}, {"WORLD_SIZE", "8"}})).world_size, 8);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"},
+                                                                     {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"},
+                                                                     {"SLURM_STEP_ID", "0"}, {"MASTER_ADDR", "127.0.0.1"},
+                                                                     {"MASTER_PORT", "29500"}})).rank, 1);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), with({{"RANK", "0"}, {"WORLD_SIZE", "2"},
+                                                                   {"TORCHELASTIC_RUN_ID", "job"}})).rank, 0);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions().rank(0).world_size(1), with({{"RANK", "0"},
+                                                                                        {"WORLD_SIZE", "1"}})).world_size, 1);
   // Slurm's variables count only inside a step; a batch script's are no launcher's.
-  env = detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "3"},
-                                                                  {"SLURM_NTASKS", "4"}}));
-  EXPECT_EQ(env.world_size, 1);
+  EXPECT_EQ(detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"},
+                                                                     {"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}})).world_size, 1);
   EXPECT_ERROR_SAYS(detail::parse_launch_env(ProcessGroupOptions(), env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"},
                                                                             {"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"},
                                                                             {"SLURM_STEP_ID", "0"}})),
-                    "Slurm's srun started this process as rank 3 of 4");
+                    "Slurm's srun, which started this process as rank 3 of 4");
 }
 
 // A job's MASTER_ADDR without MASTER_PORT (a Slurm script's, say) made

@@ -131,6 +131,10 @@ class ProcessGroup {
 /// needs no store and no environment beyond it: it is the group of one.
 /// Under mpirun, srun or mpiexec (their own variables, and no RANK), rank and
 /// size come from the launcher, and the mpi backend needs no store at all.
+/// There, RANK and WORLD_SIZE from the environment that cannot be a launch
+/// inside the launcher's (a smaller world, or as large with another rank),
+/// without torchrun's TORCHELASTIC_RUN_ID, are refused: most often they are
+/// left from another run (Note [Stale RANK and WORLD_SIZE]).
 /// Otherwise the store is, in this order of precedence:
 ///  - a c10d FileStore at $LOCKSTEP_STORE_FILE, when that is set and
 ///    options.master_addr() is empty (lockstep-run sets it on one node, so

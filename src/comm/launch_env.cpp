@@ -80,29 +80,37 @@ bool read_mpi_launcher(LaunchEnv& env, const std::function<const char*(const cha
 // Note [Stale RANK and WORLD_SIZE]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // torchrun's RANK and WORLD_SIZE win over an MPI launcher's variables, so
-// that `srun torchrun ...` and `mpirun ... torchrun ...` work: each of
-// torchrun's workers is a rank of torchrun's job. But the same pair left in a
-// shell (an `export RANK=0 WORLD_SIZE=1` from an earlier run) would make every
-// process of `mpirun -np 4` rank 0 of 1: four jobs training alone, each
-// writing the same checkpoint, with no error. So under an MPI launcher, a
-// pair from the environment that differs from the launcher's is refused,
-// unless a torchrun-like launcher set it (TORCHELASTIC_RUN_ID, which torchrun
-// and lockstep-run give every worker). A launcher of one's own inside mpirun
-// passes its rank and size in ProcessGroupOptions instead.
+// that `srun torchrun ...`, `mpirun ... torchrun ...` and ranks started by
+// hand in an interactive Slurm step work: each worker is a rank of the inner
+// launch. But the same pair left in a shell (an `export RANK=0 WORLD_SIZE=1`
+// from an earlier run) would make every process of `mpirun -np 4` rank 0 of
+// 1: four jobs training alone, each writing the same checkpoint, with no
+// error. A launch inside the launcher's tasks starts one worker or more per
+// task: its world is at least as large as the launcher's, and, where it is as
+// large, a launcher that keeps the tasks' order gives the same ranks. So
+// under an MPI launcher a world smaller than its, or as large with another
+// rank, is refused, unless a launcher that numbers ranks its own way set it:
+// torchrun and lockstep-run give every worker TORCHELASTIC_RUN_ID. Values
+// passed in ProcessGroupOptions are the caller's and stand.
 void check_not_stale(const LaunchEnv& env, const ProcessGroupOptions& options, const MpiLauncher* mpi,
                      const std::function<const char*(const char*)>& get) {
-  if (mpi == nullptr || options.rank() >= 0 || options.world_size() > 0 || get("TORCHELASTIC_RUN_ID") != nullptr) {
+  const bool rank_from_env = options.rank() < 0, size_from_env = options.world_size() <= 0;
+  if (mpi == nullptr || !(rank_from_env || size_from_env) || get("TORCHELASTIC_RUN_ID") != nullptr) {
     return;
   }
-  LaunchEnv launcher;
-  read_mpi_launcher(launcher, get);
-  TORCH_CHECK(launcher.rank == env.rank && launcher.world_size == env.world_size, "lockstep: RANK=", env.rank,
-              " and WORLD_SIZE=", env.world_size, " are set in the environment, but ", mpi->name,
-              " started this process as rank ", launcher.rank, " of ", launcher.world_size, " (", mpi->rank, ", ",
-              mpi->size, "), and no torchrun or lockstep-run set them (TORCHELASTIC_RUN_ID is unset). Variables left "
-              "from another launch would make each process a job of its own. Unset RANK and WORLD_SIZE to take the "
-              "launcher's, or, for a launcher of your own inside it, pass the rank and world size in "
-              "ProcessGroupOptions.");
+  const int64_t size = parse_int(mpi->size, get(mpi->size), 1, 1 << 20, "a whole number >= 1");
+  const int64_t rank = parse_int(mpi->rank, get(mpi->rank), 0, size - 1, "a whole number in [0, the world size)");
+  const bool nested = env.world_size > size || (env.world_size == size && env.rank == rank);
+  const std::string given = rank_from_env && size_from_env ? "RANK and WORLD_SIZE from the environment"
+      : rank_from_env ? "RANK from the environment, the world size from ProcessGroupOptions"
+                      : "the rank from ProcessGroupOptions, WORLD_SIZE from the environment";
+  TORCH_CHECK(nested, "lockstep: rank ", env.rank, " of ", env.world_size, " (", given, ") cannot be a launch inside ",
+              mpi->name, ", which started this process as rank ", rank, " of ", size, " (", mpi->rank, ", ", mpi->size,
+              "): a launcher inside it gives a world at least as large, with the same ranks where it is as large, and "
+              "TORCHELASTIC_RUN_ID, which torchrun and lockstep-run set, is unset. Variables left from another launch "
+              "(an export in the shell) would make each process a job of its own. Unset RANK and WORLD_SIZE to take "
+              "the launcher's; a launcher of your own that numbers ranks otherwise sets TORCHELASTIC_RUN_ID, as "
+              "torchrun does.");
 }
 
 // Rank, size and local rank from `options`, else from torchrun's variables
