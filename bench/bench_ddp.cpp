@@ -10,8 +10,9 @@
 // flight recorder off) | detail (LOCKSTEP_DEBUG=detail) | mpi (lockstep over
 // the mpi backend, under mpirun) | naive (one allreduce per gradient after
 // backward) | nocomm (no communication: the limit) | barrier-mpi (no
-// communication but a barrier over MPI after each step: the limit for ranks
-// that wait for each other every step) | fullshard, gradop,
+// communication but a barrier over MPI after each step, with the agreement
+// check before it: the limit for ranks that wait for each other every
+// step) | fullshard, gradop,
 // noshard (FullyShardedDataParallel's strategies over Gloo) | fullshard-mpi,
 // gradop-mpi (over MPI, under mpirun) | fullshard-bf16 (FullShard with
 // param_dtype bf16 and reduce_dtype fp32: all-gathers of half the bytes) |
@@ -146,7 +147,7 @@ std::function<void()> communication_alone(const std::vector<std::vector<size_t>>
 }
 
 // `net` as `mode` wraps it: the forward to call, the parameters to optimize,
-// and the wrapper that holds them (none for naive and nocomm).
+// and the wrapper that holds them (none for naive, nocomm and barrier-mpi).
 template <typename M>
 struct Wrapped {
   std::function<torch::Tensor(const torch::Tensor&)> forward;
