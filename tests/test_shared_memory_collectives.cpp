@@ -4,6 +4,7 @@
 
 #include <lockstep/lockstep.h>
 
+#include "comm/backends/same_host.h"
 #include "comm/backends/shared_memory_collectives.h"
 #include "comm/backends/shared_memory_segments.h"
 #include "support/errors.h"

@@ -2,6 +2,7 @@
 // (src/comm/backends/shared_memory_collectives.cpp): which ranks may share
 // memory, and how a piece is cut into the ranks' slices.
 
+#include "comm/backends/same_host.h"
 #include "comm/backends/shared_memory_collectives.h"
 
 #include <gtest/gtest.h>

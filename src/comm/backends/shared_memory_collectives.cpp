@@ -1,6 +1,7 @@
 // Compiled with gloo.cpp, when LibTorch has c10d's Gloo process group.
 
 #include "comm/backends/shared_memory_collectives.h"
+#include "comm/backends/same_host.h"
 #include "comm/backends/shared_memory_segments.h"
 
 #include <c10/util/Exception.h>
@@ -8,7 +9,6 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -19,8 +19,6 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <mutex>
 #include <sstream>
 
@@ -110,20 +108,6 @@ bool reached(uint32_t phase, uint32_t target) {
   return static_cast<int32_t>(phase - target) >= 0; // the counters wrap
 }
 
-std::string read_first_line(const char* path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-std::string namespace_of(const char* kind) {
-  char target[256] = {};
-  const std::string link = std::string("/proc/self/ns/") + kind;
-  const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
-  return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string("?");
-}
-
 void futex_wait(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::milliseconds slice) {
   timespec ts{};
   ts.tv_sec = slice.count() / 1000;
@@ -194,45 +178,6 @@ struct SharedMemoryCollectives::Header {
   double words[kWordRoom]; // a planned collective's (Note [Planned rings])
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain words");
-
-std::string host_identity() {
-  char host[HOST_NAME_MAX + 1] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  std::string id = std::string(host) + "|" + read_first_line("/proc/sys/kernel/random/boot_id");
-  for (const char* kind : {"net", "ipc", "mnt", "pid"}) {
-    id += '|';
-    id += namespace_of(kind);
-  }
-  std::replace(id.begin(), id.end(), ' ', '_');
-  return id;
-}
-
-bool one_host(const std::vector<std::string>& published) {
-  std::string first;
-  for (const auto& entry : published) {
-    std::istringstream in(entry);
-    std::string identity;
-    in >> identity;
-    if (identity.empty() || identity == "off" || (!first.empty() && identity != first)) {
-      return false;
-    }
-    first = identity;
-  }
-  return !published.empty();
-}
-
-bool process_exited(int pid) {
-  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-    return true;
-  }
-  // A zombie, under a parent that reaps its children late (a Python
-  // subprocess waiting on its ranks in order): state Z or X in its stat,
-  // after the command name, which may hold spaces and parentheses.
-  std::ifstream file("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  const auto close = stat.rfind(')');
-  return close != std::string::npos && close + 2 < stat.size() && (stat[close + 2] == 'Z' || stat[close + 2] == 'X');
-}
 
 Slice slice_of(int64_t count, int rank, int size) {
   const int64_t each = (count + size - 1) / size;

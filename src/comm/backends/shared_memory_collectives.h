@@ -21,20 +21,6 @@
 namespace lockstep {
 namespace detail {
 
-/// What a rank publishes of its host: the host name, the boot and the
-/// namespaces that shared memory and process ids live in. Ranks whose
-/// identities are equal can map each other's segments.
-std::string host_identity();
-
-/// Whether ranks that published `published` (each "off", or
-/// "<identity> <segment> <pid>") can all share memory: none is off, and every
-/// identity is the first one's.
-bool one_host(const std::vector<std::string>& published);
-
-/// Whether process `pid` of this host has exited: gone, or a zombie whose
-/// parent has not reaped it yet (kill(pid, 0) still succeeds on one).
-bool process_exited(int pid);
-
 /// The elements of `count` that rank `rank` of `size` reduces: [first, last).
 struct Slice {
   int64_t first = 0, last = 0;
