@@ -25,13 +25,28 @@ namespace {
 using namespace testing::jobs;
 using testing::Process;
 
+struct Event {
+  int64_t start, end;
+  int tid;
+};
+
+// Every event named `name` of rank `pid`, with its thread.
+std::vector<Event> spans_of(const nlohmann::json& events, int pid, const std::string& name) {
+  std::vector<Event> out;
+  for (const auto& e : events) {
+    if (e.value("ph", "") == "X" && e.value("pid", -1) == pid && e.value("name", "") == name) {
+      const int64_t start = e["ts"].get<int64_t>();
+      out.push_back({start, start + e["dur"].get<int64_t>(), e["tid"].get<int>()});
+    }
+  }
+  return out;
+}
+
 // The [start, end] of each event named `name` of rank `pid` in a merged timeline.
 std::vector<std::pair<int64_t, int64_t>> intervals(const nlohmann::json& events, int pid, const std::string& name) {
   std::vector<std::pair<int64_t, int64_t>> out;
-  for (const auto& e : events) {
-    if (e.value("ph", "") == "X" && e.value("pid", -1) == pid && e.value("name", "") == name) {
-      out.emplace_back(e["ts"].get<int64_t>(), e["ts"].get<int64_t>() + e["dur"].get<int64_t>());
-    }
+  for (const auto& e : spans_of(events, pid, name)) {
+    out.emplace_back(e.start, e.end);
   }
   return out;
 }
@@ -114,6 +129,24 @@ TEST(Launcher, TimelineHasEveryBucketOnEveryRankAndAllreducesOverlapBackward) {
       }
     }
     EXPECT_TRUE(overlapped) << "no allreduce of rank " << rank << " started during a backward";
+    // Each bucket's allreduce ran through shared memory on the group's own
+    // thread, within the span from its launch to its wait; waits for the
+    // other ranks inside it.
+    const auto through = spans_of(events, rank, "allreduce through shared memory");
+    const auto waiting = spans_of(events, rank, "waiting for the other ranks");
+    const int main_thread = spans_of(events, rank, "forward").at(0).tid;
+    for (int b = 0; b < buckets; ++b) {
+      for (const auto& [start, end] : intervals(events, rank, "allreduce bucket " + std::to_string(b))) {
+        const auto inside = std::find_if(through.begin(), through.end(), [&, s = start, e = end](const Event& t) {
+          return t.start >= s && t.end <= e && t.tid != main_thread;
+        });
+        ASSERT_NE(inside, through.end()) << "rank " << rank << ": bucket " << b << "'s allreduce [" << start << ", "
+                                         << end << ") holds no allreduce through shared memory on another thread";
+        EXPECT_TRUE(std::any_of(waiting.begin(), waiting.end(), [&](const Event& w) {
+          return w.tid == inside->tid && w.start >= inside->start && w.end <= inside->end;
+        })) << "rank " << rank << ": bucket " << b << "'s allreduce through shared memory holds no wait";
+      }
+    }
   }
 }
 

@@ -4,6 +4,8 @@
 #include "comm/backends/same_host.h"
 #include "comm/backends/shared_memory_segments.h"
 
+#include <lockstep/timeline.h>
+
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
@@ -117,6 +119,13 @@ void futex_wait(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::millise
 
 void futex_wake(std::atomic<uint32_t>& word) {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// The span of one collective on the thread that runs it, around its
+// "waiting for the other ranks" (Note [Timeline] in src/util/timeline.cpp).
+timeline::Span collective_span(const char* kind, const torch::Tensor& tensor) {
+  return timeline::Span([kind] { return std::string(kind) + " through shared memory"; },
+                        tensor.numel() * static_cast<int64_t>(tensor.element_size()));
 }
 
 int64_t capacity_of(int size) {
@@ -329,6 +338,7 @@ uint32_t SharedMemoryCollectives::meet(const Call& call, const std::function<voi
 
 void SharedMemoryCollectives::allreduce(const torch::Tensor& tensor, ReduceOp op) {
   check_usable();
+  const auto span = collective_span("allreduce", tensor);
   std::shared_ptr<Region> region;
   if (const Buffer* buffer = buffer_of(tensor, region)) {
     allreduce_where_it_lies(tensor, *buffer, *region, op);
@@ -370,6 +380,7 @@ void SharedMemoryCollectives::allreduce(const torch::Tensor& tensor, ReduceOp op
 void SharedMemoryCollectives::reduce_scatter(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op,
                                              const torch::Tensor& words) {
   check_usable();
+  const auto span = collective_span("reduce_scatter", input);
   TORCH_INTERNAL_ASSERT(op != ReduceOp::Avg, "ProcessGroup sums a reduce-scatter's average, then divides");
   const int64_t item = input.element_size();
   const int64_t n = output.numel();
@@ -405,6 +416,7 @@ void SharedMemoryCollectives::reduce_scatter(const torch::Tensor& output, const 
 void SharedMemoryCollectives::all_gather(const std::vector<torch::Tensor>& outputs, const torch::Tensor& input,
                                          const torch::Tensor& words) {
   check_usable();
+  const auto span = collective_span("all_gather", input);
   const int64_t item = input.element_size();
   const Call call{kAllGather, static_cast<int32_t>(input.scalar_type()), 0, input.numel()};
   const char* in = static_cast<const char*>(input.data_ptr());
@@ -424,6 +436,7 @@ void SharedMemoryCollectives::all_gather(const std::vector<torch::Tensor>& outpu
 
 void SharedMemoryCollectives::broadcast(const torch::Tensor& tensor, int root) {
   check_usable();
+  const auto span = collective_span("broadcast", tensor);
   const int64_t item = tensor.element_size();
   const Call call{kBroadcast, static_cast<int32_t>(tensor.scalar_type()), root, tensor.numel()};
   char* bytes = static_cast<char*>(tensor.data_ptr());
@@ -499,6 +512,7 @@ void SharedMemoryCollectives::advance() {
 }
 
 void SharedMemoryCollectives::wait_all(uint32_t phase) {
+  const timeline::Span span("waiting for the other ranks"); // Note [Timeline] in src/util/timeline.cpp
   for (int q = 0; q < size_; ++q) {
     if (q != rank_) {
       wait_for(q, phase);
