@@ -30,11 +30,13 @@ struct Event {
   int tid;
 };
 
-// Every event named `name` of rank `pid`, with its thread.
-std::vector<Event> spans_of(const nlohmann::json& events, int pid, const std::string& name) {
+// Every event of rank `pid` named `name` (or, with `prefix`, whose name
+// starts with it), with its thread.
+std::vector<Event> spans_of(const nlohmann::json& events, int pid, const std::string& name, bool prefix = false) {
   std::vector<Event> out;
   for (const auto& e : events) {
-    if (e.value("ph", "") == "X" && e.value("pid", -1) == pid && e.value("name", "") == name) {
+    const std::string event = e.value("name", "");
+    if (e.value("ph", "") == "X" && e.value("pid", -1) == pid && (prefix ? event.rfind(name, 0) == 0 : event == name)) {
       const int64_t start = e["ts"].get<int64_t>();
       out.push_back({start, start + e["dur"].get<int64_t>(), e["tid"].get<int>()});
     }
@@ -129,22 +131,73 @@ TEST(Launcher, TimelineHasEveryBucketOnEveryRankAndAllreducesOverlapBackward) {
       }
     }
     EXPECT_TRUE(overlapped) << "no allreduce of rank " << rank << " started during a backward";
-    // Each bucket's allreduce ran through shared memory on the group's own
-    // thread, within the span from its launch to its wait; waits for the
-    // other ranks inside it.
+    // Each bucket's allreduce ran on the group's own thread, named as in
+    // errors (as is the agreement check before it, in the first step),
+    // within the span from its launch to its wait: through shared memory,
+    // with waits for the other ranks inside.
     const auto through = spans_of(events, rank, "allreduce through shared memory");
     const auto waiting = spans_of(events, rank, "waiting for the other ranks");
     const int main_thread = spans_of(events, rank, "forward").at(0).tid;
+    const auto within = [](const Event& inner, const Event& outer) {
+      return inner.tid == outer.tid && inner.start >= outer.start && inner.end <= outer.end;
+    };
     for (int b = 0; b < buckets; ++b) {
+      const auto ran = spans_of(events, rank, "allreduce of bucket " + std::to_string(b) + " (", true);
       for (const auto& [start, end] : intervals(events, rank, "allreduce bucket " + std::to_string(b))) {
-        const auto inside = std::find_if(through.begin(), through.end(), [&, s = start, e = end](const Event& t) {
-          return t.start >= s && t.end <= e && t.tid != main_thread;
-        });
-        ASSERT_NE(inside, through.end()) << "rank " << rank << ": bucket " << b << "'s allreduce [" << start << ", "
-                                         << end << ") holds no allreduce through shared memory on another thread";
-        EXPECT_TRUE(std::any_of(waiting.begin(), waiting.end(), [&](const Event& w) {
-          return w.tid == inside->tid && w.start >= inside->start && w.end <= inside->end;
-        })) << "rank " << rank << ": bucket " << b << "'s allreduce through shared memory holds no wait";
+        const Event* shm = nullptr;
+        for (const auto& r : ran) {
+          if (r.tid != main_thread && r.start >= start && r.end <= end) {
+            for (const auto& t : through) {
+              shm = shm != nullptr || !within(t, r) ? shm : &t;
+            }
+          }
+        }
+        ASSERT_NE(shm, nullptr) << "rank " << rank << ": bucket " << b << "'s allreduce [" << start << ", " << end
+                                << ") holds no span of it as it ran through shared memory on another thread";
+        EXPECT_TRUE(std::any_of(waiting.begin(), waiting.end(), [&](const Event& w) { return within(w, *shm); }))
+            << "rank " << rank << ": bucket " << b << "'s allreduce through shared memory holds no wait";
+      }
+    }
+  }
+}
+
+// Over MPI, through Open MPI's own collectives (as between hosts), each
+// bucket's allreduce shows on the communication thread as it ran, within
+// the span from its launch to its wait.
+TEST(Timeline, MpiShowsEachCollectiveOnItsCommunicationThread) {
+  if (std::string(LOCKSTEP_MPIRUN).empty()) {
+    GTEST_SKIP() << "lockstep was built without MPI";
+  }
+  const std::string path = temp("mpi_timeline.json");
+  for (int rank = 0; rank < 2; ++rank) {
+    std::remove(temp("mpi_timeline.rank" + std::to_string(rank) + ".json").c_str());
+  }
+  auto p = testing::run({LOCKSTEP_MPIRUN, "-np", "2", "--bind-to", "none", LOCKSTEP_DDP_WORKER, "timeline"},
+                        {kOneThread, "LOCKSTEP_TIMELINE=" + path, "LOCKSTEP_TEST_BACKEND=mpi", "LOCKSTEP_MPI_SHM=0",
+                         "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
+                         "OMPI_MCA_rmaps_base_oversubscribe=1"},
+                        temp("mpi_timeline.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(p.output, m, std::regex("buckets: ([0-9]+)"))) << p.output;
+  const int buckets = std::stoi(m[1].str());
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto trace = nlohmann::json::parse(read_text(temp("mpi_timeline.rank" + std::to_string(rank) + ".json")),
+                                             nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(trace.is_object()) << "rank " << rank << "'s timeline does not parse as JSON";
+    const auto& events = trace["traceEvents"];
+    const int main_thread = spans_of(events, rank, "forward").at(0).tid;
+    EXPECT_TRUE(spans_of(events, rank, "allreduce through shared memory").empty()) << "LOCKSTEP_MPI_SHM=0 went through "
+                                                                                       "shared memory";
+    for (int b = 0; b < buckets; ++b) {
+      const auto ran = spans_of(events, rank, "allreduce of bucket " + std::to_string(b) + " (", true);
+      const auto launched = intervals(events, rank, "allreduce bucket " + std::to_string(b));
+      ASSERT_EQ(launched.size(), 3u) << "rank " << rank << ", bucket " << b;
+      for (const auto& [start, end] : launched) {
+        EXPECT_TRUE(std::any_of(ran.begin(), ran.end(), [&, s = start, e = end](const Event& r) {
+          return r.start >= s && r.end <= e && r.tid != main_thread;
+        })) << "rank " << rank << ": bucket " << b << "'s allreduce [" << start << ", " << end
+            << ") holds no span of it as it ran on another thread";
       }
     }
   }

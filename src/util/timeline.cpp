@@ -55,11 +55,15 @@ namespace timeline {
 //                           end is when backward needed it, an upper bound on
 //                           when the transfer finished.
 //   copy-out bucket k       the copy of the reduced bucket back into .grad
+//   <what>                  a collective as it ran on the group's own thread,
+//                           named as in errors ("allreduce of bucket 1 (...)"):
+//                           every one of the mpi group's, and the gloo
+//                           group's through shared memory and its rings
 //   allreduce through shared memory (reduce_scatter, all_gather, broadcast)
-//                           a collective between ranks of one host as it ran,
-//                           on the group's own thread, with its "waiting for
-//                           the other ranks" inside: where the time between
-//                           an allreduce bucket's launch and its end went
+//                           inside it, between ranks of one host, with its
+//                           "waiting for the other ranks": where the time
+//                           between an allreduce bucket's launch and its end
+//                           went
 //   all_gather / reduce_scatter UNITS   FullyShardedDataParallel's
 //                           collectives, on the "collectives" track too
 //   replica r forward/backward  DataParallel's replicas, on the worker threads
