@@ -3,9 +3,10 @@
 /// \file
 /// A timeline of each training step, as Chrome trace events (Perfetto,
 /// chrome://tracing): LOCKSTEP_TIMELINE=path turns it on. lockstep records
-/// forward, backward, each bucket's copy-in, allreduce and copy-out, and
-/// DataParallel's per-replica forward and backward; your code can add spans
-/// (the trainer marks its optimizer step). See Note [Timeline] in
+/// forward, backward, each bucket's copy-in, allreduce and copy-out,
+/// DataParallel's per-replica forward and backward, and the collectives of
+/// the mpi and gloo groups as they ran on the group's own thread; your code
+/// can add spans (the trainer marks its optimizer step). See Note [Timeline] in
 /// src/util/timeline.cpp, and `lockstep-run --timeline FILE`, which merges the
 /// ranks' files into one.
 

@@ -5,8 +5,10 @@
 // offers.
 
 #include <lockstep/detail/c10d_group.h>
+#include <lockstep/timeline.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -39,6 +41,21 @@ std::shared_ptr<GroupImpl> make_mpi_group(int rank, int size, std::chrono::milli
 /// default; an error naming the variable and `collectives` (what waits)
 /// when it is no such number.
 std::chrono::microseconds wait_spin(const char* variable, const char* collectives);
+
+/// For gloo.cpp and mpi.cpp: `collective`, for the group's own thread to
+/// run, timed there under the name `what` while the timeline records (the
+/// collective as it ran: Note [Timeline] in src/util/timeline.cpp); as it is
+/// otherwise.
+template <typename Result>
+std::function<Result()> timed_where_it_runs(std::function<Result()> collective, const std::string& what) {
+  if (!timeline::enabled()) {
+    return collective;
+  }
+  return [collective = std::move(collective), what]() {
+    const timeline::Span span(what);
+    return collective();
+  };
+}
 
 } // namespace detail
 } // namespace lockstep

@@ -7,8 +7,6 @@
 #include "util/caller_stream.h"
 #include "util/torch_compat.h"
 
-#include <lockstep/timeline.h>
-
 #include <common/sockets.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -443,10 +441,7 @@ class GlooGroup final : public C10dGroup<c10d::ProcessGroupGloo>, public Carries
   }
   // Runs `collective` after the ones before it on the group's own thread.
   std::shared_ptr<Work> on_ring_thread(std::function<void()> collective, std::string what) {
-    auto done = ring_.run([collective = std::move(collective), name = timeline::enabled() ? what : std::string()] {
-      const timeline::Span span(name); // as it ran (Note [Timeline] in src/util/timeline.cpp)
-      collective();
-    });
+    auto done = ring_.run(timed_where_it_runs(std::move(collective), what));
     return std::make_shared<RingWork>(std::move(done), std::move(what), rank(), size(), timeout(), diagnose(),
                                       spin_before_waits());
   }

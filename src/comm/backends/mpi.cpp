@@ -7,7 +7,6 @@
 #include "comm/launch_env.h"
 
 #include <lockstep/detail/collective_errors.h>
-#include <lockstep/timeline.h>
 
 #include <c10/util/Exception.h>
 #include <torch/types.h>
@@ -530,11 +529,9 @@ class MpiGroup : public GroupImpl {
     auto pending = std::make_shared<Pending>();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      queue_.emplace_back([pending, call = std::move(call), name = timeline::enabled() ? what : std::string()]() mutable {
+      queue_.emplace_back([pending, call = timed_where_it_runs(std::move(call), what)]() mutable {
         pending->started = true;
-        timeline::Span span(std::move(name)); // as it ran (Note [Timeline] in src/util/timeline.cpp)
         std::string error = std::exchange(call, nullptr)(); // its tensors released before it is done, as in gloo_rings.h
-        span.end();
         std::lock_guard<std::mutex> done_lock(pending->mutex);
         pending->error = std::move(error);
         pending->done = true;

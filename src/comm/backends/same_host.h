@@ -2,7 +2,8 @@
 
 // Internal: whether the ranks of a group share a host, and whether a process
 // of this host has exited, for the collectives through shared memory (Note
-// [Collectives through shared memory] in shared_memory_collectives.cpp).
+// [Collectives through shared memory] in
+// src/comm/backends/shared_memory_collectives.cpp).
 
 #include <string>
 #include <vector>
