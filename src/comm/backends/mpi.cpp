@@ -2,9 +2,9 @@
 // libopenmpi-dev); no_mpi.cpp otherwise.
 
 #include "comm/backends/backends.h"
+#include "comm/backends/mpi_library.h"
 #include "comm/backends/shared_memory_collectives.h"
 #include "comm/before_abort.h"
-#include "comm/launch_env.h"
 
 #include <lockstep/detail/collective_errors.h>
 
@@ -19,7 +19,6 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
-#include <limits>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -56,143 +55,6 @@ namespace {
 // (OMPI_MCA_mpi_yield_when_idle=0 restores polling). Other MPI libraries
 // ignore the variable.
 
-std::atomic<bool> g_aborting{false};
-
-void finalize_at_exit() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized && !g_aborting.load()) {
-    MPI_Finalize();
-  }
-}
-
-// Note [MPI's copies on a full host]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Between ranks of one host, Open MPI moves a large message with one copy
-// made by the receiver from the sender's memory (CMA, process_vm_readv), or
-// with two, through shared memory, in pieces that the sender writes while
-// the receiver reads. Where the host's ranks are at least its cores, so that
-// no core is idle to make the one copy, the two in pieces were faster: DDP
-// over MPI ran 1.07 to 1.09 x the steps per second on the MLP (buckets of 4
-// and 3 MB) with LibTorch 1.13, and 1.03 x with 2.15, 2 ranks on 2 cores;
-// 0.99 to 1.03 x on the deep model (docs/performance.md). So lockstep asks
-// Open MPI for the copies through shared memory there, unless the
-// environment already says (OMPI_MCA_btl_vader_single_copy_mechanism, or
-// btl_sm_ in Open MPI 5). With cores to spare, Open MPI's choice stands.
-void copy_through_shared_memory_on_a_full_host() {
-  const int64_t ranks = mpi_ranks_on_this_host([](const char* name) { return std::getenv(name); });
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (ranks > 0 && cores > 0 && ranks >= static_cast<int64_t>(cores)) {
-    ::setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", /*overwrite=*/0);
-    ::setenv("OMPI_MCA_btl_sm_single_copy_mechanism", "none", /*overwrite=*/0);
-  }
-}
-
-// Initialises MPI once per process, or checks the level a caller already
-// got; returns MPI's world size, read then (later calls call no MPI).
-int init_mpi() {
-  static std::once_flag once;
-  static int world = 0;
-  std::call_once(once, [] {
-    int initialized = 0;
-    MPI_Initialized(&initialized);
-    int provided = MPI_THREAD_SINGLE;
-    if (initialized) {
-      MPI_Query_thread(&provided);
-    } else {
-      ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0); // Note [MPI's thread and timeouts]
-      copy_through_shared_memory_on_a_full_host();
-      TORCH_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided) == MPI_SUCCESS,
-                  "lockstep: MPI_Init_thread failed; is this process started by mpirun or srun?");
-      std::atexit(finalize_at_exit);
-    }
-    TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED, "lockstep: this MPI library grants thread level ", provided,
-                " but the mpi backend needs MPI_THREAD_SERIALIZED (", MPI_THREAD_SERIALIZED,
-                "): its collectives run on a communication thread. If your program calls MPI_Init itself, call "
-                "MPI_Init_thread with MPI_THREAD_SERIALIZED or higher instead.");
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-  });
-  return world;
-}
-
-// MPI's counts are ints: the cast of a larger count would cut the
-// collective short without a word.
-int mpi_count(const torch::Tensor& t, const std::string& what, int rank) {
-  TORCH_CHECK(t.numel() <= std::numeric_limits<int>::max(), "lockstep: rank ", rank, ": ", what, ": the mpi backend "
-              "moves at most ", std::numeric_limits<int>::max(), " elements per rank in one collective (MPI's counts "
-              "are ints), but this one has ", t.numel(), ". Split the tensor into parts below that, or use the gloo "
-              "backend.");
-  return static_cast<int>(t.numel());
-}
-
-MPI_Datatype mpi_type(const torch::Tensor& t, const std::string& what, int rank) {
-  switch (t.scalar_type()) {
-    case torch::kFloat:
-      return MPI_FLOAT;
-    case torch::kDouble:
-      return MPI_DOUBLE;
-    case torch::kInt:
-      return MPI_INT32_T;
-    case torch::kLong:
-      return MPI_INT64_T;
-    case torch::kShort:
-      return MPI_INT16_T;
-    case torch::kChar:
-      return MPI_INT8_T;
-    case torch::kByte:
-      return MPI_UINT8_T;
-    case torch::kBool:
-      return MPI_C_BOOL;
-    default:
-      TORCH_CHECK(false, "lockstep: rank ", rank, ": ", what, ": the mpi backend cannot send ", t.scalar_type(),
-                  " tensors (MPI has no 16-bit float types). Cast to float32 first; the fp16_compress and "
-                  "bf16_compress hooks do so by themselves over MPI.");
-  }
-}
-
-MPI_Op mpi_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-      return MPI_SUM;
-    case ReduceOp::Max:
-      return MPI_MAX;
-    case ReduceOp::Min:
-      return MPI_MIN;
-    case ReduceOp::Avg:
-      break; // averaged through shared memory, or a sum (Note [Average])
-  }
-  TORCH_INTERNAL_ASSERT(false, "ReduceOp::Avg reached MPI itself");
-}
-
-// MPI's text for a return code; empty for MPI_SUCCESS.
-std::string mpi_error(int rc) {
-  if (rc == MPI_SUCCESS) {
-    return {};
-  }
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(rc, text, &length);
-  return std::string(text, length);
-}
-
-// Every rank's string, in rank order: SharedMemoryCollectives::Exchange over MPI.
-std::vector<std::string> all_gather_strings(MPI_Comm comm, int size, const std::string& mine) {
-  int length = static_cast<int>(mine.size());
-  std::vector<int> lengths(size), offsets(size);
-  MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, comm);
-  int total = 0;
-  for (int r = 0; r < size; ++r) {
-    offsets[r] = total;
-    total += lengths[r];
-  }
-  std::vector<char> all(std::max(total, 1));
-  MPI_Allgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, comm);
-  std::vector<std::string> strings;
-  for (int r = 0; r < size; ++r) {
-    strings.emplace_back(all.data() + offsets[r], lengths[r]);
-  }
-  return strings;
-}
 
 // Runs a collective through shared memory, for the communication thread:
 // its error's text, or empty.
@@ -236,7 +98,7 @@ class MpiWork : public Work {
     std::unique_lock<std::mutex> lock(pending_->mutex);
     if (!pending_->changed.wait_for(lock, timeout_, [&] { return pending_->done; })) {
       // See Note [MPI's thread and timeouts].
-      g_aborting = true;
+      begin_mpi_abort();
       std::fprintf(stderr,
                    "lockstep: rank %d of %d: %s did not complete within the group's timeout of %lld ms. Another "
                    "rank may have stopped, crashed or be stuck elsewhere; its own error says why. Ending the whole "
@@ -327,7 +189,7 @@ class MpiGroup : public GroupImpl {
     thread_.join();
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized && !g_aborting.load()) {
+    if (!finalized && !mpi_aborting()) {
       MPI_Comm_free(&comm_);
     }
   }
