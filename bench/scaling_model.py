@@ -6,7 +6,8 @@ the network lab and projected to 256 ranks (docs/scaling.md).
 DATA holds what bench/scaling_lab.sh wrote: collectives-RATE.txt (allreduces
 of several sizes between 2 hosts), ddp-RATE-P.txt (the measured step rate)
 and ddp-RATE-P.json[.gz] (host 0's timeline). OUT (default docs/scaling)
-receives projection.dat, scaling.gp and, with gnuplot, scaling.png.
+receives, for each projection (lab and 20us), projection-NAME.dat,
+scaling-NAME.gp and, with gnuplot, scaling-NAME.png.
 
 The model:
   - a ring allreduce of n bytes on p ranks costs 2(p-1) alpha + 2(p-1)/p n/B,

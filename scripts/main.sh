@@ -2,8 +2,9 @@
 # The main job: set up, build, and train the example CNN on Fashion-MNIST with
 # DistributedDataParallel over 2 ranks under lockstep-run. It evaluates on the
 # whole test set, split over the ranks, and leaves metrics.jsonl, model.pt,
-# checkpoint.ckpt and curves.png in runs/<time>/. Arguments go to
-# lockstep-train (--help lists them), e.g. --epochs 5 or --out DIR.
+# model.safetensors, checkpoint.ckpt and curves.png in runs/<run id>/.
+# Arguments go to lockstep-train (--help lists them), e.g. --epochs 5 or
+# --out DIR.
 # LOCKSTEP_TORCH picks the PyTorch it is built against (scripts/config.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
