@@ -11,7 +11,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -143,12 +145,21 @@ inline void write_idx(const Samples& data, const std::string& dir, const std::st
   put32(label_file, 0x801);
   put32(label_file, n);
   label_file.write(reinterpret_cast<const char*>(labels.data_ptr<uint8_t>()), labels.numel());
-  TORCH_CHECK(images && label_file, "lockstep-train: could not write the IDX files in ", dir);
+  images.close();
+  label_file.close();
+  TORCH_CHECK(images && label_file, "lockstep-train: could not write the IDX files in ", dir, " (", std::strerror(errno),
+              "). Export into a folder that exists and can be written, with room for 55 MB.");
 }
 
 /// Writes the synthetic dataset of `seed` as IDX files in `dir`, at MNIST's
 /// own counts (60000 training and 10000 test samples).
 inline void export_synthetic(const std::string& dir, uint64_t seed) {
+  for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                           "t10k-labels-idx1-ubyte"}) {
+    const std::string gz = dir + "/" + name + ".gz";
+    TORCH_CHECK(::access(gz.c_str(), F_OK) != 0, "lockstep-train: --export-mnist: ", gz, " exists, and the export "
+                "would write ", name, " beside it: two files for one dataset. Export into another folder.");
+  }
   auto [train, test] = synthetic(60000, 10000, seed);
   write_idx(train, dir, "train");
   write_idx(test, dir, "t10k");

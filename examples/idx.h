@@ -26,16 +26,21 @@ struct IdxError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// `dir/name`, or `dir/name.gz` when only that exists.
+/// `dir/name`, or `dir/name.gz`: whichever exists. Both is an error: they
+/// may hold different data (an --export-mnist into a folder of the real
+/// files), and reading either without a word would train on the other's.
 inline std::string idx_path(const std::string& dir, const std::string& name) {
   struct stat info {};
   const std::string plain = dir + "/" + name;
-  if (::stat(plain.c_str(), &info) == 0) {
-    return plain;
-  }
   const std::string gz = plain + ".gz";
-  if (::stat(gz.c_str(), &info) == 0) {
-    return gz;
+  const bool has_plain = ::stat(plain.c_str(), &info) == 0;
+  const bool has_gz = ::stat(gz.c_str(), &info) == 0;
+  if (has_plain && has_gz) {
+    throw IdxError(plain + " and " + gz + " both exist, and either could be the data meant; remove (or move) the one "
+                   "that is not");
+  }
+  if (has_plain || has_gz) {
+    return has_plain ? plain : gz;
   }
   throw IdxError(plain + "(.gz): no such file; --data needs a directory with MNIST's four IDX files, gzipped or not");
 }

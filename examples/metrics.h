@@ -10,11 +10,18 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -28,7 +35,11 @@ class MetricsLog {
   MetricsLog() = default;
   MetricsLog(const std::string& path, int64_t resumed_step) : path_(path) {
     std::vector<std::string> kept;
-    std::ifstream in(path);
+    struct stat info {};
+    std::ifstream in;
+    if (::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode)) { // a device or a pipe has no records to keep
+      in.open(path);
+    }
     for (std::string line; std::getline(in, line);) {
       const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (!record.is_discarded() && record.value("step", int64_t{0}) <= resumed_step) {
@@ -40,7 +51,7 @@ class MetricsLog {
     for (const auto& line : kept) {
       out_ << line << '\n';
     }
-    out_.flush();
+    flush();
   }
   bool enabled() const {
     return out_.is_open();
@@ -48,7 +59,7 @@ class MetricsLog {
   void write(const nlohmann::json& record) {
     if (enabled()) {
       out_ << record.dump() << '\n';
-      out_.flush();
+      flush();
     }
   }
   const std::string& path() const {
@@ -56,6 +67,15 @@ class MetricsLog {
   }
 
  private:
+  // A record that did not reach the file is an error, not a gap in the
+  // metrics that nothing mentions.
+  void flush() {
+    out_.flush();
+    TORCH_CHECK(out_.good(), "lockstep-train: could not write ", path_, " (", std::strerror(errno),
+                "; is the disk full?). Free some space, or give --out a folder on another disk, and resume from the "
+                "checkpoint.");
+  }
+
   std::string path_;
   std::ofstream out_;
 };
@@ -73,20 +93,72 @@ inline double speed_of(const nlohmann::json& record) {
                                               : number_of(record, "samples_per_second");
 }
 
-// Writes `dir`/curves.gp with the data, and runs gnuplot on it: "" when
-// curves.png was drawn, else why not. `train_data`: epoch, loss, samples/s
-// per line; `test`: epoch, test loss, test accuracy (%).
+// Whether the PNG file at `path` is whole: it ends with the IEND chunk. A
+// program that ran out of disk (gnuplot among them) may leave a cut one and
+// still exit with 0.
+inline bool png_is_whole(const std::string& path) {
+  static const unsigned char kEnd[12] = {0, 0, 0, 0, 'I', 'E', 'N', 'D', 0xAE, 0x42, 0x60, 0x82};
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in || in.tellg() < static_cast<std::streamoff>(8 + sizeof(kEnd))) {
+    return false;
+  }
+  unsigned char tail[sizeof(kEnd)] = {};
+  in.seekg(-static_cast<std::streamoff>(sizeof(kEnd)), std::ios::end);
+  in.read(reinterpret_cast<char*>(tail), sizeof(tail));
+  return in.good() && std::memcmp(tail, kEnd, sizeof(kEnd)) == 0;
+}
+
+// Runs `program` `argument` in the folder `dir`, without a shell (no name is
+// ever parsed as a command); returns its exit status (-1 when it could not
+// start) and what it wrote on stdout and stderr.
+inline std::pair<int, std::string> run_in(const std::string& dir, const std::string& program,
+                                          const std::string& argument) {
+  int fds[2];
+  if (::pipe(fds) != 0) {
+    return {-1, std::strerror(errno)};
+  }
+  const pid_t pid = ::fork();
+  if (pid == 0) { // only async-signal-safe calls until exec
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::dup2(fds[1], STDERR_FILENO);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    if (::chdir(dir.c_str()) == 0) {
+      ::execl(program.c_str(), program.c_str(), argument.c_str(), static_cast<char*>(nullptr));
+    }
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  std::string output;
+  char buffer[512];
+  for (ssize_t n; pid > 0 && (n = ::read(fds[0], buffer, sizeof(buffer))) != 0;) {
+    if (n > 0) {
+      output.append(buffer, static_cast<size_t>(n));
+    } else if (errno != EINTR) {
+      break;
+    }
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (pid > 0 && ::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return {pid > 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+// Writes `dir`/curves.gp with the data, and runs gnuplot on it in `dir`:
+// "" when curves.png was drawn whole, else why not. `train_data`: epoch,
+// loss, samples/s per line; `test`: epoch, test loss, test accuracy (%).
 inline std::string draw_curves(const std::string& dir, const std::string& train_data, const std::string& test) {
   if (test.empty()) {
     return "no evaluation finished with a finite test loss, so no curves";
   }
-  const std::string script = dir + "/curves.gp";
+  const std::string script = dir + "/curves.gp", png = dir + "/curves.png";
   std::ofstream gp(script);
-  gp << "# Written by lockstep-train; redraw with: gnuplot " << script << "\n"
+  gp << "# Written by lockstep-train; redraw in this folder with: gnuplot curves.gp\n"
      << "$train << EOD\n" << train_data << "EOD\n"
      << "$test << EOD\n" << test << "EOD\n"
      << "set terminal pngcairo size 1200,400 font 'sans,10'\n"
-     << "set output '" << dir << "/curves.png'\n"
+     << "set output 'curves.png'\n"
      << "set multiplot layout 1,3\n"
      << "set grid\nset xlabel 'epoch'\nset xrange [0:*]\nset key top right\n"
      << "set title 'loss'\n"
@@ -97,20 +169,26 @@ inline std::string draw_curves(const std::string& dir, const std::string& train_
      << "plot $train using 1:3 with lines lw 1.5 lc 4\n"
      << "unset multiplot\n";
   gp.close();
-  if (common::find_program("gnuplot").empty()) {
-    return "gnuplot is not installed, so no curves.png (install gnuplot-nox, as scripts/setup.sh does, then run: "
-           "gnuplot " + script + ")";
+  if (!gp) {
+    return "could not write " + script + " (" + std::strerror(errno) + "; is the disk full?), so no curves.png";
   }
-  const std::string command = "gnuplot '" + script + "' 2>&1";
-  std::FILE* pipe = ::popen(command.c_str(), "r");
-  std::string output;
-  char buffer[512];
-  while (pipe != nullptr && std::fgets(buffer, sizeof(buffer), pipe) != nullptr) {
-    output += buffer;
+  std::string gnuplot = common::find_program("gnuplot");
+  if (gnuplot.empty()) {
+    return "gnuplot is not installed, so no curves.png (install gnuplot-nox, as scripts/setup.sh does, then run "
+           "gnuplot curves.gp in " + dir + ")";
   }
-  const int status = pipe != nullptr ? ::pclose(pipe) : -1;
+  char cwd[4096];
+  if (gnuplot[0] != '/' && ::getcwd(cwd, sizeof(cwd)) != nullptr) { // a relative PATH entry; gnuplot runs in `dir`
+    gnuplot = std::string(cwd) + "/" + gnuplot;
+  }
+  const auto [status, output] = run_in(dir, gnuplot, "curves.gp");
   if (status != 0) {
-    return "gnuplot failed on " + script + ": " + output;
+    return "gnuplot failed on " + script + " (exit status " + std::to_string(status) + "): " + output;
+  }
+  if (!png_is_whole(png)) {
+    ::unlink(png.c_str());
+    return "gnuplot left " + png + " cut short (is the disk full?), so it was removed; run gnuplot curves.gp in " +
+           dir + " to draw it again";
   }
   return "";
 }

@@ -8,6 +8,7 @@
 #include "support/processes.h"
 
 #include <examples/checkpoint.h>
+#include <examples/data.h>
 #include <examples/idx.h>
 #include <examples/models.h>
 
@@ -17,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <functional>
@@ -133,6 +135,26 @@ TEST(TrainerData, HeaderClaimingMillionsOfRowsAllocatesNothingBeforeTheShortRead
   ::testing::FLAGS_gtest_death_test_style = "threadsafe";
   EXPECT_EXIT(read_with_1gb_spare(), ::testing::ExitedWithCode(0), "truncated: the header declares 16777216 rows");
 #endif
+}
+
+// An --export-mnist into a folder of the real, gzipped files wrote the
+// plain ones beside them, and --data then read the export without a word.
+TEST(TrainerData, AFileAndItsGzipBothThereIsAnError) {
+  const std::string dir = fresh_dir("idx_both");
+  std::ofstream(dir + "/train-images-idx3-ubyte") << "x";
+  std::ofstream(dir + "/train-images-idx3-ubyte.gz") << "x";
+  try {
+    examples::idx_path(dir, "train-images-idx3-ubyte");
+    ADD_FAILURE() << "no error";
+  } catch (const examples::IdxError& e) {
+    EXPECT_EQ(std::string(e.what()), dir + "/train-images-idx3-ubyte and " + dir + "/train-images-idx3-ubyte.gz both "
+              "exist, and either could be the data meant; remove (or move) the one that is not");
+  }
+  const std::string gz_only = fresh_dir("idx_gz_only");
+  std::ofstream(gz_only + "/t10k-labels-idx1-ubyte.gz") << "x";
+  EXPECT_ERROR_SAYS(examples::export_synthetic(gz_only, 1), "--export-mnist: ", "t10k-labels-idx1-ubyte.gz exists",
+                    "Export into another folder.");
+  EXPECT_NE(access((gz_only + "/train-images-idx3-ubyte").c_str(), F_OK), 0) << "it wrote before refusing";
 }
 
 TEST(TrainerData, ForeignOrMissingFilesAreOneLineErrors) {
@@ -273,6 +295,52 @@ TEST(FashionMnist, WithoutGnuplotTheMetricsStayAndOneLineSaysWhy) {
   EXPECT_NE(access((out + "/curves.png").c_str(), F_OK), 0);
   EXPECT_NE(read_text(out + "/metrics.jsonl").find("\"kind\":\"epoch\""), std::string::npos);
   EXPECT_NE(read_text(out + "/curves.gp").find("plot $test"), std::string::npos);
+}
+
+// gnuplot runs in the output folder without a shell: a folder's name is never
+// parsed as a command, and one with quotes in it gets its curves too.
+TEST(FashionMnist, AnyOutputFolderNameGetsItsCurvesAndRunsNothing) {
+  const std::string injected = temp("injected_by_out");
+  const std::string out = temp("quote's_out") + "';touch " + injected + ";'";
+  auto p = testing::run({LOCKSTEP_TRAIN, "--train-samples", "256", "--test-samples", "100", "--epochs", "1", "--out", out},
+                        {}, temp("quoted_out.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(access(injected.c_str(), F_OK), 0) << "the --out name ran a command";
+  struct stat info {};
+  ASSERT_EQ(stat((out + "/curves.png").c_str(), &info), 0) << p.output;
+  EXPECT_GT(info.st_size, 1000);
+  EXPECT_NE(p.output.find("outputs in " + out + "/: metrics.jsonl, model.pt, model.safetensors, checkpoint.ckpt, "
+                          "curves.png"), std::string::npos) << p.output;
+}
+
+// A full disk (/dev/full behind the file's name): a picture cut short is
+// removed and said so, and a metrics record that was not written stops the run.
+TEST(FashionMnist, WritesThatFailAreSaidNeverListedAsOutputs) {
+  const std::vector<std::string> args{LOCKSTEP_TRAIN, "--train-samples", "256", "--test-samples", "100", "--epochs", "1",
+                                      "--out"};
+  const std::string png_out = temp("full_png_out");
+  ASSERT_EQ(mkdir(png_out.c_str(), 0700), 0);
+  ASSERT_EQ(symlink("/dev/full", (png_out + "/curves.png").c_str()), 0);
+  auto png_args = args;
+  png_args.push_back(png_out);
+  auto p = testing::run(png_args, {}, temp("full_png.log"), kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-train: gnuplot left " + png_out + "/curves.png cut short (is the disk full?), so "
+                          "it was removed"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("outputs in " + png_out + "/: metrics.jsonl, model.pt, model.safetensors, checkpoint.ckpt\n"),
+            std::string::npos) << p.output;
+  struct stat info {};
+  EXPECT_NE(lstat((png_out + "/curves.png").c_str(), &info), 0);
+
+  const std::string metrics_out = temp("full_metrics_out");
+  ASSERT_EQ(mkdir(metrics_out.c_str(), 0700), 0);
+  ASSERT_EQ(symlink("/dev/full", (metrics_out + "/metrics.jsonl").c_str()), 0);
+  auto metrics_args = args;
+  metrics_args.push_back(metrics_out);
+  p = testing::run(metrics_args, {}, temp("full_metrics.log"), kDeadline);
+  EXPECT_NE(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("lockstep-train: could not write " + metrics_out + "/metrics.jsonl (No space left on device; "
+                          "is the disk full?)"), std::string::npos) << p.output;
 }
 
 TEST(TrainerData, NoTrainingBatchIsAnError) {
