@@ -12,6 +12,7 @@
 #include <src/util/checked_file.h> // the library's atomic, checksummed files
 #include <common/process_files.h>
 
+#include "models.h"
 #include "tensor_hashes.h"
 
 #include <torch/torch.h>
@@ -250,6 +251,26 @@ inline std::string optimizer_kind(torch::optim::Optimizer& optimizer) {
   return dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr ? "adamw" : "sgd";
 }
 
+/// --model's name for `model` (cnn, vit or gpt); "" for a module that is
+/// not the trainer's.
+inline std::string model_kind(const torch::nn::Module& model) {
+  const auto* net = dynamic_cast<const TrainerNetImpl*>(&model);
+  return net != nullptr ? net->kind : "";
+}
+
+/// Checks that the checkpoint at `path` holds a model of `kind`, where both
+/// say (a checkpoint written before the key existed does not): a model of
+/// another kind would fail on its optimizer, or on its first tensor, without
+/// naming --model.
+inline void check_model_kind(const std::string& path, torch::serialize::InputArchive& archive,
+                             const std::string& kind) {
+  std::string written;
+  TORCH_CHECK(kind.empty() || !try_read_bytes(archive, "model_kind", written) || written == kind,
+              "lockstep-train: checkpoint ", path,
+              " was written by --model ", written, ", and this run uses --model ", kind, "; give --model ", written,
+              " (and the options it was written with) to resume it, or point --checkpoint elsewhere to start afresh.");
+}
+
 inline void save_checkpoint(
     const std::string& path,
     torch::nn::Module& model,
@@ -262,6 +283,9 @@ inline void save_checkpoint(
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
   archive.write("optimizer_kind", bytes_tensor(optimizer_kind(optimizer)));
+  if (!model_kind(model).empty()) {
+    archive.write("model_kind", bytes_tensor(model_kind(model)));
+  }
   write_position(archive, state);
   archive.write("model_hash", hash_tensor(content_hash(model_tensors(model))));
   archive.write("optimizer_hash", hash_tensor(optimizer_hash(optimizer)));
@@ -307,8 +331,10 @@ inline void remove_other_shards(const std::string& path, int64_t keep) {
 /// Rank 0's part of a sharded save, after every rank's save_sharded into
 /// shards_dir(path, state.step), which returned `save_id` (Note [Sharded
 /// trainer checkpoint]).
-inline void save_sharded_checkpoint(const std::string& path, const TrainingState& state, int64_t save_id) {
+inline void save_sharded_checkpoint(const std::string& path, const TrainingState& state, int64_t save_id,
+                                    const std::string& model_kind) {
   torch::serialize::OutputArchive archive;
+  archive.write("model_kind", bytes_tensor(model_kind));
   write_position(archive, state);
   archive.write("shards", torch::tensor(state.step));
   archive.write("shards_save_id", torch::tensor(save_id));
@@ -380,8 +406,9 @@ struct ShardsRef {
 
 /// Loads where training stands from the sharded checkpoint at `path` (Note
 /// [Sharded trainer checkpoint]) and returns the save that holds the
-/// shards, with step -1 if there is no such file.
-inline ShardsRef load_sharded_checkpoint(const std::string& path, TrainingState& state) {
+/// shards, with step -1 if there is no such file. Its model must be of
+/// `model_kind` (--model).
+inline ShardsRef load_sharded_checkpoint(const std::string& path, TrainingState& state, const std::string& model_kind) {
   if (::access(path.c_str(), F_OK) != 0) {
     return {};
   }
@@ -389,6 +416,7 @@ inline ShardsRef load_sharded_checkpoint(const std::string& path, TrainingState&
   const int64_t format = open_checkpoint(path, archive);
   torch::Tensor shards;
   TORCH_INTERNAL_ASSERT(archive.try_read("shards", shards), "a whole checkpoint goes to load_whole_into_shards");
+  check_model_kind(path, archive, model_kind);
   try {
     state = read_state(archive, format);
   } catch (const std::exception& e) {
@@ -470,6 +498,7 @@ inline std::pair<torch::Tensor, torch::Tensor> read_whole_checkpoint(
     const std::string& path, torch::serialize::InputArchive& archive, int64_t format, torch::nn::Module& model,
     torch::optim::Optimizer& optimizer, TrainingState& state) {
   torch::Tensor model_hash, stored_optimizer_hash;
+  check_model_kind(path, archive, model_kind(model));
   std::string kind = "sgd"; // every checkpoint without the key is SGD's: the trainer had no other optimizer
   try_read_bytes(archive, "optimizer_kind", kind);
   TORCH_CHECK(kind == optimizer_kind(optimizer), "lockstep-train: checkpoint ", path, " was written by --optimizer ",

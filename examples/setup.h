@@ -437,7 +437,7 @@ inline Setup sharded_setup(const lockstep::ProcessGroup& group, TrainerNet& net,
     if (whole) {
       return load_whole_into_shards(model, net, optimizer, config, state);
     }
-    shards = load_sharded_checkpoint(config.checkpoint_path, state);
+    shards = load_sharded_checkpoint(config.checkpoint_path, state, config.model);
     return shards.step >= 0;
   }, &resumed);
   if (whole) {
@@ -458,11 +458,11 @@ inline Setup sharded_setup(const lockstep::ProcessGroup& group, TrainerNet& net,
   setup.description = "FullyShardedDataParallel (--sharding " + config.sharding + ") over " +
                       std::to_string(group.size()) + " ranks (" + group.backend() + ")" +
                       device_description(setup.device) + deterministic_description(config);
-  setup.save_checkpoint = [rank = group.rank(), path = config.checkpoint_path, model, optimizer = setup.optimizer](
-                              const TrainingState& state) {
+  setup.save_checkpoint = [rank = group.rank(), path = config.checkpoint_path, model, optimizer = setup.optimizer,
+                           kind = config.model](const TrainingState& state) {
     const int64_t save_id = model->save_sharded(*optimizer, shards_dir(path, state.step));
     if (rank == 0) {
-      save_sharded_checkpoint(path, state, save_id);
+      save_sharded_checkpoint(path, state, save_id, kind);
     }
   };
   say_launched_setup(setup, data, config);

@@ -236,6 +236,26 @@ TEST(Checkpoint, AnotherOptimizersCheckpointNamesTheFlag) {
                           "sgd to resume it"), std::string::npos) << p.output;
 }
 
+// A ViT run that finds a CNN's checkpoint: the optimizer's kind, checked
+// first, blamed --optimizer, and giving it failed on the first tensor; neither
+// named --model.
+TEST(Checkpoint, AnotherModelsCheckpointNamesTheFlag) {
+  const std::string path = temp("cnn_run.ckpt");
+  examples::TrainerNet cnn("cnn");
+  torch::optim::SGD sgd(cnn->parameters(), 0.1);
+  examples::save_checkpoint(path, *cnn, sgd, examples::TrainingState{});
+  examples::TrainerNet vit("vit");
+  torch::optim::AdamW adamw(vit->parameters(), 1e-3);
+  examples::TrainingState state;
+  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *vit, adamw, state), "was written by --model cnn, and this run "
+                    "uses --model vit; give --model cnn (and the options it was written with) to resume it");
+  torch::optim::SGD vit_sgd(vit->parameters(), 0.1);
+  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *vit, vit_sgd, state), "give --model cnn");
+  examples::TrainerNet same("cnn");
+  torch::optim::SGD same_sgd(same->parameters(), 0.1);
+  EXPECT_TRUE(examples::load_checkpoint(path, *same, same_sgd, state));
+}
+
 // A CPU run's checkpoint resumed on a GPU: LibTorch's load moved every
 // parameter to the device that saved it, so the model trained on the CPU
 // beside a GPU optimizer that DataParallel refused, with the optimizer's
