@@ -29,6 +29,19 @@ nlohmann::json record(const std::vector<nlohmann::json>& collectives, int64_t is
   return {{"groups", {{{"issued", issued}, {"collectives", collectives}}}}};
 }
 
+TEST(DesyncReport, OnlyAWaitThatEndedIsGivingUpWaiting) {
+  using tools::gave_up_waiting;
+  EXPECT_TRUE(gave_up_waiting({"x", "lockstep: rank 0 of 2: allreduce of bucket 0 (2 parameters, 0.0 MiB) failed or did "
+                                    "not complete within the group's timeout of 5000 ms."}));
+  EXPECT_TRUE(gave_up_waiting({"terminate called: [gloo/transport/tcp/pair.cc:598] Timed out waiting 5000ms for recv"}));
+  EXPECT_TRUE(gave_up_waiting({"RuntimeError: Wait timeout after 30000 ms"}));
+  EXPECT_TRUE(gave_up_waiting({"[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3)"}));
+  // Usage errors that name a timeout waited for nobody.
+  EXPECT_FALSE(gave_up_waiting({"lockstep-train: --timeout: 0 not in range [1 - 604800]"}));
+  EXPECT_FALSE(gave_up_waiting({"lockstep: LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds, 1 or more"}));
+  EXPECT_FALSE(gave_up_waiting({}));
+}
+
 TEST(DesyncReport, NamesTheFirstCollectiveWhereRanksPart) {
   const auto agreed = entry(0, "allreduce", 8, "completed");
   // Rank 1 ran a barrier where rank 0 ran an allreduce.

@@ -19,7 +19,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -371,19 +370,6 @@ class Attempt {
   }
 };
 
-// Whether the rank's last words say it gave up waiting for the others.
-inline bool gave_up_waiting(const Rank& r) {
-  for (const auto& line : r.err_tail) {
-    std::string lower = line;
-    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
-    if (lower.find("timeout") != std::string::npos || lower.find("timed out") != std::string::npos ||
-        lower.find("did not complete within") != std::string::npos) {
-      return true;
-    }
-  }
-  return false;
-}
-
 inline void print_root_cause(const Rank& r) {
   std::fprintf(stderr, "lockstep-run: rank %d (local rank %d, pid %d) failed: %s\n", r.global_rank, r.local_rank, r.pid,
                describe_status(r.status).c_str());
@@ -418,7 +404,7 @@ inline void print_killed_on_signal(const Attempt& run, int world_on_node, double
 // the others time out and fail first. Name the ranks that were still running.
 inline void print_stalled_ranks(const Attempt& run, int root_cause, int world_on_node, double grace_seconds) {
   const Rank& first = run.rank(root_cause);
-  const bool waited = gave_up_waiting(first);
+  const bool waited = gave_up_waiting({first.err_tail.begin(), first.err_tail.end()});
   for (int i = 0; i < world_on_node; ++i) {
     const Rank& r = run.rank(i);
     if (i == root_cause || !r.running_at_stop) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -23,6 +24,24 @@ inline std::string trace_file(const std::string& dir, int rank) {
 }
 
 using common::rank_list;
+
+// Whether a rank's last lines say that it gave up waiting for the others in
+// a collective or the store: lockstep's "did not complete within", Gloo's
+// "Timed out waiting", c10d's store's "Wait timeout", NCCL's watchdog's
+// "collective operation timeout". Not the bare word: a usage error about a
+// --timeout or LOCKSTEP_TIMEOUT waited for nobody.
+inline bool gave_up_waiting(const std::vector<std::string>& last_lines) {
+  for (const auto& line : last_lines) {
+    std::string lower = line;
+    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+    for (const char* words : {"did not complete within", "timed out", "wait timeout", "operation timeout"}) {
+      if (lower.find(words) != std::string::npos) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
 
 // "allreduce (sum) of 4096 Float, allreduce of bucket 2 (3 parameters, 0.0 MiB)"
 inline std::string describe_collective(const nlohmann::json& c) {
