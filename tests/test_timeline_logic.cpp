@@ -28,6 +28,20 @@ TEST(TimelinePaths, APathThatCannotBeWrittenSaysWhy) {
                                                           "not exist");
 }
 
+// Every rank of a job tags the path it is given: a folder became the files
+// <folder>.rank0 and <folder>.rank1 beside it, without a word.
+TEST(TimelinePaths, AFolderIsRefusedAsSuchUnderEveryWorldSize) {
+  using timeline::detail::rank_file_problem;
+  const auto folder = std::filesystem::temp_directory_path().string();
+  for (int world_size : {1, 2}) {
+    EXPECT_EQ(rank_file_problem(folder, 1 % world_size, world_size),
+              folder + " is a folder; name a file in it, e.g. " + folder + "/timeline.json (each rank adds .rank<R>)");
+  }
+  EXPECT_EQ(rank_file_problem(folder + "/timeline.json", 1, 2), "");
+  EXPECT_EQ(rank_file_problem("/no/such/folder/t.json", 0, 2), "the folder /no/such/folder of /no/such/folder/t.rank0.json "
+                                                              "does not exist");
+}
+
 TEST(TimelinePaths, TheRankFillsInEveryPercentR) {
   EXPECT_EQ(rank_path("/tmp/t%r.json", 3, 4), "/tmp/t3.json");
   EXPECT_EQ(rank_path("/tmp/r%r/t%r.json", 1, 2), "/tmp/r1/t1.json");

@@ -129,8 +129,7 @@ class Recorder {
   // A path the file cannot be written to is said at start, not after the
   // run it was to record.
   Recorder() {
-    const std::string path = rank_path(env("LOCKSTEP_TIMELINE"), rank_from_env(), world_size_from_env());
-    const std::string problem = unwritable_because(path);
+    const std::string problem = rank_file_problem(env("LOCKSTEP_TIMELINE"), rank_from_env(), world_size_from_env());
     if (!problem.empty()) {
       std::fprintf(stderr, "lockstep: rank %d: LOCKSTEP_TIMELINE: %s as the rank starts; unless that changes by "
                    "the time it exits, its timeline will not be written. Give a file in a folder that exists.\n",
@@ -178,7 +177,14 @@ class Recorder {
       return;
     }
     const int rank = group_size_ > 0 ? group_rank_ : rank_from_env();
-    path = rank_path(path, rank, group_size_ > 0 ? group_size_ : world_size_from_env());
+    const int world_size = group_size_ > 0 ? group_size_ : world_size_from_env();
+    struct stat status {};
+    if (::stat(path.c_str(), &status) == 0 && S_ISDIR(status.st_mode)) {
+      std::fprintf(stderr, "lockstep: rank %d: could not write the timeline (LOCKSTEP_TIMELINE): %s\n", rank,
+                   rank_file_problem(path, rank, world_size).c_str());
+      return;
+    }
+    path = rank_path(path, rank, world_size);
     nlohmann::json events = nlohmann::json::array();
     const std::vector<int> tids = lane_tids();
     for (size_t i = 0; i < events_.size(); ++i) {
@@ -295,6 +301,14 @@ std::string rank_path(std::string path, int rank, int world_size) {
     path.replace(at, 2, std::to_string(rank));
   }
   return has_rank || world_size <= 1 ? path : common::with_tag(path, ".rank" + std::to_string(rank));
+}
+
+std::string rank_file_problem(const std::string& given, int rank, int world_size) {
+  struct stat status {};
+  if (::stat(given.c_str(), &status) == 0 && S_ISDIR(status.st_mode)) {
+    return given + " is a folder; name a file in it, e.g. " + given + "/timeline.json (each rank adds .rank<R>)";
+  }
+  return unwritable_because(rank_path(given, rank, world_size));
 }
 
 std::string unwritable_because(const std::string& path) {

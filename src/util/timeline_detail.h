@@ -25,6 +25,10 @@ std::string rank_path(std::string path, int rank, int world_size);
 /// exists and can be written, else what is wrong (a missing folder, a path
 /// that is a folder, a folder without write permission).
 std::string unwritable_because(const std::string& path);
+/// Why rank `rank` of `world_size` cannot write its timeline for
+/// LOCKSTEP_TIMELINE=`given`: "" where it can. A `given` that is a folder is
+/// refused as such, not written beside as `given`.rank<R>.
+std::string rank_file_problem(const std::string& given, int rank, int world_size);
 /// A ProcessGroup of `world_size` ranks in which this process is `rank` was
 /// made: the largest names the file and the process in it, over the
 /// launchers' variables (ranks given by ProcessGroupOptions have none).
