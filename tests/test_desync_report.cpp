@@ -38,7 +38,8 @@ TEST(DesyncReport, OnlyAWaitThatEndedIsGivingUpWaiting) {
   EXPECT_TRUE(gave_up_waiting({"[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3)"}));
   // Usage errors that name a timeout waited for nobody.
   EXPECT_FALSE(gave_up_waiting({"lockstep-train: --timeout: 0 not in range [1 - 604800]"}));
-  EXPECT_FALSE(gave_up_waiting({"lockstep: LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds, 1 or more"}));
+  EXPECT_FALSE(gave_up_waiting({"lockstep: LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds from 1 to "
+                                "604800 (a week)"}));
   EXPECT_FALSE(gave_up_waiting({}));
 }
 

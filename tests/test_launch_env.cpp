@@ -151,6 +151,10 @@ TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
   vars["LOCKSTEP_TIMEOUT"] = "5m";
   auto message = error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)); });
   EXPECT_NE(message.find("LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds"), std::string::npos) << message;
+  vars["LOCKSTEP_TIMEOUT"] = "604801"; // a number, past the bound that the error must then give
+  message = error_of([&] { detail::parse_launch_env(ProcessGroupOptions(), env_of(vars)); });
+  EXPECT_NE(message.find("LOCKSTEP_TIMEOUT=\"604801\" is malformed; expected whole seconds from 1 to 604800 (a week)"),
+            std::string::npos) << message;
   message = error_of([&] {
     detail::parse_launch_env(ProcessGroupOptions().timeout(std::chrono::milliseconds(-1)), env_of(vars));
   });

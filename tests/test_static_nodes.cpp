@@ -100,6 +100,19 @@ TEST(Launcher, AStaticNodeOfAnotherJobIsRefusedNamingBoth) {
   EXPECT_NE(second[0].output.find("[rank 1] env 1 of 2"), std::string::npos) << second[0].output;
 }
 
+// A mistyped --master-addr waited out --timeout and then said only that
+// node 0 never answered, not that its name does not resolve.
+TEST(Launcher, AStaticNodeSaysWhyNodeZeroCouldNotBeReached) {
+  auto node = testing::run(launcher({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr",
+                                     "nosuchhost.invalid", "--master-port", port(), "--timeout", "2"},
+                                    {"/bin/true"}),
+                           {}, temp("unresolved_master.log"), kDeadline);
+  EXPECT_NE(node.exit_code, 0) << node.output;
+  EXPECT_NE(node.output.find("node 0's launcher never answered at nosuchhost.invalid:"), std::string::npos)
+      << node.output;
+  EXPECT_NE(node.output.find("(the last try: cannot resolve nosuchhost.invalid: "), std::string::npos) << node.output;
+}
+
 // Variables inherited from an outer launcher (lockstep-run under torchrun's
 // agent, or a shell that ran a one-node job) must not reach the ranks of a
 // job of two nodes: an agent's store that nobody serves here, or one node's

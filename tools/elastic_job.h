@@ -86,8 +86,9 @@ inline std::unique_ptr<KvClient> connect_to_store(const Options& options, Millis
         throw;
       }
       if (!said) {
-        std::fprintf(stderr, "lockstep-run: waiting up to join_timeout (%.0f s) for %s (the launcher on that machine "
-                     "serves it)\n", options.join_timeout, e.what());
+        std::fprintf(stderr, "lockstep-run: waiting up to join_timeout (%.0f s) for the store at %s:%d, which the "
+                     "launcher on that machine serves: %s\n", options.join_timeout, options.rdzv_host.c_str(),
+                     options.rdzv_port, e.what());
         said = true;
       }
       std::this_thread::sleep_for(Millis(200));

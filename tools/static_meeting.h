@@ -215,7 +215,7 @@ class StaticMeeting {
         if (options_.node_rank == 0) {
           throw MeetingError(std::string("node 0 cannot reach its own meeting store: ") + e.what());
         }
-        missing_text_ = "node 0's launcher never answered at " + where();
+        missing_text_ = "node 0's launcher never answered at " + where() + " (the last try: " + e.what() + ")";
         if (!pause()) {
           return nullptr;
         }

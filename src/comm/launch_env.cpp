@@ -215,7 +215,8 @@ LaunchEnv parse_launch_env(const ProcessGroupOptions& options, const std::functi
     check_timeout(options.timeout(), "ProcessGroupOptions::timeout");
     env.timeout = options.timeout();
   } else if (const char* v = get("LOCKSTEP_TIMEOUT")) {
-    env.timeout = std::chrono::seconds(parse_int("LOCKSTEP_TIMEOUT", v, 1, 7 * 24 * 3600, "whole seconds, 1 or more"));
+    env.timeout = std::chrono::seconds(
+        parse_int("LOCKSTEP_TIMEOUT", v, 1, 7 * 24 * 3600, "whole seconds from 1 to 604800 (a week)"));
   }
   if (const char* v = get("TORCHELASTIC_RESTART_COUNT")) {
     env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", v, 0, INT32_MAX, "a whole number >= 0");
