@@ -12,7 +12,6 @@
 #include <src/util/checked_file.h> // the library's atomic, checksummed files
 #include <common/process_files.h>
 
-#include "models.h"
 #include "tensor_hashes.h"
 
 #include <torch/torch.h>
@@ -251,13 +250,6 @@ inline std::string optimizer_kind(torch::optim::Optimizer& optimizer) {
   return dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr ? "adamw" : "sgd";
 }
 
-/// --model's name for `model` (cnn, vit or gpt); "" for a module that is
-/// not the trainer's.
-inline std::string model_kind(const torch::nn::Module& model) {
-  const auto* net = dynamic_cast<const TrainerNetImpl*>(&model);
-  return net != nullptr ? net->kind : "";
-}
-
 /// Checks that the checkpoint at `path` holds a model of `kind`, where both
 /// say (a checkpoint written before the key existed does not): a model of
 /// another kind would fail on its optimizer, or on its first tensor, without
@@ -271,11 +263,14 @@ inline void check_model_kind(const std::string& path, torch::serialize::InputArc
               " (and the options it was written with) to resume it, or point --checkpoint elsewhere to start afresh.");
 }
 
+/// `kind`: the model's --model, recorded for resuming (check_model_kind); ""
+/// records none.
 inline void save_checkpoint(
     const std::string& path,
     torch::nn::Module& model,
     torch::optim::Optimizer& optimizer,
-    const TrainingState& state) {
+    const TrainingState& state,
+    const std::string& kind = "") {
   torch::serialize::OutputArchive archive;
   torch::serialize::OutputArchive model_archive, optimizer_archive;
   model.save(model_archive);
@@ -283,8 +278,8 @@ inline void save_checkpoint(
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
   archive.write("optimizer_kind", bytes_tensor(optimizer_kind(optimizer)));
-  if (!model_kind(model).empty()) {
-    archive.write("model_kind", bytes_tensor(model_kind(model)));
+  if (!kind.empty()) {
+    archive.write("model_kind", bytes_tensor(kind));
   }
   write_position(archive, state);
   archive.write("model_hash", hash_tensor(content_hash(model_tensors(model))));
@@ -332,9 +327,9 @@ inline void remove_other_shards(const std::string& path, int64_t keep) {
 /// shards_dir(path, state.step), which returned `save_id` (Note [Sharded
 /// trainer checkpoint]).
 inline void save_sharded_checkpoint(const std::string& path, const TrainingState& state, int64_t save_id,
-                                    const std::string& model_kind) {
+                                    const std::string& kind) {
   torch::serialize::OutputArchive archive;
-  archive.write("model_kind", bytes_tensor(model_kind));
+  archive.write("model_kind", bytes_tensor(kind));
   write_position(archive, state);
   archive.write("shards", torch::tensor(state.step));
   archive.write("shards_save_id", torch::tensor(save_id));
@@ -407,8 +402,8 @@ struct ShardsRef {
 /// Loads where training stands from the sharded checkpoint at `path` (Note
 /// [Sharded trainer checkpoint]) and returns the save that holds the
 /// shards, with step -1 if there is no such file. Its model must be of
-/// `model_kind` (--model).
-inline ShardsRef load_sharded_checkpoint(const std::string& path, TrainingState& state, const std::string& model_kind) {
+/// `kind` (--model).
+inline ShardsRef load_sharded_checkpoint(const std::string& path, TrainingState& state, const std::string& kind) {
   if (::access(path.c_str(), F_OK) != 0) {
     return {};
   }
@@ -416,7 +411,7 @@ inline ShardsRef load_sharded_checkpoint(const std::string& path, TrainingState&
   const int64_t format = open_checkpoint(path, archive);
   torch::Tensor shards;
   TORCH_INTERNAL_ASSERT(archive.try_read("shards", shards), "a whole checkpoint goes to load_whole_into_shards");
-  check_model_kind(path, archive, model_kind);
+  check_model_kind(path, archive, kind);
   try {
     state = read_state(archive, format);
   } catch (const std::exception& e) {
@@ -496,13 +491,13 @@ inline void check_loaded_shapes(const std::string& path, const std::vector<torch
 /// and returns the content hashes stored beside them (model, optimizer).
 inline std::pair<torch::Tensor, torch::Tensor> read_whole_checkpoint(
     const std::string& path, torch::serialize::InputArchive& archive, int64_t format, torch::nn::Module& model,
-    torch::optim::Optimizer& optimizer, TrainingState& state) {
+    torch::optim::Optimizer& optimizer, TrainingState& state, const std::string& kind) {
   torch::Tensor model_hash, stored_optimizer_hash;
-  check_model_kind(path, archive, model_kind(model));
-  std::string kind = "sgd"; // every checkpoint without the key is SGD's: the trainer had no other optimizer
-  try_read_bytes(archive, "optimizer_kind", kind);
-  TORCH_CHECK(kind == optimizer_kind(optimizer), "lockstep-train: checkpoint ", path, " was written by --optimizer ",
-              kind, ", and this run uses --optimizer ", optimizer_kind(optimizer), "; give --optimizer ", kind,
+  check_model_kind(path, archive, kind);
+  std::string written = "sgd"; // every checkpoint without the key is SGD's: the trainer had no other optimizer
+  try_read_bytes(archive, "optimizer_kind", written);
+  TORCH_CHECK(written == optimizer_kind(optimizer), "lockstep-train: checkpoint ", path, " was written by --optimizer ",
+              written, ", and this run uses --optimizer ", optimizer_kind(optimizer), "; give --optimizer ", written,
               " to resume it, or point --checkpoint elsewhere to start afresh.");
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
@@ -523,12 +518,14 @@ inline std::pair<torch::Tensor, torch::Tensor> read_whole_checkpoint(
 
 /// Loads `path` into `model`, `optimizer` and `state`; false if there is no
 /// such file. A file that is not a whole lockstep-train checkpoint of this
-/// model is a clear error.
+/// model is a clear error, and so is one of another `kind` (--model) where
+/// both say.
 inline bool load_checkpoint(
     const std::string& path,
     torch::nn::Module& model,
     torch::optim::Optimizer& optimizer,
-    TrainingState& state) {
+    TrainingState& state,
+    const std::string& kind = "") {
   if (::access(path.c_str(), F_OK) != 0) {
     return false;
   }
@@ -539,7 +536,7 @@ inline bool load_checkpoint(
               "the model and optimizer are in ", shards_dir(path, shards.defined() ? shards.item<int64_t>() : 0),
               "/. Resume it with --sharding (any strategy, at any world size), or point --checkpoint elsewhere.");
   const auto expected = expected_tensors(model); // the model's, before loading replaces them
-  const auto [model_hash, stored_optimizer_hash] = read_whole_checkpoint(path, archive, format, model, optimizer, state);
+  const auto [model_hash, stored_optimizer_hash] = read_whole_checkpoint(path, archive, format, model, optimizer, state, kind);
   const auto loaded = model_tensors(model);
   check_loaded_shapes(path, loaded, expected, optimizer);
   back_onto_the_models_device(loaded, expected, optimizer);

@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -72,8 +73,7 @@ class MetricsLog {
   void flush() {
     out_.flush();
     TORCH_CHECK(out_.good(), "lockstep-train: could not write ", path_, " (", std::strerror(errno),
-                "; is the disk full?). Free some space, or give --out a folder on another disk, and resume from the "
-                "checkpoint.");
+                "; is the disk full?). Free some space and run again: it resumes from the checkpoint.");
   }
 
   std::string path_;
@@ -114,24 +114,30 @@ inline bool png_is_whole(const std::string& path) {
 inline std::pair<int, std::string> run_in(const std::string& dir, const std::string& program,
                                           const std::string& argument) {
   int fds[2];
-  if (::pipe(fds) != 0) {
-    return {-1, std::strerror(errno)};
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    return {-1, std::string("no pipe: ") + std::strerror(errno)};
   }
   const pid_t pid = ::fork();
   if (pid == 0) { // only async-signal-safe calls until exec
     ::dup2(fds[1], STDOUT_FILENO);
     ::dup2(fds[1], STDERR_FILENO);
-    ::close(fds[0]);
-    ::close(fds[1]);
     if (::chdir(dir.c_str()) == 0) {
       ::execl(program.c_str(), program.c_str(), argument.c_str(), static_cast<char*>(nullptr));
     }
+    static const char kFailed[] = "could not enter the folder or start the program\n";
+    (void)!::write(STDERR_FILENO, kFailed, sizeof(kFailed) - 1);
     ::_exit(127);
+  }
+  if (pid < 0) {
+    const std::string why = std::string("no process: ") + std::strerror(errno);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return {-1, why};
   }
   ::close(fds[1]);
   std::string output;
   char buffer[512];
-  for (ssize_t n; pid > 0 && (n = ::read(fds[0], buffer, sizeof(buffer))) != 0;) {
+  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof(buffer))) != 0;) {
     if (n > 0) {
       output.append(buffer, static_cast<size_t>(n));
     } else if (errno != EINTR) {
@@ -140,9 +146,12 @@ inline std::pair<int, std::string> run_in(const std::string& dir, const std::str
   }
   ::close(fds[0]);
   int status = 0;
-  while (pid > 0 && ::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
-  return {pid > 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+  if (WIFSIGNALED(status)) {
+    return {-1, "killed by signal " + std::to_string(WTERMSIG(status)) + "; " + output};
+  }
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
 }
 
 // Writes `dir`/curves.gp with the data, and runs gnuplot on it in `dir`:
@@ -187,8 +196,8 @@ inline std::string draw_curves(const std::string& dir, const std::string& train_
   }
   if (!png_is_whole(png)) {
     ::unlink(png.c_str());
-    return "gnuplot left " + png + " cut short (is the disk full?), so it was removed; run gnuplot curves.gp in " +
-           dir + " to draw it again";
+    return "gnuplot left " + png + " missing or cut short (is the disk full?), so it was removed; run gnuplot "
+           "curves.gp in " + dir + " to draw it again";
   }
   return "";
 }

@@ -337,7 +337,7 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, TrainerNet& 
   auto& optimizer = *setup.optimizer;
   TrainerHook hook = make_comm_hook(config);
   setup.state = resume(config, setup.plan, signature, group.rank() == 0, [&](TrainingState& state) {
-    const bool found = load_checkpoint(config.checkpoint_path, *net, optimizer, state);
+    const bool found = load_checkpoint(config.checkpoint_path, *net, optimizer, state, config.model);
     if (found && hook.powersgd) {
       load_powersgd(*hook.powersgd, state, group.rank(), group.size(), group.rank() == 0);
     }
@@ -358,13 +358,14 @@ inline Setup distributed_setup(const lockstep::ProcessGroup& group, TrainerNet& 
     setup.compression_rate = [powersgd = *hook.powersgd] { return powersgd.compression_rate(); };
   }
   setup.save_checkpoint = [group, path = config.checkpoint_path, net, optimizer = setup.optimizer,
-                           powersgd = hook.powersgd, device = setup.device](const TrainingState& state) mutable {
+                           powersgd = hook.powersgd, device = setup.device,
+                           kind = config.model](const TrainingState& state) mutable {
     TrainingState saved = state;
     if (powersgd) {
       saved.comm_hook_states = powersgd_states(*powersgd, group, device); // a collective: before rank 0 alone writes
     }
     if (group.rank() == 0) {
-      save_checkpoint(path, *net, *optimizer, saved);
+      save_checkpoint(path, *net, *optimizer, saved, kind);
     }
   };
   say_launched_setup(setup, data, config);
@@ -407,7 +408,7 @@ bool load_whole_into_shards(Model& model, TrainerNet& net, torch::optim::Optimiz
   bool found = false;
   {
     auto full = model->summon_full_params(); // the loaded weights are written back into the shards
-    found = load_checkpoint(config.checkpoint_path, *net, *bare, state);
+    found = load_checkpoint(config.checkpoint_path, *net, *bare, state, config.model);
   }
   model->shard_full_optimizer_state(*bare, optimizer);
   return found;
@@ -488,7 +489,7 @@ inline Setup data_parallel_setup(TrainerNet& net, const Dataset& data, const Dat
   setup.optimizer = make_optimizer(net->parameters(), config);
   setup.plan = checked_plan({data.train.inputs.size(0), config.batch_size, 1, 0, config.seed, config.deterministic});
   setup.state = resume(config, setup.plan, signature, true, [&](TrainingState& state) {
-    return load_checkpoint(config.checkpoint_path, *net, *setup.optimizer, state);
+    return load_checkpoint(config.checkpoint_path, *net, *setup.optimizer, state, config.model);
   });
   lockstep::DataParallel<TrainerNet> model(net, options);
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };
@@ -501,8 +502,9 @@ inline Setup data_parallel_setup(TrainerNet& net, const Dataset& data, const Dat
   setup.combine = [](const Tally& mine) { return mine; };
   setup.sync_buffers = [] {};
   setup.full_params = [] { return std::shared_ptr<void>(); };
-  setup.save_checkpoint = [path = config.checkpoint_path, net, optimizer = setup.optimizer](const TrainingState& state) mutable {
-    save_checkpoint(path, *net, *optimizer, state);
+  setup.save_checkpoint = [path = config.checkpoint_path, net, optimizer = setup.optimizer,
+                           kind = config.model](const TrainingState& state) mutable {
+    save_checkpoint(path, *net, *optimizer, state, kind);
   };
   std::fprintf(stderr, "lockstep-train: %s, %lld train / %lld test %s, %s, batch %lld, outputs in %s/\n",
                data.source.c_str(), static_cast<long long>(data.train.inputs.size(0)),

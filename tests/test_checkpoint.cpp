@@ -243,17 +243,28 @@ TEST(Checkpoint, AnotherModelsCheckpointNamesTheFlag) {
   const std::string path = temp("cnn_run.ckpt");
   examples::TrainerNet cnn("cnn");
   torch::optim::SGD sgd(cnn->parameters(), 0.1);
-  examples::save_checkpoint(path, *cnn, sgd, examples::TrainingState{});
+  examples::save_checkpoint(path, *cnn, sgd, examples::TrainingState{}, "cnn");
   examples::TrainerNet vit("vit");
   torch::optim::AdamW adamw(vit->parameters(), 1e-3);
   examples::TrainingState state;
-  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *vit, adamw, state), "was written by --model cnn, and this run "
-                    "uses --model vit; give --model cnn (and the options it was written with) to resume it");
+  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *vit, adamw, state, "vit"), "was written by --model cnn, and this "
+                    "run uses --model vit; give --model cnn (and the options it was written with) to resume it");
   torch::optim::SGD vit_sgd(vit->parameters(), 0.1);
-  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *vit, vit_sgd, state), "give --model cnn");
+  EXPECT_ERROR_SAYS(examples::load_checkpoint(path, *vit, vit_sgd, state, "vit"), "give --model cnn");
   examples::TrainerNet same("cnn");
   torch::optim::SGD same_sgd(same->parameters(), 0.1);
-  EXPECT_TRUE(examples::load_checkpoint(path, *same, same_sgd, state));
+  EXPECT_TRUE(examples::load_checkpoint(path, *same, same_sgd, state, "cnn"));
+
+  // The trainer records and checks its --model.
+  const std::string trained = temp("cnn_trained.ckpt");
+  auto p = testing::run(with_flag(trainer("cnn_trained", trained), "--epochs", "1"), {}, temp("cnn_trained.log"),
+                        kDeadline);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  auto args = trainer("cnn_trained", trained);
+  args.insert(args.end(), {"--model", "vit"});
+  p = testing::run(args, {}, temp("vit_on_cnn.log"), kDeadline);
+  EXPECT_EQ(p.exit_code, 1) << p.output;
+  EXPECT_NE(p.output.find("was written by --model cnn, and this run uses --model vit"), std::string::npos) << p.output;
 }
 
 // A CPU run's checkpoint resumed on a GPU: LibTorch's load moved every

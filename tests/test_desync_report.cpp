@@ -36,6 +36,8 @@ TEST(DesyncReport, OnlyAWaitThatEndedIsGivingUpWaiting) {
   EXPECT_TRUE(gave_up_waiting({"terminate called: [gloo/transport/tcp/pair.cc:598] Timed out waiting 5000ms for recv"}));
   EXPECT_TRUE(gave_up_waiting({"RuntimeError: Wait timeout after 30000 ms"}));
   EXPECT_TRUE(gave_up_waiting({"[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3)"}));
+  EXPECT_TRUE(gave_up_waiting({"RuntimeError: Socket Timeout"}));
+  EXPECT_TRUE(gave_up_waiting({"RuntimeError: Timeout waiting for key: rank1"}));
   // Usage errors that name a timeout waited for nobody.
   EXPECT_FALSE(gave_up_waiting({"lockstep-train: --timeout: 0 not in range [1 - 604800]"}));
   EXPECT_FALSE(gave_up_waiting({"lockstep: LOCKSTEP_TIMEOUT=\"5m\" is malformed; expected whole seconds from 1 to "

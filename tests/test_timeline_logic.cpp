@@ -35,7 +35,7 @@ TEST(TimelinePaths, AFolderIsRefusedAsSuchUnderEveryWorldSize) {
   const auto folder = std::filesystem::temp_directory_path().string();
   for (int world_size : {1, 2}) {
     EXPECT_EQ(rank_file_problem(folder, 1 % world_size, world_size),
-              folder + " is a folder; name a file in it, e.g. " + folder + "/timeline.json (each rank adds .rank<R>)");
+              folder + " is a folder; name a file in it, e.g. " + folder + "/timeline.json");
   }
   EXPECT_EQ(rank_file_problem(folder + "/timeline.json", 1, 2), "");
   EXPECT_EQ(rank_file_problem("/no/such/folder/t.json", 0, 2), "the folder /no/such/folder of /no/such/folder/t.rank0.json "

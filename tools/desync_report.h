@@ -27,14 +27,16 @@ using common::rank_list;
 
 // Whether a rank's last lines say that it gave up waiting for the others in
 // a collective or the store: lockstep's "did not complete within", Gloo's
-// "Timed out waiting", c10d's store's "Wait timeout", NCCL's watchdog's
+// "Timed out waiting", c10d's stores' "Wait timeout", "Socket Timeout",
+// "Read timeout" and "Timeout waiting for key", NCCL's watchdog's
 // "collective operation timeout". Not the bare word: a usage error about a
 // --timeout or LOCKSTEP_TIMEOUT waited for nobody.
 inline bool gave_up_waiting(const std::vector<std::string>& last_lines) {
   for (const auto& line : last_lines) {
     std::string lower = line;
     std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
-    for (const char* words : {"did not complete within", "timed out", "wait timeout", "operation timeout"}) {
+    for (const char* words : {"did not complete within", "timed out", "wait timeout", "socket timeout", "read timeout",
+                              "timeout waiting", "operation timeout"}) {
       if (lower.find(words) != std::string::npos) {
         return true;
       }

@@ -306,7 +306,7 @@ std::string rank_path(std::string path, int rank, int world_size) {
 std::string rank_file_problem(const std::string& given, int rank, int world_size) {
   struct stat status {};
   if (::stat(given.c_str(), &status) == 0 && S_ISDIR(status.st_mode)) {
-    return given + " is a folder; name a file in it, e.g. " + given + "/timeline.json (each rank adds .rank<R>)";
+    return given + " is a folder; name a file in it, e.g. " + given + "/timeline.json";
   }
   return unwritable_because(rank_path(given, rank, world_size));
 }

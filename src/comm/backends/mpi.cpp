@@ -55,7 +55,6 @@ namespace {
 // (OMPI_MCA_mpi_yield_when_idle=0 restores polling). Other MPI libraries
 // ignore the variable.
 
-
 // Runs a collective through shared memory, for the communication thread:
 // its error's text, or empty.
 std::string through_shared_memory(const std::function<void()>& collective) {

@@ -7,7 +7,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <mutex>
@@ -18,7 +20,6 @@ namespace detail {
 namespace {
 
 std::atomic<bool> g_aborting{false};
-
 
 void finalize_at_exit() {
   int finalized = 0;
