@@ -12,7 +12,9 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -133,9 +135,10 @@ inline std::vector<uint8_t> read_idx_data(const GzFile& file, const std::string&
 /// big-endian sizes, then the bytes. `dims` is N: 3 for images (rows, 28,
 /// 28), 1 for labels. Returns a uint8 tensor of the header's shape.
 inline torch::Tensor read_idx(const std::string& path, int dims) {
+  errno = 0;
   GzFile file(::gzopen(path.c_str(), "rb"), ::gzclose);
-  if (!file) {
-    throw IdxError(path + ": cannot open it");
+  if (!file) { // zlib leaves open()'s errno, or 0 where it failed for memory
+    throw IdxError(path + ": cannot open it (" + (errno != 0 ? std::strerror(errno) : "out of memory") + ")");
   }
   const auto shape = read_idx_shape(file, path, dims);
   const int64_t row_bytes = dims == 3 ? 28 * 28 : 1;

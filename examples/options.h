@@ -320,9 +320,13 @@ inline void check_output_paths(const Config& config) {
     if (in_out_to_make) {
       continue; // --out, which the run makes before it writes anything
     }
-    if (::access(dir.c_str(), W_OK) != 0 || !can_create_beside(path)) {
-      throw UsageError(named + "cannot write into " + dir + " (" + std::strerror(errno) +
+    if (::access(dir.c_str(), F_OK) != 0) {
+      throw UsageError(named + "cannot write into " + dir + ": no such folder (" + std::strerror(errno) +
                        "); create the folder first, or pick another path.");
+    }
+    if (::access(dir.c_str(), W_OK) != 0 || !can_create_beside(path)) {
+      throw UsageError(named + "cannot write into " + dir + ": no file can be made there (" + std::strerror(errno) +
+                       "); pick another path.");
     }
   }
 }

@@ -167,9 +167,12 @@ TEST(TrainerCommandLine, AResumedRunCountsItsOwnStepsAndSaysWhatChanged) {
 
 // A place nothing can be written to that access() passes (a pseudo file
 // system, as root) failed after training with "open file failed", naming
-// no path.
+// no path; then it was refused with advice to create /proc.
 TEST(TrainerPaths, ASaveWhereNothingCanBeWrittenIsRefusedBeforeAnything) {
-  expect_refused(train(tiny("proc_save"), {"--save", "/proc/lockstep-model.pt"}, "proc_save"),
+  const auto p = train(tiny("proc_save"), {"--checkpoint", "/proc/lockstep-x.ckpt"}, "proc_save");
+  expect_refused(p, "--checkpoint /proc/lockstep-x.ckpt: cannot write into /proc/: no file can be made there (");
+  EXPECT_EQ(p.output.find("create the folder"), std::string::npos) << p.output;
+  expect_refused(train(tiny("proc_save2"), {"--save", "/proc/lockstep-model.pt"}, "proc_save2"),
                  "--save /proc/lockstep-model.pt: cannot write into /proc/");
 }
 

@@ -1,5 +1,6 @@
 // lockstep-train's data: IDX files of any size, gzipped or not, damaged
-// ones named in one line, and the main job's Fashion-MNIST.
+// ones named in one line, the main job's Fashion-MNIST, and --init-from's
+// weights.
 
 #include <lockstep/lockstep.h>
 
@@ -11,6 +12,7 @@
 #include <examples/data.h>
 #include <examples/idx.h>
 #include <examples/models.h>
+#include <examples/weights.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -155,6 +157,17 @@ TEST(TrainerData, AFileAndItsGzipBothThereIsAnError) {
   EXPECT_ERROR_SAYS(examples::export_synthetic(gz_only, 1), "--export-mnist: ", "t10k-labels-idx1-ubyte.gz exists",
                     "Export into another folder.");
   EXPECT_NE(access((gz_only + "/train-images-idx3-ubyte").c_str(), F_OK), 0) << "it wrote before refusing";
+}
+
+// A file the reader cannot open said "cannot open it" and not why.
+TEST(TrainerData, AnIdxFileThatCannotBeOpenedSaysWhy) {
+  const std::string path = temp("no_such_file.idx");
+  try {
+    examples::read_idx(path, 3);
+    ADD_FAILURE() << "no error";
+  } catch (const examples::IdxError& e) {
+    EXPECT_EQ(std::string(e.what()), path + ": cannot open it (" + std::strerror(ENOENT) + ")");
+  }
 }
 
 TEST(TrainerData, ForeignOrMissingFilesAreOneLineErrors) {
@@ -344,6 +357,23 @@ TEST(FashionMnist, WritesThatFailAreSaidNeverListedAsOutputs) {
   EXPECT_NE(p.exit_code, 0) << p.output;
   EXPECT_NE(p.output.find("lockstep-train: could not write " + metrics_out + "/metrics.jsonl (No space left on device; "
                           "is the disk full?)"), std::string::npos) << p.output;
+}
+
+// --init-from a file holding a NaN trained to NaN, and the run then advised
+// a lower --lr.
+TEST(TrainerData, InitFromWeightsWithANanIsRefusedNamingTheTensor) {
+  examples::TrainerNet saved("cnn");
+  {
+    torch::NoGradGuard no_grad;
+    saved->named_parameters()["fc2.bias"][3] = std::numeric_limits<float>::quiet_NaN();
+  }
+  const std::string path = temp("nan_weights.safetensors");
+  lockstep::save_safetensors(saved, path);
+  examples::TrainerNet net("cnn");
+  EXPECT_ERROR_SAYS(examples::init_from(net, path), "nan_weights.safetensors: fc2.bias holds 1 NaN or infinite value");
+  saved->named_parameters()["fc2.bias"].detach().zero_();
+  lockstep::save_safetensors(saved, path);
+  EXPECT_NO_THROW(examples::init_from(net, path));
 }
 
 TEST(TrainerData, NoTrainingBatchIsAnError) {
