@@ -178,6 +178,21 @@ TEST(RunOptions, TorchrunsPetVariablesFillWhatTheCommandLineLeaves) {
   EXPECT_EQ(overridden.master_addr, "pod-0");
 }
 
+// A bad PET_ value was refused under the flag's name, which the command
+// line did not hold.
+TEST(RunOptions, ARefusedPetVariableIsNamed) {
+  ::setenv("PET_MAX_RESTARTS", "x", 1);
+  ::setenv("PET_NPROC_PER_NODE", "zz", 1);
+  const std::string restarts = refusal({});
+  const std::string given = refusal({"--max-restarts", "y"});
+  ::unsetenv("PET_MAX_RESTARTS");
+  const std::string nproc = refusal({});
+  ::unsetenv("PET_NPROC_PER_NODE");
+  EXPECT_EQ(restarts.rfind("--max-restarts (from PET_MAX_RESTARTS): ", 0), 0u) << restarts;
+  EXPECT_EQ(given.rfind("--max-restarts: ", 0), 0u) << given;
+  EXPECT_EQ(nproc.rfind("--nproc-per-node (from PET_NPROC_PER_NODE) zz: expected a number of ranks", 0), 0u) << nproc;
+}
+
 // --- lockstep-run under srun (Note [lockstep-run under srun]) ----------------
 
 TEST(SlurmStep, FirstHostOfANodeList) {
@@ -414,6 +429,27 @@ TEST(RunOptions, TorchrunsFlagsAreAcceptedAndThoseWithoutEffectSaySo) {
   EXPECT_EQ(refusal({"--standalone", "--nnodes", "2", "--master-addr", "h"}),
             "--standalone is a job of one node on its own; drop --nnodes, --rdzv-endpoint, --rdzv-backend and "
             "--master-addr, or drop --standalone.");
+}
+
+// --local-ranks-filter 5 with 2 ranks hid every rank's output, silently.
+TEST(RunOptions, ALocalRanksFilterOfNoRankHereIsRefused) {
+  const auto fail = [](const std::string& message) { throw tools::RunUsageError(message, 2); };
+  auto none = parse({"--nproc-per-node", "2", "--local-ranks-filter", "5"});
+  try {
+    tools::check_local_ranks_filter(none, fail);
+    ADD_FAILURE() << "accepted";
+  } catch (const tools::RunUsageError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("--local-ranks-filter 5 names no rank of this node (this node runs 2 "
+                                          "rank(s), local ranks 0 to 1), so no rank's output", 0), 0u) << e.what();
+  }
+  auto some = parse({"--nproc-per-node", "2", "--local-ranks-filter", "1,5,7"});
+  tools::check_local_ranks_filter(some, fail);
+  ASSERT_EQ(some.notes.size(), 1u);
+  EXPECT_EQ(some.notes[0], "--local-ranks-filter 1,5,7: this node runs 2 rank(s), local ranks 0 to 1; 5,7 are not "
+                           "among them.");
+  auto all = parse({"--nproc-per-node", "2", "--local-ranks-filter", "0,1"});
+  tools::check_local_ranks_filter(all, fail);
+  EXPECT_TRUE(all.notes.empty());
 }
 
 } // namespace

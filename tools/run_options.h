@@ -355,6 +355,35 @@ inline void resolve_nproc_per_node(RunOptions& options, int gpus, int cores, con
   options.nproc_per_node = std::max(1, std::min(count, 1024));
 }
 
+/// --local-ranks-filter against this node's ranks, once resolve_nproc_per_node
+/// has counted them: a filter that names none of them would hide every
+/// rank's output, so it is refused; one that names some that do not exist
+/// gets a note (with --nproc-per-node auto, nodes may differ).
+inline void check_local_ranks_filter(RunOptions& options, const Fail& fail) {
+  std::vector<int> missing;
+  for (const int rank : options.local_ranks_shown) {
+    if (rank >= options.nproc_per_node) {
+      missing.push_back(rank);
+    }
+  }
+  if (missing.empty()) {
+    return;
+  }
+  std::string listed;
+  for (const int rank : missing) {
+    listed += (listed.empty() ? "" : ",") + std::to_string(rank);
+  }
+  const std::string ranks = "this node runs " + std::to_string(options.nproc_per_node) + " rank(s), local ranks 0 to " +
+      std::to_string(options.nproc_per_node - 1);
+  if (missing.size() == options.local_ranks_shown.size()) {
+    fail("--local-ranks-filter " + options.local_ranks_filter + " names no rank of this node (" + ranks +
+         "), so no rank's output would reach the console; name local ranks from 0 to " +
+         std::to_string(options.nproc_per_node - 1) + ", or leave the flag out to see them all.");
+  }
+  options.notes.push_back("--local-ranks-filter " + options.local_ranks_filter + ": " + ranks + "; " + listed +
+                          (missing.size() == 1 ? " is not one of them." : " are not among them."));
+}
+
 // torchrun's flags (Note [torchrun's flags]) that need a check or a note.
 inline void apply_torchrun_flags(RunOptions& options, const CLI::App& app, const Fail& fail) {
   if (options.standalone && (options.nnodes_text != "1" || !options.rdzv_endpoint.empty() ||
@@ -390,9 +419,7 @@ inline void check_local_addr(const RunOptions& options, const Fail& fail) {
   const std::string& addr = options.local_addr;
   for (unsigned char c : addr) {
     if (c == ',' || c == ';' || std::isspace(c) || std::iscntrl(c)) {
-      const char* pet = std::getenv("PET_LOCAL_ADDR"); // CLI11 read it there when the command line did not give it
-      const std::string flag = pet != nullptr && addr == pet ? "--local-addr (from PET_LOCAL_ADDR)" : "--local-addr";
-      fail(flag + " '" + addr + "' holds a comma, a semicolon, a space or a control character; give a host name or "
+      fail("--local-addr '" + addr + "' holds a comma, a semicolon, a space or a control character; give a host name or "
            "an IP address of this machine that the other nodes reach, for example 10.0.0.5.");
     }
   }
@@ -475,18 +502,46 @@ inline void check_static_meeting(RunOptions& options, const Fail& fail) {
   }
 }
 
-/// The options of `argv` (argv[0] is the program's name), checked against
-/// each other, with Slurm's defaults from `get` (Note [lockstep-run under
-/// srun]). Throws RunUsageError.
-inline RunOptions parse_run_options(int argc, const char* const* argv, const GetEnv& get = [](const char*) -> const char* {
-  return nullptr;
-}) {
-  RunOptions options;
-  CLI::App app{"lockstep-run: starts N ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
-               "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
-               "output with their rank, stops the job when one fails, and restarts it up to --max-restarts times."};
-  describe_run_options(app, options);
-  app.set_version_flag("--version", std::string("lockstep-run ") + LOCKSTEP_VERSION);
+// Whether `argv`'s options (up to a "--") name `option`: --name, --name=V, -x or -xV.
+inline bool given_on_command_line(const CLI::Option& option, int argc, const char* const* argv) {
+  for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
+    const std::string arg = argv[i];
+    for (const auto& name : option.get_lnames()) {
+      if (arg == "--" + name || arg.rfind("--" + name + "=", 0) == 0) {
+        return true;
+      }
+    }
+    for (const auto& name : option.get_snames()) {
+      if (arg.rfind("-" + name, 0) == 0 && arg.rfind("--", 0) != 0) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// A refusal of an option that the environment gave (Note [torchrun's PET_
+// variables]) names the variable after the flag: the command line the user
+// looks at does not hold the value.
+inline std::string name_pet_source(const std::string& message, const CLI::App& app, int argc, const char* const* argv) {
+  for (const CLI::Option* option : app.get_options()) {
+    const std::string variable = option->get_envname();
+    if (variable.empty() || std::getenv(variable.c_str()) == nullptr || given_on_command_line(*option, argc, argv)) {
+      continue;
+    }
+    for (const auto& name : option->get_lnames()) {
+      const std::string flag = "--" + name;
+      if (message.rfind(flag, 0) == 0 && message.size() > flag.size() &&
+          (message[flag.size()] == ' ' || message[flag.size()] == ':')) {
+        return flag + " (from " + variable + ")" + message.substr(flag.size());
+      }
+    }
+  }
+  return message;
+}
+
+// parse_run_options' checks, in order; each refusal throws RunUsageError.
+inline void check_run_options(RunOptions& options, CLI::App& app, int argc, const char* const* argv, const GetEnv& get) {
   parse_into_options(app, argc, argv);
   auto fail = [](const std::string& message) { throw RunUsageError(message, common::kUsageError); };
   take_program(options, app, fail);
@@ -507,6 +562,28 @@ inline RunOptions parse_run_options(int argc, const char* const* argv, const Get
     options.rdzv_job = rendezvous_id(options.rdzv_id, get);
   } else {
     check_static_meeting(options, fail);
+  }
+}
+
+/// The options of `argv` (argv[0] is the program's name), checked against
+/// each other, with Slurm's defaults from `get` (Note [lockstep-run under
+/// srun]). Throws RunUsageError.
+inline RunOptions parse_run_options(int argc, const char* const* argv, const GetEnv& get = [](const char*) -> const char* {
+  return nullptr;
+}) {
+  RunOptions options;
+  CLI::App app{"lockstep-run: starts N ranks of PROGRAM with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
+               "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their "
+               "output with their rank, stops the job when one fails, and restarts it up to --max-restarts times."};
+  describe_run_options(app, options);
+  app.set_version_flag("--version", std::string("lockstep-run ") + LOCKSTEP_VERSION);
+  try {
+    check_run_options(options, app, argc, argv, get);
+  } catch (const RunUsageError& e) {
+    if (e.exit_code == 0) {
+      throw;
+    }
+    throw RunUsageError(name_pet_source(e.what(), app, argc, argv), e.exit_code);
   }
   return options;
 }
