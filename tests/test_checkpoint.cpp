@@ -255,6 +255,13 @@ TEST(Checkpoint, AnotherModelsCheckpointNamesTheFlag) {
   torch::optim::SGD same_sgd(same->parameters(), 0.1);
   EXPECT_TRUE(examples::load_checkpoint(path, *same, same_sgd, state, "cnn"));
 
+  // A sharded checkpoint's index file records it too.
+  const std::string sharded = temp("cnn_sharded.ckpt");
+  examples::save_sharded_checkpoint(sharded, examples::TrainingState{}, 1, "cnn");
+  EXPECT_ERROR_SAYS(examples::load_sharded_checkpoint(sharded, state, "vit"), "was written by --model cnn, and this "
+                    "run uses --model vit");
+  EXPECT_NO_THROW(examples::load_sharded_checkpoint(sharded, state, "cnn"));
+
   // The trainer records and checks its --model.
   const std::string trained = temp("cnn_trained.ckpt");
   auto p = testing::run(with_flag(trainer("cnn_trained", trained), "--epochs", "1"), {}, temp("cnn_trained.log"),

@@ -374,6 +374,7 @@ TEST(Elastic, ASignalToTheStoresNodeWaitingForTheOthersIsAFailure) {
 
 // Ctrl-C to a node still waiting for the store (its host not started yet)
 // stops it as a signal does, 128 + SIGINT, not as a lost store (exit 1).
+// Its wait named the store's endpoint only inside a garbled sentence.
 TEST(Elastic, ASignalWhileWaitingForTheStoreStopsTheNodeAsASignal) {
   const std::string endpoint = "127.0.0.1:" + port();
   auto node = testing::start(launcher({"--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
@@ -387,6 +388,9 @@ TEST(Elastic, ASignalWhileWaitingForTheStoreStopsTheNodeAsASignal) {
   EXPECT_EQ(nodes[0].exit_code, 128 + SIGINT) << nodes[0].output;
   EXPECT_NE(nodes[0].output.find("stopped by signal 2 while it waited for the rendezvous store at " + endpoint),
             std::string::npos) << nodes[0].output;
+  // The wait itself names the store, then why the last try failed.
+  EXPECT_NE(nodes[0].output.find("waiting up to join_timeout (60 s) for the store at " + endpoint + ", which the "
+                                 "launcher on that machine serves: "), std::string::npos) << nodes[0].output;
 }
 
 // The node that serves the store finished its ranks; the other node's

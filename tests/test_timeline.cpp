@@ -248,6 +248,23 @@ TEST(Timeline, APathWithoutTheRankGivesEachRankItsOwnFile) {
   EXPECT_FALSE(file_exists(path)) << "both ranks wrote " << path;
 }
 
+// A folder named by LOCKSTEP_TIMELINE, with two ranks: each wrote
+// <folder>.rankN.json beside it. Each rank says so at start and at exit,
+// and writes nothing.
+TEST(Timeline, AFolderIsSaidAtExitAndNothingIsWrittenBesideIt) {
+  const std::string folder = temp("timeline_folder");
+  ::mkdir(folder.c_str(), 0755);
+  auto p = launch({"--nproc-per-node", "2", "--master-port", port()}, {LOCKSTEP_DDP_WORKER, "collectives"},
+                  "timeline_folder", {kOneThread, "LOCKSTEP_TIMELINE=" + folder});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  for (const std::string rank : {"0", "1"}) {
+    EXPECT_NE(p.output.find("lockstep: rank " + rank + ": could not write the timeline (LOCKSTEP_TIMELINE): " + folder +
+                            " is a folder"), std::string::npos) << p.output;
+    EXPECT_FALSE(file_exists(folder + ".rank" + rank)) << p.output;
+    EXPECT_FALSE(file_exists(folder + ".rank" + rank + ".json")) << p.output;
+  }
+}
+
 // Ranks given by ProcessGroupOptions, with no launcher's variables: each
 // file is named by its group's rank, where both ranks wrote one file as
 // rank 0 and one was lost.
