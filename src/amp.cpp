@@ -54,6 +54,9 @@
 // take theirs, and the shards would drift apart for good. unscale_ therefore
 // ends with one allreduce (Max) of found-inf over the options' group, and
 // every rank steps or skips together, and backs its scale off together.
+// The same allreduce carries the scale and its negation: ranks whose
+// scales differ (a scaler load()ed on rank 0 alone) would each divide the
+// averaged gradients by their own, and are an error on every rank.
 // A scaler left with its default group of one would not agree, so unscale_
 // refuses shards split over more ranks than its group has (shard_registry.h).
 
@@ -402,7 +405,11 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   state.no_gradients = groups.empty();
   const auto& group = options_.group();
   if (group.size() > 1) {
-    auto agreed = torch::cat({state.found_inf, torch::full({1}, state.no_gradients ? 1.0 : 0.0, state.found_inf.options())});
+    // The scale and its negation ride along, so that the maximum of each
+    // shows whether every rank scaled its loss alike (Note [Mixed precision]).
+    const auto scale = scale_.to(state.found_inf.options()).reshape({1});
+    auto agreed = torch::cat({state.found_inf, torch::full({1}, state.no_gradients ? 1.0 : 0.0, state.found_inf.options()),
+                              scale, -scale});
     if (!group.supports(Collective::Allreduce, torch::kFloat, agreed.device())) {
       agreed = agreed.cpu();
     }
@@ -414,8 +421,17 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     group.allreduce_async({agreed}, ReduceOp::Max, "GradScaler's found-inf agreement (unscale_)")->wait();
     state.found_inf.copy_(agreed.narrow(0, 0, 1));
     state.no_gradients = agreed[1].item<float>() != 0;
+    check_scales_agree(agreed[2].item<float>(), -agreed[3].item<float>());
   }
   state.stage = Stage::Unscaled;
+}
+
+void GradScaler::check_scales_agree(float largest, float smallest) const {
+  TORCH_CHECK(largest == smallest, "lockstep::GradScaler::unscale_: rank ", options_.group().rank(), " of the scaler's "
+              "group scaled its loss by ", scale_.item<float>(), ", and the ranks' scales range from ", smallest, " to ",
+              largest, ": each rank would divide the averaged gradients by its own scale, and the ranks' parameters "
+              "would drift apart. Give every rank the same GradScalerOptions, and load() the scaler's state on every "
+              "rank, not on rank 0 alone.");
 }
 
 void GradScaler::check_group_covers_shards(torch::optim::Optimizer& optimizer) const {

@@ -129,7 +129,7 @@ TEST(GradScalerThreads, UnderFsdpTheGroupMakesEveryRankSkipAnInfInOneShard) {
 // The scaler's agreement on found-inf is a collective of its own: where
 // the ranks' collectives part (one rank steps, the other reduces something
 // else), the error of the rank that unscales names it, as DDP's and FSDP's
-// name theirs, instead of an unnamed "allreduce (max) of 2 Float".
+// name theirs, instead of an unnamed "allreduce (max) of 4 Float".
 TEST(GradScalerThreads, ItsFoundInfAgreementIsNamedInErrors) {
   std::mutex mutex;
   std::vector<std::string> errors(2);
@@ -153,13 +153,38 @@ TEST(GradScalerThreads, ItsFoundInfAgreementIsNamedInErrors) {
       std::chrono::seconds(20));
   EXPECT_NE(errors[0].find("GradScaler's found-inf agreement (unscale_): ranks disagree on this collective"),
             std::string::npos) << errors[0];
-  EXPECT_NE(errors[1].find("rank 0 runs allreduce (max) of 2 Float elements for the optimizer whose parameters' "
+  EXPECT_NE(errors[1].find("rank 0 runs allreduce (max) of 4 Float elements for the optimizer whose parameters' "
                            "shapes hash to"),
             std::string::npos) << errors[1];
   EXPECT_NE(errors[1].find("but rank 1 runs allreduce (max) of 3 Float elements."), std::string::npos) << errors[1];
 }
 
-// Each optimizer's found-inf agreement is one allreduce of two floats. Two
+// A scaler whose state one rank alone loaded scaled that rank's loss by
+// another factor; each rank divided the averaged gradients by its own, and
+// the ranks stepped apart without a word.
+TEST(GradScalerThreads, RanksWhoseScalesDifferAreAnErrorOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  testing::spawn(
+      2,
+      [&](ProcessGroup& group) {
+        auto w = torch::ones({4}, torch::requires_grad());
+        torch::optim::SGD sgd({w}, 0.1);
+        GradScaler scaler(GradScalerOptions().group(group).init_scale(group.rank() == 0 ? 65536.0 : 1024.0));
+        scaler.scale(w.sum()).backward();
+        const std::string message = testing::message_of([&] { scaler.unscale_(sgd); });
+        std::lock_guard<std::mutex> lock(mutex);
+        errors[group.rank()] = message;
+      },
+      std::chrono::seconds(20));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) + " of the scaler's group scaled its loss by " +
+                             (r == 0 ? "65536" : "1024") + ", and the ranks' scales range from 1024 to 65536"),
+              std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
+// Each optimizer's found-inf agreement is one allreduce of four floats. Two
 // optimizers unscaled in another order on one rank (a GAN's two networks
 // behind a branch on the rank) would swap their verdicts, and a rank would
 // take the step whose gradient overflowed on another: an error on every

@@ -143,6 +143,8 @@ class GradScaler {
   void check_scaled(const char* call) const;
   // Shards split over more ranks than the group has would not agree on found-inf.
   void check_group_covers_shards(torch::optim::Optimizer& optimizer) const;
+  // The group's largest and smallest scale, from the found-inf agreement, are one.
+  void check_scales_agree(float largest, float smallest) const;
   PerOptimizer& state_of(torch::optim::Optimizer& optimizer);
 
   GradScalerOptions options_;

@@ -54,7 +54,7 @@ namespace detail {
 // bucket or layer: model_tag, layer_tag. A SyncBatchNorm over another group
 // than its wrapper's keeps its layer number alone: that group's ranks may
 // hold wrappers over other groups, whose numbers differ.
-// GradScaler's found-inf agreement is one allreduce of two floats for every
+// GradScaler's found-inf agreement is one allreduce of four floats for every
 // optimizer, so two optimizers unscaled in another order on one rank would
 // swap their verdicts: one rank skips the step whose gradient overflowed on
 // another, and the replicas part for good. Its tag is a hash of the
