@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 
 namespace lockstep {
@@ -246,6 +247,40 @@ TEST(Safetensors, DtypeMismatchIsAnErrorUnlessConverted) {
   EXPECT_EQ(model->named_parameters()["0.weight"].mean().item<float>(), 0.5f);
 }
 
+// A module of one buffer, w.
+struct Holder : torch::nn::Module {
+  explicit Holder(const torch::Tensor& value) : w(register_buffer("w", value)) {}
+  torch::Tensor w;
+};
+
+// convert_dtypes(true) turned F32 values past F16's range into inf, wrapped
+// I64 into I32, and truncated floats into integers, without a word.
+TEST(Safetensors, ConversionsThatLoseValuesAreRefusedAndLoadNothing) {
+  const auto convert = SafetensorsLoadOptions().convert_dtypes(true);
+  auto file_of = [](const std::string& name, const torch::Tensor& w) {
+    torch::OrderedDict<std::string, torch::Tensor> tensors;
+    tensors.insert("w", w);
+    const auto path = testing::scratch(name);
+    write_safetensors(tensors, path);
+    return path;
+  };
+  Holder half(torch::zeros({3}, torch::kHalf));
+  const auto wide = file_of("wide.safetensors", torch::tensor({1.0f, 1e5f, -2e5f}));
+  EXPECT_ERROR_SAYS(load_safetensors(half, wide, convert), "wide.safetensors): w: 2 of its 3 values (the first: 100000) "
+                    "do not fit in Half, the model's dtype, when converted from the file's Float");
+  EXPECT_EQ(half.w.abs().sum().item<float>(), 0.0f) << "it loaded part of the file";
+  const auto fits = file_of("fits.safetensors", torch::tensor({1.0f, 6e4f, std::numeric_limits<float>::infinity()}));
+  load_safetensors(half, fits, convert);
+  EXPECT_EQ(half.w[1].item<float>(), 6e4f);
+  Holder int32(torch::zeros({3}, torch::kInt));
+  EXPECT_ERROR_SAYS(load_safetensors(int32, file_of("big.safetensors", torch::tensor({int64_t{1} << 40, int64_t{1},
+                                                                                      int64_t{2}})), convert),
+                    "1 of its 3 values (the first: 1.09951e+12) do not fit in Int");
+  Holder int64(torch::zeros({3}, torch::kLong));
+  EXPECT_ERROR_SAYS(load_safetensors(int64, wide, convert), "dtype mismatch for w: the file has Float, the model Long, "
+                    "and convert_dtypes(true) converts only between floating-point dtypes or between integer ones");
+}
+
 TEST(Safetensors, LargeModelsSplitIntoFilesWithAnIndex) {
   torch::manual_seed(2);
   auto model = net();
@@ -313,6 +348,13 @@ TEST(Safetensors, ASparseOrMetaTensorIsRefusedNamingIt) {
   meta.insert("m", torch::empty({2}, torch::TensorOptions().device(torch::kMeta)));
   EXPECT_ERROR_SAYS(write_safetensors(meta, path), "tensor 'm' is on the meta device");
   EXPECT_FALSE(std::filesystem::exists(path));
+  // A load into a module on the meta device kept no values, without a word.
+  Holder real(torch::zeros({3}));
+  const auto saved = testing::scratch("for_meta.safetensors");
+  save_safetensors(real, saved);
+  Holder deferred(torch::empty({3}, torch::TensorOptions().device(torch::kMeta)));
+  EXPECT_ERROR_SAYS(load_safetensors(deferred, saved), "load_safetensors(", "for_meta.safetensors): 'w' is on the meta "
+                    "device");
 }
 
 TEST(Safetensors, AMissingFileIsAnErrorNamingIt) {

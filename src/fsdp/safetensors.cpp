@@ -217,7 +217,7 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> ShardedCore::State::stage_s
   }
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
   for (const auto& [i, where] : match.pairs) {
-    const auto loaded = set.files[where->file].tensor(where->entry);
+    const auto loaded = read_as(set, *where, dtypes[i], path);
     const auto [f, j] = flat_of[i];
     if (f == kNone) {
       copies.emplace_back(whole[j].second, loaded);

@@ -130,6 +130,9 @@ void load_safetensors(torch::nn::Module& module, const std::string& path, const 
   std::vector<torch::ScalarType> dtypes;
   std::vector<torch::Tensor> tensors;
   for (const auto& [name, tensor] : state) {
+    // copy_ into a meta tensor keeps nothing, and would "load" without error.
+    TORCH_CHECK(!tensor.is_meta(), "lockstep::load_safetensors(", path, "): '", name, "' is on the meta device, which "
+                "holds no values, so the load would keep none: make the module on the CPU or a GPU, then load.");
     names.push_back(name);
     shapes.push_back(tensor.sizes().vec());
     dtypes.push_back(tensor.scalar_type());
@@ -138,9 +141,13 @@ void load_safetensors(torch::nn::Module& module, const std::string& path, const 
   const auto set = detail::open_safetensors_set(path);
   const auto match =
       detail::match_state(names, shapes, dtypes, set, options, path, detail::same_tensors(tensors));
-  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> loaded; // every one read and converted before any is copied: an error loads nothing
   for (const auto& [i, where] : match.pairs) {
-    state[i].second.copy_(set.files[where->file].tensor(where->entry));
+    loaded.push_back(detail::read_as(set, *where, dtypes[i], path));
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < match.pairs.size(); ++k) {
+    state[match.pairs[k].first].second.copy_(loaded[k]);
   }
 }
 

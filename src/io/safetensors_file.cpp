@@ -437,6 +437,45 @@ std::string how_to_match(const std::vector<std::string>& unexpected, const std::
 
 } // namespace
 
+namespace {
+
+// What a conversion keeps: float to int truncates, complex to real drops a part.
+enum class DtypeKind { kFloating, kIntegral, kComplex, kBool };
+
+DtypeKind kind_of(torch::ScalarType dtype) {
+  if (dtype == torch::kBool) {
+    return DtypeKind::kBool;
+  }
+  if (c10::isComplexType(dtype)) {
+    return DtypeKind::kComplex;
+  }
+  return c10::isFloatingType(dtype) ? DtypeKind::kFloating : DtypeKind::kIntegral;
+}
+
+} // namespace
+
+torch::Tensor read_as(const SafetensorsSet& set, const SafetensorsSet::Where& where, torch::ScalarType dtype,
+                      const std::string& file) {
+  const auto stored = set.files[where.file].tensor(where.entry);
+  if (stored.scalar_type() == dtype) {
+    return stored;
+  }
+  const auto converted = stored.to(dtype);
+  // A value the file holds finitely must stay finite (F32 into F16 turns
+  // 1e5 into inf), and an integer must fit (I64 into I32 wraps).
+  const auto lost = kind_of(dtype) == DtypeKind::kIntegral ? converted.to(stored.scalar_type()).ne(stored)
+                                                           : torch::isfinite(stored).logical_and(converted.isinf());
+  const int64_t count = lost.sum().item<int64_t>();
+  if (count == 0) {
+    return converted;
+  }
+  const auto first = stored.masked_select(lost)[0];
+  const double shown = (c10::isComplexType(dtype) ? torch::abs(first) : first).item<double>(); // a complex one's size
+  TORCH_CHECK(false, "lockstep::load_safetensors(", file, "): ", where.name, ": ", count, " of its ", stored.numel(),
+              " values (the first: ", shown, ") do not fit in ", c10::toString(dtype), ", the model's dtype, when converted from the file's ",
+              c10::toString(stored.scalar_type()), "; give the model the file's dtype (or a wider one).");
+}
+
 StateMatch match_state(const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
                        const std::vector<torch::ScalarType>& dtypes, const SafetensorsSet& set,
                        const SafetensorsLoadOptions& options, const std::string& file,
@@ -464,6 +503,11 @@ StateMatch match_state(const std::vector<std::string>& names, const std::vector<
       mismatches.push_back(std::string("dtype mismatch for ") + names[i] + ": the file has " +
                            c10::toString(entry.dtype) + ", the model " + c10::toString(dtypes[i]) +
                            " (SafetensorsLoadOptions().convert_dtypes(true) converts it).");
+    } else if (entry.dtype != dtypes[i] && kind_of(entry.dtype) != kind_of(dtypes[i])) {
+      mismatches.push_back(std::string("dtype mismatch for ") + names[i] + ": the file has " +
+                           c10::toString(entry.dtype) + ", the model " + c10::toString(dtypes[i]) + ", and "
+                           "convert_dtypes(true) converts only between floating-point dtypes or between integer "
+                           "ones: give the model the file's dtype.");
     }
     match.pairs.emplace_back(i, found->second);
   }

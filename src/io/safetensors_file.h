@@ -118,6 +118,13 @@ StateMatch match_state(const std::vector<std::string>& names, const std::vector<
                        const SafetensorsLoadOptions& options, const std::string& file,
                        const std::vector<size_t>& same_as = {});
 
+/// `set`'s tensor at `where` in `dtype` (the module's), converted where a
+/// match allowed it (convert_dtypes): a value that does not survive the
+/// conversion (a finite float made infinite, an integer that does not fit)
+/// is an error naming the tensor and `file`.
+torch::Tensor read_as(const SafetensorsSet& set, const SafetensorsSet::Where& where, torch::ScalarType dtype,
+                      const std::string& file);
+
 /// For each of `tensors`, the index of the first one that is the same view
 /// of the same memory (itself where none is): a module's tied parameters.
 std::vector<size_t> same_tensors(const std::vector<torch::Tensor>& tensors);
