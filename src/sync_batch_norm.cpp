@@ -422,6 +422,9 @@ void SyncBatchNormImpl::reset_parameters() {
 torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   TORCH_CHECK(input.dim() >= 2 && input.size(1) == options.num_features(), where(group), "expected input of shape (N, ",
               options.num_features(), ", *), but got ", input.sizes(), ".");
+  // Its statistics in an integer dtype would truncate (1/std to 0) across ranks.
+  TORCH_CHECK(input.is_floating_point(), where(group), "expected a floating-point input, but got ", input.scalar_type(),
+              "; convert it first, e.g. input.to(torch::kFloat).");
   // As torch::nn::BatchNorm, so that a group of one and eval mode are it exactly.
   double factor = options.momentum().value_or(0.0);
   if (is_training() && options.track_running_stats()) {

@@ -261,6 +261,14 @@ TEST(DdpThreads, UserHookReturningACompletedResult) {
   });
 }
 
+// A hook's pending() of a null work was dereferenced at the end of backward.
+TEST(CommHooks, PendingRefusesANullWorkOrAnUndefinedResult) {
+  EXPECT_ERROR_SAYS(comm_hooks::pending(nullptr, torch::ones({2})), "comm_hooks::pending: the work is null");
+  auto group = new_group(c10::make_intrusive<c10d::HashStore>(), 0, 1, "gloo");
+  auto work = group.allreduce_async({torch::ones({2})}, ReduceOp::Sum);
+  EXPECT_ERROR_SAYS(comm_hooks::pending(work, torch::Tensor()), "comm_hooks::pending: the result tensor is undefined");
+}
+
 // A hook's result must be the bucket's reduced gradients: an undefined
 // tensor, or integers a quantising hook forgot to decompress (copied into
 // the gradients at face value, 100x off), are errors naming the bucket.

@@ -136,6 +136,27 @@ TEST(FullyShardedDataParallel, ClipGradNormClipsByTheWholeModelsNorm) {
   });
 }
 
+// Double gradients' norm was summed in float: gradients of 1e20 squared to
+// inf, and every gradient was scaled to 0.
+TEST(FullyShardedDataParallel, ClipGradNormOfDoubleGradientsIsTakenInDouble) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    torch::nn::Linear linear(4, 2);
+    linear->to(torch::kDouble);
+    FullyShardedDataParallel<torch::nn::Linear> model(linear, group);
+    (model->forward(torch::full({3, 4}, 1e20, torch::kDouble)).sum()).backward();
+    const auto norm = model->clip_grad_norm_(1.0).item<double>();
+    EXPECT_TRUE(std::isfinite(norm)) << norm;
+    EXPECT_GT(norm, 1e20);
+    double clipped = 0;
+    for (const auto& p : model->parameters()) {
+      if (p.grad().defined()) {
+        clipped += p.grad().pow(2).sum().item<double>();
+      }
+    }
+    EXPECT_GT(clipped, 0.0) << "rank " << group.rank() << "'s gradients were scaled to 0";
+  });
+}
+
 TEST(FullyShardedDataParallel, ParametersAreThisRanksShardsPaddedToTheWorldSize) {
   testing::spawn(3, [](ProcessGroup& group) {
     FullyShardedDataParallel<OddNet> model(OddNet(), group);

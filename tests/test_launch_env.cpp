@@ -171,6 +171,10 @@ TEST(LaunchEnv, TimeoutComesFromOptionsThenLockstepTimeout) {
     EXPECT_NE(message.find("new_group's timeout is " + std::to_string(bad.count()) + " ms"), std::string::npos)
         << message;
   }
+  // A null store was dereferenced: a crash.
+  message = error_of([&] { new_group(c10::intrusive_ptr<c10d::Store>(), 0, 2, "gloo"); });
+  EXPECT_NE(message.find("new_group: the store is null, and the gloo backend meets through one"), std::string::npos)
+      << message;
 }
 
 // How many ranks share this host decides how Open MPI copies between them

@@ -71,6 +71,8 @@ TEST(SyncBatchNorm, WrongInputShapeIsAClearError) {
   SyncBatchNorm sync(torch::nn::BatchNormOptions(4));
   EXPECT_ERROR_SAYS(sync(torch::randn({2, 3, 5})), "expected input of shape (N, 4, *), but got [2, 3, 5]");
   EXPECT_ERROR_SAYS(sync(torch::randn({4})), "expected input of shape (N, 4, *)");
+  // Across ranks, an integer input's statistics truncated to zeros.
+  EXPECT_ERROR_SAYS(sync(torch::ones({2, 4, 5}, torch::kLong)), "expected a floating-point input, but got Long");
 }
 
 // Each gave NaN outputs or running statistics without an error.

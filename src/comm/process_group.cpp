@@ -492,6 +492,9 @@ ProcessGroup new_group(
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "lockstep::new_group: rank ", rank, " is out of range for size ",
               size, ".");
   detail::check_timeout(timeout, "new_group's timeout");
+  const Backend& chosen = find_backend(backend, false);
+  TORCH_CHECK(store || !chosen.needs_store, "lockstep::new_group: the store is null, and the ", chosen.name,
+              " backend meets through one; pass the store the ranks share (a c10d::TCPStore, FileStore or HashStore).");
   // A TCPStore says where the job lives, also under a PrefixStore: Gloo
   // binds toward its host, as under init_process_group, so that ranks on
   // other machines reach it. Any other store (HashStore, FileStore) is one
@@ -501,7 +504,6 @@ ProcessGroup new_group(
     args.master_addr = tcp->getHost();
     args.master_port = tcp->getPort();
   }
-  const Backend& chosen = find_backend(backend, false);
   // Note [Initialisation deadline]
   InitDeadline deadline("new_group", rank, timeout, "Pass new_group a longer timeout to wait longer.");
   if (chosen.needs_store) {

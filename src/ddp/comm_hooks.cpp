@@ -56,6 +56,10 @@ std::shared_ptr<PendingReduction> allreduce(const ProcessGroup& group, GradBucke
 }
 
 std::shared_ptr<PendingReduction> pending(std::shared_ptr<Work> work, torch::Tensor result) {
+  TORCH_CHECK(work, "lockstep::comm_hooks::pending: the work is null; pass what the collective returned (for "
+              "example group.allreduce_async(...)).");
+  TORCH_CHECK(result.defined(), "lockstep::comm_hooks::pending: the result tensor is undefined; pass the tensor the "
+              "collective writes (for example bucket.buffer).");
   return std::make_shared<WorkReduction>(std::move(work), [result] { return result; });
 }
 

@@ -339,14 +339,18 @@ torch::Tensor detail::ShardedCore::clip_grad_norm_(double max_norm, double norm_
   const bool largest = std::isinf(norm_type);
   std::vector<torch::Tensor> grads;
   torch::Device device = torch::kCPU;
+  auto dtype = torch::kFloat; // as PyTorch's, the norm in double for double gradients (1e20 squared is past float)
   for (auto* flat : flats()) {
     device = flat->device;
+    if (flat->shard.scalar_type() == torch::kDouble) {
+      dtype = torch::kDouble; // from the flats, not the gradients: every rank picks the same
+    }
     if (flat->shard.grad().defined()) {
       grads.push_back(flat->shard.grad());
     }
   }
   torch::NoGradGuard no_grad;
-  auto local = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(device));
+  auto local = torch::zeros({1}, torch::TensorOptions().dtype(dtype).device(device));
   for (const auto& g : grads) {
     if (g.numel() > 0) {
       auto magnitude = g.detach().to(local.options()).abs();
