@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 
 namespace lockstep {
@@ -65,6 +66,24 @@ inline CLI::Validator whole_number(long long min, unsigned long long max) {
         return fits ? std::string() : "must be " + range + ", got " + text;
       },
       "");
+}
+
+/// A number from `min` to `max`. CLI::Range lets NaN through, since every
+/// comparison with it is false: --gamma nan trained to NaN.
+inline CLI::Validator number_in(double min, double max) {
+  std::ostringstream bounds;
+  bounds << min << " to " << max;
+  const std::string range = bounds.str();
+  return CLI::Validator(
+      [min, max, range](std::string& text) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const double value = std::strtod(text.c_str(), &end);
+        const bool number = !text.empty() && end == text.c_str() + text.size() && errno != ERANGE;
+        return number && value >= min && value <= max ? std::string()
+                                                       : "must be a number from " + range + ", got " + text;
+      },
+      "FLOAT in [" + range + "]");
 }
 
 /// A number greater than 0.

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -134,7 +135,7 @@ inline void add_training_options(CLI::App& app, Config& config) {
                  "accuracies and speeds count predicted tokens). Under --sharding each transformer block is a unit")
       ->check(CLI::IsMember({"cnn", "vit", "gpt"}))->capture_default_str()->group("Training");
   app.add_option("--dropout", config.dropout, "--model vit or gpt: the dropout of its embeddings, attention and MLPs")
-      ->check(CLI::Range(0.0, 0.9))->capture_default_str()->group("Training");
+      ->check(common::number_in(0.0, 0.9))->capture_default_str()->group("Training");
   app.add_flag("--activation-checkpointing", config.activation_checkpointing, "--model vit or gpt: keep no "
                "activations inside the blocks; backward makes them again (lockstep::checkpoint), for the same "
                "gradients (not with --dropout on 2 or more --replicas, which is refused)")->group("Training");
@@ -142,8 +143,8 @@ inline void add_training_options(CLI::App& app, Config& config) {
                  "and 0.999, weight decay 0.01). Default: sgd for --model cnn, adamw for vit and gpt")
       ->check(CLI::IsMember({"sgd", "adamw"}))->group("Training");
   app.add_option("--lr", config.lr, "Peak learning rate. Default: 0.1 for sgd, 0.003 for adamw")
-      ->check(common::positive())->group("Training");
-  app.add_option("--momentum", config.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str()
+      ->check(common::positive())->check(common::number_in(0.0, std::numeric_limits<float>::max()))->group("Training");
+  app.add_option("--momentum", config.momentum, "SGD momentum")->check(common::number_in(0.0, 1.0))->capture_default_str()
       ->group("Training");
   app.add_option("--schedule", config.schedule, "Learning-rate schedule after the warmup: constant, step (times "
                  "--gamma every --step-epochs epochs) or cosine (down to 0 at the end)")
@@ -153,7 +154,7 @@ inline void add_training_options(CLI::App& app, Config& config) {
   app.add_option("--step-epochs", config.step_epochs, "Epochs between learning-rate steps (--schedule step)")
       ->check(common::positive())->check(whole_number(1, kMaxEpochs))->capture_default_str()->group("Training");
   app.add_option("--gamma", config.gamma, "Learning-rate factor at each step (--schedule step)")
-      ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group("Training");
+      ->check(common::number_in(0.0, 1.0))->capture_default_str()->group("Training");
   app.add_option("--seed", config.seed, "Seed of the model, the shuffling and the synthetic data")
       ->check(common::non_negative())->check(whole_number(0, UINT64_MAX))->capture_default_str()->group("Training");
   app.add_option("--precision", config.precision, "Arithmetic of forward and backward: fp32, bf16 (autocast to "

@@ -40,6 +40,17 @@ TEST(CliChecks, RefusalsSayWhatIsWrongInWords) {
   EXPECT_EQ(refusal(common::non_negative(), "0"), "");
 }
 
+// CLI::Range let NaN through (--gamma nan trained to NaN; --grace-period nan
+// waited "nan s").
+TEST(CliChecks, ARangeRefusesNanAndWhatLiesOutside) {
+  EXPECT_EQ(refusal(common::number_in(0.0, 1.0), "nan"), "--n: must be a number from 0 to 1, got nan");
+  EXPECT_EQ(refusal(common::number_in(0.0, 1.0), "1.5"), "--n: must be a number from 0 to 1, got 1.5");
+  EXPECT_EQ(refusal(common::number_in(0.01, 60.0), "inf"), "--n: must be a number from 0.01 to 60, got inf");
+  EXPECT_EQ(refusal(common::number_in(0.0, 1.0), "x"), "--n: must be a number from 0 to 1, got x");
+  EXPECT_EQ(refusal(common::number_in(0.0, 1.0), "0.5"), "");
+  EXPECT_EQ(refusal(common::number_in(0.0, 1.0), "1"), "");
+}
+
 TEST(CliChecks, LauncherRefusesANegativeNodeRankInWords) {
   const char* argv[] = {"lockstep-run", "--node-rank", "-1", "prog"};
   try {

@@ -142,11 +142,11 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
   app.add_option("--timeline", options.timeline, "Have the ranks record a timeline (LOCKSTEP_TIMELINE) and merge "
                  "this node's into FILE, a Chrome trace (Perfetto, chrome://tracing)");
   app.add_option("--grace-period", options.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+      ->check(common::number_in(0.0, 3600.0))->capture_default_str();
   app.add_option("--restart-delay", options.restart_delay,
                  "Seconds before the first restart, doubled for each one after (at most 30); in an elastic job, "
                  "before each node joins the round that restarts the job after a failure")
-      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+      ->check(common::number_in(0.0, 3600.0))->capture_default_str();
   app.add_option("--timeout", options.timeout_seconds,
                  "Seconds a rank waits for the others (store, connections, each collective) before failing; sets "
                  "LOCKSTEP_TIMEOUT for the ranks. Default: theirs, else 300")
@@ -168,7 +168,7 @@ inline void describe_run_options(CLI::App& app, RunOptions& options) {
                  "accepted and have no effect. Unlike torchrun's c10d, timeout sets join_timeout, and heartbeat is "
                  "short for keep_alive_interval (not torchrun's heartbeat_timeout)");
   app.add_option("--monitor-interval,--monitor_interval", options.monitor_interval, "Seconds between the elastic "
-                 "launcher's looks at the rendezvous store")->check(CLI::Range(0.01, 60.0))->capture_default_str();
+                 "launcher's looks at the rendezvous store")->check(common::number_in(0.01, 60.0))->capture_default_str();
   describe_torchrun_flags(app, options);
   read_pet_variables(app);
   app.footer("PROGRAM [ARGS...] follow the options; everything from PROGRAM on is PROGRAM's.");
