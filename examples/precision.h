@@ -67,7 +67,8 @@ inline void say_if_emulated(const Config& config, torch::Device device, bool lea
   }
 }
 
-// fp16's scaler (a pass-through otherwise), resumed from `state`. The ranks
+// fp16's scaler (a pass-through otherwise), resumed from `state` with this
+// run's --loss-scale-growth-interval. The ranks
 // agree on overflow over `group`: FullyShardedDataParallel's ranks each see
 // only their shard of the gradients (Note [Mixed precision]).
 inline std::unique_ptr<lockstep::GradScaler> make_scaler(const Config& config, const lockstep::ProcessGroup& group,
@@ -79,6 +80,7 @@ inline std::unique_ptr<lockstep::GradScaler> make_scaler(const Config& config, c
     torch::serialize::InputArchive archive;
     archive.load_from(bytes);
     scaler->load(archive);
+    scaler->set_growth_interval(config.growth_interval); // this run's flag (a change is said: run_settings)
   }
   return scaler;
 }

@@ -45,11 +45,15 @@ inline std::string resume_differences(const TrainingState& there, const BatchPla
 // (TrainingState::settings).
 inline std::string run_settings(const Config& config) {
   std::string settings = "--precision " + config.precision;
+  if (config.precision == "fp16") {
+    settings += " --loss-scale-growth-interval " + std::to_string(config.growth_interval);
+  }
   if (!config.sharding.empty()) {
     settings += " --sharding " + config.sharding;
   }
   if (config.comm_hook == "powersgd") { // Note [PowerSGD state of another rank]: the Q's start anew
-    settings += " --comm-hook powersgd --powersgd-rank " + std::to_string(config.powersgd_rank);
+    settings += " --comm-hook powersgd --powersgd-rank " + std::to_string(config.powersgd_rank) + " --powersgd-start " +
+                std::to_string(config.powersgd_start);
   } else if (config.comm_hook != "none") {
     settings += " --comm-hook " + config.comm_hook;
   }

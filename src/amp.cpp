@@ -549,6 +549,17 @@ void GradScaler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("_growth_tracker", number(static_cast<double>(growth_tracker())), true);
 }
 
+void GradScaler::set_growth_interval(int64_t interval) {
+  TORCH_CHECK(interval >= 1 && interval <= INT32_MAX, "lockstep::GradScaler::set_growth_interval: ", interval,
+              " is not a number of steps; pass one from 1 to ", INT32_MAX, ".");
+  options_.growth_interval(interval);
+  const auto most = static_cast<int32_t>(interval - 1);
+  init_growth_tracker_ = std::min(init_growth_tracker_, most);
+  if (growth_tracker_.defined()) {
+    growth_tracker_.clamp_max_(most);
+  }
+}
+
 void GradScaler::load(torch::serialize::InputArchive& archive) {
   if (!options_.enabled()) {
     return;

@@ -298,6 +298,21 @@ TEST(GradScaler, StateRoundTripsThroughAnArchive) {
   torch::serialize::InputArchive empty;
   GradScaler fresh;
   EXPECT_ERROR_SAYS(fresh.load(empty), "the archive has no \"scale\"");
+
+  // A resumed run's own growth_interval over the loaded one: the good steps
+  // counted stay, up to the new interval less one.
+  torch::serialize::InputArchive again;
+  bytes.clear();
+  bytes.seekg(0);
+  again.load_from(bytes);
+  GradScaler shorter;
+  shorter.load(again);
+  shorter.set_growth_interval(2);
+  EXPECT_EQ(shorter.options().growth_interval(), 2);
+  EXPECT_EQ(shorter.growth_tracker(), 1);
+  scaled_step(shorter, sgd, w, false);
+  EXPECT_EQ(shorter.get_scale(), 4.0) << "it did not grow at the new interval";
+  EXPECT_ERROR_SAYS(shorter.set_growth_interval(0), "set_growth_interval: 0 is not a number of steps");
 }
 
 // A damaged or hand-made state is refused at load, naming the value: a

@@ -439,6 +439,28 @@ TEST(PowerSGD, SavedStateResumesExactly) {
   EXPECT_FALSE(torch::equal(with.buffer, without.buffer)) << "the error feedback was not kept";
 }
 
+// A state resumed with a later start_iteration (--powersgd-start raised)
+// reduced plainly and still reported the saved state's compression rate,
+// in every record of the resumed run.
+TEST(PowerSGD, APlainIterationAfterALoadReportsNoCompression) {
+  ProcessGroup one;
+  PowerSGD running(PowerSGDOptions().rank(2).start_iteration(0));
+  auto bucket = bucket_of({of_rank(12, 10, 4), torch::ones({3})});
+  running(one, bucket)->wait();
+  ASSERT_GT(running.compression_rate(), 1.0);
+  std::stringstream bytes;
+  torch::serialize::OutputArchive out;
+  running.save(out);
+  out.save_to(bytes);
+  PowerSGD later(PowerSGDOptions().rank(2).start_iteration(100));
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  later.load(in);
+  auto plain = bucket_of({of_rank(12, 10, 4), torch::ones({3})});
+  later(one, plain)->wait();
+  EXPECT_EQ(later.compression_rate(), 0.0);
+}
+
 // One PowerSGD's state is one model's (kept by parameter index): a second
 // DistributedDataParallel's buckets are refused while the first lives, and
 // a model wrapped again after the first is gone takes the state on.

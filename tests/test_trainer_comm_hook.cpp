@@ -68,10 +68,29 @@ TEST(TrainerCommHook, AResumeWithAnotherPowerSGDRankGoesOnAndTheSummaryGivesTheR
                         "--epochs", "3");
   auto resumed = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "powersgd_rank2", {kOneThread});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("written with --precision fp32 --comm-hook powersgd --powersgd-rank 2, and this run "
-                                "goes on with --precision fp32 --comm-hook powersgd --powersgd-rank 1"),
+  EXPECT_NE(resumed.output.find("written with --precision fp32 --comm-hook powersgd --powersgd-rank 2 --powersgd-start "
+                                "5, and this run goes on with --precision fp32 --comm-hook powersgd --powersgd-rank 1 "
+                                "--powersgd-start 5"),
             std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("16 steps (48 in all)"), std::string::npos) << resumed.output;
+  // A later --powersgd-start: this run compresses nothing, and says so (it
+  // gave the checkpoint's rate, in the summary and every metrics record).
+  auto later = launch({"--nproc-per-node", "2", "--master-port", port()},
+                      with_flag(with_flag(with_flag(args, "--powersgd-start", "1000"), "--epochs", "4"), "--out",
+                                temp("powersgd_rank3_out")),
+                      "powersgd_rank3", {kOneThread});
+  ASSERT_EQ(later.exit_code, 0) << later.output;
+  EXPECT_NE(later.output.find("and this run goes on with --precision fp32 --comm-hook powersgd --powersgd-rank 1 "
+                              "--powersgd-start 1000"), std::string::npos) << later.output;
+  EXPECT_NE(later.output.find("PowerSGD compressed nothing: it starts after --powersgd-start 1000"), std::string::npos)
+      << later.output;
+  const std::string later_metrics = read_text(temp("powersgd_rank3_out") + "/metrics.jsonl");
+  const auto count = [&later_metrics](const std::string& text) {
+    const std::regex pattern(text);
+    return std::distance(std::sregex_iterator(later_metrics.begin(), later_metrics.end(), pattern), {});
+  };
+  EXPECT_GT(count("\"compression_rate\":"), 0) << later_metrics;
+  EXPECT_EQ(count("\"compression_rate\":0.0[,}]"), count("\"compression_rate\":")) << later_metrics;
   auto huge = launch({"--nproc-per-node", "2", "--master-port", port()},
                      with_flag(with_hook(trainer("powersgd_huge"), "powersgd"), "--powersgd-rank", "1024"),
                      "powersgd_huge", {kOneThread});

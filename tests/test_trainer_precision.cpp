@@ -105,6 +105,23 @@ TEST(TrainerPrecision, Fp16ResumesItsScaleFromTheCheckpoint) {
     EXPECT_EQ(got.at(step), expected.at(step)) << "step " << step << ": the resumed run's loss scale";
   }
   EXPECT_EQ(final_hash(resumed.output), final_hash(whole.output)) << resumed.output;
+
+  // A resume with another --loss-scale-growth-interval took the
+  // checkpoint's without a word; this run's is said and used: at 1, the
+  // scale can double at each step, so quadruple between two records.
+  auto args = job("fp16_interval", checkpoint);
+  args = with_flag(with_flag(args, "--loss-scale-growth-interval", "1"), "--epochs", "3");
+  auto changed = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "fp16_interval", {kOneThread});
+  ASSERT_EQ(changed.exit_code, 0) << changed.output;
+  EXPECT_NE(changed.output.find("written with --precision fp16 --loss-scale-growth-interval 3, and this run goes on "
+                                "with --precision fp16 --loss-scale-growth-interval 1"), std::string::npos)
+      << changed.output;
+  const auto scales = loss_scales(temp("fp16_interval_out"));
+  bool quadrupled = false;
+  for (const auto& [step, scale] : scales) {
+    quadrupled = quadrupled || (scales.count(step + 2) == 1 && scales.at(step + 2) == 4 * scale);
+  }
+  EXPECT_TRUE(quadrupled) << read_text(temp("fp16_interval_out") + "/metrics.jsonl");
 }
 
 } // namespace

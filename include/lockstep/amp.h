@@ -113,6 +113,11 @@ class GradScaler {
   /// iteration.
   void update(double new_scale);
 
+  /// Sets growth_interval (from 1 to 2^31 - 1), as torch.amp.GradScaler's
+  /// set_growth_interval: a resumed run's own setting over the loaded one.
+  /// Good steps counted so far stay, up to the new interval less one.
+  void set_growth_interval(int64_t interval);
+
   /// The current scale; 1.0 when disabled.
   double get_scale() const;
   /// Good steps since the last growth or backoff.

@@ -80,8 +80,9 @@ class PowerSGD {
   /// Reducing iterations seen so far: compression runs once this reaches
   /// options().start_iteration().
   int64_t iteration() const;
-  /// Elements of the gradients over elements sent, in the last compressed
-  /// iteration; 0 before compression starts.
+  /// Elements of the gradients over elements sent, in the last iteration;
+  /// 0 where it was not compressed (before start_iteration). After load(),
+  /// the saved state's, until the next iteration.
   double compression_rate() const;
 
   /// This rank's state: the iteration, the error feedback (this rank's own),

@@ -487,6 +487,9 @@ std::shared_ptr<PendingReduction> PowerSGD::operator()(const ProcessGroup& group
     ++state_->iteration;
   }
   if (!compress) {
+    if (bucket.last) {
+      state_->compression_rate = 0; // this iteration's, not a loaded state's (a resume with a later start)
+    }
     return comm_hooks::allreduce(group, bucket);
   }
   if (bucket.index == 0) {
