@@ -383,7 +383,7 @@ inline void check_launch_flags(const CLI::App& app, const Config& config, bool l
                      "it under a launcher (lockstep-run --nproc-per-node 2 lockstep-train ...), or leave --timeout out.");
   }
   if (!launched && !config.sharding.empty()) {
-    throw UsageError("--sharding " + config.sharding + " shards over ranks, one process each: run it under "
+    throw UsageError("--sharding " + config.sharding + " runs FullyShardedDataParallel over ranks, one process each: run it under "
                      "lockstep-run (or torchrun, mpirun, srun), for example lockstep-run --nproc-per-node 2 "
                      "lockstep-train --sharding " + config.sharding + ". Alone, lockstep-train trains with "
                      "DataParallel, which does not shard.");
@@ -391,11 +391,15 @@ inline void check_launch_flags(const CLI::App& app, const Config& config, bool l
   if (config.deterministic && config.comm_hook != "none") {
     throw UsageError("--deterministic sums the gradients exactly, itself: it takes no --comm-hook.");
   }
-  if (config.comm_hook != "none" && (!launched || !config.sharding.empty())) {
+  if (config.comm_hook != "none" && launched && !config.sharding.empty()) {
+    throw UsageError("--comm-hook " + config.comm_hook + " sets how DistributedDataParallel reduces its buckets, and "
+                     "--sharding " + config.sharding + " trains with FullyShardedDataParallel, which reduces its own: "
+                     "leave out one of the two.");
+  }
+  if (config.comm_hook != "none" && !launched) {
     throw UsageError("--comm-hook " + config.comm_hook + " sets how DistributedDataParallel reduces its buckets: run "
-                     "it under a launcher (lockstep-run, torchrun, mpirun, srun) and without --sharding" +
-                     (launched ? std::string() : ", for example lockstep-run --nproc-per-node 2 lockstep-train "
-                      "--comm-hook " + config.comm_hook) + ".");
+                     "it under a launcher (lockstep-run, torchrun, mpirun, srun), for example lockstep-run "
+                     "--nproc-per-node 2 lockstep-train --comm-hook " + config.comm_hook + ".");
   }
 }
 
@@ -445,6 +449,22 @@ inline std::string check_model_flags(const CLI::App& app, const Config& config) 
 }
 
 /// Parses and checks the command line into `data`, `config` and
+// The flags given beside --export-mnist that it does not use ("" without it).
+inline std::string flags_export_ignores(const CLI::App& app, const std::string& export_dir) {
+  std::string ignored;
+  if (export_dir.empty()) {
+    return ignored;
+  }
+  for (const CLI::Option* option : app.get_options()) {
+    const std::string name = option->get_name();
+    if (option->count() > 0 && name != "--export-mnist" && name != "--seed" && name != "--synthetic" &&
+        name != "--threads") {
+      ignored += (ignored.empty() ? "" : ", ") + name;
+    }
+  }
+  return ignored;
+}
+
 /// `export_dir`: -1 to go on, else the exit code (0 after --help; a refusal,
 /// printed, is common::kUsageError).
 inline int parse_command_line(
@@ -460,6 +480,10 @@ inline int parse_command_line(
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return e.get_exit_code() == 0 ? app.exit(e) : refuse(e.what());
+  }
+  if (const std::string ignored = flags_export_ignores(app, export_dir); !ignored.empty()) {
+    return refuse("--export-mnist writes the synthetic dataset (MNIST's 60000/10000 samples, by --seed) and exits, so " +
+                  ignored + " would have no effect: leave them out, or train in a second command.");
   }
   // Given explicitly, the sample counts take the first N of each split of the files.
   data.first_train = app.count("--train-samples") > 0;
@@ -490,6 +514,11 @@ inline int parse_command_line(
       std::fprintf(stderr, "lockstep-train: %s has no effect without --comm-hook powersgd (here --comm-hook %s); "
                    "add --comm-hook powersgd to compress, or leave it out.\n", flag, config.comm_hook.c_str());
     }
+  }
+  if (app.count("--loss-scale-growth-interval") > 0 && config.precision != "fp16") {
+    std::fprintf(stderr, "lockstep-train: --loss-scale-growth-interval has no effect without --precision fp16 (here "
+                 "--precision %s), whose loss scale it grows; add --precision fp16, or leave it out.\n",
+                 config.precision.c_str());
   }
   try {
     check_launch_flags(app, config, launched);

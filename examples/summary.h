@@ -32,7 +32,7 @@ inline std::string describe_outputs(const std::string& out_dir, const std::vecto
 /// resume and change of world size (TrainingState::sample_counts).
 inline std::string describe_sample_counts(const torch::Tensor& counts, int epochs) {
   if (!counts.defined()) {
-    return "sample counts: unknown (resumed from a checkpoint written without them)";
+    return "sample counts: unknown (resumed from a checkpoint written without them, or over other training data)";
   }
   const int64_t low = counts.min().item<int64_t>();
   const int64_t high = counts.max().item<int64_t>();

@@ -12,11 +12,12 @@
 
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,13 +45,27 @@ inline std::vector<std::string> fortune_files() {
   return files;
 }
 
-/// The bytes of `paths`, one after another.
+/// The most text read: its sequences take 8 bytes a byte (int64 tokens).
+constexpr size_t kMaxTextBytes = size_t{1} << 30;
+
+/// The bytes of `paths`, one after another: regular files, or pipes (a
+/// shell's <(...)). A device such as /dev/zero would be read until memory
+/// ran out.
 inline std::string read_text(const std::vector<std::string>& paths) {
   std::string text;
   for (const auto& path : paths) {
+    struct stat info {};
+    TORCH_CHECK(::stat(path.c_str(), &info) == 0 && (S_ISREG(info.st_mode) || S_ISFIFO(info.st_mode)),
+                "lockstep-train: --text ", path, " is not a file (a device, or gone); give a file of text.");
     std::ifstream in(path, std::ios::binary);
     TORCH_CHECK(in, "lockstep-train: cannot read the text file ", path);
-    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    std::vector<char> chunk(size_t{1} << 16);
+    while (in.read(chunk.data(), static_cast<std::streamsize>(chunk.size())) || in.gcount() > 0) {
+      text.append(chunk.data(), static_cast<size_t>(in.gcount()));
+      TORCH_CHECK(text.size() <= kMaxTextBytes, "lockstep-train: --text ", path, ": more than ", kMaxTextBytes >> 30,
+                  " GiB of text, whose sequences would take 8 times as much memory; give a smaller file (head -c "
+                  "100M ", path, " > part.txt).");
+    }
   }
   return text;
 }

@@ -507,8 +507,8 @@ TEST(TrainerSharding, ResumesFromItsShardsAfterAFailureAndAtAnotherWorldSize) {
                                       "Resume it with --sharding"), std::string::npos) << unsharded_run.output;
   auto alone = testing::run(sharded(trainer("alone"), "full"), {}, temp("alone.log"), kDeadline);
   EXPECT_EQ(alone.exit_code, 2) << alone.output;
-  EXPECT_NE(alone.output.find("lockstep-train: --sharding full shards over ranks, one process each: run it under "
-                              "lockstep-run"), std::string::npos) << alone.output;
+  EXPECT_NE(alone.output.find("lockstep-train: --sharding full runs FullyShardedDataParallel over ranks, one process "
+                              "each: run it under lockstep-run"), std::string::npos) << alone.output;
 }
 
 // A DDP checkpoint holds the whole model: a resume with --sharding shards

@@ -86,13 +86,13 @@ TEST(TrainerCommandLine, MoreSamplesThanTheFilesHoldIsRefused) {
 // where the parser's exit 2; PyTorch's names for the strategies are taken.
 TEST(TrainerCommandLine, RefusalsBeforeTrainingHaveTheUsageExitCode) {
   expect_refused(train(tiny("sharding_alone"), {"--sharding", "full"}, "sharding_alone"),
-                 "--sharding full shards over ranks, one process each");
+                 "--sharding full runs FullyShardedDataParallel over ranks, one process each");
   expect_refused(train(tiny("hook_alone"), {"--comm-hook", "powersgd"}, "hook_alone"),
                  "--comm-hook powersgd sets how DistributedDataParallel reduces its buckets");
   for (const auto& [given, meant] : {std::make_pair("full-shard", "full"), std::make_pair("SHARD_GRAD_OP", "grad-op"),
                                      std::make_pair("no_shard", "none"), std::make_pair("shard-grad-op", "grad-op")}) {
     expect_refused(train(tiny(std::string("spelled_") + meant), {"--sharding", given}, std::string("spelled_") + meant),
-                   std::string("--sharding ") + meant + " shards over ranks");
+                   std::string("--sharding ") + meant + " runs FullyShardedDataParallel over ranks");
   }
 }
 
@@ -174,6 +174,23 @@ TEST(TrainerPaths, ASaveWhereNothingCanBeWrittenIsRefusedBeforeAnything) {
   EXPECT_EQ(p.output.find("create the folder"), std::string::npos) << p.output;
   expect_refused(train(tiny("proc_save2"), {"--save", "/proc/lockstep-model.pt"}, "proc_save2"),
                  "--save /proc/lockstep-model.pt: cannot write into /proc/");
+}
+
+// --export-mnist wrote MNIST's counts and exited, taking --train-samples,
+// --epochs or --out without a word; --loss-scale-growth-interval without
+// fp16 was as quiet.
+TEST(TrainerCommandLine, FlagsThatWouldHaveNoEffectAreSaid) {
+  const std::string folder = temp("export_ignores");
+  ::mkdir(folder.c_str(), 0755);
+  const auto p = train({LOCKSTEP_TRAIN, "--export-mnist", folder}, {"--train-samples", "100", "--epochs", "5"},
+                       "export_ignores");
+  expect_refused(p, "--export-mnist writes the synthetic dataset (MNIST's 60000/10000 samples, by --seed) and exits, "
+                    "so --train-samples, --epochs would have no effect");
+  EXPECT_NE(access((folder + "/train-images-idx3-ubyte").c_str(), F_OK), 0) << "it wrote before refusing";
+  const auto q = train(tiny("interval_alone"), {"--loss-scale-growth-interval", "5"}, "interval_alone");
+  EXPECT_EQ(q.exit_code, 0) << q.output;
+  EXPECT_NE(q.output.find("lockstep-train: --loss-scale-growth-interval has no effect without --precision fp16 (here "
+                          "--precision fp32)"), std::string::npos) << q.output;
 }
 
 // The version is CMake's project(VERSION), in one place (<lockstep/version.h>).

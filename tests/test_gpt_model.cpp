@@ -125,5 +125,16 @@ TEST(TextData, ATextTooShortForTenSequencesIsRefused) {
   }
 }
 
+// --text /dev/zero read until memory ran out.
+TEST(TextData, ADeviceIsRefusedAsText) {
+  try {
+    examples::read_text({"/dev/zero"});
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--text /dev/zero is not a file (a device, or gone)"), std::string::npos)
+        << e.what();
+  }
+}
+
 } // namespace
 } // namespace lockstep

@@ -111,7 +111,10 @@ TEST(TrainerCommHook, IsRefusedWithoutDdp) {
   auto sharded_run = launch({"--nproc-per-node", "2", "--master-port", port()},
                             sharded(with_hook(trainer("hook_sharded"), "fp16"), "full"), "hook_sharded", {kOneThread});
   EXPECT_NE(sharded_run.exit_code, 0);
-  EXPECT_NE(sharded_run.output.find("and without --sharding"), std::string::npos) << sharded_run.output;
+  EXPECT_NE(sharded_run.output.find("--comm-hook fp16 sets how DistributedDataParallel reduces its buckets, and "
+                                    "--sharding full trains with FullyShardedDataParallel, which reduces its own"),
+            std::string::npos) << sharded_run.output;
+  EXPECT_EQ(sharded_run.output.find("run it under a launcher"), std::string::npos) << "it runs under one";
 }
 
 } // namespace
