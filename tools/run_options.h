@@ -5,6 +5,7 @@
 // a fuzzer can call it: bad input is a RunUsageError carrying the message
 // lockstep-run prints and its exit code.
 
+#include "pet_variables.h"
 #include "rdzv_conf.h"
 #include "run_id.h"
 #include "slurm_host_list.h"
@@ -105,23 +106,6 @@ inline void describe_torchrun_flags(CLI::App& app, RunOptions& options) {
   app.add_option("--role", options.role, "The ranks' ROLE_NAME")->capture_default_str();
   app.add_option("--local-addr,--local_addr", options.local_addr, "This node's address for the other nodes of an "
                  "elastic job (default: the one that reaches --rdzv-endpoint)");
-}
-
-// Note [torchrun's PET_ variables]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// torchrun takes each option it is not given from PET_<NAME> (PET_NNODES,
-// PET_NODE_RANK, ...), and Kubeflow's PyTorchJob starts every pod's torchrun
-// with only those set: without them, each pod would run a job of its own,
-// silently. So lockstep-run does the same for torchrun's options; the
-// command line wins, as torchrun's does.
-inline void read_pet_variables(CLI::App& app) {
-  for (const std::string name : {"nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port",
-                                  "max_restarts", "log_dir", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
-                                  "monitor_interval", "role", "local_addr", "local_ranks_filter", "tee", "redirects"}) {
-    std::string variable = "PET_" + name;
-    std::transform(variable.begin(), variable.end(), variable.begin(), [](unsigned char c) { return std::toupper(c); });
-    app.get_option("--" + name)->envname(variable);
-  }
 }
 
 inline void describe_run_options(CLI::App& app, RunOptions& options) {
