@@ -321,7 +321,7 @@ inline void check_output_paths(const Config& config) {
     if (in_out_to_make) {
       continue; // --out, which the run makes before it writes anything
     }
-    if (::access(dir.c_str(), F_OK) != 0) {
+    if (::access(dir.c_str(), F_OK) != 0 && errno == ENOENT) {
       throw UsageError(named + "cannot write into " + dir + ": no such folder (" + std::strerror(errno) +
                        "); create the folder first, or pick another path.");
     }
@@ -448,7 +448,6 @@ inline std::string check_model_flags(const CLI::App& app, const Config& config) 
   return "";
 }
 
-/// Parses and checks the command line into `data`, `config` and
 // The flags given beside --export-mnist that it does not use ("" without it).
 inline std::string flags_export_ignores(const CLI::App& app, const std::string& export_dir) {
   std::string ignored;
@@ -465,6 +464,7 @@ inline std::string flags_export_ignores(const CLI::App& app, const std::string& 
   return ignored;
 }
 
+/// Parses and checks the command line into `data`, `config` and
 /// `export_dir`: -1 to go on, else the exit code (0 after --help; a refusal,
 /// printed, is common::kUsageError).
 inline int parse_command_line(
@@ -514,6 +514,11 @@ inline int parse_command_line(
       std::fprintf(stderr, "lockstep-train: %s has no effect without --comm-hook powersgd (here --comm-hook %s); "
                    "add --comm-hook powersgd to compress, or leave it out.\n", flag, config.comm_hook.c_str());
     }
+  }
+  if (config.deterministic && config.threads > 1) {
+    std::fprintf(stderr, "lockstep-train: note: --threads %d with --deterministic: some kernels split their sums by "
+                 "thread, so the bits match runs of the same --threads only; without it, each process computes on "
+                 "one thread and every world size gives the same bits.\n", config.threads);
   }
   if (app.count("--loss-scale-growth-interval") > 0 && config.precision != "fp16") {
     std::fprintf(stderr, "lockstep-train: --loss-scale-growth-interval has no effect without --precision fp16 (here "

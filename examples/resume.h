@@ -33,8 +33,8 @@ inline std::string resume_differences(const TrainingState& there, const BatchPla
   if (there.data.rows != data.rows || there.data.checksum != data.checksum) {
     said += "; written over other training data (" + std::to_string(there.data.rows) + " samples of another content, "
             "seed " + std::to_string(there.data.seed) + "; here " + std::to_string(data.rows) + ", seed " +
-            std::to_string(data.seed) + ": another --data, --train-samples, or --seed with --synthetic), so the rest "
-            "of the run trains on this data";
+            std::to_string(data.seed) + ": another --data or --text, --train-samples, or --seed with --synthetic), so "
+            "the rest of the run trains on this data";
   } else if (there.data.seed != data.seed) {
     said += "; written with --seed " + std::to_string(there.data.seed) + ", so the data order differs from here on";
   }
@@ -56,6 +56,19 @@ inline std::string run_settings(const Config& config) {
                 std::to_string(config.powersgd_start);
   } else if (config.comm_hook != "none") {
     settings += " --comm-hook " + config.comm_hook;
+  }
+  return settings;
+}
+
+// `settings` (run_settings) without the flags that an older checkpoint's
+// `recorded` settings do not hold: they were not recorded, not changed.
+inline std::string settings_as_recorded(std::string settings, const std::string& recorded) {
+  for (const std::string flag : {"--loss-scale-growth-interval", "--powersgd-start"}) {
+    const size_t at = settings.find(" " + flag + " ");
+    if (at != std::string::npos && recorded.find(" " + flag + " ") == std::string::npos) {
+      const size_t value_end = settings.find(' ', at + flag.size() + 2);
+      settings.erase(at, value_end == std::string::npos ? std::string::npos : value_end - at);
+    }
   }
   return settings;
 }
@@ -102,8 +115,9 @@ inline TrainingState resume(
                   static_cast<long long>(state.epoch + 1), static_cast<long long>(state.samples_in_epoch),
                   static_cast<long long>(epoch_extent(plan).first));
     std::string said = line + resume_differences(state, plan, data);
-    if (!state.settings.empty() && state.settings != run_settings(config)) {
-      said += "; written with " + state.settings + ", and this run goes on with " + run_settings(config);
+    const std::string settings = settings_as_recorded(run_settings(config), state.settings);
+    if (!state.settings.empty() && state.settings != settings) {
+      said += "; written with " + state.settings + ", and this run goes on with " + settings;
     }
     said += "\n";
     if (report_later != nullptr) {

@@ -65,6 +65,29 @@ inline std::string describe_compression(double rate, const TrainingState& state,
   return text;
 }
 
+/// What to lower when `message` (a failed run's error) says memory ran
+/// out, or "": LibTorch's allocator names bytes, not the flags behind them.
+/// `context`: --context, of --model gpt.
+inline std::string out_of_memory_advice(const std::string& message, const Config& config, int64_t context) {
+  if (message.find("can't allocate memory") == std::string::npos &&
+      message.find("CUDA out of memory") == std::string::npos && message.find("bad_alloc") == std::string::npos) {
+    return "";
+  }
+  std::string advice = "the run ran out of memory: each rank's activations grow with its share of --batch-size " +
+                       std::to_string(config.batch_size);
+  if (config.model == "gpt") {
+    advice += ", and with the square of --context " + std::to_string(context) + " (attention's scores)";
+  }
+  advice += "; give a smaller --batch-size";
+  if (config.model == "gpt") {
+    advice += " or --context";
+  }
+  if (config.model != "cnn" && !config.activation_checkpointing) {
+    advice += ", or add --activation-checkpointing";
+  }
+  return advice + ".";
+}
+
 /// "12 steps (36 in all)" for a run resumed at step 24 that ended at 36;
 /// "36 steps" for one that was not resumed.
 inline std::string describe_steps(const TrainingState& state) {

@@ -403,10 +403,10 @@ void report_finished_run(const Run& run, const TrainingState& state) {
   if (run.setup.rank != 0) {
     return;
   }
-  std::printf("lockstep-train: nothing to train: the checkpoint %s is of a finished run (%lld of %d epoch(s), %lld "
-              "steps); raise --epochs to train on, or point --checkpoint elsewhere to start afresh.\n",
-              run.config.checkpoint_path.c_str(), static_cast<long long>(state.epoch), run.config.epochs,
-              static_cast<long long>(state.step));
+  std::printf("lockstep-train: nothing to train: the checkpoint %s has trained %lld epoch(s) in %lld steps, and "
+              "--epochs is %d; raise --epochs to train on, or point --checkpoint elsewhere to start afresh.\n",
+              run.config.checkpoint_path.c_str(), static_cast<long long>(state.epoch),
+              static_cast<long long>(state.step), run.config.epochs);
   std::printf("lockstep-train: test accuracy %s of the checkpoint's model\n", percent(tested).c_str());
   std::printf("lockstep-train: final parameters fnv1a64=%016llx\n", static_cast<unsigned long long>(parameter_hash(*run.net)));
 }
@@ -577,11 +577,14 @@ int main(int argc, char** argv) {
     train(Run{net, *setup.optimizer, *scaler, data, setup, config});
   } catch (const lockstep::examples::UsageError& e) { // a refusal before training, as parse_command_line's
     return lockstep::examples::refuse(e.what());
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what_without_backtrace()); // already says who raised it
-    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "lockstep-train: %s\n", e.what());
+    const auto* error = dynamic_cast<const c10::Error*>(&e); // its message already says who raised it
+    const std::string message = error != nullptr ? error->what_without_backtrace() : e.what();
+    std::fprintf(stderr, "%s%s\n", error != nullptr ? "" : "lockstep-train: ", message.c_str());
+    const std::string advice = lockstep::examples::out_of_memory_advice(message, parsed, data_options.context);
+    if (!advice.empty()) {
+      std::fprintf(stderr, "lockstep-train: %s\n", advice.c_str());
+    }
     return 1;
   }
   return 0;

@@ -54,9 +54,8 @@
 // take theirs, and the shards would drift apart for good. unscale_ therefore
 // ends with one allreduce (Max) of found-inf over the options' group, and
 // every rank steps or skips together, and backs its scale off together.
-// The same allreduce carries the scale and its negation: ranks whose
-// scales differ (a scaler load()ed on rank 0 alone) would each divide the
-// averaged gradients by their own, and are an error on every rank.
+// It carries the scale and its negation too: ranks of unlike scales (a
+// scaler load()ed on rank 0 alone) are an error on every rank.
 // A scaler left with its default group of one would not agree, so unscale_
 // refuses shards split over more ranks than its group has (shard_registry.h).
 
@@ -405,11 +404,10 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   state.no_gradients = groups.empty();
   const auto& group = options_.group();
   if (group.size() > 1) {
-    // The scale and its negation ride along, so that the maximum of each
-    // shows whether every rank scaled its loss alike (Note [Mixed precision]).
-    const auto scale = scale_.to(state.found_inf.options()).reshape({1});
-    auto agreed = torch::cat({state.found_inf, torch::full({1}, state.no_gradients ? 1.0 : 0.0, state.found_inf.options()),
-                              scale, -scale});
+    // The maxima of the scale and of its negation: whether the ranks' scales are one.
+    const auto scale = scale_.reshape({1});
+    auto agreed = torch::cat({state.found_inf, torch::full({1}, state.no_gradients ? 1.0 : 0.0, scale.options()), scale,
+                              -scale});
     if (!group.supports(Collective::Allreduce, torch::kFloat, agreed.device())) {
       agreed = agreed.cpu();
     }
@@ -420,8 +418,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     detail::CollectiveTag tag(detail::optimizer_tag(params));
     group.allreduce_async({agreed}, ReduceOp::Max, "GradScaler's found-inf agreement (unscale_)")->wait();
     state.found_inf.copy_(agreed.narrow(0, 0, 1));
-    state.no_gradients = agreed[1].item<float>() != 0;
-    check_scales_agree(agreed[2].item<float>(), -agreed[3].item<float>());
+    const auto words = agreed.cpu(); // one copy from a GPU for the three read here
+    state.no_gradients = words[1].item<float>() != 0;
+    check_scales_agree(words[2].item<float>(), -words[3].item<float>());
   }
   state.stage = Stage::Unscaled;
 }

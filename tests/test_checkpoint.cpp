@@ -75,8 +75,8 @@ TEST(Checkpoint, KilledSavesTemporariesAreRemovedAndAFinishedRunSaysSo) {
   // Run again: nothing is left to train, and it says so instead of "loss nan".
   auto again = testing::run(args, {}, temp("finished2.log"), kDeadline);
   EXPECT_EQ(again.exit_code, 0) << again.output;
-  EXPECT_NE(again.output.find("nothing to train: the checkpoint " + checkpoint + " is of a finished run (2 of 2 epoch(s), "
-                              "32 steps); raise --epochs"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("nothing to train: the checkpoint " + checkpoint + " has trained 2 epoch(s) in 32 steps, "
+                              "and --epochs is 2; raise --epochs"), std::string::npos) << again.output;
   EXPECT_EQ(again.output.find("nan"), std::string::npos) << again.output;
   EXPECT_EQ(final_hash(again.output), final_hash(p.output)) << again.output;
 }

@@ -178,7 +178,7 @@ TEST(TrainerPaths, ASaveWhereNothingCanBeWrittenIsRefusedBeforeAnything) {
 
 // --export-mnist wrote MNIST's counts and exited, taking --train-samples,
 // --epochs or --out without a word; --loss-scale-growth-interval without
-// fp16 was as quiet.
+// fp16 was as quiet, and so was --threads under --deterministic.
 TEST(TrainerCommandLine, FlagsThatWouldHaveNoEffectAreSaid) {
   const std::string folder = temp("export_ignores");
   ::mkdir(folder.c_str(), 0755);
@@ -191,6 +191,12 @@ TEST(TrainerCommandLine, FlagsThatWouldHaveNoEffectAreSaid) {
   EXPECT_EQ(q.exit_code, 0) << q.output;
   EXPECT_NE(q.output.find("lockstep-train: --loss-scale-growth-interval has no effect without --precision fp16 (here "
                           "--precision fp32)"), std::string::npos) << q.output;
+  // --threads changes --deterministic's bits: said, where it went unsaid.
+  const auto r = train(tiny("deterministic_threads"), {"--deterministic", "--micro-batch-size", "16", "--threads", "2"},
+                       "deterministic_threads");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: --threads 2 with --deterministic: some kernels split their sums by thread"),
+            std::string::npos) << r.output;
 }
 
 // The version is CMake's project(VERSION), in one place (<lockstep/version.h>).

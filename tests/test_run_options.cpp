@@ -191,6 +191,18 @@ TEST(RunOptions, ARefusedPetVariableIsNamed) {
   EXPECT_EQ(restarts.rfind("--max-restarts (from PET_MAX_RESTARTS): ", 0), 0u) << restarts;
   EXPECT_EQ(given.rfind("--max-restarts: ", 0), 0u) << given;
   EXPECT_EQ(nproc.rfind("--nproc-per-node (from PET_NPROC_PER_NODE) zz: expected a number of ranks", 0), 0u) << nproc;
+  // PROGRAM's own arguments are not lockstep-run's; refusals after parsing
+  // (the GPUs, the filter) name the variable too.
+  ::setenv("PET_LOCAL_RANKS_FILTER", "5", 1);
+  const char* argv[] = {"lockstep-run", "--nproc-per-node", "2", "python3", "t.py", "--local_ranks_filter", "0"};
+  auto options = tools::parse_run_options(7, argv);
+  std::string filtered;
+  tools::check_local_ranks_filter(options, [&](const std::string& message) {
+    filtered = tools::name_pet_source(message, 7, argv);
+  });
+  ::unsetenv("PET_LOCAL_RANKS_FILTER");
+  EXPECT_EQ(filtered.rfind("--local-ranks-filter (from PET_LOCAL_RANKS_FILTER) 5 names no rank of this node", 0), 0u)
+      << filtered;
 }
 
 // --- lockstep-run under srun (Note [lockstep-run under srun]) ----------------

@@ -1,6 +1,7 @@
 // lockstep-train's sentences about a run (examples/summary.h): pure
 // functions of its settings and state.
 
+#include <examples/resume.h>
 #include <examples/summary.h>
 
 #include <gtest/gtest.h>
@@ -44,6 +45,35 @@ TEST(TrainerSummary, PowerSGDsLineSaysWhyNothingWasCompressed) {
   EXPECT_EQ(examples::describe_compression(1.0, state, config).rfind("PowerSGD compressed no gradient: at "
                                                                      "--powersgd-rank 1024", 0), 0u);
   EXPECT_EQ(examples::describe_compression(12.34, state, config).rfind("PowerSGD compression rate 12.3 ", 0), 0u);
+}
+
+// A checkpoint written before a setting was recorded said, on every
+// resume, that it had changed.
+TEST(TrainerSummary, ASettingAnOlderCheckpointDidNotRecordIsNoChange) {
+  const std::string now = "--precision fp16 --loss-scale-growth-interval 2000 --comm-hook powersgd --powersgd-rank 4 "
+                          "--powersgd-start 10";
+  EXPECT_EQ(examples::settings_as_recorded(now, "--precision fp16 --comm-hook powersgd --powersgd-rank 4"),
+            "--precision fp16 --comm-hook powersgd --powersgd-rank 4");
+  EXPECT_EQ(examples::settings_as_recorded(now, now), now);
+  EXPECT_EQ(examples::settings_as_recorded("--precision fp32 --sharding full", "--precision fp32"),
+            "--precision fp32 --sharding full") << "a flag the older format did record";
+}
+
+// A GPT whose attention did not fit ended on the allocator's line, naming
+// bytes and no flag.
+TEST(TrainerSummary, RunningOutOfMemoryNamesTheFlagsToLower) {
+  Config config;
+  config.model = "gpt";
+  config.batch_size = 48;
+  EXPECT_EQ(examples::out_of_memory_advice("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                                           "memory: you tried to allocate 12884901888 bytes", config, 4096),
+            "the run ran out of memory: each rank's activations grow with its share of --batch-size 48, and with the "
+            "square of --context 4096 (attention's scores); give a smaller --batch-size or --context, or add "
+            "--activation-checkpointing.");
+  config.model = "cnn";
+  EXPECT_EQ(examples::out_of_memory_advice("std::bad_alloc", config, 128), "the run ran out of memory: each rank's "
+            "activations grow with its share of --batch-size 48; give a smaller --batch-size.");
+  EXPECT_EQ(examples::out_of_memory_advice("checkpoint x is damaged", config, 128), "");
 }
 
 } // namespace

@@ -305,7 +305,9 @@ int main(int argc, char** argv) {
     }
     usage_error(e.what());
   }
-  const auto fail = [](const std::string& message) { usage_error(message); };
+  const auto fail = [&](const std::string& message) {
+    usage_error(lockstep::tools::name_pet_source(message, argc, argv));
+  };
   lockstep::tools::resolve_nproc_per_node(options, visible_gpus(), lockstep::tools::usable_cores(), fail);
   lockstep::tools::check_local_ranks_filter(options, fail);
   for (const auto& note : options.notes) { // accepted flags that do nothing here (Note [torchrun's flags])

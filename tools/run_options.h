@@ -486,44 +486,6 @@ inline void check_static_meeting(RunOptions& options, const Fail& fail) {
   }
 }
 
-// Whether `argv`'s options (up to a "--") name `option`: --name, --name=V, -x or -xV.
-inline bool given_on_command_line(const CLI::Option& option, int argc, const char* const* argv) {
-  for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
-    const std::string arg = argv[i];
-    for (const auto& name : option.get_lnames()) {
-      if (arg == "--" + name || arg.rfind("--" + name + "=", 0) == 0) {
-        return true;
-      }
-    }
-    for (const auto& name : option.get_snames()) {
-      if (arg.rfind("-" + name, 0) == 0 && arg.rfind("--", 0) != 0) {
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
-// A refusal of an option that the environment gave (Note [torchrun's PET_
-// variables]) names the variable after the flag: the command line the user
-// looks at does not hold the value.
-inline std::string name_pet_source(const std::string& message, const CLI::App& app, int argc, const char* const* argv) {
-  for (const CLI::Option* option : app.get_options()) {
-    const std::string variable = option->get_envname();
-    if (variable.empty() || std::getenv(variable.c_str()) == nullptr || given_on_command_line(*option, argc, argv)) {
-      continue;
-    }
-    for (const auto& name : option->get_lnames()) {
-      const std::string flag = "--" + name;
-      if (message.rfind(flag, 0) == 0 && message.size() > flag.size() &&
-          (message[flag.size()] == ' ' || message[flag.size()] == ':')) {
-        return flag + " (from " + variable + ")" + message.substr(flag.size());
-      }
-    }
-  }
-  return message;
-}
-
 // parse_run_options' checks, in order; each refusal throws RunUsageError.
 inline void check_run_options(RunOptions& options, CLI::App& app, int argc, const char* const* argv, const GetEnv& get) {
   parse_into_options(app, argc, argv);
@@ -547,6 +509,16 @@ inline void check_run_options(RunOptions& options, CLI::App& app, int argc, cons
   } else {
     check_static_meeting(options, fail);
   }
+}
+
+/// `message`, a refusal of `argv`'s options made after parse_run_options
+/// (resolve_nproc_per_node's, check_local_ranks_filter's), naming the PET_
+/// variable that gave the option, if one did.
+inline std::string name_pet_source(const std::string& message, int argc, const char* const* argv) {
+  RunOptions scratch;
+  CLI::App app;
+  describe_run_options(app, scratch);
+  return name_pet_source(message, app, argc, argv);
 }
 
 /// The options of `argv` (argv[0] is the program's name), checked against

@@ -435,10 +435,6 @@ std::string how_to_match(const std::vector<std::string>& unexpected, const std::
   return partial ? "\nSafetensorsLoadOptions().strict(false) loads the names that match and leaves the rest." : "";
 }
 
-} // namespace
-
-namespace {
-
 // What a conversion keeps: float to int truncates, complex to real drops a part.
 enum class DtypeKind { kFloating, kIntegral, kComplex, kBool };
 
@@ -462,18 +458,26 @@ torch::Tensor read_as(const SafetensorsSet& set, const SafetensorsSet::Where& wh
   }
   const auto converted = stored.to(dtype);
   // A value the file holds finitely must stay finite (F32 into F16 turns
-  // 1e5 into inf), and an integer must fit (I64 into I32 wraps).
-  const auto lost = kind_of(dtype) == DtypeKind::kIntegral ? converted.to(stored.scalar_type()).ne(stored)
-                                                           : torch::isfinite(stored).logical_and(converted.isinf());
+  // 1e5 into inf, into F8_E4M3 into NaN), and an integer must fit (I64
+  // into I32 wraps).
+  const bool integral = kind_of(dtype) == DtypeKind::kIntegral;
+  const auto lost = integral ? converted.to(stored.scalar_type()).ne(stored)
+                             : torch::isfinite(stored).logical_and(torch::isfinite(converted).logical_not());
   const int64_t count = lost.sum().item<int64_t>();
   if (count == 0) {
     return converted;
   }
   const auto first = stored.masked_select(lost)[0];
-  const double shown = (c10::isComplexType(dtype) ? torch::abs(first) : first).item<double>(); // a complex one's size
+  std::ostringstream shown; // a complex value by its size
+  if (integral) {
+    shown << first.item<int64_t>();
+  } else {
+    shown << (c10::isComplexType(dtype) ? torch::abs(first) : first).item<double>();
+  }
   TORCH_CHECK(false, "lockstep::load_safetensors(", file, "): ", where.name, ": ", count, " of its ", stored.numel(),
-              " values (the first: ", shown, ") do not fit in ", c10::toString(dtype), ", the model's dtype, when converted from the file's ",
-              c10::toString(stored.scalar_type()), "; give the model the file's dtype (or a wider one).");
+              " values (the first: ", shown.str(), ") do not fit in ", c10::toString(dtype), ", the model's dtype, "
+              "when converted from the file's ", c10::toString(stored.scalar_type()), "; give the model the file's "
+              "dtype (or a wider one).");
 }
 
 StateMatch match_state(const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
@@ -506,8 +510,8 @@ StateMatch match_state(const std::vector<std::string>& names, const std::vector<
     } else if (entry.dtype != dtypes[i] && kind_of(entry.dtype) != kind_of(dtypes[i])) {
       mismatches.push_back(std::string("dtype mismatch for ") + names[i] + ": the file has " +
                            c10::toString(entry.dtype) + ", the model " + c10::toString(dtypes[i]) + ", and "
-                           "convert_dtypes(true) converts only between floating-point dtypes or between integer "
-                           "ones: give the model the file's dtype.");
+                           "convert_dtypes(true) converts only between floating-point dtypes, between complex "
+                           "ones or between integer ones: give the model the file's dtype.");
     }
     match.pairs.emplace_back(i, found->second);
   }
