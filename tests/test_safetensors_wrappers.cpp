@@ -159,6 +159,34 @@ TEST(SafetensorsWrappers, FullyShardedLoadFailingOnOneRankFailsOnEveryRankAndLoa
   });
 }
 
+// A conversion that would lose a value is refused on every rank of a
+// FullyShardedDataParallel, as for a bare module, and loads nothing.
+TEST(SafetensorsWrappers, FullyShardedRefusesAConversionThatLosesAValue) {
+  auto bare = trained_bn_net(7);
+  torch::OrderedDict<std::string, torch::Tensor> tensors;
+  for (const auto& item : bare->named_parameters()) {
+    tensors.insert(item.key(), item.value().detach().to(torch::kDouble));
+  }
+  for (const auto& item : bare->named_buffers()) {
+    tensors.insert(item.key(), item.value());
+  }
+  tensors["0.weight"].view({-1})[0] = 1e300;
+  const auto path = testing::scratch("too_wide.safetensors");
+  write_safetensors(tensors, path);
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(bn_net(), group);
+    torch::Tensor before;
+    {
+      auto full = model->summon_full_params();
+      before = model->module()->named_parameters()["0.weight"].clone();
+    }
+    EXPECT_ERROR_SAYS(load_safetensors(model, path, SafetensorsLoadOptions().convert_dtypes(true)), "0.weight: 1 of its",
+                      "do not fit in Float");
+    auto full = model->summon_full_params();
+    EXPECT_TRUE(torch::equal(model->module()->named_parameters()["0.weight"], before));
+  });
+}
+
 std::vector<std::string> files_starting(const std::string& dir, const std::string& prefix) {
   std::vector<std::string> names;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
