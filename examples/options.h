@@ -383,9 +383,9 @@ inline void check_launch_flags(const CLI::App& app, const Config& config, bool l
                      "it under a launcher (lockstep-run --nproc-per-node 2 lockstep-train ...), or leave --timeout out.");
   }
   if (!launched && !config.sharding.empty()) {
-    throw UsageError("--sharding " + config.sharding + " runs FullyShardedDataParallel over ranks, one process each: run it under "
-                     "lockstep-run (or torchrun, mpirun, srun), for example lockstep-run --nproc-per-node 2 "
-                     "lockstep-train --sharding " + config.sharding + ". Alone, lockstep-train trains with "
+    throw UsageError("--sharding " + config.sharding + " runs FullyShardedDataParallel over ranks, one process each: "
+                     "run it under lockstep-run (or torchrun, mpirun, srun), for example lockstep-run --nproc-per-node "
+                     "2 lockstep-train --sharding " + config.sharding + ". Alone, lockstep-train trains with "
                      "DataParallel, which does not shard.");
   }
   if (config.deterministic && config.comm_hook != "none") {
