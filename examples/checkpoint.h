@@ -12,6 +12,7 @@
 #include <src/util/checked_file.h> // the library's atomic, checksummed files
 #include <common/process_files.h>
 
+#include "models.h"
 #include "tensor_hashes.h"
 
 #include <torch/torch.h>
@@ -475,6 +476,9 @@ inline void check_loaded_shapes(const std::string& path, const std::vector<torch
   // LibTorch's load replaces a tensor whatever its shape: compare with the model's.
   for (size_t i = 0; i < expected.size(); ++i) {
     const auto& want = expected[i];
+    const std::string hint = shape_flag_hint(want.name, loaded[i].sizes(), want.sizes);
+    TORCH_CHECK(hint.empty(), "lockstep-train: checkpoint ", path, " does not match this model: ", hint,
+                " Or point --checkpoint elsewhere to start afresh.");
     TORCH_CHECK(loaded[i].sizes() == want.sizes && loaded[i].dtype() == want.dtype, "lockstep-train: checkpoint ",
                 path, " does not match this model: '", want.name, "' is ", loaded[i].sizes(), " ", loaded[i].dtype(),
                 " there but ", c10::IntArrayRef(want.sizes), " ", want.dtype, " here. It was written by another model "

@@ -253,6 +253,19 @@ struct TrainerNetImpl : torch::nn::Cloneable<TrainerNetImpl> {
 };
 TORCH_MODULE(TrainerNet);
 
+/// For saved weights whose tensor `name` has the shape `there` where this
+/// trainer's model has `here`: the flag behind the difference and its value
+/// to give, in words; "" when no flag explains it. The GPT's position table
+/// `wpe` has a row per token of --context.
+inline std::string shape_flag_hint(const std::string& name, c10::IntArrayRef there, c10::IntArrayRef here) {
+  if (name != "wpe" || there.size() != 2 || here.size() != 2 || there[0] == here[0] || there[1] != here[1]) {
+    return "";
+  }
+  return "'wpe', the GPT's position table, has a row per token of --context: these weights were written with "
+         "--context " + std::to_string(there[0]) + ", and this run has --context " + std::to_string(here[0]) +
+         ". Give --context " + std::to_string(there[0]) + " to go on from them.";
+}
+
 /// The MLP 784-1024-1024-10.
 inline torch::nn::Sequential make_mlp() {
   return torch::nn::Sequential(

@@ -91,6 +91,18 @@ inline TrainingState this_run(TrainingState state, const BatchPlan& plan, const 
   return state;
 }
 
+// Where in its epoch a resume starts, in words: "sample 96 of 192", or, for
+// a checkpoint of a longer epoch (more --train-samples), that the epoch
+// ends there.
+inline std::string resumed_position(const TrainingState& state, const BatchPlan& plan) {
+  const int64_t rows = epoch_extent(plan).first;
+  const std::string at = "sample " + std::to_string(state.samples_in_epoch);
+  if (state.samples_in_epoch < rows || rows == 0) {
+    return at + " of " + std::to_string(rows);
+  }
+  return at + ", past the " + std::to_string(rows) + " of this run's epoch, which so ends there";
+}
+
 // Where training starts: the checkpoint's position when `load` finds one
 // (and loads the model and optimizer), else the beginning. With `report`,
 // the line that says so goes to stderr, or, with `report_later`, there, for
@@ -110,10 +122,9 @@ inline TrainingState resume(
   state.resumed_step = state.step;
   if (report) {
     char line[512];
-    std::snprintf(line, sizeof(line), "lockstep-train: resumed from %s at step %lld (epoch %lld, sample %lld of %lld)",
+    std::snprintf(line, sizeof(line), "lockstep-train: resumed from %s at step %lld (epoch %lld, %s)",
                   config.checkpoint_path.c_str(), static_cast<long long>(state.step),
-                  static_cast<long long>(state.epoch + 1), static_cast<long long>(state.samples_in_epoch),
-                  static_cast<long long>(epoch_extent(plan).first));
+                  static_cast<long long>(state.epoch + 1), resumed_position(state, plan).c_str());
     std::string said = line + resume_differences(state, plan, data);
     const std::string settings = settings_as_recorded(run_settings(config), state.settings);
     if (!state.settings.empty() && state.settings != settings) {

@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <fstream>
 #include <string>
 
 namespace lockstep {
@@ -25,6 +26,36 @@ inline void check_finite_weight(const std::string& path, const std::string& name
               tensor.numel(), "; training from it would give NaN. Give weights saved from a run that did not diverge.");
 }
 
+// Why --init-from's `path` did not load, when a flag or a file beside it
+// says more than the load's own error: the flag behind a shape
+// (shape_flag_hint), or the .safetensors that lockstep-train wrote beside a
+// .pt; "" otherwise.
+inline std::string init_from_hint(TrainerNet& net, const std::string& path) {
+  const std::string pt = ".pt";
+  if (path.size() > pt.size() && path.compare(path.size() - pt.size(), pt.size(), pt) == 0) {
+    const std::string beside = path.substr(0, path.size() - pt.size()) + ".safetensors";
+    if (std::ifstream(beside).good()) {
+      return "--init-from reads safetensors, and " + path + " is torch::save's archive; give " + beside +
+             ", which lockstep-train wrote beside it.";
+    }
+  }
+  torch::OrderedDict<std::string, torch::Tensor> saved;
+  try {
+    saved = lockstep::read_safetensors(path);
+  } catch (const c10::Error&) {
+    return ""; // the load's own error says what is wrong with the file
+  }
+  for (const auto& [name, tensor] : net->named_parameters().pairs()) {
+    if (const auto* there = saved.find(name)) {
+      const std::string hint = shape_flag_hint(name, there->sizes(), tensor.sizes());
+      if (!hint.empty()) {
+        return hint;
+      }
+    }
+  }
+  return "";
+}
+
 /// --init-from: `path`'s weights into `net`, strictly, before any wrapper
 /// copies rank 0's to the others. Nothing when `path` is empty.
 inline void init_from(TrainerNet& net, const std::string& path) {
@@ -34,6 +65,8 @@ inline void init_from(TrainerNet& net, const std::string& path) {
   try {
     lockstep::load_safetensors(net, path);
   } catch (const c10::Error& e) {
+    const std::string hint = init_from_hint(net, path);
+    TORCH_CHECK(hint.empty(), "lockstep-train: --init-from ", path, ": ", hint);
     TORCH_CHECK(false, "lockstep-train: --init-from ", path, ": ", e.what_without_backtrace(),
                 "\nGive a safetensors file of this trainer's --model ", net->kind, " (a model.safetensors that "
                 "lockstep-train wrote with --model ", net->kind, net->kind == "cnn" ? ", or Python's ConvNet state_dict "

@@ -383,6 +383,17 @@ TEST(SafetensorsFormat, AHeaderLengthPastTheFileIsRefused) {
   EXPECT_NE(parse_error(bytes).find("more than safetensors allows"), std::string::npos);
 }
 
+// torch.save's archives are the usual wrong file: the error says what the
+// file is and how to convert it.
+TEST(SafetensorsFormat, APyTorchArchiveIsNamedAsOne) {
+  const std::string zip = std::string("PK\x03\x04", 4) + std::string(60, 'x');
+  EXPECT_NE(parse_error(zip).find("It begins as a zip archive, which is what torch.save and torch::save write"),
+            std::string::npos);
+  const std::string pickle = std::string("\x80\x02\x8a\x0alZ\xfc\x9cF\xf9 j\xa8", 14) + std::string(60, 'x');
+  EXPECT_NE(parse_error(pickle).find("It begins as a Python pickle"), std::string::npos);
+  EXPECT_EQ(parse_error(std::string(8, '\xff') + "x").find("It begins as"), std::string::npos);
+}
+
 TEST(SafetensorsFormat, MalformedJsonIsRefused) {
   EXPECT_NE(parse_error(raw_file("{\"w\": ", "")).find("the safetensors header is not valid JSON"), std::string::npos);
   EXPECT_NE(parse_error(raw_file("[1, 2]", "")).find("not an object of tensors"), std::string::npos);

@@ -22,6 +22,17 @@ TEST(TrainerSummary, AResumedRunCountsItsOwnSteps) {
   EXPECT_EQ(examples::describe_steps(state), "12 steps (36 in all)");
 }
 
+// A checkpoint of an epoch longer than this run's (more --train-samples)
+// was said as "sample 96 of 64".
+TEST(TrainerSummary, AResumePastThisRunsEpochSaysTheEpochEnds) {
+  const examples::BatchPlan plan{/*samples=*/64, /*batch_size=*/32, /*world_size=*/1, /*rank=*/0, /*seed=*/1};
+  TrainingState state;
+  state.samples_in_epoch = 32;
+  EXPECT_EQ(examples::resumed_position(state, plan), "sample 32 of 64");
+  state.samples_in_epoch = 96;
+  EXPECT_EQ(examples::resumed_position(state, plan), "sample 96, past the 64 of this run's epoch, which so ends there");
+}
+
 TEST(TrainerSummary, AWarmupPastTheRunIsSaidWithWhereTheRateEnds) {
   Config config;
   config.epochs = 2;

@@ -41,6 +41,22 @@ std::string known_dtypes() {
   return names;
 }
 
+// What a file that is not safetensors appears to be, from its first bytes
+// ("" when nothing known): a PyTorch archive is the usual mistake, since
+// torch.save's .pt and safetensors' files often lie side by side.
+std::string other_format(const char* bytes, uint64_t size) {
+  if (size >= 4 && std::string(bytes, 4) == std::string("PK\x03\x04", 4)) {
+    return " It begins as a zip archive, which is what torch.save and torch::save write (a .pt file), not "
+           "safetensors: give the .safetensors file, or convert it in Python with "
+           "safetensors.torch.save_file(torch.load(FILE), OUT).";
+  }
+  if (size >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80 && bytes[1] >= 2 && bytes[1] <= 5) {
+    return " It begins as a Python pickle, which is what torch.save wrote before PyTorch 1.6, not safetensors: "
+           "convert it in Python with safetensors.torch.save_file(torch.load(FILE), OUT).";
+  }
+  return "";
+}
+
 uint64_t read_length(const char* bytes) {
   uint64_t length = 0;
   for (int i = 7; i >= 0; --i) {
@@ -186,9 +202,10 @@ SafetensorsHeader parse_safetensors(const char* bytes, uint64_t size, const std:
               " header's length). The file is truncated or is not safetensors.");
   const uint64_t length = read_length(bytes);
   TORCH_CHECK(length <= kMaxSafetensorsHeader, file, ": the header's length is ", length,
-              " bytes, more than safetensors allows (", kMaxSafetensorsHeader, "). The file is not safetensors.");
+              " bytes, more than safetensors allows (", kMaxSafetensorsHeader, "). The file is not safetensors.",
+              other_format(bytes, size));
   TORCH_CHECK(length <= size - 8, file, ": the header's length is ", length, " bytes, past the end of the file (",
-              size, " bytes). The file is truncated or is not safetensors.");
+              size, " bytes). The file is truncated or is not safetensors.", other_format(bytes, size));
   SafetensorsHeader header;
   header.data_start = 8 + length;
   const Json json = parse_json(std::string(bytes + 8, length), file);
