@@ -9,9 +9,15 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <optional>
+#include <set>
+#include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace lockstep {
 namespace examples {
@@ -42,7 +48,8 @@ inline std::string resume_differences(const TrainingState& there, const BatchPla
 }
 
 // The settings a checkpoint keeps to say when a resume changes them
-// (TrainingState::settings).
+// (TrainingState::settings): "--flag value" pairs. --optimizer is not among
+// them: another one is refused (read_whole_checkpoint).
 inline std::string run_settings(const Config& config) {
   std::string settings = "--precision " + config.precision;
   if (config.precision == "fp16") {
@@ -57,20 +64,67 @@ inline std::string run_settings(const Config& config) {
   } else if (config.comm_hook != "none") {
     settings += " --comm-hook " + config.comm_hook;
   }
+  const auto number = [](double value) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%g", value);
+    return std::string(text);
+  };
+  settings += " --lr " + number(config.lr);
+  if (config.optimizer == "sgd") {
+    settings += " --momentum " + number(config.momentum);
+  }
+  settings += " --schedule " + config.schedule + " --warmup-steps " + std::to_string(config.warmup_steps);
+  if (config.schedule == "step") {
+    settings += " --gamma " + number(config.gamma) + " --step-epochs " + std::to_string(config.step_epochs);
+  }
   return settings;
 }
 
-// `settings` (run_settings) without the flags that an older checkpoint's
-// `recorded` settings do not hold: they were not recorded, not changed.
-inline std::string settings_as_recorded(std::string settings, const std::string& recorded) {
-  for (const std::string flag : {"--loss-scale-growth-interval", "--powersgd-start"}) {
-    const size_t at = settings.find(" " + flag + " ");
-    if (at != std::string::npos && recorded.find(" " + flag + " ") == std::string::npos) {
-      const size_t value_end = settings.find(' ', at + flag.size() + 2);
-      settings.erase(at, value_end == std::string::npos ? std::string::npos : value_end - at);
+// run_settings' "--flag value" pairs, in order.
+inline std::vector<std::pair<std::string, std::string>> settings_pairs(const std::string& settings) {
+  std::vector<std::pair<std::string, std::string>> pairs;
+  std::istringstream words(settings);
+  for (std::string flag, value; words >> flag >> value;) {
+    pairs.emplace_back(flag, value);
+  }
+  return pairs;
+}
+
+// What a resume changes of the `recorded` settings (run_settings) with this
+// run's, `now`, in words: the changed flags on each side, "no --flag" where
+// a side lacks one; "" when nothing changed. A flag that older checkpoints
+// did not record is no change when `recorded` lacks it.
+inline std::string settings_changes(const std::string& recorded, const std::string& now) {
+  static const std::set<std::string> kRecordedLater = {"--loss-scale-growth-interval", "--powersgd-start", "--lr",
+                                                        "--momentum", "--schedule", "--warmup-steps", "--gamma",
+                                                        "--step-epochs"};
+  const auto there = settings_pairs(recorded), here = settings_pairs(now);
+  const auto value_in = [](const std::vector<std::pair<std::string, std::string>>& pairs, const std::string& flag) {
+    for (const auto& [f, v] : pairs) {
+      if (f == flag) {
+        return std::optional<std::string>(v);
+      }
+    }
+    return std::optional<std::string>();
+  };
+  std::vector<std::string> flags; // every flag of either side, in the order of `now`, then of `recorded`
+  for (const auto& pairs : {here, there}) {
+    for (const auto& pair : pairs) {
+      if (std::find(flags.begin(), flags.end(), pair.first) == flags.end()) {
+        flags.push_back(pair.first);
+      }
     }
   }
-  return settings;
+  std::string was, is;
+  for (const auto& flag : flags) {
+    const auto old_value = value_in(there, flag), new_value = value_in(here, flag);
+    if (old_value == new_value || (!old_value && kRecordedLater.count(flag) != 0)) {
+      continue;
+    }
+    was += (was.empty() ? "" : " ") + (old_value ? flag + " " + *old_value : "no " + flag);
+    is += (is.empty() ? "" : " ") + (new_value ? flag + " " + *new_value : "no " + flag);
+  }
+  return was.empty() ? "" : "; written with " + was + ", and this run goes on with " + is;
 }
 
 // `state` as this run writes it into its checkpoints.
@@ -126,9 +180,8 @@ inline TrainingState resume(
                   config.checkpoint_path.c_str(), static_cast<long long>(state.step),
                   static_cast<long long>(state.epoch + 1), resumed_position(state, plan).c_str());
     std::string said = line + resume_differences(state, plan, data);
-    const std::string settings = settings_as_recorded(run_settings(config), state.settings);
-    if (!state.settings.empty() && state.settings != settings) {
-      said += "; written with " + state.settings + ", and this run goes on with " + settings;
+    if (!state.settings.empty()) {
+      said += settings_changes(state.settings, run_settings(config));
     }
     said += "\n";
     if (report_later != nullptr) {

@@ -152,7 +152,7 @@ TEST(TrainerCommandLine, ARunWhoseLossDivergesFinishesAndSaysWhen) {
 }
 
 // A resumed run's summary counted the steps of the run it resumed, and a
-// change of --precision went unsaid.
+// change of --precision, --lr or --warmup-steps went unsaid.
 TEST(TrainerCommandLine, AResumedRunCountsItsOwnStepsAndSaysWhatChanged) {
   const std::string checkpoint = temp("counted.ckpt");
   auto first = train(tiny("counted"), {"--checkpoint", checkpoint}, "counted");
@@ -161,8 +161,15 @@ TEST(TrainerCommandLine, AResumedRunCountsItsOwnStepsAndSaysWhatChanged) {
                       "counted2");
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("2 epoch(s), 2 steps (4 in all) in"), std::string::npos) << second.output;
-  EXPECT_NE(second.output.find("; written with --precision fp32, and this run goes on with --precision bf16"),
+  EXPECT_NE(second.output.find("; written with --precision fp32, and this run goes on with --precision bf16\n"),
             std::string::npos) << second.output;
+  // Another --lr or --warmup-steps went unsaid.
+  auto third = train(with_flag(tiny("counted3"), "--epochs", "3"),
+                     {"--checkpoint", checkpoint, "--precision", "bf16", "--lr", "0.05", "--warmup-steps", "1"},
+                     "counted3");
+  ASSERT_EQ(third.exit_code, 0) << third.output;
+  EXPECT_NE(third.output.find("; written with --lr 0.1 --warmup-steps 100, and this run goes on with --lr 0.05 "
+                              "--warmup-steps 1\n"), std::string::npos) << third.output;
 }
 
 // A place nothing can be written to that access() passes (a pseudo file

@@ -113,8 +113,8 @@ TEST(TrainerPrecision, Fp16ResumesItsScaleFromTheCheckpoint) {
   args = with_flag(with_flag(args, "--loss-scale-growth-interval", "1"), "--epochs", "3");
   auto changed = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "fp16_interval", {kOneThread});
   ASSERT_EQ(changed.exit_code, 0) << changed.output;
-  EXPECT_NE(changed.output.find("written with --precision fp16 --loss-scale-growth-interval 3, and this run goes on "
-                                "with --precision fp16 --loss-scale-growth-interval 1"), std::string::npos)
+  EXPECT_NE(changed.output.find("; written with --loss-scale-growth-interval 3, and this run goes on with "
+                                "--loss-scale-growth-interval 1\n"), std::string::npos)
       << changed.output;
   const auto scales = loss_scales(temp("fp16_interval_out"));
   bool quadrupled = false;

@@ -59,15 +59,27 @@ TEST(TrainerSummary, PowerSGDsLineSaysWhyNothingWasCompressed) {
 }
 
 // A checkpoint written before a setting was recorded said, on every
-// resume, that it had changed.
-TEST(TrainerSummary, ASettingAnOlderCheckpointDidNotRecordIsNoChange) {
+// resume, that it had changed; a changed --lr or --warmup-steps was not said.
+TEST(TrainerSummary, AResumeSaysTheSettingsItChangesAndNoOthers) {
   const std::string now = "--precision fp16 --loss-scale-growth-interval 2000 --comm-hook powersgd --powersgd-rank 4 "
-                          "--powersgd-start 10";
-  EXPECT_EQ(examples::settings_as_recorded(now, "--precision fp16 --comm-hook powersgd --powersgd-rank 4"),
-            "--precision fp16 --comm-hook powersgd --powersgd-rank 4");
-  EXPECT_EQ(examples::settings_as_recorded(now, now), now);
-  EXPECT_EQ(examples::settings_as_recorded("--precision fp32 --sharding full", "--precision fp32"),
-            "--precision fp32 --sharding full") << "a flag the older format did record";
+                          "--powersgd-start 10 --lr 0.1 --momentum 0.9 --schedule cosine --warmup-steps 100";
+  EXPECT_EQ(examples::settings_changes("--precision fp16 --comm-hook powersgd --powersgd-rank 4", now), "")
+      << "flags an older checkpoint did not record";
+  EXPECT_EQ(examples::settings_changes(now, now), "");
+  EXPECT_EQ(examples::settings_changes("--precision fp32", "--precision fp32 --sharding full"),
+            "; written with no --sharding, and this run goes on with --sharding full")
+      << "a flag the older format did record";
+  EXPECT_EQ(examples::settings_changes("--precision fp32 --lr 0.1 --schedule step --warmup-steps 100 --gamma 0.5 "
+                                       "--step-epochs 1",
+                                       "--precision bf16 --lr 0.05 --schedule step --warmup-steps 10 --gamma 0.5 "
+                                       "--step-epochs 1"),
+            "; written with --precision fp32 --lr 0.1 --warmup-steps 100, and this run goes on with --precision bf16 "
+            "--lr 0.05 --warmup-steps 10");
+  Config config;
+  config.optimizer = "sgd";
+  config.lr = 0.05;
+  EXPECT_EQ(examples::run_settings(config), "--precision fp32 --lr 0.05 --momentum 0.9 --schedule cosine "
+                                            "--warmup-steps 100");
 }
 
 // A GPT whose attention did not fit ended on the allocator's line, naming
