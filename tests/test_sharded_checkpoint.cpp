@@ -51,6 +51,43 @@ void save(ProcessGroup& group, const std::string& dir) {
   save_sharded(model, adam, dir);
 }
 
+// Ranks saving into folders that differ (disks of each node's own) were
+// told the save succeeded; rank 0 now warns, naming a file it cannot see
+// (Note [A save into folders that differ]).
+TEST(ShardedCheckpoint, ASaveIntoFoldersThatDifferIsSaidOnRankZero) {
+  const auto dir = checkpoint_dir("local");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    struct : detail::WarningTextHandler {
+      void on_warning(const std::string& text) override {
+        texts += text;
+      }
+      std::string texts;
+    } warnings;
+    {
+      detail::WarningsTo to(warnings);
+      save(group, dir + "_rank" + std::to_string(group.rank()));
+    }
+    if (group.rank() == 0) {
+      const std::string said = "rank 0 does not see 1 of the 2 files the ranks wrote (the first: " +
+                               detail::dcp_file_name(1, 0, 1) + "), so the ranks' folders differ";
+      EXPECT_NE(warnings.texts.find(said), std::string::npos) << warnings.texts;
+    } else {
+      EXPECT_EQ(warnings.texts, "");
+    }
+  });
+  testing::spawn(2, [&](ProcessGroup& group) {
+    struct : detail::WarningTextHandler {
+      void on_warning(const std::string& text) override {
+        texts += text;
+      }
+      std::string texts;
+    } warnings;
+    detail::WarningsTo to(warnings);
+    save(group, dir);
+    EXPECT_EQ(warnings.texts, "") << "one folder that every rank shares";
+  });
+}
+
 TEST(ShardedCheckpoint, ALayerOfAnotherShapeIsAnErrorNamingTheParameter) {
   const auto dir = checkpoint_dir("reshaped");
   testing::spawn(2, [&](ProcessGroup& group) {

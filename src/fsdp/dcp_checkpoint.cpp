@@ -17,6 +17,8 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <system_error>
 
 namespace lockstep {
 namespace detail {
@@ -52,6 +54,34 @@ std::vector<BoxSource> ShardedCore::State::shard_boxes() const {
   }
   return boxes;
 }
+
+namespace {
+
+// Note [A save into folders that differ]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Ranks on several nodes that save to a path on each node's own disk write
+// a checkpoint that no load can read as it stands: rank 0's record lists
+// every rank's files, and each folder holds its own rank's alone. Saving to
+// local disks and gathering the files afterwards is a deliberate workflow
+// (a fast local disk, then a copy to shared storage), so rank 0 warns,
+// naming what it cannot see, rather than failing the save.
+void warn_of_unseen_files(const std::string& dir, const std::vector<std::string>& files, const std::string& who) {
+  std::vector<std::string> unseen;
+  for (const auto& file : files) {
+    std::error_code error;
+    if (!std::filesystem::exists(std::filesystem::path(dir) / file, error)) {
+      unseen.push_back(file);
+    }
+  }
+  if (!unseen.empty()) {
+    TORCH_WARN(who, ": rank 0 does not see ", unseen.size(), " of the ", files.size(), " files the ranks wrote (the "
+               "first: ", unseen.front(), "), so the ranks' folders differ, as on disks of each node's own. "
+               "load_sharded reads every file from one folder: copy each rank's files into ", dir, " before loading, "
+               "or save to storage that every node shares.");
+  }
+}
+
+} // namespace
 
 int64_t ShardedCore::save_sharded(torch::optim::Optimizer* optimizer, const std::string& dir) const {
   auto& s = *state_;
@@ -97,6 +127,7 @@ int64_t ShardedCore::save_sharded(torch::optim::Optimizer* optimizer, const std:
         all.push_back(dcp_file_name(r, k, n));
       }
     }
+    warn_of_unseen_files(dir, all, who);
     write_dcp_save_record(dir, std::to_string(id), all, more, who);
   });
   return id;
