@@ -26,14 +26,25 @@ namespace common {
 constexpr int kUsageError = 2;
 
 namespace detail {
+/// `text` as a finite number, whole text and in range of long double; false
+/// (and `value` unset) otherwise.
+inline bool parse_finite(const std::string& text, long double& value) {
+  char* end = nullptr;
+  errno = 0;
+  const long double parsed = std::strtold(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE || !std::isfinite(parsed)) {
+    return false;
+  }
+  value = parsed;
+  return true;
+}
+
 inline CLI::Validator number_check(bool allow_zero) {
   const std::string bound = allow_zero ? "0 or more" : "greater than 0";
   return CLI::Validator(
       [allow_zero, bound](std::string& text) -> std::string {
-        char* end = nullptr;
-        errno = 0;
-        const long double value = std::strtold(text.c_str(), &end);
-        if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE || !std::isfinite(value)) {
+        long double value = 0;
+        if (!parse_finite(text, value)) {
           return "expected a number " + bound + ", got '" + text + "'";
         }
         if (value < 0 || (!allow_zero && value == 0)) {
@@ -76,10 +87,8 @@ inline CLI::Validator number_in(double min, double max) {
   const std::string range = bounds.str();
   return CLI::Validator(
       [min, max, range](std::string& text) -> std::string {
-        char* end = nullptr;
-        errno = 0;
-        const double value = std::strtod(text.c_str(), &end);
-        const bool number = !text.empty() && end == text.c_str() + text.size() && errno != ERANGE;
+        long double value = 0;
+        const bool number = detail::parse_finite(text, value);
         return number && value >= min && value <= max ? std::string()
                                                        : "must be a number from " + range + ", got " + text;
       },

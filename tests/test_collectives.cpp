@@ -6,6 +6,7 @@
 
 #include "support/collective_contract.h"
 #include "support/errors.h"
+#include "support/scoped_env.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -165,33 +166,17 @@ TEST(ProcessGroupContract, ACpuTensorOnAGpuOnlyBackendIsRefusedSayingWhy) {
   });
 }
 
-// Sets an environment variable while alive; made before the ranks' threads.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-};
-
 // How long a wait on a Gloo collective polls (Note [Polling before a wait])
 // is read before any rank connects: a value that is no number of
 // microseconds fails every rank at once, naming the variable.
 TEST(ProcessGroupContract, AGlooPollTimeThatIsNotMicrosecondsIsRefusedNamingTheVariable) {
   for (const char* bad : {"2ms", "-1", "5000000"}) {
-    ScopedEnv spin("LOCKSTEP_GLOO_SPIN_US", bad);
+    testing::ScopedEnv spin("LOCKSTEP_GLOO_SPIN_US", bad);
     const std::string message = testing::message_of([] { testing::spawn(2, [](ProcessGroup&) {}); });
     EXPECT_NE(message.find(std::string("LOCKSTEP_GLOO_SPIN_US=") + bad + " is not a whole number of microseconds "
                            "from 0 to 1000000"), std::string::npos) << message;
   }
-  ScopedEnv none("LOCKSTEP_GLOO_SPIN_US", "0"); // sleeps at once, and still sums
+  testing::ScopedEnv none("LOCKSTEP_GLOO_SPIN_US", "0"); // sleeps at once, and still sums
   testing::spawn(2, [](ProcessGroup& group) {
     auto t = torch::full({3}, double(group.rank() + 1));
     group.allreduce(t);
@@ -204,7 +189,7 @@ TEST(ProcessGroupContract, AGlooPollTimeThatIsNotMicrosecondsIsRefusedNamingTheV
 // the collective's number and shape (Note [LOCKSTEP_DEBUG=detail]), and a
 // mismatch still names both on every rank, with nothing sent.
 TEST(ProcessGroupContract, DebugDetailChecksEachCollectiveInOneExchange) {
-  ScopedEnv detail("LOCKSTEP_DEBUG", "detail");
+  testing::ScopedEnv detail("LOCKSTEP_DEBUG", "detail");
   std::mutex mutex;
   std::vector<std::string> errors(2);
   testing::spawn(

@@ -4,6 +4,7 @@
 #include <common/process_files.h>
 #include <tools/run_options.h>
 
+#include "support/scoped_env.h"
 #include "support/scratch.h"
 
 #include <gtest/gtest.h>
@@ -181,26 +182,28 @@ TEST(RunOptions, TorchrunsPetVariablesFillWhatTheCommandLineLeaves) {
 // A bad PET_ value was refused under the flag's name, which the command
 // line did not hold.
 TEST(RunOptions, ARefusedPetVariableIsNamed) {
-  ::setenv("PET_MAX_RESTARTS", "x", 1);
-  ::setenv("PET_NPROC_PER_NODE", "zz", 1);
-  const std::string restarts = refusal({});
-  const std::string given = refusal({"--max-restarts", "y"});
-  ::unsetenv("PET_MAX_RESTARTS");
-  const std::string nproc = refusal({});
-  ::unsetenv("PET_NPROC_PER_NODE");
+  std::string restarts, given, nproc;
+  {
+    testing::ScopedEnv nproc_env("PET_NPROC_PER_NODE", "zz");
+    {
+      testing::ScopedEnv restarts_env("PET_MAX_RESTARTS", "x");
+      restarts = refusal({});
+      given = refusal({"--max-restarts", "y"});
+    }
+    nproc = refusal({});
+  }
   EXPECT_EQ(restarts.rfind("--max-restarts (from PET_MAX_RESTARTS): ", 0), 0u) << restarts;
   EXPECT_EQ(given.rfind("--max-restarts: ", 0), 0u) << given;
   EXPECT_EQ(nproc.rfind("--nproc-per-node (from PET_NPROC_PER_NODE) zz: expected a number of ranks", 0), 0u) << nproc;
   // PROGRAM's own arguments are not lockstep-run's; refusals after parsing
   // (the GPUs, the filter) name the variable too.
-  ::setenv("PET_LOCAL_RANKS_FILTER", "5", 1);
+  testing::ScopedEnv filter("PET_LOCAL_RANKS_FILTER", "5");
   const char* argv[] = {"lockstep-run", "--nproc-per-node", "2", "python3", "t.py", "--local_ranks_filter", "0"};
   auto options = tools::parse_run_options(7, argv);
   std::string filtered;
   tools::check_local_ranks_filter(options, [&](const std::string& message) {
     filtered = tools::name_pet_source(message, 7, argv);
   });
-  ::unsetenv("PET_LOCAL_RANKS_FILTER");
   EXPECT_EQ(filtered.rfind("--local-ranks-filter (from PET_LOCAL_RANKS_FILTER) 5 names no rank of this node", 0), 0u)
       << filtered;
 }

@@ -8,6 +8,7 @@
 #include "comm/backends/shared_memory_collectives.h"
 #include "comm/backends/shared_memory_segments.h"
 #include "support/errors.h"
+#include "support/scoped_env.h"
 #include "support/threads.h"
 
 #include <gtest/gtest.h>
@@ -103,12 +104,13 @@ TEST(SharedMemoryCollectives, ConnectsOnEveryRankOrOnNone) {
     connected[rank] = transport != nullptr;
   });
   EXPECT_EQ(connected, std::vector<bool>(3, true));
-  ::setenv("LOCKSTEP_GLOO_SHM", "0", 1);
-  on_transports(3, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
-    std::lock_guard<std::mutex> lock(mutex);
-    connected[rank] = transport != nullptr;
-  });
-  ::unsetenv("LOCKSTEP_GLOO_SHM");
+  {
+    testing::ScopedEnv off("LOCKSTEP_GLOO_SHM", "0");
+    on_transports(3, std::chrono::seconds(10), [&](int rank, SharedMemoryCollectives* transport) {
+      std::lock_guard<std::mutex> lock(mutex);
+      connected[rank] = transport != nullptr;
+    });
+  }
   EXPECT_EQ(connected, std::vector<bool>(3, false));
 }
 
@@ -458,9 +460,7 @@ TEST(SharedMemoryCollectives, AnAllreduceOfASharedBufferMeetingOneOfOtherMemoryF
 // order divided by the group's size, the bits of a Sum then Tensor::div_;
 // the group asks the backend to average those types only.
 TEST(SharedMemoryCollectives, AnAverageIsTheSumDividedOnceWhereverItLies) {
-  const char* set = std::getenv("LOCKSTEP_GLOO_SHM");
-  const std::string before = set != nullptr ? set : "";
-  setenv("LOCKSTEP_GLOO_SHM", "1", 1);
+  testing::ScopedEnv shm_on("LOCKSTEP_GLOO_SHM", "1");
   // Values of every size, and, scaled by `tiny`, sums whose averages are
   // subnormal, where a group of two multiplies by 1/2 instead of dividing.
   for (int size : {2, 3}) {
@@ -490,7 +490,7 @@ TEST(SharedMemoryCollectives, AnAverageIsTheSumDividedOnceWhereverItLies) {
   EXPECT_FALSE(SharedMemoryCollectives::fits(torch::ones({4}, torch::kHalf), ReduceOp::Avg));
   EXPECT_FALSE(SharedMemoryCollectives::fits(torch::ones({4}, torch::kLong), ReduceOp::Avg));
   for (const char* shm : {"1", "0"}) {
-    setenv("LOCKSTEP_GLOO_SHM", shm, 1);
+    testing::ScopedEnv env("LOCKSTEP_GLOO_SHM", shm);
     testing::spawn(2, [&](ProcessGroup& group) {
       EXPECT_EQ(group.averages_in_backend(torch::kFloat), *shm == '1') << "LOCKSTEP_GLOO_SHM=" << shm;
       EXPECT_FALSE(group.averages_in_backend(torch::kBFloat16));
@@ -498,11 +498,6 @@ TEST(SharedMemoryCollectives, AnAverageIsTheSumDividedOnceWhereverItLies) {
       group.allreduce(t, ReduceOp::Avg);
       EXPECT_TRUE(t.eq(1.0f).all().item<bool>()) << t;
     });
-  }
-  if (set != nullptr) {
-    setenv("LOCKSTEP_GLOO_SHM", before.c_str(), 1);
-  } else {
-    unsetenv("LOCKSTEP_GLOO_SHM");
   }
 }
 
