@@ -9,6 +9,7 @@
 #include "../src/util/torch_compat.h"
 #include "support/errors.h"
 #include "support/scratch.h"
+#include "support/warnings.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -202,19 +203,11 @@ TEST(Safetensors, NamesWithPythonWrappersPrefixAreNamedAsSuch) {
   write_safetensors(tensors, path);
   EXPECT_ERROR_SAYS(load_safetensors(model, path), "Unexpected key(s) in state_dict: \"module.0.bias\"",
                     "carry the prefix \"module.\" of a Python DistributedDataParallel's");
-  struct : detail::WarningTextHandler {
-    std::string texts;
-    void on_warning(const std::string& text) override {
-      texts += text;
-    }
-  } warnings;
-  {
-    detail::WarningsTo to(warnings);
-    load_safetensors(model, path, SafetensorsLoadOptions().strict(false));
-  }
+  const std::string warned =
+      testing::warning_text_of([&] { load_safetensors(model, path, SafetensorsLoadOptions().strict(false)); });
   for (const char* says : {"holds none of the module's 9 names, so nothing was loaded",
                            "the file's first is \"module.0.bias\"", "carry the prefix \"module.\""}) {
-    EXPECT_NE(warnings.texts.find(says), std::string::npos) << warnings.texts;
+    EXPECT_NE(warned.find(says), std::string::npos) << warned;
   }
 }
 

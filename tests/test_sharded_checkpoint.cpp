@@ -15,6 +15,7 @@
 #include "support/modules.h"
 #include "support/scratch.h"
 #include "support/threads.h"
+#include "support/warnings.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -57,34 +58,18 @@ void save(ProcessGroup& group, const std::string& dir) {
 TEST(ShardedCheckpoint, ASaveIntoFoldersThatDifferIsSaidOnRankZero) {
   const auto dir = checkpoint_dir("local");
   testing::spawn(2, [&](ProcessGroup& group) {
-    struct : detail::WarningTextHandler {
-      void on_warning(const std::string& text) override {
-        texts += text;
-      }
-      std::string texts;
-    } warnings;
-    {
-      detail::WarningsTo to(warnings);
-      save(group, dir + "_rank" + std::to_string(group.rank()));
-    }
+    const std::string warned =
+        testing::warning_text_of([&] { save(group, dir + "_rank" + std::to_string(group.rank())); });
     if (group.rank() == 0) {
       const std::string said = "rank 0 does not see 1 of the 2 files the ranks wrote (the first: " +
                                detail::dcp_file_name(1, 0, 1) + "), so the ranks' folders differ";
-      EXPECT_NE(warnings.texts.find(said), std::string::npos) << warnings.texts;
+      EXPECT_NE(warned.find(said), std::string::npos) << warned;
     } else {
-      EXPECT_EQ(warnings.texts, "");
+      EXPECT_EQ(warned, "");
     }
   });
   testing::spawn(2, [&](ProcessGroup& group) {
-    struct : detail::WarningTextHandler {
-      void on_warning(const std::string& text) override {
-        texts += text;
-      }
-      std::string texts;
-    } warnings;
-    detail::WarningsTo to(warnings);
-    save(group, dir);
-    EXPECT_EQ(warnings.texts, "") << "one folder that every rank shares";
+    EXPECT_EQ(testing::warning_text_of([&] { save(group, dir); }), "") << "one folder that every rank shares";
   });
 }
 
