@@ -448,7 +448,15 @@ inline Setup sharded_setup(const lockstep::ProcessGroup& group, TrainerNet& net,
   // load_sharded (collective) for a rank that found no checkpoint.
   check_ranks_resumed_alike(group, config, setup.state, *net, optimizer);
   if (shards.step >= 0) {
-    model->load_sharded(optimizer, shards_dir(config.checkpoint_path, shards.step), shards.save_id);
+    try {
+      model->load_sharded(optimizer, shards_dir(config.checkpoint_path, shards.step), shards.save_id);
+    } catch (const c10::Error& e) { // every rank fails alike: the hint adds no collective
+      const std::string said = e.what_without_backtrace();
+      TORCH_CHECK(said.find("size mismatch for wpe:") == std::string::npos, said, "\nlockstep-train: 'wpe', the GPT's "
+                  "position table, has a row per token of --context: give the --context the checkpoint was written "
+                  "with.");
+      throw;
+    }
     std::fputs(resumed.c_str(), stderr);
   }
   setup.forward = [model](const torch::Tensor& x) mutable { return model(x); };

@@ -115,6 +115,23 @@ TEST(TrainerGpt, DeterministicModeGivesTheSameBitsAtOneAndTwoRanks) {
   EXPECT_EQ(hashes[0], hashes[1]);
 }
 
+// A sharded checkpoint of another --context failed on 'wpe''s shape without
+// naming the flag (a whole one: GptModel.WeightsOfAnotherContextNameTheFlag).
+TEST(TrainerGpt, AShardedResumeWithAnotherContextNamesTheFlag) {
+  const std::string checkpoint = temp("gpt_context.ckpt");
+  auto args = testing::jobs::sharded(gpt("gpt_context", "64", "1"), "full");
+  args.insert(args.end(), {"--checkpoint", checkpoint});
+  const auto first = launch({"--nproc-per-node", "2", "--master-port", port()}, args, "gpt_context");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto longer = launch({"--nproc-per-node", "2", "--master-port", port()},
+                             with_flag(with_flag(args, "--context", "48"), "--epochs", "2"), "gpt_context48");
+  EXPECT_NE(longer.exit_code, 0);
+  EXPECT_NE(longer.output.find("size mismatch for wpe: the checkpoint's is [32, 128], the model's [48, 128]."),
+            std::string::npos) << longer.output;
+  EXPECT_NE(longer.output.find("'wpe', the GPT's position table, has a row per token of --context: give the --context "
+                               "the checkpoint was written with."), std::string::npos) << longer.output;
+}
+
 TEST(TrainerGpt, TrainsOnDebiansFortunesByDefault) {
   const auto p = testing::run({LOCKSTEP_TRAIN, "--model", "gpt", "--train-samples", "32", "--test-samples", "16",
                                "--batch-size", "16", "--epochs", "1", "--replicas", "1", "--out", temp("fortunes_out")},

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <set>
 #include <sstream>
 #include <string>
@@ -45,12 +46,13 @@ std::string known_dtypes() {
 // ("" when nothing known): a PyTorch archive is the usual mistake, since
 // torch.save's .pt and safetensors' files often lie side by side.
 std::string other_format(const char* bytes, uint64_t size) {
-  if (size >= 4 && std::string(bytes, 4) == std::string("PK\x03\x04", 4)) {
+  const auto begins_with = [&](const char* magic, size_t n) { return size >= n && std::memcmp(bytes, magic, n) == 0; };
+  if (begins_with("PK\x03\x04", 4)) {
     return " It begins as a zip archive, which is what torch.save and torch::save write (a .pt file), not "
-           "safetensors: give the .safetensors file, or convert it in Python with "
+           "safetensors: give the .safetensors file, or convert a state_dict that Python's torch.save wrote with "
            "safetensors.torch.save_file(torch.load(FILE), OUT).";
   }
-  if (size >= 2 && static_cast<unsigned char>(bytes[0]) == 0x80 && bytes[1] >= 2 && bytes[1] <= 5) {
+  if (begins_with("\x80\x02\x8a\x0a", 4)) { // a pickle (protocol 2) of torch.save's magic number, a 10-byte long
     return " It begins as a Python pickle, which is what torch.save wrote before PyTorch 1.6, not safetensors: "
            "convert it in Python with safetensors.torch.save_file(torch.load(FILE), OUT).";
   }
