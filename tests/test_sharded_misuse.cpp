@@ -108,6 +108,25 @@ TEST(ShardedMisuse, ASparseEmbeddingIsRefusedNamingIt) {
   });
 }
 
+// A module with nothing to train wrapped without a word, and its first
+// forward crashed (a bucket of no flat): refused at construction, on every
+// rank, under every strategy, as DistributedDataParallel refuses it.
+TEST(ShardedMisuse, AModuleWithNothingToTrainIsRefused) {
+  testing::spawn(2, [](ProcessGroup& group) {
+    for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
+      const auto options = ShardingOptions().strategy(strategy);
+      EXPECT_ERROR_SAYS(FullyShardedDataParallel<Net>(Net(torch::nn::ReLU()), group, options),
+                        "the module has no parameter that requires a gradient");
+      Net frozen(torch::nn::Linear(4, 3));
+      for (auto& p : frozen->parameters()) {
+        p.set_requires_grad(false);
+      }
+      EXPECT_ERROR_SAYS(FullyShardedDataParallel<Net>(frozen, group, options),
+                        "the module has no parameter that requires a gradient", "run a frozen one bare");
+    }
+  });
+}
+
 // A seed of base + rank gave each rank's micro-batches other dropout masks
 // in deterministic mode, and other units or strategies failed at the first
 // collective or the timeout: every rank refuses at construction, saying
@@ -139,13 +158,11 @@ TEST(ShardedMisuse, MovingOrCastingAfterWrappingIsRefused) {
                       "Move or cast the module before wrapping it");
     EXPECT_ERROR_SAYS(model->to(torch::Device(torch::kCUDA, 0), torch::kFloat), "to(cuda:0, Float) after wrapping");
     EXPECT_EQ(model->parameters()[0].scalar_type(), torch::kFloat);
-    // With every parameter frozen (no shard at all), the buffers and frozen parameters would part ways too.
-    Net frozen(torch::nn::Linear(4, 3));
-    for (auto& p : frozen->parameters()) {
-      p.set_requires_grad(false);
-    }
-    FullyShardedDataParallel<Net> all_frozen(frozen, group);
-    EXPECT_ERROR_SAYS(all_frozen->to(torch::kDouble), "to(Double) after wrapping");
+    // With a frozen parameter beside the shards, the frozen one would part ways with them too.
+    Net partly_frozen(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
+    partly_frozen[0]->as<torch::nn::Linear>()->weight.set_requires_grad(false);
+    FullyShardedDataParallel<Net> frozen_too(partly_frozen, group);
+    EXPECT_ERROR_SAYS(frozen_too->to(torch::kDouble), "to(Double) after wrapping");
   });
 }
 

@@ -410,6 +410,10 @@ ShardedCore::ShardedCore(torch::nn::Module& owner, torch::nn::Module& module, Pr
   const auto planned = plan_parameters(module, paths, options.param_dtype() || options.reduce_dtype(), s.where());
   check_not_wrapped(planned.names, planned.params, s.where()); // Note [A module wrapped twice]
   s.model = check_same_model(s.group, planned.names, planned.params, options, s.where());
+  // After the check above, so that every rank has the same model and fails alike.
+  TORCH_CHECK(std::any_of(planned.params.begin(), planned.params.end(), [](const auto& p) { return p.requires_grad(); }),
+              s.where(), "the module has no parameter that requires a gradient, so there is nothing to shard or "
+              "reduce. Wrap a module with a trainable parameter, or run a frozen one bare.");
   detail::label_sync_batch_norms(module, s.group, s.model);
   broadcast_from_rank0(s.group, planned.params, module.buffers(/*recurse=*/true));
   s.flats = group_into_flats(planned, paths);

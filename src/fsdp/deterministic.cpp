@@ -39,7 +39,7 @@ void ShardedCore::make_deterministic(torch::nn::Module& module, const ShardingOp
   auto& s = *state_;
   const std::string where = "lockstep::FullyShardedDataParallel (deterministic, rank " +
       std::to_string(s.group.rank()) + " of " + std::to_string(s.group.size()) + "): ";
-  TORCH_CHECK(!s.flats.empty(), where, "the module has no parameter that requires a gradient.");
+  TORCH_INTERNAL_ASSERT(!s.flats.empty(), "the constructor refuses a module with no parameter to train");
   MicroBatchConfig config;
   config.micro_batches = options.micro_batches();
   config.micro_batch_size = options.micro_batch_size();
