@@ -2,6 +2,7 @@
 #include <lockstep/sync_batch_norm.h>
 
 #include "comm/collective_fingerprint.h"
+#include "comm/rank0_text.h"
 #include "deterministic/micro_batch_step.h"
 #include "ddp/reducer.h"
 #include "util/row_layout.h"
@@ -12,7 +13,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <sstream>
 #include <unordered_set>
@@ -58,29 +58,6 @@ std::string describe(const DistributedOptions& options) {
       << ", micro_batches=" << options.micro_batches() << ", micro_batch_size=" << options.micro_batch_size()
       << ", seed=" << options.seed();
   return out.str();
-}
-
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    lines.push_back(line);
-  }
-  return lines;
-}
-
-// Rank 0's `text`, on every rank: its length first, then its bytes.
-std::string rank0_text(const ProcessGroup& group, const std::string& text, torch::Device device, const std::string& what) {
-  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong).to(device);
-  group.broadcast_async({length}, 0, what)->wait();
-  auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
-  if (group.rank() == 0) {
-    std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
-  }
-  bytes = bytes.to(device);
-  group.broadcast_async({bytes}, 0, what)->wait();
-  bytes = bytes.cpu();
-  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), bytes.numel());
 }
 
 } // namespace
