@@ -6,6 +6,7 @@
 #include <lockstep/sharding_options.h>
 
 #include "comm/collective_fingerprint.h"
+#include "comm/rank0_text.h"
 #include "fsdp/flat_param.h"
 
 #include <torch/torch.h>
@@ -57,6 +58,43 @@ std::string describe(const ShardingOptions& options) {
   return out.str();
 }
 
+// Each parameter in words, a line each, as the ranks compare them.
+std::vector<std::string> describe_params(const std::vector<std::string>& names, const std::vector<torch::Tensor>& params) {
+  std::vector<std::string> lines;
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::ostringstream line;
+    line << "'" << names[i] << "' " << params[i].sizes() << " " << c10::toString(params[i].scalar_type())
+         << (params[i].requires_grad() ? "" : " (frozen)");
+    lines.push_back(line.str());
+  }
+  return lines;
+}
+
+// Called on every rank once some rank's model differs from rank 0's: each
+// compares its parameters with rank 0's words, and the ranks that differ
+// name the first difference (the others name the rank whose error does).
+[[noreturn]] void refuse_other_model(const ProcessGroup& group, const std::vector<std::string>& mine, int other,
+                                     torch::Device device, const std::string& where) {
+  std::string text;
+  for (const auto& line : mine) {
+    text += line + "\n";
+  }
+  const auto reference = split_lines(rank0_text(group, text, device, "the check that every rank has rank 0's model"));
+  for (size_t i = 0; i < std::max(mine.size(), reference.size()); ++i) {
+    if (i < mine.size() && i < reference.size() && mine[i] == reference[i]) {
+      continue;
+    }
+    const auto at = [i](const std::vector<std::string>& lines) {
+      return i < lines.size() ? lines[i] : "no more parameters (" + std::to_string(lines.size()) + " in all)";
+    };
+    TORCH_CHECK(false, where, "this rank built a different model than rank 0: rank 0 has ", at(reference),
+                " where this rank has ", at(mine), ". Every rank must construct the same module, with the same "
+                "parameters in the same order, before wrapping it.");
+  }
+  TORCH_CHECK(false, where, "rank ", other, " built a different model than rank 0 (its own error names the first "
+              "parameter that differs). Every rank must construct the same module before wrapping it.");
+}
+
 } // namespace
 
 torch::Device control_device(const ProcessGroup& group, torch::Device device) {
@@ -71,11 +109,11 @@ torch::Device control_device(const ProcessGroup& group, torch::Device device) {
 int64_t check_same_model(const ProcessGroup& group, const std::vector<std::string>& names,
                          const std::vector<torch::Tensor>& params, const ShardingOptions& options,
                          const std::string& where) {
-  std::ostringstream text;
-  for (size_t i = 0; i < names.size(); ++i) {
-    text << names[i] << params[i].sizes() << c10::toString(params[i].scalar_type()) << params[i].requires_grad() << ";";
+  std::string text;
+  for (const auto& line : describe_params(names, params)) {
+    text += line + ";";
   }
-  const auto hash = static_cast<int64_t>(std::hash<std::string>()(text.str()) >> 1);
+  const auto hash = static_cast<int64_t>(std::hash<std::string>()(text) >> 1);
   const std::string described = describe(options);
   const auto options_hash = static_cast<int64_t>(std::hash<std::string>()(described) >> 1);
   int64_t devices = 0;
@@ -90,10 +128,9 @@ int64_t check_same_model(const ProcessGroup& group, const std::vector<std::strin
   for (int r = 1; r < group.size(); ++r) {
     const auto* theirs = all[r].data_ptr<int64_t>();
     const auto* first = all[0].data_ptr<int64_t>();
-    TORCH_CHECK(theirs[0] == first[0] && theirs[1] == first[1], where, "rank ", r,
-                " built a different model than rank 0 (", theirs[0], " against ", first[0],
-                " parameters, or different names, shapes, dtypes or requires_grad). Every rank must construct the "
-                "same module before wrapping it.");
+    if (theirs[0] != first[0] || theirs[1] != first[1]) {
+      refuse_other_model(group, describe_params(names, params), r, device, where); // every rank sees r
+    }
   }
   for (int r = 1; r < group.size(); ++r) {
     TORCH_CHECK(all[r].data_ptr<int64_t>()[4] == all[0].data_ptr<int64_t>()[4], where, "rank ", r, "'s "

@@ -330,12 +330,20 @@ inline void check_state_loads_onto_gpu(ProcessGroup& group, OddNet initial, cons
   check_full_params_on_gpu(model, train_reference(initial, 3, 12), check, "loaded onto the GPU, then 2 steps there");
 }
 
-/// Rank 1 builds a wider model than rank 0: an error on every rank.
+/// Rank 1 builds a wider model than rank 0: an error on every rank, and
+/// rank 1's names the first parameter that differs (it said only "4 against
+/// 4 parameters, or different names, shapes, ...").
 inline void check_model_mismatch(ProcessGroup& group, const Check& check) {
   OddNet net(group.rank() == 1 ? 14 : 13);
-  check_says(check, message_of([&] { FullyShardedDataParallel<OddNet> model(net, group); }),
-             {"rank 1 built a different model than rank 0", "Every rank must construct the same module"},
-             "a different model on rank 1");
+  const std::string said = message_of([&] { FullyShardedDataParallel<OddNet> model(net, group); });
+  if (group.rank() == 1) {
+    check_says(check, said, {"this rank built a different model than rank 0: rank 0 has 'fc1.weight' [13, 7] Float "
+                             "where this rank has 'fc1.weight' [14, 7] Float.",
+                             "Every rank must construct the same module"}, "a different model on rank 1");
+  } else {
+    check_says(check, said, {"rank 1 built a different model than rank 0 (its own error names the first parameter",
+                             "Every rank must construct the same module"}, "a different model on rank 1");
+  }
 }
 
 } // namespace testing
