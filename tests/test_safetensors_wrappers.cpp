@@ -137,6 +137,20 @@ TEST(SafetensorsWrappers, FullyShardedSavesTheWholeModelAndLoadsAtAnotherWorldSi
   }
 }
 
+// Rank 0 writes the whole model alone: a path of each rank's own (the
+// rank in its name) got rank 0's file and no other, without a word.
+TEST(SafetensorsWrappers, FullyShardedRefusesAPathThatDiffersBetweenRanks) {
+  const auto base = testing::scratch("fsdp_per_rank");
+  testing::spawn(2, [&](ProcessGroup& group) {
+    FullyShardedDataParallel<torch::nn::Sequential> model(bn_net(), group);
+    const auto mine = base + std::to_string(group.rank()) + ".safetensors";
+    const auto rank0 = "rank 0 saves to " + base + "0.safetensors, and this rank to another path";
+    EXPECT_ERROR_SAYS(save_safetensors(model, mine), group.rank() == 1 ? rank0.c_str() : "rank 1",
+                      group.rank() == 1 ? "give every rank the same path" : "save_safetensors");
+  });
+  EXPECT_FALSE(std::filesystem::exists(base + "0.safetensors")) << "refused before anything is written";
+}
+
 TEST(SafetensorsWrappers, FullyShardedLoadFailingOnOneRankFailsOnEveryRankAndLoadsNothing) {
   auto bare = trained_bn_net(6);
   const auto path = testing::scratch("one_rank.safetensors");

@@ -3,6 +3,7 @@
 // index and its files) under the bare module's names, written by rank 0 and
 // read by every rank for its own shards.
 
+#include "comm/rank0_text.h"
 #include "fsdp/checkpoint_common.h"
 #include "fsdp/state.h"
 #include "io/safetensors_file.h"
@@ -147,7 +148,15 @@ void ShardedCore::save_safetensors(const std::string& path, const SafetensorsSav
       sources[sequence[k]].bytes();
     }
   };
-  on_every_rank(group_, control_device_of(group_, flats()), "save_safetensors(" + path + ")", [&] {
+  const auto device = control_device_of(group_, flats());
+  // Rank 0 writes the file alone: another rank's path would be dropped without a word.
+  const std::string rank0_path = rank0_text(group_, path, device, "the check that every rank saves to one path");
+  on_every_rank(group_, device, "save_safetensors(" + path + ")", [&] {
+    TORCH_CHECK(rank0_path == path, who, ": rank 0 saves to ", rank0_path, ", and this rank to another path. Rank 0 "
+                "gathers the whole model and writes it alone, so this rank's path would get no file: give every rank "
+                "the same path, and copy rank 0's file where else it is needed.");
+  }, "is on that rank");
+  on_every_rank(group_, device, "save_safetensors(" + path + ")", [&] {
     if (group_.rank() != 0) {
       take_part_from(0);
       return;
