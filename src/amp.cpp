@@ -131,6 +131,12 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::ScalarType dtype,
   TORCH_CHECK(!enabled || device_type != c10::DeviceType::CPU || dtype != c10::kHalf || detail::kCpuAutocastTakesHalf,
               "lockstep::AutocastGuard: CPU autocast to float16 needs PyTorch 2.4 or later, and this LibTorch is ",
               TORCH_VERSION, "; pass torch::kBFloat16 for the CPU");
+  // As Python's torch.autocast("cuda") without CUDA: said, and off. CPU tensors would run in their own dtypes.
+  if (enabled && device_type == c10::DeviceType::CUDA && !torch::cuda::is_available()) {
+    TORCH_WARN_ONCE("lockstep::AutocastGuard: autocast for CUDA, but this machine has no CUDA device, so the guard is "
+                    "off and CPU tensors run in their own dtypes. For CPU autocast, pass torch::kCPU.");
+    enabled = false;
+  }
   previous_enabled_ = detail::autocast_enabled(device_type);
   previous_dtype_ = detail::autocast_dtype(device_type);
   previous_cache_enabled_ = at::autocast::is_autocast_cache_enabled();

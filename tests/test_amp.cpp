@@ -6,6 +6,7 @@
 
 #include "src/util/torch_compat.h"
 #include "support/errors.h"
+#include "support/warnings.h"
 
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
@@ -90,6 +91,26 @@ TEST(AutocastGuard, RefusesWhatAutocastCannotRun) {
   EXPECT_ERROR_SAYS(AutocastGuard(torch::kCPU, torch::kHalf), "CPU autocast to float16 needs PyTorch 2.4");
 #endif
   EXPECT_EQ(mm_dtype(), torch::kFloat) << "a refused guard left autocast on";
+}
+
+// AutocastGuard(kCUDA, ...) on a machine without CUDA was on, without a
+// word, while every tensor, on the CPU, ran in fp32: as Python's
+// torch.autocast("cuda") there, it warns and is off. With CUDA, it is on.
+TEST(AutocastGuard, ACudaGuardWithoutCudaIsSaidAndOff) {
+  bool on = false;
+  const auto warned = testing::warning_text_of([&] {
+    AutocastGuard guard(torch::kCUDA, torch::kHalf);
+    on = detail::autocast_enabled(c10::DeviceType::CUDA);
+  });
+  if (torch::cuda::is_available()) {
+    EXPECT_TRUE(on);
+    EXPECT_EQ(warned, "");
+  } else {
+    EXPECT_FALSE(on);
+    EXPECT_NE(warned.find("autocast for CUDA, but this machine has no CUDA device, so the guard is off"),
+              std::string::npos) << warned;
+  }
+  EXPECT_FALSE(detail::autocast_enabled(c10::DeviceType::CUDA)) << "the guard restored what it found";
 }
 
 // `AutocastGuard g(kCPU, amp ? kBFloat16 : kFloat, amp)`, as torch.autocast

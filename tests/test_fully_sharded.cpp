@@ -218,6 +218,8 @@ TEST(FullyShardedDataParallel, NamedUnitsTakeTheirSubmodulesAndTheRootTheRest) {
     EXPECT_EQ(flats[1].unit, "fc1");
     EXPECT_ERROR_SAYS(FullyShardedDataParallel<OddNet>(OddNet(), group, ShardingOptions().units({"fc9"})),
                       "names 'fc9', which is not a submodule");
+    EXPECT_ERROR_SAYS(FullyShardedDataParallel<OddNet>(OddNet(), group, ShardingOptions().units({"fc1", "fc1"})),
+                      "names 'fc1' twice"); // accepted without a word
   });
 }
 

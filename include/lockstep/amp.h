@@ -28,7 +28,8 @@ namespace lockstep {
 /// low-precision copies of the weights autocast made, which an optimizer
 /// step makes stale). The state is the calling thread's; DataParallel's
 /// replicas run under their caller's. Unsupported device types and dtypes
-/// are refused here rather than silently running in fp32. Without
+/// are refused here rather than silently running in fp32; a CUDA guard on a
+/// machine without CUDA warns and is off, as Python's is. Without
 /// `cache_enabled`, the cast cache stays as the guard found it (on, unless
 /// an enclosing guard turned it off), as Python's cache_enabled=None.
 /// A guard ended before one made inside it hands what it restores to that

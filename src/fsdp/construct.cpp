@@ -123,10 +123,12 @@ std::vector<std::string> unit_paths(torch::nn::Module& module, const ShardingOpt
     }
   }
   const auto submodules = module.named_modules("", /*include_self=*/false);
-  for (const auto& path : paths) {
-    TORCH_CHECK(submodules.contains(path), where, "ShardingOptions().units() names '", path,
+  for (size_t i = 0; i < paths.size(); ++i) {
+    TORCH_CHECK(submodules.contains(paths[i]), where, "ShardingOptions().units() names '", paths[i],
                 "', which is not a submodule of the wrapped module. Use dotted paths as named_modules() gives them "
                 "(\"encoder\", \"layers.3\").");
+    TORCH_CHECK(std::find(paths.begin(), paths.begin() + i, paths[i]) == paths.begin() + i, where,
+                "ShardingOptions().units() names '", paths[i], "' twice. Name each unit once.");
   }
   return paths;
 }
