@@ -65,7 +65,10 @@ namespace comm_hooks {
 /// build on.
 std::shared_ptr<PendingReduction> allreduce(const ProcessGroup& group, GradBucket& bucket);
 /// Divided by the world size, cast to float16, summed over ranks, cast back.
-/// Halves the bytes sent; values lose float16's precision (about 1e-3 relative).
+/// Halves the bytes sent; values lose float16's precision (about 1e-3
+/// relative), and those past its range (65504 after the division) become
+/// inf, as with PyTorch's hook: a GradScaler skips such a step, or use
+/// bf16_compress.
 /// Where the backend cannot sum float16 (ProcessGroup::supports: MPI), the
 /// values are rounded to it and summed in the bucket's type (float32 where
 /// the backend cannot sum that either): the same precision, no bytes saved.
