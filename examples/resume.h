@@ -151,7 +151,7 @@ inline TrainingState this_run(TrainingState state, const BatchPlan& plan, const 
 inline std::string resumed_position(const TrainingState& state, const BatchPlan& plan) {
   const int64_t rows = epoch_extent(plan).first;
   const std::string at = "sample " + std::to_string(state.samples_in_epoch);
-  if (state.samples_in_epoch < rows || rows == 0) {
+  if (state.samples_in_epoch <= rows) {
     return at + " of " + std::to_string(rows);
   }
   return at + ", past the " + std::to_string(rows) + " of this run's epoch, which so ends there";

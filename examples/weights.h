@@ -32,7 +32,9 @@ inline void check_finite_weight(const std::string& path, const std::string& name
 // .pt; "" otherwise.
 inline std::string init_from_hint(TrainerNet& net, const std::string& path) {
   const std::string pt = ".pt";
-  if (path.size() > pt.size() && path.compare(path.size() - pt.size(), pt.size(), pt) == 0) {
+  char magic[4] = {};
+  const bool zip = std::ifstream(path, std::ios::binary).read(magic, 4) && std::string(magic, 4) == "PK\x03\x04";
+  if (zip && path.size() > pt.size() && path.compare(path.size() - pt.size(), pt.size(), pt) == 0) {
     const std::string beside = path.substr(0, path.size() - pt.size()) + ".safetensors";
     if (std::ifstream(beside).good()) {
       return "--init-from reads safetensors, and " + path + " is torch::save's archive; give " + beside +

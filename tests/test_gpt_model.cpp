@@ -2,16 +2,18 @@
 // examples/text_data.h): causal attention, tied embeddings, and the text
 // cut into training and held-out sequences.
 
+#include <examples/checkpoint.h>
 #include <examples/models.h>
 #include <examples/scoring.h>
-#include <examples/checkpoint.h>
 #include <examples/text_data.h>
 #include <examples/weights.h>
 
+#include "support/errors.h"
 #include "support/scratch.h"
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 
 namespace lockstep {
@@ -140,24 +142,13 @@ TEST(TextData, ADeviceIsRefusedAsText) {
   }
 }
 
-// The message of what `fn` throws, or "no error".
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "no error";
-}
-
 // Weights of a GPT of another --context failed on 'wpe''s shape without
 // naming the flag; --init-from of model.pt said its header was too long.
 TEST(GptModel, WeightsOfAnotherContextNameTheFlag) {
   examples::TrainerNet written("gpt", false, 0.1, 32), here("gpt", false, 0.1, 64);
   const std::string path = testing::scratch("context32.safetensors");
   lockstep::save_safetensors(written, path);
-  const std::string said = error_of([&] { examples::init_from(here, path); });
+  const std::string said = testing::error_of([&] { examples::init_from(here, path); });
   EXPECT_NE(said.find("--init-from " + path + ": 'wpe', the GPT's position table, has a row per token of --context: "
                       "these weights were written with --context 32, and this run has --context 64. Give --context 32"),
             std::string::npos) << said;
@@ -167,22 +158,24 @@ TEST(GptModel, WeightsOfAnotherContextNameTheFlag) {
     loaded.push_back(item.value());
   }
   torch::optim::SGD optimizer(here->parameters(), 0.1);
-  const std::string resumed = error_of(
+  const std::string resumed = testing::error_of(
       [&] { examples::check_loaded_shapes("ck.ckpt", loaded, examples::expected_tensors(*here), optimizer); });
   EXPECT_NE(resumed.find("checkpoint ck.ckpt does not match this model: 'wpe', the GPT's position table"),
             std::string::npos) << resumed;
-  EXPECT_NE(resumed.find("Give --context 32 to go on from them. Or point --checkpoint elsewhere"), std::string::npos);
+  EXPECT_NE(resumed.find("Give --context 32 to go on from them. Or point --checkpoint elsewhere"), std::string::npos)
+      << resumed;
 }
 
 TEST(GptModel, InitFromATorchSaveArchiveNamesTheSafetensorsBesideIt) {
   examples::TrainerNet net("gpt", false, 0.1, 32);
   const std::string pt = testing::scratch("beside.pt");
+  std::remove(testing::scratch("beside.safetensors").c_str()); // a repeat's
   torch::save(net, pt);
-  const std::string alone = error_of([&] { examples::init_from(net, pt); });
+  const std::string alone = testing::error_of([&] { examples::init_from(net, pt); });
   EXPECT_NE(alone.find("It begins as a zip archive, which is what torch.save and torch::save write"), std::string::npos)
       << alone;
   lockstep::save_safetensors(net, testing::scratch("beside.safetensors"));
-  const std::string beside = error_of([&] { examples::init_from(net, pt); });
+  const std::string beside = testing::error_of([&] { examples::init_from(net, pt); });
   EXPECT_NE(beside.find("--init-from reads safetensors, and " + pt + " is torch::save's archive; give " +
                         testing::scratch("beside.safetensors")),
             std::string::npos) << beside;

@@ -163,6 +163,7 @@ TEST(ShardedMisuse, MovingOrCastingAfterWrappingIsRefused) {
     partly_frozen[0]->as<torch::nn::Linear>()->weight.set_requires_grad(false);
     FullyShardedDataParallel<Net> frozen_too(partly_frozen, group);
     EXPECT_ERROR_SAYS(frozen_too->to(torch::kDouble), "to(Double) after wrapping");
+    EXPECT_EQ(partly_frozen[0]->as<torch::nn::Linear>()->weight.scalar_type(), torch::kFloat) << "the frozen weight";
   });
 }
 

@@ -78,7 +78,8 @@ TEST(TrainerCommHook, AResumeWithAnotherPowerSGDRankGoesOnAndTheSummaryGivesTheR
                                 temp("powersgd_rank3_out")),
                       "powersgd_rank3", {kOneThread});
   ASSERT_EQ(later.exit_code, 0) << later.output;
-  EXPECT_NE(later.output.find("; written with --powersgd-start 5, and this run goes on with --powersgd-start 1000\n"), std::string::npos) << later.output;
+  EXPECT_NE(later.output.find("; written with --powersgd-start 5, and this run goes on with --powersgd-start 1000\n"),
+            std::string::npos) << later.output;
   EXPECT_NE(later.output.find("PowerSGD compressed nothing: it starts after --powersgd-start 1000"), std::string::npos)
       << later.output;
   const std::string later_metrics = read_text(temp("powersgd_rank3_out") + "/metrics.jsonl");

@@ -120,9 +120,12 @@ class JoinGuard {
 /// DistributedDataParallel<M>.
 ///
 /// The wrapped module is its child "module", so parameters(), zero_grad(),
-/// train() and to() reach it, and `module()` returns it. save() and load()
-/// write and read it as if it were bare: a file of a DistributedDataParallel
-/// loads into a bare M, and a bare M's file loads into one.
+/// train() and to() reach it, and `module()` returns it. save() writes it as
+/// if it were bare: its file loads into a bare M. Load a file into the
+/// module before wrapping it (the wrapper copies rank 0's parameters to
+/// every rank), or after wrapping with lockstep::load_safetensors on every
+/// rank: torch::load into the wrapper replaces the parameters that the
+/// gradient hooks are on, and the next forward refuses it.
 template <typename M>
 class DistributedDataParallelImpl : public detail::WrapperModule<M> {
  public:

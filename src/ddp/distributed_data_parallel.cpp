@@ -284,7 +284,7 @@ void DistributedCore::before_forward(int64_t batch) {
     return; // buffers stay as wrapping made them: the step's check compares them
   }
   reducer_->check_last_backward_finished();
-  reducer_->reattach_hooks();
+  reducer_->check_hooks_attached();
   check_still_frozen();
   CollectiveTag tag(model_tag(model_, 0)); // Note [Collective tags]: join's rounds, the buckets' rebuild, the buffers
   const bool grad = torch::GradMode::is_enabled();

@@ -286,36 +286,33 @@ void Reducer::check_last_backward_finished() const {
               "launcher restarts it from the last checkpoint), or make a new DistributedDataParallel on every rank.");
 }
 
-// Note [A parameter loaded after wrapping]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// LibTorch's torch::load replaces each parameter's data with set_(), which
-// gives the parameter a new gradient accumulator: the hook this reducer put
-// on the old one would never fire again, and the gradient would stay local
-// to each rank. A file of the same shapes, dtypes and devices still fits the
-// buckets' slots, so the hook moves to the new accumulator, as PyTorch's
-// load_state_dict (a copy_ into the same tensor) keeps it working. Other
-// replacements (a to() of another dtype or device, a file of other shapes)
-// would need other buckets, and are refused.
-void Reducer::reattach_hooks() {
-  State& s = *state_;
+// Note [A parameter replaced after wrapping]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A to() of another dtype or device, a set_data, and LibTorch's torch::load
+// (which set_()s each parameter) give a parameter a new gradient
+// accumulator: the hook this reducer put on the old one never fires again,
+// and the gradient would stay local to each rank. Moving the hook to the new
+// accumulator would make a torch::load on some ranks only (rank 0's, as
+// with Python's habit of loading there) train ranks with other weights
+// without a word, since nothing compares parameters after wrapping. So each
+// forward refuses it, on the rank that replaced them; the others fail at
+// the collective it never joins. Loading before wrapping (the wrapper then
+// copies rank 0's parameters to every rank) or load_safetensors (a copy_
+// into the same tensors) keep the hooks.
+void Reducer::check_hooks_attached() const {
+  const State& s = *state_;
   for (size_t i = 0; i < s.params.size(); ++i) {
     const auto& param = s.params[i];
     if (torch::autograd::impl::try_get_grad_accumulator(param).get() == s.accumulators[i].get()) {
       continue;
     }
     const auto& slot = s.buckets[s.slot_of[i].first].views[s.slot_of[i].second];
-    TORCH_CHECK(param.sizes() == slot.sizes() && param.scalar_type() == slot.scalar_type() &&
-                    param.device() == slot.device(), s.where(), "parameter '", s.names[i], "' is no longer the tensor "
-                "it was when the module was wrapped: ", slot.sizes(), " ", slot.scalar_type(), " on ", slot.device(),
-                " then, ", param.sizes(), " ", param.scalar_type(), " on ", param.device(), " now (a to() of another "
-                "dtype or device, a set_data, or a torch::load of other shapes since then), so its gradient no longer "
-                "fits the buckets and would not be averaged over the ranks. Move, cast or load the module before "
-                "wrapping it.");
-    auto accumulator = torch::autograd::impl::grad_accumulator(param);
-    TORCH_INTERNAL_ASSERT(accumulator, "parameter without a gradient accumulator");
-    s.accumulators[i]->del_post_hook(s.hook_keys[i]);
-    s.hook_keys[i] = accumulator->add_post_hook(std::make_unique<State::ReadyHook>(state_, i));
-    s.accumulators[i] = std::move(accumulator);
+    TORCH_CHECK(false, s.where(), "parameter '", s.names[i], "' is no longer the tensor it was when the module was "
+                "wrapped (", slot.sizes(), " ", slot.scalar_type(), " on ", slot.device(), " then, ", param.sizes(), " ",
+                param.scalar_type(), " on ", param.device(), " now): a torch::load into the wrapper, a to() of another "
+                "dtype or device, or a set_data since then replaced its gradient accumulator, so its gradient would no "
+                "longer be averaged over the ranks. Load, move and cast the module before wrapping it, or load weights "
+                "after wrapping with lockstep::load_safetensors on every rank.");
   }
 }
 

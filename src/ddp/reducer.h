@@ -62,13 +62,12 @@ class Reducer {
   /// its end (an exception inside backward): its gradients were never
   /// averaged, and a new step would silently average nothing.
   void check_last_backward_finished() const;
-  /// Keeps the gradient hooks on the parameters' accumulators: a parameter
-  /// whose data was replaced in place with the same shape, dtype and device
-  /// (torch::load's set_()) has a new accumulator, and the hook moves to it
-  /// (Note [A parameter loaded after wrapping]). Throws, naming the
-  /// parameter, for any other replacement (a to() of another dtype or
-  /// device), whose slot in the buckets no longer fits.
-  void reattach_hooks();
+  /// Throws, naming the parameter, if one lost the gradient hook this
+  /// reducer put on it: a torch::load into the wrapper, or a to() of another
+  /// dtype or device, after wrapping gives it a new gradient accumulator,
+  /// whose gradient nothing averages (Note [A parameter replaced after
+  /// wrapping]).
+  void check_hooks_attached() const;
 
   /// Whether a reducing backward has recorded the order its gradients became
   /// ready in, and the buckets are still to be rebuilt in that order.

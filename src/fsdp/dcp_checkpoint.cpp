@@ -68,8 +68,8 @@ namespace {
 void warn_of_unseen_files(const std::string& dir, const std::vector<std::string>& files, const std::string& who) {
   std::vector<std::string> unseen;
   for (const auto& file : files) {
-    std::error_code error;
-    if (!std::filesystem::exists(std::filesystem::path(dir) / file, error)) {
+    std::error_code error; // a file that cannot be looked at counts as seen: only one that is not there is said
+    if (!std::filesystem::exists(std::filesystem::path(dir) / file, error) && !error) {
       unseen.push_back(file);
     }
   }

@@ -12,6 +12,7 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <numeric>
 
 namespace lockstep {
@@ -130,6 +131,16 @@ void ShardedCore::save_safetensors(const std::string& path, const SafetensorsSav
               "take the guard's edits only when it ends, so the file would hold the parameters as they were before "
               "it beside buffers as they are now. End the guard first.");
   const std::string who = s.where() + "save_safetensors(" + path + ")";
+  const auto device = control_device_of(group_, flats());
+  // Rank 0 writes the file alone: another rank's path would be dropped without a word. Checked before anything
+  // that could fail on one rank alone.
+  const std::string mine = std::filesystem::path(path).lexically_normal().string();
+  const std::string rank0_path = rank0_text(group_, mine, device, "the check that every rank saves to one path");
+  on_every_rank(group_, device, "save_safetensors(" + path + ")", [&] {
+    TORCH_CHECK(rank0_path == mine, who, ": rank 0 saves to ", rank0_path, ", and this rank to another path. Rank 0 "
+                "gathers the whole model and writes it alone, so this rank's path would get no file: give every rank "
+                "the same path, and copy rank 0's file where else it is needed.");
+  }, "is on that rank");
   auto sources = s.safetensors_sources(who);
   const auto plan = plan_safetensors_save(sources, path, options, who);
   auto calls = std::make_shared<size_t>(0);
@@ -148,14 +159,6 @@ void ShardedCore::save_safetensors(const std::string& path, const SafetensorsSav
       sources[sequence[k]].bytes();
     }
   };
-  const auto device = control_device_of(group_, flats());
-  // Rank 0 writes the file alone: another rank's path would be dropped without a word.
-  const std::string rank0_path = rank0_text(group_, path, device, "the check that every rank saves to one path");
-  on_every_rank(group_, device, "save_safetensors(" + path + ")", [&] {
-    TORCH_CHECK(rank0_path == path, who, ": rank 0 saves to ", rank0_path, ", and this rank to another path. Rank 0 "
-                "gathers the whole model and writes it alone, so this rank's path would get no file: give every rank "
-                "the same path, and copy rank 0's file where else it is needed.");
-  }, "is on that rank");
   on_every_rank(group_, device, "save_safetensors(" + path + ")", [&] {
     if (group_.rank() != 0) {
       take_part_from(0);

@@ -49,8 +49,9 @@ std::string other_format(const char* bytes, uint64_t size) {
   const auto begins_with = [&](const char* magic, size_t n) { return size >= n && std::memcmp(bytes, magic, n) == 0; };
   if (begins_with("PK\x03\x04", 4)) {
     return " It begins as a zip archive, which is what torch.save and torch::save write (a .pt file), not "
-           "safetensors: give the .safetensors file, or convert a state_dict that Python's torch.save wrote with "
-           "safetensors.torch.save_file(torch.load(FILE), OUT).";
+           "safetensors: give the .safetensors file, or convert the archive: a state_dict that Python's torch.save "
+           "wrote with safetensors.torch.save_file(torch.load(FILE), OUT), a module that C++'s torch::save wrote "
+           "with torch::load into the module and lockstep::save_safetensors.";
   }
   if (begins_with("\x80\x02\x8a\x0a", 4)) { // a pickle (protocol 2) of torch.save's magic number, a 10-byte long
     return " It begins as a Python pickle, which is what torch.save wrote before PyTorch 1.6, not safetensors: "
